@@ -1,0 +1,98 @@
+"""Calibration plumbing: capture what every decoder layer receives, accumulate C = E[x xᵀ]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor.families import ModelFamily
+
+
+@dataclass
+class Batch:
+    """Token ids and their padding mask (1 = real token)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@dataclass
+class LayerInputs:
+    """Per batch: the first layer's hidden states, each layer's keyword arguments
+    (masks and position embeddings may differ between layers) and the token mask."""
+
+    hidden: list[torch.Tensor]
+    layer_kwargs: list[list[dict[str, Any]]]
+    token_masks: list[torch.Tensor]
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer: records its arguments and passes the stream through."""
+
+    def __init__(self, sink: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.sink.append((hidden_states, kwargs))
+        return hidden_states
+
+
+_DROPPED_KWARGS = ("past_key_values", "use_cache")
+
+
+@torch.no_grad()
+def capture_layer_inputs(
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], device: torch.device
+) -> LayerInputs:
+    """Run the model's own forward with every layer replaced by a recorder.
+
+    This costs one embedding lookup per batch and captures exactly the arguments the model
+    would pass to each layer (`use_cache=False`), whatever mask or rotary scheme it uses.
+    """
+    base = model.get_submodule(family.base_model)
+    layers: nn.ModuleList = model.get_submodule(family.layers)
+    for child in base.children():
+        if child is not layers:
+            child.to(device)
+    originals = list(layers)
+    sink: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    captured = LayerInputs(hidden=[], layer_kwargs=[], token_masks=[])
+    try:
+        for index in range(len(originals)):
+            layers[index] = _Recorder(sink)
+        for batch in batches:
+            sink.clear()
+            mask = batch.attention_mask.to(device)
+            base(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+            captured.hidden.append(sink[0][0])
+            captured.layer_kwargs.append(
+                [{k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS} for _, kwargs in sink]
+            )
+            captured.token_masks.append(mask.bool())
+    finally:
+        for index, layer in enumerate(originals):
+            layers[index] = layer
+    return captured
+
+
+class SecondMoment:
+    """Running E[x xᵀ] over the real (unmasked) tokens, accumulated in float64."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.total = torch.zeros(width, width, dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    def add(self, hidden: torch.Tensor, token_mask: torch.Tensor) -> None:
+        x = hidden[token_mask].to(torch.float64)
+        self.total.addmm_(x.T, x)
+        self.tokens += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        if self.tokens == 0:
+            raise ValueError("no calibration tokens were counted (all positions masked)")
+        return self.total / self.tokens

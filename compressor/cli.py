@@ -1,0 +1,110 @@
+"""`compress`: run recipes and list strategies. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from compressor.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so usage errors look like every other user error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a YAML recipe")
+    run.add_argument("recipe", help="path to the recipe (YAML)")
+    run.add_argument("--output", help="output folder (overrides the recipe's output)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
+    run.add_argument("--dry-run", action="store_true", help="validate the recipe and stop; loads nothing")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    commands.add_parser("strategies", help="list the registered selection strategies")
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Our rich display reports progress; the libraries' own bars would interleave with it."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _run(args: argparse.Namespace, console: Console) -> None:
+    from compressor.plugins import PluginRegistry
+    from compressor.recipe import load_recipe
+    from compressor.report import rich_table
+    from compressor.runner import run
+
+    _quiet_libraries()
+    registry = PluginRegistry()
+    recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
+    if args.dry_run:
+        console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
+                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})")
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        report = run(recipe, registry, progress, overwrite=args.overwrite)
+    console.print(rich_table(report))
+    console.print(f"wrote {recipe.output}")
+
+
+def _strategies(console: Console) -> None:
+    from compressor.plugins import PluginRegistry
+
+    table = Table(title="registered strategies")
+    for column in ("name", "plugin", "from", "description"):
+        table.add_column(column)
+    for name, entry in PluginRegistry().strategies().items():
+        table.add_row(*(escape(cell) for cell in (name, entry.plugin, entry.source, entry.strategy.description)))
+    console.print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console(stderr=False)
+    errors = Console(stderr=True)
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "run":
+            _run(args, console)
+        else:
+            _strategies(console)
+    except (UserError, _UsageError) as error:
+        errors.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        errors.print("interrupted", markup=False)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Text datasets to token windows: tokenise each record (with the tokenizer's own special
+tokens), append EOS, concatenate in order, cut consecutive windows of `seq_len`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from compressor.calibration import Batch
+from compressor.errors import UserError
+
+
+def load_records(dataset: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+    """`datasets.load_dataset(**dataset)` (split defaults to "train"), with readable errors."""
+    import datasets
+
+    kwargs = dict(dataset)
+    kwargs.setdefault("split", "train")
+    try:
+        return datasets.load_dataset(**kwargs)
+    except Exception as error:  # datasets raises many types; all mean "cannot read this dataset"
+        hint = ""
+        if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+            hint = " (offline mode is on: use local data files or a dataset already in the cache)"
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line}{hint}") from None
+
+
+def _texts(records: Iterable[Mapping[str, Any]], field: str) -> Iterator[str]:
+    for index, record in enumerate(records):
+        if field not in record:
+            raise UserError(
+                f"dataset record {index} has no field '{field}' (fields: {', '.join(record)}); "
+                f"set text_field in the recipe"
+            )
+        yield record[field]
+
+
+def token_windows(
+    records: Iterable[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    num_samples: int,
+    text_field: str = "text",
+    chunk: int = 64,
+) -> torch.Tensor:
+    """The first `num_samples` windows of `seq_len` tokens, as a (num_samples, seq_len) tensor.
+
+    Reads only as many records as it needs.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer has no EOS token; windows are separated by EOS")
+    needed = seq_len * num_samples
+    stream: list[int] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        for ids in tokenizer(pending, verbose=False)["input_ids"]:
+            stream.extend(ids)
+            stream.append(eos)
+        pending.clear()
+
+    for text in _texts(records, text_field):
+        pending.append(text)
+        if len(pending) == chunk:
+            flush()
+            if len(stream) >= needed:
+                break
+    if pending:
+        flush()
+    if len(stream) < needed:
+        raise UserError(
+            f"the dataset yields {len(stream) // seq_len} windows of {seq_len} tokens, "
+            f"but num_samples is {num_samples}; lower num_samples or seq_len, or use more data"
+        )
+    return torch.tensor(stream[:needed], dtype=torch.long).view(num_samples, seq_len)
+
+
+def batches_of(windows: torch.Tensor, batch_size: int) -> list[Batch]:
+    """Full (unpadded) windows grouped into batches."""
+    return [Batch(chunk, torch.ones_like(chunk)) for chunk in windows.split(batch_size)]

@@ -1,0 +1,57 @@
+"""Quality of a pruned model against the original: perplexity of each, and
+KL(p_original ‖ p_pruned) in nats, averaged over predicted tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from compressor.calibration import Batch
+
+
+@torch.no_grad()
+def _log_probs(model: PreTrainedModel, batch: Batch, device: torch.device) -> torch.Tensor:
+    ids = batch.input_ids.to(device)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), use_cache=False).logits
+    return F.log_softmax(logits[:, :-1].float(), dim=-1)
+
+
+@torch.no_grad()
+def compare(
+    original: PreTrainedModel,
+    pruned: PreTrainedModel,
+    batches: list[Batch],
+    device: torch.device,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Perplexities of both models and the mean per-token KL from original to pruned.
+
+    A token counts when it and the token it predicts are both real (unpadded).
+    """
+    nll = {"baseline": 0.0, "pruned": 0.0}
+    kl_sum, count = 0.0, 0
+    for index, batch in enumerate(batches):
+        reference = _log_probs(original, batch, device)
+        candidate = _log_probs(pruned, batch, device)
+        targets = batch.input_ids[:, 1:].to(device)
+        mask = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).to(device).bool()
+        for name, logp in (("baseline", reference), ("pruned", candidate)):
+            nll[name] -= logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[mask].double().sum().item()
+        kl = (reference.exp() * (reference - candidate)).sum(-1)
+        kl_sum += kl[mask].double().sum().item()
+        count += int(mask.sum())
+        if progress:
+            progress(index + 1, len(batches))
+    return {
+        "baseline": {"ppl": float(torch.tensor(nll["baseline"] / count).exp()), "nll": nll["baseline"] / count},
+        "pruned": {"ppl": float(torch.tensor(nll["pruned"] / count).exp()), "nll": nll["pruned"] / count,
+                   "kl": kl_sum / count},
+        "tokens": {"count": count},
+    }
+
+
+def parameter_count(model: PreTrainedModel) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,60 @@
+"""Model families: where each part of a decoder-only transformer lives, described in one place.
+
+The engine and the sliced model classes only ever reach a model's parts through a
+`ModelFamily`, so supporting a new architecture means adding a description here, not
+touching the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compressor.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Module paths of a pre-norm decoder with RMSNorm, relative to the causal-LM model.
+
+    `attention`, `mlp` and the norms are relative to one decoder layer; the input and
+    output linears are relative to their attention or MLP module, so they stay valid once
+    the layer is wrapped. "Inputs" read the residual stream (through the norm); the
+    "output" linear writes to it.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    base_model: str = "model"
+    embedding: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    attn_norm: str = "input_layernorm"
+    attention: str = "self_attn"
+    attn_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    attn_output: str = "o_proj"
+    mlp_norm: str = "post_attention_layernorm"
+    mlp: str = "mlp"
+    mlp_inputs: tuple[str, ...] = ("gate_proj", "up_proj")
+    mlp_output: str = "down_proj"
+    norm_eps: str = "rms_norm_eps"
+
+
+LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2"))
+
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for family in BUILTIN_FAMILIES for t in family.model_types)
+
+
+def family_for(model_type: str) -> ModelFamily:
+    """The family that describes `model_type`, or a UserError naming the supported ones."""
+    for family in BUILTIN_FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise UserError(
+        f"model_type '{model_type}' is not supported; supported model types: "
+        f"{', '.join(supported_model_types())}"
+    )

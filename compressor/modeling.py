@@ -1,0 +1,220 @@
+"""The sliced architecture: a decoder whose residual stream has a different width at every site.
+
+A sliced model keeps its family's attention and MLP modules (with resized input and output
+linears) and wraps them in `SlicedDecoderLayer`, which adds the transition matrices
+(`V_nextᵀ V_prev`) on the residual path and uses weightless norms (their scales were fused
+into the following linears). Each family gets a `sliced_<model_type>` config and model
+class, registered with the transformers Auto classes on `import compressor`, so a saved
+pruned model reloads with `AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from compressor.families import BUILTIN_FAMILIES, ModelFamily
+
+SLICED_PREFIX = "sliced_"
+
+
+class WeightlessRMSNorm(nn.Module):
+    """RMSNorm without scale, normalising by the model's original hidden width.
+
+    The scale is folded into the next linears. Dividing by the original width (not the
+    sliced one) keeps the output identical when nothing is sliced and keeps the
+    magnitude right when the removed directions carried little energy.
+    """
+
+    def __init__(self, reference_width: int, eps: float) -> None:
+        super().__init__()
+        self.reference_width = reference_width
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+        variance = x.pow(2).sum(-1, keepdim=True) / self.reference_width
+        return (x * torch.rsqrt(variance + self.eps)).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"reference_width={self.reference_width}, eps={self.eps}"
+
+
+class SlicedDecoderLayer(nn.Module):
+    """Pre-norm decoder layer whose residual stream changes basis (and width) at each site.
+
+    `attn_shortcut` maps the layer input (basis of the previous site) to the basis after
+    attention; `mlp_shortcut` maps that to the basis after the MLP. A shortcut of None is
+    the identity (used only while the engine is still working on the layer).
+    """
+
+    def __init__(
+        self,
+        attention: nn.Module,
+        mlp: nn.Module,
+        attn_norm: nn.Module,
+        mlp_norm: nn.Module,
+        attn_shortcut: nn.Linear | None = None,
+        mlp_shortcut: nn.Linear | None = None,
+        attention_type: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = attn_norm
+        self.post_attention_layernorm = mlp_norm
+        self.attn_shortcut = attn_shortcut
+        self.mlp_shortcut = mlp_shortcut
+        if attention_type is not None:
+            self.attention_type = attention_type
+
+    @staticmethod
+    def _shortcut(linear: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
+        return x if linear is None else linear(x)
+
+    def attention_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        residual = self._shortcut(self.attn_shortcut, hidden_states)
+        attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        return residual + attn_out
+
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residual = self._shortcut(self.mlp_shortcut, hidden_states)
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.mlp_block(self.attention_block(hidden_states, **kwargs))
+
+
+def _resized_linear(linear: nn.Linear, in_features: int | None = None, out_features: int | None = None) -> nn.Linear:
+    """An uninitialised linear like `linear` with new input and/or output width."""
+    return nn.Linear(
+        in_features if in_features is not None else linear.in_features,
+        out_features if out_features is not None else linear.out_features,
+        bias=linear.bias is not None,
+        device=linear.weight.device,
+        dtype=linear.weight.dtype,
+    )
+
+
+def wrap_layer(
+    family: ModelFamily, layer: nn.Module, reference_width: int, attn_eps: float, mlp_eps: float
+) -> SlicedDecoderLayer:
+    """Turn a family's decoder layer into a `SlicedDecoderLayer` sharing its modules.
+
+    The norms are replaced by weightless ones: call only after their scales were fused.
+    """
+    return SlicedDecoderLayer(
+        attention=layer.get_submodule(family.attention),
+        mlp=layer.get_submodule(family.mlp),
+        attn_norm=WeightlessRMSNorm(reference_width, attn_eps),
+        mlp_norm=WeightlessRMSNorm(reference_width, mlp_eps),
+        attention_type=getattr(layer, "attention_type", None),
+    )
+
+
+def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> None:
+    """Reshape a freshly built model into the sliced layout described by `slicing`.
+
+    `slicing` holds `hidden_size` (original width), `embedding` (width after the embedding),
+    `attn` and `mlp` (width after each layer's attention and MLP). Weights are left
+    uninitialised: they come from a checkpoint or from the engine.
+    """
+    d = slicing["hidden_size"]
+    eps = float(getattr(model.config, family.norm_eps))
+    embedding = model.get_submodule(family.embedding)
+    model.set_submodule(
+        family.embedding,
+        nn.Embedding(embedding.num_embeddings, slicing["embedding"], embedding.padding_idx,
+                     device=embedding.weight.device, dtype=embedding.weight.dtype),
+    )
+    layers = model.get_submodule(family.layers)
+    width_in = slicing["embedding"]
+    for index, (width_attn, width_mlp) in enumerate(zip(slicing["attn"], slicing["mlp"])):
+        layer = layers[index]
+        attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
+        for path in family.attn_inputs:
+            attention.set_submodule(path, _resized_linear(attention.get_submodule(path), in_features=width_in))
+        out = attention.get_submodule(family.attn_output)
+        attention.set_submodule(family.attn_output, _resized_linear(out, out_features=width_attn))
+        for path in family.mlp_inputs:
+            mlp.set_submodule(path, _resized_linear(mlp.get_submodule(path), in_features=width_attn))
+        out = mlp.get_submodule(family.mlp_output)
+        mlp.set_submodule(family.mlp_output, _resized_linear(out, out_features=width_mlp))
+        sliced = wrap_layer(family, layer, d, eps, eps)
+        dtype, device = embedding.weight.dtype, embedding.weight.device
+        sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
+        sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
+        layers[index] = sliced
+        width_in = width_mlp
+    model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
+    head = model.get_submodule(family.head)
+    model.set_submodule(family.head, _resized_linear(head, in_features=width_in))
+
+
+def sliced_model_type(model_type: str) -> str:
+    return SLICED_PREFIX + model_type
+
+
+def _make_sliced_classes(family: ModelFamily, model_type: str) -> tuple[type, type]:
+    """Config and causal-LM classes for `sliced_<model_type>`, subclassing the originals."""
+    config_base = AutoConfig.for_model(model_type).__class__
+    model_base = AutoModelForCausalLM._model_mapping[config_base]
+    type_name = sliced_model_type(model_type)
+
+    @strict
+    class SlicedConfig(config_base):  # type: ignore[valid-type, misc]
+        model_type = type_name
+        slicing: dict | None = None
+
+    SlicedConfig.__name__ = SlicedConfig.__qualname__ = f"Sliced{config_base.__name__}"
+
+    def __init__(self: PreTrainedModel, config: PretrainedConfig) -> None:
+        model_base.__init__(self, config)
+        apply_slicing_layout(self, family, config.slicing)
+
+    recorded = dict(getattr(model_base, "_can_record_outputs", None) or {})
+    if "hidden_states" in recorded:
+        recorded["hidden_states"] = SlicedDecoderLayer
+    model_cls = type(
+        f"Sliced{model_base.__name__}",
+        (model_base,),
+        {
+            "config_class": SlicedConfig,
+            "__init__": __init__,
+            "_no_split_modules": ["SlicedDecoderLayer"],
+            "_tied_weights_keys": None,
+            "_can_record_outputs": recorded,
+            "__module__": __name__,
+        },
+    )
+    return SlicedConfig, model_cls
+
+
+_SLICED_CLASSES: dict[str, tuple[type, type]] = {}
+
+
+def register_family(family: ModelFamily) -> None:
+    """Register `sliced_<type>` configs and models for every model type of `family`."""
+    for model_type in family.model_types:
+        type_name = sliced_model_type(model_type)
+        if type_name in _SLICED_CLASSES:
+            continue
+        config_cls, model_cls = _make_sliced_classes(family, model_type)
+        AutoConfig.register(type_name, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        _SLICED_CLASSES[type_name] = (config_cls, model_cls)
+
+
+def sliced_classes(model_type: str) -> tuple[type, type]:
+    """(config class, model class) of the sliced variant of `model_type`."""
+    return _SLICED_CLASSES[sliced_model_type(model_type)]
+
+
+def register_builtin_families() -> None:
+    for family in BUILTIN_FAMILIES:
+        register_family(family)

@@ -1,0 +1,73 @@
+"""Plugin discovery with pluggy. Built-ins and third-party plugins load the same way:
+through the `compressor` entry-point group of an installed distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pluggy
+
+from compressor.errors import UserError
+from compressor.strategy import Strategy
+
+PROJECT = "compressor"
+ENTRY_POINT_GROUP = "compressor"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class CompressorHookSpecs:
+    """Hooks a plugin may implement."""
+
+    @hookspec
+    def compressor_strategies(self) -> list[Strategy]:
+        """Return the selection strategies this plugin provides."""
+
+
+@dataclass(frozen=True)
+class RegisteredStrategy:
+    strategy: Strategy
+    plugin: str
+    source: str
+
+
+class PluginRegistry:
+    """All strategies provided by installed plugins (plus any registered directly)."""
+
+    def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True) -> None:
+        self.manager = pluggy.PluginManager(PROJECT)
+        self.manager.add_hookspecs(CompressorHookSpecs)
+        if load_entry_points:
+            self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for plugin in extra_plugins:
+            self.manager.register(plugin)
+        self._strategies = self._collect()
+
+    def _source(self, plugin: object) -> str:
+        for registered, dist in self.manager.list_plugin_distinfo():
+            if registered is plugin:
+                return f"{dist.project_name} {dist.version}"
+        return getattr(plugin, "__name__", type(plugin).__name__)
+
+    def _collect(self) -> dict[str, RegisteredStrategy]:
+        found: dict[str, RegisteredStrategy] = {}
+        for impl in self.manager.hook.compressor_strategies.get_hookimpls():
+            for strategy in impl.function() or []:
+                if strategy.name in found:
+                    raise UserError(
+                        f"strategy '{strategy.name}' is provided twice, by plugins "
+                        f"'{found[strategy.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
+                    )
+                found[strategy.name] = RegisteredStrategy(strategy, impl.plugin_name, self._source(impl.plugin))
+        return found
+
+    def strategies(self) -> dict[str, RegisteredStrategy]:
+        return dict(sorted(self._strategies.items()))
+
+    def strategy(self, name: str) -> Strategy:
+        if name not in self._strategies:
+            known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
+            raise UserError(f"unknown strategy '{name}'; registered strategies: {known}")
+        return self._strategies[name].strategy

@@ -1,0 +1,267 @@
+"""YAML recipes: strict validation before anything is loaded.
+
+An unknown key, a missing key, a value of the wrong type or range, or an unknown strategy
+raises `UserError` naming the key (as a dotted path) and what is expected. Relative paths
+resolve against the recipe file's folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compressor.errors import UserError
+from compressor.plugins import PluginRegistry
+from compressor.strategy import StrategyOptionError
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+ATTENTION = ("sdpa", "eager")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    dtype: str = "float32"
+    revision: str | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    dataset: dict[str, Any]
+    num_samples: int
+    seq_len: int
+    batch_size: int = 8
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class SlicingSpec:
+    round_to: int = 8
+    slice_head: bool = False
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    strategy: str
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelSpec
+    calibration: DataSpec
+    sparsity: float
+    pipeline: list[StepSpec]
+    output: str
+    evaluation: DataSpec | None = None
+    slicing: SlicingSpec = field(default_factory=SlicingSpec)
+    device: str = "auto"
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe, in the same shape as the YAML it came from."""
+        values = dataclasses.asdict(self)
+        values["pipeline"] = [{"strategy": s.strategy, **s.options} for s in self.pipeline]
+        return values
+
+
+# --- generic strict conversion -------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise UserError(f"{where} must be an integer, got {value!r}")
+    if tp in (bool, str) and not isinstance(value, tp):
+        raise UserError(f"{where} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UserError(f"{where or 'the recipe'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise UserError(f"unknown key '{prefix}{unknown[0]}'; allowed keys{' in ' + where if where else ''}: "
+                        f"{', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[name] = _convert(raw[name], hints[name], prefix + name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise UserError(f"missing key '{prefix}{name}'")
+    return cls(**values)
+
+
+# --- overrides and paths ------------------------------------------------------------------
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set dotted.key=value` (value parsed as YAML) to the raw recipe."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set expects KEY=VALUE, got '{assignment}'")
+    value = yaml.safe_load(text) if text else None
+    parts = key.split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        here = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) > len(node):
+                raise UserError(f"--set {key}: '{here}' needs a list index from 0 to {len(node)}")
+            index = int(part)
+            if index == len(node):
+                node.append({} if not last else value)
+            if last:
+                node[index] = value
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise UserError(f"--set {key}: '{'.'.join(parts[:depth])}' is not a mapping or list")
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def _resolve(path: str, base: Path) -> str:
+    return path if _is_remote(path) or Path(path).is_absolute() else str((base / path).resolve())
+
+
+def _resolve_model_path(path: str, base: Path) -> str:
+    """A folder relative to the recipe if it looks like a path or exists; else a hub id."""
+    local = base / path
+    if path.startswith((".", "/", "~")) or local.exists():
+        resolved = Path(path).expanduser() if path.startswith("~") else Path(_resolve(path, base))
+        if not resolved.is_dir():
+            raise UserError(f"model folder not found: {resolved} (model.path, relative to the recipe's folder)")
+        return str(resolved)
+    return path
+
+
+def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
+    if isinstance(files, str):
+        resolved = _resolve(files, base)
+        if not _is_remote(resolved) and not any(ch in resolved for ch in "*?[") and not Path(resolved).exists():
+            raise UserError(f"data file not found: {resolved} ({where}, relative to the recipe's folder)")
+        return resolved
+    if isinstance(files, list):
+        return [_resolve_data_files(f, base, where) for f in files]
+    if isinstance(files, dict):
+        return {k: _resolve_data_files(v, base, f"{where}.{k}") for k, v in files.items()}
+    raise UserError(f"{where} must be a path, a list of paths or a mapping of split to paths")
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+def _check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
+    if "path" not in spec.dataset:
+        raise UserError(f"{where}.dataset needs a 'path' (a dataset name or a loader such as json)")
+    for key in ("num_samples", "seq_len", "batch_size"):
+        if getattr(spec, key) < (2 if key == "seq_len" else 1):
+            raise UserError(f"{where}.{key} must be at least {2 if key == 'seq_len' else 1}, got {getattr(spec, key)}")
+    dataset = dict(spec.dataset)
+    for key in ("data_files", "data_dir"):
+        if key in dataset:
+            dataset[key] = _resolve_data_files(dataset[key], base, f"{where}.dataset.{key}")
+    return dataclasses.replace(spec, dataset=dataset)
+
+
+def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
+    """Check a raw recipe mapping completely and return it with paths resolved."""
+    if not isinstance(raw, dict):
+        raise UserError("the recipe must be a YAML mapping of keys (model, calibration, sparsity, pipeline, ...)")
+    raw = copy.deepcopy(raw)
+    pipeline_raw = raw.pop("pipeline", None)
+    if not isinstance(pipeline_raw, list) or not pipeline_raw:
+        raise UserError("pipeline must be a non-empty list of steps, e.g. [{strategy: pca}]")
+    steps = []
+    for index, step in enumerate(pipeline_raw):
+        where = f"pipeline.{index}"
+        if not isinstance(step, dict) or "strategy" not in step:
+            raise UserError(f"{where} must be a mapping with a 'strategy' key, got {step!r}")
+        options = {k: v for k, v in step.items() if k != "strategy"}
+        strategy = registry.strategy(str(step["strategy"]))
+        try:
+            strategy.parse_options(options)
+        except StrategyOptionError as error:
+            raise UserError(f"{where}: {error}") from None
+        steps.append(StepSpec(strategy=strategy.name, options=options))
+    raw["pipeline"] = []
+    recipe: Recipe = _build(Recipe, raw, "")
+    if recipe.model.dtype not in DTYPES:
+        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{recipe.model.dtype}'")
+    if recipe.model.attn_implementation not in ATTENTION:
+        raise UserError(f"model.attn_implementation must be one of {', '.join(ATTENTION)}, "
+                        f"got '{recipe.model.attn_implementation}'")
+    if not 0.0 <= recipe.sparsity < 1.0:
+        raise UserError(f"sparsity must be in [0, 1) (the fraction of the hidden width removed), got {recipe.sparsity}")
+    if recipe.slicing.round_to < 1:
+        raise UserError(f"slicing.round_to must be at least 1, got {recipe.slicing.round_to}")
+    if not DEVICE_PATTERN.match(recipe.device):
+        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
+    return dataclasses.replace(
+        recipe,
+        pipeline=steps,
+        model=dataclasses.replace(recipe.model, path=_resolve_model_path(recipe.model.path, base)),
+        calibration=_check_data(recipe.calibration, "calibration", base),
+        evaluation=_check_data(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
+        output=_resolve(recipe.output, base),
+    )
+
+
+def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str] = (), output: str | None = None) -> Recipe:
+    """Read, override (`--set`), and validate a recipe file. `output` (from the CLI)
+    replaces the recipe's output and resolves against the current folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UserError(f"recipe {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if isinstance(raw, dict):
+        for assignment in overrides:
+            apply_override(raw, assignment)
+        if output is not None:
+            raw["output"] = str(Path(output).resolve())
+    return validate(raw, path.resolve().parent, registry)

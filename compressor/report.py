@@ -1,0 +1,47 @@
+"""Human-readable views of a run report: the rows of the before/after table, as Markdown
+(written next to report.json) or as a rich table (printed at the end of a run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(quantity, baseline, pruned) rows shared by the Markdown and terminal tables."""
+    params = report["params"]
+    rows = [
+        ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
+        ("hidden width", str(report["model"]["hidden_size"]), str(report["kept_width"])),
+    ]
+    metrics = report.get("metrics") or {}
+    if metrics:
+        rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
+        rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+    timings = report["timings"]
+    rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
+    if "eval_s" in timings:
+        rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
+    return rows
+
+
+def title(report: dict[str, Any]) -> str:
+    return f"{Path(report['model']['path']).name}: {' + '.join(report['pipeline'])} at sparsity {report['sparsity']}"
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    lines = [f"# {title(report)}", "", "| | baseline | pruned |", "|---|---:|---:|"]
+    lines += [f"| {name} | {before} | {after} |" for name, before, after in summary_rows(report)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def rich_table(report: dict[str, Any]) -> Table:
+    table = Table(title=title(report))
+    table.add_column("")
+    table.add_column("baseline", justify="right")
+    table.add_column("pruned", justify="right")
+    for row in summary_rows(report):
+        table.add_row(*row)
+    return table

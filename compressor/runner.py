@@ -1,0 +1,181 @@
+"""One `compress run`: check everything, load, prune, save, evaluate, report.
+
+All checks that need no weights (recipe, model config, family, widths, device) happen
+before any work. The run writes into a hidden staging folder beside the output and
+renames it into place only when everything succeeded, so a failed run leaves no
+half-written output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+import compressor
+from compressor.data import batches_of, load_records, token_windows
+from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.errors import UserError
+from compressor.evaluate import compare, parameter_count
+from compressor.families import family_for
+from compressor.plugins import PluginRegistry
+from compressor.recipe import DataSpec, ModelSpec, Recipe
+from compressor.report import write_markdown
+
+Progress = Callable[[str, int, int], None]
+
+
+def _offline_hint() -> str:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return " (offline mode is on: HF_HUB_OFFLINE=1; use a local folder or a model already in the cache)"
+    return ""
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_config(spec: ModelSpec) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(spec.path, revision=spec.revision)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load the config of model '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
+
+
+def load_model(spec: ModelSpec) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
+            attn_implementation=spec.attn_implementation,
+        )
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load model '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
+    return model.eval()
+
+
+def load_tokenizer(spec: ModelSpec) -> Any:
+    try:
+        return AutoTokenizer.from_pretrained(spec.path, revision=spec.revision)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load the tokenizer of '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device '{name}' requested but no CUDA GPU is available; set device: cpu (or auto)")
+    return torch.device(name)
+
+
+def _windows(spec: DataSpec, tokenizer: Any) -> torch.Tensor:
+    return token_windows(load_records(spec.dataset), tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+
+
+def _prepare_output(output: Path, overwrite: bool) -> Path:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+        raise UserError(f"output folder {output} already exists; pass --overwrite or choose another --output")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def run(
+    recipe: Recipe,
+    registry: PluginRegistry,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Run a validated recipe; return the report (also written to `<output>/report.json`)."""
+    started = time.perf_counter()
+    report_progress = progress or (lambda *_: None)
+    config = load_config(recipe.model)
+    family = family_for(config.model_type)
+    kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
+    widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
+    device = resolve_device(recipe.device)
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    output = Path(recipe.output)
+    staging = _prepare_output(output, overwrite)
+    timings: dict[str, float] = {}
+    try:
+        torch.manual_seed(recipe.seed)
+        tick = time.perf_counter()
+        report_progress("tokenising data", 0, 1)
+        tokenizer = load_tokenizer(recipe.model)
+        calibration = batches_of(_windows(recipe.calibration, tokenizer), recipe.calibration.batch_size)
+        evaluation = (batches_of(_windows(recipe.evaluation, tokenizer), recipe.evaluation.batch_size)
+                      if recipe.evaluation else None)
+        timings["data_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        report_progress("loading model", 0, 1)
+        model = load_model(recipe.model)
+        baseline_params = parameter_count(model)
+        timings["load_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        result = prune(model, family, calibration, widths, pipeline, device, report_progress)
+        pruned = result.model
+        timings["prune_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        report_progress("saving model", 0, 1)
+        pruned.save_pretrained(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
+        timings["save_s"] = time.perf_counter() - tick
+
+        metrics: dict[str, Any] = {}
+        if evaluation is not None:
+            tick = time.perf_counter()
+            report_progress("evaluating", 0, len(evaluation))
+            original = load_model(recipe.model).to(device)
+            metrics = compare(original, pruned.to(device), evaluation, device,
+                              lambda done, total: report_progress("evaluating", done, total))
+            del original
+            timings["eval_s"] = time.perf_counter() - tick
+        timings["total_s"] = time.perf_counter() - started
+
+        report = {
+            "compressor": compressor.__version__,
+            "model": {"path": recipe.model.path, "model_type": config.model_type, "family": family.name,
+                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+                      "dtype": recipe.model.dtype},
+            "sparsity": recipe.sparsity,
+            "kept_width": kept,
+            "pipeline": [s.strategy for s in recipe.pipeline],
+            "metrics": metrics,
+            "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
+                       "ratio": parameter_count(pruned) / baseline_params},
+            "sites": [site.to_json() for site in result.sites],
+            "timings": timings,
+            "environment": {"device": str(device), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "python": platform.python_version()},
+        }
+        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        write_markdown(report, staging / "report.md")
+        if output.exists():
+            shutil.rmtree(output) if output.is_dir() else output.unlink()
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+

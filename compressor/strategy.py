@@ -1,0 +1,98 @@
+"""What a selection strategy sees and returns. This module is the whole contract with plugins.
+
+The engine hands a strategy one `SiteProblem` per pruning site (its statistics and how many
+directions to keep) and the basis chosen by the previous step of the pipeline, if any; the
+strategy returns a `Basis`. Strategies know nothing about model families or weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+class StrategyOptionError(ValueError):
+    """A strategy option in a recipe is unknown or has a bad value (message says which)."""
+
+
+@dataclass
+class SiteStatistics:
+    """Statistics of the residual stream at one site, over the counted calibration tokens.
+
+    `C` is E[x xᵀ] in float64. `extra` holds further d×d statistics by name (e.g. "H"),
+    present when a strategy in the pipeline `requires` them.
+    """
+
+    C: torch.Tensor
+    tokens: int
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SiteProblem:
+    """One site to prune: keep `keep` of `width` directions."""
+
+    name: str
+    index: int
+    width: int
+    keep: int
+    stats: SiteStatistics
+
+    @property
+    def remove(self) -> int:
+        return self.width - self.keep
+
+
+@dataclass
+class Basis:
+    """An orthogonal d×d basis (float64) whose first `keep` columns are the kept directions.
+
+    `objectives` are the strategy's own figures for the report (JSON numbers).
+    """
+
+    Q: torch.Tensor
+    objectives: dict[str, float] = field(default_factory=dict)
+
+    def kept(self, keep: int) -> torch.Tensor:
+        return self.Q[:, :keep]
+
+    def removed(self, keep: int) -> torch.Tensor:
+        return self.Q[:, keep:]
+
+
+class Strategy(ABC):
+    """A way of choosing a site's basis. Subclass it and return instances from the
+    `compressor_strategies` hook of a plugin."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ("C",)
+
+    def parse_options(self, options: Mapping[str, Any]) -> Any:
+        """Check the recipe options of a pipeline step; return what `select` receives.
+
+        Raise `StrategyOptionError` with a message naming the bad option. The default
+        accepts no options.
+        """
+        if options:
+            raise StrategyOptionError(f"strategy '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+        return None
+
+    @abstractmethod
+    def select(self, problem: SiteProblem, incoming: Basis | None, options: Any) -> Basis:
+        """Return the basis for `problem`; `incoming` is the previous pipeline step's."""
+
+
+def eigh_descending(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues and eigenvectors of a symmetric matrix in float64, largest first."""
+    values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
+    return values.flip(-1), vectors.flip(-1)
+
+
+def removed_energy(C: torch.Tensor, removed: torch.Tensor) -> float:
+    """Tr(UᵀCU): activation energy discarded with the directions `removed` (the SliceGPT loss)."""
+    return float(torch.trace(removed.T @ C @ removed))

@@ -1,0 +1,86 @@
+"""Exact weight transformations: norm fusion and changes of residual-stream basis.
+
+Every product is formed in float64 and cast back to the weight's dtype once, so a rotation
+without slicing changes the model only by that final rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor.families import ModelFamily
+from compressor.modeling import WeightlessRMSNorm, wrap_layer
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data = value.to(dtype=param.dtype, device=param.device).contiguous()
+
+
+def _fold_scale(scale: torch.Tensor, linears: list[nn.Linear]) -> None:
+    """Fold a norm's per-coordinate scale into the columns of the linears it feeds."""
+    for linear in linears:
+        w = linear.weight.data.to(torch.float64)
+        _assign(linear.weight, w * scale.to(device=w.device, dtype=torch.float64))
+
+
+def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
+    """Fold every RMSNorm scale into the next linears and untie the head, in float64.
+
+    Replaces each decoder layer with a `SlicedDecoderLayer` (identity shortcuts,
+    weightless norms that keep each norm's own eps). The function the model computes is
+    unchanged; unlike SliceGPT, nothing is mean-centred (RMSNorm needs no centring).
+    """
+    d = model.config.hidden_size
+    head = model.get_submodule(family.head)
+    embedding = model.get_submodule(family.embedding)
+    if head.weight.data_ptr() == embedding.weight.data_ptr():
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    layers = model.get_submodule(family.layers)
+    for index, layer in enumerate(layers):
+        attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
+        attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
+        _fold_scale(attn_norm.weight.data, [attention.get_submodule(p) for p in family.attn_inputs])
+        _fold_scale(mlp_norm.weight.data, [mlp.get_submodule(p) for p in family.mlp_inputs])
+        layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm))
+    final_norm = model.get_submodule(family.final_norm)
+    _fold_scale(final_norm.weight.data, [head])
+    model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
+
+
+def _eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise TypeError(f"cannot find the epsilon of norm {type(norm).__name__}")
+
+
+def rotate_inputs(linear: nn.Linear, basis: torch.Tensor) -> None:
+    """`W ← W·V`: the linear now reads the stream expressed in (the kept columns of) `basis`."""
+    w = linear.weight.data.to(torch.float64)
+    _assign(linear.weight, w @ basis.to(w.device))
+
+
+def rotate_embedding(embedding: nn.Embedding, basis: torch.Tensor) -> None:
+    """`E ← E·V`: token embeddings expressed in `basis`."""
+    rotate_inputs(embedding, basis)  # same algebra: rows are vectors of the stream
+
+
+def rotate_output(linear: nn.Linear, basis: torch.Tensor) -> None:
+    """`W ← Vᵀ·W` (and the bias): the linear now writes the stream in `basis`."""
+    w = linear.weight.data.to(torch.float64)
+    v = basis.to(w.device)
+    _assign(linear.weight, v.T @ w)
+    if linear.bias is not None:
+        _assign(linear.bias, v.T @ linear.bias.data.to(torch.float64))
+
+
+def transition(previous: torch.Tensor, new: torch.Tensor, like: torch.Tensor) -> nn.Linear:
+    """Residual-path linear `V_newᵀ·V_prev`, mapping the previous site's basis to the new one."""
+    weight = new.T @ previous
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=like.device, dtype=like.dtype)
+    linear.requires_grad_(False)
+    _assign(linear.weight, weight)
+    return linear
