@@ -1,0 +1,27 @@
+# Two commands do all the set-up:  `make demo`  and  `make test`.
+# torch is installed first and pinned: left to pip's resolver it would pull several GB of CUDA wheels.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+.PHONY: setup demo test test-all
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup  ## prune the bundled reference Llama by 25% with SliceGPT (pca) and print before/after
+	$(OFFLINE) $(VENV)/bin/compress run recipes/demo.yaml --overwrite
+
+test: setup  ## the default suite (slow tests excluded)
+	$(OFFLINE) $(PY) -m pytest -m "not slow"
+
+test-all: setup
+	$(OFFLINE) $(PY) -m pytest

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models of each supported family, and paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+
+import compressor  # noqa: E402,F401  (registers the sliced architectures)
+from compressor.calibration import Batch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SHARED = ROOT.parent / "shared"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128)
+
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False),
+    "mistral": dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+}
+
+
+def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A random model with non-trivial norm scales and biases, so fusion and rotation matter."""
+    values = {**COMMON, **FAMILY_CONFIGS[name], **overrides}
+    config = AutoConfig.for_model(**values)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+            elif param_name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    return model
+
+
+def copy_model(model: PreTrainedModel) -> PreTrainedModel:
+    clone = AutoModelForCausalLM.from_config(model.config, attn_implementation=model.config._attn_implementation)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def random_batches(vocab: int, count: int = 2, batch: int = 4, length: int = 24, padded: bool = False,
+                   seed: int = 1) -> list[Batch]:
+    """Random token batches; with `padded`, rows are left-padded by different amounts."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (batch, length), generator=generator)
+        mask = torch.ones_like(ids)
+        if padded:
+            for row in range(batch):
+                mask[row, : row * 3] = 0
+                ids[row, : row * 3] = 0
+        out.append(Batch(ids, mask))
+    return out
+
+
+def save_tiny_checkpoint(folder: Path, name: str = "llama", **overrides) -> Path:
+    """A tiny model saved with the reference tokenizer (vocab 8192), for CLI runs."""
+    model = tiny_model(name, vocab_size=8192, **overrides)
+    model.save_pretrained(folder)
+    for file in TOKENIZER_FILES:
+        shutil.copy(EXAMPLES / "ref-llama" / file, folder / file)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def needs_shared() -> Path:
+    if not (SHARED / "models" / "ref-llama").is_dir():
+        pytest.skip("../shared (reference model and corpus) is not beside the checkout")
+    return SHARED

@@ -1,0 +1,185 @@
+"""The CLI end to end on a tiny model, and one clear line with exit code 2 for every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from compressor.cli import main
+from tests.conftest import EXAMPLES, save_tiny_checkpoint
+
+
+def write_recipe(folder: Path, checkpoint: Path, **changes: Any) -> Path:
+    recipe: dict[str, Any] = {
+        "model": {"path": str(checkpoint), "dtype": "float32"},
+        "calibration": {"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
+                        "num_samples": 4, "seq_len": 64, "batch_size": 2},
+        "sparsity": 0.25,
+        "pipeline": [{"strategy": "pca"}],
+        "evaluation": {"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")},
+                       "num_samples": 4, "seq_len": 64},
+        "output": "out",
+    }
+    for dotted, value in changes.items():
+        node = recipe
+        *parents, last = dotted.split("__")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+_DELETE = object()
+
+
+def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    assert main(["run", str(recipe)]) == 0
+    out = tmp_path / "out"  # relative output resolves against the recipe's folder
+    assert sorted(p.name for p in out.iterdir()) == ["model", "recipe.yaml", "report.json", "report.md"]
+    assert not list(tmp_path.glob(".out.partial*"))
+    report = json.loads((out / "report.json").read_text())
+    metrics = report["metrics"]
+    assert metrics["baseline"]["ppl"] > 1 and metrics["pruned"]["ppl"] > 1 and metrics["pruned"]["kl"] > 0
+    assert report["params"]["pruned"] < report["params"]["baseline"]
+    assert {"prune_s", "eval_s", "total_s"} <= set(report["timings"])
+    assert [s["name"] for s in report["sites"]] == ["embedding", "layers.0.attn", "layers.0.mlp",
+                                                     "layers.1.attn", "layers.1.mlp"]
+    assert [s["kept"] for s in report["sites"]] == [48, 48, 48, 48, 64]
+    assert all(s["strategy"] == "pca" and "removed_energy" in s["steps"][0]["objectives"] for s in report["sites"])
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
+    assert resolved["slicing"] == {"round_to": 8, "slice_head": False}
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert reloaded.config.model_type == "sliced_llama"
+    assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
+    assert "perplexity" in capsys.readouterr().out
+
+
+def test_set_overrides_and_output_option(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    target = tmp_path / "elsewhere"
+    assert main(["run", str(recipe), "--output", str(target), "--set", "sparsity=0.5",
+                 "--set", "slicing.slice_head=true", "--set", "evaluation=null"]) == 0
+    report = json.loads((target / "report.json").read_text())
+    assert report["kept_width"] == 32 and [s["kept"] for s in report["sites"]][-1] == 32
+    assert report["metrics"] == {} and "eval_s" not in report["timings"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_overwrite(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("user data")
+    assert main(["run", str(recipe)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "out" / "keep.txt").exists()
+    assert main(["run", str(recipe), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "report.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_dry_run_loads_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    empty_model_dir = tmp_path / "model"
+    empty_model_dir.mkdir()  # no config: a real load would fail
+    recipe = write_recipe(tmp_path, empty_model_dir)
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert "recipe OK" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def _gpt2_checkpoint(folder: Path) -> Path:
+    from transformers import GPT2Config
+
+    folder.mkdir()
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100).save_pretrained(folder)
+    return folder
+
+
+BAD_INPUTS = {
+    "unknown top-level key": (dict(spars=0.3), None, "unknown key 'spars'"),
+    "unknown nested key": (dict(calibration__num_sample=3), None, "unknown key 'calibration.num_sample'"),
+    "missing key": (dict(sparsity=_DELETE), None, "missing key 'sparsity'"),
+    "unknown strategy": (dict(pipeline=[{"strategy": "pcaa"}]), None, "unknown strategy 'pcaa'"),
+    "option for an option-less strategy": (dict(pipeline=[{"strategy": "pca", "tau": 3}]), None, "takes no options"),
+    "empty pipeline": (dict(pipeline=[]), None, "pipeline must be a non-empty list"),
+    "wrong type": (dict(calibration__num_samples="many"), None, "calibration.num_samples must be an integer"),
+    "sparsity out of range": (dict(sparsity=1.5), None, "sparsity must be in [0, 1)"),
+    "impossible sparsity": (dict(sparsity=0.95), None, "leaves no width"),
+    "bad dtype": (dict(model__dtype="fp7"), None, "model.dtype must be one of"),
+    "bad device": (dict(device="tpu"), None, "device must be auto, cpu, cuda"),
+    "missing data file": (dict(calibration__dataset={"path": "json", "data_files": "nope.jsonl"}), None,
+                          "data file not found"),
+    "missing model folder": (dict(model__path="./no-such-model"), None, "model folder not found"),
+    "hub model while offline": (dict(model__path="someone/some-model"), None, "offline mode is on"),
+    "unsupported family": ("gpt2", None, "model_type 'gpt2' is not supported"),
+    "too little data": (dict(calibration__num_samples=100000), None, "lower num_samples"),
+    "no text field": (dict(calibration__text_field="body"), None, "has no field 'body'"),
+    "bad --set": ({}, ["--set", "sparsity"], "--set expects KEY=VALUE"),
+    "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
+    "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(case: str, tiny_checkpoint: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    changes, extra_args, message = BAD_INPUTS[case]
+    if changes == "gpt2":
+        recipe = write_recipe(tmp_path, _gpt2_checkpoint(tmp_path / "gpt2"))
+    else:
+        recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
+    code = main(["run", str(recipe), *(extra_args or [])])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial*"))
+
+
+def test_missing_recipe_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", str(tmp_path / "absent.yaml")]) == 2
+    assert "recipe file not found" in capsys.readouterr().err
+
+
+def test_recipe_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: [unclosed\n")
+    assert main(["run", str(path)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_strategies_lists_builtin_pca_with_its_source(capsys: pytest.CaptureFixture) -> None:
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert "pca" in out and "compressor 0.1.0" in out and "SliceGPT" in out
+
+
+def test_shipped_recipes_validate(capsys: pytest.CaptureFixture) -> None:
+    for recipe in sorted((EXAMPLES.parent / "recipes").glob("*.yaml")):
+        if "shared" in recipe.read_text() and not (EXAMPLES.parent.parent / "shared").is_dir():
+            continue
+        assert main(["run", str(recipe), "--dry-run"]) == 0, recipe
+
+
+def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = save_tiny_checkpoint(tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"not a checkpoint")  # would fail if anything loaded it
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path, folder)
+    assert main(["run", str(recipe)]) == 2
+    assert "supported model types: llama, mistral, qwen2" in capsys.readouterr().err

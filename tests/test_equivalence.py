@@ -1,0 +1,67 @@
+"""A rotation with nothing removed must reproduce the original model's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.engine import PipelineStep, prune, site_widths
+from compressor.families import family_for
+from compressor.strategy import Basis, SiteProblem, Strategy
+from compressor_plugins.pca import PCA
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model
+
+
+class RandomRotation(Strategy):
+    """A dense random orthogonal basis: rotation must be exact for any basis, not just PCA's."""
+
+    name = "random-rotation"
+
+    def select(self, problem: SiteProblem, incoming: Basis | None, options: object) -> Basis:
+        generator = torch.Generator().manual_seed(problem.index)
+        q, _ = torch.linalg.qr(torch.randn(problem.width, problem.width, generator=generator, dtype=torch.float64))
+        return Basis(Q=q)
+
+
+def _relative_error(reference: torch.Tensor, candidate: torch.Tensor, mask: torch.Tensor) -> float:
+    keep = mask.bool()
+    return ((reference - candidate)[keep].abs().max() / reference[keep].abs().max()).item()
+
+
+@pytest.mark.parametrize("strategy", [PCA(), RandomRotation()], ids=["pca", "random"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
+def test_rotation_without_slicing_reproduces_logits(family_name: str, padded: bool, strategy: Strategy) -> None:
+    original = tiny_model(family_name)
+    batches = random_batches(original.config.vocab_size, padded=padded)
+    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    result = prune(copy_model(original), family_for(family_name), batches,
+                   site_widths(d, layers, d, slice_head=True), [PipelineStep(strategy)])
+    with torch.no_grad():
+        for batch in batches:
+            expected = original(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            actual = result.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            assert _relative_error(expected, actual, batch.attention_mask) <= 1e-4
+
+
+def test_rotation_is_not_the_identity() -> None:
+    """Guard for the test above: the bases really change the weights."""
+    original = tiny_model("llama")
+    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    result = prune(copy_model(original), family_for("llama"), random_batches(128),
+                   site_widths(d, layers, d, slice_head=True), [PipelineStep(PCA())])
+    before = original.model.embed_tokens.weight
+    after = result.model.model.embed_tokens.weight
+    assert after.shape == before.shape
+    assert (after - before).abs().max() > 1e-2
+
+
+def test_fusion_does_not_centre_rmsnorm_models() -> None:
+    """SliceGPT mean-centres embeddings of RMSNorm models; that changes the function, we must not."""
+    original = tiny_model("llama")
+    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    result = prune(copy_model(original), family_for("llama"), random_batches(128),
+                   site_widths(d, layers, d, slice_head=True), [PipelineStep(RandomRotation())])
+    rotated_back = result.model.model.embed_tokens.weight.double()
+    # Row norms are preserved by an orthogonal change of basis; centring would shrink them.
+    assert torch.allclose(rotated_back.norm(dim=1), original.model.embed_tokens.weight.double().norm(dim=1), atol=1e-5)

@@ -1,0 +1,87 @@
+"""Slicing at 25%: every linear gets the expected shape and the parameter count drops accordingly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.errors import UserError
+from compressor.families import family_for
+from compressor.evaluate import parameter_count
+from compressor_plugins.pca import PCA
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model
+
+
+@pytest.mark.parametrize(("hidden", "sparsity", "round_to", "expected"), [
+    (256, 0.25, 8, 192), (256, 0.1, 8, 224), (256, 0.2, 8, 200), (256, 0.3, 8, 176), (64, 0.25, 1, 48), (64, 0.0, 8, 64),
+])
+def test_kept_width_is_floored_to_the_interval(hidden: int, sparsity: float, round_to: int, expected: int) -> None:
+    assert kept_width(hidden, sparsity, round_to) == expected
+
+
+def test_impossible_sparsity_is_refused() -> None:
+    with pytest.raises(UserError, match="leaves no width"):
+        kept_width(64, 0.95, 8)
+
+
+def test_site_widths_keep_the_head_input_unless_asked() -> None:
+    assert site_widths(64, 2, 48, slice_head=False) == [48, 48, 48, 48, 64]
+    assert site_widths(64, 2, 48, slice_head=True) == [48] * 5
+
+
+def _expected_parameters(config, widths: list[int]) -> int:
+    """Parameter count of the sliced layout, computed from the config alone."""
+    heads, kv, hd =  config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    inter, vocab = config.intermediate_size, config.vocab_size
+    attn_bias = (heads + 2 * kv) * hd if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
+    total = vocab * widths[0] + vocab * widths[-1]  # embedding, head (untied)
+    for i in range(config.num_hidden_layers):
+        w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
+        total += w_in * (heads + 2 * kv) * hd + attn_bias + heads * hd * w_attn  # q, k, v, o
+        total += 2 * w_attn * inter + inter * w_mlp  # gate, up, down
+        total += w_in * w_attn + w_attn * w_mlp  # residual transitions
+    return total
+
+
+@pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("slice_head", [False, True])
+def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: bool) -> None:
+    original = tiny_model(family_name)
+    config = original.config
+    d, layers = config.hidden_size, config.num_hidden_layers
+    kept = kept_width(d, 0.25, 8)
+    widths = site_widths(d, layers, kept, slice_head)
+    result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
+                   widths, [PipelineStep(PCA())])
+    model = result.model
+    assert model.config.model_type == f"sliced_{family_name}"
+    assert model.model.embed_tokens.weight.shape == (config.vocab_size, kept)
+    for i, layer in enumerate(model.model.layers):
+        w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert getattr(layer.self_attn, name).in_features == w_in
+        assert layer.self_attn.o_proj.out_features == w_attn
+        assert layer.mlp.gate_proj.in_features == layer.mlp.up_proj.in_features == w_attn
+        assert layer.mlp.down_proj.out_features == w_mlp
+        assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
+        assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
+    assert model.lm_head.in_features == (kept if slice_head else d)
+    assert parameter_count(model) == _expected_parameters(config, widths)
+    with torch.no_grad():
+        logits = model(random_batches(config.vocab_size, count=1)[0].input_ids).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_sliced_model_stays_close_on_its_calibration_data() -> None:
+    """Slicing a quarter of a tiny random model perturbs, but does not destroy, its output."""
+    original = tiny_model("llama")
+    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    batches = random_batches(128)
+    result = prune(copy_model(original), family_for("llama"), batches,
+                   site_widths(d, layers, kept_width(d, 0.25, 8), False), [PipelineStep(PCA())])
+    with torch.no_grad():
+        ref = torch.log_softmax(original(batches[0].input_ids).logits, -1)
+        out = torch.log_softmax(result.model(batches[0].input_ids).logits, -1)
+    kl = (ref.exp() * (ref - out)).sum(-1).mean().item()
+    assert 0 < kl < 0.5
