@@ -141,7 +141,8 @@ def prune(
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
     Layers are moved to `device` one at a time and back to where they were, so the model
-    need not fit on the accelerator. `widths` gives the kept width of each site.
+    need not fit on the accelerator; the result is where the model was. `widths` gives
+    the kept width of each site.
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -153,6 +154,7 @@ def prune(
         raise ValueError(f"expected {2 * num_layers + 1} site widths, got {len(widths)}")
     names = site_names(num_layers)
     selector = _SiteSelector(pipeline, device)
+    home = model.get_submodule(family.head).weight.device
 
     report("fusing norms", 0, num_layers)
     fuse_norms(model, family)
@@ -197,6 +199,7 @@ def prune(
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
 
     rotate_inputs(model.get_submodule(family.head), previous)
+    model.to(home)  # capture moved the embedding and rotary modules to `device`
     slicing = {
         "hidden_size": d,
         "embedding": widths[0],
