@@ -56,14 +56,16 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import rich_table
-    from compressor.runner import run
+    from compressor.runner import check_output, run
 
     _quiet_libraries()
     registry = PluginRegistry()
     recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
+    check_output(Path(recipe.output), args.overwrite)
     if args.dry_run:
         console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
-                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})")
+                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})",
+                      soft_wrap=True, markup=False, highlight=False)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -82,7 +84,7 @@ def _strategies(console: Console) -> None:
 
     table = Table(title="registered strategies")
     for column in ("name", "plugin", "from", "description"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for name, entry in PluginRegistry().strategies().items():
         table.add_row(*(escape(cell) for cell in (name, entry.plugin, entry.source, entry.strategy.description)))
     console.print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib import metadata
 
 import pluggy
 
@@ -33,6 +34,22 @@ class RegisteredStrategy:
     source: str
 
 
+def _refuse_clashing_entry_points() -> None:
+    """pluggy silently skips a second entry point of the same name; say so instead."""
+    owners: dict[str, str] = {}
+    for dist in metadata.distributions():
+        for entry in dist.entry_points:
+            if entry.group != ENTRY_POINT_GROUP:
+                continue
+            owner = dist.metadata["Name"]
+            if owners.get(entry.name, owner) != owner:
+                raise UserError(
+                    f"plugin name '{entry.name}' is registered by two installed packages, "
+                    f"'{owners[entry.name]}' and '{owner}'; uninstall one of them"
+                )
+            owners[entry.name] = owner
+
+
 class PluginRegistry:
     """All strategies provided by installed plugins (plus any registered directly)."""
 
@@ -40,6 +57,7 @@ class PluginRegistry:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(CompressorHookSpecs)
         if load_entry_points:
+            _refuse_clashing_entry_points()
             self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         for plugin in extra_plugins:
             self.manager.register(plugin)

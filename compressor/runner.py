@@ -83,9 +83,14 @@ def _windows(spec: DataSpec, tokenizer: Any) -> torch.Tensor:
     return token_windows(load_records(spec.dataset), tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
 
 
-def _prepare_output(output: Path, overwrite: bool) -> Path:
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse to replace a non-empty output folder unless asked to."""
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
         raise UserError(f"output folder {output} already exists; pass --overwrite or choose another --output")
+
+
+def _prepare_output(output: Path, overwrite: bool) -> Path:
+    check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)

@@ -167,11 +167,11 @@ def test_strategies_lists_builtin_pca_with_its_source(capsys: pytest.CaptureFixt
     assert "pca" in out and "compressor 0.1.0" in out and "SliceGPT" in out
 
 
-def test_shipped_recipes_validate(capsys: pytest.CaptureFixture) -> None:
+def test_shipped_recipes_validate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for recipe in sorted((EXAMPLES.parent / "recipes").glob("*.yaml")):
         if "shared" in recipe.read_text() and not (EXAMPLES.parent.parent / "shared").is_dir():
             continue
-        assert main(["run", str(recipe), "--dry-run"]) == 0, recipe
+        assert main(["run", str(recipe), "--dry-run", "--output", str(tmp_path / recipe.stem)]) == 0, recipe
 
 
 def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -183,3 +183,26 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe)]) == 2
     assert "supported model types: llama, mistral, qwen2" in capsys.readouterr().err
+
+
+def test_dry_run_refuses_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.json").write_text("{}")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["run", str(recipe), "--dry-run", "--overwrite"]) == 0
+
+
+def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """pluggy would load only the first of two same-named entry points, silently."""
+    for name in ("alpha", "beta"):
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text("[compressor]\nshared-name = compressor_plugins.pca\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["strategies"]) == 2
+    err = capsys.readouterr().err
+    assert "'shared-name' is registered by two installed packages, 'alpha' and 'beta'" in err
