@@ -1,0 +1,176 @@
+"""A third-party strategy, installed for real, is found and used by the `compress` CLI.
+
+The example plugin in examples/keep-coordinates-plugin is pip-installed (offline, from its
+source folder) into a private target folder, then the CLI runs in subprocesses with that
+folder on PYTHONPATH, exactly as it would for a user who pip-installed the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "keep-coordinates-plugin"
+REF_LLAMA = ROOT / "examples" / "ref-llama"
+DATA = ROOT / "examples" / "data"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+HIDDEN, LAYERS = 64, 2
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example plugin, pip-installed into its own folder (no network, no build isolation).
+
+    The source is copied first so setuptools' in-tree build/ and egg-info never land in (or
+    stale files leak from) the repository's examples folder.
+    """
+    tmp = tmp_path_factory.mktemp("plugin")
+    source = tmp / "keep-coordinates-plugin"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = tmp / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--quiet", "--target", str(target), str(source)],
+        check=True, capture_output=True, text=True,
+    )
+    assert (target / "compressor_keep_coordinates" / "__init__.py").is_file()
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with the reference tokenizer (vocabulary 8192)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=8192,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(REF_LLAMA / name, folder / name)
+    return folder
+
+
+def _env(site: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               COLUMNS="250")  # rich wraps table cells at 80 columns when not on a terminal
+    return env
+
+
+def _cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "compressor.cli", *args], env=_env(site), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _recipe(folder: Path, model: Path, **step: object) -> Path:
+    data = {"seq_len": 64, "num_samples": 4, "batch_size": 4}
+    recipe = {
+        "model": {"path": str(model), "dtype": "float32"},
+        "calibration": {"dataset": {"path": "json", "data_files": str(DATA / "calib-demo.jsonl")}, **data},
+        "evaluation": {"dataset": {"path": "json", "data_files": str(DATA / "valid-demo.jsonl")}, **data},
+        "sparsity": 0.25,
+        "pipeline": [{"strategy": "keep-coordinates", **step}],
+        "device": "cpu",
+        "output": str(folder / "unused"),
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def test_strategies_lists_the_installed_plugin(site: Path) -> None:
+    result = _cli(site, "strategies")
+    assert result.returncode == 0, result.stderr
+    rows = {cells[0]: cells[1:] for cells in (
+        [cell.strip() for cell in line.strip("│").split("│")] for line in result.stdout.splitlines()
+        if line.startswith("│"))}
+    assert rows["keep-coordinates"][:2] == ["keep-coordinates", "compressor-keep-coordinates 0.1.0"], result.stdout
+    assert rows["pca"][:2] == ["pca", "compressor 0.1.0"], result.stdout  # the built-in is still there
+
+
+def test_basis_is_a_permutation_of_the_highest_energy_coordinates(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "compressor_keep_coordinates", raising=False)
+    from compressor.strategy import Basis, SiteProblem, SiteStatistics, StrategyOptionError
+    from compressor_keep_coordinates import KeepCoordinates
+
+    strategy = KeepCoordinates()
+    energy = torch.tensor([0.5, 3.0, 0.1, 2.0, 1.0], dtype=torch.float64)
+    x = torch.randn(5, 5, dtype=torch.float64)
+    C = torch.diag(energy) + 0.01 * (x @ x.T)  # off-diagonal terms must not matter
+    problem = SiteProblem(name="s", index=0, width=5, keep=3, stats=SiteStatistics(C=C, tokens=10))
+
+    basis = strategy.select(problem, None, strategy.parse_options({}))
+    assert basis.Q.dtype == torch.float64 and basis.Q.shape == (5, 5)
+    assert torch.equal(basis.Q.abs().sum(0), torch.ones(5)) and torch.equal(basis.Q.sum(1), torch.ones(5))
+    assert basis.Q[:, :3].argmax(0).tolist() == torch.diagonal(C).argsort(descending=True)[:3].tolist()
+    removed = float(torch.diagonal(C)[basis.Q[:, 3:].argmax(0)].sum())
+    assert basis.objectives["removed_energy"] == pytest.approx(removed)
+    assert basis.objectives["removed_energy_fraction"] == pytest.approx(removed / float(torch.trace(C)))
+
+    naive = strategy.select(problem, None, strategy.parse_options({"order": "index"}))
+    assert torch.equal(naive.Q, torch.eye(5, dtype=torch.float64))
+
+    # Chained after another step, it reorders that step's directions instead of the coordinates.
+    rotation, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64))
+    chained = strategy.select(problem, Basis(Q=rotation), strategy.parse_options({}))
+    assert torch.allclose(chained.Q.T @ chained.Q, torch.eye(5, dtype=torch.float64))
+    kept_energy = torch.diagonal(chained.Q.T @ C @ chained.Q)
+    assert torch.all(kept_energy[:-1] >= kept_energy[1:])
+
+    for bad in ({"order": "sideways"}, {"order": 1}, {"descending": True}):
+        with pytest.raises(StrategyOptionError):
+            strategy.parse_options(bad)
+
+
+def test_run_recipe_with_the_plugin(site: Path, tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _cli(site, "run", str(_recipe(tmp_path, tiny_llama, order="energy")), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["pipeline"] == ["keep-coordinates"]
+    assert report["kept_width"] == 48
+    sites = report["sites"]
+    assert len(sites) == 2 * LAYERS + 1
+    for site_record in sites:
+        assert site_record["strategy"] == "keep-coordinates"
+        assert set(site_record["steps"][0]["objectives"]) == {"removed_energy", "removed_energy_fraction"}
+    assert [s["kept"] for s in sites] == [48] * (2 * LAYERS) + [HIDDEN]  # the head is not sliced by default
+    assert sites[-1]["steps"][0]["objectives"]["removed_energy"] == 0.0
+    assert 0.0 < sites[0]["steps"][0]["objectives"]["removed_energy_fraction"] < 1.0
+    assert (out / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"order": "sideways"}, "pipeline.0: strategy 'keep-coordinates': order must be energy or index, got 'sideways'"),
+    ({"descending": True}, "pipeline.0: strategy 'keep-coordinates' has no option 'descending'"),
+])
+def test_bad_option_is_one_line_user_error(site: Path, tiny_llama: Path, tmp_path: Path,
+                                           option: dict[str, object], message: str) -> None:
+    out = tmp_path / "out"
+    result = _cli(site, "run", str(_recipe(tmp_path, tiny_llama, **option)), "--output", str(out))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+    assert not out.exists()
+
+
+def test_guide_shows_the_example_as_it_is() -> None:
+    """docs/writing-a-strategy.md quotes the plugin's files in full; keep them in step."""
+    guide = (ROOT / "docs" / "writing-a-strategy.md").read_text()
+    for path in ("pyproject.toml", "compressor_keep_coordinates/__init__.py"):
+        assert (EXAMPLE / path).read_text() in guide, f"the guide's copy of {path} is out of date"
