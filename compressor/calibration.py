@@ -14,20 +14,24 @@ from compressor.families import ModelFamily
 
 @dataclass
 class Batch:
-    """Token ids and their padding mask (1 = real token)."""
+    """Token ids, their padding mask (1 = real token) and, optionally, the tokens that count
+    for output-sensitivity statistics (e.g. assistant tokens of a chat; default: all real)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    sensitivity_mask: torch.Tensor | None = None
 
 
 @dataclass
 class LayerInputs:
     """Per batch: the first layer's hidden states, each layer's keyword arguments
-    (masks and position embeddings may differ between layers) and the token mask."""
+    (masks and position embeddings may differ between layers), the mask of real tokens
+    and the mask of tokens counted for sensitivity statistics."""
 
     hidden: list[torch.Tensor]
     layer_kwargs: list[list[dict[str, Any]]]
     token_masks: list[torch.Tensor]
+    sensitivity_masks: list[torch.Tensor]
 
 
 class _Recorder(nn.Module):
@@ -61,7 +65,7 @@ def capture_layer_inputs(
             child.to(device)
     originals = list(layers)
     sink: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    captured = LayerInputs(hidden=[], layer_kwargs=[], token_masks=[])
+    captured = LayerInputs(hidden=[], layer_kwargs=[], token_masks=[], sensitivity_masks=[])
     try:
         for index in range(len(originals)):
             layers[index] = _Recorder(sink)
@@ -74,6 +78,8 @@ def capture_layer_inputs(
                 [{k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS} for _, kwargs in sink]
             )
             captured.token_masks.append(mask.bool())
+            counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
+            captured.sensitivity_masks.append(counted.to(device).bool() & mask.bool())
     finally:
         for index, layer in enumerate(originals):
             layers[index] = layer

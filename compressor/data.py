@@ -1,5 +1,5 @@
-"""Text datasets to token windows: tokenise each record (with the tokenizer's own special
-tokens), append EOS, concatenate in order, cut consecutive windows of `seq_len`."""
+"""Text datasets to token windows: tokenise each non-empty record (with the tokenizer's own
+special tokens), append EOS, concatenate in order, cut consecutive windows of `seq_len`."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def token_windows(
         pending.clear()
 
     for text in _texts(records, text_field):
+        if not text.strip():  # e.g. WikiText's blank lines: no content, only BOS/EOS noise
+            continue
         pending.append(text)
         if len(pending) == chunk:
             flush()

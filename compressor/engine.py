@@ -19,6 +19,7 @@ from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_lay
 from compressor.errors import UserError
 from compressor.families import ModelFamily
 from compressor.modeling import SlicedDecoderLayer, sliced_classes
+from compressor.sensitivity import SensitivityOptions, estimate_fisher
 from compressor.strategy import Basis, SiteProblem, SiteStatistics, Strategy
 from compressor.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
 
@@ -81,20 +82,32 @@ def site_names(num_layers: int) -> list[str]:
     return names
 
 
+STATISTICS = ("C", "H")
+"""Statistics the engine can provide: C = E[x xᵀ] (always) and H = E[g gᵀ] (on request)."""
+
+
+def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
+    needed = {r for step in pipeline for r in step.strategy.requires}
+    unknown = sorted(needed - set(STATISTICS))
+    if unknown:
+        raise UserError(f"the pipeline needs statistics this engine cannot compute: {', '.join(unknown)} "
+                        f"(available: {', '.join(STATISTICS)})")
+    return needed
+
+
 class _SiteSelector:
     """Runs the strategy pipeline at each site and checks what comes back."""
 
     def __init__(self, pipeline: Sequence[PipelineStep], device: torch.device) -> None:
         self.pipeline = list(pipeline)
         self.device = device
-        missing = sorted({r for s in self.pipeline for r in s.strategy.requires} - {"C"})
-        if missing:
-            raise UserError(f"the pipeline needs statistics this engine cannot compute: {', '.join(missing)}")
+        self.fisher: list[torch.Tensor] | None = None
         self.records: list[SiteRecord] = []
 
     def select(self, name: str, width: int, keep: int, moment: SecondMoment) -> torch.Tensor:
         """The kept columns (d × keep, float64) of the basis the pipeline chooses."""
-        stats = SiteStatistics(C=moment.value(), tokens=moment.tokens)
+        extra = {} if self.fisher is None else {"H": self.fisher[len(self.records)]}
+        stats = SiteStatistics(C=moment.value(), tokens=moment.tokens, extra=extra)
         problem = SiteProblem(name=name, index=len(self.records), width=width, keep=keep, stats=stats)
         record = SiteRecord(name=name, width=width, kept=keep, tokens=moment.tokens)
         basis: Basis | None = None
@@ -137,12 +150,14 @@ def prune(
     pipeline: Sequence[PipelineStep],
     device: torch.device | str = "cpu",
     progress: ProgressCallback | None = None,
+    sensitivity: SensitivityOptions | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
     Layers are moved to `device` one at a time and back to where they were, so the model
     need not fit on the accelerator; the result is where the model was. `widths` gives
-    the kept width of each site.
+    the kept width of each site. H is estimated (with `sensitivity` options) only when a
+    strategy of the pipeline requires it, on the fused model before anything is sliced.
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -153,6 +168,7 @@ def prune(
     if len(widths) != 2 * num_layers + 1:
         raise ValueError(f"expected {2 * num_layers + 1} site widths, got {len(widths)}")
     names = site_names(num_layers)
+    needed = required_statistics(pipeline)
     selector = _SiteSelector(pipeline, device)
     home = model.get_submodule(family.head).weight.device
 
@@ -161,6 +177,9 @@ def prune(
     report("capturing layer inputs", 0, num_layers)
     inputs: LayerInputs = capture_layer_inputs(model, family, batches, device)
     hidden, masks = inputs.hidden, inputs.token_masks
+    if "H" in needed:
+        report("estimating output sensitivity (H)", 0, len(batches))
+        selector.fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device)
 
     previous = selector.select(names[0], d, widths[0], _moment(hidden, masks, d, device))
     rotate_embedding(model.get_submodule(family.embedding), previous)

@@ -20,11 +20,13 @@ import yaml
 
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
+from compressor.sensitivity import ACCUMULATION_DTYPES, REDUCTIONS, SensitivityOptions
 from compressor.strategy import StrategyOptionError
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 ATTENTION = ("sdpa", "eager")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+FORMATS = ("text", "chat")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class DataSpec:
     num_samples: int
     seq_len: int
     batch_size: int = 8
+    format: str = "text"
     text_field: str = "text"
+    messages_field: str = "messages"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Recipe:
     output: str
     evaluation: DataSpec | None = None
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
+    sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     device: str = "auto"
     seed: int = 0
 
@@ -194,6 +199,8 @@ def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
 
 
 def _check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
+    if spec.format not in FORMATS:
+        raise UserError(f"{where}.format must be one of {', '.join(FORMATS)}, got '{spec.format}'")
     if "path" not in spec.dataset:
         raise UserError(f"{where}.dataset needs a 'path' (a dataset name or a loader such as json)")
     for key in ("num_samples", "seq_len", "batch_size"):
@@ -237,6 +244,12 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(f"sparsity must be in [0, 1) (the fraction of the hidden width removed), got {recipe.sparsity}")
     if recipe.slicing.round_to < 1:
         raise UserError(f"slicing.round_to must be at least 1, got {recipe.slicing.round_to}")
+    if recipe.evaluation and recipe.evaluation.format != "text":
+        raise UserError("evaluation.format must be text (perplexity and KL are measured on text windows)")
+    if recipe.sensitivity.dtype not in ACCUMULATION_DTYPES:
+        raise UserError(f"sensitivity.dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, got '{recipe.sensitivity.dtype}'")
+    if recipe.sensitivity.reduction not in REDUCTIONS:
+        raise UserError(f"sensitivity.reduction must be one of {', '.join(REDUCTIONS)}, got '{recipe.sensitivity.reduction}'")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

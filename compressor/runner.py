@@ -23,6 +23,8 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 import compressor
+from compressor.calibration import Batch
+from compressor.chat import chat_batches
 from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune, site_widths
 from compressor.errors import UserError
@@ -79,8 +81,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _windows(spec: DataSpec, tokenizer: Any) -> torch.Tensor:
-    return token_windows(load_records(spec.dataset), tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+def _batches(spec: DataSpec, tokenizer: Any) -> list[Batch]:
+    records = load_records(spec.dataset)
+    if spec.format == "chat":
+        return chat_batches(records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size, spec.messages_field)
+    windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+    return batches_of(windows, spec.batch_size)
 
 
 def check_output(output: Path, overwrite: bool) -> None:
@@ -124,9 +130,8 @@ def run(
         tick = time.perf_counter()
         report_progress("tokenising data", 0, 1)
         tokenizer = load_tokenizer(recipe.model)
-        calibration = batches_of(_windows(recipe.calibration, tokenizer), recipe.calibration.batch_size)
-        evaluation = (batches_of(_windows(recipe.evaluation, tokenizer), recipe.evaluation.batch_size)
-                      if recipe.evaluation else None)
+        calibration = _batches(recipe.calibration, tokenizer)
+        evaluation = _batches(recipe.evaluation, tokenizer) if recipe.evaluation else None
         timings["data_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -136,7 +141,7 @@ def run(
         timings["load_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        result = prune(model, family, calibration, widths, pipeline, device, report_progress)
+        result = prune(model, family, calibration, widths, pipeline, device, report_progress, recipe.sensitivity)
         pruned = result.model
         timings["prune_s"] = time.perf_counter() - tick
 

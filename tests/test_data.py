@@ -22,7 +22,8 @@ def test_windows_are_the_eos_joined_token_stream_cut_in_order(tokenizer) -> None
     for record in RECORDS:
         stream += tokenizer(record["text"])["input_ids"] + [tokenizer.eos_token_id]
     assert stream[0] == tokenizer.bos_token_id  # the tokenizer's own special tokens are kept
-    windows = token_windows(RECORDS, tokenizer, seq_len=7, num_samples=5, chunk=4)
+    with_blanks = [RECORDS[0], {"text": ""}, {"text": " \n"}, *RECORDS[1:]]  # blank records carry nothing
+    windows = token_windows(with_blanks, tokenizer, seq_len=7, num_samples=5, chunk=4)
     assert windows.shape == (5, 7)
     assert windows.flatten().tolist() == stream[:35]
 

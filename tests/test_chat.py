@@ -1,0 +1,77 @@
+"""Chat calibration: the assistant mask covers exactly the assistant tokens, with or without
+generation markers in the template; templates that cannot be read are refused."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from compressor.chat import assistant_tokens, chat_batches
+from compressor.errors import UserError
+from tests.conftest import EXAMPLES
+
+CONVERSATION = [
+    {"role": "user", "content": "How do I list files?"},
+    {"role": "assistant", "content": "Use ls -la."},
+    {"role": "user", "content": "And hidden ones?"},
+    {"role": "assistant", "content": "ls -a shows them."},
+]
+NO_MARKERS = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
+              "{% else %}<|assistant|>{{ m['content'] }}<|eos|>{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture
+def tokenizer():
+    return AutoTokenizer.from_pretrained(EXAMPLES / "ref-llama")
+
+
+def expected(tokenizer) -> tuple[list[int], list[int]]:
+    """Built piece by piece: role tags and user turns are 0, assistant content and its EOS are 1."""
+    ids, mask = [], []
+    for message in CONVERSATION:
+        tag = "<|user|>" if message["role"] == "user" else "<|assistant|>"
+        body = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids += tokenizer.convert_tokens_to_ids([tag]) + body
+        mask += [0] + [int(message["role"] == "assistant")] * len(body)
+    return ids, mask
+
+
+def test_mask_from_generation_markers(tokenizer) -> None:
+    assert "{% generation %}" in tokenizer.chat_template
+    assert assistant_tokens(tokenizer, CONVERSATION) == expected(tokenizer)
+
+
+def test_mask_from_prefix_rendering_without_markers(tokenizer) -> None:
+    tokenizer.chat_template = NO_MARKERS
+    assert assistant_tokens(tokenizer, CONVERSATION) == expected(tokenizer)
+
+
+def test_template_that_is_not_prefix_stable_is_refused(tokenizer) -> None:
+    # Puts a turn count in front: every rendering changes the beginning of the text.
+    tokenizer.chat_template = "{{ messages|length }} turns: " + NO_MARKERS
+    with pytest.raises(UserError, match="not prefix-stable"):
+        assistant_tokens(tokenizer, CONVERSATION)
+
+
+def test_missing_template_is_refused(tokenizer) -> None:
+    tokenizer.chat_template = None
+    with pytest.raises(UserError, match="no chat template"):
+        assistant_tokens(tokenizer, CONVERSATION)
+
+
+def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
+    short = [CONVERSATION[0], CONVERSATION[1]]
+    records = [{"messages": CONVERSATION}, {"messages": short}, {"messages": CONVERSATION}]
+    batches = chat_batches(records, tokenizer, seq_len=20, num_samples=3, batch_size=2)
+    full_ids, full_mask = expected(tokenizer)
+    first = batches[0]
+    assert first.input_ids.shape == (2, 20)
+    assert first.input_ids[0].tolist() == full_ids[:20]
+    assert first.sensitivity_mask[0].tolist() == full_mask[:20]
+    short_len = len(assistant_tokens(tokenizer, short)[0])
+    assert first.attention_mask[1].tolist() == [1] * short_len + [0] * (20 - short_len)
+    assert first.sensitivity_mask[1, short_len:].sum() == 0
+    assert batches[1].input_ids.shape[0] == 1
+    with pytest.raises(UserError, match="has 3 conversations"):
+        chat_batches(records, tokenizer, seq_len=20, num_samples=4, batch_size=2)
