@@ -51,11 +51,11 @@ class SiteProblem:
 class Basis:
     """An orthogonal d×d basis (float64) whose first `keep` columns are the kept directions.
 
-    `objectives` are the strategy's own figures for the report (JSON numbers).
+    `objectives` are the strategy's own figures for the report (JSON-serialisable values).
     """
 
     Q: torch.Tensor
-    objectives: dict[str, float] = field(default_factory=dict)
+    objectives: dict[str, Any] = field(default_factory=dict)
 
     def kept(self, keep: int) -> torch.Tensor:
         return self.Q[:, :keep]
@@ -96,3 +96,26 @@ def eigh_descending(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def removed_energy(C: torch.Tensor, removed: torch.Tensor) -> float:
     """Tr(UᵀCU): activation energy discarded with the directions `removed` (the SliceGPT loss)."""
     return float(torch.trace(removed.T @ C @ removed))
+
+
+def frobenius_normalised(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix / ‖matrix‖_F` (unchanged if zero): puts C and H on one scale before mixing them."""
+    norm = torch.linalg.matrix_norm(matrix)
+    return matrix / norm if norm > 0 else matrix
+
+
+def coupled_loss(C: torch.Tensor, H: torch.Tensor, removed: torch.Tensor) -> float:
+    """L(U) = Tr(UᵀCU · UᵀHU): the paper's output-aware cost of removing the directions U."""
+    return float(torch.trace((removed.T @ C @ removed) @ (removed.T @ H @ removed)))
+
+
+def complete_basis(removed: torch.Tensor) -> torch.Tensor:
+    """An orthogonal d×d basis whose last k columns span `removed` (d×k) and whose first d−k
+    span its orthogonal complement."""
+    d, k = removed.shape
+    u, _ = torch.linalg.qr(removed.to(torch.float64))
+    if k == 0:
+        return torch.eye(d, dtype=torch.float64, device=removed.device)
+    complement = torch.eye(d, dtype=torch.float64, device=removed.device) - u @ u.T
+    _, vectors = eigh_descending(complement)
+    return torch.cat([vectors[:, : d - k], u], dim=1)

@@ -1,0 +1,177 @@
+"""The paper's method: τ-search propositions, the Fisher estimator, Stiefel refinement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from compressor.calibration import Batch, capture_layer_inputs
+from compressor.families import family_for
+from compressor.sensitivity import SensitivityOptions, estimate_fisher, site_activations
+from compressor.strategy import SiteProblem, SiteStatistics, StrategyOptionError, coupled_loss, complete_basis
+from compressor.transforms import fuse_norms
+from compressor_plugins.pca import PCA
+from compressor_plugins.sensitivity import Sensitivity, TauGrid
+from compressor_plugins.stiefel import Schedule, Stiefel, loss_gradient
+from tests.conftest import tiny_model
+
+
+def random_psd(d: int, seed: int, decay: float = 0.3) -> torch.Tensor:
+    """A positive-definite matrix with a spread spectrum, like activation statistics."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    spectrum = torch.exp(-decay * torch.arange(d, dtype=torch.float64)) + 1e-3
+    return q @ torch.diag(spectrum) @ q.T
+
+
+def problem(C: torch.Tensor, H: torch.Tensor, keep: int) -> SiteProblem:
+    return SiteProblem("site", 0, C.shape[0], keep, SiteStatistics(C=C, tokens=1, extra={"H": H}))
+
+
+def projector(basis: torch.Tensor) -> torch.Tensor:
+    return basis @ basis.T
+
+
+def test_with_identity_h_the_sensitivity_subspace_is_pca() -> None:
+    C = random_psd(12, seed=1)
+    site = problem(C, torch.eye(12, dtype=torch.float64), keep=8)
+    sens = Sensitivity().select(site, None, TauGrid())
+    pca = PCA().select(site, None, None)
+    assert torch.allclose(projector(sens.removed(8)), projector(pca.removed(8)), atol=1e-10)
+    assert sens.objectives["loss"] == pytest.approx(sens.objectives["loss_pca"], rel=1e-12)
+
+
+@pytest.mark.parametrize("d", [2, 3])
+def test_rank_one_tau_search_reaches_the_brute_force_minimum(d: int) -> None:
+    """Proposition 1: min_u (uᵀCu)(uᵀHu) is attained by a bottom eigenvector of τC + H/τ."""
+    C, H = random_psd(d, seed=2, decay=1.0), random_psd(d, seed=3, decay=2.0)
+    taus = torch.logspace(-3, 3, 4001, dtype=torch.float64).tolist()
+    chosen = Sensitivity().select(problem(C, H, keep=d - 1), None, TauGrid(tuple(taus))).objectives["loss"]
+    Cn, Hn = C / torch.linalg.matrix_norm(C), H / torch.linalg.matrix_norm(H)
+    if d == 2:
+        angles = torch.linspace(0, math.pi, 200_001, dtype=torch.float64)
+        u = torch.stack([angles.cos(), angles.sin()], dim=1)
+    else:
+        n = 400_000  # Fibonacci sphere
+        i = torch.arange(n, dtype=torch.float64) + 0.5
+        phi, theta = torch.acos(1 - 2 * i / n), math.pi * (1 + 5 ** 0.5) * i
+        u = torch.stack([theta.cos() * phi.sin(), theta.sin() * phi.sin(), phi.cos()], dim=1)
+    brute = (((u @ Cn) * u).sum(1) * ((u @ Hn) * u).sum(1)).min().item()
+    assert chosen <= brute * (1 + 1e-9)  # the spectral pick is at least as good as any sampled direction
+    assert chosen >= brute * (1 - 1e-3)  # and the sampling is fine enough to come within 0.1%
+
+
+def test_upper_bound_holds_for_random_subspaces() -> None:
+    """Proposition 2: Tr(UᵀCU·UᵀHU) ≤ ¼ Tr(UᵀM_τ²U) for every orthonormal U and τ > 0."""
+    g = torch.Generator().manual_seed(4)
+    for trial in range(200):
+        d = int(torch.randint(2, 12, (1,), generator=g))
+        k = int(torch.randint(1, d + 1, (1,), generator=g))
+        C, H = random_psd(d, seed=10 + trial), random_psd(d, seed=1000 + trial, decay=0.7)
+        U, _ = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))
+        tau = float(torch.exp(torch.randn(1, generator=g, dtype=torch.float64) * 2))
+        M = tau * C + H / tau
+        assert coupled_loss(C, H, U) <= 0.25 * torch.trace(U.T @ M @ M @ U).item() * (1 + 1e-12)
+
+
+def test_sensitivity_beats_or_ties_pca_on_its_objective_and_reports_candidates() -> None:
+    C, H = random_psd(16, seed=5), random_psd(16, seed=6, decay=0.1)
+    basis = Sensitivity().select(problem(C, H, keep=12), None, TauGrid())
+    assert basis.objectives["loss"] <= basis.objectives["loss_pca"]
+    assert [c["tau"] for c in basis.objectives["candidates"]] == [1.0, 7.0, 10.0, 30.0, 70.0]
+    assert basis.objectives["tau"] in (1.0, 7.0, 10.0, 30.0, 70.0)
+    assert min(c["loss"] for c in basis.objectives["candidates"]) == basis.objectives["loss"]
+
+
+def test_stiefel_gradient_is_the_gradient_of_the_loss() -> None:
+    C, H = random_psd(7, seed=7), random_psd(7, seed=8)
+    U = torch.linalg.qr(torch.randn(7, 3, dtype=torch.float64))[0].requires_grad_(True)
+    torch.trace((U.T @ C @ U) @ (U.T @ H @ U)).backward()
+    assert torch.allclose(U.grad, loss_gradient(C, H, U.detach()), atol=1e-12)
+
+
+def sensitive_where_pca_cuts(C: torch.Tensor, removed: int, seed: int) -> torch.Tensor:
+    """An H large on C's `removed` lowest-energy directions (plus noise): PCA's blind spot."""
+    _, vectors = torch.linalg.eigh(C)
+    bottom = vectors[:, :removed]
+    return 10 * bottom @ bottom.T + 0.1 * random_psd(C.shape[0], seed)
+
+
+@pytest.mark.parametrize("start", ["sensitivity", "pca"])
+def test_stiefel_refinement_never_increases_the_loss(start: str) -> None:
+    C = random_psd(16, seed=9)
+    H = sensitive_where_pca_cuts(C, removed=6, seed=10)
+    site = problem(C, H, keep=10)
+    incoming = (Sensitivity().select(site, None, TauGrid()) if start == "sensitivity"
+                else PCA().select(site, None, None))
+    refined = Stiefel().select(site, incoming, Schedule(steps=2000, lr=1e-2, patience=200))
+    before, after = refined.objectives["loss_before"], refined.objectives["loss_after"]
+    Cn, Hn = C / torch.linalg.matrix_norm(C), H / torch.linalg.matrix_norm(H)
+    assert before == pytest.approx(coupled_loss(Cn, Hn, incoming.removed(10)))
+    assert after == pytest.approx(coupled_loss(Cn, Hn, refined.removed(10)))
+    assert after <= before
+    if start == "pca":  # PCA ignores H, so there is room to improve (locally: refinement is a local search)
+        assert after < 0.8 * before
+    q = refined.Q
+    assert torch.allclose(q.T @ q, torch.eye(16, dtype=torch.float64), atol=1e-10)
+
+
+def test_complete_basis_spans_the_removed_subspace_last() -> None:
+    U = torch.linalg.qr(torch.randn(9, 4, dtype=torch.float64))[0]
+    Q = complete_basis(U)
+    assert torch.allclose(Q.T @ Q, torch.eye(9, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(projector(Q[:, 5:]), projector(U), atol=1e-12)
+
+
+@pytest.mark.parametrize(("strategy", "options", "message"), [
+    (Sensitivity(), {"taus": [1, -2]}, "positive numbers"),
+    (Sensitivity(), {"taus": []}, "non-empty"),
+    (Sensitivity(), {"tau": [1]}, "no option 'tau'"),
+    (Stiefel(), {"steps": 0}, "steps must be at least 1"),
+    (Stiefel(), {"lr": 0}, "lr must be above 0"),
+    (Stiefel(), {"steps": 2.5}, "steps must be an integer"),
+    (Stiefel(), {"iterations": 5}, "no option 'iterations'"),
+])
+def test_bad_strategy_options_are_refused(strategy, options, message) -> None:
+    with pytest.raises(StrategyOptionError, match=message):
+        strategy.parse_options(options)
+
+
+def _exact_fisher(model, family, inputs, batch: int) -> list[torch.Tensor]:
+    """Σ_j Σ_v p_j(v) ∇log p_j(v) ∇log p_j(v)ᵀ per token, by enumerating the vocabulary, averaged over tokens."""
+    with torch.enable_grad():
+        sites, logits = site_activations(model, family, inputs, batch)
+        log_probs = torch.log_softmax(logits.double(), -1)[0]
+        positions, vocab = log_probs.shape
+        totals = [torch.zeros(s.shape[-1], s.shape[-1], dtype=torch.float64) for s in sites]
+        for j in range(positions):
+            for v in range(vocab):
+                grads = torch.autograd.grad(log_probs[j, v], sites, retain_graph=True)
+                weight = log_probs[j, v].exp().item()
+                for total, g in zip(totals, grads):
+                    total += weight * g[0].double().T @ g[0].double()  # summed over the tokens i
+    return [t / positions for t in totals]
+
+
+def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
+    model = tiny_model("llama", vocab_size=12, hidden_size=16, head_dim=4, num_hidden_layers=1,
+                       intermediate_size=24).double()
+    family = family_for("llama")
+    fuse_norms(model, family)
+    ids = torch.tensor([[0, 5, 3, 9, 7]])
+    exact = _exact_fisher(model, family, capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))],
+                                                              torch.device("cpu")), 0)
+
+    def estimate(samples: int) -> list[torch.Tensor]:
+        repeated = ids.repeat(samples, 1)
+        inputs = capture_layer_inputs(model, family, [Batch(repeated, torch.ones_like(repeated))], torch.device("cpu"))
+        return estimate_fisher(model, family, inputs, SensitivityOptions(dtype="float64", seed=3), torch.device("cpu"))
+
+    def error(estimates: list[torch.Tensor]) -> float:
+        return max((torch.linalg.matrix_norm(e - x) / torch.linalg.matrix_norm(x)).item() for e, x in zip(estimates, exact))
+
+    coarse, fine = error(estimate(20)), error(estimate(4000))
+    assert fine < 0.1
+    assert fine < coarse / 3
