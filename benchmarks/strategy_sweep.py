@@ -1,0 +1,145 @@
+"""PCA (SliceGPT) sparsity sweep on the benchmark protocol.
+
+Measures, for each sparsity, what slicing costs in quality and time: the kept width, the
+perplexity of the dense and pruned models, the perplexity increase in %, the mean per-token
+KL(original ‖ pruned) in nats, the parameter counts, and the prune / evaluation / total
+wall-clock seconds. Why: one number at one sparsity says little about how quality degrades
+with width; the sweep is the baseline that other selection strategies are compared against.
+
+Run by hand (not part of the tests):
+
+    .venv/bin/python benchmarks/pca_sparsity_sweep.py \
+        [--recipe recipes/ref_llama_pca.yaml] [--sparsities 0.1 0.2 0.25 0.3] \
+        [--out benchmarks/results/pca_sweep.json] [--runs-dir DIR]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from compressor.plugins import PluginRegistry  # noqa: E402
+from compressor.recipe import load_recipe  # noqa: E402
+from compressor.runner import run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_pca.yaml"), help="benchmark recipe")
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.1, 0.2, 0.25, 0.3])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pca_sweep.json"),
+                        help="where the JSON results are written")
+    parser.add_argument("--runs-dir", default=None,
+                        help="keep each run's output folder here (default: a temporary folder, deleted)")
+    return parser.parse_args(argv)
+
+
+def _phase_logger(sparsity: float, console: Console) -> Any:
+    """Print each phase once (not every batch), so a background log stays short."""
+    last: list[str] = []
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if not last or last[0] != phase:
+            last[:] = [phase]
+            console.log(f"sparsity {sparsity}: {phase}")
+
+    return progress
+
+
+def _row(report: dict[str, Any]) -> dict[str, Any]:
+    metrics, timings = report["metrics"], report["timings"]
+    baseline, pruned = metrics["baseline"]["ppl"], metrics["pruned"]["ppl"]
+    return {
+        "sparsity": report["sparsity"],
+        "kept_width": report["kept_width"],
+        "baseline_ppl": baseline,
+        "pruned_ppl": pruned,
+        "ppl_increase_pct": 100.0 * (pruned / baseline - 1.0),
+        "kl": metrics["pruned"]["kl"],
+        "params_baseline": report["params"]["baseline"],
+        "params_pruned": report["params"]["pruned"],
+        "prune_s": timings["prune_s"],
+        "eval_s": timings["eval_s"],
+        "total_s": timings["total_s"],
+    }
+
+
+def _table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for name in ("sparsity", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)",
+                 "params base", "params pruned", "prune s", "eval s", "total s"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(f"{r['sparsity']:.2f}", str(r["kept_width"]), f"{r['baseline_ppl']:.4f}",
+                      f"{r['pruned_ppl']:.4f}", f"{r['ppl_increase_pct']:.2f}", f"{r['kl']:.5f}",
+                      f"{r['params_baseline']:,}", f"{r['params_pruned']:,}", f"{r['prune_s']:.1f}",
+                      f"{r['eval_s']:.1f}", f"{r['total_s']:.1f}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    # Wide enough for the full table when the output goes to a log file (nohup) rather than a terminal.
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    registry = PluginRegistry()
+    started = datetime.now(timezone.utc)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="pca_sweep_") as scratch:
+        runs_dir = Path(args.runs_dir) if args.runs_dir else Path(scratch)
+        for sparsity in args.sparsities:
+            output = runs_dir / f"sparsity-{sparsity:g}"
+            recipe = load_recipe(args.recipe, registry, [f"sparsity={sparsity}"], str(output))
+            tick = time.perf_counter()
+            report = run(recipe, registry, _phase_logger(sparsity, console), overwrite=True)
+            rows.append(_row(report))
+            console.log(f"sparsity {sparsity}: done in {time.perf_counter() - tick:.1f} s")
+    device = report["environment"]["device"] if rows else None
+    result = {
+        "benchmark": "pca_sparsity_sweep",
+        "recipe": str(Path(args.recipe).resolve()),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "rows": rows,
+        "environment": {
+            "date": started.isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda_available": torch.cuda.is_available(),
+            "device": device,
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(_table(rows, f"PCA sparsity sweep ({Path(args.recipe).name})"))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
