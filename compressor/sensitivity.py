@@ -12,10 +12,10 @@ kept: weights are frozen and only the first layer's input requires a gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from compressor.calibration import LayerInputs
@@ -34,33 +34,52 @@ class SensitivityOptions:
     seed: int = 0
 
 
+SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
+"""(site index, residual stream) → the stream the rest of the model sees (for diagnostics)."""
+
+
 def site_activations(
-    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int
+    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int, edit: SiteEdit | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Forward one captured batch through the fused model; return the residual stream at every
-    site (embedding output, after each attention, after each MLP) and the logits."""
-    hidden = inputs.hidden[batch].detach().requires_grad_(True)
+    site (embedding output, after each attention, after each MLP) and the logits. `edit`, if
+    given, replaces the stream at each site (e.g. to measure the KL of a perturbation)."""
+    hidden = inputs.hidden[batch].detach().requires_grad_(edit is None)
     sites = [hidden]
+
+    def visit(stream: torch.Tensor) -> torch.Tensor:
+        return stream if edit is None else edit(len(sites) - 1, stream)
+
+    hidden = visit(hidden)
     for i, layer in enumerate(model.get_submodule(family.layers)):
         hidden = layer.attention_block(hidden, **inputs.layer_kwargs[batch][i])
         sites.append(hidden)
+        hidden = visit(hidden)
         hidden = layer.mlp_block(hidden)
         sites.append(hidden)
+        hidden = visit(hidden)
     final = model.get_submodule(family.final_norm)(hidden)
     return sites, model.get_submodule(family.head)(final)
 
 
-def sampled_log_likelihood(
+def sampled_score(
     logits: torch.Tensor, mask: torch.Tensor, generator: torch.Generator, reduction: str
 ) -> torch.Tensor:
-    """Σ (or mean) over counted positions of log p(y_t), y_t ~ p(· | prefix) drawn from the model."""
-    log_probs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    with torch.no_grad():
-        flat = log_probs.detach().exp().reshape(-1, log_probs.shape[-1])
-        labels = torch.multinomial(flat, 1, generator=generator).view(log_probs.shape[:-1])
-    picked = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    total = (picked * mask).sum()
-    return total / mask.sum().clamp_min(1) if reduction == "mean" else total
+    """∂/∂logits of Σ (or mean) over counted positions of log p(y_t), y_t ~ p(· | prefix).
+
+    That gradient is mask·(onehot(y) − p), so it is formed directly: one softmax serves both
+    the sampling (inverse CDF) and the gradient, and no log-softmax graph is built.
+    """
+    probs = torch.softmax(logits.detach().to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    flat = probs.view(-1, probs.shape[-1])
+    cdf = flat.cumsum(-1)
+    draws = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=cdf.dtype) * cdf[:, -1:]
+    labels = torch.searchsorted(cdf, draws).clamp_max(flat.shape[-1] - 1)
+    weight = mask.to(probs.dtype).view(-1, 1)
+    if reduction == "mean":
+        weight = weight / weight.sum().clamp_min(1)
+    score = (-flat * weight).scatter_add_(-1, labels, weight)
+    return score.view(probs.shape).to(logits.dtype)
 
 
 def estimate_fisher(
@@ -91,8 +110,7 @@ def estimate_fisher(
                 sites, logits = site_activations(model, family, inputs, batch)
                 for site in sites[1:]:
                     site.retain_grad()
-                objective = sampled_log_likelihood(logits, mask.to(logits.dtype), generator, options.reduction)
-                objective.backward()
+                logits.backward(sampled_score(logits, mask, generator, options.reduction))
             for total, site in zip(totals, sites):
                 g = site.grad[mask].to(dtype)
                 total.addmm_(g.T, g)

@@ -39,9 +39,16 @@ class Schedule:
 _LIMITS = {"steps": (int, 1, True), "lr": (float, 0.0, False), "patience": (int, 1, True), "tolerance": (float, 0.0, True)}
 
 
+def loss_and_gradient(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Tr(UᵀCU·UᵀHU) and its Euclidean gradient 2CU(UᵀHU) + 2HU(UᵀCU), sharing the products."""
+    CU, HU = C @ U, H @ U
+    A, B = U.T @ CU, U.T @ HU
+    return float((A * B).sum()), 2 * (CU @ B + HU @ A)  # Tr(AB) = Σ A∘B for symmetric B
+
+
 def loss_gradient(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
     """Euclidean gradient of Tr(UᵀCU·UᵀHU) for symmetric C and H."""
-    return 2 * C @ U @ (U.T @ H @ U) + 2 * H @ U @ (U.T @ C @ U)
+    return loss_and_gradient(C, H, U)[1]
 
 
 class Stiefel(Strategy):
@@ -76,15 +83,16 @@ class Stiefel(Strategy):
         optimiser = geoopt.optim.RiemannianAdam([U], lr=options.lr)
         best_loss, best, since_gain, steps = start_loss, start_removed, 0, 0
         for steps in range(1, options.steps + 1):
-            U.grad = loss_gradient(C, H, U.data)
-            optimiser.step()
-            loss = coupled_loss(C, H, U.data)
+            loss, U.grad = loss_and_gradient(C, H, U.data)  # loss of the point about to be moved
             if loss < best_loss * (1 - options.tolerance):
                 best_loss, best, since_gain = loss, U.data.clone(), 0
             else:
                 since_gain += 1
                 if since_gain >= options.patience:
                     break
+            optimiser.step()
+        if coupled_loss(C, H, U.data) < best_loss:
+            best = U.data.clone()
         Q = complete_basis(best)
         final_loss = coupled_loss(C, H, Q[:, problem.keep:])
         if final_loss > start_loss:  # re-orthonormalising can cost a rounding error: keep the start

@@ -175,3 +175,27 @@ def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
     coarse, fine = error(estimate(20)), error(estimate(4000))
     assert fine < 0.1
     assert fine < coarse / 3
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sampled_score_is_the_gradient_of_the_sampled_log_likelihood(reduction: str) -> None:
+    from compressor.sensitivity import sampled_score
+
+    logits = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    score = sampled_score(logits, mask, torch.Generator().manual_seed(0), reduction)
+    labels = score.argmax(-1)  # the sampled label is the only entry with a positive score
+    picked = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)[mask]
+    (picked.sum() if reduction == "sum" else picked.mean()).backward()
+    assert torch.allclose(score, logits.grad, atol=1e-12)
+
+
+def test_sampled_labels_follow_the_model_distribution() -> None:
+    from compressor.sensitivity import sampled_score
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log().expand(20_000, 4).unsqueeze(0)
+    score = sampled_score(logits, torch.ones(1, 20_000, dtype=torch.bool), torch.Generator().manual_seed(1), "sum")
+    frequencies = torch.bincount(score[0].argmax(-1), minlength=4).double() / 20_000
+    assert torch.allclose(frequencies, probs, atol=0.015)
