@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from compressor.calibration import Batch
@@ -78,7 +79,10 @@ def chat_batches(
         if messages_field not in record:
             raise UserError(f"dataset record {index} has no field '{messages_field}' "
                             f"(fields: {', '.join(record)}); set messages_field in the recipe")
-        ids, mask = assistant_tokens(tokenizer, record[messages_field])
+        try:
+            ids, mask = assistant_tokens(tokenizer, record[messages_field])
+        except TemplateError as error:
+            raise UserError(f"dataset record {index}: the chat template refused the conversation: {error}") from None
         rows.append((ids[:seq_len], mask[:seq_len]))
     if len(rows) < num_samples:
         raise UserError(f"the dataset has {len(rows)} conversations, but num_samples is {num_samples}; "

@@ -75,3 +75,12 @@ def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
     assert batches[1].input_ids.shape[0] == 1
     with pytest.raises(UserError, match="has 3 conversations"):
         chat_batches(records, tokenizer, seq_len=20, num_samples=4, batch_size=2)
+
+
+def test_conversation_the_template_rejects_is_a_user_error(tokenizer) -> None:
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('system messages are not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    records = [{"messages": CONVERSATION}, {"messages": [{"role": "system", "content": "be brief"}] + CONVERSATION}]
+    with pytest.raises(UserError, match="record 1: the chat template refused the conversation: system messages"):
+        chat_batches(records, tokenizer, seq_len=20, num_samples=2, batch_size=2)
