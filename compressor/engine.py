@@ -190,7 +190,7 @@ def prune(
     for i, layer in enumerate(layers):
         report(f"layer {i + 1}/{num_layers}", i, num_layers)
         assert isinstance(layer, SlicedDecoderLayer)
-        home = next(layer.parameters()).device
+        layer_home = next(layer.parameters()).device
         layer.to(device)
         like = next(layer.parameters())
         attention, mlp = layer.self_attn, layer.mlp
@@ -213,7 +213,7 @@ def prune(
         layer.mlp_shortcut = transition(after_attn, after_mlp, like)
         hidden = _project(hidden, after_mlp)
 
-        layer.to(home)
+        layer.to(layer_home)
         previous = after_mlp
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
 
