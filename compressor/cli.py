@@ -45,8 +45,10 @@ def _parser() -> argparse.ArgumentParser:
 def _quiet_libraries() -> None:
     """Our rich display reports progress; the libraries' own bars would interleave with it."""
     import datasets
+    import huggingface_hub
     import transformers
 
+    huggingface_hub.utils.logging.set_verbosity_error()  # no retry chatter before our one-line error
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -56,16 +58,24 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import rich_table
-    from compressor.runner import check_output, run
+    from compressor.runner import check_output, plan, run
 
     _quiet_libraries()
     registry = PluginRegistry()
     recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
-    check_output(Path(recipe.output), args.overwrite)
     if args.dry_run:
+        notes = []
+        if Path(recipe.model.path).is_dir():  # a local config is cheap to read: check family and widths too
+            plan(recipe, registry)
+        else:
+            notes.append("model config not checked (hub id)")
+        try:
+            check_output(Path(recipe.output), args.overwrite)
+        except UserError as error:
+            notes.append(f"note: {error}")
         console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
-                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})",
-                      soft_wrap=True, markup=False, highlight=False)
+                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})"
+                      + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:

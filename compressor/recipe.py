@@ -213,6 +213,15 @@ def _check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
     return dataclasses.replace(spec, dataset=dataset)
 
 
+def _plain(value: Any) -> Any:
+    """Tuples to lists (recursively), so options dump as plain YAML."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     """Check a raw recipe mapping completely and return it with paths resolved."""
     if not isinstance(raw, dict):
@@ -229,9 +238,11 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         options = {k: v for k, v in step.items() if k != "strategy"}
         strategy = registry.strategy(str(step["strategy"]))
         try:
-            strategy.parse_options(options)
+            parsed = strategy.parse_options(options)
         except StrategyOptionError as error:
             raise UserError(f"{where}: {error}") from None
+        if dataclasses.is_dataclass(parsed):  # record the defaults too, so the saved recipe is complete
+            options = _plain(dataclasses.asdict(parsed))
         steps.append(StepSpec(strategy=strategy.name, options=options))
     raw["pipeline"] = []
     recipe: Recipe = _build(Recipe, raw, "")
@@ -266,12 +277,17 @@ def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str]
     """Read, override (`--set`), and validate a recipe file. `output` (from the CLI)
     replaces the recipe's output and resolves against the current folder."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; give the recipe file, e.g. {path / 'demo.yaml'}")
     if not path.is_file():
         raise UserError(f"recipe file not found: {path}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise UserError(f"recipe {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise UserError(f"recipe {path} is not valid YAML{where}: {problem}") from None
     if isinstance(raw, dict):
         for assignment in overrides:
             apply_override(raw, assignment)

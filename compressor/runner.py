@@ -14,6 +14,7 @@ import platform
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune, site_widths
 from compressor.errors import UserError
 from compressor.evaluate import compare, parameter_count
-from compressor.families import family_for
+from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.report import write_markdown
@@ -81,27 +82,74 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _batches(spec: DataSpec, tokenizer: Any) -> list[Batch]:
-    records = load_records(spec.dataset)
-    if spec.format == "chat":
-        return chat_batches(records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size, spec.messages_field)
-    windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+def _batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+    try:
+        records = load_records(spec.dataset)
+        if spec.format == "chat":
+            return chat_batches(records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size,
+                                spec.messages_field)
+        windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
     return batches_of(windows, spec.batch_size)
 
 
+RUN_MARKER = "report.json"
+"""A folder holding this file was written by a run, and only such a folder is ever replaced."""
+
+
 def check_output(output: Path, overwrite: bool) -> None:
-    """Refuse to replace a non-empty output folder unless asked to."""
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise UserError(f"output folder {output} already exists; pass --overwrite or choose another --output")
+    """The output may be new, an empty folder, or (with `overwrite`) a previous run's folder.
+
+    Anything else is refused even with `overwrite`: a run never deletes files it did not write.
+    """
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise UserError(f"output {output} exists and is not a folder; choose another --output")
+    if not any(output.iterdir()):
+        return
+    if not (output / RUN_MARKER).is_file():
+        raise UserError(f"output folder {output} is not empty and holds no previous run ({RUN_MARKER}); "
+                        f"choose another --output")
+    if not overwrite:
+        raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
 
 
 def _prepare_output(output: Path, overwrite: bool) -> Path:
     check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError as error:
+        raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
     return staging
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run decides from the recipe and the model's config alone (no weights)."""
+
+    config: PretrainedConfig
+    family: ModelFamily
+    kept: int
+    widths: list[int]
+    pipeline: list[PipelineStep]
+
+
+def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
+    """Read the model's config and check family, widths and strategy options; load no weights."""
+    config = load_config(recipe.model)
+    family = family_for(config.model_type)
+    kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
+    widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    return Plan(config, family, kept, widths, pipeline)
 
 
 def run(
@@ -113,15 +161,9 @@ def run(
     """Run a validated recipe; return the report (also written to `<output>/report.json`)."""
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
-    config = load_config(recipe.model)
-    family = family_for(config.model_type)
-    kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
-    widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
+    checked = plan(recipe, registry)
+    config, family, kept = checked.config, checked.family, checked.kept
     device = resolve_device(recipe.device)
-    pipeline = []
-    for step in recipe.pipeline:
-        strategy = registry.strategy(step.strategy)
-        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     output = Path(recipe.output)
     staging = _prepare_output(output, overwrite)
     timings: dict[str, float] = {}
@@ -130,8 +172,8 @@ def run(
         tick = time.perf_counter()
         report_progress("tokenising data", 0, 1)
         tokenizer = load_tokenizer(recipe.model)
-        calibration = _batches(recipe.calibration, tokenizer)
-        evaluation = _batches(recipe.evaluation, tokenizer) if recipe.evaluation else None
+        calibration = _batches(recipe.calibration, tokenizer, "calibration")
+        evaluation = _batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
         timings["data_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -141,7 +183,8 @@ def run(
         timings["load_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        result = prune(model, family, calibration, widths, pipeline, device, report_progress, recipe.sensitivity)
+        result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
+                       recipe.sensitivity)
         pruned = result.model
         timings["prune_s"] = time.perf_counter() - tick
 
@@ -181,8 +224,8 @@ def run(
         (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         write_markdown(report, staging / "report.md")
-        if output.exists():
-            shutil.rmtree(output) if output.is_dir() else output.unlink()
+        if output.exists():  # check_output allowed only an empty folder or a previous run's
+            shutil.rmtree(output)
         staging.rename(output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

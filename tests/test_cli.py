@@ -78,21 +78,54 @@ def test_set_overrides_and_output_option(tiny_checkpoint: Path, tmp_path: Path) 
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_needs_overwrite(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_existing_run_needs_overwrite(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    first = (tmp_path / "out" / "report.json").read_text()
+    assert main(["run", str(recipe)]) == 2
+    assert "already holds a run; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "out" / "report.json").read_text() == first
+    assert main(["run", str(recipe), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "report.json").read_text() != first  # timings differ: it was rewritten
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_that_is_not_a_run_is_never_replaced(tiny_checkpoint: Path, tmp_path: Path, overwrite: bool,
+                                                      capsys: pytest.CaptureFixture) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("user data")
-    assert main(["run", str(recipe)]) == 2
-    assert "--overwrite" in capsys.readouterr().err
-    assert (tmp_path / "out" / "keep.txt").exists()
-    assert main(["run", str(recipe), "--overwrite"]) == 0
-    assert (tmp_path / "out" / "report.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+    (tmp_path / "out" / "thesis.tex").write_text("user data")
+    assert main(["run", str(recipe), *(["--overwrite"] if overwrite else [])]) == 2
+    assert "holds no previous run" in capsys.readouterr().err
+    assert (tmp_path / "out" / "thesis.tex").read_text() == "user data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
 
 
-def test_dry_run_loads_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    empty_model_dir = tmp_path / "model"
-    empty_model_dir.mkdir()  # no config: a real load would fail
-    recipe = write_recipe(tmp_path, empty_model_dir)
+@pytest.mark.parametrize("target", ["file", "under-a-file"])
+def test_unusable_output_paths_are_user_errors(tiny_checkpoint: Path, tmp_path: Path, target: str,
+                                               capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    (tmp_path / "a-file").write_text("x")
+    output = tmp_path / "a-file" if target == "file" else tmp_path / "a-file" / "sub"
+    assert main(["run", str(recipe), "--output", str(output), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("is not a folder" if target == "file" else "cannot create the output folder") in err
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_saved_recipe_records_strategy_defaults(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}])
+    assert main(["run", str(recipe)]) == 0
+    saved = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
+    assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0]}]
+    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "seed": 0}
+
+
+def test_dry_run_reads_the_config_but_no_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = save_tiny_checkpoint(tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(b"not a checkpoint")  # any weight load would fail
+    recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe), "--dry-run"]) == 0
     assert "recipe OK" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
@@ -123,8 +156,8 @@ BAD_INPUTS = {
     "missing model folder": (dict(model__path="./no-such-model"), None, "model folder not found"),
     "hub model while offline": (dict(model__path="someone/some-model"), None, "offline mode is on"),
     "unsupported family": ("gpt2", None, "model_type 'gpt2' is not supported"),
-    "too little data": (dict(calibration__num_samples=100000), None, "lower num_samples"),
-    "no text field": (dict(calibration__text_field="body"), None, "has no field 'body'"),
+    "too little data": (dict(evaluation__num_samples=100000), None, "evaluation: the dataset yields"),
+    "no text field": (dict(calibration__text_field="body"), None, "calibration: dataset record 0 has no field 'body'"),
     "bad --set": ({}, ["--set", "sparsity"], "--set expects KEY=VALUE"),
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
@@ -156,9 +189,14 @@ def test_missing_recipe_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
 
 def test_recipe_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text("model: [unclosed\n")
+    path.write_text("model: [unclosed\nsparsity: 1\n")
     assert main(["run", str(path)]) == 2
-    assert "not valid YAML" in capsys.readouterr().err
+    assert "not valid YAML at line 2" in capsys.readouterr().err
+
+
+def test_recipe_folder_instead_of_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", str(tmp_path)]) == 2
+    assert "is a folder; give the recipe file" in capsys.readouterr().err
 
 
 def test_strategies_lists_builtin_pca_with_its_source(capsys: pytest.CaptureFixture) -> None:
@@ -185,13 +223,25 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     assert "supported model types: llama, mistral, qwen2" in capsys.readouterr().err
 
 
-def test_dry_run_refuses_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.json").write_text("{}")
-    assert main(["run", str(recipe), "--dry-run"]) == 2
-    assert "already exists" in capsys.readouterr().err
-    assert main(["run", str(recipe), "--dry-run", "--overwrite"]) == 0
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe OK" in out and "note: output folder" in out and "already holds a run" in out
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(sparsity=0.95), "leaves no width"),
+    (dict(model__path="GPT2"), "model_type 'gpt2' is not supported"),
+])
+def test_dry_run_checks_a_local_model_config(changes: dict, message: str, tiny_checkpoint: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    if changes.get("model__path") == "GPT2":
+        changes = dict(model__path=str(_gpt2_checkpoint(tmp_path / "gpt2")))
+    assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, **changes)), "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
