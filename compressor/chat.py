@@ -71,7 +71,8 @@ def chat_batches(
     messages_field: str = "messages",
 ) -> list[Batch]:
     """The first `num_samples` conversations, each truncated to `seq_len` tokens and right-padded
-    within its batch; `sensitivity_mask` marks the assistant tokens."""
+    within its batch. `sensitivity_mask` marks the positions whose *next* token is an assistant
+    token: the outputs that predict the response, and the activations that generate it."""
     rows: list[tuple[list[int], list[int]]] = []
     for index, record in enumerate(records):
         if len(rows) == num_samples:
@@ -83,11 +84,20 @@ def chat_batches(
             ids, mask = assistant_tokens(tokenizer, record[messages_field])
         except TemplateError as error:
             raise UserError(f"dataset record {index}: the chat template refused the conversation: {error}") from None
-        rows.append((ids[:seq_len], mask[:seq_len]))
+        except (TypeError, KeyError, AttributeError):
+            raise UserError(f"dataset record {index}: '{messages_field}' must be a list of "
+                            f"{{role, content}} messages") from None
+        except NotImplementedError:
+            raise UserError("chat calibration needs a fast tokenizer (character offsets); "
+                            "this tokenizer has none") from None
+        rows.append((ids[:seq_len], mask[1:seq_len + 1] + [0] * (len(mask) <= seq_len)))
     if len(rows) < num_samples:
         raise UserError(f"the dataset has {len(rows)} conversations, but num_samples is {num_samples}; "
                         f"lower num_samples or use more data")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if not any(any(mask) for _, mask in rows):
+        raise UserError(f"no assistant tokens remain within seq_len={seq_len} in the {num_samples} conversations; "
+                        f"raise seq_len (output sensitivity is measured on assistant tokens only)")
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     batches = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]

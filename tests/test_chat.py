@@ -68,9 +68,12 @@ def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
     first = batches[0]
     assert first.input_ids.shape == (2, 20)
     assert first.input_ids[0].tolist() == full_ids[:20]
-    assert first.sensitivity_mask[0].tolist() == full_mask[:20]
-    short_len = len(assistant_tokens(tokenizer, short)[0])
+    # position t counts when token t+1 is an assistant token: it predicts (generates) the response
+    assert first.sensitivity_mask[0].tolist() == full_mask[1:21]
+    short_ids, short_mask = assistant_tokens(tokenizer, short)
+    short_len = len(short_ids)
     assert first.attention_mask[1].tolist() == [1] * short_len + [0] * (20 - short_len)
+    assert first.sensitivity_mask[1, :short_len].tolist() == short_mask[1:] + [0]
     assert first.sensitivity_mask[1, short_len:].sum() == 0
     assert batches[1].input_ids.shape[0] == 1
     with pytest.raises(UserError, match="has 3 conversations"):
@@ -84,3 +87,22 @@ def test_conversation_the_template_rejects_is_a_user_error(tokenizer) -> None:
     records = [{"messages": CONVERSATION}, {"messages": [{"role": "system", "content": "be brief"}] + CONVERSATION}]
     with pytest.raises(UserError, match="record 1: the chat template refused the conversation: system messages"):
         chat_batches(records, tokenizer, seq_len=20, num_samples=2, batch_size=2)
+
+
+def test_the_first_assistant_token_is_predicted_from_the_prompt(tokenizer) -> None:
+    """The output at the last prompt position (<|assistant|>) predicts the answer's first token."""
+    batch = chat_batches([{"messages": CONVERSATION[:2]}], tokenizer, seq_len=64, num_samples=1, batch_size=1)[0]
+    ids = batch.input_ids[0].tolist()
+    first_answer = ids.index(tokenizer.convert_tokens_to_ids("<|assistant|>"))
+    assert batch.sensitivity_mask[0, first_answer] == 1
+    assert batch.sensitivity_mask[0, first_answer - 1] == 0
+    assert batch.sensitivity_mask[0, -1] == 0  # the final EOS predicts nothing of the answer
+
+
+@pytest.mark.parametrize(("messages", "seq_len", "message"), [
+    ("hi", 64, "must be a list of {role, content} messages"),
+    (CONVERSATION, 3, "no assistant tokens remain within seq_len=3"),
+])
+def test_unusable_conversations_are_user_errors(tokenizer, messages, seq_len: int, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        chat_batches([{"messages": messages}], tokenizer, seq_len=seq_len, num_samples=1, batch_size=1)
