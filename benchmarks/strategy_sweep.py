@@ -49,7 +49,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_pca.yaml"), help="benchmark recipe")
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.1, 0.2, 0.25, 0.3])
     parser.add_argument("--pipelines", nargs="+", default=["pca"],
-                        help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel")
+                        help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
+                             "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "strategy_sweep.json"),
                         help="where the JSON results are written")
     parser.add_argument("--runs-dir", default=None,
@@ -73,7 +74,7 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
     metrics, timings = report["metrics"], report["timings"]
     baseline, pruned = metrics["baseline"]["ppl"], metrics["pruned"]["ppl"]
     return {
-        "pipeline": "+".join(report["pipeline"]),
+        "pipeline": report["label"],
         "sparsity": report["sparsity"],
         "kept_width": report["kept_width"],
         "baseline_ppl": baseline,
@@ -126,9 +127,11 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pipeline_override(chain: str) -> str:
+def _overrides(spec: str) -> list[str]:
+    """`a+b[:key=value,...]` → the pipeline override plus any extra recipe overrides."""
+    chain, _, extra = spec.partition(":")
     steps = ", ".join(f"{{strategy: {name}}}" for name in chain.split("+"))
-    return f"pipeline=[{steps}]"
+    return [f"pipeline=[{steps}]", *(item for item in extra.split(",") if item)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,14 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="strategy_sweep_") as scratch:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(scratch)
         for sparsity in args.sparsities:
-            for chain in args.pipelines:
+            for index, chain in enumerate(args.pipelines):
                 label = f"{chain} at {sparsity}"
-                output = runs_dir / f"{chain}-{sparsity:g}"
-                overrides = [f"sparsity={sparsity}", _pipeline_override(chain)]
+                output = runs_dir / f"{index}-{sparsity:g}"
+                overrides = [f"sparsity={sparsity}", *_overrides(chain)]
                 recipe = load_recipe(args.recipe, registry, overrides, str(output))
                 tick = time.perf_counter()
                 report = run(recipe, registry, _phase_logger(label, console), overwrite=True)
-                rows.append(_row(report))
+                rows.append(_row({**report, "label": chain}))
                 console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
     _add_ratios(rows)
     device = report["environment"]["device"] if rows else None

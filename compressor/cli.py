@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--output", help="output folder (overrides the recipe's output)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
-    run.add_argument("--dry-run", action="store_true", help="validate the recipe and stop; loads nothing")
+    run.add_argument("--dry-run", action="store_true", help="validate the recipe (and a local model's config.json) and stop; loads no weights or data")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     commands.add_parser("strategies", help="list the registered selection strategies")
     return parser

@@ -65,9 +65,11 @@ def token_windows(
             stream.append(eos)
         pending.clear()
 
-    for text in _texts(records, text_field):
-        if not text.strip():  # e.g. WikiText's blank lines: no content, only BOS/EOS noise
+    for index, text in enumerate(_texts(records, text_field)):
+        if text is None or (isinstance(text, str) and not text.strip()):  # blank: only BOS/EOS noise
             continue
+        if not isinstance(text, str):
+            raise UserError(f"dataset record {index}: field '{text_field}' is {type(text).__name__}, not text")
         pending.append(text)
         if len(pending) == chunk:
             flush()

@@ -155,7 +155,8 @@ def prune(
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
     Layers are moved to `device` one at a time and back to where they were, so the model
-    need not fit on the accelerator; the result is where the model was. `widths` gives
+    need not fit on the accelerator (except to estimate H, which needs the whole model and its
+    backward graph on `device`); the result is where the model was. `widths` gives
     the kept width of each site. H is estimated (with `sensitivity` options) only when a
     strategy of the pipeline requires it, on the fused model before anything is sliced.
     """

@@ -20,7 +20,7 @@ import yaml
 
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
-from compressor.sensitivity import ACCUMULATION_DTYPES, REDUCTIONS, SensitivityOptions
+from compressor.sensitivity import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 from compressor.strategy import StrategyOptionError
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -139,7 +139,10 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     key, sep, text = assignment.partition("=")
     if not sep or not key:
         raise UserError(f"--set expects KEY=VALUE, got '{assignment}'")
-    value = yaml.safe_load(text) if text else None
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as error:
+        raise UserError(f"--set {key}: the value is not valid YAML ({getattr(error, 'problem', None) or error})") from None
     parts = key.split(".")
     node: Any = raw
     for depth, part in enumerate(parts):
@@ -242,7 +245,12 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         except StrategyOptionError as error:
             raise UserError(f"{where}: {error}") from None
         if dataclasses.is_dataclass(parsed):  # record the defaults too, so the saved recipe is complete
-            options = _plain(dataclasses.asdict(parsed))
+            complete = _plain(dataclasses.asdict(parsed))
+            try:
+                strategy.parse_options(complete)
+                options = complete
+            except StrategyOptionError:  # the plugin's fields are not its option names: keep what was given
+                pass
         steps.append(StepSpec(strategy=strategy.name, options=options))
     raw["pipeline"] = []
     recipe: Recipe = _build(Recipe, raw, "")
@@ -261,6 +269,9 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(f"sensitivity.dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, got '{recipe.sensitivity.dtype}'")
     if recipe.sensitivity.reduction not in REDUCTIONS:
         raise UserError(f"sensitivity.reduction must be one of {', '.join(REDUCTIONS)}, got '{recipe.sensitivity.reduction}'")
+    if recipe.sensitivity.autocast not in (None, *AUTOCAST_DTYPES):
+        raise UserError(f"sensitivity.autocast must be null or one of {', '.join(AUTOCAST_DTYPES)}, "
+                        f"got '{recipe.sensitivity.autocast}'")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

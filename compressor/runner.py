@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device '{name}' requested but no CUDA GPU is available; set device: cpu (or auto)")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"device '{name}' requested but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return device
 
 
 def _batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
@@ -103,6 +107,8 @@ def check_output(output: Path, overwrite: bool) -> None:
 
     Anything else is refused even with `overwrite`: a run never deletes files it did not write.
     """
+    if output.is_symlink():
+        raise UserError(f"output {output} is a symbolic link; give the folder it points to")
     if not output.exists():
         return
     if not output.is_dir():
@@ -117,15 +123,24 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 
 def _prepare_output(output: Path, overwrite: bool) -> Path:
+    """A fresh staging folder beside the output (unique, so concurrent runs never share one)."""
     check_output(output, overwrite)
-    staging = output.parent / f".{output.name}.partial"
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     except OSError as error:
         raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
-    return staging
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Put the finished run in place; a previous run is moved aside first and removed last."""
+    previous = None
+    if output.exists():  # check_output allowed only an empty folder or a previous run's
+        previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+        output.rename(previous / output.name)
+    staging.rename(output)
+    if previous is not None:
+        shutil.rmtree(previous)
 
 
 @dataclass(frozen=True)
@@ -224,9 +239,7 @@ def run(
         (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         write_markdown(report, staging / "report.md")
-        if output.exists():  # check_output allowed only an empty folder or a previous run's
-            shutil.rmtree(output)
-        staging.rename(output)
+        _publish(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

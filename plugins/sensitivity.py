@@ -1,7 +1,8 @@
 """`sensitivity`: the paper's output-aware choice. For each τ of a grid, the bottom-k eigenvectors
 of M_τ = τC + τ⁻¹H (C and H Frobenius-normalised, float64) are a candidate removed subspace U;
 keep the candidate with the smallest L(U) = Tr(UᵀCU·UᵀHU). With H = I every candidate is the PCA
-subspace; for k = 1 a fine grid reaches the exact minimum (Proposition 1)."""
+subspace; for k = 1 a fine grid spanning small and large τ reaches the exact minimum
+(Proposition 1). The default grid is the paper's; the report compares the choice with PCA."""
 
 from __future__ import annotations
 

@@ -101,6 +101,15 @@ def test_a_folder_that_is_not_a_run_is_never_replaced(tiny_checkpoint: Path, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
 
 
+def test_a_symlinked_output_resolves_to_its_target(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    assert main(["run", str(recipe)]) == 0
+    assert (tmp_path / "real" / "report.json").is_file()
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "out" / "report.json").is_file()
+
+
 @pytest.mark.parametrize("target", ["file", "under-a-file"])
 def test_unusable_output_paths_are_user_errors(tiny_checkpoint: Path, tmp_path: Path, target: str,
                                                capsys: pytest.CaptureFixture) -> None:
@@ -119,7 +128,7 @@ def test_saved_recipe_records_strategy_defaults(tiny_checkpoint: Path, tmp_path:
     assert main(["run", str(recipe)]) == 0
     saved = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
     assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0]}]
-    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "seed": 0}
+    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "seed": 0, "autocast": None}
 
 
 def test_dry_run_reads_the_config_but_no_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -160,6 +169,7 @@ BAD_INPUTS = {
     "no text field": (dict(calibration__text_field="body"), None, "calibration: dataset record 0 has no field 'body'"),
     "bad --set": ({}, ["--set", "sparsity"], "--set expects KEY=VALUE"),
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
+    "--set value that is not YAML": ({}, ["--set", "sparsity=[0.3"], "--set sparsity: the value is not valid YAML"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
 }
 

@@ -199,3 +199,16 @@ def test_sampled_labels_follow_the_model_distribution() -> None:
     score = sampled_score(logits, torch.ones(1, 20_000, dtype=torch.bool), torch.Generator().manual_seed(1), "sum")
     frequencies = torch.bincount(score[0].argmax(-1), minlength=4).double() / 20_000
     assert torch.allclose(frequencies, probs, atol=0.015)
+
+
+def test_autocast_estimate_stays_close_to_full_precision() -> None:
+    model = tiny_model("llama")
+    family = family_for("llama")
+    fuse_norms(model, family)
+    ids = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+    inputs = capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))], torch.device("cpu"))
+    full = estimate_fisher(model, family, inputs, SensitivityOptions(seed=5), torch.device("cpu"))
+    low = estimate_fisher(model, family, inputs, SensitivityOptions(seed=5, autocast="bfloat16"), torch.device("cpu"))
+    for exact, approx in zip(full, low):
+        assert approx.dtype == torch.float64
+        assert (torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)).item() < 0.1

@@ -52,6 +52,7 @@ def test_bad_sensitivity_settings_exit_2(tiny_checkpoint: Path, tmp_path: Path, 
     for changes, message in [
         (dict(sensitivity={"dtype": "float16"}), "sensitivity.dtype must be one of float32, float64"),
         (dict(sensitivity={"reduction": "max"}), "sensitivity.reduction must be one of sum, mean"),
+        (dict(sensitivity={"autocast": "int8"}), "sensitivity.autocast must be null or one of bfloat16, float16"),
         (dict(calibration__format="dialogue"), "calibration.format must be one of text, chat"),
         (dict(pipeline=[{"strategy": "stiefel", "lr": -1}]), "pipeline.0: strategy 'stiefel': lr must be above 0"),
     ]:
