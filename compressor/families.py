@@ -38,11 +38,15 @@ class ModelFamily:
     mlp_inputs: tuple[str, ...] = ("gate_proj", "up_proj")
     mlp_output: str = "down_proj"
     norm_eps: str = "rms_norm_eps"
+    norm_offset: float = 0.0
+    """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
 
 
-LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2"))
+LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"))
+PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",))
+GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0)
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA)
 
 
 def supported_model_types() -> list[str]:

@@ -90,15 +90,20 @@ class SlicedDecoderLayer(nn.Module):
         return self.mlp_block(self.attention_block(hidden_states, **kwargs))
 
 
-def _resized_linear(linear: nn.Linear, in_features: int | None = None, out_features: int | None = None) -> nn.Linear:
-    """An uninitialised linear like `linear` with new input and/or output width."""
-    return nn.Linear(
-        in_features if in_features is not None else linear.in_features,
-        out_features if out_features is not None else linear.out_features,
-        bias=linear.bias is not None,
-        device=linear.weight.device,
-        dtype=linear.weight.dtype,
-    )
+def _resize(module: nn.Module, **features: int) -> None:
+    """Give a linear (in_features/out_features) or an embedding (embedding_dim) new widths, in
+    place: the module keeps its class and buffers (e.g. Gemma's embedding scale). The new
+    weights are uninitialised; they come from a checkpoint or from the engine."""
+    for name, value in features.items():
+        setattr(module, name, value)
+    weight = module.weight
+    shape = ((module.out_features, module.in_features) if isinstance(module, nn.Linear)
+             else (module.num_embeddings, module.embedding_dim))
+    module.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device), requires_grad=False)
+    bias = getattr(module, "bias", None)
+    if bias is not None and bias.shape[0] != module.out_features:
+        module.bias = nn.Parameter(torch.empty(module.out_features, dtype=bias.dtype, device=bias.device),
+                                   requires_grad=False)
 
 
 def wrap_layer(
@@ -127,24 +132,18 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     d = slicing["hidden_size"]
     eps = float(getattr(model.config, family.norm_eps))
     embedding = model.get_submodule(family.embedding)
-    model.set_submodule(
-        family.embedding,
-        nn.Embedding(embedding.num_embeddings, slicing["embedding"], embedding.padding_idx,
-                     device=embedding.weight.device, dtype=embedding.weight.dtype),
-    )
+    _resize(embedding, embedding_dim=slicing["embedding"])
     layers = model.get_submodule(family.layers)
     width_in = slicing["embedding"]
     for index, (width_attn, width_mlp) in enumerate(zip(slicing["attn"], slicing["mlp"])):
         layer = layers[index]
         attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
         for path in family.attn_inputs:
-            attention.set_submodule(path, _resized_linear(attention.get_submodule(path), in_features=width_in))
-        out = attention.get_submodule(family.attn_output)
-        attention.set_submodule(family.attn_output, _resized_linear(out, out_features=width_attn))
+            _resize(attention.get_submodule(path), in_features=width_in)
+        _resize(attention.get_submodule(family.attn_output), out_features=width_attn)
         for path in family.mlp_inputs:
-            mlp.set_submodule(path, _resized_linear(mlp.get_submodule(path), in_features=width_attn))
-        out = mlp.get_submodule(family.mlp_output)
-        mlp.set_submodule(family.mlp_output, _resized_linear(out, out_features=width_mlp))
+            _resize(mlp.get_submodule(path), in_features=width_attn)
+        _resize(mlp.get_submodule(family.mlp_output), out_features=width_mlp)
         sliced = wrap_layer(family, layer, d, eps, eps)
         dtype, device = embedding.weight.dtype, embedding.weight.device
         sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
@@ -152,8 +151,7 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         layers[index] = sliced
         width_in = width_mlp
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
-    head = model.get_submodule(family.head)
-    model.set_submodule(family.head, _resized_linear(head, in_features=width_in))
+    _resize(model.get_submodule(family.head), in_features=width_in)
 
 
 def sliced_model_type(model_type: str) -> str:

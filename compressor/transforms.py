@@ -42,12 +42,17 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
     for index, layer in enumerate(layers):
         attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
         attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
-        _fold_scale(attn_norm.weight.data, [attention.get_submodule(p) for p in family.attn_inputs])
-        _fold_scale(mlp_norm.weight.data, [mlp.get_submodule(p) for p in family.mlp_inputs])
+        _fold_scale(_scale(attn_norm, family), [attention.get_submodule(p) for p in family.attn_inputs])
+        _fold_scale(_scale(mlp_norm, family), [mlp.get_submodule(p) for p in family.mlp_inputs])
         layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm))
     final_norm = model.get_submodule(family.final_norm)
-    _fold_scale(final_norm.weight.data, [head])
+    _fold_scale(_scale(final_norm, family), [head])
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
+
+
+def _scale(norm: nn.Module, family: ModelFamily) -> torch.Tensor:
+    """The per-coordinate factor the norm applies, in float64 (Gemma stores it as 1 + w)."""
+    return norm.weight.data.to(torch.float64) + family.norm_offset
 
 
 def _eps(norm: nn.Module) -> float:

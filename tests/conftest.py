@@ -29,6 +29,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "mistral": dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),  # per-head q/k norms
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0),  # fused qkv and gate_up
+    "gemma": dict(model_type="gemma", tie_word_embeddings=True),  # scaled embeddings, (1 + w) norms
 }
 
 

@@ -40,6 +40,7 @@ def _expected_parameters(config, widths: list[int]) -> int:
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
         total += w_in * (heads + 2 * kv) * hd + attn_bias + heads * hd * w_attn  # q, k, v, o
         total += 2 * w_attn * inter + inter * w_mlp  # gate, up, down
+        total += 2 * hd if config.model_type == "qwen3" else 0  # per-head q and k norms
         total += w_in * w_attn + w_attn * w_mlp  # residual transitions
     return total
 
@@ -55,15 +56,17 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
                    widths, [PipelineStep(PCA())])
     model = result.model
+    family = family_for(family_name)
     assert model.config.model_type == f"sliced_{family_name}"
     assert model.model.embed_tokens.weight.shape == (config.vocab_size, kept)
     for i, layer in enumerate(model.model.layers):
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
-        for name in ("q_proj", "k_proj", "v_proj"):
-            assert getattr(layer.self_attn, name).in_features == w_in
-        assert layer.self_attn.o_proj.out_features == w_attn
-        assert layer.mlp.gate_proj.in_features == layer.mlp.up_proj.in_features == w_attn
-        assert layer.mlp.down_proj.out_features == w_mlp
+        for name in family.attn_inputs:
+            assert layer.self_attn.get_submodule(name).in_features == w_in
+        assert layer.self_attn.get_submodule(family.attn_output).out_features == w_attn
+        for name in family.mlp_inputs:
+            assert layer.mlp.get_submodule(name).in_features == w_attn
+        assert layer.mlp.get_submodule(family.mlp_output).out_features == w_mlp
         assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
         assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
     assert model.lm_head.in_features == (kept if slice_head else d)
