@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="validate the recipe (and a local model's config.json) and stop; loads no weights or data")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     commands.add_parser("strategies", help="list the registered selection strategies")
+    commands.add_parser("families", help="list the supported model families (by model_type)")
     return parser
 
 
@@ -100,6 +101,17 @@ def _strategies(console: Console) -> None:
     console.print(table)
 
 
+def _families(console: Console) -> None:
+    from compressor.plugins import PluginRegistry
+
+    table = Table(title="supported model families")
+    for column in ("model_type", "family", "plugin", "from"):
+        table.add_column(column, overflow="fold")
+    for model_type, entry in PluginRegistry().families().items():
+        table.add_row(*(escape(cell) for cell in (model_type, entry.family.name, entry.plugin, entry.source)))
+    console.print(table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     errors = Console(stderr=True)
@@ -107,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "run":
             _run(args, console)
+        elif args.command == "families":
+            _families(console)
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:

@@ -7,6 +7,7 @@ touching the engine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from compressor.errors import UserError
@@ -49,16 +50,13 @@ GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0)
 BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA)
 
 
-def supported_model_types() -> list[str]:
-    return sorted(t for family in BUILTIN_FAMILIES for t in family.model_types)
-
-
-def family_for(model_type: str) -> ModelFamily:
-    """The family that describes `model_type`, or a UserError naming the supported ones."""
-    for family in BUILTIN_FAMILIES:
-        if model_type in family.model_types:
-            return family
+def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:
+    """The family that describes `model_type` (among `families`, by model_type; default: the
+    built-ins), or a UserError naming the supported ones."""
+    known = families if families is not None else {t: f for f in BUILTIN_FAMILIES for t in f.model_types}
+    if model_type in known:
+        return known[model_type]
     raise UserError(
-        f"model_type '{model_type}' is not supported; supported model types: "
-        f"{', '.join(supported_model_types())}"
+        f"model_type '{model_type}' is not supported; supported model types: {', '.join(sorted(known))} "
+        f"(a plugin can add a family: see docs/adding-a-model-family.md)"
     )

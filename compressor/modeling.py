@@ -16,6 +16,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from compressor.families import BUILTIN_FAMILIES, ModelFamily
 
@@ -160,7 +161,7 @@ def sliced_model_type(model_type: str) -> str:
 
 def _make_sliced_classes(family: ModelFamily, model_type: str) -> tuple[type, type]:
     """Config and causal-LM classes for `sliced_<model_type>`, subclassing the originals."""
-    config_base = AutoConfig.for_model(model_type).__class__
+    config_base = CONFIG_MAPPING[model_type]
     model_base = AutoModelForCausalLM._model_mapping[config_base]
     type_name = sliced_model_type(model_type)
 

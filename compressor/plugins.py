@@ -10,6 +10,8 @@ from importlib import metadata
 import pluggy
 
 from compressor.errors import UserError
+from compressor.families import BUILTIN_FAMILIES, ModelFamily
+from compressor.modeling import register_family
 from compressor.strategy import Strategy
 
 PROJECT = "compressor"
@@ -26,10 +28,21 @@ class CompressorHookSpecs:
     def compressor_strategies(self) -> list[Strategy]:
         """Return the selection strategies this plugin provides."""
 
+    @hookspec
+    def compressor_model_families(self) -> list[ModelFamily]:
+        """Return descriptions of model families (by `model_type`) this plugin supports."""
+
 
 @dataclass(frozen=True)
 class RegisteredStrategy:
     strategy: Strategy
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredFamily:
+    family: ModelFamily
     plugin: str
     source: str
 
@@ -62,6 +75,7 @@ class PluginRegistry:
         for plugin in extra_plugins:
             self.manager.register(plugin)
         self._strategies = self._collect()
+        self._families = self._collect_families()
 
     def _source(self, plugin: object) -> str:
         for registered, dist in self.manager.list_plugin_distinfo():
@@ -80,6 +94,25 @@ class PluginRegistry:
                     )
                 found[strategy.name] = RegisteredStrategy(strategy, impl.plugin_name, self._source(impl.plugin))
         return found
+
+    def _collect_families(self) -> dict[str, RegisteredFamily]:
+        """Built-in families plus plugin ones, by model_type; a plugin's get its sliced classes."""
+        found = {t: RegisteredFamily(f, "built-in", "compressor") for f in BUILTIN_FAMILIES for t in f.model_types}
+        for impl in self.manager.hook.compressor_model_families.get_hookimpls():
+            for family in impl.function() or []:
+                for model_type in family.model_types:
+                    if model_type in found:
+                        raise UserError(
+                            f"model_type '{model_type}' is described twice, by '{found[model_type].plugin}' "
+                            f"and plugin '{impl.plugin_name}'; uninstall one of them"
+                        )
+                    found[model_type] = RegisteredFamily(family, impl.plugin_name, self._source(impl.plugin))
+                register_family(family)
+        return found
+
+    def families(self) -> dict[str, RegisteredFamily]:
+        """Every supported model_type and the family that describes it."""
+        return dict(sorted(self._families.items()))
 
     def strategies(self) -> dict[str, RegisteredStrategy]:
         return dict(sorted(self._strategies.items()))

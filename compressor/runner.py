@@ -157,7 +157,8 @@ class Plan:
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     """Read the model's config and check family, widths and strategy options; load no weights."""
     config = load_config(recipe.model)
-    family = family_for(config.model_type)
+    families = {model_type: entry.family for model_type, entry in registry.families().items()}
+    family = family_for(config.model_type, families)
     kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
     widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
     pipeline = []
