@@ -201,7 +201,7 @@ def prune(
         layer.attn_shortcut = transition(previous, identity, like)
         hidden = [layer.attention_block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
         after_attn = selector.select(names[2 * i + 1], d, widths[2 * i + 1], _moment(hidden, masks, d, device))
-        rotate_output(attention.get_submodule(family.attn_output), after_attn)
+        rotate_output(layer.writer("attn", family), after_attn)
         layer.attn_shortcut = transition(previous, after_attn, like)
         hidden = _project(hidden, after_attn)
 
@@ -210,7 +210,7 @@ def prune(
         layer.mlp_shortcut = transition(after_attn, identity, like)
         hidden = [layer.mlp_block(h) for h in hidden]
         after_mlp = selector.select(names[2 * i + 2], d, widths[2 * i + 2], _moment(hidden, masks, d, device))
-        rotate_output(mlp.get_submodule(family.mlp_output), after_mlp)
+        rotate_output(layer.writer("mlp", family), after_mlp)
         layer.mlp_shortcut = transition(after_attn, after_mlp, like)
         hidden = _project(hidden, after_mlp)
 

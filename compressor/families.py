@@ -41,13 +41,23 @@ class ModelFamily:
     norm_eps: str = "rms_norm_eps"
     norm_offset: float = 0.0
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
+    logit_softcapping: str | None = None
+    """Config attribute of a cap c applied as c·tanh(logits / c) after the head (Gemma2)."""
+    attn_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    """Norms applied to a block's output before the residual add (Gemma2). Their RMS is taken
+    over the full width, so the block's output linear keeps width d and a separate writer
+    V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
 
 
 LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"))
 PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",))
 GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0)
+GEMMA2 = ModelFamily(name="gemma2", model_types=("gemma2",), norm_offset=1.0, mlp_norm="pre_feedforward_layernorm",
+                     logit_softcapping="final_logit_softcapping",
+                     attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm")
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA)
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2)
 
 
 def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:

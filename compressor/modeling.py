@@ -63,6 +63,8 @@ class SlicedDecoderLayer(nn.Module):
         attn_shortcut: nn.Linear | None = None,
         mlp_shortcut: nn.Linear | None = None,
         attention_type: str | None = None,
+        attn_writer: tuple[nn.Module, nn.Linear] | None = None,
+        mlp_writer: tuple[nn.Module, nn.Linear] | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = attention
@@ -71,6 +73,9 @@ class SlicedDecoderLayer(nn.Module):
         self.post_attention_layernorm = mlp_norm
         self.attn_shortcut = attn_shortcut
         self.mlp_shortcut = mlp_shortcut
+        # Families with norms after the blocks (Gemma2): weightless norm, then the writer linear.
+        self.attn_output_norm, self.attn_writer = attn_writer or (None, None)
+        self.mlp_output_norm, self.mlp_writer = mlp_writer or (None, None)
         if attention_type is not None:
             self.attention_type = attention_type
 
@@ -78,14 +83,27 @@ class SlicedDecoderLayer(nn.Module):
     def _shortcut(linear: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
         return x if linear is None else linear(x)
 
+    @staticmethod
+    def _write(norm: nn.Module | None, writer: nn.Linear | None, out: torch.Tensor) -> torch.Tensor:
+        return out if writer is None else writer(norm(out))
+
     def attention_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         residual = self._shortcut(self.attn_shortcut, hidden_states)
         attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-        return residual + attn_out
+        return residual + self._write(self.attn_output_norm, self.attn_writer, attn_out)
 
     def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
         residual = self._shortcut(self.mlp_shortcut, hidden_states)
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + self._write(self.mlp_output_norm, self.mlp_writer, mlp_out)
+
+    def writer(self, block: str, family: ModelFamily) -> nn.Linear:
+        """The linear that writes `block`'s ("attn" or "mlp") output into the residual stream."""
+        own = self.attn_writer if block == "attn" else self.mlp_writer
+        if own is not None:
+            return own
+        module, path = (self.self_attn, family.attn_output) if block == "attn" else (self.mlp, family.mlp_output)
+        return module.get_submodule(path)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.mlp_block(self.attention_block(hidden_states, **kwargs))
@@ -108,18 +126,23 @@ def _resize(module: nn.Module, **features: int) -> None:
 
 
 def wrap_layer(
-    family: ModelFamily, layer: nn.Module, reference_width: int, attn_eps: float, mlp_eps: float
+    family: ModelFamily, layer: nn.Module, reference_width: int, attn_eps: float, mlp_eps: float,
+    writers: dict[str, tuple[nn.Module, nn.Linear]] | None = None,
 ) -> SlicedDecoderLayer:
     """Turn a family's decoder layer into a `SlicedDecoderLayer` sharing its modules.
 
     The norms are replaced by weightless ones: call only after their scales were fused.
+    `writers` holds (output norm, writer linear) per block for families with output norms.
     """
+    writers = writers or {}
     return SlicedDecoderLayer(
         attention=layer.get_submodule(family.attention),
         mlp=layer.get_submodule(family.mlp),
         attn_norm=WeightlessRMSNorm(reference_width, attn_eps),
         mlp_norm=WeightlessRMSNorm(reference_width, mlp_eps),
         attention_type=getattr(layer, "attention_type", None),
+        attn_writer=writers.get("attn"),
+        mlp_writer=writers.get("mlp"),
     )
 
 
@@ -141,11 +164,19 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
         for path in family.attn_inputs:
             _resize(attention.get_submodule(path), in_features=width_in)
-        _resize(attention.get_submodule(family.attn_output), out_features=width_attn)
         for path in family.mlp_inputs:
             _resize(mlp.get_submodule(path), in_features=width_attn)
-        _resize(mlp.get_submodule(family.mlp_output), out_features=width_mlp)
-        sliced = wrap_layer(family, layer, d, eps, eps)
+        writers = {}
+        for block, post_norm, module, path, width in (
+            ("attn", family.attn_post_norm, attention, family.attn_output, width_attn),
+            ("mlp", family.mlp_post_norm, mlp, family.mlp_output, width_mlp),
+        ):
+            if post_norm is None:
+                _resize(module.get_submodule(path), out_features=width)
+            else:  # the block keeps width d; a writer after the output norm slices
+                writer = nn.Linear(d, width, bias=False, device=embedding.weight.device, dtype=embedding.weight.dtype)
+                writers[block] = (WeightlessRMSNorm(d, eps), writer)
+        sliced = wrap_layer(family, layer, d, eps, eps, writers)
         dtype, device = embedding.weight.dtype, embedding.weight.device
         sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
         sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)

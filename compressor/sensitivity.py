@@ -62,8 +62,9 @@ def site_activations(
         hidden = layer.mlp_block(hidden)
         sites.append(hidden)
         hidden = visit(hidden)
-    final = model.get_submodule(family.final_norm)(hidden)
-    return sites, model.get_submodule(family.head)(final)
+    logits = model.get_submodule(family.head)(model.get_submodule(family.final_norm)(hidden))
+    cap = getattr(model.config, family.logit_softcapping, None) if family.logit_softcapping else None
+    return sites, logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def sampled_score(

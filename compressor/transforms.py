@@ -44,7 +44,16 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
         attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
         _fold_scale(_scale(attn_norm, family), [attention.get_submodule(p) for p in family.attn_inputs])
         _fold_scale(_scale(mlp_norm, family), [mlp.get_submodule(p) for p in family.mlp_inputs])
-        layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm))
+        writers = {}
+        for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
+            if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
+                post_norm = layer.get_submodule(path)
+                like = attention.get_submodule(family.attn_output).weight
+                writer = nn.Linear(d, d, bias=False, device=like.device, dtype=like.dtype)
+                writer.requires_grad_(False)
+                _assign(writer.weight, torch.diag(_scale(post_norm, family)))
+                writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
+        layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
     final_norm = model.get_submodule(family.final_norm)
     _fold_scale(_scale(final_norm, family), [head])
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))

@@ -32,6 +32,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),  # per-head q/k norms
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0),  # fused qkv and gate_up
     "gemma": dict(model_type="gemma", tie_word_embeddings=True),  # scaled embeddings, (1 + w) norms
+    "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, sliding_window=8),  # norms after blocks
 }
 
 

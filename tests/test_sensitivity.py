@@ -212,3 +212,18 @@ def test_autocast_estimate_stays_close_to_full_precision() -> None:
     for exact, approx in zip(full, low):
         assert approx.dtype == torch.float64
         assert (torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)).item() < 0.1
+
+
+@pytest.mark.parametrize("family_name", sorted(__import__("tests.conftest", fromlist=["FAMILY_CONFIGS"]).FAMILY_CONFIGS))
+def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str) -> None:
+    """H is the Fisher of *this* model's output: the H pass must compute the same logits
+    (soft-capping included) as the fused model's own forward."""
+    model = tiny_model(family_name)
+    family = family_for(family_name)
+    fuse_norms(model, family)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))], torch.device("cpu"))
+    with torch.no_grad():
+        _, logits = site_activations(model, family, inputs, 0)
+        expected = model(input_ids=ids).logits
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)

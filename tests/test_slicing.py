@@ -38,8 +38,12 @@ def _expected_parameters(config, widths: list[int]) -> int:
     total = vocab * widths[0] + vocab * widths[-1]  # embedding, head (untied)
     for i in range(config.num_hidden_layers):
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
-        total += w_in * (heads + 2 * kv) * hd + attn_bias + heads * hd * w_attn  # q, k, v, o
-        total += 2 * w_attn * inter + inter * w_mlp  # gate, up, down
+        post_norms = config.model_type == "gemma2"  # o and down keep width d; writers d → kept follow
+        d = config.hidden_size
+        total += w_in * (heads + 2 * kv) * hd + attn_bias  # q, k, v
+        total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
+        total += 2 * w_attn * inter  # gate, up
+        total += inter * d + d * w_mlp if post_norms else inter * w_mlp  # down (+ writer)
         total += 2 * hd if config.model_type == "qwen3" else 0  # per-head q and k norms
         total += w_in * w_attn + w_attn * w_mlp  # residual transitions
     return total
@@ -63,10 +67,10 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
         for name in family.attn_inputs:
             assert layer.self_attn.get_submodule(name).in_features == w_in
-        assert layer.self_attn.get_submodule(family.attn_output).out_features == w_attn
+        assert layer.writer("attn", family).out_features == w_attn
         for name in family.mlp_inputs:
             assert layer.mlp.get_submodule(name).in_features == w_attn
-        assert layer.mlp.get_submodule(family.mlp_output).out_features == w_mlp
+        assert layer.writer("mlp", family).out_features == w_mlp
         assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
         assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
     assert model.lm_head.in_features == (kept if slice_head else d)
