@@ -183,7 +183,8 @@ def prune(
         selector.fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device)
 
     previous = selector.select(names[0], d, widths[0], _moment(hidden, masks, d, device))
-    rotate_embedding(model.get_submodule(family.embedding), previous)
+    for path in (family.embedding, *family.extra_embeddings):
+        rotate_embedding(model.get_submodule(path), previous)
     hidden = _project(hidden, previous)
     identity = torch.eye(d, dtype=torch.float64, device=device)
 
@@ -193,7 +194,7 @@ def prune(
         assert isinstance(layer, SlicedDecoderLayer)
         layer_home = next(layer.parameters()).device
         layer.to(device)
-        like = next(layer.parameters())
+        like = layer.self_attn.get_submodule(family.attn_output).weight
         attention, mlp = layer.self_attn, layer.mlp
 
         for path in family.attn_inputs:
@@ -220,11 +221,14 @@ def prune(
 
     rotate_inputs(model.get_submodule(family.head), previous)
     model.to(home)  # capture moved the embedding and rotary modules to `device`
+    final_norm = model.get_submodule(family.final_norm)
     slicing = {
         "hidden_size": d,
         "embedding": widths[0],
         "attn": list(widths[1::2]),
         "mlp": list(widths[2::2]),
+        "norm_eps": final_norm.eps,
+        "head_bias": model.get_submodule(family.head).bias is not None,
     }
     sliced = as_sliced_model(model, family, slicing)
     return PruneResult(model=sliced, sites=selector.records, slicing=slicing)

@@ -7,8 +7,11 @@ touching the engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
 
 from compressor.errors import UserError
 
@@ -43,11 +46,43 @@ class ModelFamily:
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
     logit_softcapping: str | None = None
     """Config attribute of a cap c applied as c·tanh(logits / c) after the head (Gemma2)."""
+    layer_norm: bool = False
+    """LayerNorm family (mean and bias): every writer to the stream is centred and the norms'
+    affine parts are folded into the next linears, which turns it into the RMSNorm form exactly."""
+    extra_embeddings: tuple[str, ...] = ()
+    """Further embeddings added to the token embeddings before the first layer (learned positions)."""
+    build_mlp: Callable[[nn.Module], nn.Module] | None = None
+    """For layers whose MLP linears sit on the layer itself: builds the MLP module from the layer."""
+    refuse: Callable[[Any], str | None] | None = None
+    """Given a model config, the reason this family cannot prune it (None when it can)."""
     attn_post_norm: str | None = None
     mlp_post_norm: str | None = None
     """Norms applied to a block's output before the residual add (Gemma2). Their RMS is taken
     over the full width, so the block's output linear keeps width d and a separate writer
     V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
+
+
+class FeedForward(nn.Module):
+    """fc1 → activation → fc2, gathered from a layer that holds them directly (OPT)."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.activation = fc1, fc2, activation
+
+    def forward(self, hidden_states: Any) -> Any:
+        return self.fc2(self.activation(self.fc1(hidden_states)))
+
+
+def _opt_mlp(layer: nn.Module) -> nn.Module:
+    return FeedForward(layer.fc1, layer.fc2, layer.activation_fn)
+
+
+def _opt_refusal(config: Any) -> str | None:
+    if not config.do_layer_norm_before:
+        return "OPT with layer norms after the blocks (do_layer_norm_before: false, e.g. opt-350m) is not supported"
+    if config.word_embed_proj_dim != config.hidden_size:
+        return "OPT with project_in/project_out (word_embed_proj_dim != hidden_size) is not supported"
+    return None
 
 
 LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"))
@@ -57,7 +92,14 @@ GEMMA2 = ModelFamily(name="gemma2", model_types=("gemma2",), norm_offset=1.0, ml
                      logit_softcapping="final_logit_softcapping",
                      attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm")
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2)
+OPT = ModelFamily(
+    name="opt", model_types=("opt",), base_model="model.decoder", embedding="model.decoder.embed_tokens",
+    layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", attn_norm="self_attn_layer_norm",
+    attn_output="out_proj", mlp_norm="final_layer_norm", mlp_inputs=("fc1",), mlp_output="fc2",
+    layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
+)
+
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT)
 
 
 def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:

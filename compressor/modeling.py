@@ -125,6 +125,11 @@ def _resize(module: nn.Module, **features: int) -> None:
                                    requires_grad=False)
 
 
+def family_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
+    """The layer's MLP module (built from the layer's own linears where the family says so)."""
+    return family.build_mlp(layer) if family.build_mlp is not None else layer.get_submodule(family.mlp)
+
+
 def wrap_layer(
     family: ModelFamily, layer: nn.Module, reference_width: int, attn_eps: float, mlp_eps: float,
     writers: dict[str, tuple[nn.Module, nn.Linear]] | None = None,
@@ -137,7 +142,7 @@ def wrap_layer(
     writers = writers or {}
     return SlicedDecoderLayer(
         attention=layer.get_submodule(family.attention),
-        mlp=layer.get_submodule(family.mlp),
+        mlp=family_mlp(family, layer),
         attn_norm=WeightlessRMSNorm(reference_width, attn_eps),
         mlp_norm=WeightlessRMSNorm(reference_width, mlp_eps),
         attention_type=getattr(layer, "attention_type", None),
@@ -154,14 +159,15 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     uninitialised: they come from a checkpoint or from the engine.
     """
     d = slicing["hidden_size"]
-    eps = float(getattr(model.config, family.norm_eps))
+    eps = float(slicing["norm_eps"]) if "norm_eps" in slicing else float(getattr(model.config, family.norm_eps))
     embedding = model.get_submodule(family.embedding)
-    _resize(embedding, embedding_dim=slicing["embedding"])
+    for path in (family.embedding, *family.extra_embeddings):
+        _resize(model.get_submodule(path), embedding_dim=slicing["embedding"])
     layers = model.get_submodule(family.layers)
     width_in = slicing["embedding"]
     for index, (width_attn, width_mlp) in enumerate(zip(slicing["attn"], slicing["mlp"])):
         layer = layers[index]
-        attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
+        attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
         for path in family.attn_inputs:
             _resize(attention.get_submodule(path), in_features=width_in)
         for path in family.mlp_inputs:
@@ -183,7 +189,11 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         layers[index] = sliced
         width_in = width_mlp
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
-    _resize(model.get_submodule(family.head), in_features=width_in)
+    head = model.get_submodule(family.head)
+    _resize(head, in_features=width_in)
+    if slicing.get("head_bias") and head.bias is None:  # LayerNorm families fold the final norm's bias here
+        head.bias = nn.Parameter(torch.empty(head.out_features, dtype=head.weight.dtype, device=head.weight.device),
+                                 requires_grad=False)
 
 
 def sliced_model_type(model_type: str) -> str:

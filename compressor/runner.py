@@ -159,6 +159,9 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     config = load_config(recipe.model)
     families = {model_type: entry.family for model_type, entry in registry.families().items()}
     family = family_for(config.model_type, families)
+    reason = family.refuse(config) if family.refuse is not None else None
+    if reason:
+        raise UserError(reason)
     kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
     widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
     pipeline = []

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.families import ModelFamily
-from compressor.modeling import WeightlessRMSNorm, wrap_layer
+from compressor.modeling import WeightlessRMSNorm, family_mlp, wrap_layer
 
 
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -38,10 +38,18 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
     if head.weight.data_ptr() == embedding.weight.data_ptr():
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
     model.config.tie_word_embeddings = False
+    if family.layer_norm:  # centre what writes the stream, so every LayerNorm sees a zero-mean input
+        for path in (family.embedding, *family.extra_embeddings):
+            _centre_rows(model.get_submodule(path))
     layers = model.get_submodule(family.layers)
     for index, layer in enumerate(layers):
-        attention, mlp = layer.get_submodule(family.attention), layer.get_submodule(family.mlp)
+        attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
         attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
+        if family.layer_norm:
+            _centre_output(attention.get_submodule(family.attn_output))
+            _centre_output(mlp.get_submodule(family.mlp_output))
+            _fold_shift(attn_norm, [attention.get_submodule(p) for p in family.attn_inputs])
+            _fold_shift(mlp_norm, [mlp.get_submodule(p) for p in family.mlp_inputs])
         _fold_scale(_scale(attn_norm, family), [attention.get_submodule(p) for p in family.attn_inputs])
         _fold_scale(_scale(mlp_norm, family), [mlp.get_submodule(p) for p in family.mlp_inputs])
         writers = {}
@@ -55,13 +63,46 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
                 writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
         layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
     final_norm = model.get_submodule(family.final_norm)
+    if family.layer_norm:
+        _fold_shift(final_norm, [head])
     _fold_scale(_scale(final_norm, family), [head])
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
 
 
 def _scale(norm: nn.Module, family: ModelFamily) -> torch.Tensor:
     """The per-coordinate factor the norm applies, in float64 (Gemma stores it as 1 + w)."""
+    if getattr(norm, "weight", None) is None:  # LayerNorm without affine parameters
+        return torch.ones(norm.normalized_shape[0], dtype=torch.float64)
     return norm.weight.data.to(torch.float64) + family.norm_offset
+
+
+def _centre_rows(embedding: nn.Embedding) -> None:
+    """Subtract each embedding vector's mean over the hidden coordinates."""
+    w = embedding.weight.data.to(torch.float64)
+    _assign(embedding.weight, w - w.mean(dim=1, keepdim=True))
+
+
+def _centre_output(linear: nn.Linear) -> None:
+    """`W ← (I − 11ᵀ/d)·W` (and the bias): the linear writes zero-mean vectors to the stream."""
+    w = linear.weight.data.to(torch.float64)
+    _assign(linear.weight, w - w.mean(dim=0, keepdim=True))
+    if linear.bias is not None:
+        b = linear.bias.data.to(torch.float64)
+        _assign(linear.bias, b - b.mean())
+
+
+def _fold_shift(norm: nn.Module, linears: list[nn.Module]) -> None:
+    """Fold a LayerNorm's bias β into the next linears: b ← b + W·β (before the scale is folded)."""
+    beta = getattr(norm, "bias", None)
+    if beta is None:
+        return
+    for linear in linears:
+        w = linear.weight.data.to(torch.float64)
+        shift = w @ beta.data.to(device=w.device, dtype=torch.float64)
+        if linear.bias is None:
+            linear.bias = nn.Parameter(torch.zeros(linear.out_features, dtype=linear.weight.dtype,
+                                                   device=linear.weight.device), requires_grad=False)
+        _assign(linear.bias, linear.bias.data.to(torch.float64) + shift)
 
 
 def _eps(norm: nn.Module) -> float:

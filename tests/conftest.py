@@ -33,6 +33,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0),  # fused qkv and gate_up
     "gemma": dict(model_type="gemma", tie_word_embeddings=True),  # scaled embeddings, (1 + w) norms
     "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, sliding_window=8),  # norms after blocks
+    # LayerNorm with bias, learned positions, biases everywhere, tied head
+    "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=64, enable_bias=True, do_layer_norm_before=True,
+                pad_token_id=1, tie_word_embeddings=True),
 }
 
 

@@ -230,7 +230,7 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     (folder / "config.json").write_text(json.dumps(config))
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe)]) == 2
-    assert "supported model types: gemma, gemma2, llama, mistral, phi3, qwen2, qwen3" in capsys.readouterr().err
+    assert "supported model types: gemma, gemma2, llama, mistral, opt, phi3, qwen2, qwen3" in capsys.readouterr().err
 
 
 def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -266,3 +266,20 @@ def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monke
     assert main(["strategies"]) == 2
     err = capsys.readouterr().err
     assert "'shared-name' is registered by two installed packages, 'alpha' and 'beta'" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(do_layer_norm_before=False), "do_layer_norm_before: false"),
+    (dict(word_embed_proj_dim=32), "project_in/project_out"),
+])
+def test_unsupported_opt_variants_are_refused(overrides: dict, message: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    from transformers import OPTConfig
+
+    folder = tmp_path / "opt"
+    OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=8192,
+              **overrides).save_pretrained(folder)
+    recipe = write_recipe(tmp_path, folder)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

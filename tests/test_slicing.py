@@ -30,8 +30,23 @@ def test_site_widths_keep_the_head_input_unless_asked() -> None:
     assert site_widths(64, 2, 48, slice_head=True) == [48] * 5
 
 
+def _expected_opt_parameters(config, widths: list[int]) -> int:
+    """OPT: biases on every linear, learned positions, and a head bias (the final LayerNorm's β)."""
+    d, ffn, vocab = config.hidden_size, config.ffn_dim, config.vocab_size
+    total = vocab * widths[0] + (config.max_position_embeddings + 2) * widths[0]  # tokens, positions (offset 2)
+    total += vocab * widths[-1] + vocab  # head and its bias
+    for i in range(config.num_hidden_layers):
+        w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
+        total += 3 * (w_in * d + d) + d * w_attn + w_attn  # q, k, v, out_proj with biases
+        total += w_attn * ffn + ffn + ffn * w_mlp + w_mlp  # fc1, fc2 with biases
+        total += w_in * w_attn + w_attn * w_mlp  # residual transitions
+    return total
+
+
 def _expected_parameters(config, widths: list[int]) -> int:
     """Parameter count of the sliced layout, computed from the config alone."""
+    if config.model_type == "opt":
+        return _expected_opt_parameters(config, widths)
     heads, kv, hd =  config.num_attention_heads, config.num_key_value_heads, config.head_dim
     inter, vocab = config.intermediate_size, config.vocab_size
     attn_bias = (heads + 2 * kv) * hd if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
@@ -62,8 +77,8 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     model = result.model
     family = family_for(family_name)
     assert model.config.model_type == f"sliced_{family_name}"
-    assert model.model.embed_tokens.weight.shape == (config.vocab_size, kept)
-    for i, layer in enumerate(model.model.layers):
+    assert model.get_submodule(family.embedding).weight.shape == (config.vocab_size, kept)
+    for i, layer in enumerate(model.get_submodule(family.layers)):
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
         for name in family.attn_inputs:
             assert layer.self_attn.get_submodule(name).in_features == w_in
@@ -73,7 +88,7 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
         assert layer.writer("mlp", family).out_features == w_mlp
         assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
         assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
-    assert model.lm_head.in_features == (kept if slice_head else d)
+    assert model.get_submodule(family.head).in_features == (kept if slice_head else d)
     assert parameter_count(model) == _expected_parameters(config, widths)
     with torch.no_grad():
         logits = model(random_batches(config.vocab_size, count=1)[0].input_ids).logits
