@@ -37,12 +37,13 @@ class LayerInputs:
 class _Recorder(nn.Module):
     """Stands in for a decoder layer: records its arguments and passes the stream through."""
 
-    def __init__(self, sink: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+    def __init__(self, sink: list[tuple[torch.Tensor, dict[str, Any]]], positional_args: tuple[str, ...]) -> None:
         super().__init__()
         self.sink = sink
+        self.positional_args = positional_args
 
-    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self.sink.append((hidden_states, kwargs))
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.sink.append((hidden_states, {**dict(zip(self.positional_args, args)), **kwargs}))
         return hidden_states
 
 
@@ -68,7 +69,7 @@ def capture_layer_inputs(
     captured = LayerInputs(hidden=[], layer_kwargs=[], token_masks=[], sensitivity_masks=[])
     try:
         for index in range(len(originals)):
-            layers[index] = _Recorder(sink)
+            layers[index] = _Recorder(sink, family.positional_args)
         for batch in batches:
             sink.clear()
             mask = batch.attention_mask.to(device)

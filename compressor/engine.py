@@ -168,6 +168,8 @@ def prune(
     d, num_layers = config.hidden_size, config.num_hidden_layers
     if len(widths) != 2 * num_layers + 1:
         raise ValueError(f"expected {2 * num_layers + 1} site widths, got {len(widths)}")
+    if family.head_width_is_embedding_width and widths[0] != widths[-1]:
+        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
     names = site_names(num_layers)
     needed = required_statistics(pipeline)
     selector = _SiteSelector(pipeline, device)

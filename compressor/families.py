@@ -55,6 +55,13 @@ class ModelFamily:
     """For layers whose MLP linears sit on the layer itself: builds the MLP module from the layer."""
     refuse: Callable[[Any], str | None] | None = None
     """Given a model config, the reason this family cannot prune it (None when it can)."""
+    prepare: Callable[[nn.Module], None] | None = None
+    """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear)."""
+    positional_args: tuple[str, ...] = ()
+    """Names of the arguments the model passes to each layer by position after the hidden states."""
+    head_width_is_embedding_width: bool = False
+    """The model reshapes its output to the embedding's width (GPT-2), so the head input must be
+    sliced like the embedding (slicing.slice_head: true)."""
     attn_post_norm: str | None = None
     mlp_post_norm: str | None = None
     """Norms applied to a block's output before the residual add (Gemma2). Their RMS is taken
@@ -85,6 +92,27 @@ def _opt_refusal(config: Any) -> str | None:
     return None
 
 
+def _conv1d_to_linear(model: nn.Module) -> None:
+    """Replace GPT-2's Conv1D (y = x·W + b, W stored in × out) with the equivalent nn.Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Conv1D):
+            weight = module.weight
+            linear = nn.Linear(weight.shape[0], weight.shape[1], bias=module.bias is not None,
+                               device=weight.device, dtype=weight.dtype)
+            linear.weight.data = weight.data.T.contiguous() if weight.device.type != "meta" else linear.weight.data
+            if module.bias is not None:
+                linear.bias.data = module.bias.data
+            model.set_submodule(name, linear)
+
+
+def _gpt2_refusal(config: Any) -> str | None:
+    if getattr(config, "add_cross_attention", False):
+        return "GPT-2 with cross-attention (add_cross_attention: true) is not supported"
+    return None
+
+
 LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"))
 PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",))
 GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0)
@@ -99,7 +127,16 @@ OPT = ModelFamily(
     layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
 )
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT)
+GPT2 = ModelFamily(
+    name="gpt2", model_types=("gpt2",), base_model="transformer", embedding="transformer.wte",
+    layers="transformer.h", final_norm="transformer.ln_f", attention="attn", attn_norm="ln_1",
+    attn_inputs=("c_attn",), attn_output="c_proj", mlp_norm="ln_2", mlp_inputs=("c_fc",), mlp_output="c_proj",
+    norm_eps="layer_norm_epsilon", layer_norm=True, extra_embeddings=("transformer.wpe",), prepare=_conv1d_to_linear,
+    positional_args=("past_key_values", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
+    head_width_is_embedding_width=True,
+)
+
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2)
 
 
 def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:

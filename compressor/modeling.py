@@ -65,8 +65,10 @@ class SlicedDecoderLayer(nn.Module):
         attention_type: str | None = None,
         attn_writer: tuple[nn.Module, nn.Linear] | None = None,
         mlp_writer: tuple[nn.Module, nn.Linear] | None = None,
+        positional_args: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
+        self.positional_args = positional_args
         self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = attn_norm
@@ -105,7 +107,8 @@ class SlicedDecoderLayer(nn.Module):
         module, path = (self.self_attn, family.attn_output) if block == "attn" else (self.mlp, family.mlp_output)
         return module.get_submodule(path)
 
-    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.update(zip(self.positional_args, args))  # families that pass layer arguments by position
         return self.mlp_block(self.attention_block(hidden_states, **kwargs))
 
 
@@ -148,6 +151,7 @@ def wrap_layer(
         attention_type=getattr(layer, "attention_type", None),
         attn_writer=writers.get("attn"),
         mlp_writer=writers.get("mlp"),
+        positional_args=family.positional_args,
     )
 
 
@@ -159,6 +163,8 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     uninitialised: they come from a checkpoint or from the engine.
     """
     d = slicing["hidden_size"]
+    if family.prepare is not None:
+        family.prepare(model)
     eps = float(slicing["norm_eps"]) if "norm_eps" in slicing else float(getattr(model.config, family.norm_eps))
     embedding = model.get_submodule(family.embedding)
     for path in (family.embedding, *family.extra_embeddings):

@@ -162,6 +162,9 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     reason = family.refuse(config) if family.refuse is not None else None
     if reason:
         raise UserError(reason)
+    if family.head_width_is_embedding_width and not recipe.slicing.slice_head:
+        raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
+                        f"set slicing.slice_head: true")
     kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
     widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head)
     pipeline = []

@@ -32,6 +32,8 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
     weightless norms that keep each norm's own eps). The function the model computes is
     unchanged; unlike SliceGPT, nothing is mean-centred (RMSNorm needs no centring).
     """
+    if family.prepare is not None:  # e.g. GPT-2's Conv1D → nn.Linear
+        family.prepare(model)
     d = model.config.hidden_size
     head = model.get_submodule(family.head)
     embedding = model.get_submodule(family.embedding)

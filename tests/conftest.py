@@ -36,6 +36,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     # LayerNorm with bias, learned positions, biases everywhere, tied head
     "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=64, enable_bias=True, do_layer_norm_before=True,
                 pad_token_id=1, tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", tie_word_embeddings=True),  # Conv1D weights, LayerNorm, learned positions
 }
 
 
@@ -47,7 +48,7 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if "norm" in param_name:
+            if "norm" in param_name or ".ln_" in param_name:  # GPT-2 names its norms ln_1, ln_2, ln_f
                 param.copy_(1 + 0.5 * torch.randn_like(param))
             elif param_name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))

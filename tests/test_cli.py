@@ -140,6 +140,14 @@ def test_dry_run_reads_the_config_but_no_weights(tmp_path: Path, capsys: pytest.
     assert not (tmp_path / "out").exists()
 
 
+def _bloom_checkpoint(folder: Path) -> Path:
+    from transformers import BloomConfig
+
+    folder.mkdir()
+    BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=100).save_pretrained(folder)
+    return folder
+
+
 def _gpt2_checkpoint(folder: Path) -> Path:
     from transformers import GPT2Config
 
@@ -164,7 +172,7 @@ BAD_INPUTS = {
                           "data file not found"),
     "missing model folder": (dict(model__path="./no-such-model"), None, "model folder not found"),
     "hub model while offline": (dict(model__path="someone/some-model"), None, "offline mode is on"),
-    "unsupported family": ("gpt2", None, "model_type 'gpt2' is not supported"),
+    "unsupported family": ("bloom", None, "model_type 'bloom' is not supported"),
     "too little data": (dict(evaluation__num_samples=100000), None, "evaluation: the dataset yields"),
     "no text field": (dict(calibration__text_field="body"), None, "calibration: dataset record 0 has no field 'body'"),
     "bad --set": ({}, ["--set", "sparsity"], "--set expects KEY=VALUE"),
@@ -178,8 +186,8 @@ BAD_INPUTS = {
 def test_bad_input_is_one_line_and_exit_2(case: str, tiny_checkpoint: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture) -> None:
     changes, extra_args, message = BAD_INPUTS[case]
-    if changes == "gpt2":
-        recipe = write_recipe(tmp_path, _gpt2_checkpoint(tmp_path / "gpt2"))
+    if changes == "bloom":
+        recipe = write_recipe(tmp_path, _bloom_checkpoint(tmp_path / "bloom"))
     else:
         recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
     code = main(["run", str(recipe), *(extra_args or [])])
@@ -226,11 +234,11 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     folder = save_tiny_checkpoint(tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"not a checkpoint")  # would fail if anything loaded it
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "gpt2"
+    config["model_type"] = "bloom"
     (folder / "config.json").write_text(json.dumps(config))
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe)]) == 2
-    assert "supported model types: gemma, gemma2, llama, mistral, opt, phi3, qwen2, qwen3" in capsys.readouterr().err
+    assert "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi3, qwen2, qwen3" in capsys.readouterr().err
 
 
 def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -244,12 +252,12 @@ def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path,
 
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(sparsity=0.95), "leaves no width"),
-    (dict(model__path="GPT2"), "model_type 'gpt2' is not supported"),
+    (dict(model__path="BLOOM"), "model_type 'bloom' is not supported"),
 ])
 def test_dry_run_checks_a_local_model_config(changes: dict, message: str, tiny_checkpoint: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
-    if changes.get("model__path") == "GPT2":
-        changes = dict(model__path=str(_gpt2_checkpoint(tmp_path / "gpt2")))
+    if changes.get("model__path") == "BLOOM":
+        changes = dict(model__path=str(_bloom_checkpoint(tmp_path / "bloom")))
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, **changes)), "--dry-run"]) == 2
     assert message in capsys.readouterr().err
 
@@ -283,3 +291,11 @@ def test_unsupported_opt_variants_are_refused(overrides: dict, message: str, tmp
     assert main(["run", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_gpt2_needs_the_head_sliced_like_the_embedding(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = _gpt2_checkpoint(tmp_path / "gpt2")
+    recipe = write_recipe(tmp_path, folder)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    assert "set slicing.slice_head: true" in capsys.readouterr().err
+    assert main(["run", str(recipe), "--dry-run", "--set", "slicing.slice_head=true"]) == 0
