@@ -67,18 +67,23 @@ def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
     return kept
 
 
-def site_widths(hidden_size: int, num_layers: int, kept: int, slice_head: bool) -> list[int]:
-    """Kept width of each of the 2L+1 sites; the last one stays full unless `slice_head`."""
-    widths = [kept] * (2 * num_layers + 1)
+def site_widths(hidden_size: int, num_layers: int, kept: int, slice_head: bool, per_layer: int = 2) -> list[int]:
+    """Kept width of each of the per_layer·L + 1 sites; the last one stays full unless `slice_head`."""
+    widths = [kept] * (per_layer * num_layers + 1)
     if not slice_head:
         widths[-1] = hidden_size
     return widths
 
 
-def site_names(num_layers: int) -> list[str]:
+def sites_per_layer(family: ModelFamily) -> int:
+    """Two sites per layer (after attention, after the MLP), or one for parallel blocks."""
+    return 1 if family.parallel else 2
+
+
+def site_names(num_layers: int, per_layer: int = 2) -> list[str]:
     names = ["embedding"]
     for i in range(num_layers):
-        names += [f"layers.{i}.attn", f"layers.{i}.mlp"]
+        names += [f"layers.{i}"] if per_layer == 1 else [f"layers.{i}.attn", f"layers.{i}.mlp"]
     return names
 
 
@@ -166,11 +171,12 @@ def prune(
     model.requires_grad_(False)
     config = model.config
     d, num_layers = config.hidden_size, config.num_hidden_layers
-    if len(widths) != 2 * num_layers + 1:
-        raise ValueError(f"expected {2 * num_layers + 1} site widths, got {len(widths)}")
+    per_layer = sites_per_layer(family)
+    if len(widths) != per_layer * num_layers + 1:
+        raise ValueError(f"expected {per_layer * num_layers + 1} site widths, got {len(widths)}")
     if family.head_width_is_embedding_width and widths[0] != widths[-1]:
         raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
-    names = site_names(num_layers)
+    names = site_names(num_layers, per_layer)
     needed = required_statistics(pipeline)
     selector = _SiteSelector(pipeline, device)
     home = model.get_submodule(family.head).weight.device
@@ -198,6 +204,21 @@ def prune(
         layer.to(device)
         like = layer.self_attn.get_submodule(family.attn_output).weight
         attention, mlp = layer.self_attn, layer.mlp
+
+        if family.parallel:  # one site: both blocks read `previous` and write the new basis
+            for module, paths in ((attention, family.attn_inputs), (mlp, family.mlp_inputs)):
+                for path in paths:
+                    rotate_inputs(module.get_submodule(path), previous)
+            layer.attn_shortcut = transition(previous, identity, like)
+            hidden = [layer.parallel_block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
+            after = selector.select(names[i + 1], d, widths[i + 1], _moment(hidden, masks, d, device))
+            rotate_output(layer.writer("attn", family), after)
+            rotate_output(layer.writer("mlp", family), after)
+            layer.attn_shortcut = transition(previous, after, like)
+            hidden = _project(hidden, after)
+            layer.to(layer_home)
+            previous = after
+            continue
 
         for path in family.attn_inputs:
             rotate_inputs(attention.get_submodule(path), previous)
@@ -227,8 +248,8 @@ def prune(
     slicing = {
         "hidden_size": d,
         "embedding": widths[0],
-        "attn": list(widths[1::2]),
-        "mlp": list(widths[2::2]),
+        "attn": list(widths[1:] if per_layer == 1 else widths[1::2]),
+        "mlp": list(widths[1:] if per_layer == 1 else widths[2::2]),
         "norm_eps": final_norm.eps,
         "head_bias": model.get_submodule(family.head).bias is not None,
     }

@@ -59,6 +59,8 @@ class ModelFamily:
     """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear)."""
     positional_args: tuple[str, ...] = ()
     """Names of the arguments the model passes to each layer by position after the hidden states."""
+    parallel: bool = False
+    """Attention and MLP read one norm and write to the stream together (Phi-2): one site per layer."""
     head_width_is_embedding_width: bool = False
     """The model reshapes its output to the embedding's width (GPT-2), so the head input must be
     sliced like the embedding (slicing.slice_head: true)."""
@@ -136,7 +138,13 @@ GPT2 = ModelFamily(
     head_width_is_embedding_width=True,
 )
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2)
+PHI = ModelFamily(
+    name="phi", model_types=("phi",), final_norm="model.final_layernorm", attn_output="dense",
+    mlp_norm="input_layernorm", mlp_inputs=("fc1",), mlp_output="fc2", norm_eps="layer_norm_eps",
+    layer_norm=True, parallel=True,
+)
+
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2, PHI)
 
 
 def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:

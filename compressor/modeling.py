@@ -66,9 +66,11 @@ class SlicedDecoderLayer(nn.Module):
         attn_writer: tuple[nn.Module, nn.Linear] | None = None,
         mlp_writer: tuple[nn.Module, nn.Linear] | None = None,
         positional_args: tuple[str, ...] = (),
+        parallel: bool = False,
     ) -> None:
         super().__init__()
         self.positional_args = positional_args
+        self.parallel = parallel
         self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = attn_norm
@@ -94,7 +96,8 @@ class SlicedDecoderLayer(nn.Module):
         attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         return residual + self._write(self.attn_output_norm, self.attn_writer, attn_out)
 
-    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def mlp_block(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
+        """(Layer keyword arguments are accepted and unused, so every block is called alike.)"""
         residual = self._shortcut(self.mlp_shortcut, hidden_states)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + self._write(self.mlp_output_norm, self.mlp_writer, mlp_out)
@@ -107,8 +110,18 @@ class SlicedDecoderLayer(nn.Module):
         module, path = (self.self_attn, family.attn_output) if block == "attn" else (self.mlp, family.mlp_output)
         return module.get_submodule(path)
 
+    def parallel_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Phi-2 style: attention and MLP read one norm; both outputs join the residual."""
+        residual = self._shortcut(self.attn_shortcut, hidden_states)
+        normed = self.input_layernorm(hidden_states)
+        attn_out, _ = self.self_attn(hidden_states=normed, **kwargs)
+        return (residual + self._write(self.attn_output_norm, self.attn_writer, attn_out)
+                + self._write(self.mlp_output_norm, self.mlp_writer, self.mlp(normed)))
+
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         kwargs.update(zip(self.positional_args, args))  # families that pass layer arguments by position
+        if self.parallel:
+            return self.parallel_block(hidden_states, **kwargs)
         return self.mlp_block(self.attention_block(hidden_states, **kwargs))
 
 
@@ -152,6 +165,7 @@ def wrap_layer(
         attn_writer=writers.get("attn"),
         mlp_writer=writers.get("mlp"),
         positional_args=family.positional_args,
+        parallel=family.parallel,
     )
 
 
@@ -176,8 +190,9 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
         for path in family.attn_inputs:
             _resize(attention.get_submodule(path), in_features=width_in)
+        mlp_reads = width_in if family.parallel else width_attn  # a parallel MLP reads the layer input
         for path in family.mlp_inputs:
-            _resize(mlp.get_submodule(path), in_features=width_attn)
+            _resize(mlp.get_submodule(path), in_features=mlp_reads)
         writers = {}
         for block, post_norm, module, path, width in (
             ("attn", family.attn_post_norm, attention, family.attn_output, width_attn),
@@ -191,7 +206,8 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         sliced = wrap_layer(family, layer, d, eps, eps, writers)
         dtype, device = embedding.weight.dtype, embedding.weight.device
         sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
-        sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
+        if not family.parallel:  # a parallel layer has one site, so one transition
+            sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
         layers[index] = sliced
         width_in = width_mlp
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))

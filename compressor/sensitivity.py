@@ -56,12 +56,11 @@ def site_activations(
 
     hidden = visit(hidden)
     for i, layer in enumerate(model.get_submodule(family.layers)):
-        hidden = layer.attention_block(hidden, **inputs.layer_kwargs[batch][i])
-        sites.append(hidden)
-        hidden = visit(hidden)
-        hidden = layer.mlp_block(hidden)
-        sites.append(hidden)
-        hidden = visit(hidden)
+        halves = ((layer.parallel_block,) if family.parallel else (layer.attention_block, layer.mlp_block))
+        for half in halves:
+            hidden = half(hidden, **inputs.layer_kwargs[batch][i])
+            sites.append(hidden)
+            hidden = visit(hidden)
     logits = model.get_submodule(family.head)(model.get_submodule(family.final_norm)(hidden))
     cap = getattr(model.config, family.logit_softcapping, None) if family.logit_softcapping else None
     return sites, logits if cap is None else torch.tanh(logits / cap) * cap
@@ -94,7 +93,8 @@ def estimate_fisher(
     options: SensitivityOptions,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """H for each of the 2L+1 sites (d × d, float64 on return), averaged over counted tokens.
+    """H for each site (2L+1, or L+1 for parallel blocks; d × d, float64 on return), averaged
+    over counted tokens.
 
     `inputs` are the captured inputs of the fused, unsliced model; counted positions are those of
     `inputs.sensitivity_masks` (for chat data, the positions that predict an assistant token;
@@ -108,7 +108,8 @@ def estimate_fisher(
     homes = [next(layer.parameters()).device for layer in layers] + [head.weight.device]
     generator = torch.Generator(device=device).manual_seed(options.seed)
     d = model.config.hidden_size
-    totals = [torch.zeros(d, d, dtype=dtype, device=device) for _ in range(2 * len(layers) + 1)]
+    per_layer = 1 if family.parallel else 2
+    totals = [torch.zeros(d, d, dtype=dtype, device=device) for _ in range(per_layer * len(layers) + 1)]
     tokens = 0
     try:
         for part in (*layers, model.get_submodule(family.final_norm), head):

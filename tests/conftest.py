@@ -37,7 +37,17 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=64, enable_bias=True, do_layer_norm_before=True,
                 pad_token_id=1, tie_word_embeddings=True),
     "gpt2": dict(model_type="gpt2", tie_word_embeddings=True),  # Conv1D weights, LayerNorm, learned positions
+    "phi": dict(model_type="phi", tie_word_embeddings=False),  # Phi-2: parallel attention and MLP on one LayerNorm
 }
+
+
+def widths_for(family_name: str, config, kept: int, slice_head: bool) -> list[int]:
+    """Kept width per site for a family (2 sites per layer, or 1 for parallel blocks)."""
+    from compressor.engine import site_widths, sites_per_layer
+    from compressor.families import family_for
+
+    return site_widths(config.hidden_size, config.num_hidden_layers, kept, slice_head,
+                       sites_per_layer(family_for(family_name)))
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:

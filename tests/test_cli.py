@@ -238,7 +238,7 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     (folder / "config.json").write_text(json.dumps(config))
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe)]) == 2
-    assert "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi3, qwen2, qwen3" in capsys.readouterr().err
+    assert "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi, phi3, qwen2, qwen3" in capsys.readouterr().err
 
 
 def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -9,7 +9,7 @@ from compressor.engine import PipelineStep, prune, site_widths
 from compressor.families import family_for
 from compressor.strategy import Basis, SiteProblem, Strategy
 from compressor_plugins.pca import PCA
-from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
 
 class RandomRotation(Strategy):
@@ -36,7 +36,7 @@ def test_rotation_without_slicing_reproduces_logits(family_name: str, padded: bo
     batches = random_batches(original.config.vocab_size, padded=padded)
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     result = prune(copy_model(original), family_for(family_name), batches,
-                   site_widths(d, layers, d, slice_head=True), [PipelineStep(strategy)])
+                   widths_for(family_name, original.config, d, slice_head=True), [PipelineStep(strategy)])
     with torch.no_grad():
         for batch in batches:
             expected = original(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

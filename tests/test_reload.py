@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from compressor.engine import PipelineStep, kept_width, prune, site_widths
 from compressor.families import family_for
 from compressor_plugins.pca import PCA
-from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
 
 @pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
@@ -20,7 +20,7 @@ def test_saved_model_reloads_and_generates_identically(family_name: str, tmp_pat
     config = original.config
     d, layers = config.hidden_size, config.num_hidden_layers
     slice_head = family_for(family_name).head_width_is_embedding_width  # GPT-2 needs it; others test without
-    widths = site_widths(d, layers, kept_width(d, 0.25, 8), slice_head=slice_head)
+    widths = widths_for(family_name, config, kept_width(d, 0.25, 8), slice_head=slice_head)
     pruned = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
                    widths, [PipelineStep(PCA())]).model
     pruned.save_pretrained(tmp_path)

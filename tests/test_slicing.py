@@ -10,7 +10,7 @@ from compressor.errors import UserError
 from compressor.families import family_for
 from compressor.evaluate import parameter_count
 from compressor_plugins.pca import PCA
-from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
 
 @pytest.mark.parametrize(("hidden", "sparsity", "round_to", "expected"), [
@@ -55,8 +55,23 @@ def _expected_gpt2_parameters(config, widths: list[int]) -> int:
     return total
 
 
+def _expected_phi_parameters(config, widths: list[int]) -> int:
+    """Phi-2: one site per layer (parallel blocks), biases everywhere, a head bias."""
+    inter, vocab = config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    total = vocab * widths[0] + vocab * widths[-1] + vocab
+    for i in range(config.num_hidden_layers):
+        w_in, w_out = widths[i], widths[i + 1]
+        total += (w_in + 1) * (q + 2 * kv) + q * w_out + w_out  # q, k, v, dense with biases
+        total += w_in * inter + inter + inter * w_out + w_out  # fc1, fc2 with biases
+        total += w_in * w_out  # the one residual transition
+    return total
+
+
 def _expected_parameters(config, widths: list[int]) -> int:
     """Parameter count of the sliced layout, computed from the config alone."""
+    if config.model_type == "phi":
+        return _expected_phi_parameters(config, widths)
     if config.model_type == "opt":
         return _expected_opt_parameters(config, widths)
     if config.model_type == "gpt2":
@@ -87,7 +102,7 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     config = original.config
     d, layers = config.hidden_size, config.num_hidden_layers
     kept = kept_width(d, 0.25, 8)
-    widths = site_widths(d, layers, kept, slice_head)
+    widths = widths_for(family_name, config, kept, slice_head)
     result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
                    widths, [PipelineStep(PCA())])
     model = result.model
@@ -95,15 +110,22 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     assert model.config.model_type == f"sliced_{family_name}"
     assert model.get_submodule(family.embedding).weight.shape == (config.vocab_size, kept)
     for i, layer in enumerate(model.get_submodule(family.layers)):
-        w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
+        if family.parallel:  # one site: both blocks read the layer input and write the layer output
+            w_in, w_attn, w_mlp, mlp_reads = widths[i], widths[i + 1], widths[i + 1], widths[i]
+        else:
+            w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
+            mlp_reads = w_attn
         for name in family.attn_inputs:
             assert layer.self_attn.get_submodule(name).in_features == w_in
         assert layer.writer("attn", family).out_features == w_attn
         for name in family.mlp_inputs:
-            assert layer.mlp.get_submodule(name).in_features == w_attn
+            assert layer.mlp.get_submodule(name).in_features == mlp_reads
         assert layer.writer("mlp", family).out_features == w_mlp
         assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
-        assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
+        if family.parallel:
+            assert layer.mlp_shortcut is None
+        else:
+            assert layer.mlp_shortcut.weight.shape == (w_mlp, w_attn)
     assert model.get_submodule(family.head).in_features == (kept if slice_head else d)
     assert parameter_count(model) == _expected_parameters(config, widths)
     with torch.no_grad():
