@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.errors import UserError
-from compressor.families import ModelFamily
+from compressor.families import ModelFamily, optional_module, stream_reader
 from compressor.modeling import SlicedDecoderLayer, sliced_classes
 from compressor.sensitivity import SensitivityOptions, estimate_fisher
 from compressor.strategy import Basis, SiteProblem, SiteStatistics, Strategy
@@ -191,7 +191,10 @@ def prune(
         selector.fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device)
 
     previous = selector.select(names[0], d, widths[0], _moment(hidden, masks, d, device))
-    for path in (family.embedding, *family.extra_embeddings):
+    projection = optional_module(model, family.input_projection)
+    if projection is not None:
+        rotate_output(projection, previous)  # it writes the stream; the embedding keeps its own width
+    for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
         rotate_embedding(model.get_submodule(path), previous)
     hidden = _project(hidden, previous)
     identity = torch.eye(d, dtype=torch.float64, device=device)
@@ -242,7 +245,7 @@ def prune(
         previous = after_mlp
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
 
-    rotate_inputs(model.get_submodule(family.head), previous)
+    rotate_inputs(stream_reader(model, family), previous)
     model.to(home)  # capture moved the embedding and rotary modules to `device`
     final_norm = model.get_submodule(family.final_norm)
     slicing = {
@@ -251,7 +254,7 @@ def prune(
         "attn": list(widths[1:] if per_layer == 1 else widths[1::2]),
         "mlp": list(widths[1:] if per_layer == 1 else widths[2::2]),
         "norm_eps": final_norm.eps,
-        "head_bias": model.get_submodule(family.head).bias is not None,
+        "reader_bias": stream_reader(model, family).bias is not None,
     }
     sliced = as_sliced_model(model, family, slicing)
     return PruneResult(model=sliced, sites=selector.records, slicing=slicing)

@@ -59,6 +59,10 @@ class ModelFamily:
     """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear)."""
     positional_args: tuple[str, ...] = ()
     """Names of the arguments the model passes to each layer by position after the hidden states."""
+    input_projection: str | None = None
+    output_projection: str | None = None
+    """Optional linears between the token embedding and the stream, and between the final norm
+    and the head (OPT's project_in / project_out, present when word_embed_proj_dim differs)."""
     parallel: bool = False
     """Attention and MLP read one norm and write to the stream together (Phi-2): one site per layer."""
     head_width_is_embedding_width: bool = False
@@ -89,9 +93,27 @@ def _opt_mlp(layer: nn.Module) -> nn.Module:
 def _opt_refusal(config: Any) -> str | None:
     if not config.do_layer_norm_before:
         return "OPT with layer norms after the blocks (do_layer_norm_before: false, e.g. opt-350m) is not supported"
-    if config.word_embed_proj_dim != config.hidden_size:
-        return "OPT with project_in/project_out (word_embed_proj_dim != hidden_size) is not supported"
     return None
+
+
+def optional_module(model: nn.Module, path: str | None) -> nn.Module | None:
+    """The module at `path`, or None where the family has none or this model leaves it unset."""
+    if path is None:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # e.g. OPT sets project_in = None when no projection is needed
+        return None
+
+
+def stream_writer(model: nn.Module, family: "ModelFamily") -> nn.Module:
+    """What writes the token embeddings into the stream: the input projection, or the embedding."""
+    return optional_module(model, family.input_projection) or model.get_submodule(family.embedding)
+
+
+def stream_reader(model: nn.Module, family: "ModelFamily") -> nn.Module:
+    """What reads the stream after the final norm: the output projection, or the head."""
+    return optional_module(model, family.output_projection) or model.get_submodule(family.head)
 
 
 def _conv1d_to_linear(model: nn.Module) -> None:
@@ -127,6 +149,7 @@ OPT = ModelFamily(
     layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", attn_norm="self_attn_layer_norm",
     attn_output="out_proj", mlp_norm="final_layer_norm", mlp_inputs=("fc1",), mlp_output="fc2",
     layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
+    input_projection="model.decoder.project_in", output_projection="model.decoder.project_out",
 )
 
 GPT2 = ModelFamily(

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from compressor.families import BUILTIN_FAMILIES, ModelFamily
+from compressor.families import BUILTIN_FAMILIES, ModelFamily, optional_module, stream_reader
 
 SLICED_PREFIX = "sliced_"
 
@@ -181,7 +181,10 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         family.prepare(model)
     eps = float(slicing["norm_eps"]) if "norm_eps" in slicing else float(getattr(model.config, family.norm_eps))
     embedding = model.get_submodule(family.embedding)
-    for path in (family.embedding, *family.extra_embeddings):
+    projection = optional_module(model, family.input_projection)
+    if projection is not None:
+        _resize(projection, out_features=slicing["embedding"])
+    for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
         _resize(model.get_submodule(path), embedding_dim=slicing["embedding"])
     layers = model.get_submodule(family.layers)
     width_in = slicing["embedding"]
@@ -211,11 +214,11 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         layers[index] = sliced
         width_in = width_mlp
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
-    head = model.get_submodule(family.head)
-    _resize(head, in_features=width_in)
-    if slicing.get("head_bias") and head.bias is None:  # LayerNorm families fold the final norm's bias here
-        head.bias = nn.Parameter(torch.empty(head.out_features, dtype=head.weight.dtype, device=head.weight.device),
-                                 requires_grad=False)
+    reader = stream_reader(model, family)
+    _resize(reader, in_features=width_in)
+    if slicing.get("reader_bias") and reader.bias is None:  # LayerNorm families fold the final norm's bias here
+        reader.bias = nn.Parameter(torch.empty(reader.out_features, dtype=reader.weight.dtype,
+                                               device=reader.weight.device), requires_grad=False)
 
 
 def sliced_model_type(model_type: str) -> str:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.families import ModelFamily
+from compressor.families import ModelFamily, optional_module, stream_reader
 from compressor.modeling import WeightlessRMSNorm, family_mlp, wrap_layer
 
 
@@ -41,7 +41,10 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
     model.config.tie_word_embeddings = False
     if family.layer_norm:  # centre what writes the stream, so every LayerNorm sees a zero-mean input
-        for path in (family.embedding, *family.extra_embeddings):
+        projection = optional_module(model, family.input_projection)
+        if projection is not None:
+            _centre_output(projection)
+        for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
             _centre_rows(model.get_submodule(path))
     layers = model.get_submodule(family.layers)
     for index, layer in enumerate(layers):
@@ -65,9 +68,10 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
                 writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
         layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
     final_norm = model.get_submodule(family.final_norm)
+    reader = stream_reader(model, family)
     if family.layer_norm:
-        _fold_shift(final_norm, [head])
-    _fold_scale(_scale(final_norm, family), [head])
+        _fold_shift(final_norm, [reader])
+    _fold_scale(_scale(final_norm, family), [reader])
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
 
 

@@ -278,7 +278,6 @@ def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monke
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(do_layer_norm_before=False), "do_layer_norm_before: false"),
-    (dict(word_embed_proj_dim=32), "project_in/project_out"),
 ])
 def test_unsupported_opt_variants_are_refused(overrides: dict, message: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
