@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -14,12 +15,13 @@ from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 
 
-def test_opt_projections_rotate_exactly_slice_and_reload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_opt_projections_rotate_exactly_slice_and_reload(padded: bool, tmp_path: Path) -> None:
     original = tiny_model("opt", word_embed_proj_dim=32)
     decoder = original.model.decoder
     assert decoder.project_in is not None and decoder.project_out is not None
     family, config = family_for("opt"), original.config
-    batches = random_batches(config.vocab_size, padded=True)
+    batches = random_batches(config.vocab_size, padded=padded)
     d = config.hidden_size
 
     rotated = prune(copy_model(original), family, batches, widths_for("opt", config, d, True), [PipelineStep(PCA())])
