@@ -87,6 +87,18 @@ def random_batches(vocab: int, count: int = 2, batch: int = 4, length: int = 24,
     return out
 
 
+def max_relative_logit_error(original: PreTrainedModel, candidate: PreTrainedModel, batches: list[Batch]) -> float:
+    """max |Δlogit| / max |logit| over the real (unpadded) positions of all batches."""
+    worst = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            keep = batch.attention_mask.bool()
+            expected = original(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
+            actual = candidate(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
+            worst = max(worst, ((expected - actual).abs().max() / expected.abs().max()).item())
+    return worst
+
+
 def save_tiny_checkpoint(folder: Path, name: str = "llama", **overrides) -> Path:
     """A tiny model saved with the reference tokenizer (vocab 8192), for CLI runs."""
     model = tiny_model(name, vocab_size=8192, **overrides)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.engine import PipelineStep, kept_width, prune
 from compressor.families import family_for
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
@@ -18,7 +18,7 @@ from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_mode
 def test_saved_model_reloads_and_generates_identically(family_name: str, tmp_path: Path) -> None:
     original = tiny_model(family_name)
     config = original.config
-    d, layers = config.hidden_size, config.num_hidden_layers
+    d = config.hidden_size
     slice_head = family_for(family_name).head_width_is_embedding_width  # GPT-2 needs it; others test without
     widths = widths_for(family_name, config, kept_width(d, 0.25, 8), slice_head=slice_head)
     pruned = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),

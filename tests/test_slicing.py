@@ -100,7 +100,7 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
         pytest.skip("this family slices the head input like the embedding (refused otherwise: tests/test_cli.py)")
     original = tiny_model(family_name)
     config = original.config
-    d, layers = config.hidden_size, config.num_hidden_layers
+    d = config.hidden_size
     kept = kept_width(d, 0.25, 8)
     widths = widths_for(family_name, config, kept, slice_head)
     result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
