@@ -199,6 +199,7 @@ def prune(
     hidden = _project(hidden, previous)
     identity = torch.eye(d, dtype=torch.float64, device=device)
 
+    site = 1
     layers = model.get_submodule(family.layers)
     for i, layer in enumerate(layers):
         report(f"layer {i + 1}/{num_layers}", i, num_layers)
@@ -206,46 +207,22 @@ def prune(
         layer_home = next(layer.parameters()).device
         layer.to(device)
         like = layer.self_attn.get_submodule(family.attn_output).weight
-        attention, mlp = layer.self_attn, layer.mlp
-
-        if family.parallel:  # one site: both blocks read `previous` and write the new basis
-            for module, paths in ((attention, family.attn_inputs), (mlp, family.mlp_inputs)):
-                for path in paths:
-                    rotate_inputs(module.get_submodule(path), previous)
-            layer.attn_shortcut = transition(previous, identity, like)
-            hidden = [layer.parallel_block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
-            after = selector.select(names[i + 1], d, widths[i + 1], _moment(hidden, masks, d, device))
-            rotate_output(layer.writer("attn", family), after)
-            rotate_output(layer.writer("mlp", family), after)
-            layer.attn_shortcut = transition(previous, after, like)
-            hidden = _project(hidden, after)
-            layer.to(layer_home)
-            previous = after
-            continue
-
-        for path in family.attn_inputs:
-            rotate_inputs(attention.get_submodule(path), previous)
-        layer.attn_shortcut = transition(previous, identity, like)
-        hidden = [layer.attention_block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
-        after_attn = selector.select(names[2 * i + 1], d, widths[2 * i + 1], _moment(hidden, masks, d, device))
-        rotate_output(layer.writer("attn", family), after_attn)
-        layer.attn_shortcut = transition(previous, after_attn, like)
-        hidden = _project(hidden, after_attn)
-
-        for path in family.mlp_inputs:
-            rotate_inputs(mlp.get_submodule(path), after_attn)
-        layer.mlp_shortcut = transition(after_attn, identity, like)
-        hidden = [layer.mlp_block(h) for h in hidden]
-        after_mlp = selector.select(names[2 * i + 2], d, widths[2 * i + 2], _moment(hidden, masks, d, device))
-        rotate_output(layer.writer("mlp", family), after_mlp)
-        layer.mlp_shortcut = transition(after_attn, after_mlp, like)
-        hidden = _project(hidden, after_mlp)
-
+        for block, readers, writers, shortcut in layer.sites(family):
+            for linear in readers:  # the block reads the stream in the previous site's basis
+                rotate_inputs(linear, previous)
+            setattr(layer, shortcut, transition(previous, identity, like))  # block output in d coordinates
+            hidden = [block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
+            chosen = selector.select(names[site], d, widths[site], _moment(hidden, masks, d, device))
+            for linear in writers:
+                rotate_output(linear, chosen)
+            setattr(layer, shortcut, transition(previous, chosen, like))
+            hidden = _project(hidden, chosen)
+            previous, site = chosen, site + 1
         layer.to(layer_home)
-        previous = after_mlp
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
 
-    rotate_inputs(stream_reader(model, family), previous)
+    reader = stream_reader(model, family)
+    rotate_inputs(reader, previous)
     model.to(home)  # capture moved the embedding and rotary modules to `device`
     final_norm = model.get_submodule(family.final_norm)
     slicing = {
@@ -254,7 +231,7 @@ def prune(
         "attn": list(widths[1:] if per_layer == 1 else widths[1::2]),
         "mlp": list(widths[1:] if per_layer == 1 else widths[2::2]),
         "norm_eps": final_norm.eps,
-        "reader_bias": stream_reader(model, family).bias is not None,
+        "reader_bias": reader.bias is not None,
     }
     sliced = as_sliced_model(model, family, slicing)
     return PruneResult(model=sliced, sites=selector.records, slicing=slicing)

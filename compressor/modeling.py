@@ -10,7 +10,8 @@ pruned model reloads with `AutoModelForCausalLM.from_pretrained`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from huggingface_hub.dataclasses import strict
@@ -44,6 +45,17 @@ class WeightlessRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"reference_width={self.reference_width}, eps={self.eps}"
+
+
+class Site(NamedTuple):
+    """One residual-stream site of a layer: the block that produces it, the linears that read
+    the stream into that block, the linears that write its output, and the attribute holding
+    the residual transition that carries the stream past it."""
+
+    block: Callable[..., torch.Tensor]
+    readers: list[nn.Linear]
+    writers: list[nn.Linear]
+    shortcut: str
 
 
 class SlicedDecoderLayer(nn.Module):
@@ -101,6 +113,16 @@ class SlicedDecoderLayer(nn.Module):
         residual = self._shortcut(self.mlp_shortcut, hidden_states)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + self._write(self.mlp_output_norm, self.mlp_writer, mlp_out)
+
+    def sites(self, family: ModelFamily) -> list[Site]:
+        """The layer's sites in order: after attention and after the MLP, or one for a parallel block."""
+        attn_readers = [self.self_attn.get_submodule(p) for p in family.attn_inputs]
+        mlp_readers = [self.mlp.get_submodule(p) for p in family.mlp_inputs]
+        attn_writer, mlp_writer = self.writer("attn", family), self.writer("mlp", family)
+        if self.parallel:
+            return [Site(self.parallel_block, attn_readers + mlp_readers, [attn_writer, mlp_writer], "attn_shortcut")]
+        return [Site(self.attention_block, attn_readers, [attn_writer], "attn_shortcut"),
+                Site(self.mlp_block, mlp_readers, [mlp_writer], "mlp_shortcut")]
 
     def writer(self, block: str, family: ModelFamily) -> nn.Linear:
         """The linear that writes `block`'s ("attn" or "mlp") output into the residual stream."""

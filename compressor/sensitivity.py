@@ -56,9 +56,8 @@ def site_activations(
 
     hidden = visit(hidden)
     for i, layer in enumerate(model.get_submodule(family.layers)):
-        halves = ((layer.parallel_block,) if family.parallel else (layer.attention_block, layer.mlp_block))
-        for half in halves:
-            hidden = half(hidden, **inputs.layer_kwargs[batch][i])
+        for site in layer.sites(family):
+            hidden = site.block(hidden, **inputs.layer_kwargs[batch][i])
             sites.append(hidden)
             hidden = visit(hidden)
     logits = model.get_submodule(family.head)(model.get_submodule(family.final_norm)(hidden))

@@ -50,13 +50,15 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
     for index, layer in enumerate(layers):
         attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
         attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
+        attn_readers = [attention.get_submodule(p) for p in family.attn_inputs]
+        mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
         if family.layer_norm:
             _centre_output(attention.get_submodule(family.attn_output))
             _centre_output(mlp.get_submodule(family.mlp_output))
-            _fold_shift(attn_norm, [attention.get_submodule(p) for p in family.attn_inputs])
-            _fold_shift(mlp_norm, [mlp.get_submodule(p) for p in family.mlp_inputs])
-        _fold_scale(_scale(attn_norm, family), [attention.get_submodule(p) for p in family.attn_inputs])
-        _fold_scale(_scale(mlp_norm, family), [mlp.get_submodule(p) for p in family.mlp_inputs])
+            _fold_shift(attn_norm, attn_readers)
+            _fold_shift(mlp_norm, mlp_readers)
+        _fold_scale(_scale(attn_norm, family), attn_readers)
+        _fold_scale(_scale(mlp_norm, family), mlp_readers)
         writers = {}
         for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
             if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
