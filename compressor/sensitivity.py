@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.calibration import LayerInputs
-from compressor.families import ModelFamily
+from compressor.families import ModelFamily, optional_module
 
 REDUCTIONS = ("sum", "mean")
 ACCUMULATION_DTYPES = ("float32", "float64")
@@ -60,7 +60,9 @@ def site_activations(
             hidden = site.block(hidden, **inputs.layer_kwargs[batch][i])
             sites.append(hidden)
             hidden = visit(hidden)
-    logits = model.get_submodule(family.head)(model.get_submodule(family.final_norm)(hidden))
+    hidden = model.get_submodule(family.final_norm)(hidden)
+    projection = optional_module(model, family.output_projection)  # OPT's project_out, when present
+    logits = model.get_submodule(family.head)(hidden if projection is None else projection(hidden))
     cap = getattr(model.config, family.logit_softcapping, None) if family.logit_softcapping else None
     return sites, logits if cap is None else torch.tanh(logits / cap) * cap
 
