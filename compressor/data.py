@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from compressor.calibration import Batch
-from compressor.errors import UserError
+from compressor.errors import UserError, first_line
 
 
 def load_records(dataset: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
@@ -26,8 +26,7 @@ def load_records(dataset: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
         hint = ""
         if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
             hint = " (offline mode is on: use local data files or a dataset already in the cache)"
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line}{hint}") from None
+        raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line(error)}{hint}") from None
 
 
 def _texts(records: Iterable[Mapping[str, Any]], field: str) -> Iterator[str]:

@@ -8,3 +8,9 @@ class UserError(Exception):
 
     The message names the problem and, where there is one, the fix.
     """
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none), for one-line reports."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -29,7 +29,7 @@ from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune, site_widths, sites_per_layer
-from compressor.errors import UserError
+from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, parameter_count
 from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
@@ -37,6 +37,7 @@ from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.report import write_markdown
 
 Progress = Callable[[str, int, int], None]
+T = TypeVar("T")
 
 
 def _offline_hint() -> str:
@@ -45,34 +46,29 @@ def _offline_hint() -> str:
     return ""
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _load(what: str, loader: Callable[[], T]) -> T:
+    """Call a transformers loader; a missing or unreadable model is a one-line UserError."""
+    try:
+        return loader()
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load {what}: {first_line(error)}{_offline_hint()}") from None
 
 
 def load_config(spec: ModelSpec) -> PretrainedConfig:
-    try:
-        return AutoConfig.from_pretrained(spec.path, revision=spec.revision)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load the config of model '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
+    return _load(f"the config of model '{spec.path}'",
+                 lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision))
 
 
 def load_model(spec: ModelSpec) -> PreTrainedModel:
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
-            attn_implementation=spec.attn_implementation,
-        )
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load model '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
-    return model.eval()
+    return _load(f"model '{spec.path}'", lambda: AutoModelForCausalLM.from_pretrained(
+        spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
+        attn_implementation=spec.attn_implementation,
+    )).eval()
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
-    try:
-        return AutoTokenizer.from_pretrained(spec.path, revision=spec.revision)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load the tokenizer of '{spec.path}': {_first_line(error)}{_offline_hint()}") from None
+    return _load(f"the tokenizer of '{spec.path}'",
+                 lambda: AutoTokenizer.from_pretrained(spec.path, revision=spec.revision))
 
 
 def resolve_device(name: str) -> torch.device:
