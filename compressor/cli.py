@@ -90,26 +90,28 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {recipe.output}")
 
 
+def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A listing whose cells are plain text (no rich markup) and fold rather than truncate."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    console.print(table)
+
+
 def _strategies(console: Console) -> None:
     from compressor.plugins import PluginRegistry
 
-    table = Table(title="registered strategies")
-    for column in ("name", "plugin", "from", "description"):
-        table.add_column(column, overflow="fold")
-    for name, entry in PluginRegistry().strategies().items():
-        table.add_row(*(escape(cell) for cell in (name, entry.plugin, entry.source, entry.strategy.description)))
-    console.print(table)
+    rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in PluginRegistry().strategies().items()]
+    _print_table(console, "registered strategies", ("name", "plugin", "from", "description"), rows)
 
 
 def _families(console: Console) -> None:
     from compressor.plugins import PluginRegistry
 
-    table = Table(title="supported model families")
-    for column in ("model_type", "family", "plugin", "from"):
-        table.add_column(column, overflow="fold")
-    for model_type, entry in PluginRegistry().families().items():
-        table.add_row(*(escape(cell) for cell in (model_type, entry.family.name, entry.plugin, entry.source)))
-    console.print(table)
+    rows = [(model_type, e.family.name, e.plugin, e.source) for model_type, e in PluginRegistry().families().items()]
+    _print_table(console, "supported model families", ("model_type", "family", "plugin", "from"), rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
