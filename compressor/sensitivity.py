@@ -12,10 +12,12 @@ kept: weights are frozen and only the first layer's input requires a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.calibration import LayerInputs
@@ -67,24 +69,58 @@ def site_activations(
     return sites, logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 128) -> torch.Tensor:
+    """One label per row of `probs` (rows summing to 1), by inverse-CDF sampling in two levels.
+
+    A row's CDF is searched first over block sums, then inside the chosen block: the same draw
+    as a search of the full CDF (up to rounding), without a sequential scan of the whole
+    vocabulary, which costs more than the softmax itself at LLM vocabulary sizes.
+    """
+    rows, vocab = probs.shape
+    whole = vocab // block * block
+    sums = probs[:, :whole].view(rows, -1, block).sum(-1)
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], dim=-1)
+    block_cdf = sums.cumsum(-1)
+    draws = torch.rand(rows, 1, generator=generator, device=probs.device, dtype=probs.dtype) * block_cdf[:, -1:]
+    chosen = torch.searchsorted(block_cdf, draws).clamp_max(sums.shape[-1] - 1)
+    offset = draws - (block_cdf.gather(-1, chosen) - sums.gather(-1, chosen))
+    columns = chosen * block + torch.arange(block, device=probs.device)
+    inside = probs.gather(-1, columns.clamp_max(vocab - 1)).masked_fill_(columns >= vocab, 0)
+    within = torch.searchsorted(inside.cumsum(-1), offset).clamp_max(block - 1)
+    return (chosen * block + within).clamp_max(vocab - 1).view(-1)
+
+
 def sampled_score(
     logits: torch.Tensor, mask: torch.Tensor, generator: torch.Generator, reduction: str
 ) -> torch.Tensor:
     """∂/∂logits of Σ (or mean) over counted positions of log p(y_t), y_t ~ p(· | prefix).
 
-    That gradient is mask·(onehot(y) − p), so it is formed directly: one softmax serves both
-    the sampling (inverse CDF) and the gradient, and no log-softmax graph is built.
+    That gradient is mask·(onehot(y) − p), so it is formed directly and in place: one softmax
+    serves both the sampling and the gradient, and no log-softmax graph is built.
     """
-    probs = torch.softmax(logits.detach().to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    flat = probs.view(-1, probs.shape[-1])
-    cdf = flat.cumsum(-1)
-    draws = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=cdf.dtype) * cdf[:, -1:]
-    labels = torch.searchsorted(cdf, draws).clamp_max(flat.shape[-1] - 1)
-    weight = mask.to(probs.dtype).view(-1, 1)
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    probs = torch.softmax(flat, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    labels = sample_labels(probs, generator)
+    weight = mask.reshape(-1, 1).to(probs.dtype)
     if reduction == "mean":
         weight = weight / weight.sum().clamp_min(1)
-    score = (-flat * weight).scatter_add_(-1, labels, weight)
-    return score.view(probs.shape).to(logits.dtype)
+    score = probs.mul_(weight.neg()).scatter_add_(-1, labels.unsqueeze(-1), weight)
+    return score.view(logits.shape).to(logits.dtype)
+
+
+@contextmanager
+def _held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Put the parts the H pass uses on `device`, and each back where it was afterwards."""
+    homes = [None if p is None else p.device for p in (next(part.parameters(), None) for part in parts)]
+    try:
+        for part in parts:
+            part.to(device)
+        yield
+    finally:
+        for part, home in zip(parts, homes):
+            if home is not None:  # a part without parameters (a fused norm) has no home to go back to
+                part.to(home)
 
 
 def estimate_fisher(
@@ -105,16 +141,16 @@ def estimate_fisher(
     dtype = getattr(torch, options.dtype)
     lowered = getattr(torch, options.autocast) if options.autocast else None
     layers = model.get_submodule(family.layers)
-    head = model.get_submodule(family.head)
-    homes = [next(layer.parameters()).device for layer in layers] + [head.weight.device]
+    parts = [*layers, model.get_submodule(family.final_norm), model.get_submodule(family.head)]
+    projection = optional_module(model, family.output_projection)
+    if projection is not None:
+        parts.append(projection)
     generator = torch.Generator(device=device).manual_seed(options.seed)
     d = model.config.hidden_size
     per_layer = 1 if family.parallel else 2
     totals = [torch.zeros(d, d, dtype=dtype, device=device) for _ in range(per_layer * len(layers) + 1)]
     tokens = 0
-    try:
-        for part in (*layers, model.get_submodule(family.final_norm), head):
-            part.to(device)
+    with _held_on(parts, device):
         for batch, mask in enumerate(inputs.sensitivity_masks):
             with torch.enable_grad(), torch.autocast(device.type, dtype=lowered, enabled=lowered is not None):
                 sites, logits = site_activations(model, family, inputs, batch)
@@ -125,9 +161,6 @@ def estimate_fisher(
                 g = site.grad[mask].to(dtype)
                 total.addmm_(g.T, g)
             tokens += int(mask.sum())
-    finally:
-        for part, home in zip((*layers, head), homes):
-            part.to(home)
     if tokens == 0:
         raise ValueError("no tokens were counted for the sensitivity statistics (empty sensitivity mask)")
     return [(total / tokens).to(torch.float64) for total in totals]

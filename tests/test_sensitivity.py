@@ -201,6 +201,32 @@ def test_sampled_labels_follow_the_model_distribution() -> None:
     assert torch.allclose(frequencies, probs, atol=0.015)
 
 
+def test_two_level_sampling_draws_what_a_full_cdf_search_draws() -> None:
+    """Block sums then a search inside the block: the same label as inverse-CDF sampling over
+    the whole row (up to rounding), across whole blocks and a shorter last one."""
+    from compressor.sensitivity import sample_labels
+
+    logits = 3 * torch.randn(4000, 300, generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(logits, -1)
+    labels = sample_labels(probs, torch.Generator().manual_seed(4), block=128)
+    cdf = probs.cumsum(-1)
+    draws = torch.rand(4000, 1, generator=torch.Generator().manual_seed(4)) * cdf[:, -1:]
+    reference = torch.searchsorted(cdf, draws).clamp_max(299).view(-1)
+    assert (labels == reference).float().mean().item() > 0.999
+    assert labels.max().item() >= 256  # the short last block is reached
+
+
+def test_two_level_sampling_follows_the_distribution() -> None:
+    from compressor.sensitivity import sample_labels
+
+    probs = torch.softmax(torch.linspace(0, 4, 300), -1)
+    labels = sample_labels(probs.expand(200_000, 300).contiguous(), torch.Generator().manual_seed(3), block=64)
+    frequencies = torch.bincount(labels, minlength=300).double() / 200_000
+    per_block = lambda x: torch.stack([part.sum() for part in x.split(64)])  # noqa: E731
+    assert torch.allclose(per_block(frequencies), per_block(probs.double()), atol=0.005)
+    assert torch.allclose(frequencies, probs.double(), atol=0.002)
+
+
 def test_autocast_estimate_stays_close_to_full_precision() -> None:
     model = tiny_model("llama")
     family = family_for("llama")
