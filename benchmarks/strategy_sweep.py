@@ -11,7 +11,11 @@ Run by hand (not part of the tests):
 
     .venv/bin/python benchmarks/strategy_sweep.py \
         [--recipe recipes/ref_llama_pca.yaml] [--pipelines pca sensitivity sensitivity+stiefel] \
-        [--sparsities 0.1 0.2 0.25 0.3] [--out benchmarks/results/strategy_sweep.json] [--runs-dir DIR]
+        [--sparsities 0.1 0.2 0.25 0.3] [--repeats 1] [--out benchmarks/results/strategy_sweep.json] [--runs-dir DIR]
+
+With `--repeats N` every pipeline runs N times per sparsity (interleaved: pca, sensitivity, …,
+pca, sensitivity, …) and each row reports the median wall times; the quality figures of the
+repeats must agree (the runs are seeded), or the sweep stops.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -51,6 +56,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pipelines", nargs="+", default=["pca"],
                         help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
                              "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each pipeline per sparsity; rows report median wall times")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "strategy_sweep.json"),
                         help="where the JSON results are written")
     parser.add_argument("--runs-dir", default=None,
@@ -89,6 +96,23 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+TIMES = ("prune_s", "eval_s", "total_s")
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for the repeats of a (pipeline, sparsity): median wall times, each run's times kept."""
+    first = runs[0]
+    for other in runs[1:]:
+        if (other["kl"], other["pruned_ppl"]) != (first["kl"], first["pruned_ppl"]):
+            raise SystemExit(f"{first['pipeline']} at {first['sparsity']}: repeats disagree on quality "
+                             f"(KL {first['kl']} vs {other['kl']}); the runs should be deterministic")
+    row = dict(first)
+    for key in TIMES:
+        row[key] = statistics.median(r[key] for r in runs)
+        row[f"{key}_runs"] = [r[key] for r in runs]
+    return row
+
+
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """KL and wall-time ratios of each row to the `pca` row of the same sparsity, if there is one."""
     reference = {r["sparsity"]: r for r in rows if r["pipeline"] == "pca"}
@@ -96,6 +120,18 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         base = reference.get(r["sparsity"])
         r["kl_ratio_to_pca"] = r["kl"] / base["kl"] if base and base["kl"] > 0 else None
         r["total_ratio_to_pca"] = r["total_s"] / base["total_s"] if base else None
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per pipeline, the KL and wall-time ratios to `pca` over the sparsities: mean, min, max."""
+    summary: dict[str, dict[str, float]] = {}
+    for chain in dict.fromkeys(r["pipeline"] for r in rows):
+        for key in ("kl_ratio_to_pca", "total_ratio_to_pca"):
+            values = [r[key] for r in rows if r["pipeline"] == chain and r[key] is not None]
+            if values:
+                summary.setdefault(chain, {}).update({f"{key}_mean": statistics.fmean(values),
+                                                      f"{key}_min": min(values), f"{key}_max": max(values)})
+    return summary
 
 
 COLUMNS = ("pipeline", "sparsity", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)", "KL / pca",
@@ -147,22 +183,27 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="strategy_sweep_") as scratch:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(scratch)
         for sparsity in args.sparsities:
-            for index, chain in enumerate(args.pipelines):
-                label = f"{chain} at {sparsity}"
-                output = runs_dir / f"{index}-{sparsity:g}"
-                overrides = [f"sparsity={sparsity}", *_overrides(chain)]
-                recipe = load_recipe(args.recipe, registry, overrides, str(output))
-                tick = time.perf_counter()
-                report = run(recipe, registry, _phase_logger(label, console), overwrite=True)
-                rows.append(_row({**report, "label": chain}))
-                console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
+            runs: dict[str, list[dict[str, Any]]] = {chain: [] for chain in args.pipelines}
+            for repeat in range(args.repeats):
+                for index, chain in enumerate(args.pipelines):
+                    label = f"{chain} at {sparsity}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
+                    output = runs_dir / f"{index}-{sparsity:g}-{repeat}"
+                    overrides = [f"sparsity={sparsity}", *_overrides(chain)]
+                    recipe = load_recipe(args.recipe, registry, overrides, str(output))
+                    tick = time.perf_counter()
+                    report = run(recipe, registry, _phase_logger(label, console), overwrite=True)
+                    runs[chain].append(_row({**report, "label": chain}))
+                    console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
+            rows += [_median_row(runs[chain]) for chain in args.pipelines]
     _add_ratios(rows)
     device = report["environment"]["device"] if rows else None
     result = {
         "benchmark": "strategy_sweep",
         "recipe": str(Path(args.recipe).resolve()),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "repeats": args.repeats,
         "rows": rows,
+        "summary": _summary(rows),
         "environment": {
             "date": started.isoformat(timespec="seconds"),
             "torch": torch.__version__,
@@ -180,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(_markdown(rows))
     console.print(_table(rows, f"strategy sweep ({Path(args.recipe).name})"))
+    for chain, ratios in result["summary"].items():
+        if chain != "pca" and "total_ratio_to_pca_mean" in ratios:
+            console.print(f"{chain}: time / pca {ratios['total_ratio_to_pca_mean']:.3f} on average "
+                          f"({ratios['total_ratio_to_pca_min']:.3f}-{ratios['total_ratio_to_pca_max']:.3f}), "
+                          f"KL / pca {ratios['kl_ratio_to_pca_mean']:.3f} on average")
     console.print(f"wrote {out}")
 
 
