@@ -128,8 +128,25 @@ def _prepare_output(output: Path, overwrite: bool) -> Path:
         raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_default_modes(folder: Path) -> None:
+    """The modes a plain `mkdir`/`open` would have given (mkdtemp makes the staging folder 0700,
+    and the safetensors writer makes its file 0600), so the published run is readable as usual."""
+    mask = _current_umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _publish(staging: Path, output: Path) -> None:
     """Put the finished run in place; a previous run is moved aside first and removed last."""
+    _give_default_modes(staging)
     previous = None
     if output.exists():  # check_output allowed only an empty folder or a previous run's
         previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))

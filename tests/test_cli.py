@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,10 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     out = tmp_path / "out"  # relative output resolves against the recipe's folder
     assert sorted(p.name for p in out.iterdir()) == ["model", "recipe.yaml", "report.json", "report.md"]
     assert not list(tmp_path.glob(".out.partial*"))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not the staging folder's 0700
+    assert stat.S_IMODE((out / "model" / "model.safetensors").stat().st_mode) == 0o666 & ~umask
     report = json.loads((out / "report.json").read_text())
     metrics = report["metrics"]
     assert metrics["baseline"]["ppl"] > 1 and metrics["pruned"]["ppl"] > 1 and metrics["pruned"]["kl"] > 0
