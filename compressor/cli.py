@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -78,16 +79,34 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})"
                       + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
+    with _progress_display(console) as progress:
+        report = run(recipe, registry, progress, overwrite=args.overwrite)
+    console.print(rich_table(report))
+    console.print(f"wrote {recipe.output}")
+
+
+@contextmanager
+def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """A live bar on a terminal; elsewhere (a log file, CI) one timestamped line per phase, so a
+    log stays short (a live display there would only leave a blank line behind)."""
+    if not console.is_terminal:
+        shown: list[str] = []
+
+        def log_phase(phase: str, done: int, total: int) -> None:
+            if not shown or shown[-1] != phase:
+                shown.append(phase)
+                console.log(phase, markup=False, highlight=False, log_locals=False)
+
+        yield log_phase
+        return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
 
-        def progress(phase: str, done: int, total: int) -> None:
+        def update(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        report = run(recipe, registry, progress, overwrite=args.overwrite)
-    console.print(rich_table(report))
-    console.print(f"wrote {recipe.output}")
+        yield update
 
 
 def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -115,7 +134,7 @@ def _families(console: Console) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    console = Console(stderr=False)
+    console = Console(stderr=False, log_path=False)
     errors = Console(stderr=True)
     try:
         args = _parser().parse_args(argv)

@@ -70,7 +70,10 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.model_type == "sliced_llama"
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
-    assert "perplexity" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "perplexity" in out
+    phases = [line.split("] ", 1)[-1].strip() for line in out.splitlines()[:3]]  # not a terminal: a line per phase
+    assert phases == ["tokenising data", "loading model", "fusing norms"]
 
 
 def test_set_overrides_and_output_option(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -197,9 +200,10 @@ def test_bad_input_is_one_line_and_exit_2(case: str, tiny_checkpoint: Path, tmp_
     else:
         recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
     code = main(["run", str(recipe), *(extra_args or [])])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2
     assert message in err
+    assert all(line.strip() for line in out.splitlines())  # phase lines at most, no blank line
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
