@@ -15,7 +15,7 @@ Run by hand (not part of the tests):
 
 With `--repeats N` every pipeline runs N times per sparsity (interleaved: pca, sensitivity, …,
 pca, sensitivity, …) and each row reports the median wall times; the quality figures of the
-repeats must agree (the runs are seeded), or the sweep stops.
+repeats should agree (the runs are seeded), and a warning names any row where they do not.
 """
 
 from __future__ import annotations
@@ -62,7 +62,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the JSON results are written")
     parser.add_argument("--runs-dir", default=None,
                         help="keep each run's output folder here (default: a temporary folder, deleted)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if len(set(args.pipelines)) != len(args.pipelines):
+        parser.error("a pipeline is listed twice")
+    return args
 
 
 def _phase_logger(label: str, console: Console) -> Any:
@@ -99,17 +104,19 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
 TIMES = ("prune_s", "eval_s", "total_s")
 
 
-def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row for the repeats of a (pipeline, sparsity): median wall times, each run's times kept."""
+def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
+    """One row for the repeats of a (pipeline, sparsity): median wall times (each taken on its
+    own), each run's times and quality kept. Seeded CPU runs agree exactly; a difference (e.g.
+    non-deterministic GPU kernels) is reported, not fatal, so no finished run is thrown away."""
     first = runs[0]
-    for other in runs[1:]:
-        if (other["kl"], other["pruned_ppl"]) != (first["kl"], first["pruned_ppl"]):
-            raise SystemExit(f"{first['pipeline']} at {first['sparsity']}: repeats disagree on quality "
-                             f"(KL {first['kl']} vs {other['kl']}); the runs should be deterministic")
+    if any((r["kl"], r["pruned_ppl"]) != (first["kl"], first["pruned_ppl"]) for r in runs[1:]):
+        console.print(f"warning: {first['pipeline']} at {first['sparsity']}: repeats differ in quality "
+                      f"(KL {', '.join(format(r['kl'], '.6g') for r in runs)}); the row shows the medians")
     row = dict(first)
-    for key in TIMES:
+    for key in (*TIMES, "kl", "pruned_ppl"):
         row[key] = statistics.median(r[key] for r in runs)
         row[f"{key}_runs"] = [r[key] for r in runs]
+    row["ppl_increase_pct"] = 100.0 * (row["pruned_ppl"] / row["baseline_ppl"] - 1.0)
     return row
 
 
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                     report = run(recipe, registry, _phase_logger(label, console), overwrite=True)
                     runs[chain].append(_row({**report, "label": chain}))
                     console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
-            rows += [_median_row(runs[chain]) for chain in args.pipelines]
+            rows += [_median_row(runs[chain], console) for chain in args.pipelines]
     _add_ratios(rows)
     device = report["environment"]["device"] if rows else None
     result = {
@@ -224,8 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     for chain, ratios in result["summary"].items():
         if chain != "pca" and "total_ratio_to_pca_mean" in ratios:
             console.print(f"{chain}: time / pca {ratios['total_ratio_to_pca_mean']:.3f} on average "
-                          f"({ratios['total_ratio_to_pca_min']:.3f}-{ratios['total_ratio_to_pca_max']:.3f}), "
-                          f"KL / pca {ratios['kl_ratio_to_pca_mean']:.3f} on average")
+                          f"({ratios['total_ratio_to_pca_min']:.3f}-{ratios['total_ratio_to_pca_max']:.3f})"
+                          + (f", KL / pca {ratios['kl_ratio_to_pca_mean']:.3f} on average"
+                             if "kl_ratio_to_pca_mean" in ratios else ""))
     console.print(f"wrote {out}")
 
 

@@ -129,6 +129,13 @@ def _prepare_output(output: Path, overwrite: bool) -> Path:
 
 
 def _current_umask() -> int:
+    """The process umask, read without setting it where the OS allows (os.umask is process-wide)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -136,12 +143,16 @@ def _current_umask() -> int:
 
 def _give_default_modes(folder: Path) -> None:
     """The modes a plain `mkdir`/`open` would have given (mkdtemp makes the staging folder 0700,
-    and the safetensors writer makes its file 0600), so the published run is readable as usual."""
+    and the safetensors writer makes its file 0600), so the published run is readable as usual.
+    Best effort: a filesystem that refuses chmod must not cost a finished run."""
     mask = _current_umask()
-    folder.chmod(0o777 & ~mask)
-    for path in folder.rglob("*"):
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    try:
+        folder.chmod(0o777 & ~mask)
+        for path in folder.rglob("*"):
+            if not path.is_symlink():
+                path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    except OSError:
+        pass
 
 
 def _publish(staging: Path, output: Path) -> None:

@@ -84,7 +84,8 @@ def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 
     block_cdf = sums.cumsum(-1)
     draws = torch.rand(rows, 1, generator=generator, device=probs.device, dtype=probs.dtype) * block_cdf[:, -1:]
     chosen = torch.searchsorted(block_cdf, draws).clamp_max(sums.shape[-1] - 1)
-    offset = draws - (block_cdf.gather(-1, chosen) - sums.gather(-1, chosen))
+    before = torch.nn.functional.pad(block_cdf[:, :-1], (1, 0))  # the CDF where each block starts
+    offset = draws - before.gather(-1, chosen)
     columns = chosen * block + torch.arange(block, device=probs.device)
     inside = probs.gather(-1, columns.clamp_max(vocab - 1)).masked_fill_(columns >= vocab, 0)
     within = torch.searchsorted(inside.cumsum(-1), offset).clamp_max(block - 1)
