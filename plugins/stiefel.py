@@ -46,11 +46,6 @@ def loss_and_gradient(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor) -> tupl
     return float((A * B).sum()), 2 * (CU @ B + HU @ A)  # Tr(AB) = Σ A∘B for symmetric B
 
 
-def loss_gradient(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """Euclidean gradient of Tr(UᵀCU·UᵀHU) for symmetric C and H."""
-    return loss_and_gradient(C, H, U)[1]
-
-
 class Stiefel(Strategy):
     name = "stiefel"
     description = "refine the incoming removed subspace: minimise Tr(UᵀCU·UᵀHU) on the Stiefel manifold"

@@ -14,7 +14,7 @@ from compressor.strategy import SiteProblem, SiteStatistics, StrategyOptionError
 from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
-from compressor_plugins.stiefel import Schedule, Stiefel, loss_gradient
+from compressor_plugins.stiefel import Schedule, Stiefel, loss_and_gradient
 from tests.conftest import tiny_model
 
 
@@ -89,7 +89,7 @@ def test_stiefel_gradient_is_the_gradient_of_the_loss() -> None:
     C, H = random_psd(7, seed=7), random_psd(7, seed=8)
     U = torch.linalg.qr(torch.randn(7, 3, dtype=torch.float64))[0].requires_grad_(True)
     torch.trace((U.T @ C @ U) @ (U.T @ H @ U)).backward()
-    assert torch.allclose(U.grad, loss_gradient(C, H, U.detach()), atol=1e-12)
+    assert torch.allclose(U.grad, loss_and_gradient(C, H, U.detach())[1], atol=1e-12)
 
 
 def sensitive_where_pca_cuts(C: torch.Tensor, removed: int, seed: int) -> torch.Tensor:
@@ -240,11 +240,16 @@ def test_autocast_estimate_stays_close_to_full_precision() -> None:
         assert (torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)).item() < 0.1
 
 
-@pytest.mark.parametrize("family_name", sorted(__import__("tests.conftest", fromlist=["FAMILY_CONFIGS"]).FAMILY_CONFIGS))
-def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str) -> None:
+H_PASS_CASES = [(name, {}) for name in sorted(__import__("tests.conftest", fromlist=["FAMILY_CONFIGS"]).FAMILY_CONFIGS)]
+H_PASS_CASES.append(("opt", {"word_embed_proj_dim": 32}))  # project_out between the final norm and the head
+
+
+@pytest.mark.parametrize(("family_name", "overrides"), H_PASS_CASES,
+                         ids=[name + ("-projections" if extra else "") for name, extra in H_PASS_CASES])
+def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str, overrides: dict) -> None:
     """H is the Fisher of *this* model's output: the H pass must compute the same logits
-    (soft-capping included) as the fused model's own forward."""
-    model = tiny_model(family_name)
+    (soft-capping included, through OPT's project_out) as the fused model's own forward."""
+    model = tiny_model(family_name, **overrides)
     family = family_for(family_name)
     fuse_norms(model, family)
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
