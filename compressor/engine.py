@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.errors import UserError
-from compressor.families import ModelFamily, optional_module, stream_reader
+from compressor.families import ModelFamily, stream_reader, stream_writers
 from compressor.modeling import SlicedDecoderLayer, sliced_classes
 from compressor.sensitivity import SensitivityOptions, estimate_fisher
 from compressor.strategy import Basis, SiteProblem, SiteStatistics, Strategy
@@ -73,11 +73,6 @@ def site_widths(hidden_size: int, num_layers: int, kept: int, slice_head: bool, 
     if not slice_head:
         widths[-1] = hidden_size
     return widths
-
-
-def sites_per_layer(family: ModelFamily) -> int:
-    """Two sites per layer (after attention, after the MLP), or one for parallel blocks."""
-    return 1 if family.parallel else 2
 
 
 def site_names(num_layers: int, per_layer: int = 2) -> list[str]:
@@ -171,7 +166,7 @@ def prune(
     model.requires_grad_(False)
     config = model.config
     d, num_layers = config.hidden_size, config.num_hidden_layers
-    per_layer = sites_per_layer(family)
+    per_layer = family.sites_per_layer
     if len(widths) != per_layer * num_layers + 1:
         raise ValueError(f"expected {per_layer * num_layers + 1} site widths, got {len(widths)}")
     if family.head_width_is_embedding_width and widths[0] != widths[-1]:
@@ -191,11 +186,11 @@ def prune(
         selector.fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device)
 
     previous = selector.select(names[0], d, widths[0], _moment(hidden, masks, d, device))
-    projection = optional_module(model, family.input_projection)
+    projection, embeddings = stream_writers(model, family)
     if projection is not None:
         rotate_output(projection, previous)  # it writes the stream; the embedding keeps its own width
-    for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
-        rotate_embedding(model.get_submodule(path), previous)
+    for embedding in embeddings:
+        rotate_embedding(embedding, previous)
     hidden = _project(hidden, previous)
     identity = torch.eye(d, dtype=torch.float64, device=device)
 

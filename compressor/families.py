@@ -74,6 +74,11 @@ class ModelFamily:
     over the full width, so the block's output linear keeps width d and a separate writer
     V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
 
+    @property
+    def sites_per_layer(self) -> int:
+        """Two sites per layer (after attention, after the MLP), or one for parallel blocks."""
+        return 1 if self.parallel else 2
+
 
 class FeedForward(nn.Module):
     """fc1 → activation → fc2, gathered from a layer that holds them directly (OPT)."""
@@ -106,9 +111,13 @@ def optional_module(model: nn.Module, path: str | None) -> nn.Module | None:
         return None
 
 
-def stream_writer(model: nn.Module, family: "ModelFamily") -> nn.Module:
-    """What writes the token embeddings into the stream: the input projection, or the embedding."""
-    return optional_module(model, family.input_projection) or model.get_submodule(family.embedding)
+def stream_writers(model: nn.Module, family: "ModelFamily") -> tuple[nn.Module | None, list[nn.Module]]:
+    """What writes the stream before the first layer: the input projection (None without one) and
+    the embeddings added to the stream directly (the token embedding, unless a projection carries
+    it, and learned positions)."""
+    projection = optional_module(model, family.input_projection)
+    paths = ((family.embedding,) if projection is None else ()) + family.extra_embeddings
+    return projection, [model.get_submodule(path) for path in paths]
 
 
 def stream_reader(model: nn.Module, family: "ModelFamily") -> nn.Module:

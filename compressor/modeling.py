@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from compressor.families import BUILTIN_FAMILIES, ModelFamily, optional_module, stream_reader
+from compressor.families import BUILTIN_FAMILIES, ModelFamily, stream_reader, stream_writers
 
 SLICED_PREFIX = "sliced_"
 
@@ -203,11 +203,11 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         family.prepare(model)
     eps = float(slicing["norm_eps"]) if "norm_eps" in slicing else float(getattr(model.config, family.norm_eps))
     embedding = model.get_submodule(family.embedding)
-    projection = optional_module(model, family.input_projection)
+    projection, embeddings = stream_writers(model, family)
     if projection is not None:
         _resize(projection, out_features=slicing["embedding"])
-    for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
-        _resize(model.get_submodule(path), embedding_dim=slicing["embedding"])
+    for writer in embeddings:
+        _resize(writer, embedding_dim=slicing["embedding"])
     layers = model.get_submodule(family.layers)
     width_in = slicing["embedding"]
     for index, (width_attn, width_mlp) in enumerate(zip(slicing["attn"], slicing["mlp"])):

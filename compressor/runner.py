@@ -28,7 +28,7 @@ import compressor
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.data import batches_of, load_records, token_windows
-from compressor.engine import PipelineStep, kept_width, prune, site_widths, sites_per_layer
+from compressor.engine import PipelineStep, kept_width, prune, site_widths
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, parameter_count
 from compressor.families import ModelFamily, family_for
@@ -191,7 +191,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
                         f"set slicing.slice_head: true")
     kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
     widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head,
-                         sites_per_layer(family))
+                         family.sites_per_layer)
     pipeline = []
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)

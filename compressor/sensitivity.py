@@ -148,7 +148,7 @@ def estimate_fisher(
         parts.append(projection)
     generator = torch.Generator(device=device).manual_seed(options.seed)
     d = model.config.hidden_size
-    per_layer = 1 if family.parallel else 2
+    per_layer = family.sites_per_layer
     totals = [torch.zeros(d, d, dtype=dtype, device=device) for _ in range(per_layer * len(layers) + 1)]
     tokens = 0
     with _held_on(parts, device):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.families import ModelFamily, optional_module, stream_reader
+from compressor.families import ModelFamily, stream_reader, stream_writers
 from compressor.modeling import WeightlessRMSNorm, family_mlp, wrap_layer
 
 
@@ -41,11 +41,11 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
     model.config.tie_word_embeddings = False
     if family.layer_norm:  # centre what writes the stream, so every LayerNorm sees a zero-mean input
-        projection = optional_module(model, family.input_projection)
+        projection, embeddings = stream_writers(model, family)
         if projection is not None:
             _centre_output(projection)
-        for path in ((family.embedding,) if projection is None else ()) + family.extra_embeddings:
-            _centre_rows(model.get_submodule(path))
+        for embedding in embeddings:
+            _centre_rows(embedding)
     layers = model.get_submodule(family.layers)
     for index, layer in enumerate(layers):
         attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)

@@ -43,11 +43,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
 
 def widths_for(family_name: str, config, kept: int, slice_head: bool) -> list[int]:
     """Kept width per site for a family (2 sites per layer, or 1 for parallel blocks)."""
-    from compressor.engine import site_widths, sites_per_layer
+    from compressor.engine import site_widths
     from compressor.families import family_for
 
     return site_widths(config.hidden_size, config.num_hidden_layers, kept, slice_head,
-                       sites_per_layer(family_for(family_name)))
+                       family_for(family_name).sites_per_layer)
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:
