@@ -42,6 +42,7 @@ import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from compressor.cli import phase_logger  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import load_recipe  # noqa: E402
 from compressor.runner import run  # noqa: E402
@@ -68,18 +69,6 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(args.pipelines)) != len(args.pipelines):
         parser.error("a pipeline is listed twice")
     return args
-
-
-def _phase_logger(label: str, console: Console) -> Any:
-    """Print each phase once (not every batch), so a background log stays short."""
-    last: list[str] = []
-
-    def progress(phase: str, done: int, total: int) -> None:
-        if not last or last[0] != phase:
-            last[:] = [phase]
-            console.log(f"{label}: {phase}")
-
-    return progress
 
 
 def _row(report: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                     overrides = [f"sparsity={sparsity}", *_overrides(chain)]
                     recipe = load_recipe(args.recipe, registry, overrides, str(output))
                     tick = time.perf_counter()
-                    report = run(recipe, registry, _phase_logger(label, console), overwrite=True)
+                    report = run(recipe, registry, phase_logger(console, label), overwrite=True)
                     runs[chain].append(_row({**report, "label": chain}))
                     console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
             rows += [_median_row(runs[chain], console) for chain in args.pipelines]

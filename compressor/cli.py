@@ -85,19 +85,25 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {recipe.output}")
 
 
+def phase_logger(console: Console, label: str = "") -> Callable[[str, int, int], None]:
+    """A progress callback that logs each phase once (not every batch), timestamped, so a log
+    file stays short; `label` prefixes every line (e.g. which run of a sweep)."""
+    shown: list[str] = []
+
+    def log_phase(phase: str, done: int, total: int) -> None:
+        if not shown or shown[-1] != phase:
+            shown.append(phase)
+            console.log(f"{label}: {phase}" if label else phase, markup=False, highlight=False)
+
+    return log_phase
+
+
 @contextmanager
 def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], None]]:
     """A live bar on a terminal; elsewhere (a log file, CI) one timestamped line per phase, so a
     log stays short (a live display there would only leave a blank line behind)."""
     if not console.is_terminal:
-        shown: list[str] = []
-
-        def log_phase(phase: str, done: int, total: int) -> None:
-            if not shown or shown[-1] != phase:
-                shown.append(phase)
-                console.log(phase, markup=False, highlight=False, log_locals=False)
-
-        yield log_phase
+        yield phase_logger(console)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
