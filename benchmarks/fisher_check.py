@@ -31,9 +31,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import compressor  # noqa: E402,F401
 from compressor.calibration import LayerInputs, SecondMoment, capture_layer_inputs  # noqa: E402
 from compressor.data import batches_of, load_records, token_windows  # noqa: E402
-from compressor.engine import site_names  # noqa: E402
 from compressor.families import family_for  # noqa: E402
 from compressor.sensitivity import SensitivityOptions, estimate_fisher, site_activations  # noqa: E402
+from compressor.sites import site_ids  # noqa: E402
 from compressor.strategy import coupled_loss, eigh_descending  # noqa: E402
 from compressor.transforms import fuse_norms  # noqa: E402
 
@@ -50,7 +50,7 @@ def _inputs(model: Any, family: Any, tokenizer: Any, file: str, windows: int) ->
 @torch.no_grad()
 def _log_probs(model: Any, family: Any, inputs: LayerInputs, edit: Any = None) -> list[torch.Tensor]:
     return [torch.log_softmax(site_activations(model, family, inputs, b, edit)[1].float(), -1)
-            for b in range(len(inputs.hidden))]
+            for b in range(len(inputs))]
 
 
 def _rank_correlation(a: list[float], b: list[float]) -> float:
@@ -70,13 +70,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     family = family_for("llama")
     fuse_norms(model, family)
-    site = site_names(model.config.num_hidden_layers).index(args.site)
+    ids = site_ids(family, model.config.num_hidden_layers)
+    if args.site not in ids:
+        parser.error(f"--site must be one of {', '.join(ids)}")
+    site = ids.index(args.site)
 
     calib = _inputs(model, family, tokenizer, "calib.jsonl", 64)
-    H = estimate_fisher(model, family, calib, SensitivityOptions(), torch.device("cpu"))[site]
+    H = estimate_fisher(model, family, calib, SensitivityOptions(), torch.device("cpu"))[args.site].double()
     moment = SecondMoment(H.shape[0], torch.device("cpu"))
     with torch.no_grad():
-        for b in range(len(calib.hidden)):
+        for b in range(len(calib)):
             moment.add(site_activations(model, family, calib, b)[0][site], calib.token_masks[b])
     C = moment.value()
     d = C.shape[0]

@@ -1,4 +1,8 @@
-"""Calibration plumbing: capture what every decoder layer receives, accumulate C = E[x xᵀ]."""
+"""Calibration plumbing: capture what every decoder layer receives, accumulate C = E[x xᵀ].
+
+Captured inputs are kept off the device (`ActivationStore`): hidden states, masks and the
+layers' keyword arguments go to the device one batch at a time.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from compressor.activations import ActivationStore, to_device
 from compressor.families import ModelFamily
 
 
@@ -24,14 +29,21 @@ class Batch:
 
 @dataclass
 class LayerInputs:
-    """Per batch: the first layer's hidden states, each layer's keyword arguments
+    """Per batch, on the host: the first layer's hidden states, each layer's keyword arguments
     (masks and position embeddings may differ between layers), the mask of real tokens
     and the mask of tokens counted for sensitivity statistics."""
 
-    hidden: list[torch.Tensor]
+    hidden: ActivationStore
     layer_kwargs: list[list[dict[str, Any]]]
     token_masks: list[torch.Tensor]
     sensitivity_masks: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.token_masks)
+
+    def kwargs(self, batch: int, layer: int, device: torch.device) -> dict[str, Any]:
+        """Layer `layer`'s keyword arguments for batch `batch`, on `device`."""
+        return to_device(self.layer_kwargs[batch][layer], device)
 
 
 class _Recorder(nn.Module):
@@ -52,21 +64,28 @@ _DROPPED_KWARGS = ("past_key_values", "use_cache")
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], device: torch.device
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], device: torch.device,
+    store: ActivationStore | None = None,
 ) -> LayerInputs:
     """Run the model's own forward with every layer replaced by a recorder.
 
     This costs one embedding lookup per batch and captures exactly the arguments the model
-    would pass to each layer (`use_cache=False`), whatever mask or rotary scheme it uses.
+    would pass to each layer (`use_cache=False`), whatever mask or rotary scheme it uses. The
+    parts before the first layer run on `device` and go back where they were; what is captured
+    goes to `store` (default: held in host memory).
     """
     base = model.get_submodule(family.base_model)
     layers: nn.ModuleList = model.get_submodule(family.layers)
-    for child in base.children():
-        if child is not layers:
-            child.to(device)
+    parts = [child for child in base.children() if child is not layers]
+    homes = [next(part.parameters(), None) for part in parts]
+    homes = [None if p is None else p.device for p in homes]
+    for part in parts:
+        part.to(device)
     originals = list(layers)
     sink: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    captured = LayerInputs(hidden=[], layer_kwargs=[], token_masks=[], sensitivity_masks=[])
+    host = torch.device("cpu")
+    captured = LayerInputs(hidden=store if store is not None else ActivationStore(device), layer_kwargs=[],
+                           token_masks=[], sensitivity_masks=[])
     try:
         for index in range(len(originals)):
             layers[index] = _Recorder(sink, family.positional_args)
@@ -75,15 +94,21 @@ def capture_layer_inputs(
             mask = batch.attention_mask.to(device)
             base(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
             captured.hidden.append(sink[0][0])
+            memo: dict[int, Any] = {}  # layers share their masks and position embeddings: one host copy each
             captured.layer_kwargs.append(
-                [{k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS} for _, kwargs in sink]
+                [to_device({k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}, host, memo)
+                 for _, kwargs in sink]
             )
-            captured.token_masks.append(mask.bool())
+            real = batch.attention_mask.bool()
+            captured.token_masks.append(real)
             counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
-            captured.sensitivity_masks.append(counted.to(device).bool() & mask.bool())
+            captured.sensitivity_masks.append(counted.bool() & real)
     finally:
         for index, layer in enumerate(originals):
             layers[index] = layer
+        for part, home in zip(parts, homes):
+            if home is not None:
+                part.to(home)
     return captured
 
 
@@ -95,7 +120,7 @@ class SecondMoment:
         self.tokens = 0
 
     def add(self, hidden: torch.Tensor, token_mask: torch.Tensor) -> None:
-        x = hidden[token_mask].to(torch.float64)
+        x = hidden[token_mask.to(hidden.device)].to(torch.float64)
         self.total.addmm_(x.T, x)
         self.tokens += x.shape[0]
 

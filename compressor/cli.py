@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
     run.add_argument("--dry-run", action="store_true", help="validate the recipe (and a local model's config.json) and stop; loads no weights or data")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    run.add_argument("--restart", action="store_true",
+                     help="discard the checkpoint of an interrupted run to the same output and start afresh")
     commands.add_parser("strategies", help="list the registered selection strategies")
     commands.add_parser("families", help="list the supported model families (by model_type)")
     return parser
@@ -60,7 +62,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import rich_table
-    from compressor.runner import check_output, plan, run
+    from compressor.runner import CHECKPOINT_FOLDER, check_output, plan, run, staging_folder
 
     _quiet_libraries()
     registry = PluginRegistry()
@@ -79,8 +81,15 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})"
                       + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
-    with _progress_display(console) as progress:
-        report = run(recipe, registry, progress, overwrite=args.overwrite)
+    try:
+        with _progress_display(console) as progress:
+            report = run(recipe, registry, progress, overwrite=args.overwrite, restart=args.restart)
+    except KeyboardInterrupt:
+        if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
+            raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None
+        raise
+    if report["resumed_from"] or report["resume"]["sites_loaded"]:
+        console.print(f"resumed: {report['resume']['sites_loaded']} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
     console.print(f"wrote {recipe.output}")
 
@@ -153,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, _UsageError) as error:
         errors.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        errors.print("interrupted", markup=False)
+    except KeyboardInterrupt as interrupt:
+        errors.print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False)
         return 130
     return 0
 

@@ -1,27 +1,44 @@
 """The engine: fuse norms, then choose, rotate and slice one residual-stream site at a time.
 
-Sites, in order: the embedding output, then after attention and after the MLP of every
-layer (2L + 1 sites). Each site's basis is chosen from activations of the model whose
-earlier sites are already sliced, so errors propagate forward as in SliceGPT. The engine
-asks the pipeline's strategies for a basis and knows nothing else about them.
+Sites (see `compressor.sites`) are visited in stream order. Each site's basis is chosen from
+activations of the model whose earlier sites are already sliced, so errors propagate forward
+as in SliceGPT. Activations stay on the host and visit the device one batch at a time; the
+device holds one layer. After each site the chosen basis goes to the checkpoint, so a killed
+run replays finished sites (forward only, bases loaded) and continues. The engine asks the
+pipeline's strategies for a basis and knows nothing else about them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from compressor import faults
+from compressor.activations import ActivationStore
+from compressor.bases import (
+    apply_embedding_basis,
+    apply_head_basis,
+    as_sliced_model,
+    close_site,
+    open_site,
+    slicing_config,
+)
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
+from compressor.checkpoint import Checkpoint
 from compressor.errors import UserError
-from compressor.families import ModelFamily, stream_reader, stream_writers
-from compressor.modeling import SlicedDecoderLayer, sliced_classes
+from compressor.families import ModelFamily
+from compressor.modeling import SlicedDecoderLayer
 from compressor.sensitivity import SensitivityOptions, estimate_fisher
+from compressor.sites import EMBEDDING, layer_site_ids, site_ids, site_widths
 from compressor.strategy import Basis, SiteProblem, SiteStatistics, Strategy
-from compressor.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
+from compressor.transforms import fuse_norms
+
+__all__ = ["PipelineStep", "PruneResult", "SiteRecord", "kept_width", "prune", "site_widths"]
 
 ProgressCallback = Callable[[str, int, int], None]
 """Called as (phase description, steps done, steps in total)."""
@@ -35,7 +52,7 @@ class PipelineStep:
 
 @dataclass
 class SiteRecord:
-    """What happened at one site, for the report."""
+    """What happened at one site, for the report (and the checkpoint)."""
 
     name: str
     width: int
@@ -47,12 +64,23 @@ class SiteRecord:
         return {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
                 "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
 
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "SiteRecord":
+        return cls(name=value["name"], width=value["width"], kept=value["kept"], tokens=value["tokens"],
+                   steps=list(value["steps"]))
+
 
 @dataclass
 class PruneResult:
     model: PreTrainedModel
     sites: list[SiteRecord]
     slicing: dict[str, Any]
+    bases: dict[str, torch.Tensor]
+    """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id."""
+    resumed_from: str | None = None
+    """The first site this call chose after loading finished sites from a checkpoint."""
+    loaded_sites: int = 0
+    fisher_loaded: bool = False
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -65,21 +93,6 @@ def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
             f"(kept widths are multiples of slicing.round_to={round_to}); lower the sparsity"
         )
     return kept
-
-
-def site_widths(hidden_size: int, num_layers: int, kept: int, slice_head: bool, per_layer: int = 2) -> list[int]:
-    """Kept width of each of the per_layer·L + 1 sites; the last one stays full unless `slice_head`."""
-    widths = [kept] * (per_layer * num_layers + 1)
-    if not slice_head:
-        widths[-1] = hidden_size
-    return widths
-
-
-def site_names(num_layers: int, per_layer: int = 2) -> list[str]:
-    names = ["embedding"]
-    for i in range(num_layers):
-        names += [f"layers.{i}"] if per_layer == 1 else [f"layers.{i}.attn", f"layers.{i}.mlp"]
-    return names
 
 
 STATISTICS = ("C", "H")
@@ -95,29 +108,31 @@ def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
     return needed
 
 
-class _SiteSelector:
-    """Runs the strategy pipeline at each site and checks what comes back."""
+class SiteChooser:
+    """Runs the strategy pipeline at a site and checks what comes back."""
 
-    def __init__(self, pipeline: Sequence[PipelineStep], device: torch.device) -> None:
+    def __init__(self, pipeline: Sequence[PipelineStep], sites: Sequence[str],
+                 fisher: Mapping[str, torch.Tensor] | None = None) -> None:
         self.pipeline = list(pipeline)
-        self.device = device
-        self.fisher: list[torch.Tensor] | None = None
-        self.records: list[SiteRecord] = []
+        self.sites = list(sites)
+        self.fisher = fisher
 
-    def select(self, name: str, width: int, keep: int, moment: SecondMoment) -> torch.Tensor:
-        """The kept columns (d × keep, float64) of the basis the pipeline chooses."""
-        extra = {} if self.fisher is None else {"H": self.fisher[len(self.records)]}
-        stats = SiteStatistics(C=moment.value(), tokens=moment.tokens, extra=extra)
-        problem = SiteProblem(name=name, index=len(self.records), width=width, keep=keep, stats=stats)
-        record = SiteRecord(name=name, width=width, kept=keep, tokens=moment.tokens)
+    def choose(self, site: str, keep: int, moment: SecondMoment) -> tuple[torch.Tensor, SiteRecord]:
+        """The kept columns (d × keep, float64, on the moment's device) of the basis the pipeline
+        chooses, and the site's record."""
+        C = moment.value()
+        width = C.shape[0]
+        extra = {} if self.fisher is None else {"H": self.fisher[site].to(C.device, torch.float64)}
+        stats = SiteStatistics(C=C, tokens=moment.tokens, extra=extra)
+        problem = SiteProblem(name=site, index=self.sites.index(site), width=width, keep=keep, stats=stats)
+        record = SiteRecord(name=site, width=width, kept=keep, tokens=moment.tokens)
         basis: Basis | None = None
         for step in self.pipeline:
             basis = step.strategy.select(problem, basis, step.options)
-            _check_basis(basis, width, step.strategy.name, name)
+            _check_basis(basis, width, step.strategy.name, site)
             record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
-        self.records.append(record)
         assert basis is not None
-        return basis.kept(keep).to(self.device)
+        return basis.kept(keep).to(C.device), record
 
 
 def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
@@ -130,15 +145,54 @@ def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
         raise RuntimeError(f"strategy '{strategy}' returned a non-orthogonal basis at {site} (|QᵀQ − I| = {error:.2e})")
 
 
-def _moment(hidden: list[torch.Tensor], masks: list[torch.Tensor], width: int, device: torch.device) -> SecondMoment:
-    moment = SecondMoment(width, device)
-    for h, m in zip(hidden, masks):
-        moment.add(h, m)
-    return moment
+class _Walk:
+    """The state of one walk down the model: the activation store, the basis the stored
+    activations still have to be projected on, and the sites chosen or loaded so far."""
 
+    def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser, widths: Mapping[str, int],
+                 saved: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
+        self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
+        self.saved, self.checkpoint = saved, checkpoint
+        self.pending: torch.Tensor | None = None
+        self.records: list[SiteRecord] = []
+        self.bases: dict[str, torch.Tensor] = {}
+        self.resumed_from: str | None = None
 
-def _project(hidden: list[torch.Tensor], basis: torch.Tensor) -> list[torch.Tensor]:
-    return [h @ basis.to(h.dtype) for h in hidden]
+    def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int) -> SecondMoment | None:
+        """Push every batch through `block` (None: just read the stream); return C of the result
+        unless the site is already finished (a replay needs the activations, not their statistics)."""
+        moment = None if site in self.saved else SecondMoment(self.inputs.hidden.host(0).shape[-1], self.device)
+        store = self.inputs.hidden
+        for b in range(len(store)):
+            hidden = store.get(b, self.device)
+            if block is not None:
+                if self.pending is not None:
+                    hidden = hidden @ self.pending.to(hidden.dtype)
+                hidden = block(hidden, **self.inputs.kwargs(b, layer, self.device))
+                store.put(b, hidden)
+            if moment is not None:
+                moment.add(hidden, self.inputs.token_masks[b])
+        return moment
+
+    def settle(self, site: str, moment: SecondMoment | None) -> torch.Tensor:
+        """The site's kept basis: loaded from the checkpoint, or chosen now and checkpointed."""
+        if site in self.saved:
+            entry = self.saved[site]
+            self.records.append(SiteRecord.from_json(entry.record))
+            torch.set_rng_state(entry.rng)
+            basis = entry.basis.to(self.device)
+        else:
+            assert moment is not None
+            if self.saved and self.resumed_from is None:
+                self.resumed_from = site
+            basis, record = self.chooser.choose(site, self.widths[site], moment)
+            self.records.append(record)
+            if self.checkpoint is not None:
+                self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json())
+            faults.reached(f"site:{site}")
+        self.bases[site] = basis.to("cpu")
+        self.pending = basis
+        return basis
 
 
 @torch.no_grad()
@@ -146,115 +200,81 @@ def prune(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
-    widths: Sequence[int],
+    widths: Mapping[str, int],
     pipeline: Sequence[PipelineStep],
     device: torch.device | str = "cpu",
     progress: ProgressCallback | None = None,
     sensitivity: SensitivityOptions | None = None,
+    *,
+    seed: int = 0,
+    checkpoint: Checkpoint | None = None,
+    offload: str = "host",
+    scratch: Path | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
-    Layers are moved to `device` one at a time and back to where they were, so the model
-    need not fit on the accelerator (except to estimate H, which needs the whole model and its
-    backward graph on `device`); the result is where the model was. `widths` gives
-    the kept width of each site. H is estimated (with `sensitivity` options) only when a
-    strategy of the pipeline requires it, on the fused model before anything is sliced.
+    `widths` gives the kept width of each site (by site id). Layers are moved to `device` one
+    at a time and back, and calibration activations stay on the host (`offload="disk"`:
+    memory-mapped files under `scratch`), so neither model nor activations need fit on the
+    accelerator. H is estimated (with `sensitivity` options and `seed`) only when a strategy of
+    the pipeline requires it, on the fused model before anything is sliced. With a
+    `checkpoint`, H and every finished site are saved there, and those already saved are reused.
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)
-    config = model.config
-    d, num_layers = config.hidden_size, config.num_hidden_layers
-    per_layer = family.sites_per_layer
-    if len(widths) != per_layer * num_layers + 1:
-        raise ValueError(f"expected {per_layer * num_layers + 1} site widths, got {len(widths)}")
-    if family.head_width_is_embedding_width and widths[0] != widths[-1]:
+    num_layers = model.config.num_hidden_layers
+    ids = site_ids(family, num_layers)
+    if sorted(widths) != sorted(ids):
+        raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
+    if family.head_width_is_embedding_width and widths[EMBEDDING] != widths[ids[-1]]:
         raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
-    names = site_names(num_layers, per_layer)
     needed = required_statistics(pipeline)
-    selector = _SiteSelector(pipeline, device)
-    home = model.get_submodule(family.head).weight.device
+    saved = checkpoint.finished_sites() if checkpoint is not None else {}
 
     report("fusing norms", 0, num_layers)
     fuse_norms(model, family)
     report("capturing layer inputs", 0, num_layers)
-    inputs: LayerInputs = capture_layer_inputs(model, family, batches, device)
-    hidden, masks = inputs.hidden, inputs.token_masks
-    if "H" in needed:
-        report("estimating output sensitivity (H)", 0, len(batches))
-        selector.fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device)
+    store = ActivationStore(device, offload, scratch)
+    try:
+        inputs = capture_layer_inputs(model, family, batches, device, store)
+        faults.reached("capture")
+        fisher, fisher_loaded = None, False
+        if "H" in needed and len(saved) < len(ids):
+            fisher = checkpoint.load_fisher() if checkpoint is not None else None
+            fisher_loaded = fisher is not None
+            if fisher is None:
+                phase = "estimating output sensitivity (H)"
+                report(phase, 0, len(batches))
 
-    previous = selector.select(names[0], d, widths[0], _moment(hidden, masks, d, device))
-    projection, embeddings = stream_writers(model, family)
-    if projection is not None:
-        rotate_output(projection, previous)  # it writes the stream; the embedding keeps its own width
-    for embedding in embeddings:
-        rotate_embedding(embedding, previous)
-    hidden = _project(hidden, previous)
-    identity = torch.eye(d, dtype=torch.float64, device=device)
+                def h_progress(done: int, total: int) -> None:
+                    report(phase, done, total)
+                    faults.reached("fisher")
 
-    site = 1
-    layers = model.get_submodule(family.layers)
-    for i, layer in enumerate(layers):
-        report(f"layer {i + 1}/{num_layers}", i, num_layers)
-        assert isinstance(layer, SlicedDecoderLayer)
-        layer_home = next(layer.parameters()).device
-        layer.to(device)
-        like = layer.self_attn.get_submodule(family.attn_output).weight
-        for block, readers, writers, shortcut in layer.sites(family):
-            for linear in readers:  # the block reads the stream in the previous site's basis
-                rotate_inputs(linear, previous)
-            setattr(layer, shortcut, transition(previous, identity, like))  # block output in d coordinates
-            hidden = [block(h, **kw[i]) for h, kw in zip(hidden, inputs.layer_kwargs)]
-            chosen = selector.select(names[site], d, widths[site], _moment(hidden, masks, d, device))
-            for linear in writers:
-                rotate_output(linear, chosen)
-            setattr(layer, shortcut, transition(previous, chosen, like))
-            hidden = _project(hidden, chosen)
-            previous, site = chosen, site + 1
-        layer.to(layer_home)
-    report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
-
-    reader = stream_reader(model, family)
-    rotate_inputs(reader, previous)
-    model.to(home)  # capture moved the embedding and rotary modules to `device`
-    final_norm = model.get_submodule(family.final_norm)
-    slicing = {
-        "hidden_size": d,
-        "embedding": widths[0],
-        "attn": list(widths[1:] if per_layer == 1 else widths[1::2]),
-        "mlp": list(widths[1:] if per_layer == 1 else widths[2::2]),
-        "norm_eps": final_norm.eps,
-        "reader_bias": reader.bias is not None,
-    }
-    sliced = as_sliced_model(model, family, slicing)
-    return PruneResult(model=sliced, sites=selector.records, slicing=slicing)
-
-
-def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
-    """Re-home the processed weights in the registered `sliced_*` class (no copy).
-
-    Building the class from its config and loading the weights strictly proves that a
-    saved model reloads into exactly this structure.
-    """
-    config_cls, model_cls = sliced_classes(model.config.model_type)
-    values = model.config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version"):
-        values.pop(key, None)
-    values["tie_word_embeddings"] = False
-    config = config_cls(**values, slicing=slicing)
-    config.architectures = [model_cls.__name__]
-    config._attn_implementation = model.config._attn_implementation
-    with torch.device("meta"):
-        sliced = model_cls(config)
-    sliced.load_state_dict(model.state_dict(), strict=True, assign=True)
-    source_buffers = dict(model.named_buffers())
-    for name, buffer in sliced.named_buffers():
-        if buffer.is_meta:
-            owner, _, attr = name.rpartition(".")
-            sliced.get_submodule(owner)._buffers[attr] = source_buffers[name]
-    sliced.generation_config = model.generation_config
-    sliced.eval()
-    sliced.requires_grad_(False)
-    return sliced
+                fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device, seed,
+                                         h_progress)
+                if checkpoint is not None:
+                    checkpoint.save_fisher(fisher)
+        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint)
+        previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
+        apply_embedding_basis(model, family, previous)
+        for index, layer in enumerate(model.get_submodule(family.layers)):
+            report(f"layer {index + 1}/{num_layers}", index, num_layers)
+            assert isinstance(layer, SlicedDecoderLayer)
+            home = next(layer.parameters()).device
+            layer.to(device)
+            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                open_site(layer, family, site, previous)
+                chosen = walk.settle(name, walk.advance(name, site.block, index))
+                close_site(layer, family, site, previous, chosen)
+                previous = chosen
+            layer.to(home)
+        report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
+    finally:
+        store.close()
+    apply_head_basis(model, family, previous)
+    slicing = slicing_config(model, family, widths)
+    return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
+                       bases=walk.bases, resumed_from=walk.resumed_from, loaded_sites=len(saved),
+                       fisher_loaded=fisher_loaded)

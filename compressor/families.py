@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from compressor.errors import UserError
@@ -74,10 +75,21 @@ class ModelFamily:
     over the full width, so the block's output linear keeps width d and a separate writer
     V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
 
-    @property
-    def sites_per_layer(self) -> int:
-        """Two sites per layer (after attention, after the MLP), or one for parallel blocks."""
-        return 1 if self.parallel else 2
+    def head_modules(self, model: nn.Module) -> list[nn.Module]:
+        """What turns the last site's stream into logits, in order: final norm, output projection
+        (where the model has one), head."""
+        projection = optional_module(model, self.output_projection)
+        return [model.get_submodule(self.final_norm), *([projection] if projection is not None else []),
+                model.get_submodule(self.head)]
+
+    def logits(self, model: nn.Module, hidden: Any) -> Any:
+        """The model's logits from the stream after the last layer: the head modules, then the
+        logit soft-cap c·tanh(logits / c) where the family has one. The H pass and every
+        diagnostic forward go through here, so they compute what the model computes."""
+        for module in self.head_modules(model):
+            hidden = module(hidden)
+        cap = getattr(model.config, self.logit_softcapping, None) if self.logit_softcapping else None
+        return hidden if cap is None else torch.tanh(hidden / cap) * cap
 
 
 class FeedForward(nn.Module):

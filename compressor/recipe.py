@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from compressor.activations import OFFLOAD_MODES
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
 from compressor.sensitivity import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
@@ -72,6 +73,8 @@ class Recipe:
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     device: str = "auto"
     seed: int = 0
+    activations: str = "host"
+    """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe, in the same shape as the YAML it came from."""
@@ -272,6 +275,10 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     if recipe.sensitivity.autocast not in (None, *AUTOCAST_DTYPES):
         raise UserError(f"sensitivity.autocast must be null or one of {', '.join(AUTOCAST_DTYPES)}, "
                         f"got '{recipe.sensitivity.autocast}'")
+    if recipe.sensitivity.chunk < 1:
+        raise UserError(f"sensitivity.chunk must be at least 1 (sequences per layer visit), got {recipe.sensitivity.chunk}")
+    if recipe.activations not in OFFLOAD_MODES:
+        raise UserError(f"activations must be one of {', '.join(OFFLOAD_MODES)}, got '{recipe.activations}'")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

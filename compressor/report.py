@@ -28,7 +28,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def title(report: dict[str, Any]) -> str:
-    return f"{Path(report['model']['path']).name}: {' + '.join(report['pipeline'])} at sparsity {report['sparsity']}"
+    chain = " + ".join(step["strategy"] for step in report["pipeline"])
+    return f"{Path(report['model']['path']).name}: {chain} at sparsity {report['sparsity']}"
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:

@@ -1,20 +1,25 @@
 """One `compress run`: check everything, load, prune, save, evaluate, report.
 
 All checks that need no weights (recipe, model config, family, widths, device) happen
-before any work. The run writes into a hidden staging folder beside the output and
-renames it into place only when everything succeeded, so a failed run leaves no
-half-written output.
+before any work. The run writes into a hidden staging folder beside the output
+(`.<name>.partial`) and renames it into place only when everything succeeded, so a failed
+run leaves no half-written output. The staging folder also holds the run's checkpoint: a run
+that was killed or interrupted after H or a site was finished keeps it, and the same command
+continues from there (`restart=True` discards it).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,16 +30,20 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 import compressor
+from compressor import faults
+from compressor.bases import BASES_FILE, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
+from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, load_records, token_windows
-from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, parameter_count
 from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.report import write_markdown
+from compressor.sites import site_widths
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
@@ -118,14 +127,45 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
 
 
-def _prepare_output(output: Path, overwrite: bool) -> Path:
-    """A fresh staging folder beside the output (unique, so concurrent runs never share one)."""
+CHECKPOINT_FOLDER = "checkpoint"
+LOCK_FILE = ".lock"
+
+
+def staging_folder(output: Path) -> Path:
+    """Where a run to `output` is built, and where its checkpoint lives until it is published."""
+    return output.parent / f".{output.name}.partial"
+
+
+def _prepare_staging(output: Path, overwrite: bool, restart: bool) -> Path:
+    """The staging folder beside the output: a previous attempt's is kept (to resume) unless `restart`."""
     check_output(output, overwrite)
+    staging = staging_folder(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            raise UserError(f"{staging} is in the way of the run's staging folder; remove it")
+        staging.mkdir(exist_ok=True)
     except OSError as error:
         raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
+    return staging
+
+
+@contextmanager
+def _locked(staging: Path) -> Iterator[None]:
+    """Hold the staging folder for this process: a second run to the same output is refused."""
+    handle = open(staging / LOCK_FILE, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        handle.close()
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f"another run is writing to {staging.parent / staging.name[1:-len('.partial')]} "
+                            f"(its staging folder {staging} is locked); wait for it or choose another --output") from None
+        raise
+    try:
+        yield
+    finally:
+        handle.close()
 
 
 def _current_umask() -> int:
@@ -156,7 +196,10 @@ def _give_default_modes(folder: Path) -> None:
 
 
 def _publish(staging: Path, output: Path) -> None:
-    """Put the finished run in place; a previous run is moved aside first and removed last."""
+    """Put the finished run in place; a previous run is moved aside first and removed last.
+    The checkpoint and the lock file are not part of the published run."""
+    shutil.rmtree(staging / CHECKPOINT_FOLDER, ignore_errors=True)
+    (staging / LOCK_FILE).unlink(missing_ok=True)
     _give_default_modes(staging)
     previous = None
     if output.exists():  # check_output allowed only an empty folder or a previous run's
@@ -174,7 +217,7 @@ class Plan:
     config: PretrainedConfig
     family: ModelFamily
     kept: int
-    widths: list[int]
+    widths: dict[str, int]
     pipeline: list[PipelineStep]
 
 
@@ -190,8 +233,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
                         f"set slicing.slice_head: true")
     kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
-    widths = site_widths(config.hidden_size, config.num_hidden_layers, kept, recipe.slicing.slice_head,
-                         family.sites_per_layer)
+    widths = site_widths(family, config.num_hidden_layers, config.hidden_size, kept, recipe.slicing.slice_head)
     pipeline = []
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
@@ -199,81 +241,129 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     return Plan(config, family, kept, widths, pipeline)
 
 
+def recipe_fingerprint(recipe: Recipe) -> str:
+    """What in the recipe decides the pruned model (not where it goes or how it is evaluated)."""
+    values = recipe.to_dict()
+    for key in ("output", "evaluation"):
+        values.pop(key, None)
+    return json_digest(values)
+
+
+def data_fingerprint(batches: list[Batch]) -> str:
+    tensors = []
+    for batch in batches:
+        tensors += [batch.input_ids, batch.attention_mask]
+        if batch.sensitivity_mask is not None:
+            tensors.append(batch.sensitivity_mask)
+    return tensor_digest(tensors)
+
+
 def run(
     recipe: Recipe,
     registry: PluginRegistry,
     progress: Progress | None = None,
     overwrite: bool = False,
+    restart: bool = False,
 ) -> dict[str, Any]:
-    """Run a validated recipe; return the report (also written to `<output>/report.json`)."""
+    """Run a validated recipe; return the report (also written to `<output>/report.json`).
+
+    A run to the same output that was killed or interrupted continues from its checkpoint
+    when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
+    """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)
     config, family, kept = checked.config, checked.family, checked.kept
     device = resolve_device(recipe.device)
     output = Path(recipe.output)
-    staging = _prepare_output(output, overwrite)
-    timings: dict[str, float] = {}
-    try:
-        torch.manual_seed(recipe.seed)
-        tick = time.perf_counter()
-        report_progress("tokenising data", 0, 1)
-        tokenizer = load_tokenizer(recipe.model)
-        calibration = _batches(recipe.calibration, tokenizer, "calibration")
-        evaluation = _batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
-        timings["data_s"] = time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        report_progress("loading model", 0, 1)
-        model = load_model(recipe.model)
-        baseline_params = parameter_count(model)
-        timings["load_s"] = time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
-                       recipe.sensitivity)
-        pruned = result.model
-        timings["prune_s"] = time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        report_progress("saving model", 0, 1)
-        pruned.save_pretrained(staging / "model")
-        tokenizer.save_pretrained(staging / "model")
-        timings["save_s"] = time.perf_counter() - tick
-
-        metrics: dict[str, Any] = {}
-        if evaluation is not None:
-            tick = time.perf_counter()
-            report_progress("evaluating", 0, len(evaluation))
-            original = load_model(recipe.model).to(device)
-            metrics = compare(original, pruned.to(device), evaluation, device,
-                              lambda done, total: report_progress("evaluating", done, total))
-            del original
-            timings["eval_s"] = time.perf_counter() - tick
-        timings["total_s"] = time.perf_counter() - started
-
-        report = {
-            "compressor": compressor.__version__,
-            "model": {"path": recipe.model.path, "model_type": config.model_type, "family": family.name,
-                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-                      "dtype": recipe.model.dtype},
-            "sparsity": recipe.sparsity,
-            "kept_width": kept,
-            "pipeline": [s.strategy for s in recipe.pipeline],
-            "metrics": metrics,
-            "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
-                       "ratio": parameter_count(pruned) / baseline_params},
-            "sites": [site.to_json() for site in result.sites],
-            "timings": timings,
-            "environment": {"device": str(device), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "python": platform.python_version()},
-        }
-        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        write_markdown(report, staging / "report.md")
-        _publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    staging = _prepare_staging(output, overwrite, restart)
+    with _locked(staging):
+        if restart:
+            for child in staging.iterdir():
+                if child.name != LOCK_FILE:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
+        try:
+            report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress)
+            faults.reached("publish")
+            _publish(staging, output)
+        except BaseException:
+            if not checkpoint.has_progress():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
     return report
 
+
+def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
+            started: float, report_progress: Progress) -> dict[str, Any]:
+    """Everything a run writes, into `staging`; returns the report."""
+    config, family, kept = checked.config, checked.family, checked.kept
+    timings: dict[str, float] = {}
+    torch.manual_seed(recipe.seed)
+    tick = time.perf_counter()
+    report_progress("tokenising data", 0, 1)
+    tokenizer = load_tokenizer(recipe.model)
+    calibration = _batches(recipe.calibration, tokenizer, "calibration")
+    evaluation = _batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
+    timings["data_s"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    report_progress("loading model", 0, 1)
+    model = load_model(recipe.model)
+    baseline_params = parameter_count(model)
+    timings["load_s"] = time.perf_counter() - tick
+
+    fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(model),
+                   "data": data_fingerprint(calibration)}
+    checkpoint.start(fingerprint)
+    tick = time.perf_counter()
+    result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
+                   recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
+                   offload=recipe.activations, scratch=staging)
+    pruned = result.model
+    timings["prune_s"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    report_progress("saving model", 0, 1)
+    pruned.save_pretrained(staging / "model")
+    tokenizer.save_pretrained(staging / "model")
+    objectives = {site.name: site.steps for site in result.sites}
+    save_bases(result.bases, staging / BASES_FILE, {"objectives": json.dumps(objectives)})
+    timings["save_s"] = time.perf_counter() - tick
+
+    metrics: dict[str, Any] = {}
+    if evaluation is not None:
+        tick = time.perf_counter()
+        report_progress("evaluating", 0, len(evaluation))
+        original = load_model(recipe.model).to(device)
+        metrics = compare(original, pruned.to(device), evaluation, device,
+                          lambda done, total: report_progress("evaluating", done, total))
+        del original
+        timings["eval_s"] = time.perf_counter() - tick
+    timings["total_s"] = time.perf_counter() - started
+
+    report = {
+        "compressor": compressor.__version__,
+        "model": {"path": recipe.model.path, "model_type": config.model_type, "family": family.name,
+                  "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+                  "dtype": recipe.model.dtype},
+        "sparsity": recipe.sparsity,
+        "kept_width": kept,
+        "seed": recipe.seed,
+        "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
+        "fingerprint": fingerprint,
+        "resumed_from": result.resumed_from,
+        "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
+        "metrics": metrics,
+        "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
+                   "ratio": parameter_count(pruned) / baseline_params},
+        "sites": [site.to_json() for site in result.sites],
+        "timings": timings,
+        "environment": {"device": str(device), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "compressor": compressor.__version__,
+                        "python": platform.python_version()},
+    }
+    (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    write_markdown(report, staging / "report.md")
+    return report

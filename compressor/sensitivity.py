@@ -7,13 +7,19 @@ log-probabilities summed (or averaged) over the counted positions, and **one** b
 The gradient at token i then sums the score of every later output it influences; since the
 labels are independent given the input, E[g gᵀ] is exactly the Fisher of the joint output
 distribution with respect to x_i (cross terms vanish in expectation). No parameter gradient is
-kept: weights are frozen and only the first layer's input requires a gradient.
+kept: weights are frozen and only the stream requires a gradient.
+
+The pass runs layer by layer so that the device never holds more than one layer (and the head):
+forward through each layer for a chunk of batches, keeping every layer's input on the host;
+then the head samples labels and scores them; then backward one layer at a time, recomputing
+the layer from its stored input (on an accelerator) or reusing its kept graph (on CPU, where
+the device is the host) and carrying the gradient with respect to the stream down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.calibration import LayerInputs
-from compressor.families import ModelFamily, optional_module
+from compressor.families import ModelFamily
+from compressor.sites import layer_site_ids, site_ids
 
 REDUCTIONS = ("sum", "mean")
 ACCUMULATION_DTYPES = ("float32", "float64")
@@ -32,12 +39,17 @@ AUTOCAST_DTYPES = ("bfloat16", "float16")
 class SensitivityOptions:
     """How H is estimated. `dtype` is the accumulation precision (the paper: float32);
     `autocast`, if set, runs the forward and backward passes of the H estimate (only) in that
-    lower precision: faster where the hardware has it, at a measured cost in accuracy."""
+    lower precision: faster where the hardware has it, at a measured cost in accuracy.
+    `chunk` is how many calibration sequences go down the layers together: their inputs to
+    every layer are held on the host at once (≈ (L + 1) · chunk · seq_len · d values).
+    `recompute` (default: on an accelerator, not on CPU) recomputes each layer in the backward
+    sweep instead of keeping its graph, so the device holds one layer's graph for one batch."""
 
     dtype: str = "float32"
     reduction: str = "sum"
-    seed: int = 0
     autocast: str | None = None
+    chunk: int = 32
+    recompute: bool | None = None
 
 
 SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
@@ -47,10 +59,11 @@ SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
 def site_activations(
     model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int, edit: SiteEdit | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Forward one captured batch through the fused model; return the residual stream at every
-    site (embedding output, after each attention, after each MLP) and the logits. `edit`, if
-    given, replaces the stream at each site (e.g. to measure the KL of a perturbation)."""
-    hidden = inputs.hidden[batch].detach().requires_grad_(edit is None)
+    """Forward one captured batch through the whole fused model (a diagnostic: the model must fit
+    where it is); return the residual stream at every site, in `site_ids` order, and the logits.
+    `edit`, if given, replaces the stream at each site (e.g. to measure the KL of a perturbation)."""
+    device = model.get_submodule(family.head).weight.device
+    hidden = inputs.hidden.get(batch, device).detach().requires_grad_(edit is None)
     sites = [hidden]
 
     def visit(stream: torch.Tensor) -> torch.Tensor:
@@ -58,15 +71,12 @@ def site_activations(
 
     hidden = visit(hidden)
     for i, layer in enumerate(model.get_submodule(family.layers)):
+        kwargs = inputs.kwargs(batch, i, device)
         for site in layer.sites(family):
-            hidden = site.block(hidden, **inputs.layer_kwargs[batch][i])
+            hidden = site.block(hidden, **kwargs)
             sites.append(hidden)
             hidden = visit(hidden)
-    hidden = model.get_submodule(family.final_norm)(hidden)
-    projection = optional_module(model, family.output_projection)  # OPT's project_out, when present
-    logits = model.get_submodule(family.head)(hidden if projection is None else projection(hidden))
-    cap = getattr(model.config, family.logit_softcapping, None) if family.logit_softcapping else None
-    return sites, logits if cap is None else torch.tanh(logits / cap) * cap
+    return sites, family.logits(model, hidden)
 
 
 def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 128) -> torch.Tensor:
@@ -111,8 +121,8 @@ def sampled_score(
 
 
 @contextmanager
-def _held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
-    """Put the parts the H pass uses on `device`, and each back where it was afterwards."""
+def held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Put `parts` on `device` for a while, and each back where it was afterwards."""
     homes = [None if p is None else p.device for p in (next(part.parameters(), None) for part in parts)]
     try:
         for part in parts:
@@ -124,15 +134,35 @@ def _held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
                 part.to(home)
 
 
+def _chunks(inputs: LayerInputs, samples: int) -> list[range]:
+    """Consecutive batches grouped so a group holds about `samples` sequences (at least one batch)."""
+    groups, start, rows = [], 0, 0
+    for index, mask in enumerate(inputs.token_masks):
+        if index > start and rows + mask.shape[0] > samples:
+            groups.append(range(start, index))
+            start, rows = index, 0
+        rows += mask.shape[0]
+    if len(inputs):
+        groups.append(range(start, len(inputs)))
+    return groups
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", non_blocking=False)
+
+
 def estimate_fisher(
     model: PreTrainedModel,
     family: ModelFamily,
     inputs: LayerInputs,
     options: SensitivityOptions,
     device: torch.device,
-) -> list[torch.Tensor]:
-    """H for each site (2L+1, or L+1 for parallel blocks; d × d, float64 on return), averaged
-    over counted tokens.
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """H for each site (keyed by site id; d × d in the accumulation dtype, on the host), averaged
+    over counted tokens. Labels are drawn from a generator seeded with `seed`, batch by batch in
+    order, so the result does not depend on how batches are chunked or where layers run.
 
     `inputs` are the captured inputs of the fused, unsliced model; counted positions are those of
     `inputs.sensitivity_masks` (for chat data, the positions that predict an assistant token;
@@ -141,27 +171,99 @@ def estimate_fisher(
     """
     dtype = getattr(torch, options.dtype)
     lowered = getattr(torch, options.autocast) if options.autocast else None
-    layers = model.get_submodule(family.layers)
-    parts = [*layers, model.get_submodule(family.final_norm), model.get_submodule(family.head)]
-    projection = optional_module(model, family.output_projection)
-    if projection is not None:
-        parts.append(projection)
-    generator = torch.Generator(device=device).manual_seed(options.seed)
+    recompute = options.recompute if options.recompute is not None else device.type != "cpu"
+    layers = list(model.get_submodule(family.layers))
+    generator = torch.Generator(device=device).manual_seed(seed)
     d = model.config.hidden_size
-    per_layer = family.sites_per_layer
-    totals = [torch.zeros(d, d, dtype=dtype, device=device) for _ in range(per_layer * len(layers) + 1)]
+    ids = site_ids(family, len(layers))
+    totals = {site: torch.zeros(d, d, dtype=dtype) for site in ids}
     tokens = 0
-    with _held_on(parts, device):
-        for batch, mask in enumerate(inputs.sensitivity_masks):
-            with torch.enable_grad(), torch.autocast(device.type, dtype=lowered, enabled=lowered is not None):
-                sites, logits = site_activations(model, family, inputs, batch)
-                for site in sites[1:]:
-                    site.retain_grad()
-                logits.backward(sampled_score(logits, mask, generator, options.reduction))
-            for total, site in zip(totals, sites):
-                g = site.grad[mask].to(dtype)
-                total.addmm_(g.T, g)
-            tokens += int(mask.sum())
+
+    def precision() -> AbstractContextManager[None]:
+        return torch.autocast(device.type, dtype=lowered, enabled=lowered is not None)
+
+    def run_layer(index: int, hidden: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """The stream after each of the layer's sites."""
+        outputs, kwargs = [], inputs.kwargs(batch, index, device)
+        for block in layers[index].sites(family):
+            hidden = block.block(hidden, **kwargs)
+            outputs.append(hidden)
+        return outputs
+
+    chunks = _chunks(inputs, options.chunk)
+    for done, chunk in enumerate(chunks):
+        # Forward: every layer's input, for every batch of the chunk, stays on the host.
+        stream = [[inputs.hidden.host(b) for b in chunk]]
+        graphs: list[list[tuple[torch.Tensor, list[torch.Tensor]] | None]] = []  # kept when not recomputing
+        for index, layer in enumerate(layers):
+            outputs, kept = [], []
+            with held_on([layer], device), torch.set_grad_enabled(not recompute), precision():
+                for k, batch in enumerate(chunk):
+                    x = stream[index][k].to(device, non_blocking=True).detach().requires_grad_(not recompute)
+                    sites = run_layer(index, x, batch)
+                    kept.append(None if recompute else (x, sites))
+                    outputs.append(_host(sites[-1]))
+            stream.append(outputs)
+            graphs.append(kept)
+        # Head: sample labels, form the score, and take the gradient at the last site.
+        grads = []
+        with held_on(family.head_modules(model), device), _accumulators(totals, [ids[-1]], device) as acc:
+            for k, batch in enumerate(chunk):
+                mask = inputs.sensitivity_masks[batch].to(device)
+                x = stream[-1][k].to(device).detach().requires_grad_()
+                with torch.enable_grad(), precision():
+                    logits = family.logits(model, x)
+                    logits.backward(sampled_score(logits, mask, generator, options.reduction))
+                acc.add(ids[-1], x.grad, mask)
+                grads.append(_host(x.grad))
+                tokens += int(mask.sum())
+        stream.pop()
+        # Backward, one layer at a time, carrying the gradient with respect to the stream down.
+        for index in reversed(range(len(layers))):
+            own = layer_site_ids(family, index)
+            below = ids[ids.index(own[0]) - 1]  # the site this layer reads
+            with held_on([layers[index]], device), _accumulators(totals, [*own[:-1], below], device) as acc:
+                for k, batch in enumerate(chunk):
+                    mask = inputs.sensitivity_masks[batch].to(device)
+                    with torch.enable_grad(), precision():
+                        if recompute:
+                            x = stream[index][k].to(device, non_blocking=True).detach().requires_grad_()
+                            sites = run_layer(index, x, batch)
+                        else:
+                            x, sites = graphs[index][k]  # type: ignore[misc]
+                            graphs[index][k] = None  # the graph is freed once used
+                        for site in sites[:-1]:
+                            site.retain_grad()
+                        sites[-1].backward(grads[k].to(device, non_blocking=True))
+                    for site, tensor in zip(own[:-1], sites[:-1]):
+                        acc.add(site, tensor.grad, mask)
+                    acc.add(below, x.grad, mask)
+                    grads[k] = _host(x.grad)
+            stream.pop()
+        if progress is not None:
+            progress(done + 1, len(chunks))
     if tokens == 0:
         raise ValueError("no tokens were counted for the sensitivity statistics (empty sensitivity mask)")
-    return [(total / tokens).to(torch.float64) for total in totals]
+    return {site: total / tokens for site, total in totals.items()}
+
+
+class _Accumulator:
+    """Running Σ g·gᵀ over counted positions for a few sites, on the device."""
+
+    def __init__(self, totals: dict[str, torch.Tensor]) -> None:
+        self.totals = totals
+
+    def add(self, site: str, grad: torch.Tensor, mask: torch.Tensor) -> None:
+        total = self.totals[site]
+        g = grad[mask.to(grad.device)].to(total.dtype)
+        total.addmm_(g.T, g)
+
+
+@contextmanager
+def _accumulators(totals: dict[str, torch.Tensor], sites: list[str], device: torch.device) -> Iterator[_Accumulator]:
+    """The totals of `sites` on `device` while one layer (or the head) is worked on; back on the host after."""
+    held = {site: totals[site].to(device) for site in sites}
+    yield _Accumulator(held)
+    for site, total in held.items():
+        if total is not totals[site]:
+            totals[site].copy_(total)

@@ -41,13 +41,12 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
-def widths_for(family_name: str, config, kept: int, slice_head: bool) -> list[int]:
-    """Kept width per site for a family (2 sites per layer, or 1 for parallel blocks)."""
-    from compressor.engine import site_widths
+def widths_for(family_name: str, config, kept: int, slice_head: bool) -> dict[str, int]:
+    """Kept width per site id for a family (2 sites per layer, or 1 for parallel blocks)."""
     from compressor.families import family_for
+    from compressor.sites import site_widths
 
-    return site_widths(config.hidden_size, config.num_hidden_layers, kept, slice_head,
-                       family_for(family_name).sites_per_layer)
+    return site_widths(family_for(family_name), config.num_hidden_layers, config.hidden_size, kept, slice_head)
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:

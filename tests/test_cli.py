@@ -13,6 +13,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from compressor.bases import load_bases
+
 from compressor.cli import main
 from tests.conftest import EXAMPLES, save_tiny_checkpoint
 
@@ -49,7 +51,8 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"  # relative output resolves against the recipe's folder
-    assert sorted(p.name for p in out.iterdir()) == ["model", "recipe.yaml", "report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["bases.safetensors", "model", "recipe.yaml", "report.json",
+                                                     "report.md"]
     assert not list(tmp_path.glob(".out.partial*"))
     umask = os.umask(0o022)
     os.umask(umask)
@@ -63,6 +66,13 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     assert [s["name"] for s in report["sites"]] == ["embedding", "layers.0.attn", "layers.0.mlp",
                                                      "layers.1.attn", "layers.1.mlp"]
     assert [s["kept"] for s in report["sites"]] == [48, 48, 48, 48, 64]
+    bases = load_bases(out / "bases.safetensors")
+    assert {site: tuple(v.shape) for site, v in bases.items()} == {
+        s["name"]: (64, s["kept"]) for s in report["sites"]}
+    assert all(v.dtype == torch.float64 for v in bases.values())
+    assert report["resumed_from"] is None and report["seed"] == 0
+    assert report["pipeline"] == [{"strategy": "pca", "options": {}}]
+    assert set(report["fingerprint"]) == {"recipe", "model", "data"}
     assert all(s["strategy"] == "pca" and "removed_energy" in s["steps"][0]["objectives"] for s in report["sites"])
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
@@ -137,7 +147,9 @@ def test_saved_recipe_records_strategy_defaults(tiny_checkpoint: Path, tmp_path:
     assert main(["run", str(recipe)]) == 0
     saved = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
     assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0]}]
-    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "seed": 0, "autocast": None}
+    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "autocast": None, "chunk": 32,
+                                    "recompute": None}
+    assert saved["seed"] == 0 and saved["activations"] == "host"
 
 
 def test_dry_run_reads_the_config_but_no_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

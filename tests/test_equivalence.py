@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, prune, site_widths
+from compressor.engine import PipelineStep, prune
 from compressor.families import family_for
 from compressor.strategy import Basis, SiteProblem, Strategy
 from compressor_plugins.pca import PCA
@@ -38,9 +38,9 @@ def test_rotation_without_slicing_reproduces_logits(family_name: str, padded: bo
 def test_rotation_is_not_the_identity() -> None:
     """Guard for the test above: the bases really change the weights."""
     original = tiny_model("llama")
-    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    d = original.config.hidden_size
     result = prune(copy_model(original), family_for("llama"), random_batches(128),
-                   site_widths(d, layers, d, slice_head=True), [PipelineStep(PCA())])
+                   widths_for("llama", original.config, d, slice_head=True), [PipelineStep(PCA())])
     before = original.model.embed_tokens.weight
     after = result.model.model.embed_tokens.weight
     assert after.shape == before.shape
@@ -50,9 +50,9 @@ def test_rotation_is_not_the_identity() -> None:
 def test_fusion_does_not_centre_rmsnorm_models() -> None:
     """SliceGPT mean-centres embeddings of RMSNorm models; that changes the function, we must not."""
     original = tiny_model("llama")
-    d, layers = original.config.hidden_size, original.config.num_hidden_layers
+    d = original.config.hidden_size
     result = prune(copy_model(original), family_for("llama"), random_batches(128),
-                   site_widths(d, layers, d, slice_head=True), [PipelineStep(RandomRotation())])
+                   widths_for("llama", original.config, d, slice_head=True), [PipelineStep(RandomRotation())])
     rotated_back = result.model.model.embed_tokens.weight.double()
     # Row norms are preserved by an orthogonal change of basis; centring would shrink them.
     assert torch.allclose(rotated_back.norm(dim=1), original.model.embed_tokens.weight.double().norm(dim=1), atol=1e-5)

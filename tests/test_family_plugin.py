@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.sites import site_widths
 from compressor.errors import UserError
 from compressor.families import family_for
 from compressor.plugins import PluginRegistry
@@ -66,10 +67,10 @@ def test_a_registered_family_prunes_exactly_and_reloads(arcee_plugin, tmp_path: 
     original = tiny_arcee()
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(original.config.vocab_size, padded=True)
-    rotated = prune(copy_model(original), family, batches, site_widths(d, layers, d, True), [PipelineStep(PCA())])
+    rotated = prune(copy_model(original), family, batches, site_widths(family, layers, d, d, True), [PipelineStep(PCA())])
     assert max_relative_logit_error(original, rotated.model, batches) <= 1e-4
 
-    widths = site_widths(d, layers, kept_width(d, 0.25, 8), False)
+    widths = site_widths(family, layers, d, kept_width(d, 0.25, 8), False)
     pruned = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())]).model
     assert pruned.model.layers[0].mlp.up_proj.in_features == 48
     pruned.save_pretrained(tmp_path)

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compressor.data import batches_of, load_records, token_windows
-from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.sites import site_widths
 from compressor.evaluate import compare
 from compressor.families import family_for
 from compressor_plugins.pca import PCA
@@ -24,7 +25,7 @@ def _setup(shared: Path, sparsity: float):
     original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     d, layers = model.config.hidden_size, model.config.num_hidden_layers
-    widths = site_widths(d, layers, kept_width(d, sparsity, 8), slice_head=False)
+    widths = site_widths(family_for("llama"), layers, d, kept_width(d, sparsity, 8), slice_head=False)
     pruned = prune(model, family_for("llama"), calib, widths, [PipelineStep(PCA())]).model
     return compare(original, pruned, valid, torch.device("cpu"))
 

@@ -164,13 +164,14 @@ def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
     exact = _exact_fisher(model, family, capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))],
                                                               torch.device("cpu")), 0)
 
-    def estimate(samples: int) -> list[torch.Tensor]:
+    def estimate(samples: int) -> dict[str, torch.Tensor]:
         repeated = ids.repeat(samples, 1)
         inputs = capture_layer_inputs(model, family, [Batch(repeated, torch.ones_like(repeated))], torch.device("cpu"))
-        return estimate_fisher(model, family, inputs, SensitivityOptions(dtype="float64", seed=3), torch.device("cpu"))
+        return estimate_fisher(model, family, inputs, SensitivityOptions(dtype="float64"), torch.device("cpu"), seed=3)
 
-    def error(estimates: list[torch.Tensor]) -> float:
-        return max((torch.linalg.matrix_norm(e - x) / torch.linalg.matrix_norm(x)).item() for e, x in zip(estimates, exact))
+    def error(estimates: dict[str, torch.Tensor]) -> float:
+        return max((torch.linalg.matrix_norm(e - x) / torch.linalg.matrix_norm(x)).item()
+                   for e, x in zip(estimates.values(), exact))
 
     coarse, fine = error(estimate(20)), error(estimate(4000))
     assert fine < 0.1
@@ -233,10 +234,11 @@ def test_autocast_estimate_stays_close_to_full_precision() -> None:
     fuse_norms(model, family)
     ids = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
     inputs = capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))], torch.device("cpu"))
-    full = estimate_fisher(model, family, inputs, SensitivityOptions(seed=5), torch.device("cpu"))
-    low = estimate_fisher(model, family, inputs, SensitivityOptions(seed=5, autocast="bfloat16"), torch.device("cpu"))
-    for exact, approx in zip(full, low):
-        assert approx.dtype == torch.float64
+    full = estimate_fisher(model, family, inputs, SensitivityOptions(), torch.device("cpu"), seed=5)
+    low = estimate_fisher(model, family, inputs, SensitivityOptions(autocast="bfloat16"), torch.device("cpu"), seed=5)
+    assert list(low) == list(full)
+    for exact, approx in zip(full.values(), low.values()):
+        assert approx.dtype == torch.float32  # the accumulation dtype
         assert (torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)).item() < 0.1
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, kept_width, prune, site_widths
+from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError
-from compressor.families import family_for
 from compressor.evaluate import parameter_count
+from compressor.families import family_for
+from compressor.sites import site_ids, site_widths
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -26,8 +27,11 @@ def test_impossible_sparsity_is_refused() -> None:
 
 
 def test_site_widths_keep_the_head_input_unless_asked() -> None:
-    assert site_widths(64, 2, 48, slice_head=False) == [48, 48, 48, 48, 64]
-    assert site_widths(64, 2, 48, slice_head=True) == [48] * 5
+    llama = family_for("llama")
+    assert site_widths(llama, 2, 64, 48, slice_head=False) == {
+        "embedding": 48, "layers.0.attn": 48, "layers.0.mlp": 48, "layers.1.attn": 48, "layers.1.mlp": 64}
+    assert list(site_widths(llama, 2, 64, 48, slice_head=True).values()) == [48] * 5
+    assert site_ids(family_for("phi"), 2) == ["embedding", "layers.0", "layers.1"]
 
 
 def _expected_opt_parameters(config, widths: list[int]) -> int:
@@ -102,9 +106,10 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     config = original.config
     d = config.hidden_size
     kept = kept_width(d, 0.25, 8)
-    widths = widths_for(family_name, config, kept, slice_head)
+    by_site = widths_for(family_name, config, kept, slice_head)
     result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
-                   widths, [PipelineStep(PCA())])
+                   by_site, [PipelineStep(PCA())])
+    widths = list(by_site.values())
     model = result.model
     family = family_for(family_name)
     assert model.config.model_type == f"sliced_{family_name}"
@@ -139,7 +144,7 @@ def test_sliced_model_stays_close_on_its_calibration_data() -> None:
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(128)
     result = prune(copy_model(original), family_for("llama"), batches,
-                   site_widths(d, layers, kept_width(d, 0.25, 8), False), [PipelineStep(PCA())])
+                   site_widths(family_for("llama"), layers, d, kept_width(d, 0.25, 8), False), [PipelineStep(PCA())])
     with torch.no_grad():
         ref = torch.log_softmax(original(batches[0].input_ids).logits, -1)
         out = torch.log_softmax(result.model(batches[0].input_ids).logits, -1)

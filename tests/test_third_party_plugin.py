@@ -141,7 +141,7 @@ def test_run_recipe_with_the_plugin(site: Path, tiny_llama: Path, tmp_path: Path
     assert result.returncode == 0, result.stderr
 
     report = json.loads((out / "report.json").read_text())
-    assert report["pipeline"] == ["keep-coordinates"]
+    assert [step["strategy"] for step in report["pipeline"]] == ["keep-coordinates"]
     assert report["kept_width"] == 48
     sites = report["sites"]
     assert len(sites) == 2 * LAYERS + 1

@@ -1,0 +1,98 @@
+"""Calibration activations held off the accelerator, one batch at a time on it.
+
+A 12B model's activations over 1,024 × 2,048 tokens are ~21 GB per copy in bf16: they live in
+host memory (pinned when the device is a GPU, so copies are fast and can overlap), or in
+memory-mapped files when host memory is short, and go to the device one batch at a time.
+On a CPU run the store holds the very tensors the device computed: nothing is copied.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OFFLOAD_MODES = ("host", "disk")
+
+
+def to_device(value: Any, device: torch.device, memo: dict[int, Any] | None = None) -> Any:
+    """`value` (tensors inside tuples, lists and dicts) on `device`; a tensor reached twice is
+    moved once (layers share masks and position embeddings), non-blocking from pinned memory."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = value.to(device, non_blocking=True)
+        return memo[id(value)]
+    if isinstance(value, dict):
+        return {k: to_device(v, device, memo) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        moved = [to_device(v, device, memo) for v in value]
+        return type(value)(moved) if isinstance(value, list) else tuple(moved)
+    return value
+
+
+class ActivationStore:
+    """One tensor per calibration batch, replaced in place as the walk moves down the model.
+
+    `put` overwrites a batch's slot, so at most one copy of the activations exists, plus the
+    batch in flight. `offload="disk"` keeps the slots in memory-mapped files under `folder`.
+    """
+
+    def __init__(self, device: torch.device, offload: str = "host", folder: Path | None = None) -> None:
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.offload = offload
+        self._folder = Path(tempfile.mkdtemp(prefix="activations-", dir=folder)) if offload == "disk" else None
+        self._slots: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._slots)
+
+    def append(self, tensor: torch.Tensor) -> None:
+        self._slots.append(self._hold(len(self._slots), tensor))
+
+    def put(self, index: int, tensor: torch.Tensor) -> None:
+        """Replace batch `index` (reusing its buffer when the shape is unchanged)."""
+        slot = self._slots[index]
+        if slot.shape == tensor.shape and slot.dtype == tensor.dtype and (self.pin or self._folder is not None):
+            slot.copy_(tensor.detach())
+        else:
+            self._slots[index] = self._hold(index, tensor)
+
+    def get(self, index: int, device: torch.device | None = None) -> torch.Tensor:
+        """Batch `index` on `device` (default: the store's device). On the host it is the stored
+        tensor itself: do not keep it past the next `put` of that batch."""
+        return self._slots[index].to(device or self.device, non_blocking=True)
+
+    def host(self, index: int) -> torch.Tensor:
+        return self._slots[index]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._slots)
+
+    def close(self) -> None:
+        """Drop every slot and remove the spill files."""
+        self._slots.clear()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _hold(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if self._folder is not None:
+            path = self._folder / f"batch-{index:06d}.bin"
+            path.unlink(missing_ok=True)
+            mapped = torch.from_file(str(path), shared=True, size=tensor.numel(), dtype=tensor.dtype)
+            return mapped.view(tensor.shape).copy_(tensor)
+        if tensor.device.type == "cpu" and not self.pin:
+            return tensor
+        held = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin)
+        return held.copy_(tensor)

@@ -1,0 +1,143 @@
+"""Bases as data: a model's per-site kept directions, applied to weights by one exact function.
+
+A set of bases maps each site id to V_s (d × k_s, float64): the kept columns of the orthogonal
+basis chosen there. `apply_bases` turns an original model into the sliced model those bases
+define; the walk applies each site with the same two steps (`open_site`, `close_site`), so a
+saved set of bases reproduces a run's model bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from compressor.families import ModelFamily, stream_reader, stream_writers
+from compressor.modeling import Site, SlicedDecoderLayer, sliced_classes
+from compressor.sites import EMBEDDING, layer_site_ids, layout, site_ids
+from compressor.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
+
+BASES_FILE = "bases.safetensors"
+
+
+def apply_embedding_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.Tensor) -> None:
+    """What writes the stream before the first layer now writes it in `basis`."""
+    projection, embeddings = stream_writers(model, family)
+    if projection is not None:
+        rotate_output(projection, basis)  # it writes the stream; the embedding keeps its own width
+    for embedding in embeddings:
+        rotate_embedding(embedding, basis)
+
+
+def _like(layer: SlicedDecoderLayer, family: ModelFamily) -> torch.Tensor:
+    return layer.self_attn.get_submodule(family.attn_output).weight
+
+
+def open_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor) -> None:
+    """The block reads the stream in the previous site's basis and, with an identity-like
+    transition, outputs it in full d coordinates (so its statistics can be measured)."""
+    for linear in site.readers:
+        rotate_inputs(linear, previous)
+    identity = torch.eye(previous.shape[0], dtype=torch.float64, device=previous.device)
+    setattr(layer, site.shortcut, transition(previous, identity, _like(layer, family)))
+
+
+def close_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor,
+               chosen: torch.Tensor) -> None:
+    """The block writes the stream in the chosen basis; the residual path carries V_newᵀ·V_prev."""
+    for linear in site.writers:
+        rotate_output(linear, chosen)
+    setattr(layer, site.shortcut, transition(previous, chosen, _like(layer, family)))
+
+
+def apply_head_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.Tensor) -> None:
+    """What reads the stream after the final norm reads it in the last site's basis."""
+    rotate_inputs(stream_reader(model, family), basis)
+
+
+def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int]) -> dict[str, Any]:
+    """The `slicing` entry of a sliced model's config (how `apply_slicing_layout` rebuilds it)."""
+    shape = layout(family, model.config.num_hidden_layers, widths)
+    return {
+        "hidden_size": model.config.hidden_size,
+        "embedding": shape.embedding,
+        "attn": shape.attn,
+        "mlp": shape.mlp,
+        "norm_eps": model.get_submodule(family.final_norm).eps,
+        "reader_bias": stream_reader(model, family).bias is not None,
+    }
+
+
+@torch.no_grad()
+def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, torch.Tensor],
+                device: torch.device | str = "cpu") -> PreTrainedModel:
+    """The sliced model that `bases` define, from the *original* `model` (which it consumes:
+    weights are transformed in place, so a 70B model is never held twice).
+
+    Exact: the same float64 products as the walk, in the same order. Layers are moved to
+    `device` one at a time and back.
+    """
+    device = torch.device(device)
+    ids = site_ids(family, model.config.num_hidden_layers)
+    missing = [site for site in ids if site not in bases]
+    if missing:
+        raise ValueError(f"no basis for site(s): {', '.join(missing)}")
+    model.eval()
+    model.requires_grad_(False)
+    fuse_norms(model, family)
+    previous = bases[EMBEDDING].to(device, torch.float64)
+    apply_embedding_basis(model, family, previous)
+    for index, layer in enumerate(model.get_submodule(family.layers)):
+        home = next(layer.parameters()).device
+        layer.to(device)
+        for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+            chosen = bases[name].to(device, torch.float64)
+            open_site(layer, family, site, previous)
+            close_site(layer, family, site, previous, chosen)
+            previous = chosen
+        layer.to(home)
+    apply_head_basis(model, family, previous)
+    widths = {site: bases[site].shape[1] for site in ids}
+    return as_sliced_model(model, family, slicing_config(model, family, widths))
+
+
+def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
+    """Re-home the processed weights in the registered `sliced_*` class (no copy).
+
+    Building the class from its config and loading the weights strictly proves that a
+    saved model reloads into exactly this structure.
+    """
+    config_cls, model_cls = sliced_classes(model.config.model_type)
+    values = model.config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        values.pop(key, None)
+    values["tie_word_embeddings"] = False
+    config = config_cls(**values, slicing=slicing)
+    config.architectures = [model_cls.__name__]
+    config._attn_implementation = model.config._attn_implementation
+    with torch.device("meta"):
+        sliced = model_cls(config)
+    sliced.load_state_dict(model.state_dict(), strict=True, assign=True)
+    source_buffers = dict(model.named_buffers())
+    for name, buffer in sliced.named_buffers():
+        if buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            sliced.get_submodule(owner)._buffers[attr] = source_buffers[name]
+    sliced.generation_config = model.generation_config
+    sliced.eval()
+    sliced.requires_grad_(False)
+    return sliced
+
+
+def save_bases(bases: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    """One safetensors file keyed by site id (float64, d × k_s each)."""
+    tensors = {site: basis.detach().to("cpu", torch.float64).contiguous() for site, basis in bases.items()}
+    save_file(tensors, str(path), metadata=dict(metadata or {}))
+
+
+def load_bases(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))

@@ -1,0 +1,120 @@
+"""Per-site checkpoints: what a killed run needs to continue from its last finished site.
+
+A checkpoint folder holds a fingerprint of what the run depends on (recipe, model, data), H once
+computed, and one file per finished site (its kept basis, its report record and the RNG state
+after it). Every file is written to a temporary name and renamed into place, so a kill at any
+moment leaves either the old state or the new one. Only safetensors and JSON are read back:
+nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compressor.errors import UserError
+
+FINGERPRINT_FILE = "fingerprint.json"
+FISHER_FILE = "fisher.safetensors"
+SITES_FOLDER = "sites"
+
+
+@dataclass
+class SavedSite:
+    basis: torch.Tensor
+    record: dict[str, Any]
+    rng: torch.Tensor
+
+
+def digest(parts: Iterable[bytes]) -> str:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+def json_digest(value: Any) -> str:
+    return digest([json.dumps(value, sort_keys=True, default=str).encode()])
+
+
+def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
+    return digest(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
+    """Names, shapes, dtypes and an evenly strided sample of every tensor's values: tells two
+    checkpoints apart without hashing tens of gigabytes."""
+    parts = []
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // sample)
+        parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        parts.append(flat[::step].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest(parts)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+class Checkpoint:
+    """A run's resumable state in `folder` (inside the run's staging folder)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sites_folder = folder / SITES_FOLDER
+
+    def start(self, fingerprint: Mapping[str, str]) -> None:
+        """Begin, or continue a run with the same fingerprint; a different one is refused."""
+        path = self.folder / FINGERPRINT_FILE
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            changed = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
+            if changed:
+                raise UserError(f"an interrupted run in {self.folder.parent} was started with a different "
+                                f"{' and '.join(changed)}; rerun with --restart to discard it")
+            return
+        self.sites_folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
+
+    def has_progress(self) -> bool:
+        return (self.folder / FISHER_FILE).is_file() or any(self.sites_folder.glob("*.safetensors"))
+
+    def load_fisher(self) -> dict[str, torch.Tensor] | None:
+        path = self.folder / FISHER_FILE
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as handle:
+            return {site: handle.get_tensor(site) for site in handle.keys()}
+
+    def save_fisher(self, fisher: Mapping[str, torch.Tensor]) -> None:
+        tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
+        _write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
+
+    def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any]) -> None:
+        tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), "rng": torch.get_rng_state()}
+        metadata = {"site": site, "record": json.dumps(record)}
+        _write_atomic(self.sites_folder / f"{position:05d}.safetensors",
+                      lambda p: save_file(tensors, str(p), metadata=metadata))
+
+    def finished_sites(self) -> dict[str, SavedSite]:
+        """Finished sites in the order they were chosen."""
+        saved = {}
+        for path in sorted(self.sites_folder.glob("[0-9]*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata()
+                saved[metadata["site"]] = SavedSite(basis=handle.get_tensor("basis"),
+                                                    record=json.loads(metadata["record"]),
+                                                    rng=handle.get_tensor("rng"))
+        return saved

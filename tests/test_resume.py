@@ -1,0 +1,132 @@
+"""Per-site checkpoints: a `compress run` killed anywhere continues to a bit-identical model;
+bases saved as data rebuild the model exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compressor.bases import apply_bases, load_bases
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.faults import KILL_VARIABLE
+from compressor.families import family_for
+from compressor_plugins.pca import PCA
+from compressor_plugins.sensitivity import Sensitivity, TauGrid
+from tests.conftest import FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
+from tests.test_cli import write_recipe
+
+SITES = ["embedding", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
+
+
+def compress(recipe: Path, output: Path, *extra: str, kill: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(KILL_VARIABLE, None)
+    if kill is not None:
+        env[KILL_VARIABLE] = kill
+    return subprocess.run([sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def tensors(run: Path) -> dict[str, torch.Tensor]:
+    found = {f"model.{k}": v for k, v in load_file(str(run / "model" / "model.safetensors")).items()}
+    found.update({f"bases.{k}": v for k, v in load_bases(run / "bases.safetensors").items()})
+    return found
+
+
+@pytest.fixture(scope="module")
+def recipe(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """H and a τ-search (so H is checkpointed too), several H chunks, no evaluation (not resumed)."""
+    folder = tmp_path_factory.mktemp("resume")
+    return write_recipe(folder, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
+                        calibration__num_samples=8, sensitivity={"chunk": 2})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(recipe: Path) -> dict[str, torch.Tensor]:
+    output = recipe.parent / "uninterrupted"
+    done = compress(recipe, output)
+    assert done.returncode == 0, done.stderr
+    return tensors(output)
+
+
+# (kill point, finished sites loaded on resume, H loaded, first site chosen after resuming)
+KILLS = [
+    ("capture", 0, False, None),
+    ("fisher", 0, False, None),  # mid-way through the H pass: H is not saved, so it is recomputed
+    ("site:embedding", 1, True, "layers.0.attn"),
+    ("site:layers.0.attn", 2, True, "layers.0.mlp"),  # in the middle of a layer
+    ("site:layers.1.mlp", 5, False, None),  # after the last site: nothing left to choose, H not needed
+    ("publish", 5, False, None),  # everything written, not yet in place
+]
+
+
+@pytest.mark.parametrize(("point", "loaded", "fisher_loaded", "resumed_from"), KILLS, ids=[k[0] for k in KILLS])
+def test_a_killed_run_resumes_to_a_bit_identical_model(point: str, loaded: int, fisher_loaded: bool,
+                                                       resumed_from: str | None, recipe: Path,
+                                                       uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    output = tmp_path / "run"
+    killed = compress(recipe, output, kill=point)
+    assert killed.returncode == -9, killed.stderr  # SIGKILL: no handler ran
+    assert not output.exists()
+    resumed = compress(recipe, output)
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (tmp_path / ".run.partial").exists()
+    report = json.loads((output / "report.json").read_text())
+    assert report["resume"] == {"sites_loaded": loaded, "fisher_loaded": fisher_loaded}
+    assert report["resumed_from"] == resumed_from
+    assert [s["name"] for s in report["sites"]] == SITES
+    produced = tensors(output)
+    assert produced.keys() == uninterrupted.keys()
+    different = [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
+    assert not different
+
+
+def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe: Path, tmp_path: Path) -> None:
+    output = tmp_path / "run"
+    assert compress(recipe, output, kill="site:layers.0.attn").returncode == -9
+    changed = compress(recipe, output, "--set", "sparsity=0.5")
+    assert changed.returncode == 2
+    assert changed.stderr.strip().count("\n") == 0 and "Traceback" not in changed.stderr
+    assert "different recipe" in changed.stderr and "--restart" in changed.stderr
+    restarted = compress(recipe, output, "--set", "sparsity=0.5", "--restart")
+    assert restarted.returncode == 0, restarted.stderr
+    report = json.loads((output / "report.json").read_text())
+    assert report["resume"]["sites_loaded"] == 0 and report["resumed_from"] is None
+    assert report["kept_width"] == 32
+
+
+@pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
+def test_saved_bases_applied_to_the_original_model_reproduce_the_pruned_model(family_name: str) -> None:
+    original = tiny_model(family_name)
+    family = family_for(family_name)
+    d = original.config.hidden_size
+    widths = widths_for(family_name, original.config, kept_width(d, 0.25, 8), family.head_width_is_embedding_width)
+    result = prune(copy_model(original), family, random_batches(original.config.vocab_size), widths,
+                   [PipelineStep(PCA())])
+    assert {site: v.shape[1] for site, v in result.bases.items()} == widths
+    rebuilt = apply_bases(copy_model(original), family, result.bases)
+    expected, actual = result.model.state_dict(), rebuilt.state_dict()
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    assert rebuilt.config.slicing == result.model.config.slicing
+
+
+def test_activations_spilled_to_disk_give_the_same_model(tmp_path: Path) -> None:
+    original = tiny_model("llama")
+    d = original.config.hidden_size
+    widths = widths_for("llama", original.config, kept_width(d, 0.25, 8), False)
+    batches = random_batches(original.config.vocab_size, count=3)
+    pipeline = [PipelineStep(Sensitivity(), TauGrid())]
+    in_memory = prune(copy_model(original), family_for("llama"), batches, widths, pipeline)
+    spilled = prune(copy_model(original), family_for("llama"), batches, widths, pipeline, offload="disk",
+                    scratch=tmp_path)
+    assert not list(tmp_path.iterdir())  # the spill files are gone
+    for name, value in in_memory.model.state_dict().items():
+        assert torch.equal(spilled.model.state_dict()[name], value), name
