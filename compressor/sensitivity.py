@@ -40,8 +40,9 @@ class SensitivityOptions:
     """How H is estimated. `dtype` is the accumulation precision (the paper: float32);
     `autocast`, if set, runs the forward and backward passes of the H estimate (only) in that
     lower precision: faster where the hardware has it, at a measured cost in accuracy.
-    `chunk` is how many calibration sequences go down the layers together: their inputs to
-    every layer are held on the host at once (≈ (L + 1) · chunk · seq_len · d values).
+    `chunk` is how many calibration sequences go down the layers together when layers are
+    recomputed: their inputs to every layer are held on the host at once (≈ (L + 1) · chunk ·
+    seq_len · d values); without recomputation the pass goes one batch at a time.
     `recompute` (default: on an accelerator, not on CPU) recomputes each layer in the backward
     sweep instead of keeping its graph, so the device holds one layer's graph for one batch."""
 
@@ -190,7 +191,9 @@ def estimate_fisher(
             outputs.append(hidden)
         return outputs
 
-    chunks = _chunks(inputs, options.chunk)
+    # Chunks exist to make layer moves rare; where the device is the host there are none to save,
+    # and one batch at a time keeps the kept graphs (and memory traffic) small.
+    chunks = _chunks(inputs, options.chunk if recompute else 1)
     for done, chunk in enumerate(chunks):
         # Forward: every layer's input, for every batch of the chunk, stays on the host.
         stream = [[inputs.hidden.host(b) for b in chunk]]
