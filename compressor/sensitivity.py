@@ -216,9 +216,9 @@ def estimate_fisher(
                 x = stream[-1][k].to(device).detach().requires_grad_()
                 with torch.enable_grad(), precision():
                     logits = family.logits(model, x)
-                    logits.backward(sampled_score(logits, mask, generator, options.reduction))
-                acc.add(ids[-1], x.grad, mask)
-                grads.append(_host(x.grad))
+                    (grad,) = torch.autograd.grad(logits, [x], sampled_score(logits, mask, generator, options.reduction))
+                acc.add(ids[-1], grad, mask)
+                grads.append(_host(grad))
                 tokens += int(mask.sum())
         stream.pop()
         # Backward, one layer at a time, carrying the gradient with respect to the stream down.
@@ -235,13 +235,13 @@ def estimate_fisher(
                         else:
                             x, sites = graphs[index][k]  # type: ignore[misc]
                             graphs[index][k] = None  # the graph is freed once used
-                        for site in sites[:-1]:
-                            site.retain_grad()
-                        sites[-1].backward(grads[k].to(device, non_blocking=True))
-                    for site, tensor in zip(own[:-1], sites[:-1]):
-                        acc.add(site, tensor.grad, mask)
-                    acc.add(below, x.grad, mask)
-                    grads[k] = _host(x.grad)
+                        # only the stream's gradients: never the weights', whatever their requires_grad
+                        *inner, grad = torch.autograd.grad(sites[-1], [*sites[:-1], x],
+                                                           grads[k].to(device, non_blocking=True))
+                    for site, tensor in zip(own[:-1], inner):
+                        acc.add(site, tensor, mask)
+                    acc.add(below, grad, mask)
+                    grads[k] = _host(grad)
             stream.pop()
         if progress is not None:
             progress(done + 1, len(chunks))

@@ -1,0 +1,90 @@
+"""Memory bounds, measured with a live-tensor tracker: the walk holds one copy of the calibration
+activations plus the batch in flight, and the layer-wise H pass holds one layer's graph."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from compressor.calibration import capture_layer_inputs
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.families import family_for
+from compressor.memtrack import LiveBytes
+from compressor.sensitivity import SensitivityOptions, estimate_fisher
+from compressor.transforms import fuse_norms
+from compressor_plugins.pca import PCA
+from tests.conftest import copy_model, random_batches, tiny_model, widths_for
+
+BATCH, LENGTH = 4, 64
+
+
+def _batch_bytes(model) -> int:
+    return BATCH * LENGTH * model.config.hidden_size * 4  # one batch of float32 activations
+
+
+def _walk_peak(model, batches: int) -> int:
+    widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8), False)
+    tracker = LiveBytes()
+    with tracker:
+        prune(copy_model(model), family_for("llama"), random_batches(128, count=batches, batch=BATCH, length=LENGTH),
+              widths, [PipelineStep(PCA())])
+    return tracker.peak["cpu"]
+
+
+def test_tracker_counts_live_tensors_and_forgets_freed_ones() -> None:
+    tracker = LiveBytes()
+    with tracker:
+        a = torch.zeros(1000)
+        b = torch.zeros(500)
+        del a
+        c = b + 1
+    assert tracker.peak["cpu"] == 6000 and tracker.live["cpu"] == 4000
+    del b, c
+
+
+def _captured_bytes_per_batch(model) -> int:
+    """One batch's captured layer arguments (mask, position embeddings), each storage once."""
+    family = family_for("llama")
+    fused = copy_model(model)
+    fuse_norms(fused, family)
+    inputs = capture_layer_inputs(fused, family, random_batches(128, count=1, batch=BATCH, length=LENGTH),
+                                  torch.device("cpu"))
+    leaves = [t for kwargs in inputs.layer_kwargs[0] for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in leaves}
+    return sum(storages.values())
+
+
+def test_the_walk_holds_one_copy_of_the_activations() -> None:
+    """Fourteen more batches cost one more copy of their activations (the store) and of their
+    captured layer arguments, not two or three copies (inputs, block outputs and their
+    projection at once)."""
+    model = tiny_model("llama")
+    per_batch = _batch_bytes(model) + _captured_bytes_per_batch(model)
+    growth = _walk_peak(model, 16) - _walk_peak(model, 2)
+    assert 14 * per_batch * 0.9 <= growth <= 14 * per_batch * 1.1
+
+
+def _h_working_set(layers: int, recompute: bool) -> int:
+    """Peak bytes the H pass adds to what exists when it starts, one batch per chunk."""
+    model = tiny_model("llama", num_hidden_layers=layers, intermediate_size=512)
+    family = family_for("llama")
+    fuse_norms(model, family)
+    inputs = capture_layer_inputs(model, family, random_batches(128, count=2, batch=BATCH, length=LENGTH),
+                                  torch.device("cpu"))
+    tracker = LiveBytes()
+    with tracker:
+        estimate_fisher(model, family, inputs, SensitivityOptions(chunk=BATCH, recompute=recompute),
+                        torch.device("cpu"))
+    return tracker.peak["cpu"]
+
+
+def test_the_layerwise_h_pass_holds_one_layers_graph() -> None:
+    """Four more layers cost their stored inputs and their sites' H totals when layers are
+    recomputed, not four more layers' graphs (which keeping the graphs costs, as a whole-model
+    backward pass does)."""
+    d = 64
+    recomputed = _h_working_set(6, True) - _h_working_set(2, True)
+    kept = _h_working_set(6, False) - _h_working_set(2, False)
+    stored_inputs_and_totals = 4 * _batch_bytes(tiny_model("llama")) + 8 * d * d * 4
+    assert recomputed <= 1.1 * stored_inputs_and_totals
+    assert kept > 3 * recomputed  # the measure tells the two apart
