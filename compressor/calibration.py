@@ -6,7 +6,7 @@ layers' keyword arguments go to the device one batch at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,10 @@ class LayerInputs:
     layer_kwargs: list[list[dict[str, Any]]]
     token_masks: list[torch.Tensor]
     sensitivity_masks: list[torch.Tensor]
+    token_counts: list[int] = field(default_factory=list)
+    sensitivity_counts: list[int] = field(default_factory=list)
+    """How many positions each mask counts, read once on the host (so no device sync, and no
+    data-dependent shape where every position counts)."""
 
     def __len__(self) -> int:
         return len(self.token_masks)
@@ -103,6 +107,8 @@ def capture_layer_inputs(
             captured.token_masks.append(real)
             counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
             captured.sensitivity_masks.append(counted.bool() & real)
+            captured.token_counts.append(int(real.sum()))
+            captured.sensitivity_counts.append(int(captured.sensitivity_masks[-1].sum()))
     finally:
         for index, layer in enumerate(originals):
             layers[index] = layer
@@ -112,6 +118,14 @@ def capture_layer_inputs(
     return captured
 
 
+def counted_rows(hidden: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """The positions of `hidden` (…, d) that `mask` counts, as (count, d). Where `count` says
+    every position counts (text windows), a reshape: the same rows, without a gather."""
+    if count is not None and count == mask.numel():
+        return hidden.reshape(-1, hidden.shape[-1])
+    return hidden[mask.to(hidden.device)]
+
+
 class SecondMoment:
     """Running E[x xᵀ] over the real (unmasked) tokens, accumulated in float64."""
 
@@ -119,8 +133,8 @@ class SecondMoment:
         self.total = torch.zeros(width, width, dtype=torch.float64, device=device)
         self.tokens = 0
 
-    def add(self, hidden: torch.Tensor, token_mask: torch.Tensor) -> None:
-        x = hidden[token_mask.to(hidden.device)].to(torch.float64)
+    def add(self, hidden: torch.Tensor, token_mask: torch.Tensor, count: int | None = None) -> None:
+        x = counted_rows(hidden, token_mask, count).to(torch.float64)
         self.total.addmm_(x.T, x)
         self.tokens += x.shape[0]
 

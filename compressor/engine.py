@@ -171,7 +171,7 @@ class _Walk:
                 hidden = block(hidden, **self.inputs.kwargs(b, layer, self.device))
                 store.put(b, hidden)
             if moment is not None:
-                moment.add(hidden, self.inputs.token_masks[b])
+                moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
         return moment
 
     def settle(self, site: str, moment: SecondMoment | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.calibration import LayerInputs
+from compressor.calibration import LayerInputs, counted_rows
 from compressor.families import ModelFamily
 from compressor.sites import layer_site_ids, site_ids
 
@@ -217,9 +217,10 @@ def estimate_fisher(
                 with torch.enable_grad(), precision():
                     logits = family.logits(model, x)
                     (grad,) = torch.autograd.grad(logits, [x], sampled_score(logits, mask, generator, options.reduction))
-                acc.add(ids[-1], grad, mask)
+                count = inputs.sensitivity_counts[batch]
+                acc.add(ids[-1], grad, mask, count)
                 grads.append(_host(grad))
-                tokens += int(mask.sum())
+                tokens += count
         stream.pop()
         # Backward, one layer at a time, carrying the gradient with respect to the stream down.
         for index in reversed(range(len(layers))):
@@ -238,9 +239,10 @@ def estimate_fisher(
                         # only the stream's gradients: never the weights', whatever their requires_grad
                         *inner, grad = torch.autograd.grad(sites[-1], [*sites[:-1], x],
                                                            grads[k].to(device, non_blocking=True))
+                    count = inputs.sensitivity_counts[batch]
                     for site, tensor in zip(own[:-1], inner):
-                        acc.add(site, tensor, mask)
-                    acc.add(below, grad, mask)
+                        acc.add(site, tensor, mask, count)
+                    acc.add(below, grad, mask, count)
                     grads[k] = _host(grad)
             stream.pop()
         if progress is not None:
@@ -256,9 +258,9 @@ class _Accumulator:
     def __init__(self, totals: dict[str, torch.Tensor]) -> None:
         self.totals = totals
 
-    def add(self, site: str, grad: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(self, site: str, grad: torch.Tensor, mask: torch.Tensor, count: int) -> None:
         total = self.totals[site]
-        g = grad[mask.to(grad.device)].to(total.dtype)
+        g = counted_rows(grad, mask, count).to(total.dtype)
         total.addmm_(g.T, g)
 
 

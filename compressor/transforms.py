@@ -37,7 +37,7 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
     d = model.config.hidden_size
     head = model.get_submodule(family.head)
     embedding = model.get_submodule(family.embedding)
-    if head.weight.data_ptr() == embedding.weight.data_ptr():
+    if head.weight is embedding.weight:  # tied (the same Parameter)
         head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
     model.config.tie_word_embeddings = False
     if family.layer_norm:  # centre what writes the stream, so every LayerNorm sees a zero-mean input

@@ -66,6 +66,7 @@ def test_layerwise_h_counts_only_real_tokens_of_padded_batches(recompute: bool) 
     fuse_norms(model, family)
     inputs = capture_layer_inputs(model, family, random_batches(128, count=3, padded=True), torch.device("cpu"))
     inputs.sensitivity_masks[1][:, :5] = False  # e.g. a chat's user turn
+    inputs.sensitivity_counts[1] = int(inputs.sensitivity_masks[1].sum())
     expected = whole_model_fisher(model, family, inputs, seed=3)
     options = SensitivityOptions(dtype="float64", chunk=8, recompute=recompute)
     actual = estimate_fisher(model, family, inputs, options, torch.device("cpu"), seed=3)
