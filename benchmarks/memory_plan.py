@@ -49,10 +49,16 @@ ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
 CONFIGS: dict[str, dict[str, Any]] = {  # the published configs' shapes (config.json of each model)
+    "Llama-3.2-3B": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "Mistral-7B-v0.3": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768),
     "Llama-3.1-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
     "Mistral-Nemo-12B": dict(model_type="mistral", hidden_size=5120, intermediate_size=14336, num_hidden_layers=40,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072),
+    "Phi-3-medium": dict(model_type="phi3", hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                         num_attention_heads=40, num_key_value_heads=10, head_dim=128, vocab_size=32064),
     "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256),
 }
