@@ -246,11 +246,11 @@ def prune(
             fisher_loaded = fisher is not None
             if fisher is None:
                 phase = "estimating output sensitivity (H)"
-                report(phase, 0, len(batches))
 
                 def h_progress(done: int, total: int) -> None:
                     report(phase, done, total)
-                    faults.reached("fisher")
+                    if done:  # mid-way through the pass, after its first chunk
+                        faults.reached("fisher")
 
                 fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device, seed,
                                          h_progress)

@@ -194,6 +194,8 @@ def estimate_fisher(
     # Chunks exist to make layer moves rare; where the device is the host there are none to save,
     # and one batch at a time keeps the kept graphs (and memory traffic) small.
     chunks = _chunks(inputs, options.chunk if recompute else 1)
+    if progress is not None:
+        progress(0, len(chunks))
     for done, chunk in enumerate(chunks):
         # Forward: every layer's input, for every batch of the chunk, stays on the host.
         stream = [[inputs.hidden.host(b) for b in chunk]]

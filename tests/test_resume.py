@@ -19,7 +19,7 @@ from compressor.faults import KILL_VARIABLE
 from compressor.families import family_for
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
-from tests.conftest import FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
+from tests.conftest import EXAMPLES, FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
 from tests.test_cli import write_recipe
 
 SITES = ["embedding", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
@@ -100,6 +100,19 @@ def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe:
     report = json.loads((output / "report.json").read_text())
     assert report["resume"]["sites_loaded"] == 0 and report["resumed_from"] is None
     assert report["kept_width"] == 32
+
+
+def test_changed_data_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    data = tmp_path / "calib.jsonl"
+    data.write_text((EXAMPLES / "data" / "calib-demo.jsonl").read_text())
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
+                          calibration__dataset={"path": "json", "data_files": str(data)})
+    output = tmp_path / "run"
+    assert compress(recipe, output, kill="site:layers.0.attn").returncode == -9
+    data.write_text("\n".join(reversed(data.read_text().splitlines())) + "\n")  # same recipe, other windows
+    changed = compress(recipe, output)
+    assert changed.returncode == 2 and "different data" in changed.stderr and "--restart" in changed.stderr
+    assert (tmp_path / ".run.partial" / "checkpoint").is_dir()  # refused, not discarded
 
 
 @pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
