@@ -1,7 +1,7 @@
 """Calibration activations held off the accelerator, one batch at a time on it.
 
 A 12B model's activations over 1,024 × 2,048 tokens are ~21 GB per copy in bf16: they live in
-host memory (pinned when the device is a GPU, so copies are fast and can overlap), or in
+host memory (pinned when the device is a GPU, so host-to-device copies are fast), or in
 memory-mapped files when host memory is short, and go to the device one batch at a time.
 On a CPU run the store holds the very tensors the device computed: nothing is copied.
 """
@@ -48,7 +48,11 @@ class ActivationStore:
         self.device = device
         self.pin = device.type == "cuda"
         self.offload = offload
-        self._folder = Path(tempfile.mkdtemp(prefix="activations-", dir=folder)) if offload == "disk" else None
+        self._folder = None
+        if offload == "disk":
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix="activations-", dir=folder))
         self._slots: list[torch.Tensor] = []
 
     def __len__(self) -> int:

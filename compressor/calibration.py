@@ -81,8 +81,8 @@ def capture_layer_inputs(
     base = model.get_submodule(family.base_model)
     layers: nn.ModuleList = model.get_submodule(family.layers)
     parts = [child for child in base.children() if child is not layers]
-    homes = [next(part.parameters(), None) for part in parts]
-    homes = [None if p is None else p.device for p in homes]
+    # where each part lives (rotary embeddings have buffers only; a fused norm has nothing)
+    homes = [next((t.device for t in (*part.parameters(), *part.buffers())), None) for part in parts]
     for part in parts:
         part.to(device)
     originals = list(layers)

@@ -1,10 +1,11 @@
 """Per-site checkpoints: what a killed run needs to continue from its last finished site.
 
 A checkpoint folder holds a fingerprint of what the run depends on (recipe, model, data), H once
-computed, and one file per finished site (its kept basis, its report record and the RNG state
-after it). Every file is written to a temporary name and renamed into place, so a kill at any
-moment leaves either the old state or the new one. Only safetensors and JSON are read back:
-nothing is ever unpickled.
+computed, and one file per finished site (its kept basis, its report record and the RNG states
+after it). Every file is written to a temporary name, flushed to disk and renamed into place,
+so a kill at any moment leaves either the old state or the new one. The fingerprint is written
+first and removed first: site files without one are never trusted. Only safetensors and JSON
+are read back: nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ SITES_FOLDER = "sites"
 class SavedSite:
     basis: torch.Tensor
     record: dict[str, Any]
-    rng: torch.Tensor
+    rng: dict[str, torch.Tensor]
 
 
 def digest(parts: Iterable[bytes]) -> str:
@@ -51,9 +53,13 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
 
 
 def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
-    """Names, shapes, dtypes and an evenly strided sample of every tensor's values: tells two
-    checkpoints apart without hashing tens of gigabytes."""
-    parts = []
+    """The config (rope, norm eps, soft-caps…) and, for every tensor, its name, shape, dtype and an
+    evenly strided sample of its values: tells two checkpoints apart without hashing tens of GB."""
+    config = getattr(model, "config", None)
+    values = {} if config is None else config.to_dict()
+    for key in ("_name_or_path", "transformers_version"):
+        values.pop(key, None)
+    parts = [json.dumps(values, sort_keys=True, default=str).encode()]
     for name, tensor in model.state_dict().items():
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // sample)
@@ -63,9 +69,28 @@ def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
 
 
 def _write_atomic(path: Path, write: Any) -> None:
+    """Write through a temporary file, flushed to disk before it is renamed into place."""
     temporary = path.with_name(f".{path.name}.tmp")
     write(temporary)
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
     os.replace(temporary, path)
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"rng_cuda_{index}"] = state
+    return states
+
+
+def restore_rng(states: Mapping[str, torch.Tensor]) -> None:
+    """Put back the RNG states saved with a site (CPU, and each GPU's where there are GPUs)."""
+    torch.set_rng_state(states["rng"])
+    cuda = [states[key] for key in sorted(states) if key.startswith("rng_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 class Checkpoint:
@@ -76,20 +101,28 @@ class Checkpoint:
         self.sites_folder = folder / SITES_FOLDER
 
     def start(self, fingerprint: Mapping[str, str]) -> None:
-        """Begin, or continue a run with the same fingerprint; a different one is refused."""
+        """Begin, or continue a run with the same fingerprint; a different one is refused when
+        the checkpoint holds progress (else it is simply replaced)."""
         path = self.folder / FINGERPRINT_FILE
         if path.is_file():
             saved = json.loads(path.read_text())
             changed = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
-            if changed:
+            if not changed:
+                return
+            if self.has_progress():
                 raise UserError(f"an interrupted run in {self.folder.parent} was started with a different "
                                 f"{' and '.join(changed)}; rerun with --restart to discard it")
-            return
+        self.discard()  # no fingerprint: whatever is left cannot be trusted
         self.sites_folder.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
 
+    def discard(self) -> None:
+        """Remove the checkpoint, fingerprint first, so that a kill half-way leaves nothing trusted."""
+        (self.folder / FINGERPRINT_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
     def has_progress(self) -> bool:
-        return (self.folder / FISHER_FILE).is_file() or any(self.sites_folder.glob("*.safetensors"))
+        return (self.folder / FISHER_FILE).is_file() or any(self.sites_folder.glob("[0-9]*.safetensors"))
 
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE
@@ -103,7 +136,7 @@ class Checkpoint:
         _write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
 
     def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any]) -> None:
-        tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), "rng": torch.get_rng_state()}
+        tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
         metadata = {"site": site, "record": json.dumps(record)}
         _write_atomic(self.sites_folder / f"{position:05d}.safetensors",
                       lambda p: save_file(tensors, str(p), metadata=metadata))
@@ -114,7 +147,7 @@ class Checkpoint:
         for path in sorted(self.sites_folder.glob("[0-9]*.safetensors")):
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata()
-                saved[metadata["site"]] = SavedSite(basis=handle.get_tensor("basis"),
-                                                    record=json.loads(metadata["record"]),
-                                                    rng=handle.get_tensor("rng"))
+                saved[metadata["site"]] = SavedSite(
+                    basis=handle.get_tensor("basis"), record=json.loads(metadata["record"]),
+                    rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")})
         return saved

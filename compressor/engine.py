@@ -29,7 +29,7 @@ from compressor.bases import (
     slicing_config,
 )
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
-from compressor.checkpoint import Checkpoint
+from compressor.checkpoint import Checkpoint, restore_rng
 from compressor.errors import UserError
 from compressor.families import ModelFamily
 from compressor.modeling import SlicedDecoderLayer
@@ -178,18 +178,22 @@ class _Walk:
         """The site's kept basis: loaded from the checkpoint, or chosen now and checkpointed."""
         if site in self.saved:
             entry = self.saved[site]
+            if tuple(entry.basis.shape) != (self.inputs.hidden.host(0).shape[-1], self.widths[site]):
+                raise UserError(f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
+                                f"run's widths do not allow; rerun with --restart to discard the checkpoint")
             self.records.append(SiteRecord.from_json(entry.record))
-            torch.set_rng_state(entry.rng)
-            basis = entry.basis.to(self.device)
-        else:
-            assert moment is not None
-            if self.saved and self.resumed_from is None:
-                self.resumed_from = site
-            basis, record = self.chooser.choose(site, self.widths[site], moment)
-            self.records.append(record)
-            if self.checkpoint is not None:
-                self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json())
-            faults.reached(f"site:{site}")
+            restore_rng(entry.rng)
+            self.bases[site] = entry.basis
+            self.pending = basis = entry.basis.to(self.device)
+            return basis
+        assert moment is not None
+        if self.saved and self.resumed_from is None:
+            self.resumed_from = site
+        basis, record = self.chooser.choose(site, self.widths[site], moment)
+        self.records.append(record)
+        if self.checkpoint is not None:
+            self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json())
+        faults.reached(f"site:{site}")
         self.bases[site] = basis.to("cpu")
         self.pending = basis
         return basis

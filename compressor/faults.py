@@ -1,7 +1,7 @@
 """Named points of a run where a test can kill the process, to prove that resume works anywhere.
 
 `COMPRESS_KILL_AT=<point>` makes the process SIGKILL itself when it reaches that point (no
-cleanup, no exception handler runs: the same as a power cut or the OOM killer). Points:
+cleanup, no exception handler runs: as the OOM killer or `kill -9` do). Points:
 `capture` (inputs captured), `fisher` (H pass, after its first chunk), `site:<site id>`
 (that site's checkpoint written) and `publish` (everything saved, before the output is
 put in place). Unset, `reached` costs one dictionary look-up.

@@ -128,6 +128,8 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 
 CHECKPOINT_FOLDER = "checkpoint"
+SCRATCH_FOLDER = "scratch"
+"""Activations spilled to disk (`activations: disk`); removed at every start and before publishing."""
 LOCK_FILE = ".lock"
 
 
@@ -152,8 +154,13 @@ def _prepare_staging(output: Path, overwrite: bool, restart: bool) -> Path:
 
 @contextmanager
 def _locked(staging: Path) -> Iterator[None]:
-    """Hold the staging folder for this process: a second run to the same output is refused."""
-    handle = open(staging / LOCK_FILE, "w")
+    """Hold the staging folder for this process: a second run to the same output is refused.
+    The lock file is never unlinked while held; it leaves with the folder (published or removed)."""
+    try:
+        handle = open(staging / LOCK_FILE, "w")
+    except FileNotFoundError:  # another run removed its staging folder just now
+        raise UserError(f"another run to {staging.parent / staging.name[1:-len('.partial')]} has just ended; "
+                        f"run the command again") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
@@ -197,15 +204,17 @@ def _give_default_modes(folder: Path) -> None:
 
 def _publish(staging: Path, output: Path) -> None:
     """Put the finished run in place; a previous run is moved aside first and removed last.
-    The checkpoint and the lock file are not part of the published run."""
-    shutil.rmtree(staging / CHECKPOINT_FOLDER, ignore_errors=True)
-    (staging / LOCK_FILE).unlink(missing_ok=True)
+    The checkpoint goes only once the run is in place (until then a failure can still resume),
+    and the lock file last, while it is still held."""
+    shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)
     _give_default_modes(staging)
     previous = None
     if output.exists():  # check_output allowed only an empty folder or a previous run's
         previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
         output.rename(previous / output.name)
     staging.rename(output)
+    Checkpoint(output / CHECKPOINT_FOLDER).discard()
+    (output / LOCK_FILE).unlink(missing_ok=True)
     if previous is not None:
         shutil.rmtree(previous)
 
@@ -242,10 +251,19 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
 
 
 def recipe_fingerprint(recipe: Recipe) -> str:
-    """What in the recipe decides the pruned model (not where it goes or how it is evaluated)."""
+    """What in the recipe decides the pruned model, with this package's version. Left out: where
+    the output goes, evaluation, where model and data come from (their contents are fingerprinted
+    instead) and settings that change memory use but not results (activations, H chunking), so
+    a run killed for lack of memory can resume with other ones."""
     values = recipe.to_dict()
-    for key in ("output", "evaluation"):
+    for key in ("output", "evaluation", "activations"):
         values.pop(key, None)
+    values["model"].pop("path", None)
+    values["model"].pop("revision", None)
+    values["calibration"].pop("dataset", None)
+    for key in ("chunk", "recompute"):
+        values["sensitivity"].pop(key, None)
+    values["compressor"] = compressor.__version__
     return json_digest(values)
 
 
@@ -275,15 +293,18 @@ def run(
     checked = plan(recipe, registry)
     config, family, kept = checked.config, checked.family, checked.kept
     device = resolve_device(recipe.device)
+    if device.type != "cpu" and recipe.sensitivity.recompute is False:
+        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+                        "it is for CPU runs: leave it unset (or true) on a GPU")
     output = Path(recipe.output)
     staging = _prepare_staging(output, overwrite, restart)
     with _locked(staging):
-        if restart:
-            for child in staging.iterdir():
-                if child.name != LOCK_FILE:
-                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
         checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
+        shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)  # spill files of a killed run
         try:
+            if restart:
+                checkpoint.discard()
             report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress)
             faults.reached("publish")
             _publish(staging, output)
@@ -319,7 +340,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     tick = time.perf_counter()
     result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
-                   offload=recipe.activations, scratch=staging)
+                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER)
     pruned = result.model
     timings["prune_s"] = time.perf_counter() - tick
 

@@ -162,8 +162,9 @@ def estimate_fisher(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """H for each site (keyed by site id; d × d in the accumulation dtype, on the host), averaged
-    over counted tokens. Labels are drawn from a generator seeded with `seed`, batch by batch in
-    order, so the result does not depend on how batches are chunked or where layers run.
+    over counted tokens. Labels are drawn from a generator on `device` seeded with `seed`, batch
+    by batch in order, so the result does not depend on how batches are chunked or whether
+    layers are recomputed (a CPU and a GPU generator draw different labels).
 
     `inputs` are the captured inputs of the fused, unsliced model; counted positions are those of
     `inputs.sensitivity_masks` (for chat data, the positions that predict an assistant token;

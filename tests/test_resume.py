@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from compressor.bases import apply_bases, load_bases
+from compressor.checkpoint import Checkpoint
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.faults import KILL_VARIABLE
 from compressor.families import family_for
@@ -100,6 +101,33 @@ def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe:
     report = json.loads((output / "report.json").read_text())
     assert report["resume"]["sites_loaded"] == 0 and report["resumed_from"] is None
     assert report["kept_width"] == 32
+
+
+def test_a_run_killed_with_spilled_activations_resumes_with_other_memory_settings(
+        recipe: Path, uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """Memory settings are not part of the fingerprint (a run killed for lack of memory resumes
+    with new ones), and the killed run's spill files do not reach the output."""
+    output = tmp_path / "run"
+    killed = compress(recipe, output, "--set", "activations=disk", kill="site:layers.0.attn")
+    assert killed.returncode == -9
+    assert list((tmp_path / ".run.partial" / "scratch").glob("activations-*/*.bin"))
+    resumed = compress(recipe, output, "--set", "activations=host", "--set", "sensitivity.chunk=1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(p.name for p in output.iterdir()) == ["bases.safetensors", "model", "recipe.yaml", "report.json",
+                                                        "report.md"]
+    assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
+    produced = tensors(output)
+    assert all(torch.equal(produced[name], value) for name, value in uninterrupted.items())
+
+
+def test_sites_without_a_fingerprint_are_not_trusted(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path / "checkpoint")
+    checkpoint.start({"recipe": "a"})
+    checkpoint.save_site(0, "embedding", torch.eye(4, dtype=torch.float64), {"name": "embedding"})
+    assert list(Checkpoint(tmp_path / "checkpoint").finished_sites()) == ["embedding"]
+    (tmp_path / "checkpoint" / "fingerprint.json").unlink()  # e.g. killed while being discarded
+    checkpoint.start({"recipe": "b"})
+    assert checkpoint.finished_sites() == {} and not checkpoint.has_progress()
 
 
 def test_changed_data_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
