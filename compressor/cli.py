@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as interrupt:
-        errors.print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False)
+        errors.print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False, soft_wrap=True)
         return 130
     return 0
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from compressor.bases import apply_bases, load_bases
 from compressor.checkpoint import Checkpoint
+from compressor.cli import main
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.faults import KILL_VARIABLE
 from compressor.families import family_for
@@ -118,6 +119,24 @@ def test_a_run_killed_with_spilled_activations_resumes_with_other_memory_setting
     assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
     produced = tensors(output)
     assert all(torch.equal(produced[name], value) for name, value in uninterrupted.items())
+
+
+def test_ctrl_c_keeps_the_checkpoint_and_says_how_to_continue(recipe: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    def interrupt_at(point: str) -> None:
+        if point == "site:layers.0.attn":
+            raise KeyboardInterrupt
+
+    output = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr("compressor.engine.faults.reached", interrupt_at)
+        assert main(["run", str(recipe), "--output", str(output)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted; progress is kept: run the same command to continue" in err
+    assert not output.exists() and (tmp_path / ".run.partial" / "checkpoint" / "fingerprint.json").is_file()
+    assert main(["run", str(recipe), "--output", str(output)]) == 0
+    assert json.loads((output / "report.json").read_text())["resumed_from"] == "layers.0.mlp"
 
 
 def test_sites_without_a_fingerprint_are_not_trusted(tmp_path: Path) -> None:
