@@ -29,7 +29,7 @@ from compressor.bases import (
     slicing_config,
 )
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
-from compressor.checkpoint import Checkpoint, restore_rng
+from compressor.checkpoint import Checkpoint, SavedSite, restore_rng
 from compressor.errors import UserError
 from compressor.families import ModelFamily
 from compressor.modeling import SlicedDecoderLayer
@@ -150,9 +150,10 @@ class _Walk:
     activations still have to be projected on, and the sites chosen or loaded so far."""
 
     def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser, widths: Mapping[str, int],
-                 saved: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
+                 saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
         self.saved, self.checkpoint = saved, checkpoint
+        self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
         self.records: list[SiteRecord] = []
         self.bases: dict[str, torch.Tensor] = {}
@@ -161,7 +162,9 @@ class _Walk:
     def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int) -> SecondMoment | None:
         """Push every batch through `block` (None: just read the stream); return C of the result
         unless the site is already finished (a replay needs the activations, not their statistics)."""
-        moment = None if site in self.saved else SecondMoment(self.inputs.hidden.host(0).shape[-1], self.device)
+        if site in self.saved and block is None:
+            return None  # nothing to compute and nothing to change
+        moment = None if site in self.saved else SecondMoment(self.width, self.device)
         store = self.inputs.hidden
         for b in range(len(store)):
             hidden = store.get(b, self.device)
@@ -178,7 +181,7 @@ class _Walk:
         """The site's kept basis: loaded from the checkpoint, or chosen now and checkpointed."""
         if site in self.saved:
             entry = self.saved[site]
-            if tuple(entry.basis.shape) != (self.inputs.hidden.host(0).shape[-1], self.widths[site]):
+            if tuple(entry.basis.shape) != (self.width, self.widths[site]):
                 raise UserError(f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
                                 f"run's widths do not allow; rerun with --restart to discard the checkpoint")
             self.records.append(SiteRecord.from_json(entry.record))
