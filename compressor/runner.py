@@ -39,6 +39,7 @@ from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, parameter_count
+from compressor.export import write_remote_code
 from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
@@ -348,6 +349,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     report_progress("saving model", 0, 1)
     pruned.save_pretrained(staging / "model")
     tokenizer.save_pretrained(staging / "model")
+    write_remote_code(staging / "model", family, config.model_type)
     objectives = {site.name: site.steps for site in result.sites}
     save_bases(result.bases, staging / BASES_FILE, {"objectives": json.dumps(objectives)})
     timings["save_s"] = time.perf_counter() - tick

@@ -1,0 +1,72 @@
+"""Pruned folders carry their modelling code: they load where compressor is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.export import write_remote_code
+from compressor.families import family_for
+from compressor_plugins.pca import PCA
+from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
+
+# Runs in a fresh interpreter where importing compressor fails, as on a machine without it; the
+# same (eager) attention kernel as the in-memory models, so "identical" can mean bit-identical.
+LOADER = r"""
+import json, sys
+class NoCompressor:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("compressor", "compressor_plugins", "tests"):
+            raise ImportError(f"{name} is not installed here")
+sys.meta_path.insert(0, NoCompressor())
+import torch
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(json.loads(sys.argv[1]))
+for folder in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.save(model(input_ids=ids).logits, folder + "/logits.pt")
+    assert "compressor" not in sys.modules
+"""
+
+
+def test_pruned_folders_load_with_remote_code_and_without_compressor(tmp_path: Path) -> None:
+    ids = random_batches(128, count=1, batch=2, length=12)[0].input_ids
+    folders, expected = [], {}
+    for name in sorted(FAMILY_CONFIGS):
+        original = tiny_model(name)
+        family = family_for(name)
+        d = original.config.hidden_size
+        widths = widths_for(name, original.config, kept_width(d, 0.25, 8), family.head_width_is_embedding_width)
+        pruned = prune(copy_model(original), family, random_batches(128), widths, [PipelineStep(PCA())]).model
+        folder = tmp_path / name
+        pruned.save_pretrained(folder)
+        assert write_remote_code(folder, family, name)
+        with torch.no_grad():
+            expected[name] = pruned(input_ids=ids).logits
+        folders.append(str(folder))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", LOADER, json.dumps(ids.tolist()), *folders], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in sorted(FAMILY_CONFIGS):
+        assert torch.equal(torch.load(tmp_path / name / "logits.pt"), expected[name]), name
+
+
+def test_with_compressor_imported_the_folder_loads_without_remote_code(tmp_path: Path) -> None:
+    original = tiny_model("llama")
+    widths = widths_for("llama", original.config, kept_width(64, 0.25, 8), False)
+    pruned = prune(copy_model(original), family_for("llama"), random_batches(128), widths, [PipelineStep(PCA())]).model
+    pruned.save_pretrained(tmp_path)
+    write_remote_code(tmp_path, family_for("llama"), "llama")
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_sliced.SlicedForCausalLM"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # the registered local class, no remote code
+    assert type(reloaded).__module__ == "compressor.modeling"
