@@ -1,4 +1,5 @@
-"""`compress`: run recipes and list strategies. User errors print one line and exit 2."""
+"""`compress`: run recipes, compare runs, list strategies and families. User errors print one line
+and exit 2."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
+    compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
+    compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
+    compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
     commands.add_parser("strategies", help="list the registered selection strategies")
     commands.add_parser("families", help="list the supported model families (by model_type)")
     return parser
@@ -134,6 +138,25 @@ def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: l
     console.print(table)
 
 
+def _compare(args: argparse.Namespace, console: Console) -> None:
+    from compressor.compare import COLUMNS, FORMATS, cell, render, rows
+
+    output = Path(args.output) if args.output else None
+    if output is not None and output.suffix not in FORMATS:
+        raise UserError(f"--output must end in {', '.join(FORMATS)}, got '{output.name}'")
+    table = rows([Path(run) for run in args.runs])
+    if console.is_terminal:
+        _print_table(console, "runs", COLUMNS, [tuple(cell(c, row[c]) for c in COLUMNS) for row in table])
+    else:  # a pipe or a log: the Markdown table, whole lines that nothing folds or cuts
+        console.print(render(table, ".md"), end="", markup=False, highlight=False, soft_wrap=True)
+    if output is not None:
+        try:
+            output.write_text(render(table, output.suffix))
+        except OSError as error:
+            raise UserError(f"cannot write {output}: {error.strerror or error}") from None
+        console.print(f"wrote {output}", markup=False, highlight=False)
+
+
 def _strategies(console: Console) -> None:
     from compressor.plugins import PluginRegistry
 
@@ -157,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(args, console)
         elif args.command == "families":
             _families(console)
+        elif args.command == "compare":
+            _compare(args, console)
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:

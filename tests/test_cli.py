@@ -320,3 +320,40 @@ def test_gpt2_needs_the_head_sliced_like_the_embedding(tmp_path: Path, capsys: p
     assert main(["run", str(recipe), "--dry-run"]) == 2
     assert "set slicing.slice_head: true" in capsys.readouterr().err
     assert main(["run", str(recipe), "--dry-run", "--set", "slicing.slice_head=true"]) == 0
+
+
+def test_compare_tabulates_runs_and_shows_the_options_that_differ(tiny_checkpoint: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "sensitivity", "taus": [1, 10]}])
+    assert main(["run", str(recipe), "--output", str(tmp_path / "a")]) == 0
+    assert main(["run", str(recipe), "--output", str(tmp_path / "b"), "--set", "pipeline.0.taus=[3]",
+                 "--set", "sparsity=0.5"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "t.csv")]) == 0
+    import csv
+
+    table = list(csv.DictReader((tmp_path / "t.csv").open()))
+    assert [row["pipeline"] for row in table] == ["sensitivity(taus=[1.0, 10.0])", "sensitivity(taus=[3.0])"]
+    assert [row["kept"] for row in table] == ["48", "32"]
+    reports = [json.loads((tmp_path / run / "report.json").read_text()) for run in ("a", "b")]
+    assert [float(row["KL"]) for row in table] == [r["metrics"]["pruned"]["kl"] for r in reports]
+    printed = capsys.readouterr().out.splitlines()  # not a terminal: the Markdown table
+    assert printed[0].startswith("| run | model | pipeline |")
+    assert printed[3].startswith("| b | tiny-llama") and "| sensitivity(taus=[3.0]) | 0.5 | 32 |" in printed[3]
+    assert main(["compare", str(tmp_path / "a"), "--output", str(tmp_path / "t.md")]) == 0
+    assert (tmp_path / "t.md").read_text().splitlines()[2].startswith("| a | tiny-llama")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["compare", "{tmp}/nothing"], "is not a finished run"),
+    (["compare", "{run}"], "report.json is not a run report (no model, pipeline"),
+    (["compare", "{run}", "--output", "{tmp}/table.txt"], "--output must end in .md, .csv, .json"),
+])
+def test_compare_refuses_bad_input_in_one_line(args: list[str], message: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text("{}")
+    assert main([a.format(tmp=tmp_path, run=run) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -1,0 +1,102 @@
+"""`compress compare RUN...`: finished run folders side by side, for ablations.
+
+Reads each run's `report.json` and makes one row per run. A pipeline is shown as its chain of
+strategies, with the options in which the compared runs differ (so two ablation runs never
+look alike), and the table can be written as Markdown, CSV or JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from compressor.errors import UserError
+from compressor.runner import RUN_MARKER
+
+COLUMNS = ("run", "model", "pipeline", "sparsity", "kept", "params", "baseline ppl", "pruned ppl", "KL",
+           "prune s", "seed")
+FORMATS = (".md", ".csv", ".json")
+REQUIRED = ("model", "pipeline", "sparsity", "kept_width", "params", "timings")
+
+
+def read_report(folder: Path) -> dict[str, Any]:
+    path = folder / RUN_MARKER
+    if not path.is_file():
+        raise UserError(f"{folder} is not a finished run (no {RUN_MARKER}); give run folders written by compress run")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {path}: {error}") from None
+    missing = [key for key in REQUIRED if not isinstance(report, dict) or key not in report]
+    if missing:
+        raise UserError(f"{path} is not a run report (no {', '.join(missing)})")
+    return report
+
+
+def _steps(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pipeline steps as {strategy, options} (reports before per-step options listed names only)."""
+    return [step if isinstance(step, dict) else {"strategy": step, "options": {}} for step in report["pipeline"]]
+
+
+def _labels(reports: list[dict[str, Any]]) -> list[str]:
+    """Each run's chain of strategies with the options that differ between the runs."""
+    pipelines = [_steps(r) for r in reports]
+    labels = []
+    for steps in pipelines:
+        parts = []
+        for position, step in enumerate(steps):
+            varying = []
+            for key, value in step["options"].items():
+                others = [p[position]["options"].get(key) if len(p) > position else None for p in pipelines]
+                if any(other != value for other in others):
+                    varying.append(f"{key}={json.dumps(value)}")
+            parts.append(step["strategy"] + (f"({', '.join(varying)})" if varying else ""))
+        labels.append(" + ".join(parts))
+    return labels
+
+
+def rows(folders: list[Path]) -> list[dict[str, Any]]:
+    reports = [read_report(folder) for folder in folders]
+    table = []
+    for folder, report, label in zip(folders, reports, _labels(reports)):
+        metrics = report.get("metrics") or {}
+        baseline, pruned = metrics.get("baseline", {}), metrics.get("pruned", {})
+        table.append({
+            "run": folder.name, "model": Path(report["model"]["path"]).name, "pipeline": label,
+            "sparsity": report["sparsity"], "kept": report["kept_width"], "params": report["params"]["ratio"],
+            "baseline ppl": baseline.get("ppl"), "pruned ppl": pruned.get("ppl"), "KL": pruned.get("kl"),
+            "prune s": report["timings"]["prune_s"], "seed": report.get("seed"),
+        })
+    return table
+
+
+def cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column == "params":
+        return f"{value:.1%}"
+    if column == "KL":
+        return f"{value:.5f}"
+    if column in ("baseline ppl", "pruned ppl"):
+        return f"{value:.3f}"
+    if column == "prune s":
+        return f"{value:.1f}"
+    return str(value)
+
+
+def render(table: list[dict[str, Any]], suffix: str) -> str:
+    """The table as Markdown (.md), CSV (.csv) or JSON (.json)."""
+    if suffix == ".json":
+        return json.dumps(table, indent=2) + "\n"
+    if suffix == ".csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+        return out.getvalue()
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(c, row[c]) for c in COLUMNS) + " |" for row in table]
+    return "\n".join(lines) + "\n"
