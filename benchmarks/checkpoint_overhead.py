@@ -30,7 +30,7 @@ from compressor.checkpoint import Checkpoint  # noqa: E402
 from compressor.engine import prune  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import _batches, load_model, load_tokenizer, plan, resolve_device  # noqa: E402
+from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe, registry)
     checked = plan(recipe, registry)
     device = resolve_device(recipe.device)
-    batches = _batches(recipe.calibration, load_tokenizer(recipe.model), "calibration")
+    batches = token_batches(recipe.calibration, load_tokenizer(recipe.model), "calibration")
     original = load_model(recipe.model)
 
     def once(with_checkpoint: bool) -> tuple[float, int]:

@@ -42,6 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
+    evaluate = commands.add_parser("eval", help="perplexity (and KL to a reference) of a run folder or any model")
+    evaluate.add_argument("target", help="a run folder (its model/, reference model and evaluation data by default), "
+                                         "a model folder or a hub id")
+    evaluate.add_argument("--reference", help="reference model for KL(reference ‖ target) (default for a run: its original)")
+    evaluate.add_argument("--data", help="evaluation text, JSON lines (default for a run: its recipe's evaluation data)")
+    evaluate.add_argument("--text-field", help="field of each JSON line holding the text (default: text)")
+    evaluate.add_argument("--num-samples", type=int, help="evaluation windows (default: the run's, else 64)")
+    evaluate.add_argument("--seq-len", type=int, help="tokens per window (default: the run's, else 512)")
+    evaluate.add_argument("--batch-size", type=int, help="windows per batch (default: the run's, else 8)")
+    evaluate.add_argument("--dtype", help="dtype to load the models in (default: the run's, else float32)")
+    evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evaluate.add_argument("--output", help="also write the report to this JSON file")
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
@@ -138,6 +150,36 @@ def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: l
     console.print(table)
 
 
+def _eval(args: argparse.Namespace, console: Console) -> None:
+    import json
+
+    from compressor.eval_command import EvalRequest, evaluate_target
+
+    _quiet_libraries()
+    output = Path(args.output) if args.output else None
+    if output is not None and output.suffix != ".json":
+        raise UserError(f"--output must be a .json file, got '{output.name}'")
+    request = EvalRequest(target=args.target, reference=args.reference, data=args.data, text_field=args.text_field,
+                          num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                          dtype=args.dtype, device=args.device)
+    with _progress_display(console) as progress:
+        report = evaluate_target(request, progress)
+    metrics = report["metrics"]
+    rows = [("perplexity", f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
+             f"{metrics['pruned']['ppl']:.3f}")]
+    if "kl" in metrics["pruned"]:
+        rows.append(("KL to reference (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+    rows.append(("tokens", "", f"{metrics['tokens']['count']:,}"))
+    _print_table(console, f"{report['target']} on {report['evaluation']['num_samples']} windows",
+                 ("", "reference", "target"), rows)
+    if output is not None:
+        try:
+            output.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as error:
+            raise UserError(f"cannot write {output}: {error.strerror or error}") from None
+        console.print(f"wrote {output}", markup=False, highlight=False)
+
+
 def _compare(args: argparse.Namespace, console: Console) -> None:
     from compressor.compare import COLUMNS, FORMATS, cell, render, rows
 
@@ -182,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _families(console)
         elif args.command == "compare":
             _compare(args, console)
+        elif args.command == "eval":
+            _eval(args, console)
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:

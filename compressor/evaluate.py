@@ -21,36 +21,41 @@ def _log_probs(model: PreTrainedModel, batch: Batch, device: torch.device) -> to
 
 @torch.no_grad()
 def compare(
-    original: PreTrainedModel,
+    original: PreTrainedModel | None,
     pruned: PreTrainedModel,
     batches: list[Batch],
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Perplexities of both models and the mean per-token KL from original to pruned.
+    """Perplexities of both models and the mean per-token KL from original to pruned; with no
+    `original`, the perplexity of `pruned` alone.
 
     A token counts when it and the token it predicts are both real (unpadded).
     """
     nll = {"baseline": 0.0, "pruned": 0.0}
     kl_sum, count = 0.0, 0
     for index, batch in enumerate(batches):
-        reference = _log_probs(original, batch, device)
+        reference = _log_probs(original, batch, device) if original is not None else None
         candidate = _log_probs(pruned, batch, device)
         targets = batch.input_ids[:, 1:].to(device)
         mask = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).to(device).bool()
         for name, logp in (("baseline", reference), ("pruned", candidate)):
-            nll[name] -= logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[mask].double().sum().item()
-        kl = (reference.exp() * (reference - candidate)).sum(-1)
-        kl_sum += kl[mask].double().sum().item()
+            if logp is not None:
+                nll[name] -= logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[mask].double().sum().item()
+        if reference is not None:
+            kl = (reference.exp() * (reference - candidate)).sum(-1)
+            kl_sum += kl[mask].double().sum().item()
         count += int(mask.sum())
         if progress:
             progress(index + 1, len(batches))
-    return {
-        "baseline": {"ppl": float(torch.tensor(nll["baseline"] / count).exp()), "nll": nll["baseline"] / count},
-        "pruned": {"ppl": float(torch.tensor(nll["pruned"] / count).exp()), "nll": nll["pruned"] / count,
-                   "kl": kl_sum / count},
-        "tokens": {"count": count},
-    }
+
+    def summary(name: str) -> dict[str, float]:
+        return {"ppl": float(torch.tensor(nll[name] / count).exp()), "nll": nll[name] / count}
+
+    if original is None:
+        return {"pruned": summary("pruned"), "tokens": {"count": count}}
+    return {"baseline": summary("baseline"), "pruned": {**summary("pruned"), "kl": kl_sum / count},
+            "tokens": {"count": count}}
 
 
 def parameter_count(model: PreTrainedModel) -> int:

@@ -204,7 +204,7 @@ def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
 # --- validation ---------------------------------------------------------------------------
 
 
-def _check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
+def check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
     if spec.format not in FORMATS:
         raise UserError(f"{where}.format must be one of {', '.join(FORMATS)}, got '{spec.format}'")
     if "path" not in spec.dataset:
@@ -285,8 +285,8 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         recipe,
         pipeline=steps,
         model=dataclasses.replace(recipe.model, path=_resolve_model_path(recipe.model.path, base)),
-        calibration=_check_data(recipe.calibration, "calibration", base),
-        evaluation=_check_data(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
+        calibration=check_data(recipe.calibration, "calibration", base),
+        evaluation=check_data(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
         output=_resolve(recipe.output, base),
     )
 

@@ -92,7 +92,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     try:
         records = load_records(spec.dataset)
         if spec.format == "chat":
@@ -325,8 +325,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     tick = time.perf_counter()
     report_progress("tokenising data", 0, 1)
     tokenizer = load_tokenizer(recipe.model)
-    calibration = _batches(recipe.calibration, tokenizer, "calibration")
-    evaluation = _batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
+    calibration = token_batches(recipe.calibration, tokenizer, "calibration")
+    evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
     timings["data_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()

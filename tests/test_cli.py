@@ -357,3 +357,44 @@ def test_compare_refuses_bad_input_in_one_line(args: list[str], message: str, tm
     assert main([a.format(tmp=tmp_path, run=run) for a in args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_eval_of_a_run_reproduces_the_runs_own_figures(tiny_checkpoint: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    assert main(["run", str(recipe)]) == 0
+    assert main(["eval", str(tmp_path / "out"), "--output", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    ran = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert evaluated["reference"] == str(tiny_checkpoint)
+    for side, key in (("baseline", "ppl"), ("pruned", "ppl"), ("pruned", "kl")):
+        assert evaluated["metrics"][side][key] == pytest.approx(ran["metrics"][side][key], rel=1e-6)
+    assert "KL to reference" in capsys.readouterr().out
+
+
+def test_eval_of_a_model_alone_and_with_fewer_windows(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    data = str(EXAMPLES / "data" / "valid-demo.jsonl")
+    args = ["eval", str(tiny_checkpoint), "--data", data, "--num-samples", "2", "--seq-len", "32"]
+    assert main([*args, "--output", str(tmp_path / "alone.json")]) == 0
+    alone = json.loads((tmp_path / "alone.json").read_text())
+    assert set(alone["metrics"]) == {"pruned", "tokens"} and alone["reference"] is None
+    assert alone["metrics"]["tokens"]["count"] == 2 * 31
+    assert main([*args, "--reference", str(tiny_checkpoint), "--output", str(tmp_path / "self.json")]) == 0
+    itself = json.loads((tmp_path / "self.json").read_text())["metrics"]
+    assert itself["pruned"]["kl"] == pytest.approx(0.0, abs=1e-9)  # a model against itself
+    assert itself["pruned"]["ppl"] == pytest.approx(alone["metrics"]["pruned"]["ppl"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([], "no evaluation data for"),
+    (["--data", "{tmp}/missing.jsonl"], "data file not found"),
+    (["--num-samples", "0", "--data", "{data}"], "evaluation.num_samples must be at least 1"),
+    (["--output", "{tmp}/report.txt"], "--output must be a .json file"),
+])
+def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny_checkpoint: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    data = str(EXAMPLES / "data" / "valid-demo.jsonl")
+    args = ["eval", str(tiny_checkpoint), *[a.format(tmp=tmp_path, data=data) for a in extra]]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
