@@ -173,11 +173,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, f"{report['target']} on {report['evaluation']['num_samples']} windows",
                  ("", "reference", "target"), rows)
     if output is not None:
-        try:
-            output.write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as error:
-            raise UserError(f"cannot write {output}: {error.strerror or error}") from None
-        console.print(f"wrote {output}", markup=False, highlight=False)
+        _write_output(console, output, json.dumps(report, indent=2) + "\n")
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
@@ -192,11 +188,16 @@ def _compare(args: argparse.Namespace, console: Console) -> None:
     else:  # a pipe or a log: the Markdown table, whole lines that nothing folds or cuts
         console.print(render(table, ".md"), end="", markup=False, highlight=False, soft_wrap=True)
     if output is not None:
-        try:
-            output.write_text(render(table, output.suffix))
-        except OSError as error:
-            raise UserError(f"cannot write {output}: {error.strerror or error}") from None
-        console.print(f"wrote {output}", markup=False, highlight=False)
+        _write_output(console, output, render(table, output.suffix))
+
+
+def _write_output(console: Console, output: Path, text: str) -> None:
+    """Write a command's --output file; a path that cannot be written is a one-line user error."""
+    try:
+        output.write_text(text)
+    except OSError as error:
+        raise UserError(f"cannot write {output}: {error.strerror or error}") from None
+    console.print(f"wrote {output}", markup=False, highlight=False)
 
 
 def _strategies(console: Console) -> None:
