@@ -42,7 +42,7 @@ from compressor.engine import _Walk, kept_width  # noqa: E402
 from compressor.families import family_for  # noqa: E402
 from compressor.memtrack import LiveBytes  # noqa: E402
 from compressor.sensitivity import SensitivityOptions, estimate_fisher  # noqa: E402
-from compressor.sites import layer_site_ids, site_ids  # noqa: E402
+from compressor.sites import layer_site_ids  # noqa: E402
 from compressor.transforms import fuse_norms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

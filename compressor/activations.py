@@ -11,10 +11,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 OFFLOAD_MODES = ("host", "disk")
 
@@ -35,6 +37,21 @@ def to_device(value: Any, device: torch.device, memo: dict[int, Any] | None = No
     return value
 
 
+@contextmanager
+def held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Put `parts` on `device` for a while, and each back where it was afterwards (a part with
+    neither parameters nor buffers, such as a fused norm, has no home and is left alone)."""
+    homes = [next((t.device for t in (*part.parameters(), *part.buffers())), None) for part in parts]
+    try:
+        for part in parts:
+            part.to(device)
+        yield
+    finally:
+        for part, home in zip(parts, homes):
+            if home is not None:
+                part.to(home)
+
+
 class ActivationStore:
     """One tensor per calibration batch, replaced in place as the walk moves down the model.
 
@@ -47,7 +64,6 @@ class ActivationStore:
             raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
         self.device = device
         self.pin = device.type == "cuda"
-        self.offload = offload
         self._folder = None
         if offload == "disk":
             if folder is not None:
@@ -57,9 +73,6 @@ class ActivationStore:
 
     def __len__(self) -> int:
         return len(self._slots)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._slots)
 
     def append(self, tensor: torch.Tensor) -> None:
         self._slots.append(self._hold(len(self._slots), tensor))
@@ -79,9 +92,6 @@ class ActivationStore:
 
     def host(self, index: int) -> torch.Tensor:
         return self._slots[index]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._slots)
 
     def close(self) -> None:
         """Drop every slot and remove the spill files."""

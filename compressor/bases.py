@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from compressor.activations import held_on
 from compressor.families import ModelFamily, stream_reader, stream_writers
 from compressor.modeling import Site, SlicedDecoderLayer, sliced_classes
 from compressor.sites import EMBEDDING, layer_site_ids, layout, site_ids
@@ -92,14 +93,12 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
     previous = bases[EMBEDDING].to(device, torch.float64)
     apply_embedding_basis(model, family, previous)
     for index, layer in enumerate(model.get_submodule(family.layers)):
-        home = next(layer.parameters()).device
-        layer.to(device)
-        for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
-            chosen = bases[name].to(device, torch.float64)
-            open_site(layer, family, site, previous)
-            close_site(layer, family, site, previous, chosen)
-            previous = chosen
-        layer.to(home)
+        with held_on([layer], device):
+            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                chosen = bases[name].to(device, torch.float64)
+                open_site(layer, family, site, previous)
+                close_site(layer, family, site, previous, chosen)
+                previous = chosen
     apply_head_basis(model, family, previous)
     widths = {site: bases[site].shape[1] for site in ids}
     return as_sliced_model(model, family, slicing_config(model, family, widths))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.activations import ActivationStore, to_device
+from compressor.activations import ActivationStore, held_on, to_device
 from compressor.families import ModelFamily
 
 
@@ -81,10 +81,6 @@ def capture_layer_inputs(
     base = model.get_submodule(family.base_model)
     layers: nn.ModuleList = model.get_submodule(family.layers)
     parts = [child for child in base.children() if child is not layers]
-    # where each part lives (rotary embeddings have buffers only; a fused norm has nothing)
-    homes = [next((t.device for t in (*part.parameters(), *part.buffers())), None) for part in parts]
-    for part in parts:
-        part.to(device)
     originals = list(layers)
     sink: list[tuple[torch.Tensor, dict[str, Any]]] = []
     host = torch.device("cpu")
@@ -93,28 +89,26 @@ def capture_layer_inputs(
     try:
         for index in range(len(originals)):
             layers[index] = _Recorder(sink, family.positional_args)
-        for batch in batches:
-            sink.clear()
-            mask = batch.attention_mask.to(device)
-            base(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
-            captured.hidden.append(sink[0][0])
-            memo: dict[int, Any] = {}  # layers share their masks and position embeddings: one host copy each
-            captured.layer_kwargs.append(
-                [to_device({k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}, host, memo)
-                 for _, kwargs in sink]
-            )
-            real = batch.attention_mask.bool()
-            captured.token_masks.append(real)
-            counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
-            captured.sensitivity_masks.append(counted.bool() & real)
-            captured.token_counts.append(int(real.sum()))
-            captured.sensitivity_counts.append(int(captured.sensitivity_masks[-1].sum()))
+        with held_on(parts, device):
+            for batch in batches:
+                sink.clear()
+                mask = batch.attention_mask.to(device)
+                base(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+                captured.hidden.append(sink[0][0])
+                memo: dict[int, Any] = {}  # layers share their masks and position embeddings: one host copy each
+                captured.layer_kwargs.append(
+                    [to_device({k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}, host, memo)
+                     for _, kwargs in sink]
+                )
+                real = batch.attention_mask.bool()
+                captured.token_masks.append(real)
+                counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
+                captured.sensitivity_masks.append(counted.bool() & real)
+                captured.token_counts.append(int(real.sum()))
+                captured.sensitivity_counts.append(int(captured.sensitivity_masks[-1].sum()))
     finally:
         for index, layer in enumerate(originals):
             layers[index] = layer
-        for part, home in zip(parts, homes):
-            if home is not None:
-                part.to(home)
     return captured
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor import faults
-from compressor.activations import ActivationStore
+from compressor.activations import ActivationStore, held_on
 from compressor.bases import (
     apply_embedding_basis,
     apply_head_basis,
@@ -269,14 +269,12 @@ def prune(
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
             assert isinstance(layer, SlicedDecoderLayer)
-            home = next(layer.parameters()).device
-            layer.to(device)
-            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
-                open_site(layer, family, site, previous)
-                chosen = walk.settle(name, walk.advance(name, site.block, index))
-                close_site(layer, family, site, previous, chosen)
-                previous = chosen
-            layer.to(home)
+            with held_on([layer], device):
+                for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                    open_site(layer, family, site, previous)
+                    chosen = walk.settle(name, walk.advance(name, site.block, index))
+                    close_site(layer, family, site, previous, chosen)
+                    previous = chosen
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     finally:
         store.close()

@@ -23,9 +23,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
+from compressor.activations import held_on
 from compressor.calibration import LayerInputs, counted_rows
 from compressor.families import ModelFamily
 from compressor.sites import layer_site_ids, site_ids
@@ -119,20 +119,6 @@ def sampled_score(
         weight = weight / weight.sum().clamp_min(1)
     score = probs.mul_(weight.neg()).scatter_add_(-1, labels.unsqueeze(-1), weight)
     return score.view(logits.shape).to(logits.dtype)
-
-
-@contextmanager
-def held_on(parts: list[nn.Module], device: torch.device) -> Iterator[None]:
-    """Put `parts` on `device` for a while, and each back where it was afterwards."""
-    homes = [None if p is None else p.device for p in (next(part.parameters(), None) for part in parts)]
-    try:
-        for part in parts:
-            part.to(device)
-        yield
-    finally:
-        for part, home in zip(parts, homes):
-            if home is not None:  # a part without parameters (a fused norm) has no home to go back to
-                part.to(home)
 
 
 def _chunks(inputs: LayerInputs, samples: int) -> list[range]:
