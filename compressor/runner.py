@@ -139,8 +139,8 @@ def staging_folder(output: Path) -> Path:
     return output.parent / f".{output.name}.partial"
 
 
-def _prepare_staging(output: Path, overwrite: bool, restart: bool) -> Path:
-    """The staging folder beside the output: a previous attempt's is kept (to resume) unless `restart`."""
+def _prepare_staging(output: Path, overwrite: bool) -> Path:
+    """The staging folder beside the output; a previous attempt's is kept, to resume from."""
     check_output(output, overwrite)
     staging = staging_folder(output)
     try:
@@ -154,20 +154,20 @@ def _prepare_staging(output: Path, overwrite: bool, restart: bool) -> Path:
 
 
 @contextmanager
-def _locked(staging: Path) -> Iterator[None]:
+def _locked(staging: Path, output: Path) -> Iterator[None]:
     """Hold the staging folder for this process: a second run to the same output is refused.
     The lock file is never unlinked while held; it leaves with the folder (published or removed)."""
     try:
         handle = open(staging / LOCK_FILE, "w")
     except FileNotFoundError:  # another run removed its staging folder just now
-        raise UserError(f"another run to {staging.parent / staging.name[1:-len('.partial')]} has just ended; "
+        raise UserError(f"another run to {output} has just ended; "
                         f"run the command again") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
         handle.close()
         if error.errno in (errno.EAGAIN, errno.EACCES):
-            raise UserError(f"another run is writing to {staging.parent / staging.name[1:-len('.partial')]} "
+            raise UserError(f"another run is writing to {output} "
                             f"(its staging folder {staging} is locked); wait for it or choose another --output") from None
         raise
     try:
@@ -292,14 +292,13 @@ def run(
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)
-    config, family, kept = checked.config, checked.family, checked.kept
     device = resolve_device(recipe.device)
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
         raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
                         "it is for CPU runs: leave it unset (or true) on a GPU")
     output = Path(recipe.output)
-    staging = _prepare_staging(output, overwrite, restart)
-    with _locked(staging):
+    staging = _prepare_staging(output, overwrite)
+    with _locked(staging, output):
         check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
         checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
         shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)  # spill files of a killed run
@@ -383,8 +382,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "sites": [site.to_json() for site in result.sites],
         "timings": timings,
         "environment": {"device": str(device), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "compressor": compressor.__version__,
-                        "python": platform.python_version()},
+                        "transformers": transformers.__version__, "python": platform.python_version()},
     }
     (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
