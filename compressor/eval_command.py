@@ -24,7 +24,7 @@ import compressor
 from compressor.errors import UserError
 from compressor.evaluate import compare
 from compressor.plugins import PluginRegistry
-from compressor.recipe import DTYPES, DataSpec, ModelSpec, check_data, load_recipe
+from compressor.recipe import DTYPES, DataSpec, ModelSpec, check_data, load_recipe, resolve_model_path
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
 
 DEFAULT_WINDOWS = DataSpec(dataset={}, num_samples=64, seq_len=512, batch_size=8)
@@ -46,10 +46,7 @@ class EvalRequest:
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
-    local = Path(path)
-    if path.startswith((".", "/", "~")) and not local.expanduser().is_dir():
-        raise UserError(f"model folder not found: {local}")
-    return ModelSpec(path=str(local.expanduser().resolve()) if local.expanduser().is_dir() else path, dtype=dtype)
+    return ModelSpec(path=resolve_model_path(path, Path.cwd(), "relative to the current folder"), dtype=dtype)
 
 
 def _plan(request: EvalRequest, registry: PluginRegistry) -> tuple[ModelSpec, ModelSpec | None, DataSpec]:

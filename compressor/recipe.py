@@ -177,13 +177,13 @@ def _resolve(path: str, base: Path) -> str:
     return path if _is_remote(path) or Path(path).is_absolute() else str((base / path).resolve())
 
 
-def _resolve_model_path(path: str, base: Path) -> str:
-    """A folder relative to the recipe if it looks like a path or exists; else a hub id."""
+def resolve_model_path(path: str, base: Path, where: str = "model.path, relative to the recipe's folder") -> str:
+    """A folder relative to `base` if it looks like a path or exists; else a hub id."""
     local = base / path
     if path.startswith((".", "/", "~")) or local.exists():
         resolved = Path(path).expanduser() if path.startswith("~") else Path(_resolve(path, base))
         if not resolved.is_dir():
-            raise UserError(f"model folder not found: {resolved} (model.path, relative to the recipe's folder)")
+            raise UserError(f"model folder not found: {resolved} ({where})")
         return str(resolved)
     return path
 
@@ -284,7 +284,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     return dataclasses.replace(
         recipe,
         pipeline=steps,
-        model=dataclasses.replace(recipe.model, path=_resolve_model_path(recipe.model.path, base)),
+        model=dataclasses.replace(recipe.model, path=resolve_model_path(recipe.model.path, base)),
         calibration=check_data(recipe.calibration, "calibration", base),
         evaluation=check_data(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
         output=_resolve(recipe.output, base),
