@@ -4,6 +4,7 @@ and exit 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, help="windows per batch (default: the run's, else 8)")
     evaluate.add_argument("--dtype", help="dtype to load the models in (default: the run's, else float32)")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evaluate.add_argument("--tasks", help="lm-eval tasks, comma-separated: registry names or task YAML files "
+                                          "(default for a run: its recipe's evaluation.lm_eval)")
+    evaluate.add_argument("--include-path", help="a folder of local lm-eval task YAMLs")
+    evaluate.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    evaluate.add_argument("--limit", type=float, help="at most this many documents per task (below 1: a fraction)")
+    evaluate.add_argument("--task-batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    evaluate.add_argument("--apply-chat-template", action="store_true", help="format lm-eval prompts with the chat template")
     evaluate.add_argument("--output", help="also write the report to this JSON file")
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
@@ -78,7 +86,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import rich_table
-    from compressor.runner import CHECKPOINT_FOLDER, check_output, plan, run, staging_folder
+    from compressor.runner import CHECKPOINT_FOLDER, check_evaluation_tasks, check_output, plan, run, staging_folder
 
     _quiet_libraries()
     registry = PluginRegistry()
@@ -88,6 +96,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         if Path(recipe.model.path).is_dir():  # a local config is cheap to read: check family and widths too
             plan(recipe, registry)
         else:
+            check_evaluation_tasks(recipe)
             notes.append("model config not checked (hub id)")
         try:
             check_output(Path(recipe.output), args.overwrite)
@@ -154,6 +163,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     import json
 
     from compressor.eval_command import EvalRequest, evaluate_target
+    from compressor.report import task_rows
 
     _quiet_libraries()
     output = Path(args.output) if args.output else None
@@ -161,17 +171,24 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
         raise UserError(f"--output must be a .json file, got '{output.name}'")
     request = EvalRequest(target=args.target, reference=args.reference, data=args.data, text_field=args.text_field,
                           num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                          dtype=args.dtype, device=args.device)
+                          dtype=args.dtype, device=args.device,
+                          tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else (),
+                          include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
+                          task_batch_size=args.task_batch_size, apply_chat_template=args.apply_chat_template)
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)
     metrics = report["metrics"]
-    rows = [("perplexity", f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
-             f"{metrics['pruned']['ppl']:.3f}")]
+    rows = []
+    if "ppl" in metrics["pruned"]:
+        rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
+                     f"{metrics['pruned']['ppl']:.3f}"))
     if "kl" in metrics["pruned"]:
         rows.append(("KL to reference (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
-    rows.append(("tokens", "", f"{metrics['tokens']['count']:,}"))
-    _print_table(console, f"{report['target']} on {report['evaluation']['num_samples']} windows",
-                 ("", "reference", "target"), rows)
+    rows += task_rows(metrics)
+    if "tokens" in metrics:
+        rows.append(("tokens", "", f"{metrics['tokens']['count']:,}"))
+    windows = f" on {report['evaluation']['num_samples']} windows" if report["evaluation"] else ""
+    _print_table(console, f"{report['target']}{windows}", ("", "reference", "target"), rows)
     if output is not None:
         _write_output(console, output, json.dumps(report, indent=2) + "\n")
 
@@ -215,6 +232,8 @@ def _families(console: Console) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Our display reports progress; tqdm reads this once, when it is first imported.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     console = Console(stderr=False, log_path=False)
     errors = Console(stderr=True)
     try:

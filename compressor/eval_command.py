@@ -1,10 +1,11 @@
-"""`compress eval TARGET`: perplexity, and KL to a reference model, of a finished run or any model.
+"""`compress eval TARGET`: perplexity, KL to a reference model, and lm-eval tasks, of a finished
+run or any model.
 
 For a run folder the defaults come from the run itself: the pruned model in `model/`, the
-original model of its recipe as the reference, and its recipe's evaluation windows. Any model
-(a local folder or a hub id) can be evaluated too, alone or against `--reference`. The figures
-use the keys of a run's report: `metrics.baseline` (the reference) and `metrics.pruned` (the
-evaluated model; `kl` when there is a reference).
+original model of its recipe as the reference, and its recipe's evaluation windows and lm-eval
+suites. Any model (a local folder or a hub id) can be evaluated too, alone or against
+`--reference`. The figures use the keys of a run's report: `metrics.baseline` (the reference)
+and `metrics.pruned` (the evaluated model; `kl` when there is a reference; `tasks` for lm-eval).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import transformers
 
 import compressor
 from compressor.errors import UserError
-from compressor.evaluate import compare
+from compressor.evaluate import evaluate_models, task_scores
+from compressor.harness import check_tasks
 from compressor.plugins import PluginRegistry
-from compressor.recipe import DTYPES, DataSpec, ModelSpec, check_data, load_recipe, resolve_model_path
+from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
+                               resolve_model_path)
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
 
 DEFAULT_WINDOWS = DataSpec(dataset={}, num_samples=64, seq_len=512, batch_size=8)
@@ -43,18 +46,44 @@ class EvalRequest:
     batch_size: int | None = None
     dtype: str | None = None
     device: str = "auto"
+    tasks: tuple[str, ...] = ()
+    """lm-eval tasks (names or YAML files); given, they replace a run's own suites."""
+    include_path: str | None = None
+    num_fewshot: int | None = None
+    limit: float | None = None
+    task_batch_size: int = 8
+    apply_chat_template: bool = False
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
     return ModelSpec(path=resolve_model_path(path, Path.cwd(), "relative to the current folder"), dtype=dtype)
 
 
-def _plan(request: EvalRequest, registry: PluginRegistry) -> tuple[ModelSpec, ModelSpec | None, DataSpec]:
-    """The model to evaluate, the reference (if any) and the evaluation windows."""
+@dataclass(frozen=True)
+class EvalPlan:
+    target: ModelSpec
+    reference: ModelSpec | None
+    data: DataSpec | None
+    """None: no perplexity or KL, only lm-eval tasks."""
+    suites: list[LmEvalSpec]
+
+
+def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> list[LmEvalSpec]:
+    if not request.tasks:
+        return list(recipe_suites or [])
+    spec = LmEvalSpec(tasks=list(request.tasks), include_path=request.include_path, num_fewshot=request.num_fewshot,
+                      limit=request.limit, batch_size=request.task_batch_size,
+                      apply_chat_template=request.apply_chat_template)
+    return [check_lm_eval(spec, "--tasks", Path.cwd())]
+
+
+def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
+    """The model to evaluate, the reference (if any), the evaluation windows and task suites."""
     if request.dtype is not None and request.dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{request.dtype}'")
     folder = Path(request.target)
     data: DataSpec | None = None
+    recipe_suites: list[LmEvalSpec] | None = None
     if (folder / RUN_MARKER).is_file():
         if not (folder / "recipe.yaml").is_file() or not (folder / "model").is_dir():
             raise UserError(f"{folder} holds a report but no recipe.yaml and model/: not a complete run folder")
@@ -63,6 +92,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> tuple[ModelSpec, Mo
         target = dataclasses.replace(recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype)
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
+        recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None
     else:
         dtype = request.dtype or "float32"
         target = _model_spec(request.target, dtype)
@@ -72,33 +102,45 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> tuple[ModelSpec, Mo
     if request.data is not None:
         data = dataclasses.replace(data or DEFAULT_WINDOWS, dataset={"path": "json", "data_files": request.data},
                                   format="text")
-    if data is None:
-        raise UserError(f"no evaluation data for {request.target}: pass --data FILE.jsonl (one JSON object per line, "
-                        f"with a text field)")
-    overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
-                 if getattr(request, key) is not None}
-    data = check_data(dataclasses.replace(data, **overrides), "evaluation", Path.cwd())
-    return target, reference, data
+    suites = _suites(request, recipe_suites)
+    if data is None and not suites:
+        raise UserError(f"nothing to evaluate for {request.target}: pass --data FILE.jsonl (one JSON object per line, "
+                        f"with a text field) and/or --tasks")
+    if data is not None:
+        overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
+                     if getattr(request, key) is not None}
+        data = check_data(dataclasses.replace(data, **overrides), "evaluation", Path.cwd())
+    return EvalPlan(target, reference, data, suites)
 
 
 def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Evaluate as `request` says; return the report (the CLI prints it and may write it)."""
     report_progress = progress or (lambda *_: None)
     started = time.perf_counter()
-    target_spec, reference_spec, data = _plan(request, PluginRegistry())
+    plan = _plan(request, PluginRegistry())
     device = resolve_device(request.device)
+    for suite in plan.suites:
+        check_tasks(suite)
     report_progress("tokenising data", 0, 1)
-    batches = token_batches(data, load_tokenizer(target_spec), "evaluation")
+    tokenizer = load_tokenizer(plan.target)
+    batches = token_batches(plan.data, tokenizer, "evaluation") if plan.data is not None else None
     report_progress("loading models", 0, 1)
-    target = load_model(target_spec).to(device)
-    reference = load_model(reference_spec).to(device) if reference_spec is not None else None
-    metrics = compare(reference, target, batches, device,
-                      lambda done, total: report_progress("evaluating", done, total))
+    target = load_model(plan.target).to(device)
+    reference = load_model(plan.reference).to(device) if plan.reference is not None else None
+    if batches is not None:
+        metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
+                                  tokenizer=tokenizer)
+    else:  # lm-eval tasks only
+        metrics = {}
+        for name, model in (("baseline", reference), ("pruned", target)):
+            if model is not None:
+                report_progress(f"lm-eval: {'reference' if name == 'baseline' else 'target'} model", 0, 1)
+                metrics[name] = {"tasks": task_scores(model, tokenizer, plan.suites, device)}
     return {
         "compressor": compressor.__version__,
-        "target": target_spec.path,
-        "reference": reference_spec.path if reference_spec is not None else None,
-        "evaluation": dataclasses.asdict(data),
+        "target": plan.target.path,
+        "reference": plan.reference.path if plan.reference is not None else None,
+        "evaluation": dataclasses.asdict(plan.data) if plan.data is not None else None,
         "metrics": metrics,
         "timings": {"eval_s": time.perf_counter() - started},
         "environment": {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,

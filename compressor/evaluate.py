@@ -4,12 +4,14 @@ KL(p_original ‖ p_pruned) in nats, averaged over predicted tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from compressor.calibration import Batch
+from compressor.recipe import LmEvalSpec
 
 
 @torch.no_grad()
@@ -56,6 +58,46 @@ def compare(
         return {"pruned": summary("pruned"), "tokens": {"count": count}}
     return {"baseline": summary("baseline"), "pruned": {**summary("pruned"), "kl": kl_sum / count},
             "tokens": {"count": count}}
+
+
+def evaluate_models(
+    original: PreTrainedModel | None,
+    pruned: PreTrainedModel,
+    batches: list[Batch],
+    device: torch.device,
+    progress: Callable[[str, int, int], None] | None = None,
+    *,
+    tasks: list[LmEvalSpec] | None = None,
+    tokenizer: Any = None,
+    seed: int = 0,
+    baseline_tasks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`compare`, then the lm-eval task suites on both models (both already on `device`), under
+    `metrics.<model>.tasks`. `baseline_tasks` gives the original's scores when they are known
+    already (a sweep scores the dense model once)."""
+    report = progress or (lambda *_: None)
+    metrics: dict[str, Any] = compare(original, pruned, batches, device,
+                                      lambda done, total: report("evaluating", done, total))
+    if tasks:
+        if original is not None:
+            if baseline_tasks is None:
+                report("lm-eval: original model", 0, 1)
+                baseline_tasks = task_scores(original, tokenizer, tasks, device, seed)
+            metrics["baseline"]["tasks"] = baseline_tasks
+        report("lm-eval: pruned model", 0, 1)
+        metrics["pruned"]["tasks"] = task_scores(pruned, tokenizer, tasks, device, seed)
+    return metrics
+
+
+def task_scores(model: PreTrainedModel, tokenizer: Any, suites: list[LmEvalSpec], device: torch.device,
+                seed: int = 0) -> dict[str, Any]:
+    """Every suite's lm-eval scores, `{task: {metric: value}}` (imports lm-eval only when asked)."""
+    from compressor.harness import run_tasks
+
+    scores: dict[str, Any] = {}
+    for suite in suites:
+        scores.update(run_tasks(model, tokenizer, suite, device, seed))
+    return scores
 
 
 def parameter_count(model: PreTrainedModel) -> int:

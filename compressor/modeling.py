@@ -305,3 +305,7 @@ def sliced_classes(model_type: str) -> tuple[type, type]:
 def register_builtin_families() -> None:
     for family in BUILTIN_FAMILIES:
         register_family(family)
+
+
+if __name__ == "compressor.modeling":  # the copy written into saved folders registers nothing
+    register_builtin_families()

@@ -50,6 +50,30 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class LmEvalSpec:
+    """lm-evaluation-harness tasks, run in-process on the models already loaded."""
+
+    tasks: list[str]
+    """Task, group or tag names (lm-eval's registry or `include_path`), or task YAML files."""
+    include_path: str | None = None
+    """A folder of local task YAMLs, relative to the recipe's folder."""
+    num_fewshot: int | None = None
+    """None keeps each task's own default (GSM8K chain-of-thought is 8-shot by its definition)."""
+    limit: float | None = None
+    """At most this many documents per task (a number below 1 is a fraction); None: all."""
+    batch_size: int = 8
+    apply_chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class EvaluationSpec(DataSpec):
+    """Perplexity and KL windows, and optionally lm-eval task suites (one mapping, or a list of
+    them when suites need different settings, e.g. zero-shot tasks and chat-template ones)."""
+
+    lm_eval: list[LmEvalSpec] | None = None
+
+
+@dataclass(frozen=True)
 class SlicingSpec:
     round_to: int = 8
     slice_head: bool = False
@@ -68,7 +92,7 @@ class Recipe:
     sparsity: float
     pipeline: list[StepSpec]
     output: str
-    evaluation: DataSpec | None = None
+    evaluation: EvaluationSpec | None = None
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     device: str = "auto"
@@ -100,6 +124,11 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return _convert(value, options[0], where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{where} must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{where}.{i}") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise UserError(f"{where} must be a mapping, got {value!r}")
@@ -219,6 +248,51 @@ def check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
     return dataclasses.replace(spec, dataset=dataset)
 
 
+TASK_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def check_lm_eval(spec: LmEvalSpec, where: str, base: Path) -> LmEvalSpec:
+    """Ranges, and task files and `include_path` resolved against `base`. Task names are
+    checked against lm-eval's registry later (`compressor.harness.check_tasks`), as that
+    index takes seconds to build."""
+    if not spec.tasks:
+        raise UserError(f"{where}.tasks must name at least one task, e.g. [arc_easy] or [tasks/my_task.yaml]")
+    if spec.num_fewshot is not None and spec.num_fewshot < 0:
+        raise UserError(f"{where}.num_fewshot must be 0 or more (or null for each task's default), got {spec.num_fewshot}")
+    if spec.limit is not None and spec.limit <= 0:
+        raise UserError(f"{where}.limit must be positive (documents per task, or a fraction below 1), got {spec.limit}")
+    if spec.batch_size < 1:
+        raise UserError(f"{where}.batch_size must be at least 1, got {spec.batch_size}")
+    tasks = []
+    for index, task in enumerate(spec.tasks):
+        if task.endswith(TASK_FILE_SUFFIXES):
+            task = _resolve(task, base)
+            if not Path(task).is_file():
+                raise UserError(f"lm-eval task file not found: {task} ({where}.tasks.{index}, relative to the recipe's folder)")
+        tasks.append(task)
+    include_path = spec.include_path
+    if include_path is not None:
+        include_path = _resolve(include_path, base)
+        if not Path(include_path).is_dir():
+            raise UserError(f"lm-eval include_path is not a folder: {include_path} "
+                            f"({where}.include_path, relative to the recipe's folder)")
+    return dataclasses.replace(spec, tasks=tasks, include_path=include_path)
+
+
+def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> EvaluationSpec:
+    if spec.format != "text":
+        raise UserError(f"{where}.format must be text (perplexity and KL are measured on text windows)")
+    spec = check_data(spec, where, base)
+    if spec.lm_eval is not None:
+        if not spec.lm_eval:
+            raise UserError(f"{where}.lm_eval must hold at least one suite (a mapping with tasks), or be left out")
+        suites = spec.lm_eval
+        spec = dataclasses.replace(spec, lm_eval=[
+            check_lm_eval(suite, f"{where}.lm_eval" + (f".{i}" if len(suites) > 1 else ""), base)
+            for i, suite in enumerate(suites)])
+    return spec
+
+
 def _plain(value: Any) -> Any:
     """Tuples to lists (recursively), so options dump as plain YAML."""
     if isinstance(value, (list, tuple)):
@@ -256,6 +330,9 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
                 pass
         steps.append(StepSpec(strategy=strategy.name, options=options))
     raw["pipeline"] = []
+    evaluation = raw.get("evaluation")
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("lm_eval"), dict):
+        evaluation["lm_eval"] = [evaluation["lm_eval"]]  # one suite may be written without the list
     recipe: Recipe = _build(Recipe, raw, "")
     if recipe.model.dtype not in DTYPES:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{recipe.model.dtype}'")
@@ -266,8 +343,6 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(f"sparsity must be in [0, 1) (the fraction of the hidden width removed), got {recipe.sparsity}")
     if recipe.slicing.round_to < 1:
         raise UserError(f"slicing.round_to must be at least 1, got {recipe.slicing.round_to}")
-    if recipe.evaluation and recipe.evaluation.format != "text":
-        raise UserError("evaluation.format must be text (perplexity and KL are measured on text windows)")
     if recipe.sensitivity.dtype not in ACCUMULATION_DTYPES:
         raise UserError(f"sensitivity.dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, got '{recipe.sensitivity.dtype}'")
     if recipe.sensitivity.reduction not in REDUCTIONS:
@@ -286,7 +361,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         pipeline=steps,
         model=dataclasses.replace(recipe.model, path=resolve_model_path(recipe.model.path, base)),
         calibration=check_data(recipe.calibration, "calibration", base),
-        evaluation=check_data(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
+        evaluation=check_evaluation(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
         output=_resolve(recipe.output, base),
     )
 

@@ -20,10 +20,32 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     if metrics:
         rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
         rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+        rows += task_rows(metrics)
     timings = report["timings"]
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "eval_s" in timings:
         rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
+    return rows
+
+
+def _score(values: dict[str, Any], metric: str) -> str:
+    value, stderr = values.get(metric), values.get(f"{metric}_stderr")
+    if value is None:
+        return "n/a"
+    return f"{value:.3f} ± {stderr:.3f}" if stderr is not None else f"{value:.3f}"
+
+
+def task_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """One (task metric, baseline, pruned) row per lm-eval score, with its standard error."""
+    pruned = metrics.get("pruned", {}).get("tasks", {})
+    baseline = metrics.get("baseline", {}).get("tasks", {})
+    rows = []
+    for task, values in pruned.items():
+        for metric in values:
+            if metric.endswith("_stderr") or metric == "samples":
+                continue
+            before = _score(baseline[task], metric) if task in baseline else ""
+            rows.append((f"{task} {metric} (n={values.get('samples', '?')})", before, _score(values, metric)))
     return rows
 
 

@@ -38,7 +38,7 @@ from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_
 from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError, first_line
-from compressor.evaluate import compare, parameter_count
+from compressor.evaluate import evaluate_models, parameter_count
 from compressor.export import write_remote_code
 from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
@@ -248,7 +248,17 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    check_evaluation_tasks(recipe)
     return Plan(config, family, kept, widths, pipeline)
+
+
+def check_evaluation_tasks(recipe: Recipe) -> None:
+    """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
+    if recipe.evaluation is not None and recipe.evaluation.lm_eval is not None:
+        from compressor.harness import check_tasks
+
+        for suite in recipe.evaluation.lm_eval:
+            check_tasks(suite)
 
 
 def recipe_fingerprint(recipe: Recipe) -> str:
@@ -358,8 +368,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         tick = time.perf_counter()
         report_progress("evaluating", 0, len(evaluation))
         original = load_model(recipe.model).to(device)
-        metrics = compare(original, pruned.to(device), evaluation, device,
-                          lambda done, total: report_progress("evaluating", done, total))
+        metrics = evaluate_models(original, pruned.to(device), evaluation, device, report_progress,
+                                  tasks=recipe.evaluation.lm_eval, tokenizer=tokenizer, seed=recipe.seed)
         del original
         timings["eval_s"] = time.perf_counter() - tick
     timings["total_s"] = time.perf_counter() - started

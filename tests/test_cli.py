@@ -386,7 +386,7 @@ def test_eval_of_a_model_alone_and_with_fewer_windows(tiny_checkpoint: Path, tmp
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ([], "no evaluation data for"),
+    ([], "nothing to evaluate for"),
     (["--data", "{tmp}/missing.jsonl"], "data file not found"),
     (["--num-samples", "0", "--data", "{data}"], "evaluation.num_samples must be at least 1"),
     (["--output", "{tmp}/report.txt"], "--output must be a .json file"),
