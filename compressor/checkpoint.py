@@ -68,7 +68,7 @@ def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
     return digest(parts)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
+def write_atomic(path: Path, write: Any) -> None:
     """Write through a temporary file, flushed to disk before it is renamed into place."""
     temporary = path.with_name(f".{path.name}.tmp")
     write(temporary)
@@ -114,7 +114,7 @@ class Checkpoint:
                                 f"{' and '.join(changed)}; rerun with --restart to discard it")
         self.discard()  # no fingerprint: whatever is left cannot be trusted
         self.sites_folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
+        write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
 
     def discard(self) -> None:
         """Remove the checkpoint, fingerprint first, so that a kill half-way leaves nothing trusted."""
@@ -133,12 +133,12 @@ class Checkpoint:
 
     def save_fisher(self, fisher: Mapping[str, torch.Tensor]) -> None:
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
-        _write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
+        write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
 
     def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any]) -> None:
         tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
         metadata = {"site": site, "record": json.dumps(record)}
-        _write_atomic(self.sites_folder / f"{position:05d}.safetensors",
+        write_atomic(self.sites_folder / f"{position:05d}.safetensors",
                       lambda p: save_file(tensors, str(p), metadata=metadata))
 
     def finished_sites(self) -> dict[str, SavedSite]:

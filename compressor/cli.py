@@ -61,7 +61,24 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=float, help="at most this many documents per task (below 1: a fraction)")
     evaluate.add_argument("--task-batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     evaluate.add_argument("--apply-chat-template", action="store_true", help="format lm-eval prompts with the chat template")
+    evaluate.add_argument("--no-throughput", action="store_true",
+                          help="skip measuring prefill and decode tokens/s (batch 1 and 8)")
     evaluate.add_argument("--output", help="also write the report to this JSON file")
+    sweep = commands.add_parser("sweep", help="run a grid of recipes sharing H, data and the dense model's scores; "
+                                              "tables and plots")
+    sweep.add_argument("sweep", help="path to the sweep file (YAML: base, output, grid, set, save_models)")
+    sweep.add_argument("--dry-run", action="store_true", help="check the sweep and every run's recipe, list the runs, stop")
+    sweep.add_argument("--restart", action="store_true",
+                       help="discard what an earlier run of this sweep finished or kept, and start afresh")
+    surrogate = commands.add_parser("surrogate", help="does H predict the output KL of removing a direction? "
+                                                      "(the paper's Figure 2a, at one site)")
+    surrogate.add_argument("recipe", help="path to the recipe (YAML): its model, calibration and evaluation data")
+    surrogate.add_argument("--site", required=True, help="site id, e.g. layers.2.attn (embedding, layers.N.attn, layers.N.mlp)")
+    surrogate.add_argument("--directions", type=int, default=32,
+                           help="random directions (default 32; 24 eigen-directions of C, H and τC+H/τ are added)")
+    surrogate.add_argument("--output", required=True, help="folder for surrogate.json and surrogate.png")
+    surrogate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a recipe key (e.g. --set evaluation.num_samples=16: fewer windows, faster)")
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
@@ -163,7 +180,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     import json
 
     from compressor.eval_command import EvalRequest, evaluate_target
-    from compressor.report import task_rows
+    from compressor.report import speed_rows, task_rows
 
     _quiet_libraries()
     output = Path(args.output) if args.output else None
@@ -174,11 +191,12 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
                           dtype=args.dtype, device=args.device,
                           tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else (),
                           include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
-                          task_batch_size=args.task_batch_size, apply_chat_template=args.apply_chat_template)
+                          task_batch_size=args.task_batch_size, apply_chat_template=args.apply_chat_template,
+                          throughput=not args.no_throughput)
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)
     metrics = report["metrics"]
-    rows = []
+    rows = speed_rows(report["size"], report["speed"])
     if "ppl" in metrics["pruned"]:
         rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
                      f"{metrics['pruned']['ppl']:.3f}"))
@@ -193,15 +211,58 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
         _write_output(console, output, json.dumps(report, indent=2) + "\n")
 
 
+def _sweep(args: argparse.Namespace, console: Console) -> None:
+    from compressor.compare import render
+    from compressor.plugins import PluginRegistry
+    from compressor.sweep import check_output, dump, load_sweep, run_sweep
+
+    _quiet_libraries()
+    registry = PluginRegistry()
+    sweep = load_sweep(Path(args.sweep), registry)
+    if args.dry_run:
+        check_output(sweep)
+        console.print(f"sweep OK: {args.sweep} -> {sweep.output} ({len(sweep.points)} runs)\n{dump(sweep)}",
+                      end="", markup=False, highlight=False, soft_wrap=True)
+        return
+    with _progress_display(console) as progress:
+        summary = run_sweep(sweep, registry, progress, restart=args.restart)
+    console.print(render(summary["table"], ".md"), end="", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs (the others had finished earlier); "
+                  f"H computed {summary['fisher_computed']} time(s)", markup=False, highlight=False)
+    console.print(f"wrote {sweep.output}: results.csv, results.json, results.md, "
+                  f"{', '.join(Path(p).name for p in summary['plots'])}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _surrogate(args: argparse.Namespace, console: Console) -> None:
+    from compressor.plugins import PluginRegistry
+    from compressor.recipe import load_recipe
+    from compressor.surrogate import check_recipe
+
+    _quiet_libraries()
+    registry = PluginRegistry()
+    recipe = load_recipe(Path(args.recipe), registry, args.overrides)
+    with _progress_display(console) as progress:
+        result = check_recipe(recipe, registry, args.site, args.directions, Path(args.output), progress)
+    def rho(key: str) -> str:
+        return "n/a" if result[key] is None else f"{result[key]:.3f}"
+
+    console.print(f"{args.site}: Spearman ρ(predicted, measured KL) = {rho('spearman')} over {len(result['rows'])} "
+                  f"directions at equal removed energy (random directions only: {rho('spearman_random')}; "
+                  f"activation variance alone, random directions: {rho('spearman_variance_random')})",
+                  markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {Path(args.output) / 'surrogate.json'} and surrogate.png", markup=False, highlight=False)
+
+
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from compressor.compare import COLUMNS, FORMATS, cell, render, rows
+    from compressor.compare import FORMATS, cell, columns, render, rows
 
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix not in FORMATS:
         raise UserError(f"--output must end in {', '.join(FORMATS)}, got '{output.name}'")
     table = rows([Path(run) for run in args.runs])
     if console.is_terminal:
-        _print_table(console, "runs", COLUMNS, [tuple(cell(c, row[c]) for c in COLUMNS) for row in table])
+        names = tuple(columns(table))
+        _print_table(console, "runs", names, [tuple(cell(c, row.get(c)) for c in names) for row in table])
     else:  # a pipe or a log: the Markdown table, whole lines that nothing folds or cuts
         console.print(render(table, ".md"), end="", markup=False, highlight=False, soft_wrap=True)
     if output is not None:
@@ -246,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _compare(args, console)
         elif args.command == "eval":
             _eval(args, console)
+        elif args.command == "sweep":
+            _sweep(args, console)
+        elif args.command == "surrogate":
+            _surrogate(args, console)
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:

@@ -42,7 +42,8 @@ def _steps(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _labels(reports: list[dict[str, Any]]) -> list[str]:
-    """Each run's chain of strategies with the options that differ between the runs."""
+    """Each run's chain of strategies with the options that differ between the runs that use the
+    same strategy at that step."""
     pipelines = [_steps(r) for r in reports]
     labels = []
     for steps in pipelines:
@@ -50,12 +51,43 @@ def _labels(reports: list[dict[str, Any]]) -> list[str]:
         for position, step in enumerate(steps):
             varying = []
             for key, value in step["options"].items():
-                others = [p[position]["options"].get(key) if len(p) > position else None for p in pipelines]
+                others = [p[position]["options"].get(key) for p in pipelines
+                          if len(p) > position and p[position]["strategy"] == step["strategy"]]
                 if any(other != value for other in others):
                     varying.append(f"{key}={json.dumps(value)}")
             parts.append(step["strategy"] + (f"({', '.join(varying)})" if varying else ""))
         labels.append(" + ".join(parts))
     return labels
+
+
+def primary_metric(scores: dict[str, Any]) -> str | None:
+    """The score a table shows for a task: acc_norm where the task has it (as the paper reports),
+    else acc, else its first metric."""
+    metrics = [m for m in scores if not m.endswith("_stderr") and m != "samples"]
+    for preferred in ("acc_norm", "acc"):
+        if preferred in metrics:
+            return preferred
+    return metrics[0] if metrics else None
+
+
+def task_cells(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`<task> <metric>` (pruned) and `dense <task> <metric>` columns, one metric per task."""
+    cells: dict[str, Any] = {}
+    baseline = metrics.get("baseline", {}).get("tasks", {})
+    for task, scores in metrics.get("pruned", {}).get("tasks", {}).items():
+        metric = primary_metric(scores)
+        if metric is not None:
+            cells[f"{task} {metric}"] = scores.get(metric)
+            cells[f"dense {task} {metric}"] = baseline.get(task, {}).get(metric)
+    return cells
+
+
+def columns(table: list[dict[str, Any]]) -> list[str]:
+    """The fixed columns, then any others (task scores, a sweep's varied keys) in order of appearance."""
+    extra = []
+    for row in table:
+        extra += [key for key in row if key not in COLUMNS and key not in extra]
+    return [*COLUMNS, *extra]
 
 
 def rows(folders: list[Path]) -> list[dict[str, Any]]:
@@ -68,7 +100,7 @@ def rows(folders: list[Path]) -> list[dict[str, Any]]:
             "run": folder.name, "model": Path(report["model"]["path"]).name, "pipeline": label,
             "sparsity": report["sparsity"], "kept": report["kept_width"], "params": report["params"]["ratio"],
             "baseline ppl": baseline.get("ppl"), "pruned ppl": pruned.get("ppl"), "KL": pruned.get("kl"),
-            "prune s": report["timings"]["prune_s"], "seed": report.get("seed"),
+            "prune s": report["timings"]["prune_s"], "seed": report.get("seed"), **task_cells(metrics),
         })
     return table
 
@@ -80,10 +112,10 @@ def cell(column: str, value: Any) -> str:
         return f"{value:.1%}"
     if column == "KL":
         return f"{value:.5f}"
-    if column in ("baseline ppl", "pruned ppl"):
-        return f"{value:.3f}"
     if column == "prune s":
         return f"{value:.1f}"
+    if column in ("baseline ppl", "pruned ppl") or (isinstance(value, float) and " " in column):
+        return f"{value:.3f}"
     return str(value)
 
 
@@ -91,12 +123,13 @@ def render(table: list[dict[str, Any]], suffix: str) -> str:
     """The table as Markdown (.md), CSV (.csv) or JSON (.json)."""
     if suffix == ".json":
         return json.dumps(table, indent=2) + "\n"
+    names = columns(table)
     if suffix == ".csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=COLUMNS)
+        writer = csv.DictWriter(out, fieldnames=names)
         writer.writeheader()
         writer.writerows(table)
         return out.getvalue()
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(c, row[c]) for c in COLUMNS) + " |" for row in table]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(cell(c, row.get(c)) for c in names) + " |" for row in table]
     return "\n".join(lines) + "\n"

@@ -81,6 +81,10 @@ class PruneResult:
     """The first site this call chose after loading finished sites from a checkpoint."""
     loaded_sites: int = 0
     fisher_loaded: bool = False
+    fisher: dict[str, torch.Tensor] | None = None
+    """H by site (host, accumulation dtype) when the pipeline used it, so a caller can reuse it."""
+    fisher_source: str | None = None
+    """Where H came from: "computed", "checkpoint", "given" (by the caller), or None (not used)."""
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -217,6 +221,7 @@ def prune(
     checkpoint: Checkpoint | None = None,
     offload: str = "host",
     scratch: Path | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -224,8 +229,10 @@ def prune(
     at a time and back, and calibration activations stay on the host (`offload="disk"`:
     memory-mapped files under `scratch`), so neither model nor activations need fit on the
     accelerator. H is estimated (with `sensitivity` options and `seed`) only when a strategy of
-    the pipeline requires it, on the fused model before anything is sliced. With a
-    `checkpoint`, H and every finished site are saved there, and those already saved are reused.
+    the pipeline requires it, on the fused model before anything is sliced, unless the caller
+    gives it (`fisher`: H of this model, data, options and seed, e.g. from an earlier run of a
+    sweep). With a `checkpoint`, H and every finished site are saved there, and those already
+    saved are reused.
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -247,11 +254,17 @@ def prune(
     try:
         inputs = capture_layer_inputs(model, family, batches, device, store)
         faults.reached("capture")
-        fisher, fisher_loaded = None, False
+        given, fisher, fisher_loaded, source = fisher, None, False, None
         if "H" in needed and len(saved) < len(ids):
             fisher = checkpoint.load_fisher() if checkpoint is not None else None
             fisher_loaded = fisher is not None
+            source = "checkpoint" if fisher_loaded else None
+            if fisher is None and given is not None:
+                fisher, source = dict(given), "given"
+                if checkpoint is not None:
+                    checkpoint.save_fisher(fisher)
             if fisher is None:
+                source = "computed"
                 phase = "estimating output sensitivity (H)"
 
                 def h_progress(done: int, total: int) -> None:
@@ -282,4 +295,4 @@ def prune(
     slicing = slicing_config(model, family, widths)
     return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
                        bases=walk.bases, resumed_from=walk.resumed_from, loaded_sites=len(saved),
-                       fisher_loaded=fisher_loaded)
+                       fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source)

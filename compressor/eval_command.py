@@ -22,13 +22,17 @@ import torch
 import transformers
 
 import compressor
+from compressor.bases import BASES_FILE, apply_bases, load_bases
 from compressor.errors import UserError
 from compressor.evaluate import evaluate_models, task_scores
+from compressor.families import ModelFamily
 from compressor.harness import check_tasks
 from compressor.plugins import PluginRegistry
 from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
                                resolve_model_path)
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
+from compressor.runner import plan as plan_run
+from compressor.throughput import compare_speed, fitting_lengths, measure, model_size
 
 DEFAULT_WINDOWS = DataSpec(dataset={}, num_samples=64, seq_len=512, batch_size=8)
 
@@ -53,6 +57,7 @@ class EvalRequest:
     limit: float | None = None
     task_batch_size: int = 8
     apply_chat_template: bool = False
+    throughput: bool = True
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
@@ -66,6 +71,8 @@ class EvalPlan:
     data: DataSpec | None
     """None: no perplexity or KL, only lm-eval tasks."""
     suites: list[LmEvalSpec]
+    rebuild: tuple[Path, ModelFamily] | None = None
+    """For a run folder without model/: its bases file and family, applied to the original."""
 
 
 def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> list[LmEvalSpec]:
@@ -84,12 +91,20 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     folder = Path(request.target)
     data: DataSpec | None = None
     recipe_suites: list[LmEvalSpec] | None = None
+    rebuild: tuple[Path, ModelFamily] | None = None
     if (folder / RUN_MARKER).is_file():
-        if not (folder / "recipe.yaml").is_file() or not (folder / "model").is_dir():
-            raise UserError(f"{folder} holds a report but no recipe.yaml and model/: not a complete run folder")
+        has_model, has_bases = (folder / "model").is_dir(), (folder / BASES_FILE).is_file()
+        if not (folder / "recipe.yaml").is_file() or not (has_model or has_bases):
+            raise UserError(f"{folder} holds a report but no recipe.yaml and model/ (or {BASES_FILE}): "
+                            f"not a complete run folder")
         recipe = load_recipe(folder / "recipe.yaml", registry)
         dtype = request.dtype or recipe.model.dtype
-        target = dataclasses.replace(recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype)
+        if has_model:
+            target = dataclasses.replace(recipe.model, path=str((folder / "model").resolve()), revision=None,
+                                         dtype=dtype)
+        else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
+            target = dataclasses.replace(recipe.model, dtype=dtype)
+            rebuild = (folder / BASES_FILE, plan_run(recipe, registry).family)
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
         recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None
@@ -110,7 +125,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
                      if getattr(request, key) is not None}
         data = check_data(dataclasses.replace(data, **overrides), "evaluation", Path.cwd())
-    return EvalPlan(target, reference, data, suites)
+    return EvalPlan(target, reference, data, suites, rebuild)
 
 
 def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -125,7 +140,11 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     tokenizer = load_tokenizer(plan.target)
     batches = token_batches(plan.data, tokenizer, "evaluation") if plan.data is not None else None
     report_progress("loading models", 0, 1)
-    target = load_model(plan.target).to(device)
+    target = load_model(plan.target)
+    if plan.rebuild is not None:
+        report_progress("rebuilding the pruned model from its bases", 0, 1)
+        target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device)
+    target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     if batches is not None:
         metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
@@ -136,9 +155,20 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
             if model is not None:
                 report_progress(f"lm-eval: {'reference' if name == 'baseline' else 'target'} model", 0, 1)
                 metrics[name] = {"tasks": task_scores(model, tokenizer, plan.suites, device)}
+    sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
+    speed = None
+    if request.throughput:
+        report_progress("measuring throughput", 0, 1)
+        models = [target] if reference is None else [reference, target]
+        if reference is None:
+            speed = {"pruned": measure(target, device, **fitting_lengths(models))}
+        else:
+            speed = compare_speed(reference, target, device, **fitting_lengths(models))
     return {
         "compressor": compressor.__version__,
         "target": plan.target.path,
+        "size": sizes,
+        "speed": speed,
         "reference": plan.reference.path if plan.reference is not None else None,
         "evaluation": dataclasses.asdict(plan.data) if plan.data is not None else None,
         "metrics": metrics,

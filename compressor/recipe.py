@@ -71,6 +71,8 @@ class EvaluationSpec(DataSpec):
     them when suites need different settings, e.g. zero-shot tasks and chat-template ones)."""
 
     lm_eval: list[LmEvalSpec] | None = None
+    throughput: bool = True
+    """Measure prefill and decode tokens/s of both models (batch 1 and 8) for the report."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,11 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         value = yaml.safe_load(text) if text else None
     except yaml.YAMLError as error:
         raise UserError(f"--set {key}: the value is not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    assign(raw, key, value, "--set ")
+
+
+def assign(raw: dict[str, Any], key: str, value: Any, where: str = "") -> None:
+    """Set the dotted `key` (list items by index) of a raw recipe to `value`; `where` prefixes errors."""
     parts = key.split(".")
     node: Any = raw
     for depth, part in enumerate(parts):
@@ -182,7 +189,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         here = ".".join(parts[: depth + 1])
         if isinstance(node, list):
             if not part.isdigit() or int(part) > len(node):
-                raise UserError(f"--set {key}: '{here}' needs a list index from 0 to {len(node)}")
+                raise UserError(f"{where}{key}: '{here}' needs a list index from 0 to {len(node)}")
             index = int(part)
             if index == len(node):
                 node.append({} if not last else value)
@@ -195,7 +202,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
             else:
                 node = node.setdefault(part, {})
         else:
-            raise UserError(f"--set {key}: '{'.'.join(parts[:depth])}' is not a mapping or list")
+            raise UserError(f"{where}{key}: '{'.'.join(parts[:depth])}' is not a mapping or list")
 
 
 def _is_remote(path: str) -> bool:
@@ -366,21 +373,26 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     )
 
 
-def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str] = (), output: str | None = None) -> Recipe:
-    """Read, override (`--set`), and validate a recipe file. `output` (from the CLI)
-    replaces the recipe's output and resolves against the current folder."""
-    path = Path(path)
+def read_yaml(path: Path, what: str) -> Any:
+    """A YAML file's contents; a missing file or bad YAML is a one-line UserError."""
     if path.is_dir():
-        raise UserError(f"{path} is a folder; give the recipe file, e.g. {path / 'demo.yaml'}")
+        raise UserError(f"{path} is a folder; give the {what} file, e.g. {path / 'demo.yaml'}")
     if not path.is_file():
-        raise UserError(f"recipe file not found: {path}")
+        raise UserError(f"{what} file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise UserError(f"recipe {path} is not valid YAML{where}: {problem}") from None
+        raise UserError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+
+
+def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str] = (), output: str | None = None) -> Recipe:
+    """Read, override (`--set`), and validate a recipe file. `output` (from the CLI)
+    replaces the recipe's output and resolves against the current folder."""
+    path = Path(path)
+    raw = read_yaml(path, "recipe")
     if isinstance(raw, dict):
         for assignment in overrides:
             apply_override(raw, assignment)

@@ -16,6 +16,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
         ("hidden width", str(report["model"]["hidden_size"]), str(report["kept_width"])),
     ]
+    rows += speed_rows(report.get("size"), report.get("speed"))
     metrics = report.get("metrics") or {}
     if metrics:
         rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
@@ -25,6 +26,26 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "eval_s" in timings:
         rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
+    return rows
+
+
+def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """Weight bytes, and prefill and decode tokens/s per batch size, of the baseline and pruned model."""
+    rows = []
+    if size:
+        rows.append(("weights (MB)", *(f"{size[side]['weight_bytes'] / 1e6:,.2f}" if side in size else ""
+                                        for side in ("baseline", "pruned"))))
+    if speed:
+        any_side = speed.get("pruned") or speed.get("baseline")
+        for phase in ("prefill", "decode"):
+            for batch in any_side["throughput"]["batch"]:
+                cells = []
+                for side in ("baseline", "pruned"):
+                    numbers = speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch)
+                    cells.append(f"{numbers[f'{phase}_tok_s']:,.0f}" if numbers else "")
+                if "speedup" in speed:
+                    cells[1] += f" (×{speed['speedup'][batch][phase]:.2f})"
+                rows.append((f"{phase} tokens/s, batch {batch}", *cells))
     return rows
 
 

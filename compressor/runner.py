@@ -10,6 +10,7 @@ continues from there (`restart=True` discards it).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -45,6 +46,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.report import write_markdown
 from compressor.sites import site_widths
+from compressor.throughput import compare_speed, fitting_lengths, model_size
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
@@ -102,6 +104,36 @@ def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     return batches_of(windows, spec.batch_size)
+
+
+class Resources:
+    """Where a run gets its tokenizer, data windows, model and H. This one loads everything
+    afresh and keeps nothing; a sweep's (`compressor.sweep.SharedResources`) keeps what its
+    runs share, so each is loaded or computed once."""
+
+    def tokenizer(self, spec: ModelSpec) -> Any:
+        return load_tokenizer(spec)
+
+    def batches(self, spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+        return token_batches(spec, tokenizer, where)
+
+    def model(self, spec: ModelSpec) -> PreTrainedModel:
+        """A model the caller may change (pruning works in place)."""
+        return load_model(spec)
+
+    def fisher(self, key: str) -> dict[str, torch.Tensor] | None:
+        """H computed earlier for `key` (model, data, H options, seed), if kept."""
+        return None
+
+    def keep_fisher(self, key: str, fisher: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def baseline_tasks(self, key: str) -> dict[str, Any] | None:
+        """The original model's lm-eval scores for `key` (model, suites, seed), if kept."""
+        return None
+
+    def keep_baseline_tasks(self, key: str, scores: dict[str, Any]) -> None:
+        pass
 
 
 RUN_MARKER = "report.json"
@@ -293,11 +325,15 @@ def run(
     progress: Progress | None = None,
     overwrite: bool = False,
     restart: bool = False,
+    resources: Resources | None = None,
+    save_model: bool = True,
 ) -> dict[str, Any]:
     """Run a validated recipe; return the report (also written to `<output>/report.json`).
 
     A run to the same output that was killed or interrupted continues from its checkpoint
     when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
+    `resources` supplies model, data and H (a sweep shares them between its runs);
+    `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
     """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
@@ -315,7 +351,8 @@ def run(
         try:
             if restart:
                 checkpoint.discard()
-            report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress)
+            report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
+                             resources or Resources(), save_model)
             faults.reached("publish")
             _publish(staging, output)
         except BaseException:
@@ -325,51 +362,74 @@ def run(
     return report
 
 
+def fisher_key(recipe: Recipe, model_fingerprint: str, data_fingerprint: str) -> str:
+    """What H depends on: the model, the calibration tokens, the H pass's result-deciding options
+    and the seed of its label sampling."""
+    options = {k: v for k, v in dataclasses.asdict(recipe.sensitivity).items() if k not in ("chunk", "recompute")}
+    return json_digest({"model": model_fingerprint, "data": data_fingerprint, "sensitivity": options,
+                        "seed": recipe.seed, "compressor": compressor.__version__})
+
+
 def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
-            started: float, report_progress: Progress) -> dict[str, Any]:
+            started: float, report_progress: Progress, resources: Resources, save_model: bool) -> dict[str, Any]:
     """Everything a run writes, into `staging`; returns the report."""
     config, family, kept = checked.config, checked.family, checked.kept
     timings: dict[str, float] = {}
     torch.manual_seed(recipe.seed)
     tick = time.perf_counter()
     report_progress("tokenising data", 0, 1)
-    tokenizer = load_tokenizer(recipe.model)
-    calibration = token_batches(recipe.calibration, tokenizer, "calibration")
-    evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
+    tokenizer = resources.tokenizer(recipe.model)
+    calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
+    evaluation = resources.batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
     timings["data_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     report_progress("loading model", 0, 1)
-    model = load_model(recipe.model)
+    model = resources.model(recipe.model)
     baseline_params = parameter_count(model)
+    baseline_size = model_size(model)
     timings["load_s"] = time.perf_counter() - tick
 
     fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(model),
                    "data": data_fingerprint(calibration)}
     checkpoint.start(fingerprint)
+    h_key = fisher_key(recipe, fingerprint["model"], fingerprint["data"])
     tick = time.perf_counter()
     result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
-                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER)
+                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key))
+    if result.fisher is not None:
+        resources.keep_fisher(h_key, result.fisher)
     pruned = result.model
     timings["prune_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     report_progress("saving model", 0, 1)
-    pruned.save_pretrained(staging / "model")
-    tokenizer.save_pretrained(staging / "model")
-    write_remote_code(staging / "model", family, config.model_type)
+    if save_model:
+        pruned.save_pretrained(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
+        write_remote_code(staging / "model", family, config.model_type)
     objectives = {site.name: site.steps for site in result.sites}
     save_bases(result.bases, staging / BASES_FILE, {"objectives": json.dumps(objectives)})
     timings["save_s"] = time.perf_counter() - tick
 
     metrics: dict[str, Any] = {}
+    speed: dict[str, Any] | None = None
     if evaluation is not None:
         tick = time.perf_counter()
         report_progress("evaluating", 0, len(evaluation))
-        original = load_model(recipe.model).to(device)
+        original = resources.model(recipe.model).to(device)
+        suites = recipe.evaluation.lm_eval
+        tasks_key = json_digest({"model": fingerprint["model"], "seed": recipe.seed,
+                                 "suites": [dataclasses.asdict(s) for s in suites or []]})
         metrics = evaluate_models(original, pruned.to(device), evaluation, device, report_progress,
-                                  tasks=recipe.evaluation.lm_eval, tokenizer=tokenizer, seed=recipe.seed)
+                                  tasks=suites, tokenizer=tokenizer, seed=recipe.seed,
+                                  baseline_tasks=resources.baseline_tasks(tasks_key))
+        if suites:
+            resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
+        if recipe.evaluation.throughput:
+            report_progress("measuring throughput", 0, 1)
+            speed = compare_speed(original, pruned, device, **fitting_lengths([original, pruned]))
         del original
         timings["eval_s"] = time.perf_counter() - tick
     timings["total_s"] = time.perf_counter() - started
@@ -386,9 +446,12 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "fingerprint": fingerprint,
         "resumed_from": result.resumed_from,
         "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
+        "fisher_source": result.fisher_source,
         "metrics": metrics,
         "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
                    "ratio": parameter_count(pruned) / baseline_params},
+        "size": {"baseline": baseline_size, "pruned": model_size(pruned)},
+        "speed": speed,
         "sites": [site.to_json() for site in result.sites],
         "timings": timings,
         "environment": {"device": str(device), "torch": torch.__version__,

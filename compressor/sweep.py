@@ -1,0 +1,242 @@
+"""`compress sweep SWEEP.yaml`: a grid of runs over one base recipe, with what they share done once.
+
+    base: ref_llama_sens.yaml          # a recipe, relative to this file
+    output: ../runs/sweep              # relative to this file
+    set: {evaluation.num_samples: 64}  # optional: changes to the base for every run
+    grid:                              # dotted recipe keys (as --set), each with its values
+      sparsity: [0.2, 0.3]
+      pipeline: [[{strategy: pca}], [{strategy: sensitivity}, {strategy: stiefel, steps: 20}]]
+    save_models: false                 # keep each run's model/ (the bases are always kept)
+
+Every combination of the grid is a run (`<output>/runs/NNN`, a normal run folder) checked before
+any work starts. The runs share, through `SharedResources`: the tokenizer and the tokenised
+windows, the loaded original model (each run prunes a copy), H for each (model, calibration
+data, H options, seed), and the original model's lm-eval scores. H and the scores are also kept
+under `<output>/shared/`, so a sweep that was interrupted continues where it stopped: finished
+runs are kept (when their recipe is unchanged), an interrupted run resumes from its checkpoint,
+and nothing shared is computed twice. Results go to `results.{csv,json,md}` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from compressor.calibration import Batch
+from compressor.checkpoint import json_digest, write_atomic
+from compressor.compare import read_report, render, rows
+from compressor.errors import UserError
+from compressor.plugins import PluginRegistry
+from compressor.recipe import DataSpec, ModelSpec, Recipe, assign, read_yaml, validate
+from compressor.runner import RUN_MARKER, Resources, plan, recipe_fingerprint, run
+
+SWEEP_MARKER = "sweep.yaml"
+"""A folder holding this file was written by a sweep (the sweep file as it was run)."""
+KEYS = ("base", "output", "grid", "set", "save_models")
+RESULT_FILES = ("results.csv", "results.json", "results.md")
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of the grid: its folder name, the grid values it takes, and its recipe."""
+
+    name: str
+    values: dict[str, Any]
+    recipe: Recipe
+
+
+@dataclass(frozen=True)
+class Sweep:
+    file: Path
+    output: Path
+    grid: dict[str, list[Any]]
+    points: list[Point]
+    save_models: bool
+
+
+def load_sweep(path: Path, registry: PluginRegistry) -> Sweep:
+    """Read and check a sweep file and every recipe of its grid; load no weights."""
+    raw = read_yaml(path, "sweep")
+    if not isinstance(raw, dict):
+        raise UserError(f"sweep {path} must be a mapping with keys {', '.join(KEYS)}")
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise UserError(f"unknown key '{unknown[0]}' in sweep {path}; allowed keys: {', '.join(KEYS)}")
+    for key in ("base", "output", "grid"):
+        if key not in raw:
+            raise UserError(f"missing key '{key}' in sweep {path}")
+    folder = path.resolve().parent
+    grid, fixed = raw["grid"], raw.get("set") or {}
+    if not isinstance(grid, dict) or not grid:
+        raise UserError("grid must map dotted recipe keys to lists of values, e.g. {sparsity: [0.2, 0.3]}")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(f"grid.{key} must be a non-empty list of values, got {values!r}")
+    if not isinstance(fixed, dict):
+        raise UserError(f"set must map dotted recipe keys to values, got {fixed!r}")
+    if not isinstance(raw.get("save_models", False), bool):
+        raise UserError(f"save_models must be true or false, got {raw['save_models']!r}")
+    base_path = folder / str(raw["base"])
+    base = read_yaml(base_path, "base recipe")
+    if not isinstance(base, dict):
+        raise UserError(f"base recipe {base_path} must be a YAML mapping")
+    output = (folder / str(raw["output"])).resolve()
+    points = []
+    combinations = list(itertools.product(*grid.values()))
+    width = max(3, len(str(len(combinations) - 1)))
+    for index, combination in enumerate(combinations):
+        values = dict(zip(grid, combination))
+        point_raw = copy.deepcopy(base)
+        for key, value in [*fixed.items(), *values.items()]:
+            assign(point_raw, key, copy.deepcopy(value), "sweep: ")
+        name = f"{index:0{width}d}"
+        point_raw["output"] = str(output / "runs" / name)
+        try:
+            recipe = validate(point_raw, base_path.resolve().parent, registry)
+        except UserError as error:
+            where = ", ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
+            raise UserError(f"sweep run {name} ({where}): {error}") from None
+        points.append(Point(name, values, recipe))
+    return Sweep(path, output, dict(grid), points, bool(raw.get("save_models", False)))
+
+
+def check_output(sweep: Sweep) -> None:
+    """The output may be new, empty, or an earlier sweep's (which this one continues)."""
+    out = sweep.output
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / SWEEP_MARKER).is_file())):
+        raise UserError(f"sweep output {out} exists and is not an earlier sweep's folder; choose another output")
+
+
+class SharedResources(Resources):
+    """What a sweep's runs share, loaded or computed once: in memory for this process, and H and
+    the original model's task scores also on disk (`folder`), for a sweep that is continued."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._tokenizers: dict[str, Any] = {}
+        self._batches: dict[str, list[Batch]] = {}
+        self._models: dict[str, PreTrainedModel] = {}
+        self._fisher: dict[str, dict[str, torch.Tensor]] = {}
+
+    def tokenizer(self, spec: ModelSpec) -> Any:
+        key = json_digest(dataclasses.asdict(spec))
+        if key not in self._tokenizers:
+            self._tokenizers[key] = super().tokenizer(spec)
+        return self._tokenizers[key]
+
+    def batches(self, spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+        key = json_digest({"data": dataclasses.asdict(spec), "tokenizer": id(tokenizer)})
+        if key not in self._batches:
+            self._batches[key] = super().batches(spec, tokenizer, where)
+        return self._batches[key]
+
+    def model(self, spec: ModelSpec) -> PreTrainedModel:
+        key = json_digest(dataclasses.asdict(spec))
+        if key not in self._models:
+            self._models[key] = super().model(spec)
+        return copy.deepcopy(self._models[key])
+
+    def fisher(self, key: str) -> dict[str, torch.Tensor] | None:
+        from safetensors import safe_open
+
+        path = self.folder / f"fisher-{key[:16]}.safetensors"
+        if key not in self._fisher and path.is_file():
+            with safe_open(str(path), framework="pt") as handle:
+                self._fisher[key] = {site: handle.get_tensor(site) for site in handle.keys()}
+        return self._fisher.get(key)
+
+    def keep_fisher(self, key: str, fisher: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if key in self._fisher:
+            return
+        self._fisher[key] = fisher
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
+        write_atomic(self.folder / f"fisher-{key[:16]}.safetensors", lambda p: save_file(tensors, str(p)))
+
+    def baseline_tasks(self, key: str) -> dict[str, Any] | None:
+        path = self.folder / f"tasks-{key[:16]}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def keep_baseline_tasks(self, key: str, scores: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.folder / f"tasks-{key[:16]}.json", lambda p: p.write_text(json.dumps(scores, indent=2)))
+
+
+def _finished(point: Point) -> bool:
+    """A run folder of this point whose recipe is unchanged (else it is run again)."""
+    folder = Path(point.recipe.output)
+    if not (folder / RUN_MARKER).is_file():
+        return False
+    try:
+        report = read_report(folder)
+    except UserError:
+        return False
+    return report.get("fingerprint", {}).get("recipe") == recipe_fingerprint(point.recipe)
+
+
+def results(sweep: Sweep, finished: list[Point]) -> list[dict[str, Any]]:
+    """One row per finished run: `compress compare`'s columns and the run's grid values."""
+    table = rows([Path(p.recipe.output) for p in finished])
+    for row, point in zip(table, finished):
+        for key, value in point.values.items():
+            row.setdefault(key, value if not isinstance(value, (list, dict)) else json.dumps(value))
+    return table
+
+
+def write_results(sweep: Sweep, table: list[dict[str, Any]]) -> None:
+    for name in RESULT_FILES:
+        text = render(table, Path(name).suffix)
+        write_atomic(sweep.output / name, lambda p, text=text: p.write_text(text))
+
+
+def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None = None,
+              restart: bool = False) -> dict[str, Any]:
+    """Run every point not finished yet; write the results and plots; return a summary."""
+    report = progress or (lambda *_: None)
+    check_output(sweep)
+    for point in sweep.points:  # configs, families, widths and task names, before any work
+        plan(point.recipe, registry)
+    sweep.output.mkdir(parents=True, exist_ok=True)
+    (sweep.output / SWEEP_MARKER).write_text(sweep.file.read_text())
+    shared = SharedResources(sweep.output / "shared")
+    if restart:
+        shutil.rmtree(shared.folder, ignore_errors=True)
+    done, ran, computed = [], [], 0
+    for position, point in enumerate(sweep.points):
+        label = f"run {position + 1}/{len(sweep.points)} ({point.name})"
+        if not restart and _finished(point):
+            report(f"{label}: finished earlier", position, len(sweep.points))
+        else:
+            result = run(point.recipe, registry, lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
+                         overwrite=True, restart=restart, resources=shared, save_model=sweep.save_models)
+            ran.append(point.name)
+            computed += result["fisher_source"] == "computed"
+        done.append(point)
+        write_results(sweep, results(sweep, done))
+    table = results(sweep, done)
+    report("plotting", 0, 1)
+    from compressor.plots import sweep_plots
+
+    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done], list(sweep.grid),
+                        sweep.output)
+    return {"output": str(sweep.output), "runs": len(done), "ran": ran, "fisher_computed": computed,
+            "plots": [str(p) for p in plots], "table": table}
+
+
+def dump(sweep: Sweep) -> str:
+    """One line per run: its folder name and grid values, for the dry-run listing."""
+    return "".join(f"  {p.name}: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in p.values.items()) + "\n"
+                   for p in sweep.points)

@@ -1,0 +1,151 @@
+"""`compress sweep`: a grid of runs sharing H, data and the dense model, resumable, with tables and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import compressor.engine
+from compressor.cli import main
+from tests.test_cli import write_recipe
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_sweep(folder: Path, base: Path, **extra: object) -> Path:
+    sweep = {"base": base.name, "output": "sweep-out",
+             "grid": {"sparsity": [0.125, 0.25],
+                      "pipeline": [[{"strategy": "sensitivity"}],
+                                   [{"strategy": "sensitivity"}, {"strategy": "stiefel", "steps": 2}]]},
+             **extra}
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))  # grid order decides the run order
+    return path
+
+
+@pytest.fixture
+def fisher_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the H passes the engine really runs."""
+    calls: list[int] = []
+    real = compressor.engine.estimate_fisher
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compressor.engine, "estimate_fisher", counted)
+    return calls
+
+
+def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint: Path, tmp_path: Path,
+                                                                 fisher_calls: list[int]) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 0
+    out = tmp_path / "sweep-out"
+    assert len(fisher_calls) == 1  # 4 runs need H; it depends on none of the varied keys
+    with open(out / "results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 4
+    assert {(r["sparsity"], r["pipeline"]) for r in table} == {
+        (s, p) for s in ("0.125", "0.25") for p in ("sensitivity", "sensitivity + stiefel")}
+    assert len(json.loads((out / "results.json").read_text())) == 4
+    assert (out / "results.md").read_text().count("\n| 0") == 4
+    for plot in ("kl_ppl_vs_sparsity.png", "objectives_by_site.png"):
+        assert (out / plot).read_bytes().startswith(PNG)
+    reports = [json.loads((out / "runs" / name / "report.json").read_text()) for name in ("000", "001", "002", "003")]
+    assert [r["sparsity"] for r in reports] == [0.125, 0.125, 0.25, 0.25]
+    assert all(r["metrics"]["pruned"]["kl"] > 0 for r in reports)
+    assert not (out / "runs" / "000" / "model").exists()  # save_models is off: the bases are kept
+    assert (out / "runs" / "000" / "bases.safetensors").is_file()
+    # compress eval rebuilds such a run's model from the original and its bases
+    assert main(["eval", str(out / "runs" / "003"), "--no-throughput", "--output", str(tmp_path / "e.json")]) == 0
+    evaluated = json.loads((tmp_path / "e.json").read_text())["metrics"]
+    assert evaluated["pruned"]["kl"] == pytest.approx(reports[3]["metrics"]["pruned"]["kl"], rel=1e-6)
+    assert evaluated["pruned"]["ppl"] == pytest.approx(reports[3]["metrics"]["pruned"]["ppl"], rel=1e-6)
+
+
+def test_an_interrupted_sweep_continues_without_recomputing(tiny_checkpoint: Path, tmp_path: Path,
+                                                            fisher_calls: list[int],
+                                                            capsys: pytest.CaptureFixture) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    sweep = _write_sweep(tmp_path, base)
+    assert main(["sweep", str(sweep)]) == 0
+    out = tmp_path / "sweep-out"
+    first = json.loads((out / "results.json").read_text())
+    kept = (out / "runs" / "000" / "report.json").stat().st_mtime_ns
+    shutil.rmtree(out / "runs" / "003")  # as if the sweep had stopped before its last run was published
+    capsys.readouterr()
+    assert main(["sweep", str(sweep)]) == 0
+    assert "ran 1 of 4 runs" in capsys.readouterr().out
+    assert len(fisher_calls) == 1  # the second invocation loaded H from the sweep's shared folder
+    assert (out / "runs" / "000" / "report.json").stat().st_mtime_ns == kept
+    again = json.loads((out / "results.json").read_text())
+    assert [r["KL"] for r in again] == pytest.approx([r["KL"] for r in first], rel=1e-9)
+
+
+def test_a_changed_grid_point_is_run_again(tiny_checkpoint: Path, tmp_path: Path, fisher_calls: list[int],
+                                           capsys: pytest.CaptureFixture) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 0
+    capsys.readouterr()
+    assert main(["sweep", str(_write_sweep(tmp_path, base, set={"calibration.num_samples": 3}))]) == 0
+    assert "ran 4 of 4 runs" in capsys.readouterr().out  # every recipe changed
+
+
+@pytest.mark.parametrize(("sweep", "message"), [
+    ({"base": "recipe.yaml", "output": "o"}, "missing key 'grid' in sweep"),
+    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": 0.2}}, "grid.sparsity must be a non-empty list"),
+    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2]}, "plots": True}, "unknown key 'plots'"),
+    ({"base": "nothing.yaml", "output": "o", "grid": {"sparsity": [0.2]}}, "base recipe file not found"),
+    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2, 1.5]}},
+     "sweep run 001 (sparsity=1.5): sparsity must be in [0, 1)"),
+    ({"base": "recipe.yaml", "output": "o", "grid": {"pipeline": [[{"strategy": "nosuch"}]]}}, "unknown strategy"),
+])
+def test_bad_sweeps_are_one_line_and_write_nothing(sweep: dict, message: str, tiny_checkpoint: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    write_recipe(tmp_path, tiny_checkpoint)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_sweep_refuses_a_folder_it_did_not_write(tiny_checkpoint: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    (tmp_path / "sweep-out").mkdir()
+    (tmp_path / "sweep-out" / "notes.txt").write_text("mine")
+    assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 2
+    assert "is not an earlier sweep's folder" in capsys.readouterr().err
+
+
+def test_a_sweep_killed_mid_run_resumes_that_run_and_reuses_h(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    sweep = _write_sweep(tmp_path, base)
+
+    def compress(kill: str | None) -> subprocess.CompletedProcess:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        if kill:
+            env["COMPRESS_KILL_AT"] = kill
+        return subprocess.run([sys.executable, "-m", "compressor.cli", "sweep", str(sweep)], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    killed = compress("site:layers.1.attn")  # SIGKILL inside the first run, after H and some sites
+    assert killed.returncode == -9
+    out = tmp_path / "sweep-out"
+    assert (out / "runs" / ".000.partial" / "checkpoint").is_dir()
+    finished = compress(None)
+    assert finished.returncode == 0, finished.stderr
+    assert "ran 4 of 4 runs" in finished.stdout and "H computed 0 time(s)" in finished.stdout
+    first = json.loads((out / "runs" / "000" / "report.json").read_text())
+    assert first["resume"]["sites_loaded"] > 0
