@@ -11,7 +11,6 @@ import pluggy
 
 from compressor.errors import UserError
 from compressor.families import BUILTIN_FAMILIES, ModelFamily
-from compressor.modeling import register_family
 from compressor.strategy import Strategy
 
 PROJECT = "compressor"
@@ -107,6 +106,8 @@ class PluginRegistry:
                             f"and plugin '{impl.plugin_name}'; uninstall one of them"
                         )
                     found[model_type] = RegisteredFamily(family, impl.plugin_name, self._source(impl.plugin))
+                from compressor.modeling import register_family  # the model stack, only for a plugin's family
+
                 register_family(family)
         return found
 

@@ -21,7 +21,7 @@ import yaml
 from compressor.activations import OFFLOAD_MODES
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
-from compressor.sensitivity import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
+from compressor.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 from compressor.strategy import StrategyOptionError
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")

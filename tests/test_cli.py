@@ -398,3 +398,24 @@ def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_help_and_recipe_checks_leave_the_model_stack_unimported() -> None:
+    """`compress --help` imports neither torch nor transformers; checking a recipe and listing the
+    strategies import torch (the strategies are torch code) but not transformers or lm-eval."""
+    import subprocess
+    import sys
+
+    script = ("import contextlib, io, sys\nfrom compressor.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    {call}\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))")
+    demo = EXAMPLES.parent / "recipes" / "demo.yaml"
+    for call, expected in [
+        ("main(['--help'])", "[]"),
+        (f"from compressor.recipe import load_recipe; from compressor.plugins import PluginRegistry; "
+         f"load_recipe({str(demo)!r}, PluginRegistry())", "['torch']"),
+        ("main(['strategies'])", "['torch']"),
+    ]:
+        out = subprocess.run([sys.executable, "-c", script.format(call=call)], capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip().splitlines()[-1] == expected, (call, out)
