@@ -192,7 +192,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
                           tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else (),
                           include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
                           task_batch_size=args.task_batch_size, apply_chat_template=args.apply_chat_template,
-                          throughput=not args.no_throughput)
+                          throughput=False if args.no_throughput else None)
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)
     metrics = report["metrics"]
@@ -214,18 +214,21 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
 def _sweep(args: argparse.Namespace, console: Console) -> None:
     from compressor.compare import render
     from compressor.plugins import PluginRegistry
-    from compressor.sweep import check_output, dump, load_sweep, run_sweep
+    from compressor.sweep import check, dump, load_sweep, run_sweep
 
     _quiet_libraries()
     registry = PluginRegistry()
     sweep = load_sweep(Path(args.sweep), registry)
     if args.dry_run:
-        check_output(sweep)
+        check(sweep, registry)
         console.print(f"sweep OK: {args.sweep} -> {sweep.output} ({len(sweep.points)} runs)\n{dump(sweep)}",
                       end="", markup=False, highlight=False, soft_wrap=True)
         return
-    with _progress_display(console) as progress:
-        summary = run_sweep(sweep, registry, progress, restart=args.restart)
+    try:
+        with _progress_display(console) as progress:
+            summary = run_sweep(sweep, registry, progress, restart=args.restart)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
     console.print(render(summary["table"], ".md"), end="", markup=False, highlight=False, soft_wrap=True)
     console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs (the others had finished earlier); "
                   f"H computed {summary['fisher_computed']} time(s)", markup=False, highlight=False)

@@ -57,7 +57,8 @@ class EvalRequest:
     limit: float | None = None
     task_batch_size: int = 8
     apply_chat_template: bool = False
-    throughput: bool = True
+    throughput: bool | None = None
+    """None: a run's own `evaluation.throughput`, else measured."""
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
@@ -73,6 +74,9 @@ class EvalPlan:
     suites: list[LmEvalSpec]
     rebuild: tuple[Path, ModelFamily] | None = None
     """For a run folder without model/: its bases file and family, applied to the original."""
+    seed: int = 0
+    """A run's seed (lm-eval's few-shot sampling and generation use it), as in the run."""
+    throughput: bool = True
 
 
 def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> list[LmEvalSpec]:
@@ -92,6 +96,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     data: DataSpec | None = None
     recipe_suites: list[LmEvalSpec] | None = None
     rebuild: tuple[Path, ModelFamily] | None = None
+    seed, throughput = 0, True
     if (folder / RUN_MARKER).is_file():
         has_model, has_bases = (folder / "model").is_dir(), (folder / BASES_FILE).is_file()
         if not (folder / "recipe.yaml").is_file() or not (has_model or has_bases):
@@ -104,10 +109,11 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
                                          dtype=dtype)
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype)
-            rebuild = (folder / BASES_FILE, plan_run(recipe, registry).family)
+            rebuild = (folder / BASES_FILE, plan_run(dataclasses.replace(recipe, evaluation=None), registry).family)
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
         recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None
+        seed, throughput = recipe.seed, recipe.evaluation.throughput if recipe.evaluation else True
     else:
         dtype = request.dtype or "float32"
         target = _model_spec(request.target, dtype)
@@ -125,7 +131,9 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
                      if getattr(request, key) is not None}
         data = check_data(dataclasses.replace(data, **overrides), "evaluation", Path.cwd())
-    return EvalPlan(target, reference, data, suites, rebuild)
+    if request.throughput is not None:
+        throughput = request.throughput
+    return EvalPlan(target, reference, data, suites, rebuild, seed, throughput)
 
 
 def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -148,16 +156,16 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     if batches is not None:
         metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer, seed=plan.seed)
     else:  # lm-eval tasks only
         metrics = {}
         for name, model in (("baseline", reference), ("pruned", target)):
             if model is not None:
                 report_progress(f"lm-eval: {'reference' if name == 'baseline' else 'target'} model", 0, 1)
-                metrics[name] = {"tasks": task_scores(model, tokenizer, plan.suites, device)}
+                metrics[name] = {"tasks": task_scores(model, tokenizer, plan.suites, device, plan.seed)}
     sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
     speed = None
-    if request.throughput:
+    if plan.throughput:
         report_progress("measuring throughput", 0, 1)
         models = [target] if reference is None else [reference, target]
         if reference is None:

@@ -15,7 +15,11 @@ and its error `exact_match,flexible-extract_stderr`).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import math
 import os
@@ -51,27 +55,70 @@ def _task_manager(spec: LmEvalSpec) -> Any:
 
 
 def check_tasks(spec: LmEvalSpec) -> None:
-    """Every task name is known to lm-eval (or to `include_path`): a typo fails before any work."""
+    """Every task name is known to lm-eval (or to `include_path`) and every task file reads: a
+    typo or a broken YAML fails before any work. Tags are refused (lm-eval reports no score for
+    a tag, only for its tasks: name those)."""
     with _quiet():
-        index = _task_manager(spec).task_index
-    for task in spec.tasks:
-        if not task.endswith(TASK_FILE_SUFFIXES) and task not in index:
-            where = f" or in {spec.include_path}" if spec.include_path else ""
-            raise UserError(f"unknown lm-eval task '{task}': not in lm-eval's registry{where} "
-                            f"(list them with `lm_eval ls tasks`, or give a task YAML file)")
+        manager = _task_manager(spec)
+        index = manager.task_index
+        for task in spec.tasks:
+            if task.endswith(TASK_FILE_SUFFIXES):
+                continue
+            if task not in index:
+                where = f" or in {spec.include_path}" if spec.include_path else ""
+                raise UserError(f"unknown lm-eval task '{task}': not in lm-eval's registry{where} "
+                                f"(list them with `lm_eval ls tasks`, or give a task YAML file)")
+            if index[task].kind.name == "TAG":
+                raise UserError(f"lm-eval name '{task}' is a tag, which has no score of its own: name its tasks "
+                                f"(`lm_eval ls tasks` lists them)")
+        _task_specs(spec, manager)
+
+
+def suite_digest(spec: LmEvalSpec) -> str:
+    """What decides a suite's scores besides the model: its settings, lm-eval's version, and the
+    bytes of its local task files and of the data files they name (so an edited local task is
+    never mistaken for the old one)."""
+    import lm_eval
+
+    with _quiet():
+        specs, _ = _task_specs(spec, _task_manager(spec))
+    parts = [json.dumps(dataclasses.asdict(spec), sort_keys=True), lm_eval.__version__]
+    for item in specs:
+        if isinstance(item, dict):
+            parts.append(json.dumps(item, sort_keys=True, default=str))
+            files = (item.get("dataset_kwargs") or {}).get("data_files")
+            for path in _paths(files):
+                parts.append(hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else path)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _paths(files: Any) -> list[str]:
+    if isinstance(files, str):
+        return [files]
+    if isinstance(files, list):
+        return [p for f in files for p in _paths(f)]
+    if isinstance(files, dict):
+        return [p for f in files.values() for p in _paths(f)]
+    return []
+
+
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+"""`dataset_path`s whose `data_files` are local files (a hub dataset's are paths inside its repository)."""
 
 
 def _local_config(path: Path) -> dict[str, Any]:
-    """A task YAML as lm-eval reads it (includes merged, !function resolved), with relative
-    data files resolved against the YAML's folder."""
+    """A task YAML as lm-eval reads it (includes merged, !function resolved), with the relative
+    data files of a local builder resolved against the YAML's folder."""
+    import yaml
     from lm_eval.tasks._yaml_loader import load_yaml
 
     try:
         config = load_yaml(path)
-    except (OSError, ValueError, ImportError) as error:
+    except (OSError, ValueError, ImportError, AttributeError, yaml.YAMLError) as error:
         raise UserError(f"cannot read lm-eval task {path}: {first_line(error)}") from None
     kwargs = config.get("dataset_kwargs")
-    if isinstance(kwargs, dict) and "data_files" in kwargs:
+    local = config.get("dataset_path") in LOCAL_BUILDERS or (path.parent / str(config.get("dataset_path"))).is_dir()
+    if local and isinstance(kwargs, dict) and "data_files" in kwargs:
         config["dataset_kwargs"] = {**kwargs, "data_files": _resolved(kwargs["data_files"], path.parent)}
     return config
 
@@ -127,9 +174,9 @@ def _flatten(values: dict[str, Any]) -> dict[str, float | int | None]:
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """lm-eval's logging would interleave with our progress display, and its `git describe` of the
-    current folder (irrelevant here: the report records the versions) prints git's complaint
-    outside a repository. Its tqdm bars are switched off by the CLI, which sets TQDM_DISABLE
+    """lm-eval's logging would interleave with our progress display; its `git describe` of the
+    current folder prints git's complaint outside a repository, and its environment survey runs
+    subprocesses at every call (both irrelevant here: the report records the versions). Its tqdm bars are switched off by the CLI, which sets TQDM_DISABLE
     before tqdm is first imported."""
     from lm_eval import evaluator
 
@@ -137,7 +184,8 @@ def _quiet() -> Iterator[None]:
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None):
+        with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None), \
+                mock.patch.object(evaluator, "add_env_info", lambda results: None):
             yield
     finally:
         logger.setLevel(level)
@@ -152,7 +200,9 @@ def run_tasks(model: PreTrainedModel, tokenizer: Any, spec: LmEvalSpec, device: 
     with _quiet():
         manager = _task_manager(spec)
         specs, names = _task_specs(spec, manager)
-        wrapper = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=spec.batch_size, device=str(device))
+        # lm-eval may give the tokenizer a pad token: a copy keeps the caller's (saved with the model) as it was
+        wrapper = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size,
+                       device=str(device))
         limit = spec.limit if spec.limit is None or spec.limit < 1 else int(spec.limit)
         try:
             results = simple_evaluate(model=wrapper, tasks=specs, task_manager=manager, num_fewshot=spec.num_fewshot,
@@ -164,4 +214,12 @@ def run_tasks(model: PreTrainedModel, tokenizer: Any, spec: LmEvalSpec, device: 
                             f"{' (offline mode is on; use local task files)' if os.environ.get('HF_DATASETS_OFFLINE') == '1' else ''}") from None
     if results is None:  # only a non-zero rank in a distributed run gets None
         return {}
-    return {name: _flatten(results["results"].get(name, {})) for name in names}
+    scores: dict[str, dict[str, float | int | None]] = {}
+    for name in names:
+        flat = _flatten(results["results"].get(name, {}))
+        if any(key != "samples" for key in flat):
+            scores[name] = flat
+        else:  # a group that aggregates nothing: its tasks' scores
+            for task in results.get("group_subtasks", {}).get(name, []):
+                scores[task] = _flatten(results["results"].get(task, {}))
+    return scores

@@ -18,7 +18,7 @@ SKIPPED_OBJECTIVES = ("tau", "steps")
 
 
 def _series(row: dict[str, Any], grid_keys: list[str]) -> str:
-    parts = [row["pipeline"]] if "pipeline" in grid_keys or not grid_keys else []
+    parts = [row["pipeline"]] if "pipeline" in grid_keys else []
     parts += [f"{key}={row[key]}" for key in grid_keys if key not in ("sparsity", "seed", "pipeline")]
     return ", ".join(parts) or row["pipeline"]
 
@@ -65,10 +65,11 @@ def _dense(table: list[dict[str, Any]], column: str) -> float | None:
 def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str],
                 folder: Path) -> list[Path]:
     """Write the sweep's plots into `folder`; return their paths."""
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: no global backend, no windows, any thread
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def subplots(rows: int, columns: int, size: tuple[float, float]) -> tuple[Any, Any]:
+        figure = Figure(figsize=size)
+        return figure, figure.subplots(rows, columns, squeeze=False)
 
     written: list[Path] = []
 
@@ -77,17 +78,18 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
         for axes in figure.axes:
             for handle, label in zip(*axes.get_legend_handles_labels()):
                 handles.setdefault(label, handle)
-        figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)),
-                      fontsize=8, frameon=False)
+        if handles:
+            figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)),
+                          fontsize=8, frameon=False)
         figure.tight_layout(rect=(0, 0.04 + 0.035 * math.ceil(len(handles) / 3), 1, 1))
         path = folder / name
         figure.savefig(path, dpi=120)
-        plt.close(figure)
         written.append(path)
 
     model = table[0]["model"] if table else ""
     if any(isinstance(row.get("KL"), float) for row in table):
-        figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        figure, grid = subplots(1, 2, (12, 4.5))
+        axes = grid[0]
         _plot_against_sparsity(axes[0], table, grid_keys, "KL")
         axes[0].set_yscale("log")
         axes[0].set_ylabel("KL(original ‖ pruned), nats per token")
@@ -99,7 +101,7 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
 
     tasks = [c for c in (table[0] if table else {}) if c.startswith("dense ")]
     if tasks:
-        figure, grid = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+        figure, grid = subplots(1, len(tasks), (6 * len(tasks), 4.5))
         for axes, dense_column in zip(grid[0], tasks):
             column = dense_column.removeprefix("dense ")
             _plot_against_sparsity(axes, table, grid_keys, column, _dense(table, dense_column))
@@ -112,7 +114,7 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
         keys = sorted(objectives)
         columns = min(3, len(keys))
         rows = math.ceil(len(keys) / columns)
-        figure, grid = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+        figure, grid = subplots(rows, columns, (6 * columns, 4 * rows))
         colours = _colours(table, grid_keys)
         for axes, key in zip(grid.flat, keys):
             for series, (sites, values) in objectives[key].items():

@@ -297,6 +297,11 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
         spec = dataclasses.replace(spec, lm_eval=[
             check_lm_eval(suite, f"{where}.lm_eval" + (f".{i}" if len(suites) > 1 else ""), base)
             for i, suite in enumerate(suites)])
+        named = [task for suite in spec.lm_eval for task in suite.tasks]
+        twice = sorted({task for task in named if named.count(task) > 1})
+        if twice:
+            raise UserError(f"lm-eval task '{twice[0]}' is named twice in {where}.lm_eval; its scores share one key "
+                            f"in the report, so name each task once")
     return spec
 
 

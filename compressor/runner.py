@@ -362,12 +362,28 @@ def run(
     return report
 
 
-def fisher_key(recipe: Recipe, model_fingerprint: str, data_fingerprint: str) -> str:
-    """What H depends on: the model, the calibration tokens, the H pass's result-deciding options
-    and the seed of its label sampling."""
+def fisher_key(recipe: Recipe, model_fingerprint: str, data_fingerprint: str, device: torch.device) -> str:
+    """What H depends on: the model (and how it computes: attention kernel, device type), the
+    calibration tokens, the H pass's result-deciding options and the seed of its label sampling."""
     options = {k: v for k, v in dataclasses.asdict(recipe.sensitivity).items() if k not in ("chunk", "recompute")}
     return json_digest({"model": model_fingerprint, "data": data_fingerprint, "sensitivity": options,
-                        "seed": recipe.seed, "compressor": compressor.__version__})
+                        "seed": recipe.seed, "attention": recipe.model.attn_implementation,
+                        "device": device.type, "compressor": compressor.__version__})
+
+
+def baseline_tasks_key(suites: list[Any], model_fingerprint: str, recipe: Recipe, tokenizer: Any,
+                       device: torch.device) -> str:
+    """What the original model's lm-eval scores depend on: the model, its tokenizer's chat
+    template, the device type, the seed and each suite (settings, lm-eval version, local task
+    and data files' bytes)."""
+    if not suites:
+        return ""
+    from compressor.harness import suite_digest
+
+    return json_digest({"model": model_fingerprint, "seed": recipe.seed, "device": device.type,
+                        "chat_template": str(getattr(tokenizer, "chat_template", None)),
+                        "attention": recipe.model.attn_implementation,
+                        "suites": [suite_digest(suite) for suite in suites]})
 
 
 def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
@@ -393,7 +409,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(model),
                    "data": data_fingerprint(calibration)}
     checkpoint.start(fingerprint)
-    h_key = fisher_key(recipe, fingerprint["model"], fingerprint["data"])
+    h_key = fisher_key(recipe, fingerprint["model"], fingerprint["data"], device)
     tick = time.perf_counter()
     result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
@@ -420,8 +436,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         report_progress("evaluating", 0, len(evaluation))
         original = resources.model(recipe.model).to(device)
         suites = recipe.evaluation.lm_eval
-        tasks_key = json_digest({"model": fingerprint["model"], "seed": recipe.seed,
-                                 "suites": [dataclasses.asdict(s) for s in suites or []]})
+        tasks_key = baseline_tasks_key(suites or [], fingerprint["model"], recipe, tokenizer, device)
         metrics = evaluate_models(original, pruned.to(device), evaluation, device, report_progress,
                                   tasks=suites, tokenizer=tokenizer, seed=recipe.seed,
                                   baseline_tasks=resources.baseline_tasks(tasks_key))

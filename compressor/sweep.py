@@ -37,8 +37,9 @@ from compressor.checkpoint import json_digest, write_atomic
 from compressor.compare import read_report, render, rows
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
-from compressor.recipe import DataSpec, ModelSpec, Recipe, assign, read_yaml, validate
-from compressor.runner import RUN_MARKER, Resources, plan, recipe_fingerprint, run
+from compressor.recipe import DataSpec, ModelSpec, Recipe, assign, load_recipe, read_yaml, validate
+from compressor.checkpoint import FINGERPRINT_FILE
+from compressor.runner import CHECKPOINT_FOLDER, RUN_MARKER, Resources, plan, recipe_fingerprint, run, staging_folder
 
 SWEEP_MARKER = "sweep.yaml"
 """A folder holding this file was written by a sweep (the sweep file as it was run)."""
@@ -154,7 +155,8 @@ class SharedResources(Resources):
         if key not in self._fisher and path.is_file():
             with safe_open(str(path), framework="pt") as handle:
                 self._fisher[key] = {site: handle.get_tensor(site) for site in handle.keys()}
-        return self._fisher.get(key)
+        kept = self._fisher.get(key)
+        return None if kept is None else {site: h.clone() for site, h in kept.items()}  # a plugin may edit its H
 
     def keep_fisher(self, key: str, fisher: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -175,19 +177,45 @@ class SharedResources(Resources):
         write_atomic(self.folder / f"tasks-{key[:16]}.json", lambda p: p.write_text(json.dumps(scores, indent=2)))
 
 
-def _finished(point: Point) -> bool:
-    """A run folder of this point whose recipe is unchanged (else it is run again)."""
+_MEMORY_ONLY = ("output", "activations")
+
+
+def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A recipe as saved, without what does not change a run's results (output, memory settings)."""
+    values = {k: v for k, v in recipe.items() if k not in _MEMORY_ONLY}
+    values["sensitivity"] = {k: v for k, v in (values.get("sensitivity") or {}).items()
+                             if k not in ("chunk", "recompute")}
+    return values
+
+
+def _finished(point: Point, save_models: bool, registry: PluginRegistry) -> bool:
+    """A published run folder of this point whose recipe equals the point's in every key that
+    decides a result (model, data, pipeline, evaluation, ...; read with today's defaults filled
+    in), with its model if models are kept."""
     folder = Path(point.recipe.output)
-    if not (folder / RUN_MARKER).is_file():
+    if not (folder / RUN_MARKER).is_file() or not (folder / "recipe.yaml").is_file():
+        return False
+    if save_models and not (folder / "model").is_dir():
         return False
     try:
-        report = read_report(folder)
-    except UserError:
+        saved = load_recipe(folder / "recipe.yaml", registry)
+        read_report(folder)
+    except (UserError, OSError):
         return False
-    return report.get("fingerprint", {}).get("recipe") == recipe_fingerprint(point.recipe)
+    return _comparable(saved.to_dict()) == _comparable(point.recipe.to_dict())
 
 
-def results(sweep: Sweep, finished: list[Point]) -> list[dict[str, Any]]:
+def _stale_checkpoint(point: Point) -> bool:
+    """The point's interrupted run was started with another recipe (the grid was edited since):
+    its checkpoint is discarded for this point only, instead of refusing the whole sweep."""
+    path = staging_folder(Path(point.recipe.output)) / CHECKPOINT_FOLDER / FINGERPRINT_FILE
+    try:
+        return json.loads(path.read_text()).get("recipe") != recipe_fingerprint(point.recipe)
+    except (OSError, ValueError):
+        return False
+
+
+def results(finished: list[Point]) -> list[dict[str, Any]]:
     """One row per finished run: `compress compare`'s columns and the run's grid values."""
     table = rows([Path(p.recipe.output) for p in finished])
     for row, point in zip(table, finished):
@@ -204,29 +232,33 @@ def write_results(sweep: Sweep, table: list[dict[str, Any]]) -> None:
 
 def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None = None,
               restart: bool = False) -> dict[str, Any]:
-    """Run every point not finished yet; write the results and plots; return a summary."""
+    """Run every point not finished yet; write the results and plots; return a summary. If a
+    point fails, the tables still list every finished point before the error goes up."""
     report = progress or (lambda *_: None)
-    check_output(sweep)
-    for point in sweep.points:  # configs, families, widths and task names, before any work
-        plan(point.recipe, registry)
+    check(sweep, registry)
     sweep.output.mkdir(parents=True, exist_ok=True)
-    (sweep.output / SWEEP_MARKER).write_text(sweep.file.read_text())
+    write_atomic(sweep.output / SWEEP_MARKER, lambda p: p.write_text(sweep.file.read_text()))
     shared = SharedResources(sweep.output / "shared")
     if restart:
         shutil.rmtree(shared.folder, ignore_errors=True)
-    done, ran, computed = [], [], 0
-    for position, point in enumerate(sweep.points):
-        label = f"run {position + 1}/{len(sweep.points)} ({point.name})"
-        if not restart and _finished(point):
-            report(f"{label}: finished earlier", position, len(sweep.points))
-        else:
+    ran, computed = [], 0
+    try:
+        for position, point in enumerate(sweep.points):
+            label = f"run {position + 1}/{len(sweep.points)} ({point.name})"
+            if not restart and _finished(point, sweep.save_models, registry):
+                report(f"{label}: finished earlier", position, len(sweep.points))
+                continue
             result = run(point.recipe, registry, lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
-                         overwrite=True, restart=restart, resources=shared, save_model=sweep.save_models)
+                         overwrite=True, restart=restart or _stale_checkpoint(point), resources=shared,
+                         save_model=sweep.save_models)
             ran.append(point.name)
             computed += result["fisher_source"] == "computed"
-        done.append(point)
-        write_results(sweep, results(sweep, done))
-    table = results(sweep, done)
+            write_results(sweep, results([p for p in sweep.points if _finished(p, sweep.save_models, registry)]))
+    finally:
+        done = [p for p in sweep.points if _finished(p, sweep.save_models, registry)]
+        if done:
+            write_results(sweep, results(done))
+    table = results(done)
     report("plotting", 0, 1)
     from compressor.plots import sweep_plots
 
@@ -234,6 +266,17 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
                         sweep.output)
     return {"output": str(sweep.output), "runs": len(done), "ran": ran, "fisher_computed": computed,
             "plots": [str(p) for p in plots], "table": table}
+
+
+def check(sweep: Sweep, registry: PluginRegistry) -> None:
+    """What `compress run --dry-run` checks, for every point (configs, families, widths, task
+    names), and the output folder; loads no weights."""
+    check_output(sweep)
+    for point in sweep.points:
+        try:
+            plan(point.recipe, registry)
+        except UserError as error:
+            raise UserError(f"sweep run {point.name}: {error}") from None
 
 
 def dump(sweep: Sweep) -> str:

@@ -419,3 +419,17 @@ def test_help_and_recipe_checks_leave_the_model_stack_unimported() -> None:
         out = subprocess.run([sys.executable, "-c", script.format(call=call)], capture_output=True, text=True,
                              check=True).stdout
         assert out.strip().splitlines()[-1] == expected, (call, out)
+
+
+def test_sliced_classes_register_even_after_a_probe_for_transformers() -> None:
+    """Libraries probe with importlib.util.find_spec before importing; the hook must survive that."""
+    import subprocess
+    import sys
+
+    script = ("import importlib.util, compressor\n"
+              "importlib.util.find_spec('transformers')\n"
+              "import transformers.models.llama\n"
+              "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+              "print('sliced_llama' in CONFIG_MAPPING)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

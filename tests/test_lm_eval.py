@@ -112,3 +112,40 @@ def test_lm_eval_metric_names_keep_a_filter_and_pair_with_their_error() -> None:
                      "exact_match_stderr,strict-match": 0.1, "acc,none": 0.5, "acc_stderr,none": "N/A"})
     assert flat == {"samples": 8, "exact_match,strict-match": 0.25, "exact_match,strict-match_stderr": 0.1,
                     "acc": 0.5, "acc_stderr": None}
+
+
+def test_a_task_named_in_two_suites_and_tags_are_refused(tiny_checkpoint: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    _write_task(tmp_path / "tasks")
+    twice = [{"tasks": ["tasks/tiny_choice.yaml"]}, {"tasks": ["tasks/tiny_choice.yaml"], "num_fewshot": 1}]
+    assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, evaluation__lm_eval=twice)), "--dry-run"]) == 2
+    assert "is named twice" in capsys.readouterr().err
+    broken = tmp_path / "tasks" / "broken.yaml"
+    broken.write_text("task: [unclosed\n")
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation__lm_eval={"tasks": ["tasks/broken.yaml"]})
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read lm-eval task" in err and err.count("\n") == 1
+
+
+def test_hub_dataset_files_are_left_alone_and_local_ones_resolved(tmp_path: Path) -> None:
+    from compressor.harness import _local_config
+
+    (tmp_path / "hub.yaml").write_text(yaml.safe_dump({"task": "t", "dataset_path": "someone/dataset",
+                                                       "dataset_kwargs": {"data_files": {"test": "dev/x.csv"}}}))
+    assert _local_config(tmp_path / "hub.yaml")["dataset_kwargs"]["data_files"] == {"test": "dev/x.csv"}
+    path = _write_task(tmp_path / "local")
+    assert _local_config(path)["dataset_kwargs"]["data_files"] == {
+        "test": str(tmp_path / "local" / "data" / "tiny_choice.jsonl")}
+
+
+def test_editing_a_local_task_changes_its_digest(tmp_path: Path) -> None:
+    from compressor.harness import suite_digest
+    from compressor.recipe import LmEvalSpec
+
+    path = _write_task(tmp_path)
+    spec = LmEvalSpec(tasks=[str(path)])
+    before = suite_digest(spec)
+    data = tmp_path / "data" / "tiny_choice.jsonl"
+    data.write_text(data.read_text().replace("Question 0", "Question zero"))
+    assert suite_digest(spec) != before

@@ -96,8 +96,8 @@ def test_a_changed_grid_point_is_run_again(tiny_checkpoint: Path, tmp_path: Path
     base = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 0
     capsys.readouterr()
-    assert main(["sweep", str(_write_sweep(tmp_path, base, set={"calibration.num_samples": 3}))]) == 0
-    assert "ran 4 of 4 runs" in capsys.readouterr().out  # every recipe changed
+    assert main(["sweep", str(_write_sweep(tmp_path, base, set={"evaluation.num_samples": 3}))]) == 0
+    assert "ran 4 of 4 runs" in capsys.readouterr().out  # every recipe changed (evaluation is no fingerprint key)
 
 
 @pytest.mark.parametrize(("sweep", "message"), [
@@ -149,3 +149,16 @@ def test_a_sweep_killed_mid_run_resumes_that_run_and_reuses_h(tiny_checkpoint: P
     assert "ran 4 of 4 runs" in finished.stdout and "H computed 0 time(s)" in finished.stdout
     first = json.loads((out / "runs" / "000" / "report.json").read_text())
     assert first["resume"]["sites_loaded"] > 0
+
+
+def test_a_point_interrupted_under_an_edited_grid_starts_afresh(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    sweep = _write_sweep(tmp_path, base)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COMPRESS_KILL_AT": "site:layers.1.attn"}
+    killed = subprocess.run([sys.executable, "-m", "compressor.cli", "sweep", str(sweep)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9
+    edited = _write_sweep(tmp_path, base, set={"calibration.num_samples": 3})  # run 000's recipe is another now
+    assert main(["sweep", str(edited)]) == 0
+    report = json.loads((tmp_path / "sweep-out" / "runs" / "000" / "report.json").read_text())
+    assert report["resume"]["sites_loaded"] == 0 and report["sites"][0]["tokens"] == 3 * 64
