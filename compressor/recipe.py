@@ -266,8 +266,9 @@ def check_lm_eval(spec: LmEvalSpec, where: str, base: Path) -> LmEvalSpec:
         raise UserError(f"{where}.tasks must name at least one task, e.g. [arc_easy] or [tasks/my_task.yaml]")
     if spec.num_fewshot is not None and spec.num_fewshot < 0:
         raise UserError(f"{where}.num_fewshot must be 0 or more (or null for each task's default), got {spec.num_fewshot}")
-    if spec.limit is not None and spec.limit <= 0:
-        raise UserError(f"{where}.limit must be positive (documents per task, or a fraction below 1), got {spec.limit}")
+    if spec.limit is not None and (spec.limit <= 0 or (spec.limit >= 1 and spec.limit != int(spec.limit))):
+        raise UserError(f"{where}.limit must be a whole number of documents per task, or a fraction below 1, "
+                        f"got {spec.limit}")
     if spec.batch_size < 1:
         raise UserError(f"{where}.batch_size must be at least 1, got {spec.batch_size}")
     tasks = []

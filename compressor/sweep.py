@@ -8,6 +8,9 @@
       pipeline: [[{strategy: pca}], [{strategy: sensitivity}, {strategy: stiefel, steps: 20}]]
     save_models: false                 # keep each run's model/ (the bases are always kept)
 
+Relative paths in `set` and `grid` values (data files, task files) resolve against the base
+recipe's folder, as they would written in the base recipe itself.
+
 Every combination of the grid is a run (`<output>/runs/NNN`, a normal run folder) checked before
 any work starts. The runs share, through `SharedResources`: the tokenizer and the tokenised
 windows, the loaded original model (each run prunes a copy), H for each (model, calibration
