@@ -2,13 +2,21 @@
 of M_τ = τC + τ⁻¹H (C and H Frobenius-normalised, float64) are a candidate removed subspace U;
 keep the candidate with the smallest L(U) = Tr(UᵀCU·UᵀHU). With H = I every candidate is the PCA
 subspace; for k = 1 a fine grid spanning small and large τ reaches the exact minimum
-(Proposition 1). The default grid is the paper's; the report compares the choice with PCA."""
+(Proposition 1). The default grid is the paper's; the report compares the choice with PCA.
+
+Two options go past the paper (both off by default, so the default is the paper's method):
+`include_pca` adds the PCA subspace (τ → ∞) as a candidate, so the choice never has a larger
+objective than PCA's; `refine: N` spends N more eigendecompositions on a golden-section search
+of log τ between the best grid point's neighbours (beyond the grid's ends, a decade out)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from compressor.plugins import hookimpl
 from compressor.strategy import (
@@ -27,6 +35,8 @@ DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
 @dataclass(frozen=True)
 class TauGrid:
     taus: tuple[float, ...] = DEFAULT_TAUS
+    include_pca: bool = False
+    refine: int = 0
 
 
 def parse_taus(value: Any, strategy: str) -> tuple[float, ...]:
@@ -42,29 +52,76 @@ class Sensitivity(Strategy):
     requires = ("C", "H")
 
     def parse_options(self, options: Mapping[str, Any]) -> TauGrid:
-        unknown = sorted(set(options) - {"taus"})
+        known = ("taus", "include_pca", "refine")
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise StrategyOptionError(f"strategy '{self.name}' has no option '{unknown[0]}'; its only option is taus")
-        return TauGrid(parse_taus(options["taus"], self.name)) if "taus" in options else TauGrid()
+            raise StrategyOptionError(f"strategy '{self.name}' has no option '{unknown[0]}'; its options are "
+                                      f"{', '.join(known)}")
+        include_pca = options.get("include_pca", False)
+        if not isinstance(include_pca, bool):
+            raise StrategyOptionError(f"strategy '{self.name}': include_pca must be true or false, got {include_pca!r}")
+        refine = options.get("refine", 0)
+        if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+            raise StrategyOptionError(f"strategy '{self.name}': refine must be a whole number of extra τ values "
+                                      f"(0 or more), got {refine!r}")
+        taus = parse_taus(options["taus"], self.name) if "taus" in options else DEFAULT_TAUS
+        return TauGrid(taus, include_pca, refine)
 
     def select(self, problem: SiteProblem, incoming: Basis | None, options: TauGrid) -> Basis:
         C = frobenius_normalised(problem.stats.C)
         H = frobenius_normalised(problem.stats.extra["H"].to(C))
         keep = problem.keep
-        candidates = []
-        for tau in options.taus:
+
+        def candidate(tau: float) -> tuple[float, float, torch.Tensor]:
             _, vectors = eigh_descending(tau * C + H / tau)
-            candidates.append((coupled_loss(C, H, vectors[:, keep:]), tau, vectors))
-        loss, tau, vectors = min(candidates, key=lambda c: c[0])
+            return coupled_loss(C, H, vectors[:, keep:]), tau, vectors
+
+        candidates = [candidate(tau) for tau in options.taus]
+        refined = _golden_section(candidate, sorted(options.taus), min(candidates, key=lambda c: c[0])[1],
+                                  options.refine)
         _, pca_vectors = eigh_descending(C)
         pca_loss = coupled_loss(C, H, pca_vectors[:, keep:])
+        pool = candidates + refined + ([(pca_loss, math.inf, pca_vectors)] if options.include_pca else [])
+        loss, tau, vectors = min(pool, key=lambda c: c[0])
         return Basis(Q=vectors, objectives={
             "loss": loss,
-            "tau": tau,
+            "tau": tau if math.isfinite(tau) else None,  # None: the PCA subspace won (include_pca)
+            "chose_pca": not math.isfinite(tau),
             "loss_pca": pca_loss,
             "loss_ratio_to_pca": loss / pca_loss if pca_loss > 0 else 1.0,
             "candidates": [{"tau": t, "loss": value} for value, t, _ in candidates],
+            "refined": [{"tau": t, "loss": value} for value, t, _ in refined],
         })
+
+
+def _golden_section(candidate: Any, grid: list[float], best: float, evaluations: int
+                    ) -> list[tuple[float, float, torch.Tensor]]:
+    """`evaluations` more candidates, placed by golden-section search on log τ over the bracket
+    between the best grid τ's neighbours (a decade beyond the grid's ends). The loss need not be
+    unimodal there; the search only ever adds candidates, so the choice cannot get worse."""
+    if evaluations < 1:
+        return []
+    index = grid.index(best)
+    low = math.log(grid[index - 1] if index > 0 else best / 10)
+    high = math.log(grid[index + 1] if index + 1 < len(grid) else best * 10)
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    found = [candidate(math.exp(a))]
+    if evaluations > 1:
+        found.append(candidate(math.exp(b)))
+    fa, fb = found[0][0], found[-1][0]
+    while len(found) < evaluations:
+        if fa <= fb:  # the minimum lies in [low, b]
+            high, b, fb = b, a, fa
+            a = high - ratio * (high - low)
+            found.append(candidate(math.exp(a)))
+            fa = found[-1][0]
+        else:  # in [a, high]
+            low, a, fa = a, b, fb
+            b = low + ratio * (high - low)
+            found.append(candidate(math.exp(b)))
+            fb = found[-1][0]
+    return found
 
 
 @hookimpl

@@ -85,6 +85,32 @@ def test_sensitivity_beats_or_ties_pca_on_its_objective_and_reports_candidates()
     assert min(c["loss"] for c in basis.objectives["candidates"]) == basis.objectives["loss"]
 
 
+def test_with_pca_among_the_candidates_the_choice_is_never_worse_than_pca() -> None:
+    C, H = random_psd(16, seed=5), random_psd(16, seed=6, decay=0.1)
+    grid_only = Sensitivity().select(problem(C, H, keep=12), None, TauGrid(taus=(0.01,)))
+    assert grid_only.objectives["loss"] > grid_only.objectives["loss_pca"]  # an H-dominated grid loses here
+    chosen = Sensitivity().select(problem(C, H, keep=12), None, TauGrid(taus=(0.01,), include_pca=True))
+    assert chosen.objectives["loss"] == chosen.objectives["loss_pca"]
+    assert chosen.objectives["chose_pca"] and chosen.objectives["tau"] is None
+    pca = torch.linalg.eigh(C)[1][:, :4]  # C's bottom 4 eigenvectors: the removed directions
+    assert torch.allclose(projector(chosen.Q[:, 12:]), projector(pca), atol=1e-8)
+
+
+def test_refining_tau_only_ever_lowers_the_objective() -> None:
+    C, H = random_psd(16, seed=5), random_psd(16, seed=6, decay=0.1)
+    grid = Sensitivity().select(problem(C, H, keep=12), None, TauGrid())
+    refined = Sensitivity().select(problem(C, H, keep=12), None, TauGrid(refine=8))
+    assert len(refined.objectives["refined"]) == 8
+    assert refined.objectives["loss"] < grid.objectives["loss"]  # the grid's best τ = 7 is not the optimum here
+    assert 1.0 < refined.objectives["tau"] < 10.0  # searched between the best grid point's neighbours
+    for seed in range(10):
+        C, H = random_psd(12, seed=seed), random_psd(12, seed=seed + 50, decay=0.05)
+        for refine in (1, 2, 5):
+            base = Sensitivity().select(problem(C, H, keep=8), None, TauGrid())
+            more = Sensitivity().select(problem(C, H, keep=8), None, TauGrid(refine=refine))
+            assert more.objectives["loss"] <= base.objectives["loss"]
+
+
 def test_stiefel_gradient_is_the_gradient_of_the_loss() -> None:
     C, H = random_psd(7, seed=7), random_psd(7, seed=8)
     U = torch.linalg.qr(torch.randn(7, 3, dtype=torch.float64))[0].requires_grad_(True)
@@ -129,6 +155,9 @@ def test_complete_basis_spans_the_removed_subspace_last() -> None:
     (Sensitivity(), {"taus": [1, -2]}, "positive numbers"),
     (Sensitivity(), {"taus": []}, "non-empty"),
     (Sensitivity(), {"tau": [1]}, "no option 'tau'"),
+    (Sensitivity(), {"include_pca": "yes"}, "include_pca must be true or false"),
+    (Sensitivity(), {"refine": -1}, "refine must be a whole number"),
+    (Sensitivity(), {"refine": 2.5}, "refine must be a whole number"),
     (Stiefel(), {"steps": 0}, "steps must be at least 1"),
     (Stiefel(), {"lr": 0}, "lr must be above 0"),
     (Stiefel(), {"steps": 2.5}, "steps must be an integer"),
