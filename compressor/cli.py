@@ -230,8 +230,10 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
     except KeyboardInterrupt:
         raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
     console.print(render(summary["table"], ".md"), end="", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs (the others had finished earlier); "
-                  f"H computed {summary['fisher_computed']} time(s)", markup=False, highlight=False)
+    kept = summary["runs"] - len(summary["ran"])
+    console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs"
+                  + (f" ({kept} had finished earlier)" if kept else "")
+                  + f"; H computed {summary['fisher_computed']} time(s)", markup=False, highlight=False)
     console.print(f"wrote {sweep.output}: results.csv, results.json, results.md, "
                   f"{', '.join(Path(p).name for p in summary['plots'])}", markup=False, highlight=False, soft_wrap=True)
 

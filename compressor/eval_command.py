@@ -174,7 +174,7 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
             speed = compare_speed(reference, target, device, **fitting_lengths(models))
     return {
         "compressor": compressor.__version__,
-        "target": plan.target.path,
+        "target": plan.target.path if plan.rebuild is None else f"{request.target} (rebuilt from {BASES_FILE})",
         "size": sizes,
         "speed": speed,
         "reference": plan.reference.path if plan.reference is not None else None,

@@ -420,7 +420,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     timings["prune_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    report_progress("saving model", 0, 1)
+    report_progress("saving model" if save_model else "saving bases", 0, 1)
     if save_model:
         pruned.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")

@@ -11,8 +11,10 @@
 Relative paths in `set` and `grid` values (data files, task files) resolve against the base
 recipe's folder, as they would written in the base recipe itself.
 
-Every combination of the grid is a run (`<output>/runs/NNN`, a normal run folder) checked before
-any work starts. The runs share, through `SharedResources`: the tokenizer and the tokenised
+Every combination of the grid is a run (`<output>/runs/NNN`, a normal run folder, numbered in grid
+order) checked before any work starts. When the grid is edited (a value inserted), finished runs
+are matched to the new points by recipe and renamed, not recomputed; runs that no longer belong
+to the grid move to `<output>/previous/`. The runs share, through `SharedResources`: the tokenizer and the tokenised
 windows, the loaded original model (each run prunes a copy), H for each (model, calibration
 data, H options, seed), and the original model's lm-eval scores. H and the scores are also kept
 under `<output>/shared/`, so a sweep that was interrupted continues where it stopped: finished
@@ -208,6 +210,52 @@ def _finished(point: Point, save_models: bool, registry: PluginRegistry) -> bool
     return _comparable(saved.to_dict()) == _comparable(point.recipe.to_dict())
 
 
+PREVIOUS_FOLDER = "previous"
+"""Where earlier run folders that no point of the current grid matches are kept (never deleted)."""
+
+
+def _rearrange(sweep: Sweep, registry: PluginRegistry) -> list[str]:
+    """Give each point the finished run folder that holds its recipe, wherever an earlier grid
+    put it (runs are numbered by position, so inserting a value shifts them); folders no point
+    matches move to `<output>/previous/`. Returns what moved, for the log."""
+    runs = sweep.output / "runs"
+    if not runs.is_dir():
+        return []
+    wanted = {p.name: p for p in sweep.points}
+    misplaced = [f for f in sorted(runs.iterdir()) if f.is_dir() and not f.name.startswith(".")
+                 and (f / RUN_MARKER).is_file()
+                 and not (f.name in wanted and _finished(wanted[f.name], sweep.save_models, registry))]
+    if not misplaced:
+        return []
+    holding = runs / ".rearranging"
+    holding.mkdir(exist_ok=True)
+    for folder in misplaced:
+        folder.rename(holding / folder.name)
+    moves = []
+    for point in sweep.points:
+        if (runs / point.name).exists():
+            continue
+        for folder in sorted(holding.iterdir()):
+            probe = dataclasses.replace(point, recipe=dataclasses.replace(point.recipe, output=str(folder)))
+            if _finished(probe, sweep.save_models, registry):
+                folder.rename(runs / point.name)
+                moves.append(f"runs/{folder.name} -> runs/{point.name}")
+                break
+    leftovers = sorted(holding.iterdir())
+    if leftovers:
+        previous = sweep.output / PREVIOUS_FOLDER
+        previous.mkdir(exist_ok=True)
+        for folder in leftovers:
+            target = previous / folder.name
+            suffix = 1
+            while target.exists():
+                target, suffix = previous / f"{folder.name}-{suffix}", suffix + 1
+            folder.rename(target)
+            moves.append(f"runs/{folder.name} -> {PREVIOUS_FOLDER}/{target.name} (no longer in the grid)")
+    holding.rmdir()
+    return moves
+
+
 def _stale_checkpoint(point: Point) -> bool:
     """The point's interrupted run was started with another recipe (the grid was edited since):
     its checkpoint is discarded for this point only, instead of refusing the whole sweep."""
@@ -244,6 +292,9 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
     shared = SharedResources(sweep.output / "shared")
     if restart:
         shutil.rmtree(shared.folder, ignore_errors=True)
+    else:
+        for move in _rearrange(sweep, registry):
+            report(f"kept an earlier run: {move}", 0, 1)
     ran, computed = [], 0
     try:
         for position, point in enumerate(sweep.points):

@@ -146,7 +146,8 @@ def test_saved_recipe_records_strategy_defaults(tiny_checkpoint: Path, tmp_path:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}])
     assert main(["run", str(recipe)]) == 0
     saved = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
-    assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0]}]
+    assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0],
+                                  "include_pca": False, "refine": 0}]
     assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "autocast": None, "chunk": 32,
                                     "recompute": None}
     assert saved["seed"] == 0 and saved["activations"] == "host"

@@ -67,7 +67,9 @@ def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint:
     assert (out / "runs" / "000" / "bases.safetensors").is_file()
     # compress eval rebuilds such a run's model from the original and its bases
     assert main(["eval", str(out / "runs" / "003"), "--no-throughput", "--output", str(tmp_path / "e.json")]) == 0
-    evaluated = json.loads((tmp_path / "e.json").read_text())["metrics"]
+    evaluated_report = json.loads((tmp_path / "e.json").read_text())
+    assert evaluated_report["target"].endswith("003 (rebuilt from bases.safetensors)")
+    evaluated = evaluated_report["metrics"]
     assert evaluated["pruned"]["kl"] == pytest.approx(reports[3]["metrics"]["pruned"]["kl"], rel=1e-6)
     assert evaluated["pruned"]["ppl"] == pytest.approx(reports[3]["metrics"]["pruned"]["ppl"], rel=1e-6)
 
@@ -162,3 +164,26 @@ def test_a_point_interrupted_under_an_edited_grid_starts_afresh(tiny_checkpoint:
     assert main(["sweep", str(edited)]) == 0
     report = json.loads((tmp_path / "sweep-out" / "runs" / "000" / "report.json").read_text())
     assert report["resume"]["sites_loaded"] == 0 and report["sites"][0]["tokens"] == 3 * 64
+
+
+def test_extending_the_grid_keeps_every_finished_run(tiny_checkpoint: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    base = write_recipe(tmp_path, tiny_checkpoint)
+    pipelines = [[{"strategy": "pca"}], [{"strategy": "sensitivity"}]]
+    assert main(["sweep", str(_write_sweep(tmp_path, base, grid={"sparsity": [0.125, 0.375],
+                                                                 "pipeline": pipelines}))]) == 0
+    out = tmp_path / "sweep-out"
+    kl = {json.loads((out / "runs" / n / "report.json").read_text())["sparsity"]: None for n in ("002", "003")}
+    before = {n: (out / "runs" / n / "report.json").read_text() for n in ("000", "001", "002", "003")}
+    capsys.readouterr()
+    extended = _write_sweep(tmp_path, base, grid={"sparsity": [0.125, 0.25, 0.375], "pipeline": pipelines})
+    assert main(["sweep", str(extended)]) == 0
+    assert "ran 2 of 6 runs" in capsys.readouterr().out  # only the inserted 0.25 runs
+    assert (out / "runs" / "004" / "report.json").read_text() == before["002"]  # 0.375 moved from 002 to 004
+    assert (out / "runs" / "005" / "report.json").read_text() == before["003"]
+    assert json.loads((out / "runs" / "002" / "report.json").read_text())["sparsity"] == 0.25
+    assert list(kl) == [0.375]
+    shrunk = _write_sweep(tmp_path, base, grid={"sparsity": [0.125], "pipeline": pipelines})
+    assert main(["sweep", str(shrunk)]) == 0
+    assert sorted(p.name for p in (out / "previous").iterdir()) == ["002", "003", "004", "005"]
+    assert len(json.loads((out / "results.json").read_text())) == 2
