@@ -24,9 +24,9 @@ import transformers
 import compressor
 from compressor.bases import BASES_FILE, apply_bases, load_bases
 from compressor.errors import UserError
-from compressor.evaluate import evaluate_models, task_scores
+from compressor.evaluate import evaluate_models
 from compressor.families import ModelFamily
-from compressor.harness import check_tasks
+from compressor.harness import check_suites
 from compressor.plugins import PluginRegistry
 from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
                                resolve_model_path)
@@ -142,8 +142,7 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     started = time.perf_counter()
     plan = _plan(request, PluginRegistry())
     device = resolve_device(request.device)
-    for suite in plan.suites:
-        check_tasks(suite)
+    check_suites(plan.suites)
     report_progress("tokenising data", 0, 1)
     tokenizer = load_tokenizer(plan.target)
     batches = token_batches(plan.data, tokenizer, "evaluation") if plan.data is not None else None
@@ -154,24 +153,16 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
         target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device)
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
-    if batches is not None:
-        metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
-                                  tokenizer=tokenizer, seed=plan.seed)
-    else:  # lm-eval tasks only
-        metrics = {}
-        for name, model in (("baseline", reference), ("pruned", target)):
-            if model is not None:
-                report_progress(f"lm-eval: {'reference' if name == 'baseline' else 'target'} model", 0, 1)
-                metrics[name] = {"tasks": task_scores(model, tokenizer, plan.suites, device, plan.seed)}
+    metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
+                              tokenizer=tokenizer, seed=plan.seed)
     sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
     speed = None
     if plan.throughput:
         report_progress("measuring throughput", 0, 1)
-        models = [target] if reference is None else [reference, target]
         if reference is None:
-            speed = {"pruned": measure(target, device, **fitting_lengths(models))}
+            speed = {"pruned": measure(target, device, **fitting_lengths([target]))}
         else:
-            speed = compare_speed(reference, target, device, **fitting_lengths(models))
+            speed = compare_speed(reference, target, device, **fitting_lengths([reference, target]))
     return {
         "compressor": compressor.__version__,
         "target": plan.target.path if plan.rebuild is None else f"{request.target} (rebuilt from {BASES_FILE})",

@@ -63,7 +63,7 @@ def compare(
 def evaluate_models(
     original: PreTrainedModel | None,
     pruned: PreTrainedModel,
-    batches: list[Batch],
+    batches: list[Batch] | None,
     device: torch.device,
     progress: Callable[[str, int, int], None] | None = None,
     *,
@@ -72,12 +72,15 @@ def evaluate_models(
     seed: int = 0,
     baseline_tasks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`compare`, then the lm-eval task suites on both models (both already on `device`), under
-    `metrics.<model>.tasks`. `baseline_tasks` gives the original's scores when they are known
-    already (a sweep scores the dense model once)."""
+    """`compare` (unless `batches` is None: task scores only), then the lm-eval task suites on
+    both models (both already on `device`), under `metrics.<model>.tasks`. `baseline_tasks` gives
+    the original's scores when they are known already (a sweep scores the dense model once)."""
     report = progress or (lambda *_: None)
-    metrics: dict[str, Any] = compare(original, pruned, batches, device,
-                                      lambda done, total: report("evaluating", done, total))
+    if batches is not None:
+        metrics: dict[str, Any] = compare(original, pruned, batches, device,
+                                          lambda done, total: report("evaluating", done, total))
+    else:
+        metrics = {**({"baseline": {}} if original is not None else {}), "pruned": {}}
     if tasks:
         if original is not None:
             if baseline_tasks is None:

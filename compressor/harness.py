@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.errors import UserError, first_line
-from compressor.recipe import TASK_FILE_SUFFIXES, LmEvalSpec
+from compressor.recipe import TASK_FILE_SUFFIXES, LmEvalSpec, resolve_path
 
 
 @functools.lru_cache(maxsize=4)
@@ -72,6 +72,12 @@ def check_tasks(spec: LmEvalSpec) -> None:
                 raise UserError(f"lm-eval name '{task}' is a tag, which has no score of its own: name its tasks "
                                 f"(`lm_eval ls tasks` lists them)")
         _task_specs(spec, manager)
+
+
+def check_suites(suites: list[LmEvalSpec]) -> None:
+    """`check_tasks` for each suite of a recipe or a command line."""
+    for suite in suites:
+        check_tasks(suite)
 
 
 def suite_digest(spec: LmEvalSpec) -> str:
@@ -125,7 +131,7 @@ def _local_config(path: Path) -> dict[str, Any]:
 
 def _resolved(files: Any, base: Path) -> Any:
     if isinstance(files, str):
-        return files if "://" in files or Path(files).is_absolute() else str((base / files).resolve())
+        return resolve_path(files, base)
     if isinstance(files, list):
         return [_resolved(f, base) for f in files]
     if isinstance(files, dict):

@@ -209,7 +209,8 @@ def _is_remote(path: str) -> bool:
     return "://" in path
 
 
-def _resolve(path: str, base: Path) -> str:
+def resolve_path(path: str, base: Path) -> str:
+    """`path` made absolute against `base`, unless it is absolute already or a URL."""
     return path if _is_remote(path) or Path(path).is_absolute() else str((base / path).resolve())
 
 
@@ -217,7 +218,7 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
     """A folder relative to `base` if it looks like a path or exists; else a hub id."""
     local = base / path
     if path.startswith((".", "/", "~")) or local.exists():
-        resolved = Path(path).expanduser() if path.startswith("~") else Path(_resolve(path, base))
+        resolved = Path(path).expanduser() if path.startswith("~") else Path(resolve_path(path, base))
         if not resolved.is_dir():
             raise UserError(f"model folder not found: {resolved} ({where})")
         return str(resolved)
@@ -226,7 +227,7 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
 
 def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
     if isinstance(files, str):
-        resolved = _resolve(files, base)
+        resolved = resolve_path(files, base)
         if not _is_remote(resolved) and not any(ch in resolved for ch in "*?[") and not Path(resolved).exists():
             raise UserError(f"data file not found: {resolved} ({where}, relative to the recipe's folder)")
         return resolved
@@ -274,13 +275,13 @@ def check_lm_eval(spec: LmEvalSpec, where: str, base: Path) -> LmEvalSpec:
     tasks = []
     for index, task in enumerate(spec.tasks):
         if task.endswith(TASK_FILE_SUFFIXES):
-            task = _resolve(task, base)
+            task = resolve_path(task, base)
             if not Path(task).is_file():
                 raise UserError(f"lm-eval task file not found: {task} ({where}.tasks.{index}, relative to the recipe's folder)")
         tasks.append(task)
     include_path = spec.include_path
     if include_path is not None:
-        include_path = _resolve(include_path, base)
+        include_path = resolve_path(include_path, base)
         if not Path(include_path).is_dir():
             raise UserError(f"lm-eval include_path is not a folder: {include_path} "
                             f"({where}.include_path, relative to the recipe's folder)")
@@ -375,7 +376,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         model=dataclasses.replace(recipe.model, path=resolve_model_path(recipe.model.path, base)),
         calibration=check_data(recipe.calibration, "calibration", base),
         evaluation=check_evaluation(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
-        output=_resolve(recipe.output, base),
+        output=resolve_path(recipe.output, base),
     )
 
 

@@ -287,10 +287,9 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
 def check_evaluation_tasks(recipe: Recipe) -> None:
     """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
     if recipe.evaluation is not None and recipe.evaluation.lm_eval is not None:
-        from compressor.harness import check_tasks
+        from compressor.harness import check_suites
 
-        for suite in recipe.evaluation.lm_eval:
-            check_tasks(suite)
+        check_suites(recipe.evaluation.lm_eval)
 
 
 def recipe_fingerprint(recipe: Recipe) -> str:

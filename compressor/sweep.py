@@ -295,30 +295,37 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
     else:
         for move in _rearrange(sweep, registry):
             report(f"kept an earlier run: {move}", 0, 1)
+    finished = {p.name for p in sweep.points if _finished(p, sweep.save_models, registry)}
+
+    def done() -> list[Point]:
+        return [p for p in sweep.points if p.name in finished]
+
     ran, computed = [], 0
     try:
         for position, point in enumerate(sweep.points):
             label = f"run {position + 1}/{len(sweep.points)} ({point.name})"
-            if not restart and _finished(point, sweep.save_models, registry):
+            if not restart and point.name in finished:
                 report(f"{label}: finished earlier", position, len(sweep.points))
                 continue
             result = run(point.recipe, registry, lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
                          overwrite=True, restart=restart or _stale_checkpoint(point), resources=shared,
                          save_model=sweep.save_models)
             ran.append(point.name)
+            finished.add(point.name)
             computed += result["fisher_source"] == "computed"
-            write_results(sweep, results([p for p in sweep.points if _finished(p, sweep.save_models, registry)]))
-    finally:
-        done = [p for p in sweep.points if _finished(p, sweep.save_models, registry)]
-        if done:
-            write_results(sweep, results(done))
-    table = results(done)
+            write_results(sweep, results(done()))
+    except BaseException:
+        if done():
+            write_results(sweep, results(done()))
+        raise
+    table = results(done())
+    write_results(sweep, table)
     report("plotting", 0, 1)
     from compressor.plots import sweep_plots
 
-    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done], list(sweep.grid),
+    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done()], list(sweep.grid),
                         sweep.output)
-    return {"output": str(sweep.output), "runs": len(done), "ran": ran, "fisher_computed": computed,
+    return {"output": str(sweep.output), "runs": len(table), "ran": ran, "fisher_computed": computed,
             "plots": [str(p) for p in plots], "table": table}
 
 
