@@ -82,6 +82,21 @@ class SlicingSpec:
 
 
 @dataclass(frozen=True)
+class RefinementSpec:
+    """End-to-end refinement of the walk's bases against the output KL (`compressor.refine`)."""
+
+    epochs: float = 1.0
+    """Passes over its windows (one Riemannian Adam step per batch)."""
+    windows: int | None = None
+    """How many calibration windows it uses (evenly spaced); None: all."""
+    lr: float = 0.02
+    batch_size: int = 4
+    """Calibration windows per step."""
+    top_k: int = 64
+    """Teacher probabilities kept per token (the rest is one bin); 0 keeps the whole distribution."""
+
+
+@dataclass(frozen=True)
 class StepSpec:
     strategy: str
     options: dict[str, Any]
@@ -101,6 +116,8 @@ class Recipe:
     seed: int = 0
     activations: str = "host"
     """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
+    refinement: RefinementSpec | None = None
+    """After the walk, refine every site's kept directions on the output KL (off when absent)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe, in the same shape as the YAML it came from."""
@@ -307,6 +324,19 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
     return spec
 
 
+def check_refinement(spec: RefinementSpec) -> None:
+    if spec.epochs <= 0:
+        raise UserError(f"refinement.epochs must be above 0 (passes over the calibration windows), got {spec.epochs}")
+    if spec.lr <= 0:
+        raise UserError(f"refinement.lr must be above 0, got {spec.lr}")
+    if spec.windows is not None and spec.windows < 1:
+        raise UserError(f"refinement.windows must be at least 1 (or null for all calibration windows), got {spec.windows}")
+    if spec.batch_size < 1:
+        raise UserError(f"refinement.batch_size must be at least 1, got {spec.batch_size}")
+    if spec.top_k < 0:
+        raise UserError(f"refinement.top_k must be 0 (the whole distribution) or more, got {spec.top_k}")
+
+
 def _plain(value: Any) -> Any:
     """Tuples to lists (recursively), so options dump as plain YAML."""
     if isinstance(value, (list, tuple)):
@@ -368,6 +398,8 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(f"sensitivity.chunk must be at least 1 (sequences per layer visit), got {recipe.sensitivity.chunk}")
     if recipe.activations not in OFFLOAD_MODES:
         raise UserError(f"activations must be one of {', '.join(OFFLOAD_MODES)}, got '{recipe.activations}'")
+    if recipe.refinement is not None:
+        check_refinement(recipe.refinement)
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

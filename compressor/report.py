@@ -21,9 +21,18 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     if metrics:
         rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
         rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+        if "unrefined" in metrics:
+            rows.append(("KL before refinement", "", f"{metrics['unrefined']['kl']:.5f}"))
         rows += task_rows(metrics)
+    refinement = report.get("refinement")
+    if refinement:
+        rows.append((f"calibration KL, refinement objective (top_k {refinement['top_k']})",
+                     f"{refinement['calibration_kl_before']:.5f}",
+                     f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})"))
     timings = report["timings"]
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
+    if "refine_s" in timings:
+        rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
     if "eval_s" in timings:
         rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
     return rows

@@ -32,18 +32,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 import compressor
 from compressor import faults
-from compressor.bases import BASES_FILE, save_bases
+from compressor.bases import BASES_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError, first_line
-from compressor.evaluate import evaluate_models, parameter_count
+from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
 from compressor.families import ModelFamily, family_for
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
+from compressor.refine import refine_bases
 from compressor.report import write_markdown
 from compressor.sites import site_widths
 from compressor.throughput import compare_speed, fitting_lengths, model_size
@@ -296,9 +297,11 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     """What in the recipe decides the pruned model, with this package's version. Left out: where
     the output goes, evaluation, where model and data come from (their contents are fingerprinted
     instead) and settings that change memory use but not results (activations, H chunking), so
-    a run killed for lack of memory can resume with other ones."""
+    a run killed for lack of memory can resume with other ones. The checkpoint holds the walk
+    only, so `refinement` (after the walk, never checkpointed) is left out too: a killed run may
+    resume with other refinement settings."""
     values = recipe.to_dict()
-    for key in ("output", "evaluation", "activations"):
+    for key in ("output", "evaluation", "activations", "refinement"):
         values.pop(key, None)
     values["model"].pop("path", None)
     values["model"].pop("revision", None)
@@ -415,8 +418,19 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                    offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key))
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
-    pruned = result.model
+    pruned, bases = result.model, result.bases
     timings["prune_s"] = time.perf_counter() - tick
+
+    unrefined, refinement = None, None
+    if recipe.refinement is not None:
+        tick = time.perf_counter()
+        bases, refinement = refine_bases(resources.model(recipe.model), family, calibration, result.bases,
+                                         recipe.refinement, device, recipe.seed, report_progress)
+        if refinement.kept == "refined":
+            unrefined = pruned
+            report_progress("applying refined bases", 0, 1)
+            pruned = apply_bases(resources.model(recipe.model), family, bases, device)
+        timings["refine_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     report_progress("saving model" if save_model else "saving bases", 0, 1)
@@ -425,7 +439,10 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         tokenizer.save_pretrained(staging / "model")
         write_remote_code(staging / "model", family, config.model_type)
     objectives = {site.name: site.steps for site in result.sites}
-    save_bases(result.bases, staging / BASES_FILE, {"objectives": json.dumps(objectives)})
+    metadata = {"objectives": json.dumps(objectives)}
+    if refinement is not None:
+        metadata["refinement"] = json.dumps(refinement.to_json())
+    save_bases(bases, staging / BASES_FILE, metadata)
     timings["save_s"] = time.perf_counter() - tick
 
     metrics: dict[str, Any] = {}
@@ -441,6 +458,10 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                                   baseline_tasks=resources.baseline_tasks(tasks_key))
         if suites:
             resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
+        if unrefined is not None:  # held-out KL before refinement, beside the refined model's
+            report_progress("evaluating the unrefined model", 0, len(evaluation))
+            metrics["unrefined"] = compare(original, unrefined.to(device), evaluation, device)["pruned"]
+            del unrefined
         if recipe.evaluation.throughput:
             report_progress("measuring throughput", 0, 1)
             speed = compare_speed(original, pruned, device, **fitting_lengths([original, pruned]))
@@ -461,6 +482,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "resumed_from": result.resumed_from,
         "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
         "fisher_source": result.fisher_source,
+        "refinement": refinement.to_json() if refinement is not None else None,
         "metrics": metrics,
         "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
                    "ratio": parameter_count(pruned) / baseline_params},

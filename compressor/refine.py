@@ -1,0 +1,194 @@
+"""End-to-end refinement: move every site's kept directions to lower the model's true output KL.
+
+The walk chooses each site's basis from local statistics (C, H) and a per-site proxy of the
+output KL. This step starts from the walk's bases and minimises KL(original ‖ pruned) itself,
+on the calibration windows, over all sites jointly: each V_s lives on the Stiefel manifold
+(geoopt's Riemannian Adam) and the original weights stay frozen, so the result is again a set of
+bases of the same widths, applied exactly by `bases.apply_bases` (same structure, same
+parameter count).
+
+Why a projected forward is the pruned model: a sliced model's block reads z = Vᵀx through a
+weightless RMSNorm that divides by the original width, and ‖z‖ = ‖V z‖, so the sliced model
+computes exactly what the fused original computes when the stream is replaced by V Vᵀ x after
+every site (`sensitivity.site_activations` with an edit). Gradients flow to every V through
+those projections.
+
+The teacher's log-probabilities are computed once and kept on the host: the `top_k` most
+probable tokens per position plus the remaining mass as one bin (an exact KL between the two
+(k+1)-bin distributions, a lower bound of the full KL), or the whole distribution (`top_k: 0`).
+The objective over all calibration windows is measured before and after; the refined bases are
+returned only if it went down, otherwise the received ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import geoopt
+import torch
+from transformers import PreTrainedModel
+
+from compressor.calibration import Batch, LayerInputs, capture_layer_inputs
+from compressor.families import ModelFamily
+from compressor.recipe import RefinementSpec
+from compressor.sensitivity import site_activations
+from compressor.sites import site_ids
+from compressor.transforms import fuse_norms
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class RefinementRecord:
+    """What the refinement did, for the report. KLs are the objective (nats per counted token,
+    over all calibration windows) with the teacher truncated to `top_k` (0: exact)."""
+
+    steps: int
+    top_k: int
+    calibration_kl_before: float
+    calibration_kl_refined: float
+    calibration_kl_after: float
+    """Of the bases returned: the refined ones, or the received ones if refining did not help."""
+    kept: str
+    """"refined", or "received" when the refined bases did not lower the objective."""
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rebatch(batches: list[Batch], size: int, windows: int | None = None) -> list[Batch]:
+    """The same windows in batches of `size` (the refinement's step size need not be the walk's);
+    with `windows`, only that many of them, evenly spaced through the calibration set."""
+    def joined(name: str) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+
+    ids, mask, counted = joined("input_ids"), joined("attention_mask"), joined("sensitivity_mask")
+    assert ids is not None and mask is not None
+    if windows is not None and windows < ids.shape[0]:
+        chosen = torch.linspace(0, ids.shape[0] - 1, windows).round().long()
+        ids, mask, counted = ids[chosen], mask[chosen], None if counted is None else counted[chosen]
+    return [Batch(ids[i:i + size], mask[i:i + size], None if counted is None else counted[i:i + size])
+            for i in range(0, ids.shape[0], size)]
+
+
+@dataclass
+class _Target:
+    """One batch's teacher: log-probabilities of the kept tokens and of the rest (one bin), or of
+    the whole vocabulary (`indices` None). Only the counted positions are kept."""
+
+    values: torch.Tensor
+    indices: torch.Tensor | None
+    tail: torch.Tensor | None
+
+
+def _bins(logits: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the `indices` tokens and of all the others together, from logits,
+    without a log-softmax over the vocabulary: one logsumexp, a gather, and the rest's mass as
+    1 − exp(lse_kept − lse) (expm1 in float64, so a tiny remainder keeps its precision)."""
+    total = logits.logsumexp(-1, keepdim=True)
+    kept = logits.gather(-1, indices) - total
+    inside = kept.double().logsumexp(-1).clamp_max(-1e-30)
+    return kept, torch.log(-torch.expm1(inside)).to(kept.dtype)
+
+
+def _target(logits: torch.Tensor, mask: torch.Tensor, top_k: int) -> _Target:
+    logits = logits[mask].float()
+    if top_k == 0 or top_k >= logits.shape[-1]:
+        return _Target(torch.log_softmax(logits, dim=-1).cpu(), None, None)
+    indices = logits.topk(top_k, dim=-1).indices
+    values, tail = _bins(logits, indices)
+    return _Target(values.cpu(), indices.cpu(), tail.cpu())
+
+
+def kl_to_target(target: _Target, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ over counted positions of KL(teacher ‖ student), on the teacher's bins."""
+    logits = logits[mask].float()
+    values = target.values.to(logits.device)
+    if target.indices is None:
+        return (values.exp() * (values - torch.log_softmax(logits, dim=-1))).sum()
+    kept, rest = _bins(logits, target.indices.to(logits.device))
+    tail = target.tail.to(logits.device)
+    return (values.exp() * (values - kept)).sum() + (tail.exp() * (tail - rest)).sum()
+
+
+def _student_logits(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int,
+                    bases: list[torch.Tensor]) -> torch.Tensor:
+    """Logits of the pruned model that `bases` (in `site_ids` order) define: the fused original
+    with the stream projected on each site's kept directions."""
+    def project(site: int, stream: torch.Tensor) -> torch.Tensor:
+        basis = bases[site].to(stream.dtype)
+        return (stream @ basis) @ basis.T
+
+    return site_activations(model, family, inputs, batch, project)[1]
+
+
+def refine_bases(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    bases: Mapping[str, torch.Tensor],
+    options: RefinementSpec,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
+    """Refined bases (float64, same shapes) and what happened. `model` is the *original* model,
+    which this consumes (its norms are fused in place); it must fit on `device` whole."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    report = progress or (lambda *_: None)
+    ids = site_ids(family, model.config.num_hidden_layers)
+    model.eval()
+    model.requires_grad_(False)
+    fuse_norms(model, family)
+    model.to(device)
+    inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
+    masks = [m.to(device) for m in inputs.sensitivity_masks]
+    counted = sum(inputs.sensitivity_counts)
+    received = [bases[site].to(device, torch.float64) for site in ids]
+
+    def objective(current: list[torch.Tensor], targets: list[_Target], phase: str) -> float:
+        total = 0.0
+        for b in range(len(inputs)):
+            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current), masks[b]))
+            report(phase, b + 1, len(inputs))
+        return total / counted
+
+    targets = []
+    with torch.no_grad():
+        for b in range(len(inputs)):
+            logits = site_activations(model, family, inputs, b, lambda _, stream: stream)[1]
+            targets.append(_target(logits, masks[b], options.top_k))
+            report("refinement: teacher log-probabilities", b + 1, len(inputs))
+        before = objective(received, targets, "refinement: KL before")
+
+    params = [geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()) for v in received]
+    optimiser = geoopt.optim.RiemannianAdam(params, lr=options.lr)
+    generator = torch.Generator().manual_seed(seed)
+    steps = max(1, round(options.epochs * len(inputs)))
+    order: list[int] = []
+    with torch.enable_grad():
+        for step in range(steps):
+            if not order:
+                order = torch.randperm(len(inputs), generator=generator).tolist()
+            b = order.pop()
+            optimiser.zero_grad()
+            loss = kl_to_target(targets[b], _student_logits(model, family, inputs, b, params), masks[b])
+            (loss / max(inputs.sensitivity_counts[b], 1)).backward()
+            optimiser.step()
+            report("refinement: Riemannian Adam on the KL", step + 1, steps)
+    refined = [p.detach() for p in params]
+    with torch.no_grad():
+        after = objective(refined, targets, "refinement: KL after")
+    keep = after < before
+    chosen = refined if keep else received
+    record = RefinementRecord(steps=steps, top_k=options.top_k, calibration_kl_before=before,
+                              calibration_kl_refined=after, calibration_kl_after=after if keep else before,
+                              kept="refined" if keep else "received", seconds=time.perf_counter() - started)
+    inputs.hidden.close()
+    return {site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)}, record

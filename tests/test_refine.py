@@ -1,0 +1,138 @@
+"""End-to-end refinement: what it optimises is the sliced model's KL, it never hands back a worse
+calibration KL than it received, and a refined run reloads and reproduces its logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.bases import apply_bases, load_bases
+from compressor.calibration import capture_layer_inputs
+from compressor.cli import main
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.families import family_for
+from compressor.recipe import RefinementSpec
+from compressor.refine import _student_logits, _target, kl_to_target, rebatch, refine_bases
+from compressor.sites import site_ids
+from compressor.transforms import fuse_norms
+from compressor_plugins.pca import PCA
+from tests.conftest import copy_model, random_batches, tiny_model, widths_for
+from tests.test_cli import write_recipe
+
+
+def _pca_bases(name: str, batches, sparsity: float = 0.25):
+    original = tiny_model(name)
+    family = family_for(name)
+    widths = widths_for(name, original.config, kept_width(original.config.hidden_size, sparsity, 8),
+                        slice_head=family.head_width_is_embedding_width)
+    result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())])
+    return original, family, result
+
+
+def _calibration_kl(original, pruned, batches) -> float:
+    """Mean KL(original ‖ pruned) over every real position, from the two whole models."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            keep = batch.attention_mask.bool()
+            p, q = (torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                                            ).logits[keep].double(), -1) for model in (original, pruned))
+            total += float((p.exp() * (p - q)).sum())
+            count += int(keep.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "opt", "phi"])
+def test_the_projected_forward_is_the_sliced_model(name: str) -> None:
+    """What refinement differentiates (the fused original, stream projected on V Vᵀ after every
+    site) computes the sliced model's logits, so its objective is the pruned model's true KL."""
+    batches = random_batches(tiny_model(name).config.vocab_size, padded=True)
+    original, family, result = _pca_bases(name, batches)
+    fused = copy_model(original)
+    fuse_norms(fused, family)
+    inputs = capture_layer_inputs(fused, family, batches, torch.device("cpu"))
+    bases = [result.bases[site] for site in site_ids(family, original.config.num_hidden_layers)]
+    with torch.no_grad():
+        for b, batch in enumerate(batches):
+            keep = batch.attention_mask.bool()
+            projected = _student_logits(fused, family, inputs, b, bases)[keep]
+            sliced = result.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
+            assert ((projected - sliced).abs().max() / sliced.abs().max()).item() < 1e-5
+
+
+def test_top_k_objective_is_a_lower_bound_and_exact_with_the_whole_vocabulary() -> None:
+    generator = torch.Generator().manual_seed(0)
+    teacher = 3 * torch.randn(2, 10, 50, generator=generator)
+    student = teacher + 0.5 * torch.randn(teacher.shape, generator=generator)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    p, q = torch.log_softmax(teacher[mask].double(), -1), torch.log_softmax(student[mask].double(), -1)
+    exact = float((p.exp() * (p - q)).sum())
+    assert float(kl_to_target(_target(teacher, mask, 0), student, mask)) == pytest.approx(exact, rel=1e-5)
+    assert float(kl_to_target(_target(teacher, mask, 50), student, mask)) == pytest.approx(exact, rel=1e-5)
+    truncated = [float(kl_to_target(_target(teacher, mask, k), student, mask)) for k in (1, 5, 20, 49)]
+    assert all(0 < value <= exact * (1 + 1e-4) for value in truncated)  # float32 rounding
+    assert truncated[-1] > truncated[0]
+    assert float(kl_to_target(_target(teacher, mask, 5), teacher, mask)) == pytest.approx(0, abs=1e-6)
+
+
+def test_rebatch_keeps_windows_and_spreads_a_subset() -> None:
+    batches = random_batches(100, count=3, batch=4)
+    again = rebatch(batches, 5)
+    assert [b.input_ids.shape[0] for b in again] == [5, 5, 2]
+    assert torch.equal(torch.cat([b.input_ids for b in again]), torch.cat([b.input_ids for b in batches]))
+    subset = torch.cat([b.input_ids for b in rebatch(batches, 2, windows=3)])
+    everything = torch.cat([b.input_ids for b in batches])
+    assert torch.equal(subset, everything[[0, 6, 11]])
+
+
+@pytest.mark.parametrize("lr, kept", [(0.05, "refined"), (100.0, "received")])
+def test_refinement_never_returns_a_higher_calibration_kl(lr: float, kept: str) -> None:
+    batches = random_batches(tiny_model("llama").config.vocab_size, padded=True)
+    original, family, result = _pca_bases("llama", batches, sparsity=0.5)
+    options = RefinementSpec(epochs=3, lr=lr, batch_size=2, top_k=0)
+    refined, record = refine_bases(copy_model(original), family, batches, result.bases, options)
+    assert record.kept == kept
+    assert record.steps == 12
+    for site, basis in refined.items():
+        assert basis.shape == result.bases[site].shape and basis.dtype == torch.float64
+        assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[1], dtype=torch.float64), atol=1e-10)
+    # The record's objective is the real KL of the models those bases build (top_k 0: exact).
+    before = _calibration_kl(original, apply_bases(copy_model(original), family, result.bases), batches)
+    after = _calibration_kl(original, apply_bases(copy_model(original), family, refined), batches)
+    assert record.calibration_kl_before == pytest.approx(before, rel=1e-4)
+    assert record.calibration_kl_after == pytest.approx(after, rel=1e-4)
+    assert after <= before
+    if kept == "refined":
+        assert after < 0.95 * before  # it does move
+    else:
+        assert record.calibration_kl_refined > before  # diverged, so the received bases came back
+        assert all(torch.equal(refined[site], result.bases[site]) for site in refined)
+
+
+def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "pca"}],
+                          refinement={"epochs": 2, "lr": 0.05, "batch_size": 1, "top_k": 16})
+    assert main(["run", str(recipe)]) == 0
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    refinement = report["refinement"]
+    assert refinement["kept"] == "refined" and refinement["steps"] == 8
+    assert refinement["calibration_kl_after"] < refinement["calibration_kl_before"]
+    assert "kl" in report["metrics"]["unrefined"] and "refine_s" in report["timings"]
+    assert "KL before refinement" in (out / "report.md").read_text()
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    family = family_for(original.config.model_type)
+    rebuilt = apply_bases(copy_model(original), family, load_bases(out / "bases.safetensors"))
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert sum(p.numel() for p in reloaded.parameters()) == report["params"]["pruned"]
+    batch = random_batches(original.config.vocab_size, count=1, padded=True)[0]
+    with torch.no_grad():
+        expected = rebuilt(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        actual = reloaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert torch.equal(expected, actual)
