@@ -13,6 +13,10 @@ Run by hand (not part of the tests):
         [--recipe recipes/ref_llama_pca.yaml] [--pipelines pca sensitivity sensitivity+stiefel] \
         [--sparsities 0.1 0.2 0.25 0.3] [--repeats 1] [--out benchmarks/results/strategy_sweep.json] [--runs-dir DIR]
 
+A pipeline may be named and carry recipe overrides: `name=chain:key=value,key=value`, e.g.
+`pca+refinement=pca:refinement.windows=48`. The KL ratio is to the row named `pca`; the prune
+phase (walk plus refinement) is also given relative to the row named `sensitivity`.
+
 With `--repeats N` every pipeline runs N times per sparsity (interleaved: pca, sensitivity, …,
 pca, sensitivity, …) and each row reports the median wall times; the quality figures of the
 repeats should agree (the runs are seeded), and a warning names any row where they do not.
@@ -56,7 +60,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.1, 0.2, 0.25, 0.3])
     parser.add_argument("--pipelines", nargs="+", default=["pca"],
                         help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
-                             "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16")
+                             "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16; "
+                             "NAME= in front names the row")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each pipeline per sparsity; rows report median wall times")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "strategy_sweep.json"),
@@ -85,12 +90,15 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
         "params_baseline": report["params"]["baseline"],
         "params_pruned": report["params"]["pruned"],
         "prune_s": timings["prune_s"],
+        "refine_s": timings.get("refine_s", 0.0),
+        "prune_phase_s": timings["prune_s"] + timings.get("refine_s", 0.0),
+        "kl_unrefined": metrics.get("unrefined", {}).get("kl"),
         "eval_s": timings["eval_s"],
         "total_s": timings["total_s"],
     }
 
 
-TIMES = ("prune_s", "eval_s", "total_s")
+TIMES = ("prune_s", "refine_s", "prune_phase_s", "eval_s", "total_s")
 
 
 def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
@@ -112,10 +120,13 @@ def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """KL and wall-time ratios of each row to the `pca` row of the same sparsity, if there is one."""
     reference = {r["sparsity"]: r for r in rows if r["pipeline"] == "pca"}
+    sensitivity = {r["sparsity"]: r for r in rows if r["pipeline"] == "sensitivity"}
     for r in rows:
         base = reference.get(r["sparsity"])
         r["kl_ratio_to_pca"] = r["kl"] / base["kl"] if base and base["kl"] > 0 else None
         r["total_ratio_to_pca"] = r["total_s"] / base["total_s"] if base else None
+        sens = sensitivity.get(r["sparsity"])  # the prune phase (walk + refinement) against sensitivity's
+        r["prune_ratio_to_sensitivity"] = r["prune_phase_s"] / sens["prune_phase_s"] if sens else None
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -131,7 +142,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 COLUMNS = ("pipeline", "sparsity", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)", "KL / pca",
-           "params pruned", "prune s", "eval s", "total s", "time / pca")
+           "params pruned", "prune s", "refine s", "prune / sens", "eval s", "total s", "time / pca")
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
@@ -140,7 +151,8 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
     return [r["pipeline"], f"{r['sparsity']:.2f}", str(r["kept_width"]), f"{r['baseline_ppl']:.4f}",
             f"{r['pruned_ppl']:.4f}", f"{r['ppl_increase_pct']:.2f}", f"{r['kl']:.5f}", ratio(r["kl_ratio_to_pca"]),
-            f"{r['params_pruned']:,}", f"{r['prune_s']:.1f}", f"{r['eval_s']:.1f}", f"{r['total_s']:.1f}",
+            f"{r['params_pruned']:,}", f"{r['prune_s']:.1f}", f"{r['refine_s']:.1f}",
+            ratio(r["prune_ratio_to_sensitivity"]), f"{r['eval_s']:.1f}", f"{r['total_s']:.1f}",
             ratio(r["total_ratio_to_pca"])]
 
 
@@ -159,8 +171,18 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _split(spec: str) -> tuple[str, str]:
+    """`name=a+b:...` → (name, `a+b:...`); a spec without a name is its own label. (A chain has
+    no '=' before its first ':', so an '=' there names it.)"""
+    if "=" in spec.partition(":")[0]:
+        name, _, body = spec.partition("=")
+        return name, body
+    return spec, spec
+
+
 def _overrides(spec: str) -> list[str]:
-    """`a+b[:key=value,...]` → the pipeline override plus any extra recipe overrides."""
+    """`[name=]a+b[:key=value,...]` → the pipeline override plus any extra recipe overrides."""
+    spec = _split(spec)[1]
     chain, _, extra = spec.partition(":")
     steps = ", ".join(f"{{strategy: {name}}}" for name in chain.split("+"))
     return [f"pipeline=[{steps}]", *(item for item in extra.split(",") if item)]
@@ -182,13 +204,13 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[dict[str, Any]]] = {chain: [] for chain in args.pipelines}
             for repeat in range(args.repeats):
                 for index, chain in enumerate(args.pipelines):
-                    label = f"{chain} at {sparsity}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
+                    label = f"{_split(chain)[0]} at {sparsity}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
                     output = runs_dir / f"{index}-{sparsity:g}-{repeat}"
                     overrides = [f"sparsity={sparsity}", *_overrides(chain)]
                     recipe = load_recipe(args.recipe, registry, overrides, str(output))
                     tick = time.perf_counter()
                     report = run(recipe, registry, phase_logger(console, label), overwrite=True)
-                    runs[chain].append(_row({**report, "label": chain}))
+                    runs[chain].append(_row({**report, "label": _split(chain)[0]}))
                     console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
             rows += [_median_row(runs[chain], console) for chain in args.pipelines]
     _add_ratios(rows)

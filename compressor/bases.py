@@ -23,6 +23,31 @@ from compressor.sites import EMBEDDING, layer_site_ids, layout, site_ids
 from compressor.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
 
 BASES_FILE = "bases.safetensors"
+READERS_FILE = "readers.safetensors"
+"""Per-site reader maps R_s, when they differ from the bases (`slicing.correct_readers`)."""
+
+
+def reader_map(C: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """R = C·V(VᵀCV)⁻¹ (d × k): the least-squares prediction of the full stream x from its kept
+    coordinates z = Vᵀx, under C = E[x xᵀ]. What reads the stream reads R·z instead of V·z, so
+    the part of the removed coordinates that the kept ones predict is put back, at no parameter
+    cost. When V spans eigenvectors of C (PCA), CV = VΛ and R = V.
+
+    Kept directions with (almost) no energy, below 1e-6 of the largest in VᵀCV (e.g. the
+    constant direction of a centred LayerNorm stream at a site kept whole), are read through V:
+    any map fits them, and inverting a tiny eigenvalue would amplify noise on new text."""
+    CV = C @ basis
+    values, vectors = torch.linalg.eigh(basis.T @ CV)
+    live = values > values.max().clamp_min(torch.finfo(values.dtype).tiny) * 1e-6
+    inverse = (vectors[:, live] / values[live]) @ vectors[:, live].T
+    dead = vectors[:, ~live]
+    return CV @ inverse + basis @ (dead @ dead.T)
+
+
+def prediction_error(C: torch.Tensor, basis: torch.Tensor, reader: torch.Tensor) -> float:
+    """E‖x − R·Vᵀx‖² / E‖x‖² under C = E[x xᵀ] (R = V: the energy of the removed coordinates)."""
+    M = reader @ basis.T
+    return float((torch.trace(C) - 2 * torch.trace(M @ C) + torch.trace(M @ C @ M.T)) / torch.trace(C))
 
 
 def apply_embedding_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.Tensor) -> None:
@@ -40,7 +65,8 @@ def _like(layer: SlicedDecoderLayer, family: ModelFamily) -> torch.Tensor:
 
 def open_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor) -> None:
     """The block reads the stream in the previous site's basis and, with an identity-like
-    transition, outputs it in full d coordinates (so its statistics can be measured)."""
+    transition, outputs it in full d coordinates (so its statistics can be measured).
+    `previous` is what reads the previous site's stream: its basis V, or its reader map R."""
     for linear in site.readers:
         rotate_inputs(linear, previous)
     identity = torch.eye(previous.shape[0], dtype=torch.float64, device=previous.device)
@@ -75,13 +101,16 @@ def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[
 
 @torch.no_grad()
 def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, torch.Tensor],
-                device: torch.device | str = "cpu") -> PreTrainedModel:
+                device: torch.device | str = "cpu",
+                readers: Mapping[str, torch.Tensor] | None = None) -> PreTrainedModel:
     """The sliced model that `bases` define, from the *original* `model` (which it consumes:
-    weights are transformed in place, so a 70B model is never held twice).
+    weights are transformed in place, so a 70B model is never held twice). `readers` gives the
+    maps R_s that read each site's stream where they are not its basis (`reader_map`).
 
     Exact: the same float64 products as the walk, in the same order. Layers are moved to
     `device` one at a time and back.
     """
+    readers = readers or {}
     device = torch.device(device)
     ids = site_ids(family, model.config.num_hidden_layers)
     missing = [site for site in ids if site not in bases]
@@ -90,15 +119,19 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
     model.eval()
     model.requires_grad_(False)
     fuse_norms(model, family)
-    previous = bases[EMBEDDING].to(device, torch.float64)
-    apply_embedding_basis(model, family, previous)
+
+    def reader(site: str) -> torch.Tensor:
+        return readers.get(site, bases[site]).to(device, torch.float64)
+
+    apply_embedding_basis(model, family, bases[EMBEDDING].to(device, torch.float64))
+    previous = reader(EMBEDDING)
     for index, layer in enumerate(model.get_submodule(family.layers)):
         with held_on([layer], device):
             for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
                 chosen = bases[name].to(device, torch.float64)
                 open_site(layer, family, site, previous)
                 close_site(layer, family, site, previous, chosen)
-                previous = chosen
+                previous = reader(name)
     apply_head_basis(model, family, previous)
     widths = {site: bases[site].shape[1] for site in ids}
     return as_sliced_model(model, family, slicing_config(model, family, widths))

@@ -35,6 +35,8 @@ class SavedSite:
     basis: torch.Tensor
     record: dict[str, Any]
     rng: dict[str, torch.Tensor]
+    reader: torch.Tensor | None = None
+    """The site's reader map, when readers are corrected."""
 
 
 def digest(parts: Iterable[bytes]) -> str:
@@ -135,8 +137,11 @@ class Checkpoint:
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
         write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
 
-    def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any]) -> None:
+    def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any],
+                  reader: torch.Tensor | None = None) -> None:
         tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
+        if reader is not None:
+            tensors["reader"] = reader.detach().to("cpu", torch.float64).contiguous()
         metadata = {"site": site, "record": json.dumps(record)}
         write_atomic(self.sites_folder / f"{position:05d}.safetensors",
                       lambda p: save_file(tensors, str(p), metadata=metadata))
@@ -149,5 +154,6 @@ class Checkpoint:
                 metadata = handle.metadata()
                 saved[metadata["site"]] = SavedSite(
                     basis=handle.get_tensor("basis"), record=json.loads(metadata["record"]),
-                    rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")})
+                    rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")},
+                    reader=handle.get_tensor("reader") if "reader" in handle.keys() else None)
         return saved

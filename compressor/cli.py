@@ -120,7 +120,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         except UserError as error:
             notes.append(f"note: {error}")
         console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
-                      f"({' + '.join(s.strategy for s in recipe.pipeline)}, sparsity {recipe.sparsity})"
+                      f"({' + '.join(s.strategy for s in recipe.pipeline)}"
+                      f"{', refined on KL' if recipe.refinement else ''}, sparsity {recipe.sparsity})"
                       + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
     try:

@@ -2,7 +2,7 @@
 
 Reads each run's `report.json` and makes one row per run. A pipeline is shown as its chain of
 strategies, with the options in which the compared runs differ (so two ablation runs never
-look alike), and the table can be written as Markdown, CSV or JSON.
+look alike) and whether the bases were refined on the KL after the walk, and the table can be written as Markdown, CSV or JSON.
 """
 
 from __future__ import annotations
@@ -57,7 +57,27 @@ def _labels(reports: list[dict[str, Any]]) -> list[str]:
                     varying.append(f"{key}={json.dumps(value)}")
             parts.append(step["strategy"] + (f"({', '.join(varying)})" if varying else ""))
         labels.append(" + ".join(parts))
-    return labels
+    return [label + _extras(report, reports) for label, report in zip(labels, reports)]
+
+
+def _differing(own: dict[str, Any], others: list[dict[str, Any]]) -> str:
+    """`key=value` for the entries of `own` that some of `others` lack or set differently."""
+    varying = [f"{key}={json.dumps(value)}" for key, value in own.items()
+               if any(other.get(key) != value for other in others)]
+    return f"({', '.join(varying)})" if varying else ""
+
+
+def _extras(report: dict[str, Any], reports: list[dict[str, Any]]) -> str:
+    """What a run did besides its strategies: corrected readers, and refinement on the KL (with the
+    settings that differ between refined runs), or its refinement rejected."""
+    text = " + corrected readers" if (report.get("slicing") or {}).get("correct_readers") else ""
+    refinement = report.get("refinement")
+    if refinement:
+        others = [(r.get("refinement") or {}).get("options", {}) for r in reports if r.get("refinement")]
+        settings = _differing(refinement.get("options", {}), others)
+        text += (f" → refined on KL{settings}" if refinement.get("kept") == "refined"
+                 else f" → refinement{settings} rejected")
+    return text
 
 
 def primary_metric(scores: dict[str, Any]) -> str | None:
@@ -102,6 +122,8 @@ def rows(folders: list[Path]) -> list[dict[str, Any]]:
             "baseline ppl": baseline.get("ppl"), "pruned ppl": pruned.get("ppl"), "KL": pruned.get("kl"),
             "prune s": report["timings"]["prune_s"], "seed": report.get("seed"), **task_cells(metrics),
         })
+        if "refine_s" in report["timings"]:
+            table[-1]["refine s"] = report["timings"]["refine_s"]
     return table
 
 
@@ -112,7 +134,7 @@ def cell(column: str, value: Any) -> str:
         return f"{value:.1%}"
     if column == "KL":
         return f"{value:.5f}"
-    if column == "prune s":
+    if column in ("prune s", "refine s"):
         return f"{value:.1f}"
     if column in ("baseline ppl", "pruned ppl") or (isinstance(value, float) and " " in column):
         return f"{value:.3f}"

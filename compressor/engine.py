@@ -26,6 +26,8 @@ from compressor.bases import (
     as_sliced_model,
     close_site,
     open_site,
+    prediction_error,
+    reader_map,
     slicing_config,
 )
 from compressor.calibration import Batch, LayerInputs, SecondMoment, capture_layer_inputs
@@ -59,15 +61,19 @@ class SiteRecord:
     kept: int
     tokens: int
     steps: list[dict[str, Any]] = field(default_factory=list)
+    correction: dict[str, float] | None = None
+    """With corrected readers: the relative least-squares error of reading the stream back from
+    its kept coordinates, through the basis and through the reader map."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
-                "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
+        value = {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
+                 "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
+        return value if self.correction is None else {**value, "correction": self.correction}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "SiteRecord":
         return cls(name=value["name"], width=value["width"], kept=value["kept"], tokens=value["tokens"],
-                   steps=list(value["steps"]))
+                   steps=list(value["steps"]), correction=value.get("correction"))
 
 
 @dataclass
@@ -77,6 +83,8 @@ class PruneResult:
     slicing: dict[str, Any]
     bases: dict[str, torch.Tensor]
     """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id."""
+    readers: dict[str, torch.Tensor] | None = None
+    """With `correct_readers`: each site's reader map R_s (d × k_s, float64, host)."""
     resumed_from: str | None = None
     """The first site this call chose after loading finished sites from a checkpoint."""
     loaded_sites: int = 0
@@ -154,9 +162,10 @@ class _Walk:
     activations still have to be projected on, and the sites chosen or loaded so far."""
 
     def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser, widths: Mapping[str, int],
-                 saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None) -> None:
+                 saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None, correct_readers: bool = False) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
-        self.saved, self.checkpoint = saved, checkpoint
+        self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
+        self.readers: dict[str, torch.Tensor] = {}
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
         self.records: list[SiteRecord] = []
@@ -181,29 +190,44 @@ class _Walk:
                 moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
         return moment
 
-    def settle(self, site: str, moment: SecondMoment | None) -> torch.Tensor:
-        """The site's kept basis: loaded from the checkpoint, or chosen now and checkpointed."""
+    def settle(self, site: str, moment: SecondMoment | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
+        its reader map): loaded from the checkpoint, or chosen now and checkpointed."""
         if site in self.saved:
             entry = self.saved[site]
             if tuple(entry.basis.shape) != (self.width, self.widths[site]):
                 raise UserError(f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
                                 f"run's widths do not allow; rerun with --restart to discard the checkpoint")
+            if self.correct_readers and entry.reader is None:
+                raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
             self.records.append(SiteRecord.from_json(entry.record))
             restore_rng(entry.rng)
             self.bases[site] = entry.basis
             self.pending = basis = entry.basis.to(self.device)
-            return basis
+            reader = basis
+            if self.correct_readers:
+                self.readers[site] = entry.reader
+                reader = entry.reader.to(self.device)
+            return basis, reader
         assert moment is not None
         if self.saved and self.resumed_from is None:
             self.resumed_from = site
         basis, record = self.chooser.choose(site, self.widths[site], moment)
+        reader = basis
+        if self.correct_readers:
+            C = moment.value()
+            reader = reader_map(C, basis)
+            record.correction = {"error_basis": prediction_error(C, basis, basis),
+                                 "error_reader": prediction_error(C, basis, reader)}
+            self.readers[site] = reader.to("cpu")
         self.records.append(record)
         if self.checkpoint is not None:
-            self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json())
+            self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json(),
+                                      reader if self.correct_readers else None)
         faults.reached(f"site:{site}")
         self.bases[site] = basis.to("cpu")
         self.pending = basis
-        return basis
+        return basis, reader
 
 
 @torch.no_grad()
@@ -222,6 +246,7 @@ def prune(
     offload: str = "host",
     scratch: Path | None = None,
     fisher: Mapping[str, torch.Tensor] | None = None,
+    correct_readers: bool = False,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -232,7 +257,9 @@ def prune(
     the pipeline requires it, on the fused model before anything is sliced, unless the caller
     gives it (`fisher`: H of this model, data, options and seed, e.g. from an earlier run of a
     sweep). With a `checkpoint`, H and every finished site are saved there, and those already
-    saved are reused.
+    saved are reused. With `correct_readers`, what reads each site's stream (the next block's
+    input linears, the residual transition, the head) reads it through the least-squares reader
+    map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`).
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -276,23 +303,24 @@ def prune(
                                          h_progress)
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
-        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint)
-        previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
-        apply_embedding_basis(model, family, previous)
+        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers)
+        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
+        apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
             assert isinstance(layer, SlicedDecoderLayer)
             with held_on([layer], device):
                 for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
                     open_site(layer, family, site, previous)
-                    chosen = walk.settle(name, walk.advance(name, site.block, index))
+                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index))
                     close_site(layer, family, site, previous, chosen)
-                    previous = chosen
+                    previous = reader
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     finally:
         store.close()
     apply_head_basis(model, family, previous)
     slicing = slicing_config(model, family, widths)
     return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
-                       bases=walk.bases, resumed_from=walk.resumed_from, loaded_sites=len(saved),
+                       bases=walk.bases, readers=walk.readers if correct_readers else None,
+                       resumed_from=walk.resumed_from, loaded_sites=len(saved),
                        fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import compressor
-from compressor.bases import BASES_FILE, apply_bases, load_bases
+from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, load_bases
 from compressor.errors import UserError
 from compressor.evaluate import evaluate_models
 from compressor.families import ModelFamily
@@ -150,7 +150,9 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     target = load_model(plan.target)
     if plan.rebuild is not None:
         report_progress("rebuilding the pruned model from its bases", 0, 1)
-        target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device)
+        readers = plan.rebuild[0].with_name(READERS_FILE)
+        target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device,
+                             load_bases(readers) if readers.is_file() else None)
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,

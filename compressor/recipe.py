@@ -79,6 +79,8 @@ class EvaluationSpec(DataSpec):
 class SlicingSpec:
     round_to: int = 8
     slice_head: bool = False
+    correct_readers: bool = False
+    """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,9 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(f"activations must be one of {', '.join(OFFLOAD_MODES)}, got '{recipe.activations}'")
     if recipe.refinement is not None:
         check_refinement(recipe.refinement)
+        if recipe.slicing.correct_readers:
+            raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
+                            "whose readers are its bases; turn one of them off")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

@@ -15,9 +15,11 @@ those projections.
 
 The teacher's log-probabilities are computed once and kept on the host: the `top_k` most
 probable tokens per position plus the remaining mass as one bin (an exact KL between the two
-(k+1)-bin distributions, a lower bound of the full KL), or the whole distribution (`top_k: 0`).
-The objective over all calibration windows is measured before and after; the refined bases are
-returned only if it went down, otherwise the received ones.
+(k+1)-bin distributions, a lower bound of the full KL), or the whole distribution (`top_k: 0`,
+tokens × vocabulary floats on the host). The objective over the refinement's windows (all
+calibration windows, or `windows` of them) is measured before and after; the refined bases are
+returned only if it went down, otherwise the received ones. That is a guarantee on this
+in-sample objective, not on held-out text.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.calibration import Batch, LayerInputs, capture_layer_inputs
+from compressor.errors import UserError
 from compressor.families import ModelFamily
 from compressor.recipe import RefinementSpec
 from compressor.sensitivity import site_activations
@@ -55,6 +58,8 @@ class RefinementRecord:
     kept: str
     """"refined", or "received" when the refined bases did not lower the objective."""
     seconds: float
+    options: dict[str, Any]
+    """The recipe's refinement settings."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,9 +68,15 @@ class RefinementRecord:
 def rebatch(batches: list[Batch], size: int, windows: int | None = None) -> list[Batch]:
     """The same windows in batches of `size` (the refinement's step size need not be the walk's);
     with `windows`, only that many of them, evenly spaced through the calibration set."""
+    width = max(b.input_ids.shape[1] for b in batches)
+
     def joined(name: str) -> torch.Tensor | None:
+        """Batches padded to one width on the right (chat batches are padded per batch; pads
+        appended after the real tokens change nothing before them under a causal mask)."""
         parts = [getattr(b, name) for b in batches]
-        return None if any(p is None for p in parts) else torch.cat(parts)
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
     ids, mask, counted = joined("input_ids"), joined("attention_mask"), joined("sensitivity_mask")
     assert ids is not None and mask is not None
@@ -88,12 +99,12 @@ class _Target:
 
 def _bins(logits: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the `indices` tokens and of all the others together, from logits,
-    without a log-softmax over the vocabulary: one logsumexp, a gather, and the rest's mass as
-    1 − exp(lse_kept − lse) (expm1 in float64, so a tiny remainder keeps its precision)."""
+    without a log-softmax over the vocabulary. The rest is its own logsumexp (not 1 − the kept
+    mass, which loses a small remainder to float32 cancellation)."""
     total = logits.logsumexp(-1, keepdim=True)
     kept = logits.gather(-1, indices) - total
-    inside = kept.double().logsumexp(-1).clamp_max(-1e-30)
-    return kept, torch.log(-torch.expm1(inside)).to(kept.dtype)
+    rest = logits.scatter(-1, indices, float("-inf")).logsumexp(-1) - total.squeeze(-1)
+    return kept, rest
 
 
 def _target(logits: torch.Tensor, mask: torch.Tensor, top_k: int) -> _Target:
@@ -121,8 +132,10 @@ def _student_logits(model: PreTrainedModel, family: ModelFamily, inputs: LayerIn
     """Logits of the pruned model that `bases` (in `site_ids` order) define: the fused original
     with the stream projected on each site's kept directions."""
     def project(site: int, stream: torch.Tensor) -> torch.Tensor:
-        basis = bases[site].to(stream.dtype)
-        return (stream @ basis) @ basis.T
+        """In float32 at least: V rounded to bfloat16 is no longer orthonormal, V Vᵀ no projector."""
+        dtype = torch.promote_types(stream.dtype, torch.float32)
+        basis = bases[site].to(dtype)
+        return ((stream.to(dtype) @ basis) @ basis.T).to(stream.dtype)
 
     return site_activations(model, family, inputs, batch, project)[1]
 
@@ -142,14 +155,26 @@ def refine_bases(
     started = time.perf_counter()
     device = torch.device(device)
     report = progress or (lambda *_: None)
-    ids = site_ids(family, model.config.num_hidden_layers)
     model.eval()
     model.requires_grad_(False)
     fuse_norms(model, family)
     model.to(device)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
+    try:
+        return _refine(model, family, inputs, bases, options, device, seed, report, started)
+    finally:
+        inputs.hidden.close()
+
+
+def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, bases: Mapping[str, torch.Tensor],
+            options: RefinementSpec, device: torch.device, seed: int, report: Progress,
+            started: float) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
+    ids = site_ids(family, model.config.num_hidden_layers)
     masks = [m.to(device) for m in inputs.sensitivity_masks]
     counted = sum(inputs.sensitivity_counts)
+    if counted == 0:
+        raise UserError("refinement: its calibration windows have no counted tokens (e.g. no assistant tokens); "
+                        "raise refinement.windows or leave it unset")
     received = [bases[site].to(device, torch.float64) for site in ids]
 
     def objective(current: list[torch.Tensor], targets: list[_Target], phase: str) -> float:
@@ -189,6 +214,6 @@ def refine_bases(
     chosen = refined if keep else received
     record = RefinementRecord(steps=steps, top_k=options.top_k, calibration_kl_before=before,
                               calibration_kl_refined=after, calibration_kl_after=after if keep else before,
-                              kept="refined" if keep else "received", seconds=time.perf_counter() - started)
-    inputs.hidden.close()
+                              kept="refined" if keep else "received", seconds=time.perf_counter() - started,
+                              options=asdict(options))
     return {site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)}, record

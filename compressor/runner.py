@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 import compressor
 from compressor import faults
-from compressor.bases import BASES_FILE, apply_bases, save_bases
+from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
@@ -415,7 +415,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     tick = time.perf_counter()
     result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
-                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key))
+                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key),
+                   correct_readers=recipe.slicing.correct_readers)
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
     pruned, bases = result.model, result.bases
@@ -443,6 +444,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     if refinement is not None:
         metadata["refinement"] = json.dumps(refinement.to_json())
     save_bases(bases, staging / BASES_FILE, metadata)
+    if result.readers is not None:
+        save_bases(result.readers, staging / READERS_FILE)
     timings["save_s"] = time.perf_counter() - tick
 
     metrics: dict[str, Any] = {}
@@ -478,6 +481,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "kept_width": kept,
         "seed": recipe.seed,
         "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
+        "slicing": dataclasses.asdict(recipe.slicing),
         "fingerprint": fingerprint,
         "resumed_from": result.resumed_from,
         "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},

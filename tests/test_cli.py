@@ -76,7 +76,7 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     assert all(s["strategy"] == "pca" and "removed_energy" in s["steps"][0]["objectives"] for s in report["sites"])
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
-    assert resolved["slicing"] == {"round_to": 8, "slice_head": False}
+    assert resolved["slicing"] == {"round_to": 8, "slice_head": False, "correct_readers": False}
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.model_type == "sliced_llama"
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
@@ -203,6 +203,8 @@ BAD_INPUTS = {
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
     "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be 0"),
     "unknown refinement key": (dict(refinement={"steps": 5}), None, "unknown key 'refinement.steps'"),
+    "refinement after corrected readers": (dict(refinement={}, slicing={"correct_readers": True}), None,
+                                           "refinement cannot follow slicing.correct_readers"),
 }
 
 

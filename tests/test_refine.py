@@ -47,20 +47,28 @@ def _calibration_kl(original, pruned, batches) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "opt", "phi"])
-def test_the_projected_forward_is_the_sliced_model(name: str) -> None:
+@pytest.mark.parametrize("kind", ["pca", "random"])
+def test_the_projected_forward_is_the_sliced_model(name: str, kind: str) -> None:
     """What refinement differentiates (the fused original, stream projected on V Vᵀ after every
-    site) computes the sliced model's logits, so its objective is the pruned model's true KL."""
+    site) computes the sliced model's logits, so its objective is the pruned model's true KL; for
+    PCA's bases and for arbitrary orthonormal ones."""
     batches = random_batches(tiny_model(name).config.vocab_size, padded=True)
     original, family, result = _pca_bases(name, batches)
+    chosen = result.bases
+    if kind == "random":
+        generator = torch.Generator().manual_seed(3)
+        chosen = {site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
+                  for site, v in result.bases.items()}
+    sliced_model = apply_bases(copy_model(original), family, chosen)
     fused = copy_model(original)
     fuse_norms(fused, family)
     inputs = capture_layer_inputs(fused, family, batches, torch.device("cpu"))
-    bases = [result.bases[site] for site in site_ids(family, original.config.num_hidden_layers)]
+    bases = [chosen[site] for site in site_ids(family, original.config.num_hidden_layers)]
     with torch.no_grad():
         for b, batch in enumerate(batches):
             keep = batch.attention_mask.bool()
             projected = _student_logits(fused, family, inputs, b, bases)[keep]
-            sliced = result.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
+            sliced = sliced_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
             assert ((projected - sliced).abs().max() / sliced.abs().max()).item() < 1e-5
 
 
@@ -78,6 +86,18 @@ def test_top_k_objective_is_a_lower_bound_and_exact_with_the_whole_vocabulary() 
     assert all(0 < value <= exact * (1 + 1e-4) for value in truncated)  # float32 rounding
     assert truncated[-1] > truncated[0]
     assert float(kl_to_target(_target(teacher, mask, 5), teacher, mask)) == pytest.approx(0, abs=1e-6)
+
+
+def test_rebatch_pads_batches_of_different_widths_on_the_right() -> None:
+    """Chat batches are padded per batch; joined, the narrower ones get pads after their tokens."""
+    wide, narrow = random_batches(100, count=1, length=10)[0], random_batches(100, count=1, length=6, seed=2)[0]
+    narrow.sensitivity_mask = torch.ones_like(narrow.attention_mask)
+    wide.sensitivity_mask = torch.ones_like(wide.attention_mask)
+    (joined,) = rebatch([wide, narrow], 8)
+    assert joined.input_ids.shape == (8, 10)
+    assert torch.equal(joined.input_ids[4:, :6], narrow.input_ids)
+    assert joined.attention_mask[4:, 6:].sum() == 0 and joined.sensitivity_mask[4:, 6:].sum() == 0
+    assert joined.attention_mask[:4].all()
 
 
 def test_rebatch_keeps_windows_and_spreads_a_subset() -> None:
@@ -125,6 +145,10 @@ def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, 
     assert refinement["calibration_kl_after"] < refinement["calibration_kl_before"]
     assert "kl" in report["metrics"]["unrefined"] and "refine_s" in report["timings"]
     assert "KL before refinement" in (out / "report.md").read_text()
+    assert main(["compare", str(out), "--output", str(tmp_path / "table.json")]) == 0
+    (row,) = json.loads((tmp_path / "table.json").read_text())
+    assert row["pipeline"] == "pca → refined on KL" and row["refine s"] == report["timings"]["refine_s"]
+    assert refinement["options"] == {"epochs": 2.0, "windows": None, "lr": 0.05, "batch_size": 1, "top_k": 16}
 
     original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     family = family_for(original.config.model_type)
