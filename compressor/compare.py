@@ -2,7 +2,8 @@
 
 Reads each run's `report.json` and makes one row per run. A pipeline is shown as its chain of
 strategies, with the options in which the compared runs differ (so two ablation runs never
-look alike) and whether the bases were refined on the KL after the walk, and the table can be written as Markdown, CSV or JSON.
+look alike) and whether the bases were refined on the KL after the walk, and the table can be
+written as Markdown, CSV or JSON.
 """
 
 from __future__ import annotations
@@ -49,13 +50,9 @@ def _labels(reports: list[dict[str, Any]]) -> list[str]:
     for steps in pipelines:
         parts = []
         for position, step in enumerate(steps):
-            varying = []
-            for key, value in step["options"].items():
-                others = [p[position]["options"].get(key) for p in pipelines
-                          if len(p) > position and p[position]["strategy"] == step["strategy"]]
-                if any(other != value for other in others):
-                    varying.append(f"{key}={json.dumps(value)}")
-            parts.append(step["strategy"] + (f"({', '.join(varying)})" if varying else ""))
+            others = [p[position]["options"] for p in pipelines
+                      if len(p) > position and p[position]["strategy"] == step["strategy"]]
+            parts.append(step["strategy"] + _differing(step["options"], others))
         labels.append(" + ".join(parts))
     return [label + _extras(report, reports) for label, report in zip(labels, reports)]
 

@@ -47,10 +47,9 @@ Progress = Callable[[str, int, int], None]
 @dataclass(frozen=True)
 class RefinementRecord:
     """What the refinement did, for the report. KLs are the objective (nats per counted token,
-    over all calibration windows) with the teacher truncated to `top_k` (0: exact)."""
+    over the refinement's windows) with the teacher truncated to `options["top_k"]` (0: exact)."""
 
     steps: int
-    top_k: int
     calibration_kl_before: float
     calibration_kl_refined: float
     calibration_kl_after: float
@@ -212,7 +211,7 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
         after = objective(refined, targets, "refinement: KL after")
     keep = after < before
     chosen = refined if keep else received
-    record = RefinementRecord(steps=steps, top_k=options.top_k, calibration_kl_before=before,
+    record = RefinementRecord(steps=steps, calibration_kl_before=before,
                               calibration_kl_refined=after, calibration_kl_after=after if keep else before,
                               kept="refined" if keep else "received", seconds=time.perf_counter() - started,
                               options=asdict(options))

@@ -26,7 +26,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows += task_rows(metrics)
     refinement = report.get("refinement")
     if refinement:
-        rows.append((f"calibration KL, refinement objective (top_k {refinement['top_k']})",
+        rows.append((f"calibration KL, refinement objective (top_k {refinement['options']['top_k']})",
                      f"{refinement['calibration_kl_before']:.5f}",
                      f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})"))
     timings = report["timings"]
