@@ -49,6 +49,7 @@ from rich.table import Table  # noqa: E402
 from compressor.cli import phase_logger  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import load_recipe  # noqa: E402
+from compressor.report import kept_label  # noqa: E402
 from compressor.runner import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "pipeline": report["label"],
         "sparsity": report["sparsity"],
-        "kept_width": report["kept_width"],
+        "kept_width": kept_label(report),
         "baseline_ppl": baseline,
         "pruned_ppl": pruned,
         "ppl_increase_pct": 100.0 * (pruned / baseline - 1.0),

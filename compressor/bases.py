@@ -8,7 +8,7 @@ saved set of bases reproduces a run's model bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +74,12 @@ def open_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previo
 
 
 def close_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor,
-               chosen: torch.Tensor) -> None:
-    """The block writes the stream in the chosen basis; the residual path carries V_newᵀ·V_prev."""
+               chosen: torch.Tensor, shared: bool = False) -> None:
+    """The block writes the stream in the chosen basis; the residual path carries V_newᵀ·V_prev,
+    or the stream as it is when the site reuses the previous site's basis (`shared`)."""
     for linear in site.writers:
         rotate_output(linear, chosen)
-    setattr(layer, site.shortcut, transition(previous, chosen, _like(layer, family)))
+    setattr(layer, site.shortcut, None if shared else transition(previous, chosen, _like(layer, family)))
 
 
 def apply_head_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.Tensor) -> None:
@@ -86,10 +87,12 @@ def apply_head_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.T
     rotate_inputs(stream_reader(model, family), basis)
 
 
-def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int]) -> dict[str, Any]:
-    """The `slicing` entry of a sliced model's config (how `apply_slicing_layout` rebuilds it)."""
-    shape = layout(family, model.config.num_hidden_layers, widths)
-    return {
+def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int],
+                   shared: Collection[str] = ()) -> dict[str, Any]:
+    """The `slicing` entry of a sliced model's config (how `apply_slicing_layout` rebuilds it);
+    `shared` names the sites that reuse the previous site's basis (no transition into them)."""
+    shape = layout(family, model.config.num_hidden_layers, widths, shared)
+    value = {
         "hidden_size": model.config.hidden_size,
         "embedding": shape.embedding,
         "attn": shape.attn,
@@ -97,6 +100,16 @@ def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[
         "norm_eps": model.get_submodule(family.final_norm).eps,
         "reader_bias": stream_reader(model, family).bias is not None,
     }
+    if any(shape.attn_shared) or any(shape.mlp_shared):
+        value.update(attn_shared=shape.attn_shared, mlp_shared=shape.mlp_shared)
+    return value
+
+
+def shared_sites(ids: list[str], bases: Mapping[str, torch.Tensor]) -> list[str]:
+    """Sites whose kept directions are exactly the previous site's (`slicing.shared_bases`): the
+    stream passes them unchanged, so no transition matrix leads into them."""
+    return [site for previous, site in zip(ids, ids[1:])
+            if bases[site].shape == bases[previous].shape and torch.equal(bases[site], bases[previous])]
 
 
 @torch.no_grad()
@@ -123,6 +136,7 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
     def reader(site: str) -> torch.Tensor:
         return readers.get(site, bases[site]).to(device, torch.float64)
 
+    shared = shared_sites(ids, bases)
     apply_embedding_basis(model, family, bases[EMBEDDING].to(device, torch.float64))
     previous = reader(EMBEDDING)
     for index, layer in enumerate(model.get_submodule(family.layers)):
@@ -130,11 +144,11 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
             for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
                 chosen = bases[name].to(device, torch.float64)
                 open_site(layer, family, site, previous)
-                close_site(layer, family, site, previous, chosen)
+                close_site(layer, family, site, previous, chosen, name in shared)
                 previous = reader(name)
     apply_head_basis(model, family, previous)
     widths = {site: bases[site].shape[1] for site in ids}
-    return as_sliced_model(model, family, slicing_config(model, family, widths))
+    return as_sliced_model(model, family, slicing_config(model, family, widths, shared))
 
 
 def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:

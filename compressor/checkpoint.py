@@ -1,7 +1,7 @@
 """Per-site checkpoints: what a killed run needs to continue from its last finished site.
 
 A checkpoint folder holds a fingerprint of what the run depends on (recipe, model, data), H once
-computed, and one file per finished site (its kept basis, its report record and the RNG states
+computed, the widths once allocated, and one file per finished site (its kept basis, its report record and the RNG states
 after it). Every file is written to a temporary name, flushed to disk and renamed into place,
 so a kill at any moment leaves either the old state or the new one. The fingerprint is written
 first and removed first: site files without one are never trusted. Only safetensors and JSON
@@ -27,6 +27,7 @@ from compressor.errors import UserError
 
 FINGERPRINT_FILE = "fingerprint.json"
 FISHER_FILE = "fisher.safetensors"
+ALLOCATION_FILE = "allocation.json"
 SITES_FOLDER = "sites"
 
 
@@ -124,7 +125,8 @@ class Checkpoint:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def has_progress(self) -> bool:
-        return (self.folder / FISHER_FILE).is_file() or any(self.sites_folder.glob("[0-9]*.safetensors"))
+        return ((self.folder / FISHER_FILE).is_file() or (self.folder / ALLOCATION_FILE).is_file()
+                or any(self.sites_folder.glob("[0-9]*.safetensors")))
 
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE
@@ -136,6 +138,14 @@ class Checkpoint:
     def save_fisher(self, fisher: Mapping[str, torch.Tensor]) -> None:
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
         write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
+
+    def load_allocation(self) -> dict[str, Any] | None:
+        """The widths an allocator chose (and its record), once chosen."""
+        path = self.folder / ALLOCATION_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save_allocation(self, allocation: Mapping[str, Any]) -> None:
+        write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
 
     def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any],
                   reader: torch.Tensor | None = None) -> None:

@@ -102,7 +102,7 @@ def _quiet_libraries() -> None:
 def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
-    from compressor.report import rich_table
+    from compressor.report import budget_label, rich_table
     from compressor.runner import CHECKPOINT_FOLDER, check_evaluation_tasks, check_output, plan, run, staging_folder
 
     _quiet_libraries()
@@ -121,7 +121,9 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             notes.append(f"note: {error}")
         console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}"
-                      f"{', refined on KL' if recipe.refinement else ''}, sparsity {recipe.sparsity})"
+                      f"{', refined on KL' if recipe.refinement else ''}, "
+                      f"{budget_label(recipe.sparsity, recipe.target_params)}"
+                      f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
                       + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
     try:

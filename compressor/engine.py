@@ -10,10 +10,10 @@ pipeline's strategies for a basis and knows nothing else about them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -44,6 +44,18 @@ __all__ = ["PipelineStep", "PruneResult", "SiteRecord", "kept_width", "prune", "
 
 ProgressCallback = Callable[[str, int, int], None]
 """Called as (phase description, steps done, steps in total)."""
+
+
+class WidthAllocator(Protocol):
+    """Chooses every site's kept width from statistics of the original model (`compressor.allocation`)."""
+
+    requires: tuple[str, ...]
+
+    def observe(self, site: str, C: torch.Tensor, H: torch.Tensor | None) -> None: ...
+
+    def widths(self) -> dict[str, int]: ...
+
+    def to_json(self, widths: Mapping[str, int]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,10 @@ class PruneResult:
     """H by site (host, accumulation dtype) when the pipeline used it, so a caller can reuse it."""
     fisher_source: str | None = None
     """Where H came from: "computed", "checkpoint", "given" (by the caller), or None (not used)."""
+    widths: dict[str, int] = field(default_factory=dict)
+    """The kept width of every site (given, or chosen by the allocator)."""
+    allocation: dict[str, Any] | None = None
+    """The allocator's record (budget, predicted loss, curves), when one chose the widths."""
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -161,10 +177,12 @@ class _Walk:
     """The state of one walk down the model: the activation store, the basis the stored
     activations still have to be projected on, and the sites chosen or loaded so far."""
 
-    def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser, widths: Mapping[str, int],
-                 saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None, correct_readers: bool = False) -> None:
+    def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser | None,
+                 widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
+                 correct_readers: bool = False, shared: Collection[str] = ()) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
         self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
+        self.shared = set(shared)
         self.readers: dict[str, torch.Tensor] = {}
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
@@ -212,7 +230,14 @@ class _Walk:
         assert moment is not None
         if self.saved and self.resumed_from is None:
             self.resumed_from = site
-        basis, record = self.chooser.choose(site, self.widths[site], moment)
+        if site in self.shared:  # keeps the previous site's basis: nothing to choose
+            assert self.pending is not None and self.records
+            basis = self.pending
+            record = SiteRecord(name=site, width=self.width, kept=self.widths[site], tokens=moment.tokens,
+                                steps=[{"strategy": "shared", "objectives": {"with": self.records[-1].name}}])
+        else:
+            assert self.chooser is not None
+            basis, record = self.chooser.choose(site, self.widths[site], moment)
         reader = basis
         if self.correct_readers:
             C = moment.value()
@@ -235,7 +260,7 @@ def prune(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
-    widths: Mapping[str, int],
+    widths: Mapping[str, int] | None,
     pipeline: Sequence[PipelineStep],
     device: torch.device | str = "cpu",
     progress: ProgressCallback | None = None,
@@ -247,6 +272,8 @@ def prune(
     scratch: Path | None = None,
     fisher: Mapping[str, torch.Tensor] | None = None,
     correct_readers: bool = False,
+    shared: Collection[str] = (),
+    allocator: WidthAllocator | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -259,7 +286,12 @@ def prune(
     sweep). With a `checkpoint`, H and every finished site are saved there, and those already
     saved are reused. With `correct_readers`, what reads each site's stream (the next block's
     input linears, the residual transition, the head) reads it through the least-squares reader
-    map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`).
+    map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`). The sites in `shared`
+    keep the previous site's basis (no choice, no transition matrix into them).
+
+    With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
+    over the calibration windows and hands every site's C (and H) to it; its widths, saved in
+    the checkpoint, then drive the walk. The survey costs one forward pass.
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -267,11 +299,14 @@ def prune(
     model.requires_grad_(False)
     num_layers = model.config.num_hidden_layers
     ids = site_ids(family, num_layers)
-    if sorted(widths) != sorted(ids):
-        raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
-    if family.head_width_is_embedding_width and widths[EMBEDDING] != widths[ids[-1]]:
-        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
-    needed = required_statistics(pipeline)
+    allocation = checkpoint.load_allocation() if checkpoint is not None and allocator is not None else None
+    if allocation is not None:
+        widths = allocation["widths"]
+    if widths is not None:
+        _check_widths(family, ids, widths, shared)
+    elif allocator is None:
+        raise ValueError("give the widths, or an allocator to choose them")
+    needed = required_statistics(pipeline) | (set(allocator.requires) if allocator is not None else set())
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
 
     report("fusing norms", 0, num_layers)
@@ -282,7 +317,7 @@ def prune(
         inputs = capture_layer_inputs(model, family, batches, device, store)
         faults.reached("capture")
         given, fisher, fisher_loaded, source = fisher, None, False, None
-        if "H" in needed and len(saved) < len(ids):
+        if "H" in needed and (len(saved) < len(ids) or widths is None):
             fisher = checkpoint.load_fisher() if checkpoint is not None else None
             fisher_loaded = fisher is not None
             source = "checkpoint" if fisher_loaded else None
@@ -303,7 +338,20 @@ def prune(
                                          h_progress)
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
-        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers)
+        if widths is None:
+            assert allocator is not None
+            _survey(model, family, inputs, device, fisher, allocator, report)
+            widths = allocator.widths()
+            _check_widths(family, ids, widths, shared)
+            allocation = {"widths": widths, **allocator.to_json(widths)}
+            if checkpoint is not None:
+                checkpoint.save_allocation(allocation)
+            faults.reached("allocation")
+            store.close()  # the survey moved the activations down the model: start again
+            store = ActivationStore(device, offload, scratch)
+            inputs = capture_layer_inputs(model, family, batches, device, store)
+        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
+                     shared)
         basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
@@ -313,14 +361,47 @@ def prune(
                 for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
                     open_site(layer, family, site, previous)
                     chosen, reader = walk.settle(name, walk.advance(name, site.block, index))
-                    close_site(layer, family, site, previous, chosen)
+                    close_site(layer, family, site, previous, chosen, name in walk.shared)
                     previous = reader
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     finally:
         store.close()
     apply_head_basis(model, family, previous)
-    slicing = slicing_config(model, family, widths)
+    slicing = slicing_config(model, family, widths, shared)
     return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
                        bases=walk.bases, readers=walk.readers if correct_readers else None,
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
-                       fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source)
+                       fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source,
+                       widths=dict(widths), allocation=allocation)
+
+
+def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str]) -> None:
+    if sorted(widths) != sorted(ids):
+        raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
+    if family.head_width_is_embedding_width and widths[EMBEDDING] != widths[ids[-1]]:
+        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
+    for site in shared:
+        if site not in ids[1:]:
+            raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
+        if widths[site] != widths[ids[ids.index(site) - 1]]:
+            raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
+
+
+def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
+            fisher: Mapping[str, torch.Tensor] | None, allocator: WidthAllocator, report: ProgressCallback) -> None:
+    """Run the fused, unsliced model over the calibration windows, handing each site's C (and H)
+    to the allocator. The stored activations end at the last layer."""
+    survey = _Walk(inputs, device, None, {}, {}, None)
+    num_layers = model.config.num_hidden_layers
+
+    def observe(site: str, moment: SecondMoment | None) -> None:
+        assert moment is not None
+        H = None if fisher is None else fisher[site].to(device, torch.float64)
+        allocator.observe(site, moment.value(), H)
+
+    observe(EMBEDDING, survey.advance(EMBEDDING, None, 0))
+    for index, layer in enumerate(model.get_submodule(family.layers)):
+        report(f"surveying widths: layer {index + 1}/{num_layers}", index, num_layers)
+        with held_on([layer], device):
+            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                observe(name, survey.advance(name, site.block, index))

@@ -195,10 +195,14 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     """Reshape a freshly built model into the sliced layout described by `slicing`.
 
     `slicing` holds `hidden_size` (original width), `embedding` (width after the embedding),
-    `attn` and `mlp` (width after each layer's attention and MLP). Weights are left
+    `attn` and `mlp` (width after each layer's attention and MLP), and optionally `attn_shared`
+    and `mlp_shared` (per layer: that site reuses the previous site's basis, so no transition
+    matrix leads into it). Weights are left
     uninitialised: they come from a checkpoint or from the engine.
     """
     d = slicing["hidden_size"]
+    no_attn_shortcut = slicing.get("attn_shared") or [False] * len(slicing["attn"])
+    no_mlp_shortcut = slicing.get("mlp_shared") or [False] * len(slicing["mlp"])
     if family.prepare is not None:
         family.prepare(model)
     eps = float(slicing["norm_eps"]) if "norm_eps" in slicing else float(getattr(model.config, family.norm_eps))
@@ -230,8 +234,9 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
                 writers[block] = (WeightlessRMSNorm(d, eps), writer)
         sliced = wrap_layer(family, layer, d, eps, eps, writers)
         dtype, device = embedding.weight.dtype, embedding.weight.device
-        sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
-        if not family.parallel:  # a parallel layer has one site, so one transition
+        if not no_attn_shortcut[index]:  # a site that reuses the previous site's basis carries the stream as is
+            sliced.attn_shortcut = nn.Linear(width_in, width_attn, bias=False, device=device, dtype=dtype)
+        if not family.parallel and not no_mlp_shortcut[index]:  # a parallel layer has one site: one transition
             sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
         layers[index] = sliced
         width_in = width_mlp

@@ -28,6 +28,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 ATTENTION = ("sdpa", "eager")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 FORMATS = ("text", "chat")
+ALLOCATION_METHODS = ("uniform", "curves")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,21 @@ class SlicingSpec:
     slice_head: bool = False
     correct_readers: bool = False
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
+    shared_bases: bool = False
+    """Each layer's MLP site keeps its attention site's basis, so no transition matrix sits between them."""
+
+
+@dataclass(frozen=True)
+class AllocationSpec:
+    """How many directions each site keeps (`compressor.allocation`), under the budget that
+    `sparsity` (the uniform model's parameter count) or `target_params` sets."""
+
+    method: str = "uniform"
+    """uniform: one width everywhere; curves: per-site widths from predicted-KL curves."""
+    min_kept: float = 0.5
+    """curves: the narrowest a site may become, as a fraction of the hidden width."""
+    step: int | None = None
+    """curves: the width grid (a multiple of slicing.round_to; default round_to)."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +124,15 @@ class StepSpec:
 class Recipe:
     model: ModelSpec
     calibration: DataSpec
-    sparsity: float
     pipeline: list[StepSpec]
     output: str
+    sparsity: float | None = None
+    """The fraction of the hidden width removed; with shared bases or allocation by curves, the
+    budget: the parameter count of SliceGPT's model (one basis per site) at that sparsity."""
+    target_params: float | None = None
+    """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
+    transitions and the (untied) head counted."""
+    allocation: AllocationSpec = field(default_factory=AllocationSpec)
     evaluation: EvaluationSpec | None = None
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
@@ -326,6 +348,15 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
     return spec
 
 
+def check_allocation(spec: AllocationSpec, round_to: int) -> None:
+    if spec.method not in ALLOCATION_METHODS:
+        raise UserError(f"allocation.method must be one of {', '.join(ALLOCATION_METHODS)}, got '{spec.method}'")
+    if not 0.0 < spec.min_kept <= 1.0:
+        raise UserError(f"allocation.min_kept must be in (0, 1] (a fraction of the hidden width), got {spec.min_kept}")
+    if spec.step is not None and (spec.step < 1 or round_to < 1 or spec.step % round_to):
+        raise UserError(f"allocation.step must be a positive multiple of slicing.round_to ({round_to}), got {spec.step}")
+
+
 def check_refinement(spec: RefinementSpec) -> None:
     if spec.epochs <= 0:
         raise UserError(f"refinement.epochs must be above 0 (passes over the calibration windows), got {spec.epochs}")
@@ -385,10 +416,17 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     if recipe.model.attn_implementation not in ATTENTION:
         raise UserError(f"model.attn_implementation must be one of {', '.join(ATTENTION)}, "
                         f"got '{recipe.model.attn_implementation}'")
-    if not 0.0 <= recipe.sparsity < 1.0:
+    if (recipe.sparsity is None) == (recipe.target_params is None):
+        raise UserError("give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
+                        "target_params (the fraction of the original's parameters kept, e.g. 0.75)")
+    if recipe.sparsity is not None and not 0.0 <= recipe.sparsity < 1.0:
         raise UserError(f"sparsity must be in [0, 1) (the fraction of the hidden width removed), got {recipe.sparsity}")
+    if recipe.target_params is not None and not 0.0 < recipe.target_params <= 1.0:
+        raise UserError(f"target_params must be in (0, 1] (the fraction of the original's parameters kept), "
+                        f"got {recipe.target_params}")
     if recipe.slicing.round_to < 1:
         raise UserError(f"slicing.round_to must be at least 1, got {recipe.slicing.round_to}")
+    check_allocation(recipe.allocation, recipe.slicing.round_to)
     if recipe.sensitivity.dtype not in ACCUMULATION_DTYPES:
         raise UserError(f"sensitivity.dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, got '{recipe.sensitivity.dtype}'")
     if recipe.sensitivity.reduction not in REDUCTIONS:

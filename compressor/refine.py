@@ -33,6 +33,7 @@ import geoopt
 import torch
 from transformers import PreTrainedModel
 
+from compressor.bases import shared_sites
 from compressor.calibration import Batch, LayerInputs, capture_layer_inputs
 from compressor.errors import UserError
 from compressor.families import ModelFamily
@@ -191,8 +192,11 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
             report("refinement: teacher log-probabilities", b + 1, len(inputs))
         before = objective(received, targets, "refinement: KL before")
 
-    params = [geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()) for v in received]
-    optimiser = geoopt.optim.RiemannianAdam(params, lr=options.lr)
+    shared = set(shared_sites(ids, bases))
+    params: list[torch.Tensor] = []
+    for site, v in zip(ids, received):  # a site that shares the previous site's basis shares its parameter
+        params.append(params[-1] if site in shared else geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()))
+    optimiser = geoopt.optim.RiemannianAdam(list({id(p): p for p in params}.values()), lr=options.lr)
     generator = torch.Generator().manual_seed(seed)
     steps = max(1, round(options.epochs * len(inputs)))
     order: list[int] = []

@@ -14,8 +14,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     params = report["params"]
     rows = [
         ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
-        ("hidden width", str(report["model"]["hidden_size"]), str(report["kept_width"])),
+        ("hidden width", str(report["model"]["hidden_size"]), kept_label(report)),
     ]
+    allocation = report.get("allocation") or {}
+    if allocation.get("transition_params"):
+        rows.append(("of which residual transitions", "", f"{allocation['transition_params']:,}"))
     rows += speed_rows(report.get("size"), report.get("speed"))
     metrics = report.get("metrics") or {}
     if metrics:
@@ -79,9 +82,24 @@ def task_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def kept_label(report: dict[str, Any]) -> str:
+    """The kept width, or the range of per-site widths when an allocation chose them."""
+    if report.get("kept_width") is not None:
+        return str(report["kept_width"])
+    kept = [site["kept"] for site in report.get("sites", [])]
+    return f"{min(kept)}–{max(kept)} by site" if kept else "by site"
+
+
+def budget_label(sparsity: float | None, target_params: float | None) -> str:
+    return f"sparsity {sparsity}" if sparsity is not None else f"target_params {target_params}"
+
+
 def title(report: dict[str, Any]) -> str:
     chain = " + ".join(step["strategy"] for step in report["pipeline"])
-    return f"{Path(report['model']['path']).name}: {chain} at sparsity {report['sparsity']}"
+    method = (report.get("allocation") or {}).get("method", "uniform")
+    widths = "" if method == "uniform" else f", {method} widths"
+    return (f"{Path(report['model']['path']).name}: {chain} at "
+            f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}")
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:

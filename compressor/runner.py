@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import math
 import os
 import platform
 import shutil
@@ -32,9 +33,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 import compressor
 from compressor import faults
+from compressor.allocation import CurveAllocator
 from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
+from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, load_records, token_windows
 from compressor.engine import PipelineStep, kept_width, prune
@@ -46,7 +49,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.refine import refine_bases
 from compressor.report import write_markdown
-from compressor.sites import site_widths
+from compressor.sites import EMBEDDING, layer_site_ids, site_widths
 from compressor.throughput import compare_speed, fitting_lengths, model_size
 
 Progress = Callable[[str, int, int], None]
@@ -259,9 +262,15 @@ class Plan:
 
     config: PretrainedConfig
     family: ModelFamily
-    kept: int
-    widths: dict[str, int]
+    kept: int | None
+    """The uniform kept width (None when an allocator chooses widths per site)."""
+    widths: dict[str, int] | None
     pipeline: list[PipelineStep]
+    params: ParamModel
+    budget: int
+    """The most parameters the pruned model may have."""
+    shared: list[str]
+    allocator: CurveAllocator | None = None
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -272,17 +281,59 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     reason = family.refuse(config) if family.refuse is not None else None
     if reason:
         raise UserError(reason)
-    if family.head_width_is_embedding_width and not recipe.slicing.slice_head:
+    slicing = recipe.slicing
+    if family.head_width_is_embedding_width and not slicing.slice_head:
         raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
                         f"set slicing.slice_head: true")
-    kept = kept_width(config.hidden_size, recipe.sparsity, recipe.slicing.round_to)
-    widths = site_widths(family, config.num_hidden_layers, config.hidden_size, kept, recipe.slicing.slice_head)
+    if slicing.shared_bases and family.parallel:
+        raise UserError(f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
+                        f"layers have one site (attention and MLP in parallel); turn it off")
+    layers, d = config.num_hidden_layers, config.hidden_size
+    shared = [layer_site_ids(family, i)[-1] for i in range(layers)] if slicing.shared_bases else []
+    params = param_model(config, family, shared)
+
+    def uniform(kept: int) -> dict[str, int]:
+        return site_widths(family, layers, d, kept, slicing.slice_head)
+
+    if recipe.sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
+        widths = uniform(kept_width(d, recipe.sparsity, slicing.round_to))
+        budget = (param_model(config, family) if shared else params).count(widths)
+        if shared:  # fewer transitions: the same budget keeps more width
+            widths = widest_uniform(params, budget, slicing.round_to, uniform)
+    else:
+        assert recipe.target_params is not None
+        budget = int(recipe.target_params * params.original)
+        widths = widest_uniform(params, budget, slicing.round_to, uniform)
+    kept: int | None = widths[EMBEDDING]
+    allocator = None
+    if recipe.allocation.method == "curves":
+        kept, allocator = None, curve_allocator(recipe, family, params, budget, shared, d)
+        widths = None
     pipeline = []
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     check_evaluation_tasks(recipe)
-    return Plan(config, family, kept, widths, pipeline)
+    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator)
+
+
+def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, budget: int, shared: list[str],
+                    hidden_size: int) -> CurveAllocator:
+    """The `curves` allocator for this recipe: widths on the allocation grid, from `min_kept` of
+    the hidden width up to all of it (the last site stays whole unless `slice_head`)."""
+    spec = recipe.allocation
+    step = spec.step or recipe.slicing.round_to
+    low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
+    grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})
+    choices = {site: grid for site in params.sites}
+    if not recipe.slicing.slice_head:
+        choices[params.sites[-1]] = [hidden_size]
+    narrowest = params.count({site: min(widths) for site, widths in choices.items()})
+    if narrowest > budget:
+        raise UserError(f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
+                        f"below the narrowest allocation allowed ({narrowest:,}, every site at "
+                        f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept")
+    return CurveAllocator(params, budget, choices, shared, tie_ends=family.head_width_is_embedding_width)
 
 
 def check_evaluation_tasks(recipe: Recipe) -> None:
@@ -416,7 +467,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
                    offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key),
-                   correct_readers=recipe.slicing.correct_readers)
+                   correct_readers=recipe.slicing.correct_readers, shared=checked.shared,
+                   allocator=checked.allocator)
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
     pruned, bases = result.model, result.bases
@@ -478,7 +530,14 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                   "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
                   "dtype": recipe.model.dtype},
         "sparsity": recipe.sparsity,
+        "target_params": recipe.target_params,
         "kept_width": kept,
+        "allocation": {"method": recipe.allocation.method, "budget": checked.budget,
+                       "predicted_params": checked.params.count(result.widths),
+                       "transition_params": checked.params.transition_params(result.widths),
+                       "shared_sites": checked.shared,
+                       **({k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
+                          if result.allocation else {})},
         "seed": recipe.seed,
         "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
         "slicing": dataclasses.asdict(recipe.slicing),

@@ -8,7 +8,7 @@ site order from here, never from list positions of its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from compressor.families import ModelFamily
@@ -48,16 +48,22 @@ class Layout:
     embedding: int
     attn: list[int]
     mlp: list[int]
+    attn_shared: list[bool]
+    mlp_shared: list[bool]
+    """Per layer: the site reuses the previous site's basis (the residual path has no transition)."""
 
 
-def layout(family: ModelFamily, num_layers: int, widths: Mapping[str, int]) -> Layout:
-    """Per-layer widths after attention and after the MLP (one site serves both for parallel blocks)."""
+def layout(family: ModelFamily, num_layers: int, widths: Mapping[str, int], shared: Collection[str] = ()) -> Layout:
+    """Per-layer widths after attention and after the MLP (one site serves both for parallel
+    blocks), and which of those sites reuse the previous site's basis (`shared`)."""
     missing = [site for site in site_ids(family, num_layers) if site not in widths]
     if missing:
         raise ValueError(f"no width given for site(s): {', '.join(missing)}")
-    attn, mlp = [], []
+    attn, mlp, attn_shared, mlp_shared = [], [], [], []
     for layer in range(num_layers):
         ids = layer_site_ids(family, layer)
         attn.append(widths[ids[0]])
         mlp.append(widths[ids[-1]])
-    return Layout(embedding=widths[EMBEDDING], attn=attn, mlp=mlp)
+        attn_shared.append(ids[0] in shared)
+        mlp_shared.append(ids[-1] in shared and not family.parallel)
+    return Layout(embedding=widths[EMBEDDING], attn=attn, mlp=mlp, attn_shared=attn_shared, mlp_shared=mlp_shared)

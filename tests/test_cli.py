@@ -76,7 +76,7 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     assert all(s["strategy"] == "pca" and "removed_energy" in s["steps"][0]["objectives"] for s in report["sites"])
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
-    assert resolved["slicing"] == {"round_to": 8, "slice_head": False, "correct_readers": False}
+    assert resolved["slicing"] == {"round_to": 8, "slice_head": False, "correct_readers": False, "shared_bases": False}
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.model_type == "sliced_llama"
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
@@ -181,7 +181,7 @@ def _gpt2_checkpoint(folder: Path) -> Path:
 BAD_INPUTS = {
     "unknown top-level key": (dict(spars=0.3), None, "unknown key 'spars'"),
     "unknown nested key": (dict(calibration__num_sample=3), None, "unknown key 'calibration.num_sample'"),
-    "missing key": (dict(sparsity=_DELETE), None, "missing key 'sparsity'"),
+    "no budget": (dict(sparsity=_DELETE), None, "give one of sparsity"),
     "unknown strategy": (dict(pipeline=[{"strategy": "pcaa"}]), None, "unknown strategy 'pcaa'"),
     "option for an option-less strategy": (dict(pipeline=[{"strategy": "pca", "tau": 3}]), None, "takes no options"),
     "empty pipeline": (dict(pipeline=[]), None, "pipeline must be a non-empty list"),

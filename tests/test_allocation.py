@@ -1,0 +1,243 @@
+"""Widths under one parameter budget: the exact parameter count of a sliced model from its config,
+per-site widths by a dynamic program on loss curves, `target_params`, and bases shared by
+consecutive sites (no transition between them)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from compressor.allocation import Choice, CurveAllocator, groups_of, loss_curve, solve
+from compressor.bases import apply_bases, load_bases
+from compressor.budget import param_model, sliced_params, widest_uniform
+from compressor.checkpoint import Checkpoint
+from compressor.cli import main
+from compressor.engine import PipelineStep, kept_width, prune
+from compressor.evaluate import parameter_count
+from compressor.families import family_for
+from compressor.sites import layer_site_ids, site_ids, site_widths
+from compressor.strategy import coupled_loss, eigh_descending
+from compressor_plugins.pca import PCA
+from compressor_plugins.sensitivity import Sensitivity
+from tests.conftest import (
+    COMMON,
+    FAMILY_CONFIGS,
+    copy_model,
+    max_relative_logit_error,
+    random_batches,
+    save_tiny_checkpoint,
+    tiny_model,
+)
+from tests.test_cli import write_recipe
+
+# Shapes of real models (random weights are never built: counting happens on the meta device).
+LARGE = {
+    "135M tied": LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "8B": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+
+
+def _config(name: str):
+    return AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name]})
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_the_parameter_polynomial_counts_every_sliced_model_exactly(name: str) -> None:
+    config = _config(name)
+    family = family_for(config.model_type)
+    ids = site_ids(family, config.num_hidden_layers)
+    rng = random.Random(name)
+    for trial in range(4):
+        widths = {site: rng.choice([8, 16, 24, 40, 64]) for site in ids}
+        shared = [site for site in ids[1:] if trial and rng.random() < 0.5]
+        for site in shared:
+            widths[site] = widths[ids[ids.index(site) - 1]]
+        params = param_model(config, family, shared)
+        assert params.count(widths) == sliced_params(config, family, widths, shared)
+    assert param_model(config, family).original == sum(p.numel() for p in tiny_model(name).parameters())
+
+
+def test_the_8b_shape_counts_as_llama_31_8b() -> None:
+    params = param_model(LARGE["8B"], family_for("llama"))
+    assert params.original == 8_030_261_248  # Llama-3.1-8B's published parameter count
+    widths = site_widths(family_for("llama"), 32, 4096, 4096, slice_head=True)
+    transitions = 64 * 4096 ** 2  # rotating without slicing adds one d × d matrix per site after the first
+    norm_scales = 65 * 4096  # and fuses every RMSNorm scale into the linears it feeds
+    assert params.count(widths) == params.original + transitions - norm_scales
+
+
+def _brute_force(params, choices, budget, tie_ends):
+    best = None
+    for combo in itertools.product(*(range(len(c.widths)) for c in choices)):
+        if tie_ends and choices[0].widths[combo[0]] != choices[-1].widths[combo[-1]]:
+            continue
+        widths = {s: c.widths[i] for c, i in zip(choices, combo) for s in c.sites}
+        if params.count(widths) <= budget:
+            loss = sum(c.losses[i] for c, i in zip(choices, combo))
+            if best is None or loss < best[0] - 1e-12:
+                best = (loss, widths)
+    return best
+
+
+@pytest.mark.parametrize("tie_ends", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_dynamic_program_finds_the_best_allocation_within_the_budget(tie_ends: bool, shared: bool) -> None:
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=50)
+    family = family_for("llama")
+    shared_sites = [layer_site_ids(family, i)[-1] for i in range(2)] if shared else []
+    params = param_model(config, family, shared_sites)
+    options = [8, 16, 24, 32]
+    for trial in range(12):
+        rng = random.Random(trial)
+        choices = [Choice(group, options, sorted((rng.random() for _ in options), reverse=True))
+                   for group in groups_of(params, shared_sites)]
+        budget = params.count(site_widths(family, 2, 32, rng.choice([16, 24]), True)) - rng.randrange(0, 2000)
+        expected = _brute_force(params, choices, budget, tie_ends)
+        widths, solver = solve(params, choices, budget, tie_ends)
+        assert solver == "exact"
+        loss = sum(c.losses[c.widths.index(widths[c.sites[0]])] for c in choices)
+        assert params.count(widths) <= budget
+        assert loss == pytest.approx(expected[0], abs=1e-12)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma2", "phi", "opt", "135M tied", "8B"])
+def test_the_allocation_meets_the_budget_within_one_step(case: str) -> None:
+    config = LARGE.get(case) or _config(case)
+    family = family_for(config.model_type)
+    d, layers, step = config.hidden_size, config.num_hidden_layers, 8 if config.hidden_size < 1024 else 128
+    slice_head = family.head_width_is_embedding_width or case != "llama"
+    uniform = site_widths(family, layers, d, kept_width(d, 0.25, 8), slice_head)
+    params = param_model(config, family)
+    budget = params.count(uniform)
+    grid = list(range(d // 2, d + 1, step))
+    choices = {s: grid for s in params.sites}
+    if not slice_head:
+        choices[params.sites[-1]] = [d]
+    allocator = CurveAllocator(params, budget, choices, tie_ends=family.head_width_is_embedding_width)
+    rng = random.Random(case)
+    for site in params.sites:  # strictly decreasing curves of different steepness
+        scale, power = rng.uniform(0.2, 5.0), rng.uniform(1.0, 2.5)
+        allocator.curves[site] = [scale * (d - w + 1) ** power for w in choices[site]]
+    widths = allocator.widths()
+    assert params.count(widths) == sliced_params(config, family, widths) <= budget
+    assert allocator.predicted(widths) <= allocator.predicted(uniform) + 1e-9
+    for site in params.sites:  # no site could keep one step more and still fit: the budget is used up
+        if widths[site] + step <= max(choices[site]) and not family.head_width_is_embedding_width:
+            wider = {**widths, site: widths[site] + step}
+            assert params.count(wider) > budget
+
+
+def test_loss_curves_are_the_best_candidates_predicted_kl() -> None:
+    generator = torch.Generator().manual_seed(0)
+    A, B = (torch.randn(16, 40, generator=generator, dtype=torch.float64) for _ in range(2))
+    C, H = A @ A.T / 40, B @ B.T / 40
+    widths = [4, 8, 12, 16]
+    curve = loss_curve(C, H, widths)
+    pca = eigh_descending(C)[1]
+    for width, value in zip(widths, curve):
+        assert value <= 0.5 * coupled_loss(C, H, pca[:, width:]) + 1e-12
+    assert curve == sorted(curve, reverse=True) and curve[-1] == 0.0
+    assert curve[0] > 0
+
+
+def test_widest_uniform_is_the_widest_under_the_target() -> None:
+    config = LARGE["135M tied"]
+    family = family_for("llama")
+    params = param_model(config, family)
+
+    def uniform(kept: int) -> dict[str, int]:
+        return site_widths(family, 30, 576, kept, True)
+
+    budget = int(0.75 * params.original)
+    widths = widest_uniform(params, budget, 8, uniform)
+    assert params.count(widths) <= budget < params.count(uniform(widths["embedding"] + 8))
+    shared = [layer_site_ids(family, i)[-1] for i in range(30)]
+    with_sharing = widest_uniform(param_model(config, family, shared), budget, 8, uniform)
+    assert with_sharing["embedding"] > widths["embedding"]  # fewer transitions buy width
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_shared_bases_drop_the_transition_and_rebuild_exactly(name: str) -> None:
+    original = tiny_model(name)
+    family = family_for(name)
+    config = original.config
+    shared = [layer_site_ids(family, i)[-1] for i in range(config.num_hidden_layers)]
+    batches = random_batches(config.vocab_size, padded=True)
+    full = site_widths(family, config.num_hidden_layers, config.hidden_size, config.hidden_size, True)
+    rotated = prune(copy_model(original), family, batches, full, [PipelineStep(PCA())], shared=shared)
+    assert max_relative_logit_error(original, rotated.model, batches) < 1e-5  # exact without slicing
+    widths = site_widths(family, config.num_hidden_layers, config.hidden_size, 48, True)
+    steps = [PipelineStep(Sensitivity(), Sensitivity().parse_options({}))]
+    result = prune(copy_model(original), family, batches, widths, steps, shared=shared)
+    for layer in result.model.get_submodule(family.layers):
+        assert layer.mlp_shortcut is None and layer.attn_shortcut is not None
+    assert parameter_count(result.model) == param_model(config, family, shared).count(widths)
+    assert all(torch.equal(result.bases[s], result.bases[layer_site_ids(family, i)[0]])
+               for i, s in enumerate(shared))
+    assert [r.steps[0]["strategy"] for r in result.sites if r.name in shared] == ["shared"] * len(shared)
+    rebuilt = apply_bases(copy_model(original), family, result.bases)
+    assert max_relative_logit_error(result.model, rebuilt, batches) == 0.0
+
+
+class _Counting(CurveAllocator):
+    def observe(self, site, C, H):
+        self.observed = getattr(self, "observed", 0) + 1
+        super().observe(site, C, H)
+
+
+def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(tmp_path: Path) -> None:
+    original = tiny_model("llama")
+    family = family_for("llama")
+    config = original.config
+    params = param_model(config, family)
+    d = config.hidden_size
+    budget = params.count(site_widths(family, 2, d, 48, True))
+    choices = dict.fromkeys(params.sites, list(range(32, d + 1, 8)))
+    steps = [PipelineStep(Sensitivity(), Sensitivity().parse_options({}))]
+    batches = random_batches(config.vocab_size, padded=True)
+    checkpoint = Checkpoint(tmp_path / "checkpoint")
+    checkpoint.start({"test": "1"})
+    first_allocator = _Counting(params, budget, choices)
+    first = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint,
+                  allocator=first_allocator)
+    assert first_allocator.observed == len(params.sites)
+    assert first.widths == first_allocator.widths()  # the walk kept what the allocator chose
+    assert [r.kept for r in first.sites] == [first.widths[s] for s in params.sites]
+    assert parameter_count(first.model) == params.count(first.widths) <= budget
+    assert first.allocation["widths"] == first.widths and first.allocation["budget"] == budget
+    again_allocator = _Counting(params, budget, choices)
+    again = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint,
+                  allocator=again_allocator)
+    assert not hasattr(again_allocator, "observed") and again.loaded_sites == len(params.sites)
+    assert max_relative_logit_error(first.model, again.model, batches) == 0.0
+
+
+def test_target_params_on_a_tied_model_keeps_at_most_that_share(tmp_path: Path) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "tied", "qwen2")  # tie_word_embeddings: true
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.tie_word_embeddings
+    for way, changes in {"uniform": {}, "shared": {"slicing": {"shared_bases": True}},
+                         "curves": {"allocation": {"method": "curves", "min_kept": 0.25},
+                                    "pipeline": [{"strategy": "sensitivity"}]}}.items():
+        folder = tmp_path / way
+        folder.mkdir()
+        # its head is as large as its embedding, so a 75% model must slice the head's input too
+        changes = {**changes, "slicing": {"slice_head": True, **changes.get("slicing", {})}}
+        recipe = write_recipe(folder, checkpoint, sparsity=None, target_params=0.75, **changes)
+        assert main(["run", str(recipe)]) == 0
+        report = json.loads((folder / "out" / "report.json").read_text())
+        reloaded = AutoModelForCausalLM.from_pretrained(folder / "out" / "model")
+        assert parameter_count(reloaded) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+        assert report["params"]["ratio"] <= 0.75
+        if way == "shared":
+            assert report["allocation"]["transition_params"] < report["params"]["pruned"]
+            bases = load_bases(folder / "out" / "bases.safetensors")
+            assert torch.equal(bases["layers.0.mlp"], bases["layers.0.attn"])
