@@ -121,6 +121,20 @@ def _costs(params: ParamModel, choices: Sequence[Choice]) -> tuple[list[int], li
     return linear, joined
 
 
+def _fixed_pairs(params: ParamModel, choices: Sequence[Choice]) -> int:
+    """Parameters of the transitions that do not join consecutive choices (a tied head's map from
+    the last site to the embedding): the program fixes both ends' widths (`tie_ends`)."""
+    owner = {site: g for g, c in enumerate(choices) for site in c.sites}
+    total = 0
+    for s, t in params.transitions:
+        if abs(owner[s] - owner[t]) > 1:
+            ends = (choices[owner[s]].widths, choices[owner[t]].widths)
+            if len(ends[0]) != 1 or len(ends[1]) != 1:
+                raise ValueError(f"the transition {s} → {t} joins sites that are not neighbours; fix both widths")
+            total += ends[0][0] * ends[1][0]
+    return total
+
+
 def _lagrangian_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> tuple[float, list[int]] | None:
     linear, joined = _costs(params, choices)
     widths = [np.array(c.widths, dtype=np.float64) for c in choices]
@@ -186,8 +200,9 @@ def _solve_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> 
     frontiers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
     first = choices[0]
     front = {}
+    fixed = _fixed_pairs(params, choices)
     for w, loss in zip(first.widths, first.losses):
-        cost = params.constant + linear[0] * w
+        cost = params.constant + fixed + linear[0] * w
         if cost + floor[1] <= budget:
             front[w] = (np.array([cost], np.int64), np.array([loss]), np.array([-1]), np.array([-1]))
     frontiers.append(front)

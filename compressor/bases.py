@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.activations import held_on
@@ -87,8 +88,41 @@ def apply_head_basis(model: PreTrainedModel, family: ModelFamily, basis: torch.T
     rotate_inputs(stream_reader(model, family), basis)
 
 
+def apply_tied_head(model: PreTrainedModel, family: ModelFamily, reader: torch.Tensor) -> None:
+    """Keep a tied head tied: the head becomes the sliced embedding E·V_0 itself, and a k_0 × k
+    map M after the final norm, fitted by least squares, makes (E·V_0)·M as close as it can be
+    to what the untied head would compute (W·R: the head with the final norm's scale fused in,
+    reading the last site's stream through R). Exact when nothing is sliced; otherwise the
+    logits lose what lies outside the embedding's kept directions. A head bias (a LayerNorm's
+    folded β) becomes M's bias the same way."""
+    head = stream_reader(model, family)
+    embedding = model.get_submodule(family.embedding)
+    A = embedding.weight.data.to(torch.float64)
+    target = head.weight.data.to(torch.float64) @ reader.to(A.device, torch.float64)
+    if head.bias is not None:
+        target = torch.cat([target, head.bias.data.to(torch.float64)[:, None]], 1)
+    solution = torch.linalg.lstsq(A, target).solution  # k_0 × k (and the bias column)
+    width = reader.shape[1]
+    mixer = nn.Linear(width, A.shape[1], bias=head.bias is not None, dtype=head.weight.dtype,
+                      device=head.weight.device).requires_grad_(False)
+    mixer.weight.data = solution[:, :width].to(mixer.weight.dtype).contiguous()
+    if head.bias is not None:
+        mixer.bias.data = solution[:, width].to(mixer.weight.dtype).contiguous()
+    head.in_features, head.bias, head.weight = A.shape[1], None, embedding.weight
+    model.set_submodule(family.final_norm, nn.Sequential(model.get_submodule(family.final_norm), mixer))
+
+
+def tied_head(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, torch.Tensor]) -> bool:
+    """An original model whose head is its embedding (one Parameter), with bases whose last site
+    kept the embedding's basis (`slicing.tie_head`), keeps its head tied."""
+    last = site_ids(family, model.config.num_hidden_layers)[-1]
+    head, embedding = model.get_submodule(family.head), model.get_submodule(family.embedding)
+    return (head.weight is embedding.weight
+            and bases[last].shape == bases[EMBEDDING].shape and torch.equal(bases[last], bases[EMBEDDING]))
+
+
 def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int],
-                   shared: Collection[str] = ()) -> dict[str, Any]:
+                   shared: Collection[str] = (), tied: bool = False) -> dict[str, Any]:
     """The `slicing` entry of a sliced model's config (how `apply_slicing_layout` rebuilds it);
     `shared` names the sites that reuse the previous site's basis (no transition into them)."""
     shape = layout(family, model.config.num_hidden_layers, widths, shared)
@@ -102,6 +136,8 @@ def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[
     }
     if any(shape.attn_shared) or any(shape.mlp_shared):
         value.update(attn_shared=shape.attn_shared, mlp_shared=shape.mlp_shared)
+    if tied:
+        value["tied_head"] = True
     return value
 
 
@@ -131,6 +167,7 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
         raise ValueError(f"no basis for site(s): {', '.join(missing)}")
     model.eval()
     model.requires_grad_(False)
+    tied = tied_head(model, family, bases)  # before fusion unties the head
     fuse_norms(model, family)
 
     def reader(site: str) -> torch.Tensor:
@@ -146,9 +183,13 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
                 open_site(layer, family, site, previous)
                 close_site(layer, family, site, previous, chosen, name in shared)
                 previous = reader(name)
-    apply_head_basis(model, family, previous)
     widths = {site: bases[site].shape[1] for site in ids}
-    return as_sliced_model(model, family, slicing_config(model, family, widths, shared))
+    slicing = slicing_config(model, family, widths, shared, tied)  # before the head changes (its bias)
+    if tied:
+        apply_tied_head(model, family, previous)
+    else:
+        apply_head_basis(model, family, previous)
+    return as_sliced_model(model, family, slicing)
 
 
 def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
@@ -161,13 +202,15 @@ def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[s
     values = model.config.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
         values.pop(key, None)
-    values["tie_word_embeddings"] = False
+    values["tie_word_embeddings"] = bool(slicing.get("tied_head"))
     config = config_cls(**values, slicing=slicing)
     config.architectures = [model_cls.__name__]
     config._attn_implementation = model.config._attn_implementation
     with torch.device("meta"):
         sliced = model_cls(config)
     sliced.load_state_dict(model.state_dict(), strict=True, assign=True)
+    if slicing.get("tied_head"):
+        sliced.tie_weights()
     source_buffers = dict(model.named_buffers())
     for name, buffer in sliced.named_buffers():
         if buffer.is_meta:

@@ -5,7 +5,8 @@ A sliced model's parameter count is a polynomial in its site widths k_s:
     P(k) = constant + Σ_s linear_s·k_s + Σ_(s,t) k_s·k_t
 
 where the last sum runs over the residual transitions (a k_t × k_s matrix between consecutive
-sites s, t; none where a site reuses the previous site's basis). `param_model` reads the
+sites s, t; none where a site reuses the previous site's basis) and, for a head kept tied to
+the embedding, the map from the last site to the embedding's width. `param_model` reads the
 constant and every coefficient off one sliced model built on the meta device (no memory) with
 each site's width set to a distinct marker, so the count is exact for any family the sliced
 architecture supports, head and transitions included, and no family is described twice.
@@ -60,7 +61,7 @@ def _count(model: torch.nn.Module) -> int:
 
 
 def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[str, int],
-                  shared: Collection[str] = ()) -> dict:
+                  shared: Collection[str] = (), tied: bool = False) -> dict:
     """The `slicing` entry `apply_slicing_layout` builds `widths` from, for an original model."""
     final_norm = model.get_submodule(family.final_norm)
     shape = layout(family, model.config.num_hidden_layers, widths, shared)
@@ -69,32 +70,36 @@ def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[s
              "reader_bias": stream_reader(model, family).bias is not None or getattr(final_norm, "bias", None) is not None}
     if any(shape.attn_shared) or any(shape.mlp_shared):
         value.update(attn_shared=shape.attn_shared, mlp_shared=shape.mlp_shared)
+    if tied:
+        value["tied_head"] = True
     return value
 
 
 def sliced_params(config: PretrainedConfig, family: ModelFamily, widths: Mapping[str, int],
-                  shared: Collection[str] = ()) -> int:
+                  shared: Collection[str] = (), tied: bool = False) -> int:
     """Parameters of the sliced model with `widths`, counted on one built on the meta device."""
     model = _meta_model(config)
-    apply_slicing_layout(model, family, layout_config(model, family, widths, shared))
+    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
     return _count(model)
 
 
-def param_model(config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = ()) -> ParamModel:
+def param_model(config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = (),
+                tied: bool = False) -> ParamModel:
     """The exact parameter polynomial of `config`'s sliced variants; `shared` names the sites that
-    reuse the previous site's basis (no transition into them)."""
-    return _param_model(config.to_json_string(), family, tuple(sorted(shared)))
+    reuse the previous site's basis (no transition into them); `tied`: the head stays tied to the
+    embedding (a map from the last site's width to the embedding's replaces it)."""
+    return _param_model(config.to_json_string(), family, tuple(sorted(shared)), tied)
 
 
 @lru_cache(maxsize=16)
-def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...]) -> ParamModel:
+def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...], tied: bool) -> ParamModel:
     config = AutoConfig.for_model(**json.loads(config_json))
     ids = site_ids(family, config.num_hidden_layers)
     model = _meta_model(config)
     original = _count(model)
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
     widths = {site: width for width, site in markers.items()}
-    apply_slicing_layout(model, family, layout_config(model, family, widths, shared))
+    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
     constant, linear, transitions = 0, dict.fromkeys(ids, 0), set()
     for name, parameter in model.named_parameters():
         dims = [markers.get(int(size), int(size)) for size in parameter.shape]
@@ -111,7 +116,8 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...])
             linear[marked[0]] += rest
         else:
             pair = tuple(sorted(marked, key=ids.index))
-            if len(marked) != 2 or rest != 1 or ids.index(pair[1]) != ids.index(pair[0]) + 1:
+            consecutive = ids.index(pair[1]) == ids.index(pair[0]) + 1
+            if len(marked) != 2 or rest != 1 or not (consecutive or (tied and pair == (ids[0], ids[-1]))):
                 raise RuntimeError(f"{name} {tuple(parameter.shape)}: not a transition between consecutive sites")
             transitions.add(pair)
     return ParamModel(sites=tuple(ids), constant=constant, linear=linear,

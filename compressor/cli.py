@@ -111,7 +111,10 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.dry_run:
         notes = []
         if Path(recipe.model.path).is_dir():  # a local config is cheap to read: check family and widths too
-            plan(recipe, registry)
+            checked = plan(recipe, registry)
+            original = checked.params.original
+            notes.append(f"budget {checked.budget:,} of {original:,} parameters ({checked.budget / original:.1%}); "
+                         f"kept width {checked.kept if checked.kept is not None else 'chosen per site after a survey'}")
         else:
             check_evaluation_tasks(recipe)
             notes.append("model config not checked (hub id)")

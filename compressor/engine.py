@@ -23,6 +23,7 @@ from compressor.activations import ActivationStore, held_on
 from compressor.bases import (
     apply_embedding_basis,
     apply_head_basis,
+    apply_tied_head,
     as_sliced_model,
     close_site,
     open_site,
@@ -179,10 +180,13 @@ class _Walk:
 
     def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser | None,
                  widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
-                 correct_readers: bool = False, shared: Collection[str] = ()) -> None:
+                 correct_readers: bool = False, shared: Collection[str] = (),
+                 copies: Mapping[str, str] | None = None) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
         self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
         self.shared = set(shared)
+        self.copies = dict(copies or {})
+        """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
         self.readers: dict[str, torch.Tensor] = {}
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
@@ -230,11 +234,12 @@ class _Walk:
         assert moment is not None
         if self.saved and self.resumed_from is None:
             self.resumed_from = site
-        if site in self.shared:  # keeps the previous site's basis: nothing to choose
+        if site in self.shared or site in self.copies:  # keeps an earlier site's basis: nothing to choose
             assert self.pending is not None and self.records
-            basis = self.pending
+            source = self.copies.get(site, self.records[-1].name)
+            basis = self.bases[source].to(self.device) if site in self.copies else self.pending
             record = SiteRecord(name=site, width=self.width, kept=self.widths[site], tokens=moment.tokens,
-                                steps=[{"strategy": "shared", "objectives": {"with": self.records[-1].name}}])
+                                steps=[{"strategy": "shared", "objectives": {"with": source}}])
         else:
             assert self.chooser is not None
             basis, record = self.chooser.choose(site, self.widths[site], moment)
@@ -274,6 +279,7 @@ def prune(
     correct_readers: bool = False,
     shared: Collection[str] = (),
     allocator: WidthAllocator | None = None,
+    tie_head: bool = False,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -287,7 +293,9 @@ def prune(
     saved are reused. With `correct_readers`, what reads each site's stream (the next block's
     input linears, the residual transition, the head) reads it through the least-squares reader
     map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`). The sites in `shared`
-    keep the previous site's basis (no choice, no transition matrix into them).
+    keep the previous site's basis (no choice, no transition matrix into them). With `tie_head`
+    (a model with tied embeddings), the last site keeps the embedding's basis and the head stays
+    tied to the embedding (`bases.apply_tied_head`).
 
     With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
     over the calibration windows and hands every site's C (and H) to it; its widths, saved in
@@ -303,7 +311,7 @@ def prune(
     if allocation is not None:
         widths = allocation["widths"]
     if widths is not None:
-        _check_widths(family, ids, widths, shared)
+        _check_widths(family, ids, widths, shared, tie_head)
     elif allocator is None:
         raise ValueError("give the widths, or an allocator to choose them")
     needed = required_statistics(pipeline) | (set(allocator.requires) if allocator is not None else set())
@@ -342,7 +350,7 @@ def prune(
             assert allocator is not None
             _survey(model, family, inputs, device, fisher, allocator, report)
             widths = allocator.widths()
-            _check_widths(family, ids, widths, shared)
+            _check_widths(family, ids, widths, shared, tie_head)
             allocation = {"widths": widths, **allocator.to_json(widths)}
             if checkpoint is not None:
                 checkpoint.save_allocation(allocation)
@@ -351,7 +359,7 @@ def prune(
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, batches, device, store)
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
-                     shared)
+                     shared, {ids[-1]: EMBEDDING} if tie_head else {})
         basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
@@ -366,8 +374,11 @@ def prune(
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     finally:
         store.close()
-    apply_head_basis(model, family, previous)
-    slicing = slicing_config(model, family, widths, shared)
+    slicing = slicing_config(model, family, widths, shared, tie_head)  # before the head changes (its bias)
+    if tie_head:
+        apply_tied_head(model, family, previous)
+    else:
+        apply_head_basis(model, family, previous)
     return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
                        bases=walk.bases, readers=walk.readers if correct_readers else None,
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
@@ -375,10 +386,11 @@ def prune(
                        widths=dict(widths), allocation=allocation)
 
 
-def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str]) -> None:
+def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],
+                  tie_head: bool = False) -> None:
     if sorted(widths) != sorted(ids):
         raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
-    if family.head_width_is_embedding_width and widths[EMBEDDING] != widths[ids[-1]]:
+    if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
         raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
     for site in shared:
         if site not in ids[1:]:

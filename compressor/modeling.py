@@ -197,7 +197,8 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     `slicing` holds `hidden_size` (original width), `embedding` (width after the embedding),
     `attn` and `mlp` (width after each layer's attention and MLP), and optionally `attn_shared`
     and `mlp_shared` (per layer: that site reuses the previous site's basis, so no transition
-    matrix leads into it). Weights are left
+    matrix leads into it), and `tied_head` (the head shares the embedding's weights and reads
+    a map of the last site's stream, a `Linear` after the final norm). Weights are left
     uninitialised: they come from a checkpoint or from the engine.
     """
     d = slicing["hidden_size"]
@@ -240,8 +241,16 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
             sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
         layers[index] = sliced
         width_in = width_mlp
-    model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
     reader = stream_reader(model, family)
+    if slicing.get("tied_head"):  # the head is the embedding; a small map after the norm feeds it
+        dtype, device = embedding.weight.dtype, embedding.weight.device
+        mixer = nn.Linear(width_in, slicing["embedding"], bias=bool(slicing.get("reader_bias")), device=device,
+                          dtype=dtype)
+        model.set_submodule(family.final_norm, nn.Sequential(WeightlessRMSNorm(d, eps), mixer))
+        reader.in_features, reader.bias = slicing["embedding"], None
+        reader.weight = embedding.weight
+        return
+    model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
     _resize(reader, in_features=width_in)
     if slicing.get("reader_bias") and reader.bias is None:  # LayerNorm families fold the final norm's bias here
         reader.bias = nn.Parameter(torch.empty(reader.out_features, dtype=reader.weight.dtype,
@@ -279,7 +288,7 @@ def _make_sliced_classes(family: ModelFamily, model_type: str) -> tuple[type, ty
             "config_class": SlicedConfig,
             "__init__": __init__,
             "_no_split_modules": ["SlicedDecoderLayer"],
-            "_tied_weights_keys": None,
+            "_tied_weights_keys": getattr(model_base, "_tied_weights_keys", None),  # used when slicing.tied_head
             "_can_record_outputs": recorded,
             "__module__": __name__,
         },

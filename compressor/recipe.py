@@ -84,6 +84,9 @@ class SlicingSpec:
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
     shared_bases: bool = False
     """Each layer's MLP site keeps its attention site's basis, so no transition matrix sits between them."""
+    tie_head: bool = False
+    """For a model with tied embeddings: the last site keeps the embedding's basis and the head
+    stays tied to the (sliced) embedding, with a small map after the final norm."""
 
 
 @dataclass(frozen=True)
@@ -443,6 +446,9 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         if recipe.slicing.correct_readers:
             raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
                             "whose readers are its bases; turn one of them off")
+        if recipe.slicing.tie_head:
+            raise UserError("refinement cannot follow slicing.tie_head yet: it optimises a model whose head reads "
+                            "the last site's basis; turn one of them off")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

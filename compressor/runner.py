@@ -44,7 +44,7 @@ from compressor.engine import PipelineStep, kept_width, prune
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
-from compressor.families import ModelFamily, family_for
+from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.refine import refine_bases
@@ -288,17 +288,20 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     if slicing.shared_bases and family.parallel:
         raise UserError(f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
                         f"layers have one site (attention and MLP in parallel); turn it off")
+    if slicing.tie_head:
+        check_tie_head(config, family)
     layers, d = config.num_hidden_layers, config.hidden_size
     shared = [layer_site_ids(family, i)[-1] for i in range(layers)] if slicing.shared_bases else []
-    params = param_model(config, family, shared)
+    params = param_model(config, family, shared, slicing.tie_head)
 
     def uniform(kept: int) -> dict[str, int]:
-        return site_widths(family, layers, d, kept, slicing.slice_head)
+        return site_widths(family, layers, d, kept, slicing.slice_head or slicing.tie_head)
 
     if recipe.sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
-        widths = uniform(kept_width(d, recipe.sparsity, slicing.round_to))
-        budget = (param_model(config, family) if shared else params).count(widths)
-        if shared:  # fewer transitions: the same budget keeps more width
+        kept = kept_width(d, recipe.sparsity, slicing.round_to)
+        widths = site_widths(family, layers, d, kept, slicing.slice_head)
+        budget = param_model(config, family).count(widths)
+        if shared or slicing.tie_head:  # fewer parameters to carry: the same budget keeps more width
             widths = widest_uniform(params, budget, slicing.round_to, uniform)
     else:
         assert recipe.target_params is not None
@@ -326,14 +329,27 @@ def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, bud
     low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
     grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})
     choices = {site: grid for site in params.sites}
-    if not recipe.slicing.slice_head:
+    if not (recipe.slicing.slice_head or recipe.slicing.tie_head):
         choices[params.sites[-1]] = [hidden_size]
     narrowest = params.count({site: min(widths) for site, widths in choices.items()})
     if narrowest > budget:
         raise UserError(f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
                         f"below the narrowest allocation allowed ({narrowest:,}, every site at "
                         f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept")
-    return CurveAllocator(params, budget, choices, shared, tie_ends=family.head_width_is_embedding_width)
+    return CurveAllocator(params, budget, choices, shared,
+                          tie_ends=family.head_width_is_embedding_width or recipe.slicing.tie_head)
+
+
+def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
+    """`slicing.tie_head` needs a tied model whose embedding writes the stream and whose head reads it."""
+    if not getattr(config, "tie_word_embeddings", False):
+        raise UserError("slicing.tie_head keeps a tied head tied, but this model's head is untied "
+                        "(tie_word_embeddings: false); turn slicing.tie_head off")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if stream_writers(model, family)[0] is not None or stream_reader(model, family) is not model.get_submodule(family.head):
+        raise UserError(f"slicing.tie_head: this {config.model_type} model projects between its embedding and the "
+                        f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off")
 
 
 def check_evaluation_tasks(recipe: Recipe) -> None:
@@ -468,7 +484,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                    recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
                    offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key),
                    correct_readers=recipe.slicing.correct_readers, shared=checked.shared,
-                   allocator=checked.allocator)
+                   allocator=checked.allocator, tie_head=recipe.slicing.tie_head)
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
     pruned, bases = result.model, result.bases

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,57 @@ def test_target_params_on_a_tied_model_keeps_at_most_that_share(tmp_path: Path) 
             assert report["allocation"]["transition_params"] < report["params"]["pruned"]
             bases = load_bases(folder / "out" / "bases.safetensors")
             assert torch.equal(bases["layers.0.mlp"], bases["layers.0.attn"])
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_a_tied_head_stays_tied_exactly_without_slicing_and_rebuilds(name: str, tmp_path: Path) -> None:
+    family = family_for(name)
+    original = tiny_model(name)
+    config = original.config
+    batches = random_batches(config.vocab_size, padded=True)
+    full = site_widths(family, config.num_hidden_layers, config.hidden_size, config.hidden_size, True)
+    rotated = prune(tiny_model(name), family, batches, full, [PipelineStep(PCA())], tie_head=True)
+    assert max_relative_logit_error(original, rotated.model, batches) < 1e-5  # the least-squares map is exact
+    widths = site_widths(family, config.num_hidden_layers, config.hidden_size, 48, True)
+    result = prune(tiny_model(name), family, batches, widths, [PipelineStep(PCA())], tie_head=True)
+    model = result.model
+    assert model.get_submodule(family.head).weight is model.get_submodule(family.embedding).weight
+    assert torch.equal(result.bases[site_ids(family, config.num_hidden_layers)[-1]], result.bases["embedding"])
+    assert parameter_count(model) == param_model(config, family, tied=True).count(widths)
+    assert parameter_count(model) < param_model(config, family).count(widths)  # no second vocabulary matrix
+    rebuilt = apply_bases(tiny_model(name), family, result.bases)
+    assert max_relative_logit_error(model, rebuilt, batches) == 0.0
+    model.save_pretrained(tmp_path / "model")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eager").eval()
+    assert reloaded.get_submodule(family.head).weight is reloaded.get_submodule(family.embedding).weight
+    assert parameter_count(reloaded) == parameter_count(model)
+    assert max_relative_logit_error(model, reloaded, batches) < 1e-5
+
+
+def test_target_params_with_a_tied_head_and_its_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tied = save_tiny_checkpoint(tmp_path / "tied", "qwen2")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    recipe = write_recipe(folder, tied, sparsity=None, target_params=0.75, slicing={"tie_head": True})
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((folder / "out" / "report.json").read_text())
+    assert report["params"]["ratio"] <= 0.75 and report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    reloaded = AutoModelForCausalLM.from_pretrained(folder / "out" / "model")
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    untied = save_tiny_checkpoint(tmp_path / "untied", "llama")
+    for checkpoint, changes, message in [
+        (untied, {"slicing": {"tie_head": True}}, "this model's head is untied"),
+        (tied, {"slicing": {"tie_head": True}, "refinement": {"epochs": 1}}, "refinement cannot follow slicing.tie_head"),
+        (tied, {"sparsity": None, "target_params": 0.01}, "no uniform width reaches"),
+        (tied, {"target_params": 0.5}, "give one of sparsity"),
+        (tied, {"allocation": {"method": "evolution"}}, "allocation.method must be one of"),
+        (tied, {"allocation": {"method": "curves", "step": 12}}, "allocation.step must be a positive multiple"),
+        (untied, {"allocation": {"method": "curves", "min_kept": 0.99}}, "below the narrowest allocation"),
+    ]:
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        bad.mkdir()
+        assert main(["run", str(write_recipe(bad, checkpoint, **changes))]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not (bad / "out").exists()
