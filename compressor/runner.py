@@ -292,6 +292,8 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         check_tie_head(config, family)
     layers, d = config.num_hidden_layers, config.hidden_size
     shared = [layer_site_ids(family, i)[-1] for i in range(layers)] if slicing.shared_bases else []
+    if shared and (slicing.tie_head or not slicing.slice_head):  # the last site keeps its own width or basis
+        shared = shared[:-1]
     params = param_model(config, family, shared, slicing.tie_head)
 
     def uniform(kept: int) -> dict[str, int]:

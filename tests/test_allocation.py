@@ -296,3 +296,13 @@ def test_target_params_with_a_tied_head_and_its_refusals(tmp_path: Path, capsys:
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert not (bad / "out").exists()
+
+
+def test_shared_bases_with_the_head_input_kept_whole(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, slicing={"shared_bases": True})
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    kept = {site["name"]: site["kept"] for site in report["sites"]}
+    assert kept["layers.1.mlp"] == 64 and kept["layers.0.mlp"] == kept["layers.0.attn"] >= 48
+    assert report["allocation"]["shared_sites"] == ["layers.0.mlp"]
+    assert report["params"]["pruned"] <= report["allocation"]["budget"]
