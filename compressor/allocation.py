@@ -5,10 +5,13 @@ of the original (fused, unsliced) model, a loss curve: for each width it could k
 paper's predicted KL ½·Tr(UᵀCU·UᵀHU) of the best removed subspace among PCA's and the
 τ-candidates (bottom eigenvectors of τC + H/τ). It then picks one width per site minimising
 the summed predicted KL subject to the sliced model's exact parameter count (`budget`),
-transitions k_s·k_t included, by a dynamic program over the chain of sites that keeps, for each
-width of the current site, every (parameters, loss) pair not dominated by another. That solves
-the constrained problem exactly; sites that must share a width (a shared basis, a head tied to
-the embedding) are one unknown.
+transitions k_s·k_t included. `solve` runs a dynamic program over the chain of sites that
+keeps, for each width of the current site, the (parameters, loss) pairs no other pair beats
+(one per 1/131072 of the budget); where those frontiers would grow too large (deep models, fine
+width grids) it takes the exact optimum of loss + λ·parameters at the λ that fits and spends
+what is left greedily. Parameters are counted exactly, so the budget is never exceeded; sites
+that must keep one width (a shared basis) are one unknown, and a head tied to the embedding
+ties the chain's two ends.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from compressor.budget import ParamModel
 from compressor.strategy import eigh_descending, frobenius_normalised
 
 DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
+"""The paper's τ grid (also the `sensitivity` strategy's default; the engine does not import strategies)."""
 RESOLUTION = 1 << 17
 """Frontiers keep one point per 1/RESOLUTION of the budget: the best loss is found to within
 about that many parameters (bounded time on deep models); the budget itself is never exceeded."""
