@@ -77,13 +77,15 @@ def solve(params: ParamModel, choices: Sequence[Choice], budget: int, tie_ends: 
           ) -> tuple[dict[str, int], str]:
     """The widths (one per choice, for all its sites) of least summed loss whose parameter count
     is at most `budget` (`tie_ends`: the first and last choices keep the same width), and the
-    solver that found them: "exact" (the Pareto dynamic program) or, where its frontiers would
-    outgrow `WORK_LIMIT`, "lagrangian" (the exact optimum of loss + λ·parameters at the λ that
+    solver that found them: "exact" (the Pareto dynamic program, exact up to its cost buckets) or,
+    where its frontiers would outgrow `WORK_LIMIT`, "lagrangian" (the exact optimum of loss + λ·parameters at the λ that
     fits, then the leftover budget spent greedily)."""
     solver = "exact"
     try:
         found = _over_ends(params, choices, budget, tie_ends, _solve_chain)
     except _TooLarge:
+        found = None
+    if found is None:  # too large, or (never seen) the buckets dropped every path that fits
         solver = "lagrangian"
         found = _over_ends(params, choices, budget, tie_ends, _lagrangian_chain)
     if found is None:
@@ -114,14 +116,15 @@ def _over_ends(params: ParamModel, choices: Sequence[Choice], budget: int, tie_e
     return found
 
 
-def _costs(params: ParamModel, choices: Sequence[Choice]) -> tuple[list[int], list[bool]]:
-    """Each choice's parameters per unit of width, and whether a transition joins it to the next."""
+def _costs(params: ParamModel, choices: Sequence[Choice]) -> tuple[list[int], list[int]]:
+    """Each choice's parameters per unit of width, and how many k_s·k_t matrices join it to the
+    next (a one-layer model's residual transition and tied-head map join the same two sites)."""
     transitions = set(params.transitions)
     for c in choices:
         if any(pair in transitions for pair in zip(c.sites, c.sites[1:])):
             raise ValueError(f"sites {', '.join(c.sites)} keep one width but have transitions between them")
     linear = [sum(params.linear[s] for s in c.sites) for c in choices]
-    joined = [(a.sites[-1], b.sites[0]) in transitions for a, b in zip(choices, choices[1:])]
+    joined = [params.transitions.count((a.sites[-1], b.sites[0])) for a, b in zip(choices, choices[1:])]
     return linear, joined
 
 
@@ -149,7 +152,7 @@ def _lagrangian_chain(params: ParamModel, choices: Sequence[Choice], budget: int
         value = losses[0] + lam * linear[0] * widths[0]
         back = []
         for g in range(1, len(choices)):
-            total = value[:, None] + (lam * np.outer(widths[g - 1], widths[g]) if joined[g - 1] else 0.0)
+            total = value[:, None] + lam * joined[g - 1] * np.outer(widths[g - 1], widths[g])
             index = total.argmin(0)
             value = total[index, np.arange(len(widths[g]))] + losses[g] + lam * linear[g] * widths[g]
             back.append(index)
@@ -199,7 +202,7 @@ def _solve_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> 
     for g in range(len(choices) - 1, -1, -1):
         low = min(c for c in choices[g].widths)
         nxt = min(choices[g + 1].widths) if g + 1 < len(choices) else 0
-        floor[g] = floor[g + 1] + linear[g] * low + (low * nxt if g + 1 < len(choices) and joined[g] else 0)
+        floor[g] = floor[g + 1] + linear[g] * low + (joined[g] * low * nxt if g + 1 < len(choices) else 0)
     # frontier[k] = (costs, losses, parent widths, parent indices), costs ascending, losses descending
     frontiers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
     first = choices[0]
@@ -217,7 +220,7 @@ def _solve_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> 
         for w, loss in zip(choices[g].widths, choices[g].losses):
             parts = []
             for pw, (costs, losses, _, _) in previous.items():
-                add = linear[g] * w + (pw * w if joined[g - 1] else 0)
+                add = linear[g] * w + joined[g - 1] * pw * w
                 parts.append((costs + add, losses + loss, np.full(len(costs), pw), np.arange(len(costs))))
             if not parts:
                 continue
@@ -232,10 +235,11 @@ def _solve_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> 
             keep = np.ones(len(costs), bool)
             keep[1:] = losses[1:] < running[:-1]  # strictly better than every cheaper point
             costs, losses, pws, pis = costs[keep], losses[keep], pws[keep], pis[keep]
-            if resolution > 1:  # in each cost bucket only the last (the lowest loss) stays
+            if resolution > 1:  # each cost bucket keeps its cheapest point and its lowest loss (its last)
                 buckets = costs // resolution
-                last = np.append(buckets[1:] != buckets[:-1], True)
-                costs, losses, pws, pis = costs[last], losses[last], pws[last], pis[last]
+                edge = buckets[1:] != buckets[:-1]
+                ends = np.append(True, edge) | np.append(edge, True)
+                costs, losses, pws, pis = costs[ends], losses[ends], pws[ends], pis[ends]
             front[w] = (costs, losses, pws, pis)
         frontiers.append(front)
     last = frontiers[-1]

@@ -100,7 +100,7 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
     widths = {site: width for width, site in markers.items()}
     apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
-    constant, linear, transitions = 0, dict.fromkeys(ids, 0), set()
+    constant, linear, transitions = 0, dict.fromkeys(ids, 0), []
     for name, parameter in model.named_parameters():
         dims = [markers.get(int(size), int(size)) for size in parameter.shape]
         marked = [d for d in dims if isinstance(d, str)]
@@ -119,7 +119,7 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
             consecutive = ids.index(pair[1]) == ids.index(pair[0]) + 1
             if len(marked) != 2 or rest != 1 or not (consecutive or (tied and pair == (ids[0], ids[-1]))):
                 raise RuntimeError(f"{name} {tuple(parameter.shape)}: not a transition between consecutive sites")
-            transitions.add(pair)
+            transitions.append(pair)  # a pair twice is two matrices (a one-layer model's shortcut and tied map)
     return ParamModel(sites=tuple(ids), constant=constant, linear=linear,
                       transitions=tuple(sorted(transitions, key=lambda p: ids.index(p[0]))),
                       original=original, hidden_size=config.hidden_size)

@@ -314,7 +314,12 @@ def prune(
         _check_widths(family, ids, widths, shared, tie_head)
     elif allocator is None:
         raise ValueError("give the widths, or an allocator to choose them")
-    needed = required_statistics(pipeline) | (set(allocator.requires) if allocator is not None else set())
+    if tie_head:
+        head, embedding = model.get_submodule(family.head), model.get_submodule(family.embedding)
+        if head.weight is not embedding.weight:
+            raise ValueError("tie_head needs a model whose head weight is its embedding weight")
+    needed = required_statistics(pipeline) | (
+        set(allocator.requires) if widths is None and allocator is not None else set())
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
 
     report("fusing norms", 0, num_layers)

@@ -1,8 +1,9 @@
 """PNG plots of a sweep (matplotlib, no display needed).
 
 Runs that differ only in `seed` are one point (their mean, with the range as an error bar);
-every other grid key but `sparsity` makes its own line, labelled by the pipeline (with the
-options in which pipelines differ) and the other keys' values.
+every other grid key but `sparsity` (or `target_params`) makes its own line, labelled by the
+pipeline (with the options in which pipelines differ) and the other keys' values. The x axis is the
+sparsity, or, where some run has none (`target_params`), the fraction of parameters kept.
 """
 
 from __future__ import annotations
@@ -19,18 +20,29 @@ SKIPPED_OBJECTIVES = ("tau", "steps")
 
 def _series(row: dict[str, Any], grid_keys: list[str]) -> str:
     parts = [row["pipeline"]] if "pipeline" in grid_keys else []
-    parts += [f"{key}={row[key]}" for key in grid_keys if key not in ("sparsity", "seed", "pipeline")]
+    parts += [f"{key}={row[key]}" for key in grid_keys if key not in ("sparsity", "target_params", "seed", "pipeline")]
     return ", ".join(parts) or row["pipeline"]
+
+
+def _by_sparsity(table: list[dict[str, Any]]) -> bool:
+    """Whether the x axis is the sparsity (every run has one); else the fraction of the original's
+    parameters kept (runs with `target_params`)."""
+    return all(row.get("sparsity") is not None for row in table)
+
+
+def _x(row: dict[str, Any], by_sparsity: bool) -> float:
+    return float(row["sparsity"] if by_sparsity else row["params"])
 
 
 def _lines(table: list[dict[str, Any]], grid_keys: list[str], column: str
            ) -> dict[str, list[tuple[float, float, float, float]]]:
-    """series → [(sparsity, mean, min, max)] of `column`, sparsity ascending."""
+    """series → [(x, mean, min, max)] of `column`, x ascending (`_by_sparsity`)."""
     values: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    by_sparsity = _by_sparsity(table)
     for row in table:
         value = row.get(column)
         if isinstance(value, (int, float)) and math.isfinite(value):
-            values[_series(row, grid_keys)][float(row["sparsity"])].append(float(value))
+            values[_series(row, grid_keys)][_x(row, by_sparsity)].append(float(value))
     return {series: [(s, statistics.fmean(v), min(v), max(v)) for s, v in sorted(points.items())]
             for series, points in values.items()}
 
@@ -53,7 +65,8 @@ def _plot_against_sparsity(axes: Any, table: list[dict[str, Any]], grid_keys: li
                       marker="o", capsize=3, label=series, color=colours[series])
     if dense is not None:
         axes.axhline(dense, color="grey", linestyle="--", label="dense")
-    axes.set_xlabel("sparsity (fraction of the hidden width removed)")
+    axes.set_xlabel("sparsity (fraction of the hidden width removed)" if _by_sparsity(table)
+                    else "parameters kept (fraction of the original's)")
     axes.grid(alpha=0.3)
 
 
@@ -127,15 +140,17 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
             axes.grid(alpha=0.3)
         for axes in list(grid.flat)[len(keys):]:
             axes.axis("off")
-        sparsity = _objective_sparsity(table)
-        figure.suptitle(f"{model}: each strategy's objective per site, sparsity {sparsity}")
+        x = _objective_x(table)
+        where = f"sparsity {x}" if _by_sparsity(table) else f"{x:.3f} of the parameters kept"
+        figure.suptitle(f"{model}: each strategy's objective per site, {where}")
         save(figure, "objectives_by_site.png")
     return written
 
 
-def _objective_sparsity(table: list[dict[str, Any]]) -> float:
-    """The sparsity the per-site plot shows: the middle one of the sweep."""
-    values = sorted({float(row["sparsity"]) for row in table})
+def _objective_x(table: list[dict[str, Any]]) -> float:
+    """The sparsity (or parameter fraction) the per-site plot shows: the middle one of the sweep."""
+    by_sparsity = _by_sparsity(table)
+    values = sorted({_x(row, by_sparsity) for row in table})
     return values[len(values) // 2]
 
 
@@ -145,12 +160,12 @@ def _objectives(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
     sites where nothing is removed are left out."""
     if not table:
         return {}
-    sparsity = _objective_sparsity(table)
+    by_sparsity, x = _by_sparsity(table), _objective_x(table)
     out: dict[str, dict[str, tuple[list[str], list[float]]]] = defaultdict(dict)
     seen: set[str] = set()
     for row, report in zip(table, reports):
         series = _series(row, grid_keys)
-        if float(row["sparsity"]) != sparsity or series in seen:
+        if _x(row, by_sparsity) != x or series in seen:
             continue
         seen.add(series)
         collected: dict[str, tuple[list[str], list[float]]] = {}

@@ -130,8 +130,9 @@ class Recipe:
     pipeline: list[StepSpec]
     output: str
     sparsity: float | None = None
-    """The fraction of the hidden width removed; with shared bases or allocation by curves, the
-    budget: the parameter count of SliceGPT's model (one basis per site) at that sparsity."""
+    """The fraction of the hidden width removed; with shared bases, a tied head or allocation by
+    curves, the budget: the parameter count of SliceGPT's model (one basis per site, untied
+    head) at that sparsity."""
     target_params: float | None = None
     """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
     transitions and the (untied) head counted."""

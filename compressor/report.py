@@ -18,7 +18,9 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
     allocation = report.get("allocation") or {}
     if allocation.get("transition_params"):
-        rows.append(("of which residual transitions", "", f"{allocation['transition_params']:,}"))
+        tied = (report.get("slicing") or {}).get("tie_head")
+        label = "of which residual transitions" + (" and the tied head's map" if tied else "")
+        rows.append((label, "", f"{allocation['transition_params']:,}"))
     rows += speed_rows(report.get("size"), report.get("speed"))
     metrics = report.get("metrics") or {}
     if metrics:

@@ -419,6 +419,9 @@ def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions
     checked = plan(recipe, registry)
     check_site(checked.family, checked.config.num_hidden_layers, site)
     width = checked.config.hidden_size
+    if checked.kept is None:
+        raise UserError("the surrogate check fixes the removed energy at PCA's for one uniform width: give the "
+                        "recipe a sparsity (and no per-site allocation) instead of target_params")
     remove = width - checked.kept
     if remove < 1:
         raise UserError(f"sparsity {recipe.sparsity} removes no direction at width {width}; the check fixes the "

@@ -194,6 +194,8 @@ def test_a_failed_plot_leaves_no_files(recipe_path: Path, tmp_path: Path, monkey
     ({}, "layers.2.attn", "unknown site 'layers.2.attn'; sites are embedding, layers.0.attn, layers.0.mlp, "
                           "layers.1.attn, layers.1.mlp (5 in all)"),
     ({"sparsity": 0.0}, "layers.0.attn", "removes no direction"),
+    ({"sparsity": None, "target_params": 0.9, "allocation": {"method": "curves"},
+      "pipeline": [{"strategy": "sensitivity"}]}, "layers.0.attn", "give the recipe a sparsity"),
 ])
 def test_check_recipe_refuses_before_loading_anything(tiny_checkpoint: Path, tmp_path: Path, change: dict, site: str,
                                                        message: str) -> None:

@@ -187,3 +187,17 @@ def test_extending_the_grid_keeps_every_finished_run(tiny_checkpoint: Path, tmp_
     assert main(["sweep", str(shrunk)]) == 0
     assert sorted(p.name for p in (out / "previous").iterdir()) == ["002", "003", "004", "005"]
     assert len(json.loads((out / "results.json").read_text())) == 2
+
+
+def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_path: Path) -> None:
+    """Runs with `target_params` have no sparsity: their points sit at the parameters they kept."""
+    from compressor.plots import _lines, sweep_plots
+
+    table = [{"model": "m", "pipeline": "pca", "sparsity": None, "target_params": t, "params": kept,
+              "KL": kl, "pruned ppl": 30.0 + kl, "baseline ppl": 30.0}
+             for t, kept, kl in ((0.75, 0.748, 0.02), (0.9, 0.897, 0.005))]
+    assert _lines(table, ["target_params"], "KL") == {"pca": [(0.748, 0.02, 0.02, 0.02), (0.897, 0.005, 0.005, 0.005)]}
+    reports = [{"sites": []}, {"sites": []}]
+    written = sweep_plots(table, reports, ["target_params"], tmp_path)
+    assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
+    assert written[0].read_bytes().startswith(PNG)
