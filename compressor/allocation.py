@@ -34,20 +34,26 @@ RESOLUTION = 1 << 17
 about that many parameters (bounded time on deep models); the budget itself is never exceeded."""
 
 
-def loss_curve(C: torch.Tensor, H: torch.Tensor, widths: Sequence[int], taus: Sequence[float] = DEFAULT_TAUS
-               ) -> list[float]:
+def loss_curve(C: torch.Tensor, H: torch.Tensor, widths: Sequence[int], taus: Sequence[float] = DEFAULT_TAUS,
+               pooled: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[float]:
     """Predicted KL ½·Tr(UᵀCU·UᵀHU) (per token, so comparable across sites) of keeping each of
     `widths`, U being the removed directions of the best candidate basis for that width. Made
-    non-increasing in the width (keeping more never predicts more loss than keeping less)."""
-    C, H = C.to(torch.float64), H.to(C)
-    d = C.shape[0]
-    Cn, Hn = frobenius_normalised(C), frobenius_normalised(H)
-    bases = [eigh_descending(C)[1]] + [eigh_descending(tau * Cn + Hn / tau)[1] for tau in taus]
+    non-increasing in the width (keeping more never predicts more loss than keeping less).
+    `pooled`: the (C, H) of later sites that keep the same basis; candidates then come from the
+    sums (as the walk chooses a shared basis) and each member's loss is added."""
+    members = [(C.to(torch.float64), H.to(torch.float64))] + [(c.to(torch.float64), h.to(torch.float64))
+                                                            for c, h in pooled]
+    C_all, H_all = sum(c for c, _ in members), sum(h for _, h in members)
+    d = C_all.shape[0]
+    Cn, Hn = frobenius_normalised(C_all), frobenius_normalised(H_all)
+    bases = [eigh_descending(C_all)[1]] + [eigh_descending(tau * Cn + Hn / tau)[1] for tau in taus]
     best = torch.full((d + 1,), math.inf, dtype=torch.float64)
     for Q in bases:
-        product = (Q.T @ C @ Q) * (Q.T @ H @ Q)  # Tr(A_UB_U) = Σ A∘B over the removed block (B symmetric)
-        tail = product.flip(0, 1).cumsum(0).cumsum(1).flip(0, 1)  # tail[k, k]: block of columns k..d-1
-        losses = torch.cat([tail.diagonal(), torch.zeros(1, dtype=torch.float64)])  # index = kept width
+        losses = torch.zeros(d + 1, dtype=torch.float64)  # index = kept width
+        for c, h in members:
+            product = (Q.T @ c @ Q) * (Q.T @ h @ Q)  # Tr(A_UB_U) = Σ A∘B over the removed block (B symmetric)
+            tail = product.flip(0, 1).cumsum(0).cumsum(1).flip(0, 1)  # tail[k, k]: block of columns k..d-1
+            losses[:d] += tail.diagonal()
         best = torch.minimum(best, 0.5 * losses)
     envelope = torch.cummin(best, 0).values  # non-increasing in the kept width
     return [float(envelope[k]) for k in widths]
@@ -257,7 +263,9 @@ def _solve_chain(params: ParamModel, choices: Sequence[Choice], budget: int) -> 
 
 
 class CurveAllocator:
-    """Collects each site's loss curve as the engine surveys the original model, then solves."""
+    """Collects each site's loss curve as the engine surveys the original model, then solves.
+    Sites that keep one basis (`shared`) have one curve: the summed loss of the basis chosen
+    from their pooled statistics."""
 
     requires = ("C", "H")
 
@@ -266,32 +274,34 @@ class CurveAllocator:
                  taus: Sequence[float] = DEFAULT_TAUS) -> None:
         self.params, self.budget, self.tie_ends, self.taus = params, budget, tie_ends, tuple(taus)
         self.groups = groups_of(params, shared)
-        self.choices = {site: list(choices[site]) for site in params.sites}
-        self.curves: dict[str, list[float]] = {}
+        self.choices = {tuple(g): sorted(set.intersection(*(set(choices[s]) for s in g))) for g in self.groups}
+        self.curves: dict[tuple[str, ...], list[float]] = {}
         self.solver = ""
+        self._group = {site: tuple(g) for g in self.groups for site in g}
+        self._waiting: dict[tuple[str, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def observe(self, site: str, C: torch.Tensor, H: torch.Tensor | None) -> None:
         if H is None:
             raise ValueError("allocation by loss curves needs H")
-        self.curves[site] = loss_curve(C, H, self.choices[site], self.taus)
+        group = self._group[site]
+        members = self._waiting.setdefault(group, [])
+        members.append((C, H))
+        if site == group[-1]:
+            (C0, H0), *rest = self._waiting.pop(group)
+            self.curves[group] = loss_curve(C0, H0, self.choices[group], self.taus, rest)
 
     def widths(self) -> dict[str, int]:
         widths, self.solver = solve(self.params, self.choices_by_group(), self.budget, self.tie_ends)
         return widths
 
     def choices_by_group(self) -> list[Choice]:
-        choices = []
-        for group in self.groups:
-            allowed = sorted(set.intersection(*(set(self.choices[s]) for s in group)))
-            losses = [sum(self.curves[s][self.choices[s].index(w)] for s in group) for w in allowed]
-            choices.append(Choice(group, allowed, losses))
-        return choices
+        return [Choice(list(g), self.choices[g], self.curves[g]) for g in self.choices]
 
     def predicted(self, widths: Mapping[str, int]) -> float:
         """The summed predicted KL of `widths`."""
-        return sum(self.curves[s][self.choices[s].index(widths[s])] for s in self.params.sites)
+        return sum(curve[self.choices[g].index(widths[g[0]])] for g, curve in self.curves.items())
 
     def to_json(self, widths: Mapping[str, int]) -> dict[str, Any]:
         return {"method": "curves", "solver": self.solver, "budget": self.budget, "params": self.params.count(widths),
                 "predicted_kl": self.predicted(widths),
-                "curves": {s: dict(zip(map(str, self.choices[s]), self.curves[s])) for s in self.params.sites}}
+                "curves": {"+".join(g): dict(zip(map(str, self.choices[g]), curve)) for g, curve in self.curves.items()}}

@@ -77,16 +77,21 @@ class SiteRecord:
     correction: dict[str, float] | None = None
     """With corrected readers: the relative least-squares error of reading the stream back from
     its kept coordinates, through the basis and through the reader map."""
+    pooled_with: list[str] = field(default_factory=list)
+    """Later sites that keep this site's basis, whose statistics were added to its own to choose it."""
 
     def to_json(self) -> dict[str, Any]:
         value = {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
                  "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
+        if self.pooled_with:
+            value["pooled_with"] = self.pooled_with
         return value if self.correction is None else {**value, "correction": self.correction}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "SiteRecord":
         return cls(name=value["name"], width=value["width"], kept=value["kept"], tokens=value["tokens"],
-                   steps=list(value["steps"]), correction=value.get("correction"))
+                   steps=list(value["steps"]), correction=value.get("correction"),
+                   pooled_with=list(value.get("pooled_with", [])))
 
 
 @dataclass
@@ -146,15 +151,22 @@ class SiteChooser:
         self.sites = list(sites)
         self.fisher = fisher
 
-    def choose(self, site: str, keep: int, moment: SecondMoment) -> tuple[torch.Tensor, SiteRecord]:
+    def choose(self, site: str, keep: int, moment: SecondMoment,
+               pooled: Sequence[tuple[str, SecondMoment]] = ()) -> tuple[torch.Tensor, SiteRecord]:
         """The kept columns (d × keep, float64, on the moment's device) of the basis the pipeline
-        chooses, and the site's record."""
+        chooses, and the site's record. `pooled`: later sites that will keep this basis, with
+        their C; the strategies see the sums of C and of H over all of them (one site whose
+        tokens are those of every member)."""
         C = moment.value()
+        for _, other in pooled:
+            C = C + other.value()
         width = C.shape[0]
-        extra = {} if self.fisher is None else {"H": self.fisher[site].to(C.device, torch.float64)}
+        names = [site, *(name for name, _ in pooled)]
+        extra = {} if self.fisher is None else {
+            "H": sum(self.fisher[name].to(C.device, torch.float64) for name in names)}
         stats = SiteStatistics(C=C, tokens=moment.tokens, extra=extra)
         problem = SiteProblem(name=site, index=self.sites.index(site), width=width, keep=keep, stats=stats)
-        record = SiteRecord(name=site, width=width, kept=keep, tokens=moment.tokens)
+        record = SiteRecord(name=site, width=width, kept=keep, tokens=moment.tokens, pooled_with=names[1:])
         basis: Basis | None = None
         for step in self.pipeline:
             basis = step.strategy.select(problem, basis, step.options)
@@ -212,9 +224,23 @@ class _Walk:
                 moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
         return moment
 
-    def settle(self, site: str, moment: SecondMoment | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def look_ahead(self, block: Callable[..., torch.Tensor], layer: int) -> SecondMoment:
+        """C after `block` run on the stored stream, which stays as it is: the statistics of the
+        next site as the unsliced block would make them (the block must not be opened yet)."""
+        moment = SecondMoment(self.width, self.device)
+        store = self.inputs.hidden
+        for b in range(len(store)):
+            hidden = block(store.get(b, self.device), **self.inputs.kwargs(b, layer, self.device))
+            moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
+        return moment
+
+    def settle(self, site: str, moment: SecondMoment | None,
+               following: tuple[str, Callable[..., torch.Tensor], int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
-        its reader map): loaded from the checkpoint, or chosen now and checkpointed."""
+        its reader map): loaded from the checkpoint, or chosen now and checkpointed. `following`
+        (the next site's id, block and layer) when that site will keep this basis: its
+        statistics, looked ahead, join this site's in the choice."""
         if site in self.saved:
             entry = self.saved[site]
             if tuple(entry.basis.shape) != (self.width, self.widths[site]):
@@ -242,7 +268,8 @@ class _Walk:
                                 steps=[{"strategy": "shared", "objectives": {"with": source}}])
         else:
             assert self.chooser is not None
-            basis, record = self.chooser.choose(site, self.widths[site], moment)
+            pooled = [] if following is None else [(following[0], self.look_ahead(following[1], following[2]))]
+            basis, record = self.chooser.choose(site, self.widths[site], moment, pooled)
         reader = basis
         if self.correct_readers:
             C = moment.value()
@@ -371,9 +398,12 @@ def prune(
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
             assert isinstance(layer, SlicedDecoderLayer)
             with held_on([layer], device):
-                for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
+                for position, (site, name) in enumerate(sites):
                     open_site(layer, family, site, previous)
-                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index))
+                    following = next(((n, s.block, index) for s, n in sites[position + 1:position + 2]
+                                      if n in walk.shared), None)
+                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index), following)
                     close_site(layer, family, site, previous, chosen, name in walk.shared)
                     previous = reader
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
@@ -397,9 +427,12 @@ def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int]
         raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
     if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
         raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
+    layer_of = {site: i for i in range(len(ids)) for site in layer_site_ids(family, i) if site in ids}
     for site in shared:
         if site not in ids[1:]:
             raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
+        if layer_of.get(site) is None or layer_of.get(ids[ids.index(site) - 1]) != layer_of[site]:
+            raise ValueError(f"{site} can reuse only the basis of an earlier site of its own layer")
         if widths[site] != widths[ids[ids.index(site) - 1]]:
             raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
 

@@ -128,7 +128,7 @@ def test_the_allocation_meets_the_budget_within_one_step(case: str) -> None:
     rng = random.Random(case)
     for site in params.sites:  # strictly decreasing curves of different steepness
         scale, power = rng.uniform(0.2, 5.0), rng.uniform(1.0, 2.5)
-        allocator.curves[site] = [scale * (d - w + 1) ** power for w in choices[site]]
+        allocator.curves[(site,)] = [scale * (d - w + 1) ** power for w in choices[site]]
     widths = allocator.widths()
     assert params.count(widths) == sliced_params(config, family, widths) <= budget
     assert allocator.predicted(widths) <= allocator.predicted(uniform) + 1e-9
@@ -257,6 +257,65 @@ def test_shared_bases_drop_the_transition_and_rebuild_exactly(name: str) -> None
     assert [r.steps[0]["strategy"] for r in result.sites if r.name in shared] == ["shared"] * len(shared)
     rebuilt = apply_bases(copy_model(original), family, result.bases)
     assert max_relative_logit_error(result.model, rebuilt, batches) == 0.0
+
+
+class _Seen(PCA):
+    """PCA that keeps the statistics each site's choice was given."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    requires = ("C", "H")
+
+    def select(self, problem, incoming, options):
+        self.seen[problem.name] = (problem.stats.C.clone(), problem.stats.extra["H"].clone())
+        return super().select(problem, incoming, options)
+
+
+def test_a_shared_basis_is_chosen_from_every_member_s_statistics() -> None:
+    """At full width the walk's stream is the fused model's, so the attention site's choice sees
+    C_attn + C_mlp (the MLP's looked ahead) and H_attn + H_mlp."""
+    original = tiny_model("llama")
+    family = family_for("llama")
+    config = original.config
+    layers = config.num_hidden_layers
+    batches = random_batches(config.vocab_size, padded=True)
+    full = site_widths(family, layers, config.hidden_size, config.hidden_size, True)
+    ids = site_ids(family, layers)
+    generator = torch.Generator().manual_seed(0)
+    fisher = {}
+    for site in ids:
+        A = torch.randn(config.hidden_size, config.hidden_size, generator=generator, dtype=torch.float64)
+        fisher[site] = A @ A.T
+    alone, pooled = _Seen(), _Seen()
+    prune(copy_model(original), family, batches, full, [PipelineStep(alone)], fisher=fisher)
+    shared = [layer_site_ids(family, i)[-1] for i in range(layers)]
+    result = prune(copy_model(original), family, batches, full, [PipelineStep(pooled)], fisher=fisher, shared=shared)
+    assert sorted(pooled.seen) == sorted(set(ids) - set(shared))
+    for i in range(layers):
+        attn, mlp = layer_site_ids(family, i)
+        C, H = pooled.seen[attn]
+        expected = alone.seen[attn][0] + alone.seen[mlp][0]
+        assert (C - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert torch.equal(H, fisher[attn] + fisher[mlp])
+        record = next(r for r in result.sites if r.name == attn)
+        assert record.pooled_with == [mlp] and record.to_json()["pooled_with"] == [mlp]
+
+
+def test_a_shared_group_s_loss_curve_adds_its_members_losses() -> None:
+    generator = torch.Generator().manual_seed(1)
+    pairs = []
+    for _ in range(2):
+        A, B = (torch.randn(12, 30, generator=generator, dtype=torch.float64) for _ in range(2))
+        pairs.append((A @ A.T / 30, B @ B.T / 30))
+    widths = [3, 6, 9, 12]
+    curve = loss_curve(*pairs[0], widths, pooled=[pairs[1]])
+    C, H = pairs[0][0] + pairs[1][0], pairs[0][1] + pairs[1][1]
+    candidates = [eigh_descending(C)[1]] + [eigh_descending(tau * frobenius_normalised(C) + frobenius_normalised(H)
+                                                             / tau)[1] for tau in DEFAULT_TAUS]
+    best = [min(sum(0.5 * coupled_loss(c, h, Q[:, k:]) for c, h in pairs) for Q in candidates) for k in range(13)]
+    for width, value in zip(widths, curve):
+        assert value == pytest.approx(min(best[:width + 1]), rel=1e-9, abs=1e-12)
 
 
 class _Counting(CurveAllocator):
