@@ -11,11 +11,13 @@ Run by hand (not part of the tests):
 
     .venv/bin/python benchmarks/strategy_sweep.py \
         [--recipe recipes/ref_llama_pca.yaml] [--pipelines pca sensitivity sensitivity+stiefel] \
-        [--sparsities 0.1 0.2 0.25 0.3] [--repeats 1] [--out benchmarks/results/strategy_sweep.json] [--runs-dir DIR]
+        [--sparsities 0.1 0.2 0.25 0.3] [--targets 0.75] [--set model.path=/abs/path] [--repeats 1] \
+        [--out benchmarks/results/strategy_sweep.json] [--runs-dir DIR]
 
 A pipeline may be named and carry recipe overrides: `name=chain:key=value,key=value`, e.g.
-`pca+refinement=pca:refinement.windows=48`. The KL ratio is to the row named `pca`; the prune
-phase (walk plus refinement) is also given relative to the row named `sensitivity`.
+`pca+refinement=pca:refinement.windows=48`. The KL ratio is to the row named `pca` of the same
+budget (a sparsity, or a `--targets` parameter fraction); the prune phase (walk plus refinement)
+is also given relative to the row named `sensitivity`.
 
 With `--repeats N` every pipeline runs N times per sparsity (interleaved: pca, sensitivity, …,
 pca, sensitivity, …) and each row reports the median wall times; the quality figures of the
@@ -58,7 +60,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_pca.yaml"), help="benchmark recipe")
-    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.1, 0.2, 0.25, 0.3])
+    parser.add_argument("--sparsities", type=float, nargs="+", default=None,
+                        help="default 0.1 0.2 0.25 0.3 unless --targets is given")
+    parser.add_argument("--targets", type=float, nargs="+", default=[],
+                        help="target_params fractions, run as points of their own (sparsity: null)")
+    parser.add_argument("--set", dest="common", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every run, e.g. model.path=/abs/path (repeatable)")
     parser.add_argument("--pipelines", nargs="+", default=["pca"],
                         help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
                              "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16; "
@@ -74,7 +81,15 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be at least 1")
     if len(set(args.pipelines)) != len(args.pipelines):
         parser.error("a pipeline is listed twice")
+    if args.sparsities is None:
+        args.sparsities = [] if args.targets else [0.1, 0.2, 0.25, 0.3]
     return args
+
+
+def _points(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(budget label, recipe overrides) of each point: sparsities, then parameter targets."""
+    return ([(f"{s:.2f}", [f"sparsity={s}"]) for s in args.sparsities]
+            + [(f"params ≤ {t:g}", ["sparsity=null", f"target_params={t}"]) for t in args.targets])
 
 
 def _row(report: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +97,10 @@ def _row(report: dict[str, Any]) -> dict[str, Any]:
     baseline, pruned = metrics["baseline"]["ppl"], metrics["pruned"]["ppl"]
     return {
         "pipeline": report["label"],
+        "budget": report["budget"],
         "sparsity": report["sparsity"],
+        "target_params": report.get("target_params"),
+        "params_ratio": report["params"]["ratio"],
         "kept_width": kept_label(report),
         "baseline_ppl": baseline,
         "pruned_ppl": pruned,
@@ -108,7 +126,7 @@ def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
     non-deterministic GPU kernels) is reported, not fatal, so no finished run is thrown away."""
     first = runs[0]
     if any((r["kl"], r["pruned_ppl"]) != (first["kl"], first["pruned_ppl"]) for r in runs[1:]):
-        console.print(f"warning: {first['pipeline']} at {first['sparsity']}: repeats differ in quality "
+        console.print(f"warning: {first['pipeline']} at {first['budget']}: repeats differ in quality "
                       f"(KL {', '.join(format(r['kl'], '.6g') for r in runs)}); the row shows the medians")
     row = dict(first)
     for key in (*TIMES, "kl", "pruned_ppl"):
@@ -119,14 +137,14 @@ def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    """KL and wall-time ratios of each row to the `pca` row of the same sparsity, if there is one."""
-    reference = {r["sparsity"]: r for r in rows if r["pipeline"] == "pca"}
-    sensitivity = {r["sparsity"]: r for r in rows if r["pipeline"] == "sensitivity"}
+    """KL and wall-time ratios of each row to the `pca` row of the same budget, if there is one."""
+    reference = {r["budget"]: r for r in rows if r["pipeline"] == "pca"}
+    sensitivity = {r["budget"]: r for r in rows if r["pipeline"] == "sensitivity"}
     for r in rows:
-        base = reference.get(r["sparsity"])
+        base = reference.get(r["budget"])
         r["kl_ratio_to_pca"] = r["kl"] / base["kl"] if base and base["kl"] > 0 else None
         r["total_ratio_to_pca"] = r["total_s"] / base["total_s"] if base else None
-        sens = sensitivity.get(r["sparsity"])  # the prune phase (walk + refinement) against sensitivity's
+        sens = sensitivity.get(r["budget"])  # the prune phase (walk + refinement) against sensitivity's
         r["prune_ratio_to_sensitivity"] = r["prune_phase_s"] / sens["prune_phase_s"] if sens else None
 
 
@@ -142,17 +160,17 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return summary
 
 
-COLUMNS = ("pipeline", "sparsity", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)", "KL / pca",
-           "params pruned", "prune s", "refine s", "prune / sens", "eval s", "total s", "time / pca")
+COLUMNS = ("pipeline", "budget", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)", "KL / pca",
+           "params pruned", "params / orig", "prune s", "refine s", "prune / sens", "eval s", "total s", "time / pca")
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
     def ratio(value: float | None) -> str:
         return "" if value is None else f"{value:.3f}"
 
-    return [r["pipeline"], f"{r['sparsity']:.2f}", str(r["kept_width"]), f"{r['baseline_ppl']:.4f}",
+    return [r["pipeline"], r["budget"], str(r["kept_width"]), f"{r['baseline_ppl']:.4f}",
             f"{r['pruned_ppl']:.4f}", f"{r['ppl_increase_pct']:.2f}", f"{r['kl']:.5f}", ratio(r["kl_ratio_to_pca"]),
-            f"{r['params_pruned']:,}", f"{r['prune_s']:.1f}", f"{r['refine_s']:.1f}",
+            f"{r['params_pruned']:,}", f"{r['params_ratio']:.4f}", f"{r['prune_s']:.1f}", f"{r['refine_s']:.1f}",
             ratio(r["prune_ratio_to_sensitivity"]), f"{r['eval_s']:.1f}", f"{r['total_s']:.1f}",
             ratio(r["total_ratio_to_pca"])]
 
@@ -201,17 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="strategy_sweep_") as scratch:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(scratch)
-        for sparsity in args.sparsities:
+        for number, (budget, point) in enumerate(_points(args)):
             runs: dict[str, list[dict[str, Any]]] = {chain: [] for chain in args.pipelines}
             for repeat in range(args.repeats):
                 for index, chain in enumerate(args.pipelines):
-                    label = f"{_split(chain)[0]} at {sparsity}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
-                    output = runs_dir / f"{index}-{sparsity:g}-{repeat}"
-                    overrides = [f"sparsity={sparsity}", *_overrides(chain)]
+                    label = f"{_split(chain)[0]} at {budget}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
+                    output = runs_dir / f"{index}-{number}-{repeat}"
+                    overrides = [*args.common, *point, *_overrides(chain)]
                     recipe = load_recipe(args.recipe, registry, overrides, str(output))
                     tick = time.perf_counter()
                     report = run(recipe, registry, phase_logger(console, label), overwrite=True)
-                    runs[chain].append(_row({**report, "label": _split(chain)[0]}))
+                    runs[chain].append(_row({**report, "label": _split(chain)[0], "budget": budget}))
                     console.log(f"{label}: done in {time.perf_counter() - tick:.1f} s")
             rows += [_median_row(runs[chain], console) for chain in args.pipelines]
     _add_ratios(rows)

@@ -235,12 +235,12 @@ class _Walk:
         return moment
 
     def settle(self, site: str, moment: SecondMoment | None,
-               following: tuple[str, Callable[..., torch.Tensor], int] | None = None
+               pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
-        its reader map): loaded from the checkpoint, or chosen now and checkpointed. `following`
-        (the next site's id, block and layer) when that site will keep this basis: its
-        statistics, looked ahead, join this site's in the choice."""
+        its reader map): loaded from the checkpoint, or chosen now and checkpointed. `pooled`
+        gives (only if the basis is chosen now) the C of later sites that will keep this basis;
+        their statistics join this site's in the choice."""
         if site in self.saved:
             entry = self.saved[site]
             if tuple(entry.basis.shape) != (self.width, self.widths[site]):
@@ -268,8 +268,7 @@ class _Walk:
                                 steps=[{"strategy": "shared", "objectives": {"with": source}}])
         else:
             assert self.chooser is not None
-            pooled = [] if following is None else [(following[0], self.look_ahead(following[1], following[2]))]
-            basis, record = self.chooser.choose(site, self.widths[site], moment, pooled)
+            basis, record = self.chooser.choose(site, self.widths[site], moment, pooled() if pooled else ())
         reader = basis
         if self.correct_readers:
             C = moment.value()
@@ -320,13 +319,16 @@ def prune(
     saved are reused. With `correct_readers`, what reads each site's stream (the next block's
     input linears, the residual transition, the head) reads it through the least-squares reader
     map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`). The sites in `shared`
-    keep the previous site's basis (no choice, no transition matrix into them). With `tie_head`
+    keep the previous site's basis, chosen there from both sites' statistics (the next block
+    looked ahead), with no transition matrix into them. With `tie_head`
     (a model with tied embeddings), the last site keeps the embedding's basis and the head stays
-    tied to the embedding (`bases.apply_tied_head`).
+    tied to the embedding (`bases.apply_tied_head`); that basis is chosen from both sites'
+    statistics, the last site's C from a survey pass (below).
 
     With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
     over the calibration windows and hands every site's C (and H) to it; its widths, saved in
-    the checkpoint, then drive the walk. The survey costs one forward pass.
+    the checkpoint, then drive the walk. The survey costs one forward pass (run once for both
+    uses).
     """
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -378,21 +380,32 @@ def prune(
                                          h_progress)
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
-        if widths is None:
-            assert allocator is not None
-            _survey(model, family, inputs, device, fisher, allocator, report)
-            widths = allocator.widths()
-            _check_widths(family, ids, widths, shared, tie_head)
-            allocation = {"widths": widths, **allocator.to_json(widths)}
-            if checkpoint is not None:
-                checkpoint.save_allocation(allocation)
-            faults.reached("allocation")
+        last: list[tuple[str, SecondMoment]] = []  # with tie_head: the last site's C, for the embedding's choice
+        if widths is None or (tie_head and EMBEDDING not in saved):
+
+            def observe(site: str, moment: SecondMoment) -> None:
+                if widths is None:
+                    assert allocator is not None
+                    allocator.observe(site, moment.value(),
+                                      None if fisher is None else fisher[site].to(device, torch.float64))
+                if tie_head and site == ids[-1]:
+                    last.append((site, moment))
+
+            _survey(model, family, inputs, device, report, observe)
+            if widths is None:
+                assert allocator is not None
+                widths = allocator.widths()
+                _check_widths(family, ids, widths, shared, tie_head)
+                allocation = {"widths": widths, **allocator.to_json(widths)}
+                if checkpoint is not None:
+                    checkpoint.save_allocation(allocation)
+                faults.reached("allocation")
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, batches, device, store)
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
                      shared, {ids[-1]: EMBEDDING} if tie_head else {})
-        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0))
+        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None)
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
@@ -401,9 +414,10 @@ def prune(
                 sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
                 for position, (site, name) in enumerate(sites):
                     open_site(layer, family, site, previous)
-                    following = next(((n, s.block, index) for s, n in sites[position + 1:position + 2]
-                                      if n in walk.shared), None)
-                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index), following)
+                    ahead = next(((n, s.block) for s, n in sites[position + 1:position + 2] if n in walk.shared), None)
+                    pooled = None if ahead is None else (
+                        lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index), pooled)
                     close_site(layer, family, site, previous, chosen, name in walk.shared)
                     previous = reader
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
@@ -438,20 +452,20 @@ def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int]
 
 
 def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
-            fisher: Mapping[str, torch.Tensor] | None, allocator: WidthAllocator, report: ProgressCallback) -> None:
-    """Run the fused, unsliced model over the calibration windows, handing each site's C (and H)
-    to the allocator. The stored activations end at the last layer."""
+            report: ProgressCallback, observe: Callable[[str, SecondMoment], None]) -> None:
+    """Run the fused, unsliced model over the calibration windows, handing each site's C to
+    `observe` (the allocator's curves; a tied head's last site). The stored activations end at
+    the last layer."""
     survey = _Walk(inputs, device, None, {}, {}, None)
     num_layers = model.config.num_hidden_layers
 
-    def observe(site: str, moment: SecondMoment | None) -> None:
+    def seen(site: str, moment: SecondMoment | None) -> None:
         assert moment is not None
-        H = None if fisher is None else fisher[site].to(device, torch.float64)
-        allocator.observe(site, moment.value(), H)
+        observe(site, moment)
 
-    observe(EMBEDDING, survey.advance(EMBEDDING, None, 0))
+    seen(EMBEDDING, survey.advance(EMBEDDING, None, 0))
     for index, layer in enumerate(model.get_submodule(family.layers)):
-        report(f"surveying widths: layer {index + 1}/{num_layers}", index, num_layers)
+        report(f"surveying the original model: layer {index + 1}/{num_layers}", index, num_layers)
         with held_on([layer], device):
             for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
-                observe(name, survey.advance(name, site.block, index))
+                seen(name, survey.advance(name, site.block, index))

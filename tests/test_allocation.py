@@ -302,6 +302,28 @@ def test_a_shared_basis_is_chosen_from_every_member_s_statistics() -> None:
         assert record.pooled_with == [mlp] and record.to_json()["pooled_with"] == [mlp]
 
 
+def test_a_tied_head_s_basis_is_chosen_from_the_embedding_and_the_last_site() -> None:
+    """At full width: the embedding's choice sees C and H of the embedding and of the last site
+    (from the survey pass), the last site chooses nothing."""
+    family = family_for("qwen2")
+    original = tiny_model("qwen2")  # tied
+    config = original.config
+    batches = random_batches(config.vocab_size, padded=True)
+    full = site_widths(family, config.num_hidden_layers, config.hidden_size, config.hidden_size, True)
+    ids = site_ids(family, config.num_hidden_layers)
+    fisher = {site: torch.eye(config.hidden_size, dtype=torch.float64) * (i + 1) for i, site in enumerate(ids)}
+    alone, tied = _Seen(), _Seen()
+    prune(tiny_model("qwen2"), family, batches, full, [PipelineStep(alone)], fisher=fisher)
+    result = prune(tiny_model("qwen2"), family, batches, full, [PipelineStep(tied)], fisher=fisher, tie_head=True)
+    assert sorted(tied.seen) == sorted(ids[:-1])
+    C, H = tied.seen["embedding"]
+    expected = alone.seen["embedding"][0] + alone.seen[ids[-1]][0]
+    assert (C - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(H, fisher["embedding"] + fisher[ids[-1]])
+    assert result.sites[0].pooled_with == [ids[-1]]
+    assert max_relative_logit_error(original, result.model, batches) < 1e-5
+
+
 def test_a_shared_group_s_loss_curve_adds_its_members_losses() -> None:
     generator = torch.Generator().manual_seed(1)
     pairs = []
