@@ -82,12 +82,15 @@ class ModelFamily:
         return [model.get_submodule(self.final_norm), *([projection] if projection is not None else []),
                 model.get_submodule(self.head)]
 
-    def logits(self, model: nn.Module, hidden: Any) -> Any:
+    def logits(self, model: nn.Module, hidden: Any, before_cap: Callable[[Any], Any] | None = None) -> Any:
         """The model's logits from the stream after the last layer: the head modules, then the
         logit soft-cap c·tanh(logits / c) where the family has one. The H pass and every
-        diagnostic forward go through here, so they compute what the model computes."""
+        diagnostic forward go through here, so they compute what the model computes.
+        `before_cap` maps the head's output first (refinement's tied head)."""
         for module in self.head_modules(model):
             hidden = module(hidden)
+        if before_cap is not None:
+            hidden = before_cap(hidden)
         cap = getattr(model.config, self.logit_softcapping, None) if self.logit_softcapping else None
         return hidden if cap is None else torch.tanh(hidden / cap) * cap
 

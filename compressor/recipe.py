@@ -447,9 +447,6 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         if recipe.slicing.correct_readers:
             raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
                             "whose readers are its bases; turn one of them off")
-        if recipe.slicing.tie_head:
-            raise UserError("refinement cannot follow slicing.tie_head yet: it optimises a model whose head reads "
-                            "the last site's basis; turn one of them off")
     if not DEVICE_PATTERN.match(recipe.device):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
     return dataclasses.replace(

@@ -33,7 +33,7 @@ import geoopt
 import torch
 from transformers import PreTrainedModel
 
-from compressor.bases import shared_sites
+from compressor.bases import shared_sites, tied_head
 from compressor.calibration import Batch, LayerInputs, capture_layer_inputs
 from compressor.errors import UserError
 from compressor.families import ModelFamily
@@ -127,17 +127,40 @@ def kl_to_target(target: _Target, logits: torch.Tensor, mask: torch.Tensor) -> t
     return (values.exp() * (values - kept)).sum() + (tail.exp() * (tail - rest)).sum()
 
 
+class TiedHead:
+    """The logits of a tied head kept tied (`bases.apply_tied_head`): the sliced embedding E·V₀
+    with the least-squares map M = (E·V₀)⁺·W·V_last after the final norm gives P·(W·V_last·n), P
+    the orthogonal projector onto the columns of E·V₀; so the untied pruned model's logits,
+    projected. Computed as E·V₀·G⁻¹·V₀ᵀ·(Eᵀ·logits), with G = V₀ᵀ(EᵀE)V₀ (k₀ × k₀) and EᵀE
+    fixed, at the cost of two head-sized products."""
+
+    def __init__(self, embedding: torch.Tensor) -> None:
+        self.embedding = embedding
+        E = embedding.to(torch.float64)
+        self.gram = E.T @ E
+
+    def __call__(self, logits: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        V = basis.to(torch.float64)
+        G = V.T @ self.gram.to(V.device) @ V
+        E = self.embedding.to(dtype)
+        coordinates = (logits.to(dtype) @ E) @ V.to(dtype)  # (tokens, k₀): V₀ᵀEᵀ·logits
+        solved = torch.linalg.solve(G, coordinates.to(torch.float64).mT).mT.to(dtype)
+        return ((solved @ V.T.to(dtype)) @ E.T).to(logits.dtype)
+
+
 def _student_logits(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int,
-                    bases: list[torch.Tensor]) -> torch.Tensor:
+                    bases: list[torch.Tensor], tied: TiedHead | None = None) -> torch.Tensor:
     """Logits of the pruned model that `bases` (in `site_ids` order) define: the fused original
-    with the stream projected on each site's kept directions."""
+    with the stream projected on each site's kept directions (and a tied head's projection)."""
     def project(site: int, stream: torch.Tensor) -> torch.Tensor:
         """In float32 at least: V rounded to bfloat16 is no longer orthonormal, V Vᵀ no projector."""
         dtype = torch.promote_types(stream.dtype, torch.float32)
         basis = bases[site].to(dtype)
         return ((stream.to(dtype) @ basis) @ basis.T).to(stream.dtype)
 
-    return site_activations(model, family, inputs, batch, project)[1]
+    head = None if tied is None else (lambda logits: tied(logits, bases[0]))
+    return site_activations(model, family, inputs, batch, project, head)[1]
 
 
 def refine_bases(
@@ -157,18 +180,20 @@ def refine_bases(
     report = progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)
+    tied = tied_head(model, family, bases)  # before fusing, which unties
     fuse_norms(model, family)
     model.to(device)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
+    head = TiedHead(model.get_submodule(family.embedding).weight.detach()) if tied else None
     try:
-        return _refine(model, family, inputs, bases, options, device, seed, report, started)
+        return _refine(model, family, inputs, bases, options, device, seed, report, started, head)
     finally:
         inputs.hidden.close()
 
 
 def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, bases: Mapping[str, torch.Tensor],
             options: RefinementSpec, device: torch.device, seed: int, report: Progress,
-            started: float) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
+            started: float, tied: TiedHead | None) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
     ids = site_ids(family, model.config.num_hidden_layers)
     masks = [m.to(device) for m in inputs.sensitivity_masks]
     counted = sum(inputs.sensitivity_counts)
@@ -180,7 +205,8 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
     def objective(current: list[torch.Tensor], targets: list[_Target], phase: str) -> float:
         total = 0.0
         for b in range(len(inputs)):
-            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current), masks[b]))
+            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current, tied),
+                                        masks[b]))
             report(phase, b + 1, len(inputs))
         return total / counted
 
@@ -196,6 +222,8 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
     params: list[torch.Tensor] = []
     for site, v in zip(ids, received):  # a site that shares the previous site's basis shares its parameter
         params.append(params[-1] if site in shared else geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()))
+    if tied is not None:  # the last site keeps the embedding's basis
+        params[-1] = params[0]
     optimiser = geoopt.optim.RiemannianAdam(list({id(p): p for p in params}.values()), lr=options.lr)
     generator = torch.Generator().manual_seed(seed)
     steps = max(1, round(options.epochs * len(inputs)))
@@ -206,7 +234,7 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
                 order = torch.randperm(len(inputs), generator=generator).tolist()
             b = order.pop()
             optimiser.zero_grad()
-            loss = kl_to_target(targets[b], _student_logits(model, family, inputs, b, params), masks[b])
+            loss = kl_to_target(targets[b], _student_logits(model, family, inputs, b, params, tied), masks[b])
             (loss / max(inputs.sensitivity_counts[b], 1)).backward()
             optimiser.step()
             report("refinement: Riemannian Adam on the KL", step + 1, steps)

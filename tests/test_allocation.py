@@ -445,7 +445,6 @@ def test_target_params_with_a_tied_head_and_its_refusals(tmp_path: Path, capsys:
     untied = save_tiny_checkpoint(tmp_path / "untied", "llama")
     for checkpoint, changes, message in [
         (untied, {"slicing": {"tie_head": True}}, "this model's head is untied"),
-        (tied, {"slicing": {"tie_head": True}, "refinement": {"epochs": 1}}, "refinement cannot follow slicing.tie_head"),
         (tied, {"sparsity": None, "target_params": 0.01}, "no uniform width reaches"),
         (tied, {"target_params": 0.5}, "give one of sparsity"),
         (tied, {"allocation": {"method": "evolution"}}, "allocation.method must be one of"),

@@ -16,7 +16,7 @@ from compressor.cli import main
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.families import family_for
 from compressor.recipe import RefinementSpec
-from compressor.refine import _student_logits, _target, kl_to_target, rebatch, refine_bases
+from compressor.refine import TiedHead, _student_logits, _target, kl_to_target, rebatch, refine_bases
 from compressor.sites import site_ids
 from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
@@ -70,6 +70,44 @@ def test_the_projected_forward_is_the_sliced_model(name: str, kind: str) -> None
             projected = _student_logits(fused, family, inputs, b, bases)[keep]
             sliced = sliced_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
             assert ((projected - sliced).abs().max() / sliced.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_refinement_of_a_tied_head_is_the_tied_model_and_keeps_it_tied(name: str) -> None:
+    """With `tie_head` the pruned model's logits are the projected forward's, projected on the
+    columns of the sliced embedding (`TiedHead`), for the walk's bases and arbitrary ones; a
+    refinement keeps the last site on the embedding's basis and lowers the true KL."""
+    family = family_for(name)
+    original = tiny_model(name)
+    batches = random_batches(original.config.vocab_size, padded=True)
+    ids = site_ids(family, original.config.num_hidden_layers)
+    widths = widths_for(name, original.config, 40, slice_head=True)
+    result = prune(tiny_model(name), family, batches, widths, [PipelineStep(PCA())], tie_head=True)
+    generator = torch.Generator().manual_seed(5)
+    scrambled = {site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
+                 for site, v in result.bases.items()}
+    scrambled[ids[-1]] = scrambled["embedding"]
+    fused = tiny_model(name)
+    fuse_norms(fused, family)
+    inputs = capture_layer_inputs(fused, family, batches, torch.device("cpu"))
+    head = TiedHead(fused.get_submodule(family.embedding).weight)
+    for chosen in (result.bases, scrambled):
+        sliced_model = apply_bases(tiny_model(name), family, chosen)
+        assert sliced_model.get_submodule(family.head).weight is sliced_model.get_submodule(family.embedding).weight
+        bases = [chosen[site] for site in ids]
+        with torch.no_grad():
+            for b, batch in enumerate(batches):
+                keep = batch.attention_mask.bool()
+                projected = _student_logits(fused, family, inputs, b, bases, head)[keep]
+                sliced = sliced_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
+                assert ((projected - sliced).abs().max() / sliced.abs().max()).item() < 1e-5
+    options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
+    refined, record = refine_bases(tiny_model(name), family, batches, result.bases, options)
+    assert record.kept == "refined" and torch.equal(refined[ids[-1]], refined["embedding"])
+    before = _calibration_kl(original, apply_bases(tiny_model(name), family, result.bases), batches)
+    after = _calibration_kl(original, apply_bases(tiny_model(name), family, refined), batches)
+    assert record.calibration_kl_before == pytest.approx(before, rel=1e-4)
+    assert record.calibration_kl_after == pytest.approx(after, rel=1e-4) and after < before
 
 
 def test_top_k_objective_is_a_lower_bound_and_exact_with_the_whole_vocabulary() -> None:
