@@ -31,7 +31,7 @@ from compressor.budget import param_model, widest_uniform
 from compressor.engine import kept_width
 from compressor.errors import UserError
 from compressor.families import family_for
-from compressor.sites import layer_site_ids, site_widths
+from compressor.sites import shared_site_ids, site_widths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,6 @@ def rows_for(name: str, config: PretrainedConfig, target: float, sparsity: float
     family = family_for(config.model_type)
     layers, d = config.num_hidden_layers, config.hidden_size
     tied_model = bool(config.tie_word_embeddings)
-    shared = [layer_site_ids(family, i)[-1] for i in range(layers)]
     plain = param_model(config, family)
     rows = []
 
@@ -65,9 +64,9 @@ def rows_for(name: str, config: PretrainedConfig, target: float, sparsity: float
         rows.append(row(f"SliceGPT at sparsity {sparsity}" + (", head input sliced" if slice_head else ""),
                         plain, site_widths(family, layers, d, kept, slice_head)))
     budget = int(target * plain.original)
-    ways = [("plain", (), False), ("shared bases", shared[:-1], False)]
+    ways = [("plain", (), False), ("shared bases", shared_site_ids(family, layers, True, False), False)]
     if tied_model:
-        ways += [("tied head", (), True), ("shared bases + tied head", shared[:-1], True)]
+        ways += [("tied head", (), True), ("shared bases + tied head", shared_site_ids(family, layers, True, True), True)]
     for way, sites, tied in ways:
         params = param_model(config, family, sites, tied)
         try:

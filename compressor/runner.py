@@ -49,7 +49,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.refine import refine_bases
 from compressor.report import write_markdown
-from compressor.sites import EMBEDDING, layer_site_ids, site_widths
+from compressor.sites import EMBEDDING, shared_site_ids, site_widths
 from compressor.throughput import compare_speed, fitting_lengths, model_size
 
 Progress = Callable[[str, int, int], None]
@@ -291,9 +291,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     if slicing.tie_head:
         check_tie_head(config, family)
     layers, d = config.num_hidden_layers, config.hidden_size
-    shared = [layer_site_ids(family, i)[-1] for i in range(layers)] if slicing.shared_bases else []
-    if shared and (slicing.tie_head or not slicing.slice_head):  # the last site keeps its own width or basis
-        shared = shared[:-1]
+    shared = shared_site_ids(family, layers, slicing.slice_head, slicing.tie_head) if slicing.shared_bases else []
     params = param_model(config, family, shared, slicing.tie_head)
 
     def uniform(kept: int) -> dict[str, int]:

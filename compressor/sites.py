@@ -31,6 +31,16 @@ def site_ids(family: ModelFamily, num_layers: int) -> list[str]:
     return ids
 
 
+def shared_site_ids(family: ModelFamily, num_layers: int, slice_head: bool, tie_head: bool) -> list[str]:
+    """`slicing.shared_bases`: each layer's MLP site keeps its attention site's basis, except the
+    last when the head's input is kept whole (its own width) or the head is tied (the
+    embedding's basis)."""
+    if family.parallel:
+        return []
+    shared = [layer_site_ids(family, i)[-1] for i in range(num_layers)]
+    return shared[:-1] if tie_head or not slice_head else shared
+
+
 def site_widths(family: ModelFamily, num_layers: int, hidden_size: int, kept: int, slice_head: bool) -> dict[str, int]:
     """Kept width of each site: `kept` everywhere; the last site (the head's input) stays full
     unless `slice_head`."""
