@@ -1,0 +1,63 @@
+"""The engine on a CUDA device computes what it computes on the host (skipped without a GPU).
+
+Layers travel to the device one at a time and activations stay on the host, so these check the
+moves as much as the maths: a rotation without slicing stays exact, a walk on the GPU picks the
+subspaces the CPU walk picks (given the same H: a GPU generator draws other labels), and the H
+pass gives the same H with and without recomputing layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressor.engine import PipelineStep, prune
+from compressor.families import family_for
+from compressor.plugins import PluginRegistry
+from compressor.sensitivity_options import SensitivityOptions
+from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def _steps(name: str) -> list[PipelineStep]:
+    strategy = PluginRegistry().strategy(name)
+    return [PipelineStep(strategy, strategy.parse_options({}))]
+
+
+@pytest.mark.parametrize("family_name", sorted(FAMILY_CONFIGS))
+def test_rotation_on_the_gpu_reproduces_logits(family_name: str) -> None:
+    original = tiny_model(family_name)
+    batches = random_batches(original.config.vocab_size, padded=True)
+    d = original.config.hidden_size
+    result = prune(copy_model(original), family_for(family_name), batches,
+                   widths_for(family_name, original.config, d, slice_head=True), _steps("pca"), CUDA)
+    assert next(result.model.parameters()).device.type == "cpu"  # layers go back to the host
+    assert max_relative_logit_error(original, result.model, batches) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["pca", "sensitivity"])
+@pytest.mark.parametrize("family_name", ["llama", "gemma2", "phi"])
+def test_a_gpu_walk_chooses_what_the_cpu_walk_chooses(family_name: str, strategy: str) -> None:
+    original = tiny_model(family_name)
+    batches = random_batches(original.config.vocab_size, count=3)
+    family = family_for(family_name)
+    widths = widths_for(family_name, original.config, 48, slice_head=True)
+    on_cpu = prune(copy_model(original), family, batches, widths, _steps(strategy))
+    on_gpu = prune(copy_model(original), family, batches, widths, _steps(strategy), CUDA, fisher=on_cpu.fisher)
+    for site, cpu in on_cpu.bases.items():  # V_s, d × k_s: the same kept subspace
+        gpu = on_gpu.bases[site]
+        assert torch.dist(cpu @ cpu.T, gpu @ gpu.T) <= 1e-6 * cpu.shape[1], site
+    assert max_relative_logit_error(on_cpu.model, on_gpu.model, batches) <= 1e-4
+
+
+def test_h_on_the_gpu_does_not_depend_on_recomputation() -> None:
+    original = tiny_model("llama")
+    batches = random_batches(original.config.vocab_size, count=3)
+    family = family_for("llama")
+    widths = widths_for("llama", original.config, 48, slice_head=True)
+    kept, recomputed = (prune(copy_model(original), family, batches, widths, _steps("sensitivity"), CUDA,
+                              sensitivity=SensitivityOptions(recompute=flag, chunk=2)).fisher for flag in (False, True))
+    for site in kept:
+        assert torch.allclose(kept[site], recomputed[site], rtol=1e-4, atol=1e-6 * kept[site].abs().max()), site
