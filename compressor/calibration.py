@@ -89,7 +89,7 @@ def capture_layer_inputs(
     try:
         for index in range(len(originals)):
             layers[index] = _Recorder(sink, family.positional_args)
-        with held_on(parts, device):
+        with held_on(parts, device, read_only=True):
             for batch in batches:
                 sink.clear()
                 mask = batch.attention_mask.to(device)

@@ -466,6 +466,6 @@ def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, de
     seen(EMBEDDING, survey.advance(EMBEDDING, None, 0))
     for index, layer in enumerate(model.get_submodule(family.layers)):
         report(f"surveying the original model: layer {index + 1}/{num_layers}", index, num_layers)
-        with held_on([layer], device):
+        with held_on([layer], device, read_only=True):
             for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
                 seen(name, survey.advance(name, site.block, index))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compressor.activations import held_on
+from compressor.activations import held_on, to_host
 from compressor.calibration import LayerInputs, counted_rows
 from compressor.families import ModelFamily
 from compressor.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
@@ -117,10 +117,6 @@ def _chunks(inputs: LayerInputs, samples: int) -> list[range]:
     return groups
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", non_blocking=False)
-
-
 def estimate_fisher(
     model: PreTrainedModel,
     family: ModelFamily,
@@ -172,17 +168,18 @@ def estimate_fisher(
         graphs: list[list[tuple[torch.Tensor, list[torch.Tensor]] | None]] = []  # kept when not recomputing
         for index, layer in enumerate(layers):
             outputs, kept = [], []
-            with held_on([layer], device), torch.set_grad_enabled(not recompute), precision():
+            with held_on([layer], device, read_only=True), torch.set_grad_enabled(not recompute), precision():
                 for k, batch in enumerate(chunk):
                     x = stream[index][k].to(device, non_blocking=True).detach().requires_grad_(not recompute)
                     sites = run_layer(index, x, batch)
                     kept.append(None if recompute else (x, sites))
-                    outputs.append(_host(sites[-1]))
+                    outputs.append(to_host(sites[-1]))
             stream.append(outputs)
             graphs.append(kept)
         # Head: sample labels, form the score, and take the gradient at the last site.
         grads = []
-        with held_on(family.head_modules(model), device), _accumulators(totals, [ids[-1]], device) as acc:
+        visiting = held_on(family.head_modules(model), device, read_only=True)
+        with visiting, _accumulators(totals, [ids[-1]], device) as acc:
             for k, batch in enumerate(chunk):
                 mask = inputs.sensitivity_masks[batch].to(device)
                 x = stream[-1][k].to(device).detach().requires_grad_()
@@ -191,14 +188,15 @@ def estimate_fisher(
                     (grad,) = torch.autograd.grad(logits, [x], sampled_score(logits, mask, generator, options.reduction))
                 count = inputs.sensitivity_counts[batch]
                 acc.add(ids[-1], grad, mask, count)
-                grads.append(_host(grad))
+                grads.append(to_host(grad))
                 tokens += count
         stream.pop()
         # Backward, one layer at a time, carrying the gradient with respect to the stream down.
         for index in reversed(range(len(layers))):
             own = layer_site_ids(family, index)
             below = ids[ids.index(own[0]) - 1]  # the site this layer reads
-            with held_on([layers[index]], device), _accumulators(totals, [*own[:-1], below], device) as acc:
+            visiting = held_on([layers[index]], device, read_only=True)
+            with visiting, _accumulators(totals, [*own[:-1], below], device) as acc:
                 for k, batch in enumerate(chunk):
                     mask = inputs.sensitivity_masks[batch].to(device)
                     with torch.enable_grad(), precision():
@@ -215,7 +213,7 @@ def estimate_fisher(
                     for site, tensor in zip(own[:-1], inner):
                         acc.add(site, tensor, mask, count)
                     acc.add(below, grad, mask, count)
-                    grads[k] = _host(grad)
+                    grads[k] = to_host(grad)
             stream.pop()
         if progress is not None:
             progress(done + 1, len(chunks))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
+from compressor.activations import held_on
 from compressor.calibration import capture_layer_inputs
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.families import family_for
@@ -88,3 +89,18 @@ def test_the_layerwise_h_pass_holds_one_layers_graph() -> None:
     stored_inputs_and_totals = 4 * _batch_bytes(tiny_model("llama")) + 8 * d * d * 4
     assert recomputed <= 1.1 * stored_inputs_and_totals
     assert kept > 3 * recomputed  # the measure tells the two apart
+
+
+def test_a_read_only_visit_gives_back_the_very_host_tensors() -> None:
+    """The H pass and the survey only run layers: they come back without a copy (on a GPU, a
+    device-to-host copy of every weight per visit), as the tensors they were."""
+    layer = tiny_model("llama").model.layers[0]
+    tensors = [*layer.parameters(), *layer.buffers()]
+    storages = [t.data_ptr() for t in tensors]
+    values = [t.clone() for t in tensors]
+    with held_on([layer], torch.device("meta"), read_only=True):  # meta: a device with no data to copy back
+        assert all(t.device.type == "meta" for t in (*layer.parameters(), *layer.buffers()))
+    after = [*layer.parameters(), *layer.buffers()]
+    assert [t.data_ptr() for t in after] == storages
+    assert all(torch.equal(a, b) for a, b in zip(after, values))
+    assert all(p.device.type == "cpu" for p in layer.parameters())
