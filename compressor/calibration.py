@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from compressor.activations import ActivationStore, held_on, to_device
 from compressor.families import ModelFamily
+from compressor.parallel import Ranks
 
 
 @dataclass
@@ -131,6 +132,12 @@ class SecondMoment:
         x = counted_rows(hidden, token_mask, count).to(torch.float64)
         self.total.addmm_(x.T, x)
         self.tokens += x.shape[0]
+
+    def sum_over(self, ranks: Ranks) -> "SecondMoment":
+        """The sum and count over every rank's batches (data-parallel calibration), in place."""
+        ranks.sum_(self.total)
+        self.tokens = ranks.sum_count(self.tokens, self.total.device)
+        return self
 
     def value(self) -> torch.Tensor:
         if self.tokens == 0:

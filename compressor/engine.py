@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from compressor import faults
 from compressor.activations import ActivationStore, held_on
+from compressor.parallel import Ranks
 from compressor.bases import (
     apply_embedding_basis,
     apply_head_basis,
@@ -193,8 +194,10 @@ class _Walk:
     def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser | None,
                  widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
                  correct_readers: bool = False, shared: Collection[str] = (),
-                 copies: Mapping[str, str] | None = None) -> None:
+                 copies: Mapping[str, str] | None = None, ranks: Ranks | None = None) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
+        self.ranks = ranks or Ranks()
+        """Data-parallel: each site's C is summed over the ranks' batches before anything reads it."""
         self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
         self.shared = set(shared)
         self.copies = dict(copies or {})
@@ -222,7 +225,7 @@ class _Walk:
                 store.put(b, hidden)
             if moment is not None:
                 moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
-        return moment
+        return None if moment is None else moment.sum_over(self.ranks)
 
     def look_ahead(self, block: Callable[..., torch.Tensor], layer: int) -> SecondMoment:
         """C after `block` run on the stored stream, which stays as it is: the statistics of the
@@ -232,7 +235,7 @@ class _Walk:
         for b in range(len(store)):
             hidden = block(store.get(b, self.device), **self.inputs.kwargs(b, layer, self.device))
             moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
-        return moment
+        return moment.sum_over(self.ranks)
 
     def settle(self, site: str, moment: SecondMoment | None,
                pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None
@@ -306,6 +309,7 @@ def prune(
     shared: Collection[str] = (),
     allocator: WidthAllocator | None = None,
     tie_head: bool = False,
+    ranks: Ranks | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -329,8 +333,23 @@ def prune(
     over the calibration windows and hands every site's C (and H) to it; its widths, saved in
     the checkpoint, then drive the walk. The survey costs one forward pass (run once for both
     uses).
+
+    Data-parallel (`ranks`, by default the initialised `torch.distributed` group, if any): each
+    rank takes its share of `batches` (`Ranks.mine`), sums every site's C and H with the other
+    ranks before choosing, draws the labels a single process would draw for its batches, and so
+    returns the same bases as one process over all batches (up to the order of the sums).
     """
     device = torch.device(device)
+    ranks = ranks or Ranks.current()
+    mine = ranks.mine(len(batches))
+    if ranks.world > 1 and not mine:
+        raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
+                        f"give at least one batch per process")
+    if ranks.world > 1 and checkpoint is not None:
+        raise ValueError("checkpoints of a data-parallel walk are not supported yet")
+    local = [batches[i] for i in mine]
+    skipped = [[batches[i].input_ids.numel() for i in range(before + 1, index)]  # other ranks' label draws
+               for before, index in zip([-1, *mine], mine)]
     report = progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)
@@ -356,7 +375,7 @@ def prune(
     report("capturing layer inputs", 0, num_layers)
     store = ActivationStore(device, offload, scratch)
     try:
-        inputs = capture_layer_inputs(model, family, batches, device, store)
+        inputs = capture_layer_inputs(model, family, local, device, store)
         faults.reached("capture")
         given, fisher, fisher_loaded, source = fisher, None, False, None
         if "H" in needed and (len(saved) < len(ids) or widths is None):
@@ -377,7 +396,7 @@ def prune(
                         faults.reached("fisher")
 
                 fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device, seed,
-                                         h_progress)
+                                         h_progress, ranks, skipped)
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
         last: list[tuple[str, SecondMoment]] = []  # with tie_head: the last site's C, for the embedding's choice
@@ -391,7 +410,7 @@ def prune(
                 if tie_head and site == ids[-1]:
                     last.append((site, moment))
 
-            _survey(model, family, inputs, device, report, observe)
+            _survey(model, family, inputs, device, report, observe, ranks)
             if widths is None:
                 assert allocator is not None
                 widths = allocator.widths()
@@ -402,9 +421,9 @@ def prune(
                 faults.reached("allocation")
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
-            inputs = capture_layer_inputs(model, family, batches, device, store)
+            inputs = capture_layer_inputs(model, family, local, device, store)
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
-                     shared, {ids[-1]: EMBEDDING} if tie_head else {})
+                     shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
         basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None)
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
@@ -452,11 +471,11 @@ def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int]
 
 
 def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
-            report: ProgressCallback, observe: Callable[[str, SecondMoment], None]) -> None:
+            report: ProgressCallback, observe: Callable[[str, SecondMoment], None], ranks: Ranks | None = None) -> None:
     """Run the fused, unsliced model over the calibration windows, handing each site's C to
     `observe` (the allocator's curves; a tied head's last site). The stored activations end at
     the last layer."""
-    survey = _Walk(inputs, device, None, {}, {}, None)
+    survey = _Walk(inputs, device, None, {}, {}, None, ranks=ranks)
     num_layers = model.config.num_hidden_layers
 
     def seen(site: str, moment: SecondMoment | None) -> None:

@@ -18,7 +18,7 @@ the device is the host) and carrying the gradient with respect to the stream dow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from compressor.activations import held_on, to_host
 from compressor.calibration import LayerInputs, counted_rows
 from compressor.families import ModelFamily
+from compressor.parallel import Ranks
 from compressor.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 from compressor.sites import layer_site_ids, site_ids
 
@@ -87,15 +88,20 @@ def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 
 
 
 def sampled_score(
-    logits: torch.Tensor, mask: torch.Tensor, generator: torch.Generator, reduction: str
+    logits: torch.Tensor, mask: torch.Tensor, generator: torch.Generator, reduction: str,
+    skipped: Sequence[int] = (),
 ) -> torch.Tensor:
     """∂/∂logits of Σ (or mean) over counted positions of log p(y_t), y_t ~ p(· | prefix).
 
     That gradient is mask·(onehot(y) − p), so it is formed directly and in place: one softmax
-    serves both the sampling and the gradient, and no log-softmax graph is built.
+    serves both the sampling and the gradient, and no log-softmax graph is built. `skipped`
+    gives the rows of batches scored elsewhere (other ranks) since the last call: their draws
+    are made and discarded first, so every batch gets the labels a single process gives it.
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])
     probs = torch.softmax(flat, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    for rows in skipped:  # one call per batch, as sample_labels draws (a GPU generator's offset rounds per call)
+        torch.rand(rows, 1, generator=generator, device=probs.device, dtype=probs.dtype)
     labels = sample_labels(probs, generator)
     weight = mask.reshape(-1, 1).to(probs.dtype)
     if reduction == "mean":
@@ -125,11 +131,18 @@ def estimate_fisher(
     device: torch.device,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    ranks: Ranks | None = None,
+    skipped: Sequence[Sequence[int]] = (),
 ) -> dict[str, torch.Tensor]:
     """H for each site (keyed by site id; d × d in the accumulation dtype, on the host), averaged
     over counted tokens. Labels are drawn from a generator on `device` seeded with `seed`, batch
     by batch in order, so the result does not depend on how batches are chunked or whether
     layers are recomputed (a CPU and a GPU generator draw different labels).
+
+    Data-parallel (`ranks`): `inputs` holds this rank's batches, `skipped[b]` the rows of the
+    other ranks' batches that come before this rank's batch b (their label draws are skipped),
+    and the sums and token counts are added over the ranks, so every rank returns the H a single
+    process computes over all batches (up to the order of the sums).
 
     `inputs` are the captured inputs of the fused, unsliced model; counted positions are those of
     `inputs.sensitivity_masks` (for chat data, the positions that predict an assistant token;
@@ -185,7 +198,9 @@ def estimate_fisher(
                 x = stream[-1][k].to(device).detach().requires_grad_()
                 with torch.enable_grad(), precision():
                     logits = family.logits(model, x)
-                    (grad,) = torch.autograd.grad(logits, [x], sampled_score(logits, mask, generator, options.reduction))
+                    score = sampled_score(logits, mask, generator, options.reduction,
+                                          skipped[batch] if skipped else ())
+                    (grad,) = torch.autograd.grad(logits, [x], score)
                 count = inputs.sensitivity_counts[batch]
                 acc.add(ids[-1], grad, mask, count)
                 grads.append(to_host(grad))
@@ -217,6 +232,11 @@ def estimate_fisher(
             stream.pop()
         if progress is not None:
             progress(done + 1, len(chunks))
+    ranks = ranks or Ranks()
+    if ranks.world > 1:
+        for total in totals.values():  # one site at a time: NCCL sums on the device
+            total.copy_(ranks.sum_(total.to(device)))
+        tokens = ranks.sum_count(tokens, device)
     if tokens == 0:
         raise ValueError("no tokens were counted for the sensitivity statistics (empty sensitivity mask)")
     return {site: total / tokens for site, total in totals.items()}

@@ -1,0 +1,55 @@
+"""Data-parallel calibration: which calibration batches are this process's, and sums over processes.
+
+Under `torchrun` (or any `torch.distributed` process group) every rank runs the same walk on its
+own share of the calibration batches; each site's statistics (C and H, as sums with their token
+counts) are summed over the ranks before a basis is chosen, so every rank chooses the same basis.
+With no process group there is one rank and nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the data-parallel group."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        """The initialised default process group, or a single rank."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def mine(self, count: int) -> list[int]:
+        """The indices of this rank's batches among `count`: every world-th, from its rank (so
+        the shares differ by at most one batch)."""
+        return list(range(self.rank, count, self.world))
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks, in place (the backend's device: NCCL needs it on the
+        GPU, gloo takes host tensors too)."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def sum_count(self, count: int, device: torch.device) -> int:
+        """An integer (a token count) summed over the ranks."""
+        if self.world == 1:
+            return count
+        return int(self.sum_(torch.tensor([count], dtype=torch.int64, device=device)).item())
+
+    def gather_counts(self, count: int, device: torch.device) -> list[int]:
+        """Each rank's `count`, in rank order (for the report)."""
+        if self.world == 1:
+            return [count]
+        out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+        dist.all_gather(out, torch.tensor([count], dtype=torch.int64, device=device))
+        return [int(t.item()) for t in out]

@@ -1,0 +1,123 @@
+"""Data-parallel calibration: two gloo processes choose what one process chooses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from compressor.calibration import capture_layer_inputs
+from compressor.engine import PipelineStep, PruneResult, prune
+from compressor.families import family_for
+from compressor.parallel import Ranks
+from compressor.plugins import PluginRegistry
+from compressor.sensitivity import estimate_fisher
+from compressor.sensitivity_options import SensitivityOptions
+from compressor.transforms import fuse_norms
+from tests.conftest import copy_model, random_batches, tiny_model, widths_for
+
+STRATEGIES = ("pca", "sensitivity")
+FAMILY = "llama"
+
+
+def _batches() -> list:
+    return random_batches(128, count=5, batch=2, padded=True)  # 5 batches: shares of 3 and 2
+
+
+def _prune(strategy: str) -> PruneResult:
+    """The same tiny model, pruned to 40 of 64 dimensions with one strategy (C and H in float64)."""
+    original = tiny_model(FAMILY)
+    registry = PluginRegistry()
+    step = registry.strategy(strategy)
+    return prune(copy_model(original), family_for(FAMILY), _batches(),
+                 widths_for(FAMILY, original.config, 40, slice_head=True), [PipelineStep(step, step.parse_options({}))],
+                 sensitivity=SensitivityOptions(dtype="float64"))
+
+
+def _logits(result: PruneResult) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([result.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+                          for b in _batches()])
+
+
+def _worker(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        for strategy in STRATEGIES:
+            result = _prune(strategy)
+            tensors = {f"basis.{site}": basis for site, basis in result.bases.items()}
+            tensors["logits"] = _logits(result)
+            if result.fisher is not None:
+                tensors.update({f"H.{site}": H for site, H in result.fisher.items()})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, f"{folder}/{strategy}.rank{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(2, str(folder)), nprocs=2, join=True)
+    return folder
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_processes_choose_the_bases_one_process_chooses(two_ranks: Path, strategy: str) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: the same kernels, so each batch's statistics are the same bits
+    try:
+        single = _prune(strategy)
+        expected_logits = _logits(single)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = [load_file(two_ranks / f"{strategy}.rank{rank}.safetensors") for rank in range(2)]
+    for site, basis in single.bases.items():
+        for saved in ranks:
+            shared = saved[f"basis.{site}"]
+            assert shared.shape == basis.shape
+            assert torch.dist(shared @ shared.T, basis @ basis.T) <= 1e-10, site  # float64 round-off
+        assert torch.equal(ranks[0][f"basis.{site}"], ranks[1][f"basis.{site}"]), site  # every rank the same
+        if single.fisher is not None:
+            H = single.fisher[site]
+            assert torch.allclose(ranks[0][f"H.{site}"], H, rtol=1e-12, atol=1e-14 * H.abs().max()), site
+    error = (ranks[0]["logits"] - expected_logits).abs().max() / expected_logits.abs().max()
+    assert error <= 1e-6  # the pruned models are float32
+
+
+def test_each_rank_gets_the_labels_a_single_process_draws_for_its_batches() -> None:
+    """H of rank 0's and rank 1's batches (no communication), weighted by their token counts,
+    adds up to H of all batches: skipping the other ranks' label draws keeps every batch's labels."""
+    model = tiny_model(FAMILY)
+    family = family_for(FAMILY)
+    fuse_norms(model, family)
+    batches = _batches()
+    options = SensitivityOptions(dtype="float64")
+    inputs = capture_layer_inputs(model, family, batches, torch.device("cpu"))
+    whole = estimate_fisher(model, family, inputs, options, torch.device("cpu"), seed=3)
+    parts, counts = [], []
+    for rank in range(2):
+        mine = Ranks(rank, 2).mine(len(batches))
+        skipped = [[batches[i].input_ids.numel() for i in range(before + 1, index)]
+                   for before, index in zip([-1, *mine], mine)]
+        local = capture_layer_inputs(model, family, [batches[i] for i in mine], torch.device("cpu"))
+        parts.append(estimate_fisher(model, family, local, options, torch.device("cpu"), seed=3, skipped=skipped))
+        counts.append(sum(local.sensitivity_counts))
+    for site, H in whole.items():
+        combined = (parts[0][site] * counts[0] + parts[1][site] * counts[1]) / sum(counts)
+        assert torch.allclose(combined, H, rtol=1e-10, atol=1e-13 * H.abs().max()), site
+    unskipped = estimate_fisher(model, family, capture_layer_inputs(model, family, batches[1::2], torch.device("cpu")),
+                                options, torch.device("cpu"), seed=3)
+    assert not torch.allclose(unskipped["embedding"], parts[1]["embedding"])  # the skips matter
+
+
+def test_a_rank_without_a_batch_is_refused() -> None:
+    original = tiny_model(FAMILY)
+    with pytest.raises(Exception, match="at least one batch per process"):
+        prune(copy_model(original), family_for(FAMILY), random_batches(128, count=1),
+              widths_for(FAMILY, original.config, 40, slice_head=True),
+              [PipelineStep(PluginRegistry().strategy("pca"))], ranks=Ranks(1, 2))
