@@ -97,11 +97,13 @@ def restore_rng(states: Mapping[str, torch.Tensor]) -> None:
 
 
 class Checkpoint:
-    """A run's resumable state in `folder` (inside the run's staging folder)."""
+    """A run's resumable state in `folder` (inside the run's staging folder). A data-parallel
+    run's other ranks read it (`writable=False`: their saves are skipped; rank 0 writes)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, writable: bool = True) -> None:
         self.folder = folder
         self.sites_folder = folder / SITES_FOLDER
+        self.writable = writable
 
     def start(self, fingerprint: Mapping[str, str]) -> None:
         """Begin, or continue a run with the same fingerprint; a different one is refused when
@@ -136,6 +138,8 @@ class Checkpoint:
             return {site: handle.get_tensor(site) for site in handle.keys()}
 
     def save_fisher(self, fisher: Mapping[str, torch.Tensor]) -> None:
+        if not self.writable:
+            return
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
         write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
 
@@ -145,10 +149,14 @@ class Checkpoint:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def save_allocation(self, allocation: Mapping[str, Any]) -> None:
+        if not self.writable:
+            return
         write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
 
     def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any],
                   reader: torch.Tensor | None = None) -> None:
+        if not self.writable:
+            return
         tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
         if reader is not None:
             tensors["reader"] = reader.detach().to("cpu", torch.float64).contiguous()

@@ -129,13 +129,20 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                       f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
                       + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
         return
+    from compressor import parallel
+
     try:
+        if int(os.environ.get("RANK", "0")) > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
+            run(recipe, registry, None, overwrite=args.overwrite, restart=args.restart)
+            return
         with _progress_display(console) as progress:
             report = run(recipe, registry, progress, overwrite=args.overwrite, restart=args.restart)
     except KeyboardInterrupt:
         if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
             raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None
         raise
+    finally:
+        parallel.stop()
     if report["resumed_from"] or report["resume"]["sites_loaded"]:
         console.print(f"resumed: {report['resume']['sites_loaded']} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))

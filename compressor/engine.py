@@ -116,6 +116,8 @@ class PruneResult:
     """The kept width of every site (given, or chosen by the allocator)."""
     allocation: dict[str, Any] | None = None
     """The allocator's record (budget, predicted loss, curves), when one chose the widths."""
+    tokens_by_rank: list[int] = field(default_factory=list)
+    """Calibration tokens each rank walked (one entry in a single process)."""
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -345,8 +347,6 @@ def prune(
     if ranks.world > 1 and not mine:
         raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
                         f"give at least one batch per process")
-    if ranks.world > 1 and checkpoint is not None:
-        raise ValueError("checkpoints of a data-parallel walk are not supported yet")
     local = [batches[i] for i in mine]
     skipped = [[batches[i].input_ids.numel() for i in range(before + 1, index)]  # other ranks' label draws
                for before, index in zip([-1, *mine], mine)]
@@ -376,6 +376,7 @@ def prune(
     store = ActivationStore(device, offload, scratch)
     try:
         inputs = capture_layer_inputs(model, family, local, device, store)
+        tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
         faults.reached("capture")
         given, fisher, fisher_loaded, source = fisher, None, False, None
         if "H" in needed and (len(saved) < len(ids) or widths is None):
@@ -451,7 +452,7 @@ def prune(
                        bases=walk.bases, readers=walk.readers if correct_readers else None,
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
                        fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source,
-                       widths=dict(widths), allocation=allocation)
+                       widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank)
 
 
 def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],

@@ -8,6 +8,7 @@ With no process group there is one rank and nothing is communicated.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,3 +54,25 @@ class Ranks:
         out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
         dist.all_gather(out, torch.tensor([count], dtype=torch.int64, device=device))
         return [int(t.item()) for t in out]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def start(device: torch.device) -> tuple[Ranks, torch.device]:
+    """Join the process group that `torchrun` describes (WORLD_SIZE above 1 in the environment):
+    NCCL with one GPU per local rank, gloo on CPU. Outside torchrun: one rank, `device` unchanged."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available():
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Ranks.current(), device
+
+
+def stop() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -32,7 +32,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 import compressor
-from compressor import faults
+from compressor import faults, parallel
 from compressor.allocation import CurveAllocator
 from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
@@ -40,11 +40,12 @@ from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, load_records, token_windows
-from compressor.engine import PipelineStep, kept_width, prune
+from compressor.engine import PipelineStep, PruneResult, kept_width, prune
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
+from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
 from compressor.refine import refine_bases
@@ -411,6 +412,15 @@ def run(
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
         raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
                         "it is for CPU runs: leave it unset (or true) on a GPU")
+    ranks, device = parallel.start(device)
+    if ranks.world > 1:
+        if recipe.refinement is not None:
+            raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
+        if resources is not None:
+            raise UserError("a sweep's runs share their data and H in one process: launch it without torchrun")
+        if ranks.rank > 0:
+            check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
+            return _follow(recipe, checked, device, ranks, Resources(), report_progress)
     output = Path(recipe.output)
     staging = _prepare_staging(output, overwrite)
     with _locked(staging, output):
@@ -421,7 +431,7 @@ def run(
             if restart:
                 checkpoint.discard()
             report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
-                             resources or Resources(), save_model)
+                             resources or Resources(), save_model, ranks)
             faults.reached("publish")
             _publish(staging, output)
         except BaseException:
@@ -455,8 +465,36 @@ def baseline_tasks_key(suites: list[Any], model_fingerprint: str, recipe: Recipe
                         "suites": [suite_digest(suite) for suite in suites]})
 
 
+def _prune(model: PreTrainedModel, recipe: Recipe, checked: Plan, calibration: list[Batch], device: torch.device,
+           report_progress: Progress, checkpoint: Checkpoint, scratch: Path,
+           fisher: dict[str, torch.Tensor] | None, ranks: Ranks) -> PruneResult:
+    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
+    return prune(model, checked.family, calibration, checked.widths, checked.pipeline, device, report_progress,
+                 recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint, offload=recipe.activations,
+                 scratch=scratch, fisher=fisher, correct_readers=recipe.slicing.correct_readers,
+                 shared=checked.shared, allocator=checked.allocator, tie_head=recipe.slicing.tie_head, ranks=ranks)
+
+
+def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources,
+            report_progress: Progress) -> dict[str, Any]:
+    """A data-parallel run's rank above 0: the walk on its share of the calibration batches, its
+    statistics summed with the others'; rank 0 writes the run folder and the checkpoint, which
+    this rank only reads (to resume where rank 0 does)."""
+    torch.manual_seed(recipe.seed)
+    tokenizer = resources.tokenizer(recipe.model)
+    calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
+    model = resources.model(recipe.model)
+    ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
+    checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
+    with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
+        result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch),
+                        None, ranks)
+    return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
+
+
 def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
-            started: float, report_progress: Progress, resources: Resources, save_model: bool) -> dict[str, Any]:
+            started: float, report_progress: Progress, resources: Resources, save_model: bool,
+            ranks: Ranks) -> dict[str, Any]:
     """Everything a run writes, into `staging`; returns the report."""
     config, family, kept = checked.config, checked.family, checked.kept
     timings: dict[str, float] = {}
@@ -479,12 +517,10 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                    "data": data_fingerprint(calibration)}
     checkpoint.start(fingerprint)
     h_key = fisher_key(recipe, fingerprint["model"], fingerprint["data"], device)
+    ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
     tick = time.perf_counter()
-    result = prune(model, family, calibration, checked.widths, checked.pipeline, device, report_progress,
-                   recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint,
-                   offload=recipe.activations, scratch=staging / SCRATCH_FOLDER, fisher=resources.fisher(h_key),
-                   correct_readers=recipe.slicing.correct_readers, shared=checked.shared,
-                   allocator=checked.allocator, tie_head=recipe.slicing.tie_head)
+    result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint,
+                    staging / SCRATCH_FOLDER, resources.fisher(h_key), ranks)
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
     pruned, bases = result.model, result.bases
@@ -555,6 +591,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                        **({k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
                           if result.allocation else {})},
         "seed": recipe.seed,
+        "parallel": {"world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank},
         "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
         "slicing": dataclasses.asdict(recipe.slicing),
         "fingerprint": fingerprint,

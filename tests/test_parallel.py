@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,15 +14,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from compressor.bases import load_bases
 from compressor.calibration import capture_layer_inputs
 from compressor.engine import PipelineStep, PruneResult, prune
+from compressor.faults import KILL_VARIABLE
 from compressor.families import family_for
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
 from compressor.sensitivity import estimate_fisher
 from compressor.sensitivity_options import SensitivityOptions
 from compressor.transforms import fuse_norms
-from tests.conftest import copy_model, random_batches, tiny_model, widths_for
+from tests.conftest import ROOT, copy_model, random_batches, tiny_model, widths_for
+from tests.test_cli import write_recipe
 
 STRATEGIES = ("pca", "sensitivity")
 FAMILY = "llama"
@@ -121,3 +128,41 @@ def test_a_rank_without_a_batch_is_refused() -> None:
         prune(copy_model(original), family_for(FAMILY), random_batches(128, count=1),
               widths_for(FAMILY, original.config, 40, slice_head=True),
               [PipelineStep(PluginRegistry().strategy("pca"))], ranks=Ranks(1, 2))
+
+
+def _compress(command: list[str], recipe: Path, output: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # torchrun's default, for both runs
+    env.pop(KILL_VARIABLE, None)
+    return subprocess.run([*command, "-m", "compressor.cli", "run", str(recipe), "--output", str(output)],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(tiny_checkpoint: Path,
+                                                                           tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m compressor.cli run`: rank 0 writes the run, with the bases a
+    single process chooses and each rank's share of the tokens in the report."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
+                          calibration__num_samples=6, sensitivity={"dtype": "float64"})
+    single = _compress([sys.executable], recipe, tmp_path / "single")
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    shared = _compress(torchrun, recipe, tmp_path / "two")
+    assert shared.returncode == 0, shared.stderr
+    report = json.loads((tmp_path / "two" / "report.json").read_text())
+    alone = json.loads((tmp_path / "single" / "report.json").read_text())
+    assert report["parallel"]["world_size"] == 2 and alone["parallel"]["world_size"] == 1
+    assert report["parallel"]["tokens_by_rank"] == [4 * 64, 2 * 64]  # batches 0, 2 and 1 of three batches of 2
+    assert sum(report["parallel"]["tokens_by_rank"]) == alone["parallel"]["tokens_by_rank"][0]
+    expected, found = load_bases(tmp_path / "single" / "bases.safetensors"), load_bases(tmp_path / "two" / "bases.safetensors")
+    for site, V in expected.items():
+        assert torch.dist(found[site] @ found[site].T, V @ V.T) <= 1e-10, site
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "single", "two"]  # no staging left behind
+
+
+def test_refinement_across_processes_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, refinement={"epochs": 1})
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = _compress(torchrun, recipe, tmp_path / "two")
+    assert done.returncode != 0
+    assert "refinement runs in one process" in done.stderr
+    assert not (tmp_path / "two").exists()
