@@ -348,8 +348,7 @@ def prune(
         raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
                         f"give at least one batch per process")
     local = [batches[i] for i in mine]
-    skipped = [[batches[i].input_ids.numel() for i in range(before + 1, index)]  # other ranks' label draws
-               for before, index in zip([-1, *mine], mine)]
+    skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
     report = progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)

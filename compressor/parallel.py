@@ -34,6 +34,12 @@ class Ranks:
         the shares differ by at most one batch)."""
         return list(range(self.rank, count, self.world))
 
+    def skipped_rows(self, rows: list[int]) -> list[list[int]]:
+        """For each of this rank's batches (`mine`), the rows of the other ranks' batches just
+        before it, given every batch's rows: the label draws this rank skips."""
+        mine = self.mine(len(rows))
+        return [rows[before + 1:index] for before, index in zip([-1, *mine], mine)]
+
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks, in place (the backend's device: NCCL needs it on the
         GPU, gloo takes host tensors too)."""

@@ -64,6 +64,12 @@ def site_activations(
     return sites, family.logits(model, hidden, before_cap)
 
 
+def _uniform_draws(rows: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """One uniform draw per row: all the randomness a batch's labels take (skipping another
+    rank's batch makes exactly this call, so the generator stays where one process has it)."""
+    return torch.rand(rows, 1, generator=generator, device=like.device, dtype=like.dtype)
+
+
 def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 128) -> torch.Tensor:
     """One label per row of `probs` (rows summing to 1), by inverse-CDF sampling in two levels.
 
@@ -77,7 +83,7 @@ def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 
     if whole < vocab:
         sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], dim=-1)
     block_cdf = sums.cumsum(-1)
-    draws = torch.rand(rows, 1, generator=generator, device=probs.device, dtype=probs.dtype) * block_cdf[:, -1:]
+    draws = _uniform_draws(rows, generator, probs) * block_cdf[:, -1:]
     chosen = torch.searchsorted(block_cdf, draws).clamp_max(sums.shape[-1] - 1)
     before = torch.nn.functional.pad(block_cdf[:, :-1], (1, 0))  # the CDF where each block starts
     offset = draws - before.gather(-1, chosen)
@@ -101,7 +107,7 @@ def sampled_score(
     flat = logits.detach().reshape(-1, logits.shape[-1])
     probs = torch.softmax(flat, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     for rows in skipped:  # one call per batch, as sample_labels draws (a GPU generator's offset rounds per call)
-        torch.rand(rows, 1, generator=generator, device=probs.device, dtype=probs.dtype)
+        _uniform_draws(rows, generator, probs)
     labels = sample_labels(probs, generator)
     weight = mask.reshape(-1, 1).to(probs.dtype)
     if reduction == "mean":

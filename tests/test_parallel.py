@@ -109,8 +109,7 @@ def test_each_rank_gets_the_labels_a_single_process_draws_for_its_batches() -> N
     parts, counts = [], []
     for rank in range(2):
         mine = Ranks(rank, 2).mine(len(batches))
-        skipped = [[batches[i].input_ids.numel() for i in range(before + 1, index)]
-                   for before, index in zip([-1, *mine], mine)]
+        skipped = Ranks(rank, 2).skipped_rows([batch.input_ids.numel() for batch in batches])
         local = capture_layer_inputs(model, family, [batches[i] for i in mine], torch.device("cpu"))
         parts.append(estimate_fisher(model, family, local, options, torch.device("cpu"), seed=3, skipped=skipped))
         counts.append(sum(local.sensitivity_counts))
