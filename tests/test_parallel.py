@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from compressor.bases import load_bases
 from compressor.calibration import capture_layer_inputs
 from compressor.engine import PipelineStep, PruneResult, prune
-from compressor.faults import KILL_VARIABLE
+from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
 from compressor.families import family_for
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
@@ -129,9 +129,15 @@ def test_a_rank_without_a_batch_is_refused() -> None:
               [PipelineStep(PluginRegistry().strategy("pca"))], ranks=Ranks(1, 2))
 
 
-def _compress(command: list[str], recipe: Path, output: Path) -> subprocess.CompletedProcess:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _compress(command: list[str], recipe: Path, output: Path, **kill: str) -> subprocess.CompletedProcess:
+    """`compress run` (single or under torchrun); `kill`: fault variables (`compressor.faults`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # torchrun's default, for both runs
     env.pop(KILL_VARIABLE, None)
+    env.pop(KILL_RANK_VARIABLE, None)
+    env.update(kill)
     return subprocess.run([*command, "-m", "compressor.cli", "run", str(recipe), "--output", str(output)],
                           env=env, capture_output=True, text=True, timeout=600)
 
@@ -144,8 +150,7 @@ def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(tiny_
                           calibration__num_samples=6, sensitivity={"dtype": "float64"})
     single = _compress([sys.executable], recipe, tmp_path / "single")
     assert single.returncode == 0, single.stderr
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    shared = _compress(torchrun, recipe, tmp_path / "two")
+    shared = _compress(TORCHRUN, recipe, tmp_path / "two")
     assert shared.returncode == 0, shared.stderr
     report = json.loads((tmp_path / "two" / "report.json").read_text())
     alone = json.loads((tmp_path / "single" / "report.json").read_text())
@@ -158,10 +163,33 @@ def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(tiny_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "single", "two"]  # no staging left behind
 
 
+@pytest.mark.parametrize(("point", "loaded", "fisher_loaded"), [("fisher", 0, False), ("site:layers.0.attn", 2, True)])
+def test_a_torchrun_job_that_lost_rank_0_resumes_to_the_same_run(point: str, loaded: int, fisher_loaded: bool,
+                                                                  tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Rank 0 killed mid-way (in the H pass, or in the middle of a layer after a site's checkpoint):
+    the job fails, nothing is published, and the same torchrun command continues from rank 0's
+    checkpoint on every rank, to the bases of an uninterrupted two-process run, bit for bit."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
+                          calibration__num_samples=8, sensitivity={"chunk": 2})
+    whole = _compress(TORCHRUN, recipe, tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    killed = _compress(TORCHRUN, recipe, tmp_path / "run", **{KILL_VARIABLE: point, KILL_RANK_VARIABLE: "0"})
+    assert killed.returncode != 0
+    assert not (tmp_path / "run").exists() and (tmp_path / ".run.partial" / "checkpoint").is_dir()
+    resumed = _compress(TORCHRUN, recipe, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["resume"] == {"sites_loaded": loaded, "fisher_loaded": fisher_loaded}
+    assert report["parallel"] == json.loads((tmp_path / "whole" / "report.json").read_text())["parallel"]
+    expected, found = load_bases(tmp_path / "whole" / "bases.safetensors"), load_bases(tmp_path / "run" / "bases.safetensors")
+    assert expected.keys() == found.keys()
+    assert all(torch.equal(found[site], V) for site, V in expected.items())
+    assert not (tmp_path / ".run.partial").exists()
+
+
 def test_refinement_across_processes_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, refinement={"epochs": 1})
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = _compress(torchrun, recipe, tmp_path / "two")
+    done = _compress(TORCHRUN, recipe, tmp_path / "two")
     assert done.returncode != 0
     assert "refinement runs in one process" in done.stderr
     assert not (tmp_path / "two").exists()
