@@ -6,9 +6,12 @@ forward-and-backward pass (gradients for activations only, as the H pass needs).
 here, in one process, on one model: a local model folder (`--model`) or a published config with
 random weights (`--config`, e.g. Llama-3.1-8B in bf16: no download, random tokens). For each
 phase: wall time (device synchronised), peak device memory, and the host's peak resident memory
-so far (a process-wide high-water mark, so it only grows down the table).
+during the phase (Linux: the high-water mark is reset as the phase starts; elsewhere it is the
+process's so far). `--scales 1 2 4` runs the whole measurement once per multiple of `--samples`,
+each in a fresh process, and tabulates how time and memory grow with the calibration tokens.
 
     .venv/bin/python benchmarks/prune_cost.py --model ../shared/models/ref-llama --samples 128 --seq-len 512
+    .venv/bin/python benchmarks/prune_cost.py --model ../shared/models/ref-llama --scales 1 2 4
     python benchmarks/prune_cost.py --config Llama-3.1-8B --device cuda --samples 1024 --seq-len 2048
 """
 
@@ -21,9 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import ctypes  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import resource  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
@@ -74,6 +80,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--pipelines", nargs="+", default=["pca", "sensitivity"])
     parser.add_argument("--chunk", type=int, default=None, help="SensitivityOptions.chunk")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scales", nargs="+", type=int, default=None,
+                        help="run once per multiple of --samples (fresh processes) and tabulate the growth")
     parser.add_argument("--profile", action="store_true",
                         help="run each prune under torch.profiler; its top operators go beside --out (.txt)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prune_cost.json"))
@@ -102,11 +110,35 @@ def _batches(vocab: int, args: argparse.Namespace, size: int) -> list[Batch]:
     return out
 
 
+def _reset_host_peak() -> bool:
+    """Reset this process's resident-memory high-water mark to what is live now (Linux: freed heap
+    handed back with glibc's malloc_trim, then clear_refs 5); False elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _host_gib(field: str = "VmHWM") -> float | None:
+    """Linux's resident memory now (VmRSS) or its high-water mark since the last reset (VmHWM);
+    elsewhere the process's high-water mark (and None for now)."""
+    try:
+        found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1)) * 1024 / GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB if field == "VmHWM" else None
+
+
 class Meter:
-    """Wall time, device peak and host high-water mark of named phases."""
+    """Wall time, device peak and host peak of named phases."""
 
     def __init__(self, device: torch.device, console: Console) -> None:
         self.device, self.console, self.rows = device, console, []
+        self.host_start: float | None = None
 
     def add(self, row: dict[str, Any]) -> dict[str, Any]:
         """Keep a row and print it at once (a long run killed mid-way still shows its phases)."""
@@ -123,6 +155,8 @@ class Meter:
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        _reset_host_peak()
+        self.host_start = _host_gib("VmRSS")
         return time.perf_counter()
 
     def stop(self, name: str, started: float, **extra: Any) -> dict[str, Any]:
@@ -130,7 +164,7 @@ class Meter:
         row = {"phase": name, "seconds": time.perf_counter() - started,
                "device_peak_gib": torch.cuda.max_memory_allocated(self.device) / GiB
                if self.device.type == "cuda" else None,
-               "host_high_water_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, **extra}
+               "host_peak_gib": _host_gib(), "host_start_gib": self.host_start, **extra}
         return self.add(row)
 
 
@@ -174,7 +208,7 @@ class PhaseClock:
         now = time.perf_counter()
         if self.name is not None:
             self.meter.add({"phase": f"  {self.prefix}: {self.name}", "seconds": now - self.tick,
-                                    "device_peak_gib": None, "host_high_water_gib": None})
+                                    "device_peak_gib": None, "host_peak_gib": None})
         self.name, self.tick = name, now
 
     def close(self) -> None:
@@ -190,8 +224,43 @@ def _profiler(enabled: bool, device: torch.device) -> Any:
     return torch.profiler.profile(activities=activities)
 
 
+def scaling(args: argparse.Namespace) -> None:
+    """Each multiple of the calibration tokens measured in a fresh process (its own host peaks);
+    one table of how each prune phase's time, ratio to its floor and memory grow."""
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    passed = list(sys.argv[1:])  # the same options, less --scales and its values (later options override)
+    at = passed.index("--scales")
+    del passed[at:at + 1 + len(args.scales)]
+    runs = []
+    for scale in args.scales:
+        part = out.with_suffix(f".x{scale}.json")
+        command = [sys.executable, __file__, *passed, "--samples", str(args.samples * scale), "--out", str(part)]
+        console.log(f"× {scale}: {' '.join(command[1:])}")
+        subprocess.run(command, check=True)
+        runs.append({"scale": scale, **json.loads(part.read_text())})
+    table = Table(title=f"prune cost against calibration tokens: {args.model or args.config}, {args.device}")
+    for column in ("tokens", "pipeline", "prune s", "floor s", "× floor", "s per 1× tokens", "host peak GiB",
+                   "host peak above start", "device peak GiB"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        for name, row in run["prune"].items():
+            first = runs[0]["prune"][name]["seconds"]
+            table.add_row(f"{run['samples'] * run['seq_len']:,}", name, f"{row['seconds']:.1f}", f"{row['floor_s']:.1f}",
+                          f"{row['over_floor']:.2f}", f"{row['seconds'] / run['scale'] / first * runs[0]['scale']:.2f}",
+                          f"{row['host_peak_gib']:.2f}",
+                          "" if row.get("host_start_gib") is None else f"{row['host_peak_gib'] - row['host_start_gib']:.2f}",
+                          "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.2f}")
+    console.print(table)
+    out.write_text(json.dumps({"benchmark": "prune_cost scaling", "scales": args.scales, "runs": runs}, indent=2) + "\n")
+    console.print(f"wrote {out}")
+
+
 def main() -> None:
     args = _args()
+    if args.scales:
+        return scaling(args)
     transformers.utils.logging.set_verbosity_error()
     console = Console(width=None if sys.stdout.isatty() else 160)
     device = torch.device(args.device)
@@ -253,12 +322,12 @@ def main() -> None:
 
     table = Table(title=f"prune cost: {args.model or args.config}, {args.samples} × {args.seq_len} tokens, "
                         f"batch {args.batch_size}, sparsity {args.sparsity}, {device}")
-    for column in ("phase", "s", "device peak GiB", "host high-water GiB", "× floor"):
+    for column in ("phase", "s", "device peak GiB", "host peak GiB", "× floor"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for row in meter.rows:
         table.add_row(row["phase"], f"{row['seconds']:.1f}",
                       "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.1f}",
-                      "" if row["host_high_water_gib"] is None else f"{row['host_high_water_gib']:.1f}",
+                      "" if row["host_peak_gib"] is None else f"{row['host_peak_gib']:.2f}",
                       f"{row['over_floor']:.2f}" if "over_floor" in row else "")
     console.print(table)
     out = Path(args.out)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from compressor.budget import ParamModel
-from compressor.strategy import eigh_descending, frobenius_normalised
+from compressor.strategy import frobenius_normalised, tau_candidates
 
 DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
 """The paper's τ grid (also the `sensitivity` strategy's default; the engine does not import strategies)."""
@@ -46,7 +46,7 @@ def loss_curve(C: torch.Tensor, H: torch.Tensor, widths: Sequence[int], taus: Se
     C_all, H_all = sum(c for c, _ in members), sum(h for _, h in members)
     d = C_all.shape[0]
     Cn, Hn = frobenius_normalised(C_all), frobenius_normalised(H_all)
-    bases = [eigh_descending(C_all)[1]] + [eigh_descending(tau * Cn + Hn / tau)[1] for tau in taus]
+    bases = tau_candidates(Cn, Hn, taus)  # the grid's, then PCA's
     best = torch.full((d + 1,), math.inf, dtype=torch.float64)
     for Q in bases:
         losses = torch.zeros(d + 1, dtype=torch.float64)  # index = kept width

@@ -8,7 +8,7 @@ strategy returns a `Basis`. Strategies know nothing about model families or weig
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -106,7 +106,24 @@ def frobenius_normalised(matrix: torch.Tensor) -> torch.Tensor:
 
 def coupled_loss(C: torch.Tensor, H: torch.Tensor, removed: torch.Tensor) -> float:
     """L(U) = Tr(UᵀCU · UᵀHU): the paper's output-aware cost of removing the directions U."""
-    return float(torch.trace((removed.T @ C @ removed) @ (removed.T @ H @ removed)))
+    return float(coupled_losses(C, H, removed))
+
+
+def coupled_losses(C: torch.Tensor, H: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
+    """L(U) for U (d×k) or a stack of them (n×d×k), as a tensor where U is (no host sync):
+    Tr(AB) = Σ A∘Bᵀ, A = UᵀCU and B = UᵀHU."""
+    A = removed.mT @ C @ removed
+    B = removed.mT @ H @ removed
+    return (A * B.mT).sum((-2, -1))
+
+
+def tau_candidates(C: torch.Tensor, H: torch.Tensor, taus: Sequence[float]) -> torch.Tensor:
+    """Bases (n×d×d, columns largest eigenvalue first) of the τ-search: the eigenvectors of
+    τC + H/τ for each τ, then those of C (the PCA basis, τ → ∞), from one batched float64
+    eigendecomposition on C's device: no round trip to the host between candidates."""
+    C, H = C.to(torch.float64), H.to(torch.float64)
+    scale = torch.tensor(list(taus), dtype=torch.float64, device=C.device)[:, None, None]
+    return eigh_descending(torch.cat([scale * C + H / scale, C[None]]))[1]
 
 
 def complete_basis(removed: torch.Tensor) -> torch.Tensor:

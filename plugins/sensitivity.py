@@ -25,8 +25,10 @@ from compressor.strategy import (
     Strategy,
     StrategyOptionError,
     coupled_loss,
+    coupled_losses,
     eigh_descending,
     frobenius_normalised,
+    tau_candidates,
 )
 
 DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
@@ -76,14 +78,15 @@ class Sensitivity(Strategy):
             _, vectors = eigh_descending(tau * C + H / tau)
             return coupled_loss(C, H, vectors[:, keep:]), tau, vectors
 
-        candidates = [candidate(tau) for tau in options.taus]
+        bases = tau_candidates(C, H, options.taus)  # the grid's and PCA's, in one batch
+        *losses, pca_loss = coupled_losses(C, H, bases[:, :, keep:]).tolist()  # one sync for all of them
+        candidates = list(zip(losses, options.taus, bases[:-1]))
+        pca_vectors = bases[-1]
         refined = _golden_section(candidate, sorted(options.taus), min(candidates, key=lambda c: c[0])[1],
                                   options.refine)
-        _, pca_vectors = eigh_descending(C)
-        pca_loss = coupled_loss(C, H, pca_vectors[:, keep:])
         pool = candidates + refined + ([(pca_loss, math.inf, pca_vectors)] if options.include_pca else [])
         loss, tau, vectors = min(pool, key=lambda c: c[0])
-        return Basis(Q=vectors, objectives={
+        return Basis(Q=vectors.clone(), objectives={  # not a view holding every candidate
             "loss": loss,
             "tau": tau if math.isfinite(tau) else None,  # None: the PCA subspace won (include_pca)
             "chose_pca": not math.isfinite(tau),

@@ -10,7 +10,16 @@ import torch
 from compressor.calibration import Batch, capture_layer_inputs
 from compressor.families import family_for
 from compressor.sensitivity import SensitivityOptions, estimate_fisher, site_activations
-from compressor.strategy import SiteProblem, SiteStatistics, StrategyOptionError, coupled_loss, complete_basis
+from compressor.strategy import (
+    SiteProblem,
+    SiteStatistics,
+    StrategyOptionError,
+    complete_basis,
+    coupled_loss,
+    coupled_losses,
+    eigh_descending,
+    tau_candidates,
+)
 from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
@@ -41,6 +50,21 @@ def test_with_identity_h_the_sensitivity_subspace_is_pca() -> None:
     pca = PCA().select(site, None, None)
     assert torch.allclose(projector(sens.removed(8)), projector(pca.removed(8)), atol=1e-10)
     assert sens.objectives["loss"] == pytest.approx(sens.objectives["loss_pca"], rel=1e-12)
+
+
+def test_batched_tau_candidates_are_the_one_at_a_time_eigendecompositions() -> None:
+    """One batched eigendecomposition (the grid's matrices, then C) gives each τ's subspaces and
+    its loss, as one eigendecomposition per τ does."""
+    C, H, keep, taus = random_psd(24, seed=4), random_psd(24, seed=5, decay=0.1), 16, (0.5, 1.0, 7.0, 70.0)
+    stacked = tau_candidates(C, H, taus)
+    singles = [eigh_descending(tau * C + H / tau)[1] for tau in taus] + [eigh_descending(C)[1]]
+    assert stacked.shape == (len(taus) + 1, 24, 24)
+    losses = coupled_losses(C, H, stacked[:, :, keep:])
+    for Q, single, loss in zip(stacked, singles, losses.tolist()):
+        assert torch.allclose(projector(Q[:, keep:]), projector(single[:, keep:]), atol=1e-10)
+        assert loss == pytest.approx(coupled_loss(C, H, single[:, keep:]), rel=1e-10)
+        assert loss == pytest.approx(float(torch.trace(single[:, keep:].T @ C @ single[:, keep:]
+                                                       @ single[:, keep:].T @ H @ single[:, keep:])), rel=1e-10)
 
 
 @pytest.mark.parametrize("d", [2, 3])
