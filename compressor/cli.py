@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--output", help="output folder (overrides the recipe's output)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
-    run.add_argument("--dry-run", action="store_true", help="validate the recipe (and a local model's config.json) and stop; loads no weights or data")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate the recipe, a local model's config.json and the first record of the data, and "
+                          "stop; loads no weights")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
@@ -103,7 +105,15 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import budget_label, rich_table
-    from compressor.runner import CHECKPOINT_FOLDER, check_evaluation_tasks, check_output, plan, run, staging_folder
+    from compressor.runner import (
+        CHECKPOINT_FOLDER,
+        check_evaluation_tasks,
+        check_fields,
+        check_output,
+        plan,
+        run,
+        staging_folder,
+    )
 
     _quiet_libraries()
     registry = PluginRegistry()
@@ -118,6 +128,9 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         else:
             check_evaluation_tasks(recipe)
             notes.append("model config not checked (hub id)")
+        check_fields(recipe.calibration, "calibration")
+        if recipe.evaluation is not None:
+            check_fields(recipe.evaluation, "evaluation")
         try:
             check_output(Path(recipe.output), args.overwrite)
         except UserError as error:
@@ -313,9 +326,8 @@ def _families(console: Console) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Our display reports progress; tqdm reads this once, when it is first imported.
     os.environ.setdefault("TQDM_DISABLE", "1")
-    console = Console(stderr=False, log_path=False)
-    errors = Console(stderr=True)
     try:
+        console = Console(stderr=False, log_path=False)
         args = _parser().parse_args(argv)
         if args.command == "run":
             _run(args, console)
@@ -332,10 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:
-        errors.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as interrupt:
-        errors.print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False, soft_wrap=True)
+        Console(stderr=True).print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False,
+                                   soft_wrap=True)
         return 130
     return 0
 

@@ -14,19 +14,28 @@ from compressor.calibration import Batch
 from compressor.errors import UserError, first_line
 
 
-def load_records(dataset: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+def load_records(dataset: Mapping[str, Any], streaming: bool = False) -> Iterable[Mapping[str, Any]]:
     """`datasets.load_dataset(**dataset)` (split defaults to "train"), with readable errors."""
     import datasets
 
     kwargs = dict(dataset)
     kwargs.setdefault("split", "train")
     try:
-        return datasets.load_dataset(**kwargs)
+        return datasets.load_dataset(**kwargs, **({"streaming": True} if streaming else {}))
     except Exception as error:  # datasets raises many types; all mean "cannot read this dataset"
         hint = ""
         if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
             hint = " (offline mode is on: use local data files or a dataset already in the cache)"
         raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line(error)}{hint}") from None
+
+
+def first_record(dataset: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The dataset's first record, streamed: a check of its fields that reads nothing more."""
+    records = load_records(dataset, streaming=True)
+    try:
+        return next(iter(records), None)
+    except Exception as error:  # a malformed first line, an unreadable file
+        raise UserError(f"cannot read dataset {dataset.get('path')!r}: {first_line(error)}") from None
 
 
 def _texts(records: Iterable[Mapping[str, Any]], field: str) -> Iterator[str]:

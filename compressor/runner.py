@@ -39,7 +39,7 @@ from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
-from compressor.data import batches_of, load_records, token_windows
+from compressor.data import batches_of, first_record, load_records, token_windows
 from compressor.engine import PipelineStep, PruneResult, kept_width, prune
 from compressor.errors import UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
@@ -109,6 +109,21 @@ def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     return batches_of(windows, spec.batch_size)
+
+
+def check_fields(spec: DataSpec, where: str) -> None:
+    """The dataset's first record has the field the recipe names (text, or chat messages)."""
+    key = "messages_field" if spec.format == "chat" else "text_field"
+    name = getattr(spec, key)
+    try:
+        record = first_record(spec.dataset)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    if record is None:
+        raise UserError(f"{where}: the dataset has no records")
+    if name not in record:
+        raise UserError(f"{where}: the dataset's records have no field '{name}' (fields: {', '.join(record)}); "
+                        f"set {where}.{key} in the recipe")
 
 
 class Resources:
@@ -247,10 +262,18 @@ def _publish(staging: Path, output: Path) -> None:
     shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)
     _give_default_modes(staging)
     previous = None
-    if output.exists():  # check_output allowed only an empty folder or a previous run's
-        previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-        output.rename(previous / output.name)
-    staging.rename(output)
+    try:
+        if output.exists():  # check_output allowed only an empty folder or a previous run's
+            previous = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            output.rename(previous / output.name)
+        staging.rename(output)
+    except OSError as error:
+        if previous is not None:  # put the previous run back, and leave no empty folder aside
+            if (previous / output.name).exists() and not output.exists():
+                (previous / output.name).rename(output)
+            shutil.rmtree(previous, ignore_errors=True)
+        raise UserError(f"cannot put the finished run in place at {output}: {error.strerror or error}; progress is "
+                        f"kept in {staging}: fix that and run the same command to continue") from None
     Checkpoint(output / CHECKPOINT_FOLDER).discard()
     (output / LOCK_FILE).unlink(missing_ok=True)
     if previous is not None:
@@ -282,6 +305,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     reason = family.refuse(config) if family.refuse is not None else None
     if reason:
         raise UserError(reason)
+    check_positions(recipe, config)
     slicing = recipe.slicing
     if family.head_width_is_embedding_width and not slicing.slice_head:
         raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
@@ -319,6 +343,16 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     check_evaluation_tasks(recipe)
     return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator)
+
+
+def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
+    """Windows longer than the model's positions would be scored past what it was trained on (its
+    perplexity then means nothing): refused, naming the limit."""
+    positions = getattr(config, "max_position_embeddings", None)
+    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
+        if spec is not None and isinstance(positions, int) and spec.seq_len > positions:
+            raise UserError(f"{where}.seq_len is {spec.seq_len}, beyond the model's {positions} positions "
+                            f"(max_position_embeddings); set {where}.seq_len to {positions} or less")
 
 
 def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, budget: int, shared: list[str],

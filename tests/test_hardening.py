@@ -1,0 +1,136 @@
+"""Failure paths a new user hit: each ends in one line, exit code 2 (130 on Ctrl-C), no
+traceback, and nothing half-written beside the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from compressor.cli import main
+from tests.conftest import ROOT
+from tests.test_cli import write_recipe
+
+ENTRY = [sys.executable, "-c", "import sys; from compressor.entry import main; sys.exit(main())"]
+"""What the `compress` console script runs (pyproject's [project.scripts])."""
+
+
+def _one_line_error(capsys: pytest.CaptureFixture, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("where", ["calibration", "evaluation"])
+def test_windows_longer_than_the_model_s_positions_are_refused(tiny_checkpoint: Path, tmp_path: Path, where: str,
+                                                              dry_run: bool, capsys: pytest.CaptureFixture) -> None:
+    """The tiny model has 128 positions; 256-token windows would be scored past them."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, **{f"{where}__seq_len": 256})
+    assert main(["run", str(recipe), *(["--dry-run"] if dry_run else [])]) == 2
+    _one_line_error(capsys, f"{where}.seq_len is 256", "128 positions", f"set {where}.seq_len to 128 or less")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"calibration__text_field": "body"}, "calibration: the dataset's records have no field 'body' (fields: text)"),
+    ({"evaluation__text_field": "body"}, "evaluation: the dataset's records have no field 'body' (fields: text)"),
+    ({"calibration__format": "chat"}, "calibration: the dataset's records have no field 'messages' (fields: text); "
+                                      "set calibration.messages_field"),
+])
+def test_dry_run_reads_the_first_record_of_the_data(tiny_checkpoint: Path, tmp_path: Path, change: dict,
+                                                    message: str, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, **change)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, message)
+
+
+def test_dry_run_passes_data_with_the_named_field(tiny_checkpoint: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint)), "--dry-run"]) == 0
+    assert "recipe OK" in capsys.readouterr().out
+
+
+def _failing_rename(source: str, destination: Path):
+    """Path.rename, failing (as a busy or read-only folder would) for one move: the previous run's
+    folder set aside (`source` "out"), or the finished run put in place ("partial")."""
+    rename = Path.rename
+
+    def patched(self: Path, target: os.PathLike) -> Path:
+        moving = "partial" if self.name.endswith(".partial") else self.name
+        if moving == source and (Path(target) == destination or source == "out"):
+            raise PermissionError(13, "Permission denied", str(target))
+        return rename(self, target)
+
+    return patched
+
+
+@pytest.mark.parametrize(("failing", "previous_run"), [("partial", False), ("partial", True), ("out", True)])
+def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
+        tiny_checkpoint: Path, tmp_path: Path, failing: str, previous_run: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    output = tmp_path / "out"
+    before = None
+    if previous_run:
+        assert main(["run", str(recipe)]) == 0
+        before = (output / "report.json").read_bytes()
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "rename", _failing_rename(failing, output))
+        assert main(["run", str(recipe), "--overwrite"]) == 2
+    _one_line_error(capsys, f"cannot put the finished run in place at {output}: Permission denied",
+                    "run the same command to continue")
+    assert not list(tmp_path.glob(".out.old-*"))  # no empty folder left aside
+    if previous_run:
+        assert (output / "report.json").read_bytes() == before  # the previous run is where it was
+    else:
+        assert not output.exists()
+    assert main(["run", str(recipe), "--overwrite"]) == 0  # the same command publishes the kept progress
+    report = json.loads((output / "report.json").read_text())
+    assert report["resume"]["sites_loaded"] == len(report["sites"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
+
+
+def _start(recipe: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([*ENTRY, "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                                 "HF_DATASETS_OFFLINE": "1", **env})
+
+
+def _interrupted(process: subprocess.Popen) -> None:
+    _, err = process.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    assert process.returncode == 130 and err.startswith("interrupted") and err.count("\n") == 1, err
+
+
+def test_ctrl_c_while_the_command_line_imports_its_libraries_is_one_line(tiny_checkpoint: Path,
+                                                                          tmp_path: Path) -> None:
+    """SIGINT exactly while `compress` imports its first library (a stand-in `rich` on the path
+    signals the process as it is imported)."""
+    shim = tmp_path / "shim" / "rich"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    _interrupted(_start(recipe, PYTHONPATH=f"{tmp_path / 'shim'}{os.pathsep}{ROOT}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "shim"]
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.2, 2.4])
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tiny_checkpoint: Path, tmp_path: Path, delay: float) -> None:
+    """SIGINT while the run imports torch and transformers, reads its data or loads its model:
+    `interrupted`, exit code 130, and no staging or output folder."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    process = _start(recipe)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _interrupted(process)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
