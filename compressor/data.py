@@ -20,13 +20,27 @@ def load_records(dataset: Mapping[str, Any], streaming: bool = False) -> Iterabl
 
     kwargs = dict(dataset)
     kwargs.setdefault("split", "train")
+    if streaming:
+        kwargs["streaming"] = True
     try:
-        return datasets.load_dataset(**kwargs, **({"streaming": True} if streaming else {}))
+        return datasets.load_dataset(**kwargs)
     except Exception as error:  # datasets raises many types; all mean "cannot read this dataset"
         hint = ""
-        if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        if offline():
             hint = " (offline mode is on: use local data files or a dataset already in the cache)"
         raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line(error)}{hint}") from None
+
+
+def offline() -> bool:
+    """Whether the hub is off limits (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set)."""
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def is_local(dataset: Mapping[str, Any]) -> bool:
+    """Whether a dataset spec reads local files (a loader such as json with data_files, or a folder)."""
+    path = dataset.get("path")
+    return "data_files" in dataset or "data_dir" in dataset or (isinstance(path, str) and os.path.exists(path))
 
 
 def first_record(dataset: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -163,6 +163,7 @@ class SiteChooser:
         C = moment.value()
         for _, other in pooled:
             C = C + other.value()
+        check_finite("C", site, C)
         width = C.shape[0]
         names = [site, *(name for name, _ in pooled)]
         extra = {} if self.fisher is None else {
@@ -177,6 +178,21 @@ class SiteChooser:
             record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
         assert basis is not None
         return basis.kept(keep).to(C.device), record
+
+
+FIXES = {
+    "C": "the activations overflow or the weights hold NaN or Inf: load the model in float32 (model.dtype) "
+         "or check its weights",
+    "H": "the output gradients overflow: set sensitivity.dtype: float64 and leave sensitivity.autocast off, "
+         "or load the model in float32",
+}
+
+
+def check_finite(statistic: str, site: str, value: torch.Tensor) -> None:
+    """A site's statistic must be finite: NaN or Inf would reach the eigendecomposition (which
+    fails far from the cause) or, worse, the chosen basis. Stops the run naming the site."""
+    if not bool(torch.isfinite(value).all()):
+        raise UserError(f"{statistic} at site {site} holds NaN or Inf: {FIXES[statistic]}")
 
 
 def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
@@ -397,6 +413,8 @@ def prune(
 
                 fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device, seed,
                                          h_progress, ranks, skipped)
+                for name, value in fisher.items():
+                    check_finite("H", name, value)
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
         last: list[tuple[str, SecondMoment]] = []  # with tie_head: the last site's C, for the embedding's choice

@@ -10,6 +10,11 @@ class UserError(Exception):
     """
 
 
+class ProgressKept(UserError):
+    """A user error after which the run's checkpoint is deliberately kept (its message says how to
+    continue); any other user error removes what the run created."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (its type name if it has none), for one-line reports."""
     text = str(error).strip()

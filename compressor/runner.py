@@ -41,7 +41,7 @@ from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, first_record, load_records, token_windows
 from compressor.engine import PipelineStep, PruneResult, kept_width, prune
-from compressor.errors import UserError, first_line
+from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
@@ -272,7 +272,7 @@ def _publish(staging: Path, output: Path) -> None:
             if (previous / output.name).exists() and not output.exists():
                 (previous / output.name).rename(output)
             shutil.rmtree(previous, ignore_errors=True)
-        raise UserError(f"cannot put the finished run in place at {output}: {error.strerror or error}; progress is "
+        raise ProgressKept(f"cannot put the finished run in place at {output}: {error.strerror or error}; progress is "
                         f"kept in {staging}: fix that and run the same command to continue") from None
     Checkpoint(output / CHECKPOINT_FOLDER).discard()
     (output / LOCK_FILE).unlink(missing_ok=True)
@@ -461,14 +461,19 @@ def run(
         check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
         checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
         shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)  # spill files of a killed run
+        if restart:
+            checkpoint.discard()
+        fresh = not checkpoint.has_progress()  # else this run resumes progress made before it
         try:
-            if restart:
-                checkpoint.discard()
             report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
                              resources or Resources(), save_model, ranks)
             faults.reached("publish")
             _publish(staging, output)
-        except BaseException:
+        except UserError as error:  # bad input found on the way: what this run created goes
+            if (fresh and not isinstance(error, ProgressKept)) or not checkpoint.has_progress():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        except BaseException:  # an interrupt or a crash: progress is kept, to continue from
             if not checkpoint.has_progress():
                 shutil.rmtree(staging, ignore_errors=True)
             raise

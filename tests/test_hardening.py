@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from compressor.cli import main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, save_tiny_checkpoint
 from tests.test_cli import write_recipe
 
 ENTRY = [sys.executable, "-c", "import sys; from compressor.entry import main; sys.exit(main())"]
@@ -106,31 +106,55 @@ def _start(recipe: Path, **env: str) -> subprocess.Popen:
                                  "HF_DATASETS_OFFLINE": "1", **env})
 
 
-def _interrupted(process: subprocess.Popen) -> None:
+def _interrupted(process: subprocess.Popen) -> str:
     _, err = process.communicate(timeout=120)
     assert "Traceback" not in err, err
     assert process.returncode == 130 and err.startswith("interrupted") and err.count("\n") == 1, err
+    return err
 
 
-def test_ctrl_c_while_the_command_line_imports_its_libraries_is_one_line(tiny_checkpoint: Path,
-                                                                          tmp_path: Path) -> None:
-    """SIGINT exactly while `compress` imports its first library (a stand-in `rich` on the path
-    signals the process as it is imported)."""
-    shim = tmp_path / "shim" / "rich"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
-    _interrupted(_start(recipe, PYTHONPATH=f"{tmp_path / 'shim'}{os.pathsep}{ROOT}"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "shim"]
+INTERRUPT_ON_IMPORT = """
+import importlib.abc, os, signal, sys
+
+class _Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_ON_IMPORT"]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+"""
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.6, 1.2, 2.4])
-def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tiny_checkpoint: Path, tmp_path: Path, delay: float) -> None:
-    """SIGINT while the run imports torch and transformers, reads its data or loads its model:
-    `interrupted`, exit code 130, and no staging or output folder."""
+@pytest.mark.parametrize("module", ["rich", "torch", "transformers", "compressor.runner",
+                                    "compressor_plugins.sensitivity"])
+def test_ctrl_c_while_compress_imports_a_library_is_one_line(tiny_checkpoint: Path, tmp_path: Path,
+                                                              module: str) -> None:
+    """SIGINT exactly as `compress` starts importing `module` (a sitecustomize hook signals the
+    process then): one line, exit code 130, nothing created."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(INTERRUPT_ON_IMPORT)
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}])
+    _interrupted(_start(recipe, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}", INTERRUPT_ON_IMPORT=module))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "recipe.yaml"]
+
+
+@pytest.mark.parametrize("phase", ["tokenising data", "loading model", "fusing norms", "capturing layer inputs"])
+def test_ctrl_c_before_the_first_site_is_one_line_and_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path,
+                                                                     phase: str) -> None:
+    """SIGINT as a phase of the run begins (its log line is read from the pipe): one line, exit
+    code 130, and no staging or output folder (nothing was checkpointed yet)."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     process = _start(recipe)
-    time.sleep(delay)
-    process.send_signal(signal.SIGINT)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if phase in line:
+            process.send_signal(signal.SIGINT)
+            break
+    else:
+        pytest.fail(f"the run never logged '{phase}'")
     _interrupted(process)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
