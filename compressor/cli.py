@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
+    schema = commands.add_parser("schema", help="print the JSON schema of a recipe (for editors), with the "
+                                                "options of every loaded strategy")
+    schema.add_argument("--output", help="write it to this .json file instead")
     commands.add_parser("strategies", help="list the registered selection strategies")
     commands.add_parser("families", help="list the supported model families (by model_type)")
     return parser
@@ -314,18 +318,47 @@ def _write_output(console: Console, output: Path, text: str) -> None:
     console.print(f"wrote {output}", markup=False, highlight=False)
 
 
+def _schema(args: argparse.Namespace, console: Console) -> None:
+    import json
+
+    from compressor.plugins import PluginRegistry
+    from compressor.recipe import recipe_schema
+
+    text = json.dumps(recipe_schema(PluginRegistry()), indent=2, ensure_ascii=False) + "\n"
+    if args.output is None:
+        console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        return
+    output = Path(args.output)
+    if output.suffix != ".json":
+        raise UserError(f"--output must be a .json file, got '{output.name}'")
+    _write_output(console, output, text)
+
+
 def _strategies(console: Console) -> None:
     from compressor.plugins import PluginRegistry
 
-    rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in PluginRegistry().strategies().items()]
+    registry = PluginRegistry()
+    rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in registry.strategies().items()]
     _print_table(console, "registered strategies", ("name", "plugin", "from", "description"), rows)
+    _note_skipped(console, registry)
 
 
 def _families(console: Console) -> None:
     from compressor.plugins import PluginRegistry
 
-    rows = [(model_type, e.family.name, e.plugin, e.source) for model_type, e in PluginRegistry().families().items()]
+    registry = PluginRegistry()
+    rows = [(model_type, e.family.name, e.plugin, e.source) for model_type, e in registry.families().items()]
     _print_table(console, "supported model families", ("model_type", "family", "plugin", "from"), rows)
+    _note_skipped(console, registry)
+
+
+def _note_skipped(console: Console, registry: Any) -> None:
+    from compressor.plugins import ALLOW_VARIABLE
+
+    if registry.allowed is not None:
+        skipped = registry.skipped()
+        console.print(f"{ALLOW_VARIABLE}={','.join(registry.allowed)}: not loaded: {', '.join(skipped) or 'none'}",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -346,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _sweep(args, console)
         elif args.command == "surrogate":
             _surrogate(args, console)
+        elif args.command == "schema":
+            _schema(args, console)
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:

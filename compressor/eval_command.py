@@ -31,6 +31,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
                                resolve_model_path)
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
+from compressor.validation import replaced
 from compressor.runner import plan as plan_run
 from compressor.throughput import compare_speed, fitting_lengths, measure, model_size
 
@@ -130,7 +131,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     if data is not None:
         overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
                      if getattr(request, key) is not None}
-        data = check_data(dataclasses.replace(data, **overrides), "evaluation", Path.cwd())
+        data = check_data(replaced(data, "evaluation.", **overrides), "evaluation", Path.cwd())
     if request.throughput is not None:
         throughput = request.throughput
     return EvalPlan(target, reference, data, suites, rebuild, seed, throughput)

@@ -1,8 +1,13 @@
 """Plugin discovery with pluggy. Built-ins and third-party plugins load the same way:
-through the `compressor` entry-point group of an installed distribution."""
+through the `compressor` entry-point group of an installed distribution.
+
+`COMPRESS_PLUGINS=name,name` loads only those entry points (installed code that is not named is
+never imported); unset, every installed plugin loads. `compress strategies` shows what loaded.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
@@ -15,6 +20,7 @@ from compressor.strategy import Strategy
 
 PROJECT = "compressor"
 ENTRY_POINT_GROUP = "compressor"
+ALLOW_VARIABLE = "COMPRESS_PLUGINS"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -46,6 +52,26 @@ class RegisteredFamily:
     source: str
 
 
+def installed_plugins() -> list[str]:
+    """Names of the installed entry points of the `compressor` group."""
+    return sorted({entry.name for dist in metadata.distributions() for entry in dist.entry_points
+                   if entry.group == ENTRY_POINT_GROUP})
+
+
+def allowed_plugins() -> list[str] | None:
+    """The plugins `COMPRESS_PLUGINS` allows (None: unset, all); a name not installed is refused."""
+    value = os.environ.get(ALLOW_VARIABLE)
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    installed = installed_plugins()
+    unknown = [name for name in names if name not in installed]
+    if unknown:
+        raise UserError(f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
+                        f"{', '.join(installed) or 'none'}")
+    return names
+
+
 def _refuse_clashing_entry_points() -> None:
     """pluggy silently skips a second entry point of the same name; say so instead."""
     owners: dict[str, str] = {}
@@ -68,9 +94,15 @@ class PluginRegistry:
     def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True) -> None:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(CompressorHookSpecs)
+        self.allowed: list[str] | None = None
+        """The plugins COMPRESS_PLUGINS allowed (None: all installed ones)."""
         if load_entry_points:
             _refuse_clashing_entry_points()
-            self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            self.allowed = allowed_plugins()
+            if self.allowed is None:
+                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            for name in self.allowed or ():
+                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
         for plugin in extra_plugins:
             self.manager.register(plugin)
         self._strategies = self._collect()
@@ -111,6 +143,10 @@ class PluginRegistry:
                 register_family(family)
         return found
 
+    def skipped(self) -> list[str]:
+        """Installed plugins that COMPRESS_PLUGINS kept from loading."""
+        return [] if self.allowed is None else [name for name in installed_plugins() if name not in self.allowed]
+
     def families(self) -> dict[str, RegisteredFamily]:
         """Every supported model_type and the family that describes it."""
         return dict(sorted(self._families.items()))
@@ -121,5 +157,6 @@ class PluginRegistry:
     def strategy(self, name: str) -> Strategy:
         if name not in self._strategies:
             known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
-            raise UserError(f"unknown strategy '{name}'; registered strategies: {known}")
+            restricted = "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
+            raise UserError(f"unknown strategy '{name}'; registered strategies: {known}{restricted}")
         return self._strategies[name].strategy

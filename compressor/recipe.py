@@ -1,148 +1,157 @@
 """YAML recipes: strict validation before anything is loaded.
 
-An unknown key, a missing key, a value of the wrong type or range, or an unknown strategy
-raises `UserError` naming the key (as a dotted path) and what is expected. Relative paths
-resolve against the recipe file's folder.
+Every section is a pydantic dataclass (`compressor.validation`): an unknown key, a missing key,
+a value of the wrong type or range, or an unknown strategy raises `UserError` naming the key
+(as a dotted path) and what is expected, in one line. Relative paths resolve against the recipe
+file's folder. `recipe_schema` is the JSON schema of a recipe, for editors.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import re
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import StrictBool, StrictInt, StrictStr, TypeAdapter
 
-from compressor.activations import OFFLOAD_MODES
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
 from compressor.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
-from compressor.strategy import StrategyOptionError
+from compressor.strategy import Strategy, StrategyOptionError
+from compressor.validation import FORBID, Number, check, described, options
 
-DTYPES = ("float32", "float16", "bfloat16", "float64")
-ATTENTION = ("sdpa", "eager")
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-FORMATS = ("text", "chat")
-ALLOCATION_METHODS = ("uniform", "curves")
+__all__ = ["ACCUMULATION_DTYPES", "AUTOCAST_DTYPES", "REDUCTIONS", "Recipe", "load_recipe", "recipe_schema",
+           "validate"]
 
+Dtype = Literal["float32", "float16", "bfloat16", "float64"]
+Attention = Literal["sdpa", "eager"]
+Format = Literal["text", "chat"]
+AllocationMethod = Literal["uniform", "curves"]
+Offload = Literal["host", "disk"]
+DTYPES = get_args(Dtype)
+ATTENTION = get_args(Attention)
+FORMATS = get_args(Format)
+ALLOCATION_METHODS = get_args(AllocationMethod)
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class ModelSpec:
-    path: str
-    dtype: str = "float32"
-    revision: str | None = None
-    attn_implementation: str = "sdpa"
+    path: StrictStr
+    dtype: Dtype = "float32"
+    revision: StrictStr | None = None
+    attn_implementation: Attention = "sdpa"
+    trust_remote_code: StrictBool = False
+    """Run the model's own Python code from its folder or hub repository (auto_map); off unless asked."""
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class DataSpec:
-    dataset: dict[str, Any]
-    num_samples: int
-    seq_len: int
-    batch_size: int = 8
-    format: str = "text"
-    text_field: str = "text"
-    messages_field: str = "messages"
+    dataset: dict[StrictStr, Any]
+    num_samples: Annotated[StrictInt, described("how many windows", ge=1)]
+    seq_len: Annotated[StrictInt, described("tokens per window", ge=2)]
+    batch_size: Annotated[StrictInt, described("windows per batch", ge=1)] = 8
+    format: Format = "text"
+    text_field: StrictStr = "text"
+    messages_field: StrictStr = "messages"
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class LmEvalSpec:
     """lm-evaluation-harness tasks, run in-process on the models already loaded."""
 
-    tasks: list[str]
+    tasks: Annotated[list[StrictStr], described("task names or task YAML files, e.g. [arc_easy]", min_length=1)]
     """Task, group or tag names (lm-eval's registry or `include_path`), or task YAML files."""
-    include_path: str | None = None
+    include_path: StrictStr | None = None
     """A folder of local task YAMLs, relative to the recipe's folder."""
-    num_fewshot: int | None = None
+    num_fewshot: Annotated[StrictInt, described("or null for each task's default", ge=0)] | None = None
     """None keeps each task's own default (GSM8K chain-of-thought is 8-shot by its definition)."""
-    limit: float | None = None
+    limit: Number | None = None
     """At most this many documents per task (a number below 1 is a fraction); None: all."""
-    batch_size: int = 8
-    apply_chat_template: bool = False
+    batch_size: Annotated[StrictInt, described("documents per batch", ge=1)] = 8
+    apply_chat_template: StrictBool = False
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class EvaluationSpec(DataSpec):
     """Perplexity and KL windows, and optionally lm-eval task suites (one mapping, or a list of
     them when suites need different settings, e.g. zero-shot tasks and chat-template ones)."""
 
     lm_eval: list[LmEvalSpec] | None = None
-    throughput: bool = True
+    throughput: StrictBool = True
     """Measure prefill and decode tokens/s of both models (batch 1 and 8) for the report."""
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class SlicingSpec:
-    round_to: int = 8
-    slice_head: bool = False
-    correct_readers: bool = False
+    round_to: Annotated[StrictInt, described("kept widths are multiples of it", ge=1)] = 8
+    slice_head: StrictBool = False
+    correct_readers: StrictBool = False
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
-    shared_bases: bool = False
+    shared_bases: StrictBool = False
     """Each layer's MLP site keeps its attention site's basis, so no transition matrix sits between them."""
-    tie_head: bool = False
+    tie_head: StrictBool = False
     """For a model with tied embeddings: the last site keeps the embedding's basis and the head
     stays tied to the (sliced) embedding, with a small map after the final norm."""
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class AllocationSpec:
     """How many directions each site keeps (`compressor.allocation`), under the budget that
     `sparsity` (the uniform model's parameter count) or `target_params` sets."""
 
-    method: str = "uniform"
+    method: AllocationMethod = "uniform"
     """uniform: one width everywhere; curves: per-site widths from predicted-KL curves."""
-    min_kept: float = 0.5
+    min_kept: Annotated[Number, described("a fraction of the hidden width", gt=0, le=1)] = 0.5
     """curves: the narrowest a site may become, as a fraction of the hidden width."""
-    step: int | None = None
+    step: Annotated[StrictInt, described("a positive multiple of slicing.round_to", ge=1)] | None = None
     """curves: the width grid (a multiple of slicing.round_to; default round_to)."""
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class RefinementSpec:
     """End-to-end refinement of the walk's bases against the output KL (`compressor.refine`)."""
 
-    epochs: float = 1.0
+    epochs: Annotated[Number, described("passes over the calibration windows", gt=0)] = 1.0
     """Passes over its windows (one Riemannian Adam step per batch)."""
-    windows: int | None = None
+    windows: Annotated[StrictInt, described("or null for all calibration windows", ge=1)] | None = None
     """How many calibration windows it uses (evenly spaced); None: all."""
-    lr: float = 0.02
-    batch_size: int = 4
+    lr: Annotated[Number, described("the Riemannian Adam step size", gt=0)] = 0.02
+    batch_size: Annotated[StrictInt, described("calibration windows per step", ge=1)] = 4
     """Calibration windows per step."""
-    top_k: int = 64
+    top_k: Annotated[StrictInt, described("0 keeps the whole distribution", ge=0)] = 64
     """Teacher probabilities kept per token (the rest is one bin); 0 keeps the whole distribution."""
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class StepSpec:
-    strategy: str
-    options: dict[str, Any]
+    strategy: StrictStr
+    options: dict[StrictStr, Any]
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class Recipe:
     model: ModelSpec
     calibration: DataSpec
     pipeline: list[StepSpec]
-    output: str
-    sparsity: float | None = None
+    output: StrictStr
+    sparsity: Annotated[Number, described("the fraction of the hidden width removed", ge=0, lt=1)
+                        ] | None = None
     """The fraction of the hidden width removed; with shared bases, a tied head or allocation by
     curves, the budget: the parameter count of SliceGPT's model (one basis per site, untied
     head) at that sparsity."""
-    target_params: float | None = None
+    target_params: Annotated[Number, described("the fraction of the original's parameters kept", gt=0, le=1)] | None = None
     """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
     transitions and the (untied) head counted."""
     allocation: AllocationSpec = field(default_factory=AllocationSpec)
     evaluation: EvaluationSpec | None = None
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
-    device: str = "auto"
-    seed: int = 0
-    activations: str = "host"
+    device: Annotated[StrictStr, described("auto, cpu, cuda or cuda:N", pattern=DEVICE_PATTERN)] = "auto"
+    seed: StrictInt = 0
+    activations: Offload = "host"
     """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
     refinement: RefinementSpec | None = None
     """After the walk, refine every site's kept directions on the output KL (off when absent)."""
@@ -152,62 +161,6 @@ class Recipe:
         values = dataclasses.asdict(self)
         values["pipeline"] = [{"strategy": s.strategy, **s.options} for s in self.pipeline]
         return values
-
-
-# --- generic strict conversion -------------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
-    return names.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _convert(value, options[0], where)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise UserError(f"{where} must be a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_convert(v, item, f"{where}.{i}") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{where} must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise UserError(f"{where} must be an integer, got {value!r}")
-    if tp in (bool, str) and not isinstance(value, tp):
-        raise UserError(f"{where} must be {_type_name(tp)}, got {value!r}")
-    return value
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise UserError(f"{where or 'the recipe'} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    prefix = f"{where}." if where else ""
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise UserError(f"unknown key '{prefix}{unknown[0]}'; allowed keys{' in ' + where if where else ''}: "
-                        f"{', '.join(fields)}")
-    values = {}
-    for name, f in fields.items():
-        if name in raw:
-            values[name] = _convert(raw[name], hints[name], prefix + name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise UserError(f"missing key '{prefix}{name}'")
-    return cls(**values)
 
 
 # --- overrides and paths ------------------------------------------------------------------
@@ -287,13 +240,9 @@ def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
 
 
 def check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
-    if spec.format not in FORMATS:
-        raise UserError(f"{where}.format must be one of {', '.join(FORMATS)}, got '{spec.format}'")
+    """`dataset` names a loader or dataset, and its local files (resolved against `base`) exist."""
     if "path" not in spec.dataset:
         raise UserError(f"{where}.dataset needs a 'path' (a dataset name or a loader such as json)")
-    for key in ("num_samples", "seq_len", "batch_size"):
-        if getattr(spec, key) < (2 if key == "seq_len" else 1):
-            raise UserError(f"{where}.{key} must be at least {2 if key == 'seq_len' else 1}, got {getattr(spec, key)}")
     dataset = dict(spec.dataset)
     for key in ("data_files", "data_dir"):
         if key in dataset:
@@ -308,15 +257,9 @@ def check_lm_eval(spec: LmEvalSpec, where: str, base: Path) -> LmEvalSpec:
     """Ranges, and task files and `include_path` resolved against `base`. Task names are
     checked against lm-eval's registry later (`compressor.harness.check_tasks`), as that
     index takes seconds to build."""
-    if not spec.tasks:
-        raise UserError(f"{where}.tasks must name at least one task, e.g. [arc_easy] or [tasks/my_task.yaml]")
-    if spec.num_fewshot is not None and spec.num_fewshot < 0:
-        raise UserError(f"{where}.num_fewshot must be 0 or more (or null for each task's default), got {spec.num_fewshot}")
     if spec.limit is not None and (spec.limit <= 0 or (spec.limit >= 1 and spec.limit != int(spec.limit))):
         raise UserError(f"{where}.limit must be a whole number of documents per task, or a fraction below 1, "
                         f"got {spec.limit}")
-    if spec.batch_size < 1:
-        raise UserError(f"{where}.batch_size must be at least 1, got {spec.batch_size}")
     tasks = []
     for index, task in enumerate(spec.tasks):
         if task.endswith(TASK_FILE_SUFFIXES):
@@ -353,25 +296,8 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
 
 
 def check_allocation(spec: AllocationSpec, round_to: int) -> None:
-    if spec.method not in ALLOCATION_METHODS:
-        raise UserError(f"allocation.method must be one of {', '.join(ALLOCATION_METHODS)}, got '{spec.method}'")
-    if not 0.0 < spec.min_kept <= 1.0:
-        raise UserError(f"allocation.min_kept must be in (0, 1] (a fraction of the hidden width), got {spec.min_kept}")
-    if spec.step is not None and (spec.step < 1 or round_to < 1 or spec.step % round_to):
+    if spec.step is not None and spec.step % round_to:
         raise UserError(f"allocation.step must be a positive multiple of slicing.round_to ({round_to}), got {spec.step}")
-
-
-def check_refinement(spec: RefinementSpec) -> None:
-    if spec.epochs <= 0:
-        raise UserError(f"refinement.epochs must be above 0 (passes over the calibration windows), got {spec.epochs}")
-    if spec.lr <= 0:
-        raise UserError(f"refinement.lr must be above 0, got {spec.lr}")
-    if spec.windows is not None and spec.windows < 1:
-        raise UserError(f"refinement.windows must be at least 1 (or null for all calibration windows), got {spec.windows}")
-    if spec.batch_size < 1:
-        raise UserError(f"refinement.batch_size must be at least 1, got {spec.batch_size}")
-    if spec.top_k < 0:
-        raise UserError(f"refinement.top_k must be 0 (the whole distribution) or more, got {spec.top_k}")
 
 
 def _plain(value: Any) -> Any:
@@ -414,41 +340,14 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     evaluation = raw.get("evaluation")
     if isinstance(evaluation, dict) and isinstance(evaluation.get("lm_eval"), dict):
         evaluation["lm_eval"] = [evaluation["lm_eval"]]  # one suite may be written without the list
-    recipe: Recipe = _build(Recipe, raw, "")
-    if recipe.model.dtype not in DTYPES:
-        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{recipe.model.dtype}'")
-    if recipe.model.attn_implementation not in ATTENTION:
-        raise UserError(f"model.attn_implementation must be one of {', '.join(ATTENTION)}, "
-                        f"got '{recipe.model.attn_implementation}'")
+    recipe = check(Recipe, raw)
     if (recipe.sparsity is None) == (recipe.target_params is None):
         raise UserError("give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
                         "target_params (the fraction of the original's parameters kept, e.g. 0.75)")
-    if recipe.sparsity is not None and not 0.0 <= recipe.sparsity < 1.0:
-        raise UserError(f"sparsity must be in [0, 1) (the fraction of the hidden width removed), got {recipe.sparsity}")
-    if recipe.target_params is not None and not 0.0 < recipe.target_params <= 1.0:
-        raise UserError(f"target_params must be in (0, 1] (the fraction of the original's parameters kept), "
-                        f"got {recipe.target_params}")
-    if recipe.slicing.round_to < 1:
-        raise UserError(f"slicing.round_to must be at least 1, got {recipe.slicing.round_to}")
     check_allocation(recipe.allocation, recipe.slicing.round_to)
-    if recipe.sensitivity.dtype not in ACCUMULATION_DTYPES:
-        raise UserError(f"sensitivity.dtype must be one of {', '.join(ACCUMULATION_DTYPES)}, got '{recipe.sensitivity.dtype}'")
-    if recipe.sensitivity.reduction not in REDUCTIONS:
-        raise UserError(f"sensitivity.reduction must be one of {', '.join(REDUCTIONS)}, got '{recipe.sensitivity.reduction}'")
-    if recipe.sensitivity.autocast not in (None, *AUTOCAST_DTYPES):
-        raise UserError(f"sensitivity.autocast must be null or one of {', '.join(AUTOCAST_DTYPES)}, "
-                        f"got '{recipe.sensitivity.autocast}'")
-    if recipe.sensitivity.chunk < 1:
-        raise UserError(f"sensitivity.chunk must be at least 1 (sequences per layer visit), got {recipe.sensitivity.chunk}")
-    if recipe.activations not in OFFLOAD_MODES:
-        raise UserError(f"activations must be one of {', '.join(OFFLOAD_MODES)}, got '{recipe.activations}'")
-    if recipe.refinement is not None:
-        check_refinement(recipe.refinement)
-        if recipe.slicing.correct_readers:
-            raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
-                            "whose readers are its bases; turn one of them off")
-    if not DEVICE_PATTERN.match(recipe.device):
-        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got '{recipe.device}'")
+    if recipe.refinement is not None and recipe.slicing.correct_readers:
+        raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
+                        "whose readers are its bases; turn one of them off")
     return dataclasses.replace(
         recipe,
         pipeline=steps,
@@ -485,3 +384,30 @@ def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str]
         if output is not None:
             raw["output"] = str(Path(output).resolve())
     return validate(raw, path.resolve().parent, registry)
+
+
+def recipe_schema(registry: PluginRegistry) -> dict[str, Any]:
+    """The JSON schema of a recipe (draft 2020-12), for editors: every section's keys, types,
+    bounds and meanings from its options class; each pipeline step as `strategy` plus that
+    strategy's options (any options, for a plugin that checks them in its own code)."""
+    schema = TypeAdapter(Recipe).json_schema()
+    definitions = schema.setdefault("$defs", {})
+    definitions.pop("StepSpec", None)
+    steps = []
+    for name, entry in registry.strategies().items():
+        strategy = entry.strategy
+        step: dict[str, Any] = {"type": "object", "title": name, "description": strategy.description,
+                                "properties": {"strategy": {"const": name}}, "required": ["strategy"],
+                                "additionalProperties": False}
+        if strategy.option_class is not None:
+            found = TypeAdapter(strategy.option_class).json_schema()
+            definitions.update(found.pop("$defs", {}))
+            step["properties"].update(found.get("properties", {}))
+        elif type(strategy).parse_options is not Strategy.parse_options:
+            step["additionalProperties"] = True
+        steps.append(step)
+    schema["properties"]["pipeline"] = {"type": "array", "minItems": 1, "items": {"oneOf": steps},
+                                        "description": "selection strategies, applied in order at every site"}
+    suites = definitions["EvaluationSpec"]["properties"]["lm_eval"]  # one suite may be written without the list
+    suites["anyOf"].insert(1, {"$ref": "#/$defs/LmEvalSpec"})
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "compressor recipe", **schema}

@@ -39,7 +39,7 @@ from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
-from compressor.data import batches_of, first_record, load_records, token_windows
+from compressor.data import batches_of, first_record, load_records, offline, token_windows
 from compressor.engine import PipelineStep, PruneResult, kept_width, prune
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
@@ -58,34 +58,40 @@ T = TypeVar("T")
 
 
 def _offline_hint() -> str:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    if offline():
         return " (offline mode is on: HF_HUB_OFFLINE=1; use a local folder or a model already in the cache)"
     return ""
 
 
-def _load(what: str, loader: Callable[[], T]) -> T:
+def _load(what: str, spec: ModelSpec, loader: Callable[[], T]) -> T:
     """Call a transformers loader; a missing or unreadable model is a one-line UserError."""
     try:
         return loader()
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot load {what}: {first_line(error)}{_offline_hint()}") from None
+        if "contains custom code" in str(error) and not spec.trust_remote_code:
+            raise UserError(f"model '{spec.path}' ships its own Python code (auto_map in its config), which is not run "
+                            f"unless the recipe sets model.trust_remote_code: true (read that code first)") from None
+        hint = "" if Path(spec.path).is_dir() else _offline_hint()
+        raise UserError(f"cannot load {what}: {first_line(error)}{hint}") from None
 
 
 def load_config(spec: ModelSpec) -> PretrainedConfig:
-    return _load(f"the config of model '{spec.path}'",
-                 lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision))
+    return _load(f"the config of model '{spec.path}'", spec,
+                 lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision,
+                                                    trust_remote_code=spec.trust_remote_code))
 
 
 def load_model(spec: ModelSpec) -> PreTrainedModel:
-    return _load(f"model '{spec.path}'", lambda: AutoModelForCausalLM.from_pretrained(
+    return _load(f"model '{spec.path}'", spec, lambda: AutoModelForCausalLM.from_pretrained(
         spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
-        attn_implementation=spec.attn_implementation,
+        attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
     )).eval()
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
-    return _load(f"the tokenizer of '{spec.path}'",
-                 lambda: AutoTokenizer.from_pretrained(spec.path, revision=spec.revision))
+    return _load(f"the tokenizer of '{spec.path}'", spec,
+                 lambda: AutoTokenizer.from_pretrained(spec.path, revision=spec.revision,
+                                                       trust_remote_code=spec.trust_remote_code))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
-REDUCTIONS = ("sum", "mean")
-ACCUMULATION_DTYPES = ("float32", "float64")
-AUTOCAST_DTYPES = ("bfloat16", "float16")
+from pydantic import StrictBool, StrictInt
+
+from compressor.validation import FORBID, described, options
+
+Reduction = Literal["sum", "mean"]
+AccumulationDtype = Literal["float32", "float64"]
+AutocastDtype = Literal["bfloat16", "float16"]
+REDUCTIONS = get_args(Reduction)
+ACCUMULATION_DTYPES = get_args(AccumulationDtype)
+AUTOCAST_DTYPES = get_args(AutocastDtype)
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class SensitivityOptions:
     """How H is estimated. `dtype` is the accumulation precision (the paper: float32);
     `autocast`, if set, runs the forward and backward passes of the H estimate (only) in that
@@ -20,8 +27,8 @@ class SensitivityOptions:
     `recompute` (default: on an accelerator, not on CPU) recomputes each layer in the backward
     sweep instead of keeping its graph, so the device holds one layer's graph for one batch."""
 
-    dtype: str = "float32"
-    reduction: str = "sum"
-    autocast: str | None = None
-    chunk: int = 32
-    recompute: bool | None = None
+    dtype: AccumulationDtype = "float32"
+    reduction: Reduction = "sum"
+    autocast: AutocastDtype | None = None
+    chunk: Annotated[StrictInt, described("sequences per layer visit", ge=1)] = 32
+    recompute: StrictBool | None = None

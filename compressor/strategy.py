@@ -71,16 +71,28 @@ class Strategy(ABC):
     name: ClassVar[str]
     description: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ("C",)
+    option_class: ClassVar[type | None] = None
+    """Its options as a pydantic dataclass (`@compressor.validation.options(config=FORBID)`): the
+    default `parse_options` validates a step's options against it (and the recipe's JSON schema
+    shows them). None: the strategy takes no options."""
 
     def parse_options(self, options: Mapping[str, Any]) -> Any:
         """Check the recipe options of a pipeline step; return what `select` receives.
 
-        Raise `StrategyOptionError` with a message naming the bad option. The default
-        accepts no options.
+        Raise `StrategyOptionError` with a message naming the bad option. The default validates
+        them against `option_class`, or accepts none where there is no such class.
         """
-        if options:
-            raise StrategyOptionError(f"strategy '{self.name}' takes no options, got: {', '.join(sorted(options))}")
-        return None
+        if self.option_class is None:
+            if options:
+                raise StrategyOptionError(f"strategy '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+            return None
+        from compressor.errors import UserError
+        from compressor.validation import check
+
+        try:
+            return check(self.option_class, options)
+        except UserError as error:
+            raise StrategyOptionError(f"strategy '{self.name}': {error}") from None
 
     @abstractmethod
     def select(self, problem: SiteProblem, incoming: Basis | None, options: Any) -> Basis:

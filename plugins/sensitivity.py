@@ -12,62 +12,43 @@ of log τ between the best grid point's neighbours (beyond the grid's ends, a de
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import StrictBool, StrictInt
 
 from compressor.plugins import hookimpl
 from compressor.strategy import (
     Basis,
     SiteProblem,
     Strategy,
-    StrategyOptionError,
     coupled_loss,
     coupled_losses,
     eigh_descending,
     frobenius_normalised,
     tau_candidates,
 )
+from compressor.validation import FORBID, Number, described, options
 
 DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
 
 
-@dataclass(frozen=True)
+PositiveNumber = Annotated[Number, described("a positive number", gt=0)]
+
+
+@options(frozen=True, config=FORBID)
 class TauGrid:
-    taus: tuple[float, ...] = DEFAULT_TAUS
-    include_pca: bool = False
-    refine: int = 0
-
-
-def parse_taus(value: Any, strategy: str) -> tuple[float, ...]:
-    if (not isinstance(value, Sequence) or isinstance(value, str) or not value
-            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in value)):
-        raise StrategyOptionError(f"strategy '{strategy}': taus must be a non-empty list of positive numbers, got {value!r}")
-    return tuple(float(t) for t in value)
+    taus: Annotated[tuple[PositiveNumber, ...], described("a non-empty list of positive numbers", min_length=1)] = \
+        DEFAULT_TAUS
+    include_pca: StrictBool = False
+    refine: Annotated[StrictInt, described("a whole number of extra τ values", ge=0)] = 0
 
 
 class Sensitivity(Strategy):
     name = "sensitivity"
     description = "output-aware: bottom eigenvectors of τC + H/τ over a τ grid, best Tr(UᵀCU·UᵀHU) kept"
     requires = ("C", "H")
-
-    def parse_options(self, options: Mapping[str, Any]) -> TauGrid:
-        known = ("taus", "include_pca", "refine")
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise StrategyOptionError(f"strategy '{self.name}' has no option '{unknown[0]}'; its options are "
-                                      f"{', '.join(known)}")
-        include_pca = options.get("include_pca", False)
-        if not isinstance(include_pca, bool):
-            raise StrategyOptionError(f"strategy '{self.name}': include_pca must be true or false, got {include_pca!r}")
-        refine = options.get("refine", 0)
-        if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-            raise StrategyOptionError(f"strategy '{self.name}': refine must be a whole number of extra τ values "
-                                      f"(0 or more), got {refine!r}")
-        taus = parse_taus(options["taus"], self.name) if "taus" in options else DEFAULT_TAUS
-        return TauGrid(taus, include_pca, refine)
+    option_class = TauGrid
 
     def select(self, problem: SiteProblem, incoming: Basis | None, options: TauGrid) -> Basis:
         C = frobenius_normalised(problem.stats.C)

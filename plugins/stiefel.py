@@ -5,38 +5,33 @@ received. The paper runs 10,000 steps per site and finds the gain small."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated
 
 import geoopt
 import torch
+from pydantic import StrictInt
 
 from compressor.plugins import hookimpl
 from compressor.strategy import (
     Basis,
     SiteProblem,
     Strategy,
-    StrategyOptionError,
     complete_basis,
     coupled_loss,
     eigh_descending,
     frobenius_normalised,
 )
+from compressor.validation import FORBID, Number, described, options
 
 
-@dataclass(frozen=True)
+@options(frozen=True, config=FORBID)
 class Schedule:
     """`steps` at most; stop early after `patience` steps without a relative gain of `tolerance`."""
 
-    steps: int = 10_000
-    lr: float = 1e-3
-    patience: int = 500
-    tolerance: float = 1e-6
-
-
-# option: (type, lower bound, bound allowed)
-_LIMITS = {"steps": (int, 1, True), "lr": (float, 0.0, False), "patience": (int, 1, True), "tolerance": (float, 0.0, True)}
+    steps: Annotated[StrictInt, described("Riemannian Adam steps at most", ge=1)] = 10_000
+    lr: Annotated[Number, described("the step size", gt=0)] = 1e-3
+    patience: Annotated[StrictInt, described("steps without gain before stopping", ge=1)] = 500
+    tolerance: Annotated[Number, described("the relative gain that counts", ge=0)] = 1e-6
 
 
 def loss_and_gradient(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -50,21 +45,7 @@ class Stiefel(Strategy):
     name = "stiefel"
     description = "refine the incoming removed subspace: minimise Tr(UᵀCU·UᵀHU) on the Stiefel manifold"
     requires = ("C", "H")
-
-    def parse_options(self, options: Mapping[str, Any]) -> Schedule:
-        values = {}
-        for key, value in options.items():
-            if key not in _LIMITS:
-                raise StrategyOptionError(f"strategy '{self.name}' has no option '{key}'; options: {', '.join(_LIMITS)}")
-            kind, low, inclusive = _LIMITS[key]
-            wanted = "an integer" if kind is int else "a number"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-                raise StrategyOptionError(f"strategy '{self.name}': {key} must be {wanted}, got {value!r}")
-            if value < low or (value == low and not inclusive):
-                bound = f"at least {low}" if inclusive else f"above {low}"
-                raise StrategyOptionError(f"strategy '{self.name}': {key} must be {bound}, got {value!r}")
-            values[key] = kind(value)
-        return Schedule(**values)
+    option_class = Schedule
 
     def select(self, problem: SiteProblem, incoming: Basis | None, options: Schedule) -> Basis:
         C = frobenius_normalised(problem.stats.C)

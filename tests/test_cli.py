@@ -202,7 +202,7 @@ BAD_INPUTS = {
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
     "--set value that is not YAML": ({}, ["--set", "sparsity=[0.3"], "--set sparsity: the value is not valid YAML"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
-    "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be 0"),
+    "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be at least 0"),
     "unknown refinement key": (dict(refinement={"steps": 5}), None, "unknown key 'refinement.steps'"),
     "refinement after corrected readers": (dict(refinement={}, slicing={"correct_readers": True}), None,
                                            "refinement cannot follow slicing.correct_readers"),

@@ -158,3 +158,70 @@ def test_ctrl_c_before_the_first_site_is_one_line_and_leaves_nothing(tiny_checkp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+
+
+def _model_with_code(folder: Path, marker: Path) -> Path:
+    """The tiny model, its config pointing (auto_map) at Python code in its folder that leaves
+    `marker` behind when it runs."""
+    save_tiny_checkpoint(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    config["model_type"] = "custom-llama"
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
+        "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+    return folder
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_model_s_own_code_never_runs_unless_the_recipe_asks(tmp_path: Path, dry_run: bool,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "code-ran"
+    model = _model_with_code(tmp_path / "model", marker)
+    recipe = write_recipe(tmp_path, model, evaluation=None)
+    capsys.readouterr()
+    assert main(["run", str(recipe), *(["--dry-run"] if dry_run else [])]) == 2
+    _one_line_error(capsys, "ships its own Python code (auto_map in its config)", "model.trust_remote_code: true")
+    assert not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "recipe.yaml"]
+    # asked for, the code runs (and the family it declares is then checked like any other)
+    recipe = write_recipe(tmp_path, model, evaluation=None, model__trust_remote_code=True)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, "custom-llama")
+    assert marker.read_text() == "ran"
+
+
+def test_recipes_are_read_with_a_safe_yaml_loader(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "unsafe"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"!!python/object/apply:os.system ['touch {marker}']\n")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, "is not valid YAML", "could not determine a constructor")
+    assert not marker.exists()
+
+
+def test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes(tmp_path: Path) -> None:
+    """recipes/recipe.schema.json is what `compress schema` prints (regenerate it with
+    `compress schema --output recipes/recipe.schema.json`), every shipped recipe passes it, and
+    it refuses what validation refuses: an unknown key, a wrong type, an out-of-range number, an
+    option a strategy does not have."""
+    import jsonschema
+    import yaml
+
+    assert main(["schema", "--output", str(tmp_path / "schema.json")]) == 0
+    schema = json.loads((tmp_path / "schema.json").read_text())
+    assert schema == json.loads((ROOT / "recipes" / "recipe.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 5
+    for path in recipes:
+        errors = list(validator.iter_errors(yaml.safe_load(path.read_text())))
+        assert not errors, (path.name, errors[0].message)
+    good = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
+    for key, value in [("bogus", 1), ("sparsity", 1.5), ("seed", "one"), ("device", "gpu"),
+                       ("pipeline", [{"strategy": "sensitivity", "tau": [1]}]), ("pipeline", [{"strategy": "nope"}]),
+                       ("slicing", {"round_to": 0})]:
+        assert list(validator.iter_errors({**good, key: value})), key

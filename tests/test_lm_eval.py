@@ -88,7 +88,7 @@ def test_eval_runs_tasks_alone_from_an_include_path(tiny_checkpoint: Path, tmp_p
 
 
 @pytest.mark.parametrize(("lm_eval", "message"), [
-    ({"tasks": []}, "evaluation.lm_eval.tasks must name at least one task"),
+    ({"tasks": []}, "evaluation.lm_eval.0.tasks must not be empty (task names or task YAML files"),
     ({"tasks": ["missing.yaml"]}, "lm-eval task file not found"),
     ({"tasks": ["x"], "include_path": "nowhere"}, "lm-eval include_path is not a folder"),
     ({"tasks": ["x"], "limit": 0}, "evaluation.lm_eval.limit must be a whole number"),

@@ -176,16 +176,16 @@ def test_complete_basis_spans_the_removed_subspace_last() -> None:
 
 
 @pytest.mark.parametrize(("strategy", "options", "message"), [
-    (Sensitivity(), {"taus": [1, -2]}, "positive numbers"),
+    (Sensitivity(), {"taus": [1, -2]}, "taus.1 must be above 0 \\(a positive number\\), got -2"),
     (Sensitivity(), {"taus": []}, "non-empty"),
-    (Sensitivity(), {"tau": [1]}, "no option 'tau'"),
+    (Sensitivity(), {"tau": [1]}, "unknown key 'tau'; allowed keys: taus, include_pca, refine"),
     (Sensitivity(), {"include_pca": "yes"}, "include_pca must be true or false"),
-    (Sensitivity(), {"refine": -1}, "refine must be a whole number"),
-    (Sensitivity(), {"refine": 2.5}, "refine must be a whole number"),
+    (Sensitivity(), {"refine": -1}, "refine must be at least 0 \\(a whole number of extra τ values\\), got -1"),
+    (Sensitivity(), {"refine": 2.5}, "refine must be an integer"),
     (Stiefel(), {"steps": 0}, "steps must be at least 1"),
     (Stiefel(), {"lr": 0}, "lr must be above 0"),
     (Stiefel(), {"steps": 2.5}, "steps must be an integer"),
-    (Stiefel(), {"iterations": 5}, "no option 'iterations'"),
+    (Stiefel(), {"iterations": 5}, "unknown key 'iterations'; allowed keys: steps, lr, patience, tolerance"),
 ])
 def test_bad_strategy_options_are_refused(strategy, options, message) -> None:
     with pytest.raises(StrategyOptionError, match=message):

@@ -100,6 +100,30 @@ def test_strategies_lists_the_installed_plugin(site: Path) -> None:
     assert rows["pca"][:2] == ["pca", "compressor 0.1.0"], result.stdout  # the built-in is still there
 
 
+def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tiny_llama: Path,
+                                                                 tmp_path: Path) -> None:
+    """COMPRESS_PLUGINS lists what may load: the third party's module is never imported, listings
+    say what was left out, and a recipe naming its strategy is refused in one line."""
+    def cli(*args: str, plugins: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", "import sys; from compressor.cli import main; code = main(); "
+                               "assert 'compressor_keep_coordinates' not in sys.modules; sys.exit(code)", *args],
+                              env={**_env(site), "COMPRESS_PLUGINS": plugins}, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+
+    listed = cli("strategies", plugins="pca,sensitivity")
+    assert listed.returncode == 0, listed.stderr
+    assert "keep-coordinates" not in listed.stdout.split("COMPRESS_PLUGINS")[0]
+    assert "COMPRESS_PLUGINS=pca,sensitivity: not loaded: keep-coordinates, stiefel" in listed.stdout
+    refused = cli("run", str(_recipe(tmp_path, tiny_llama)), "--dry-run", plugins="pca")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert ("unknown strategy 'keep-coordinates'; registered strategies: pca (COMPRESS_PLUGINS=pca limits the plugins)"
+            in refused.stderr)
+    unknown = cli("strategies", plugins="pca,keep-cordinates")
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
+    assert "COMPRESS_PLUGINS names 'keep-cordinates', which is not an installed plugin; installed: keep-coordinates, " \
+           "pca, sensitivity, stiefel" in unknown.stderr
+
+
 def test_basis_is_a_permutation_of_the_highest_energy_coordinates(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delitem(sys.modules, "compressor_keep_coordinates", raising=False)
