@@ -74,9 +74,13 @@ def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
 def write_atomic(path: Path, write: Any) -> None:
     """Write through a temporary file, flushed to disk before it is renamed into place."""
     temporary = path.with_name(f".{path.name}.tmp")
-    write(temporary)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
+    try:
+        write(temporary)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+    except BaseException:  # a full disk, an interrupt: no half-written file stays behind
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
 
 

@@ -40,7 +40,7 @@ from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
 from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, first_record, load_records, offline, token_windows
-from compressor.engine import PipelineStep, PruneResult, kept_width, prune
+from compressor.engine import PipelineStep, PruneResult, kept_width, prune, required_statistics
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
@@ -82,9 +82,13 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
 
 
 def load_model(spec: ModelSpec) -> PreTrainedModel:
+    """The model `spec` names; a run folder's model only from safetensors (nothing in a run
+    folder is ever unpickled)."""
+    from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
     return _load(f"model '{spec.path}'", spec, lambda: AutoModelForCausalLM.from_pretrained(
         spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
         attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
+        **({"use_safetensors": True} if from_run else {}),
     )).eval()
 
 
@@ -347,6 +351,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
     return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator)
 
@@ -471,8 +476,9 @@ def run(
             checkpoint.discard()
         fresh = not checkpoint.has_progress()  # else this run resumes progress made before it
         try:
-            report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
-                             resources or Resources(), save_model, ranks)
+            with _full_disk_is_a_user_error(output):
+                report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
+                                 resources or Resources(), save_model, ranks)
             faults.reached("publish")
             _publish(staging, output)
         except UserError as error:  # bad input found on the way: what this run created goes
@@ -484,6 +490,24 @@ def run(
                 shutil.rmtree(staging, ignore_errors=True)
             raise
     return report
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def _full_disk_is_a_user_error(output: Path) -> Iterator[None]:
+    """A full disk (or quota) while writing the run or its checkpoint becomes one line; the
+    caller then removes what this run wrote. safetensors reports it as its own error type."""
+    try:
+        yield
+    except Exception as error:
+        code = getattr(error, "errno", None)
+        if code not in FULL_DISK and "os error 28" not in str(error) and "No space left" not in str(error):
+            raise
+        where = getattr(error, "filename", None) or output.parent
+        raise UserError(f"no space left on the device while writing {where}: free some space there, or choose "
+                        f"another --output") from None
 
 
 def fisher_key(recipe: Recipe, model_fingerprint: str, data_fingerprint: str, device: torch.device) -> str:

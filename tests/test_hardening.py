@@ -3,6 +3,7 @@ traceback, and nothing half-written beside the output."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -225,3 +226,74 @@ def test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes(tmp_path: 
                        ("pipeline", [{"strategy": "sensitivity", "tau": [1]}]), ("pipeline", [{"strategy": "nope"}]),
                        ("slicing", {"round_to": 0})]:
         assert list(validator.iter_errors({**good, key: value})), key
+
+
+def _disk_full(path: object, *args: object, **kwargs: object) -> None:
+    """Write a few bytes, then fail as a full disk does."""
+    Path(str(path)).write_bytes(b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+@pytest.mark.parametrize("writer", ["checkpoint", "model"])
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path, writer: str,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """The disk fills while a site's checkpoint is written (safetensors), or while the pruned
+    model is saved: one line, exit code 2, and neither output, staging folder nor temporary file."""
+    from transformers import PreTrainedModel
+
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    with monkeypatch.context() as patch:
+        if writer == "checkpoint":
+            patch.setattr("compressor.checkpoint.save_file", lambda tensors, path, **_: _disk_full(path))
+        else:
+            patch.setattr(PreTrainedModel, "save_pretrained", lambda self, folder, **_: _disk_full(Path(folder)))
+        assert main(["run", str(recipe)]) == 2
+    _one_line_error(capsys, "no space left on the device while writing", "free some space there")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_run_folder_s_model_is_never_unpickled(tiny_checkpoint: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """A run folder whose model was swapped for a pickle (pytorch_model.bin) is refused by
+    `compress eval` in one line: its weights load from safetensors only."""
+    from safetensors.torch import load_file
+
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    weights = tmp_path / "out" / "model" / "model.safetensors"
+    torch.save(load_file(str(weights)), weights.with_name("pytorch_model.bin"))
+    weights.unlink()
+    capsys.readouterr()
+    data = str(ROOT / "examples" / "data" / "valid-demo.jsonl")
+    assert main(["eval", str(tmp_path / "out"), "--data", data, "--num-samples", "2", "--seq-len", "32",
+                 "--no-throughput"]) == 2
+    _one_line_error(capsys, "cannot load model", "model.safetensors")
+
+
+def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(tiny_checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """A plugin strategy that requires a statistic the engine cannot compute is refused by
+    `plan` (what --dry-run and a run call before loading weights), naming the statistic."""
+    from compressor.errors import UserError
+    from compressor.plugins import PluginRegistry, hookimpl
+    from compressor.recipe import load_recipe
+    from compressor.runner import plan
+    from compressor.strategy import Strategy
+
+    class NeedsG(Strategy):
+        name = "needs-g"
+        requires = ("C", "G")
+
+        def select(self, problem, incoming, options):  # pragma: no cover - never reached
+            raise AssertionError
+
+    class Plugin:
+        @hookimpl
+        def compressor_strategies(self) -> list[Strategy]:
+            return [NeedsG()]
+
+    registry = PluginRegistry(extra_plugins=[Plugin()])
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "needs-g"}]), registry)
+    with pytest.raises(UserError, match="the pipeline needs statistics this engine cannot compute: G"):
+        plan(recipe, registry)
