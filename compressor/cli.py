@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
     run.add_argument("--dry-run", action="store_true",
-                     help="validate the recipe, a local model's config.json and the first record of the data, and "
-                          "stop; loads no weights")
+                     help="validate the recipe, a local model's config.json, the data (local text is tokenised to "
+                          "count its windows; otherwise its first record) and the output, and stop; loads no weights")
     run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
@@ -115,9 +115,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         check_evaluation_tasks,
         check_fields,
         check_output,
+        check_writable,
+        load_tokenizer,
         plan,
         run,
         staging_folder,
+        token_batches,
     )
 
     _quiet_libraries()
@@ -133,13 +136,17 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         else:
             check_evaluation_tasks(recipe)
             notes.append("model config not checked (hub id)")
+        tokenizer = load_tokenizer(recipe.model) if Path(recipe.model.path).is_dir() else None
         for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
             if spec is None:
                 continue
-            if is_local(spec.dataset) or not offline():
-                check_fields(spec, where)
-            else:
+            if not is_local(spec.dataset) and offline():
                 notes.append(f"{where} data not checked (a hub dataset, and offline)")
+                continue
+            check_fields(spec, where)
+            if tokenizer is not None and is_local(spec.dataset):  # local text is cheap to count: enough windows?
+                token_batches(spec, tokenizer, where)
+        check_writable(Path(recipe.output))
         try:
             check_output(Path(recipe.output), args.overwrite)
         except UserError as error:

@@ -190,6 +190,16 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
 
 
+def check_writable(output: Path) -> None:
+    """The output's nearest existing ancestor is a folder this process may write in."""
+    parent = output.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the output folder {output}: {parent} is not a folder this user can write in; "
+                        f"choose another --output")
+
+
 CHECKPOINT_FOLDER = "checkpoint"
 SCRATCH_FOLDER = "scratch"
 """Activations spilled to disk (`activations: disk`); removed at every start and before publishing."""

@@ -142,10 +142,11 @@ def test_ctrl_c_while_compress_imports_a_library_is_one_line(tiny_checkpoint: Pa
 
 
 @pytest.mark.parametrize("phase", ["tokenising data", "loading model", "fusing norms", "capturing layer inputs"])
-def test_ctrl_c_before_the_first_site_is_one_line_and_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path,
-                                                                     phase: str) -> None:
+def test_ctrl_c_as_a_phase_begins_is_one_line_and_leaves_nothing_unfinished(tiny_checkpoint: Path, tmp_path: Path,
+                                                                            phase: str) -> None:
     """SIGINT as a phase of the run begins (its log line is read from the pipe): one line, exit
-    code 130, and no staging or output folder (nothing was checkpointed yet)."""
+    code 130, no output folder, and no staging folder unless a site was checkpointed by the time
+    the signal landed (the tiny model is fast), which the line then says."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     process = _start(recipe)
     assert process.stdout is not None
@@ -155,8 +156,13 @@ def test_ctrl_c_before_the_first_site_is_one_line_and_leaves_nothing(tiny_checkp
             break
     else:
         pytest.fail(f"the run never logged '{phase}'")
-    _interrupted(process)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+    err = _interrupted(process)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if "progress is kept" in err:
+        assert phase == "capturing layer inputs" and left == [".out.partial", "recipe.yaml"]
+        assert (tmp_path / ".out.partial" / "checkpoint" / "fingerprint.json").is_file()
+    else:
+        assert left == ["recipe.yaml"]
 
 
 
@@ -297,3 +303,21 @@ def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(t
     recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "needs-g"}]), registry)
     with pytest.raises(UserError, match="the pipeline needs statistics this engine cannot compute: G"):
         plan(recipe, registry)
+
+
+def test_dry_run_counts_the_windows_of_local_text(tiny_checkpoint: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """Asking for more windows than the data holds is refused by --dry-run, not later by the run."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, calibration__num_samples=100_000)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, "calibration: the dataset yields", "but num_samples is 100000")
+
+
+def test_dry_run_refuses_an_output_that_cannot_be_written(tiny_checkpoint: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("")
+    recipe = write_recipe(tmp_path, tiny_checkpoint, output="a-file/run")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, f"cannot write the output folder {tmp_path / 'a-file' / 'run'}", "choose another --output")
+    assert main(["run", str(recipe)]) == 2  # and the run refuses it before any work
+    _one_line_error(capsys, "cannot create the output folder")
