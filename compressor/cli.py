@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from compressor.errors import UserError
+
+if TYPE_CHECKING:  # rich is imported inside main's handlers, so Ctrl-C while it loads is one line too
+    from rich.console import Console
 
 EXIT_USER_ERROR = 2
 
@@ -198,6 +198,8 @@ def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], No
     if not console.is_terminal:
         yield phase_logger(console)
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
@@ -210,6 +212,9 @@ def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], No
 
 def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     """A listing whose cells are plain text (no rich markup) and fold rather than truncate."""
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=title)
     for column in columns:
         table.add_column(column, overflow="fold")
@@ -372,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Our display reports progress; tqdm reads this once, when it is first imported.
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
+        from rich.console import Console
+
         console = Console(stderr=False, log_path=False)
         args = _parser().parse_args(argv)
         if args.command == "run":
@@ -391,11 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _strategies(console)
     except (UserError, _UsageError) as error:
-        Console(stderr=True).print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        sys.stderr.write(f"error: {error}\n")
         return EXIT_USER_ERROR
     except KeyboardInterrupt as interrupt:
-        Console(stderr=True).print(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", markup=False,
-                                   soft_wrap=True)
+        sys.stderr.write(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}\n")
         return 130
     return 0
 

@@ -1,6 +1,7 @@
-"""The `compress` console script. Until the command line's libraries are imported, Ctrl-C ends
-the process at once with one line and exit code 130 (nothing exists yet to clean up); from then
-on `compressor.cli.main` handles it like any interrupt, cleaning up what a run created."""
+"""The `compress` console script. Until `compressor.cli` is imported, Ctrl-C ends the process at
+once with one line and exit code 130 (nothing exists yet to clean up); from then on
+`compressor.cli.main` handles it like any interrupt (it imports rich and everything heavier
+inside its handlers), cleaning up what a run created."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _interrupted_early(signum: int, frame: FrameType | None) -> None:
 
 def main() -> int:
     previous = signal.signal(signal.SIGINT, _interrupted_early)
-    from compressor.cli import main as cli_main  # rich and argparse: the slow part of start-up
+    from compressor.cli import main as cli_main  # argparse and the standard library modules it needs
 
     signal.signal(signal.SIGINT, previous)
     return cli_main()

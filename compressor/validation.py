@@ -39,18 +39,22 @@ _BOUNDS = {"greater_than_equal": ("ge", "at least"), "greater_than": ("gt", "abo
            "less_than": ("lt", "below"), "less_than_equal": ("le", "at most")}
 
 
-def _unwrap(tp: Any) -> Any:
-    """The options class or item type inside Optional[...], Annotated[...] and list[...]."""
+def _strip(tp: Any) -> Any:
+    """`tp` without Annotated[...] and Optional[...] around it."""
     while True:
         origin = typing.get_origin(tp)
         if origin is Annotated:
             tp = typing.get_args(tp)[0]
         elif origin in (typing.Union, types.UnionType):
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        elif origin is list:
-            tp = typing.get_args(tp)[0]
         else:
             return tp
+
+
+def _element(tp: Any) -> Any:
+    """The (still annotated) item type of a list or tuple type; any other type as it is."""
+    bare = _strip(tp)
+    return typing.get_args(bare)[0] if typing.get_origin(bare) in (list, tuple) else tp
 
 
 def _owner(cls: type, loc: tuple[Any, ...]) -> Any:
@@ -63,22 +67,8 @@ def _owner(cls: type, loc: tuple[Any, ...]) -> Any:
             continue
         if not dataclasses.is_dataclass(owner) or part not in {f.name for f in dataclasses.fields(owner)}:
             return None
-        owner = _unwrap(typing.get_type_hints(owner, include_extras=True)[part])
+        owner = _strip(_element(typing.get_type_hints(owner, include_extras=True)[part]))
     return owner
-
-
-def _item_type(tp: Any) -> Any:
-    """The element type of a (possibly Annotated or Optional) list or tuple type."""
-    while True:
-        origin = typing.get_origin(tp)
-        if origin in (list, tuple):
-            return typing.get_args(tp)[0]
-        if origin is Annotated:
-            tp = typing.get_args(tp)[0]
-        elif origin in (typing.Union, types.UnionType):
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        else:
-            return tp
 
 
 def _metadata(owner: Any, loc: tuple[Any, ...]) -> list[Any]:
@@ -89,7 +79,7 @@ def _metadata(owner: Any, loc: tuple[Any, ...]) -> list[Any]:
         return []
     tp = typing.get_type_hints(owner, include_extras=True).get(names[-1])
     if isinstance(loc[-1], int):
-        tp = _item_type(tp)
+        tp = _element(tp)
     found, pending = [], [tp]
     while pending:
         tp = pending.pop()

@@ -101,8 +101,8 @@ def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
 
 
-def _start(recipe: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([*ENTRY, "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def _start(recipe: Path, entry: list[str] = ENTRY, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([*entry, "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
                                  "HF_DATASETS_OFFLINE": "1", **env})
 
@@ -127,17 +127,21 @@ sys.meta_path.insert(0, _Interrupt())
 """
 
 
-@pytest.mark.parametrize("module", ["rich", "torch", "transformers", "compressor.runner",
-                                    "compressor_plugins.sensitivity"])
+@pytest.mark.parametrize(("module", "entry"), [
+    *((module, "compress") for module in ["rich", "torch", "transformers", "compressor.runner",
+                                          "compressor_plugins.sensitivity"]),
+    ("rich", "python -m compressor.cli"), ("torch", "python -m compressor.cli"),  # torchrun's form
+])
 def test_ctrl_c_while_compress_imports_a_library_is_one_line(tiny_checkpoint: Path, tmp_path: Path,
-                                                              module: str) -> None:
+                                                              module: str, entry: str) -> None:
     """SIGINT exactly as `compress` starts importing `module` (a sitecustomize hook signals the
     process then): one line, exit code 130, nothing created."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(INTERRUPT_ON_IMPORT)
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}])
-    _interrupted(_start(recipe, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}", INTERRUPT_ON_IMPORT=module))
+    command = ENTRY if entry == "compress" else [sys.executable, "-m", "compressor.cli"]
+    _interrupted(_start(recipe, command, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}", INTERRUPT_ON_IMPORT=module))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "recipe.yaml"]
 
 

@@ -4,10 +4,12 @@ behind by a failure."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import io
 import math
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,9 @@ def _checkpoint() -> Path:
     """One tiny model for every example (hypothesis runs examples outside pytest's fixtures)."""
     global CHECKPOINT
     if CHECKPOINT is None:
-        CHECKPOINT = save_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="fuzz-model-")))
+        folder = tempfile.mkdtemp(prefix="fuzz-model-")
+        atexit.register(shutil.rmtree, folder, True)
+        CHECKPOINT = save_tiny_checkpoint(Path(folder))
     return CHECKPOINT
 
 
@@ -158,7 +162,7 @@ def _check(folder: Path, code: int, err: str) -> None:
         assert not leftovers, (leftovers, err)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
 @given(mutations=MUTATIONS, overrides=OVERRIDES, breakage=st.sampled_from([0] * 10 + [1, 2, 3, 4, 5, 6]))
 def test_generated_bad_recipes_end_in_one_line_and_leave_nothing(mutations: list, overrides: list[str],
                                                                  breakage: int) -> None:
@@ -172,7 +176,7 @@ def test_generated_bad_recipes_end_in_one_line_and_leave_nothing(mutations: list
         assert not (folder / "out").exists()  # a dry run writes nothing
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
 @given(mutations=MUTATIONS, overrides=OVERRIDES)
 def test_generated_bad_recipes_that_run_end_in_one_line_and_leave_nothing(mutations: list,
                                                                           overrides: list[str]) -> None:
