@@ -53,27 +53,9 @@ class RegisteredFamily:
 
 
 def installed_plugins() -> list[str]:
-    """Names of the installed entry points of the `compressor` group."""
-    return sorted({entry.name for dist in metadata.distributions() for entry in dist.entry_points
-                   if entry.group == ENTRY_POINT_GROUP})
+    """Names of the installed entry points of the `compressor` group, each owned by one package.
 
-
-def allowed_plugins() -> list[str] | None:
-    """The plugins `COMPRESS_PLUGINS` allows (None: unset, all); a name not installed is refused."""
-    value = os.environ.get(ALLOW_VARIABLE)
-    if value is None:
-        return None
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    installed = installed_plugins()
-    unknown = [name for name in names if name not in installed]
-    if unknown:
-        raise UserError(f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
-                        f"{', '.join(installed) or 'none'}")
-    return names
-
-
-def _refuse_clashing_entry_points() -> None:
-    """pluggy silently skips a second entry point of the same name; say so instead."""
+    pluggy silently skips a second entry point of the same name; that is refused here instead."""
     owners: dict[str, str] = {}
     for dist in metadata.distributions():
         for entry in dist.entry_points:
@@ -86,6 +68,20 @@ def _refuse_clashing_entry_points() -> None:
                     f"'{owners[entry.name]}' and '{owner}'; uninstall one of them"
                 )
             owners[entry.name] = owner
+    return sorted(owners)
+
+
+def allowed_plugins(installed: list[str]) -> list[str] | None:
+    """The plugins `COMPRESS_PLUGINS` allows (None: unset, all); a name not installed is refused."""
+    value = os.environ.get(ALLOW_VARIABLE)
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in installed]
+    if unknown:
+        raise UserError(f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
+                        f"{', '.join(installed) or 'none'}")
+    return names
 
 
 class PluginRegistry:
@@ -94,11 +90,12 @@ class PluginRegistry:
     def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True) -> None:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(CompressorHookSpecs)
+        self.installed: list[str] = []
         self.allowed: list[str] | None = None
         """The plugins COMPRESS_PLUGINS allowed (None: all installed ones)."""
         if load_entry_points:
-            _refuse_clashing_entry_points()
-            self.allowed = allowed_plugins()
+            self.installed = installed_plugins()
+            self.allowed = allowed_plugins(self.installed)
             if self.allowed is None:
                 self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
             for name in self.allowed or ():
@@ -145,7 +142,7 @@ class PluginRegistry:
 
     def skipped(self) -> list[str]:
         """Installed plugins that COMPRESS_PLUGINS kept from loading."""
-        return [] if self.allowed is None else [name for name in installed_plugins() if name not in self.allowed]
+        return [] if self.allowed is None else [name for name in self.installed if name not in self.allowed]
 
     def families(self) -> dict[str, RegisteredFamily]:
         """Every supported model_type and the family that describes it."""

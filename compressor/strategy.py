@@ -14,6 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from compressor.errors import UserError
+from compressor.validation import check
+
 
 class StrategyOptionError(ValueError):
     """A strategy option in a recipe is unknown or has a bad value (message says which)."""
@@ -86,9 +89,6 @@ class Strategy(ABC):
             if options:
                 raise StrategyOptionError(f"strategy '{self.name}' takes no options, got: {', '.join(sorted(options))}")
             return None
-        from compressor.errors import UserError
-        from compressor.validation import check
-
         try:
             return check(self.option_class, options)
         except UserError as error:
