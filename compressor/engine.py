@@ -442,6 +442,7 @@ def prune(
             inputs = capture_layer_inputs(model, family, local, device, store)
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
                      shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
+        report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
         basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None)
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):

@@ -5,11 +5,17 @@ counted on its device until its storage is freed. It works on real tensors and o
 (`FakeTensorMode`), so the device memory of a 70B model's walk can be measured on a machine
 without a GPU. Tensors that existed before (weights, say) are counted only once `adopt` is
 called on them.
+
+`emulated_accelerator` lets the whole engine run with the meta device standing in for a GPU:
+tensors there have shapes and no data, so a prune of a real config costs seconds, and
+`LiveBytes` then tells the accelerator's bytes ("meta") from the host's ("cpu").
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,13 +25,22 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of live storages per device type ("cpu", "cuda", …), their peaks, and named marks."""
+    """Bytes of live storages per device type ("cpu", "cuda", "meta", …) and their peaks.
+
+    Freed storages are noticed lazily: the running total can only overstate what is live, so it
+    is made exact (a sweep of the tracked storages) only when it would set a new peak, and when
+    read. Peaks are exact; an operator costs no sweep unless it might set one."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[str, int] = defaultdict(int)
+        self._live: dict[str, int] = defaultdict(int)
         self.peak: dict[str, int] = defaultdict(int)
         self._storages: dict[int, tuple[StorageWeakRef, int, str]] = {}
+
+    @property
+    def live(self) -> dict[str, int]:
+        self._sweep()
+        return self._live
 
     def adopt(self, *tensors: torch.Tensor) -> None:
         """Count tensors made outside the mode (a module's weights moved before it started)."""
@@ -33,12 +48,10 @@ class LiveBytes(TorchDispatchMode):
             self._track(tensor)
 
     def reset_peak(self) -> None:
-        self._sweep()
         self.peak = defaultdict(int, self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._sweep()
         # A view or an in-place result shares an input's storage: nothing new was allocated.
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for value in tree_leaves(out):
@@ -52,17 +65,25 @@ class LiveBytes(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):  # sparse or storage-less tensors
             return
         key = storage._cdata
-        if key in self._storages and not self._storages[key][0].expired():
-            return
+        known = self._storages.get(key)
+        if known is not None:
+            if not known[0].expired():
+                return
+            self._forget(key)  # freed, and its address reused
         size, device = storage.nbytes(), tensor.device.type
         self._storages[key] = (StorageWeakRef(storage), size, device)
-        self.live[device] += size
-        self.peak[device] = max(self.peak[device], self.live[device])
+        self._live[device] += size
+        if self._live[device] > self.peak[device]:
+            self._sweep()  # subtract what was freed since the last sweep before calling it a peak
+            self.peak[device] = max(self.peak[device], self._live[device])
+
+    def _forget(self, key: int) -> None:
+        _, size, device = self._storages.pop(key)
+        self._live[device] -= size
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _, _) in self._storages.items() if ref.expired()]:
-            _, size, device = self._storages.pop(key)
-            self.live[device] -= size
+            self._forget(key)
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
@@ -70,3 +91,54 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
         return tensor.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):
         return None
+
+
+_aten = torch.ops.aten
+
+
+class _MetaAccelerator(TorchDispatchMode):
+    """What a data-less device cannot do itself: a copy to the host becomes an uninitialised host
+    tensor of the same size (zeros below 1 MiB, so small values read back stay finite), a copy
+    from the device into a host tensor leaves it as it is, and a scalar read off the device is
+    neutral (True, 0 or 0.0: checks pass, every candidate ties)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten._to_copy.default and args[0].device.type == "meta" \
+                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            source = args[0]
+            dtype = kwargs.get("dtype") or source.dtype
+            small = source.numel() * dtype.itemsize < 2**20
+            return (torch.zeros if small else torch.empty)(source.shape, dtype=dtype, device="cpu",
+                                                           pin_memory=bool(kwargs.get("pin_memory")))
+        if func is _aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type == "meta":
+            return args[0]
+        if func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
+            value = args[0]
+            return True if value.dtype == torch.bool else 0.0 if value.is_floating_point() else 0
+        return func(*args, **kwargs)
+
+
+class _HostGenerator(torch.Generator):
+    """A generator asked for on any device is made on the host (still a `torch.Generator`)."""
+
+    def __new__(cls, device: Any = "cpu") -> "_HostGenerator":
+        return super().__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        pass
+
+
+@contextmanager
+def emulated_accelerator() -> Iterator[torch.device]:
+    """The meta device as an accelerator without data: give the engine the device this yields and
+    it runs its own code, every move and every lifetime as on a GPU, in shape only. Bases chosen
+    this way are meaningless; sizes and lifetimes are the engine's. A random generator asked for
+    on the device is the host's (the meta device has none)."""
+    generator = torch.Generator
+    torch.Generator = _HostGenerator  # type: ignore[misc]
+    try:
+        with _MetaAccelerator():
+            yield torch.device("meta")
+    finally:
+        torch.Generator = generator  # type: ignore[misc]

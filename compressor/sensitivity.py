@@ -19,8 +19,8 @@ the device is the host) and carrying the gradient with respect to the stream dow
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -165,8 +165,8 @@ def estimate_fisher(
     totals = {site: torch.zeros(d, d, dtype=dtype) for site in ids}
     tokens = 0
 
-    def precision() -> AbstractContextManager[None]:
-        return torch.autocast(device.type, dtype=lowered, enabled=lowered is not None)
+    def precision() -> AbstractContextManager[Any]:
+        return torch.autocast(device.type, dtype=lowered) if lowered is not None else nullcontext()
 
     def run_layer(index: int, hidden: torch.Tensor, batch: int) -> list[torch.Tensor]:
         """The stream after each of the layer's sites."""

@@ -1,8 +1,10 @@
 """Memory bounds, measured with a live-tensor tracker: the walk holds one copy of the calibration
-activations plus the batch in flight, and the layer-wise H pass holds one layer's graph."""
+activations plus the batch in flight, the layer-wise H pass holds one layer's graph, and on an
+accelerator (emulated by the meta device) nothing the device holds grows with the calibration tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -10,10 +12,11 @@ from compressor.activations import held_on
 from compressor.calibration import capture_layer_inputs
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.families import family_for
-from compressor.memtrack import LiveBytes
+from compressor.memtrack import LiveBytes, emulated_accelerator
 from compressor.sensitivity import SensitivityOptions, estimate_fisher
 from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
+from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 
 BATCH, LENGTH = 4, 64
@@ -104,3 +107,42 @@ def test_a_read_only_visit_gives_back_the_very_host_tensors() -> None:
     assert [t.data_ptr() for t in after] == storages
     assert all(torch.equal(a, b) for a, b in zip(after, values))
     assert all(p.device.type == "cpu" for p in layer.parameters())
+
+
+def test_the_emulated_accelerator_counts_what_moves_there_and_what_comes_back() -> None:
+    """The meta device as a data-less accelerator: moves and results are counted on its side,
+    copies back are host tensors of the same size, checks read off it pass, and a generator
+    asked for there is the host's."""
+    host = torch.ones(256, 256)
+    size = host.untyped_storage().nbytes()
+    with emulated_accelerator() as device, LiveBytes() as tracker:
+        moved = [host.to(device) for _ in range(3)]
+        back = (moved[0] * 2).to("cpu")
+        assert dict(tracker.peak) == {"meta": 4 * size, "cpu": size}  # three copies and the product; the
+        # copy back (`host` was made before the tracker)
+        assert back.device.type == "cpu" and back.shape == host.shape and back.dtype == host.dtype
+        assert bool(torch.isfinite(moved[1]).all())
+        assert torch.Generator(device=device).device.type == "cpu"
+    assert torch.Generator is torch._C.Generator  # the host generator stood in only inside
+
+
+def _emulated_peaks(strategy, batches: int) -> dict[str, int]:
+    """Peak live bytes on the device and on the host of a whole prune on the emulated accelerator."""
+    model = tiny_model("llama")
+    widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8), False)
+    tracker = LiveBytes()
+    with emulated_accelerator() as device, tracker:
+        tracker.adopt(*model.parameters(), *model.buffers())
+        prune(model, family_for("llama"), random_batches(128, count=batches, batch=BATCH, length=LENGTH), widths,
+              [PipelineStep(strategy, strategy.parse_options({}))], device,
+              sensitivity=SensitivityOptions(chunk=2 * BATCH))
+    return dict(tracker.peak)
+
+
+@pytest.mark.parametrize("strategy", [PCA(), Sensitivity()], ids=["pca", "sensitivity"])
+def test_on_an_accelerator_only_the_host_grows_with_the_calibration_tokens(strategy) -> None:
+    """Four times the batches: the device's peak (one layer, one batch, the statistics, the head
+    in the H pass) is the same to the byte, while the host holds every batch's activations."""
+    few, many = _emulated_peaks(strategy, 2), _emulated_peaks(strategy, 8)
+    assert many["meta"] == few["meta"] > 0
+    assert many["cpu"] - few["cpu"] >= 6 * _batch_bytes(tiny_model("llama"))
