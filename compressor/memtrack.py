@@ -13,13 +13,13 @@ tensors there have shapes and no data, so a prune of a real config costs seconds
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -27,20 +27,15 @@ from torch.utils._pytree import tree_leaves
 class LiveBytes(TorchDispatchMode):
     """Bytes of live storages per device type ("cpu", "cuda", "meta", …) and their peaks.
 
-    Freed storages are noticed lazily: the running total can only overstate what is live, so it
-    is made exact (a sweep of the tracked storages) only when it would set a new peak, and when
-    read. Peaks are exact; an operator costs no sweep unless it might set one."""
+    A storage's Python object lives exactly as long as the storage (torch preserves it), so a
+    finalizer on it says when its bytes are freed: the totals are exact after every operator,
+    at a constant cost per storage."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[str, int] = defaultdict(int)
+        self.live: dict[str, int] = defaultdict(int)
         self.peak: dict[str, int] = defaultdict(int)
-        self._storages: dict[int, tuple[StorageWeakRef, int, str]] = {}
-
-    @property
-    def live(self) -> dict[str, int]:
-        self._sweep()
-        return self._live
+        self._storages: dict[int, tuple[int, str]] = {}
 
     def adopt(self, *tensors: torch.Tensor) -> None:
         """Count tensors made outside the mode (a module's weights moved before it started)."""
@@ -65,25 +60,17 @@ class LiveBytes(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):  # sparse or storage-less tensors
             return
         key = storage._cdata
-        known = self._storages.get(key)
-        if known is not None:
-            if not known[0].expired():
-                return
-            self._forget(key)  # freed, and its address reused
+        if key in self._storages:  # counted and alive: a freed storage has left the map
+            return
         size, device = storage.nbytes(), tensor.device.type
-        self._storages[key] = (StorageWeakRef(storage), size, device)
-        self._live[device] += size
-        if self._live[device] > self.peak[device]:
-            self._sweep()  # subtract what was freed since the last sweep before calling it a peak
-            self.peak[device] = max(self.peak[device], self._live[device])
+        self._storages[key] = (size, device)
+        weakref.finalize(storage, self._freed, key).atexit = False
+        self.live[device] += size
+        self.peak[device] = max(self.peak[device], self.live[device])
 
-    def _forget(self, key: int) -> None:
-        _, size, device = self._storages.pop(key)
-        self._live[device] -= size
-
-    def _sweep(self) -> None:
-        for key in [k for k, (ref, _, _) in self._storages.items() if ref.expired()]:
-            self._forget(key)
+    def _freed(self, key: int) -> None:
+        size, device = self._storages.pop(key)
+        self.live[device] -= size
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
