@@ -6,9 +6,9 @@ tensors there have shapes and no data), and `compressor.memtrack.LiveBytes` coun
 on each side: the accelerator's ("meta") and the host's ("cpu"). So a whole prune of a real
 config at real token counts costs seconds to minutes, and shows how device and host memory grow
 with the calibration tokens. What it leaves out: the allocator's rounding and caching, and
-kernels' own workspaces (cuBLAS, cuSOLVER). Attention on the meta device takes the math path,
-which holds the attention weights (flash kernels on a GPU do not), so attention-heavy phases are
-upper bounds. Weights are uninitialised: the chosen bases mean nothing, their sizes are exact.
+kernels' own workspaces (cuBLAS, cuSOLVER). Attention runs a fused kernel's shapes (the output
+and a log-sum-exp per row, as a GPU's flash or memory-efficient kernel), not the math path's
+attention weights. Weights are uninitialised: the chosen bases mean nothing, their sizes are exact.
 
     .venv/bin/python benchmarks/device_memory.py --config Llama-135M --samples 128 --seq-len 512
     .venv/bin/python benchmarks/device_memory.py --config Llama-3.1-8B --layers 2 --samples 1024 \\

@@ -8,7 +8,8 @@ called on them.
 
 `emulated_accelerator` lets the whole engine run with the meta device standing in for a GPU:
 tensors there have shapes and no data, so a prune of a real config costs seconds, and
-`LiveBytes` then tells the accelerator's bytes ("meta") from the host's ("cpu").
+`LiveBytes` then tells the accelerator's bytes ("meta") from the host's ("cpu"). Attention there
+runs a fused kernel's shape functions, as a GPU's SDPA would, not the math path's L × L weights.
 """
 
 from __future__ import annotations
@@ -116,16 +117,46 @@ class _HostGenerator(torch.Generator):
         pass
 
 
+def _fused_attention(original: Any) -> Any:
+    """`scaled_dot_product_attention` that, on the meta device, runs the memory-efficient kernel's
+    meta function: the output and a log-sum-exp per row, never the L × L weights, as the flash or
+    memory-efficient kernel a GPU picks for bf16 windows keeps; the meta device alone would take
+    the math path. Grouped key/value heads are broadcast as views (no bytes); a boolean mask
+    becomes the additive bias that kernel takes, as torch makes it on a GPU."""
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        if query.device.type != "meta":
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if key.shape[-3] != query.shape[-3]:
+            groups = query.shape[-3] // key.shape[-3]
+            key, value = (t.unsqueeze(-3).expand(*t.shape[:-2], groups, *t.shape[-2:])
+                          .flatten(-4, -3) for t in (key, value))
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+        bias = None if attn_mask is None else attn_mask.expand(
+            *query.shape[:-2], query.shape[-2], key.shape[-2])
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return _aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+
+    return attention
+
+
 @contextmanager
 def emulated_accelerator() -> Iterator[torch.device]:
     """The meta device as an accelerator without data: give the engine the device this yields and
     it runs its own code, every move and every lifetime as on a GPU, in shape only. Bases chosen
     this way are meaningless; sizes and lifetimes are the engine's. A random generator asked for
     on the device is the host's (the meta device has none)."""
-    generator = torch.Generator
+    generator, attention = torch.Generator, torch.nn.functional.scaled_dot_product_attention
     torch.Generator = _HostGenerator  # type: ignore[misc]
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention(attention)
     try:
         with _MetaAccelerator():
             yield torch.device("meta")
     finally:
         torch.Generator = generator  # type: ignore[misc]
+        torch.nn.functional.scaled_dot_product_attention = attention

@@ -4,6 +4,8 @@ accelerator (emulated by the meta device) nothing the device holds grows with th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
@@ -124,6 +126,30 @@ def test_the_emulated_accelerator_counts_what_moves_there_and_what_comes_back() 
         assert bool(torch.isfinite(moved[1]).all())
         assert torch.Generator(device=device).device.type == "cpu"
     assert torch.Generator is torch._C.Generator  # the host generator stood in only inside
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
+def test_attention_on_the_emulated_accelerator_never_forms_the_attention_weights(masked: bool) -> None:
+    """A GPU's fused attention keeps the output and a log-sum-exp per row; the meta device alone
+    would take the math path and hold every head's L x L weights. Grouped key/value heads and
+    gradients come out in their own shapes."""
+    batch, heads, groups, length, dim = 2, 8, 2, 512, 16
+    weights = batch * heads * length * length * 2
+
+    def peak(emulate: bool) -> int:
+        with emulated_accelerator() if emulate else nullcontext():
+            query = torch.empty(batch, heads, length, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            key = torch.empty(batch, groups, length, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta") if masked else None
+            with LiveBytes() as tracker:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key, key, attn_mask=mask, is_causal=not masked, enable_gqa=True)
+                out.sum().backward()
+            assert out.shape == query.shape and query.grad.shape == query.shape and key.grad.shape == key.shape
+        return tracker.peak["meta"]
+
+    assert peak(emulate=True) < weights < peak(emulate=False)
+    assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
 def _emulated_peaks(strategy, batches: int) -> dict[str, int]:
