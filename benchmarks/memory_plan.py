@@ -6,7 +6,8 @@ head, one calibration batch) runs on fake tensors (`FakeTensorMode`: shapes and 
 data), and `compressor.memtrack.LiveBytes` records the peak of live tensor bytes:
 - walk: a layer's weights, then for each of its sites `open_site`, `_Walk.advance` (the batch,
   its projection on the previous basis, the block, C in float64), H of the site in float64,
-  one eigendecomposition of a d × d candidate, `close_site`;
+  the sensitivity strategy's τ candidates (one batched eigendecomposition) and their losses,
+  `close_site`;
 - H pass: `estimate_fisher` on that layer and the head (sampling, score, gradients) with
   recomputation, one batch per chunk.
 Every layer of a model has the same shapes, so one layer stands for all. In the emulation
@@ -35,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import compressor  # noqa: E402,F401
+from compressor.allocation import DEFAULT_TAUS  # noqa: E402
 from compressor.activations import ActivationStore  # noqa: E402
 from compressor.bases import close_site, open_site  # noqa: E402
 from compressor.calibration import LayerInputs  # noqa: E402
@@ -43,6 +45,7 @@ from compressor.families import family_for  # noqa: E402
 from compressor.memtrack import LiveBytes  # noqa: E402
 from compressor.sensitivity import SensitivityOptions, estimate_fisher  # noqa: E402
 from compressor.sites import layer_site_ids  # noqa: E402
+from compressor.strategy import coupled_losses, tau_candidates  # noqa: E402
 from compressor.transforms import fuse_norms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +113,13 @@ def measure(values: dict[str, Any], batch: int, seq_len: int, sparsity: float) -
                 moment = walk.advance(name, site.block, 0)
                 C = moment.value()
                 H = torch.randn(d, d, dtype=torch.float32).to(C.device, torch.float64)  # the site's H, as chosen
-                _, vectors = torch.linalg.eigh(C + H)  # one τ candidate (they are formed one at a time)
-                chosen = vectors[:, :keep].contiguous()
-                del C, H, vectors, moment
+                # The sensitivity strategy's choice: both statistics normalised, every τ candidate (and
+                # PCA's) from one batched eigendecomposition, their losses as one tensor.
+                C, H = C / torch.linalg.matrix_norm(C), H / torch.linalg.matrix_norm(H)
+                bases = tau_candidates(C, H, DEFAULT_TAUS)
+                losses = coupled_losses(C, H, bases[:, :, keep:])
+                chosen = bases[0, :, :keep].contiguous()
+                del C, H, bases, losses, moment
                 close_site(layer, family, site, previous, chosen)
                 previous = walk.pending = chosen
 
