@@ -36,7 +36,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import compressor  # noqa: E402,F401
-from compressor.allocation import DEFAULT_TAUS  # noqa: E402
 from compressor.activations import ActivationStore  # noqa: E402
 from compressor.bases import close_site, open_site  # noqa: E402
 from compressor.calibration import LayerInputs  # noqa: E402
@@ -45,7 +44,7 @@ from compressor.families import family_for  # noqa: E402
 from compressor.memtrack import LiveBytes  # noqa: E402
 from compressor.sensitivity import SensitivityOptions, estimate_fisher  # noqa: E402
 from compressor.sites import layer_site_ids  # noqa: E402
-from compressor.strategy import coupled_losses, tau_candidates  # noqa: E402
+from compressor.strategy import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates  # noqa: E402
 from compressor.transforms import fuse_norms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +114,7 @@ def measure(values: dict[str, Any], batch: int, seq_len: int, sparsity: float) -
                 H = torch.randn(d, d, dtype=torch.float32).to(C.device, torch.float64)  # the site's H, as chosen
                 # The sensitivity strategy's choice: both statistics normalised, every τ candidate (and
                 # PCA's) from one batched eigendecomposition, their losses as one tensor.
-                C, H = C / torch.linalg.matrix_norm(C), H / torch.linalg.matrix_norm(H)
+                C, H = frobenius_normalised(C), frobenius_normalised(H)
                 bases = tau_candidates(C, H, DEFAULT_TAUS)
                 losses = coupled_losses(C, H, bases[:, :, keep:])
                 chosen = bases[0, :, :keep].contiguous()

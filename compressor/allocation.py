@@ -25,10 +25,8 @@ import numpy as np
 import torch
 
 from compressor.budget import ParamModel
-from compressor.strategy import frobenius_normalised, tau_candidates
+from compressor.strategy import DEFAULT_TAUS, frobenius_normalised, tau_candidates
 
-DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
-"""The paper's τ grid (also the `sensitivity` strategy's default; the engine does not import strategies)."""
 RESOLUTION = 1 << 17
 """Frontiers keep one point per 1/RESOLUTION of the budget: the best loss is found to within
 about that many parameters (bounded time on deep models); the budget itself is never exceeded."""

@@ -111,9 +111,10 @@ def removed_energy(C: torch.Tensor, removed: torch.Tensor) -> float:
 
 
 def frobenius_normalised(matrix: torch.Tensor) -> torch.Tensor:
-    """`matrix / ‖matrix‖_F` (unchanged if zero): puts C and H on one scale before mixing them."""
+    """`matrix / ‖matrix‖_F` (unchanged if zero): puts C and H on one scale before mixing them.
+    Decided on the matrix's device, with no read-back of the norm to the host."""
     norm = torch.linalg.matrix_norm(matrix)
-    return matrix / norm if norm > 0 else matrix
+    return matrix / torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
 def coupled_loss(C: torch.Tensor, H: torch.Tensor, removed: torch.Tensor) -> float:
@@ -127,6 +128,10 @@ def coupled_losses(C: torch.Tensor, H: torch.Tensor, removed: torch.Tensor) -> t
     A = removed.mT @ C @ removed
     B = removed.mT @ H @ removed
     return (A * B.mT).sum((-2, -1))
+
+
+DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
+"""The paper's τ grid: the `sensitivity` strategy's default and the width allocator's."""
 
 
 def tau_candidates(C: torch.Tensor, H: torch.Tensor, taus: Sequence[float]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pydantic import StrictBool, StrictInt
 
 from compressor.plugins import hookimpl
 from compressor.strategy import (
+    DEFAULT_TAUS,
     Basis,
     SiteProblem,
     Strategy,
@@ -29,8 +30,6 @@ from compressor.strategy import (
     tau_candidates,
 )
 from compressor.validation import FORBID, Number, described, options
-
-DEFAULT_TAUS = (1.0, 7.0, 10.0, 30.0, 70.0)
 
 
 PositiveNumber = Annotated[Number, described("a positive number", gt=0)]
