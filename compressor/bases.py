@@ -151,10 +151,13 @@ def shared_sites(ids: list[str], bases: Mapping[str, torch.Tensor]) -> list[str]
 @torch.no_grad()
 def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, torch.Tensor],
                 device: torch.device | str = "cpu",
-                readers: Mapping[str, torch.Tensor] | None = None) -> PreTrainedModel:
+                readers: Mapping[str, torch.Tensor] | None = None,
+                keep_tied: bool | None = None) -> PreTrainedModel:
     """The sliced model that `bases` define, from the *original* `model` (which it consumes:
     weights are transformed in place, so a 70B model is never held twice). `readers` gives the
     maps R_s that read each site's stream where they are not its basis (`reader_map`).
+    `keep_tied`: whether a tied head stays tied through the map after the final norm (default:
+    `tied_head`, as the walk did; a global layout passes False, its stock conversion decides).
 
     Exact: the same float64 products as the walk, in the same order. Layers are moved to
     `device` one at a time and back.
@@ -167,7 +170,7 @@ def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str,
         raise ValueError(f"no basis for site(s): {', '.join(missing)}")
     model.eval()
     model.requires_grad_(False)
-    tied = tied_head(model, family, bases)  # before fusion unties the head
+    tied = tied_head(model, family, bases) if keep_tied is None else keep_tied  # before fusion unties the head
     fuse_norms(model, family)
 
     def reader(site: str) -> torch.Tensor:
@@ -224,7 +227,8 @@ def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[s
 
 def save_bases(bases: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
     """One safetensors file keyed by site id (float64, d × k_s each)."""
-    tensors = {site: basis.detach().to("cpu", torch.float64).contiguous() for site, basis in bases.items()}
+    tensors = {site: basis.detach().to("cpu", torch.float64).clone(memory_format=torch.contiguous_format)
+               for site, basis in bases.items()}  # each its own storage, even where sites share one basis
     save_file(tensors, str(path), metadata=dict(metadata or {}))
 
 

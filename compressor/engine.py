@@ -118,6 +118,8 @@ class PruneResult:
     """The allocator's record (budget, predicted loss, curves), when one chose the widths."""
     tokens_by_rank: list[int] = field(default_factory=list)
     """Calibration tokens each rank walked (one entry in a single process)."""
+    head_moment: torch.Tensor | None = None
+    """Global layout: C of the last site's stream (d × d, host), what the head reads."""
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -145,6 +147,54 @@ def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
     return needed
 
 
+@dataclass
+class Pooled:
+    """The statistics one basis is chosen from: one site's, or the sum over the sites that keep it."""
+
+    names: list[str]
+    """The site the basis is chosen at, then the others that keep it."""
+    C: torch.Tensor
+    tokens: int
+    H: torch.Tensor | None = None
+
+
+POOLING = ("trace", "sum")
+"""How a global basis weighs the sites: each site's C and H divided by its trace (every site
+counts alike), or raw sums (the sites with the most energy decide)."""
+
+
+class GlobalPool:
+    """Every site's C and H, summed as they are observed into one problem (`slicing.layout:
+    global`); no site's d × d statistic is kept past its turn."""
+
+    def __init__(self, pooling: str) -> None:
+        if pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {POOLING}")
+        self.pooling = pooling
+        self.names: list[str] = []
+        self.C: torch.Tensor | None = None
+        self.H: torch.Tensor | None = None
+        self.tokens = 0
+
+    def _weighted(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(torch.float64)
+        return value / torch.trace(value) if self.pooling == "trace" else value
+
+    def add(self, site: str, C: torch.Tensor, tokens: int, H: torch.Tensor | None) -> None:
+        check_finite("C", site, C)
+        C = self._weighted(C)
+        self.C = C if self.C is None else self.C + C
+        if H is not None:
+            H = self._weighted(H.to(C.device))
+            self.H = H if self.H is None else self.H + H
+        self.names.append(site)
+        self.tokens = max(self.tokens, tokens)  # every site sees the same tokens
+
+    def pooled(self) -> Pooled:
+        assert self.C is not None, "no site observed"
+        return Pooled(self.names, self.C, self.tokens, self.H)
+
+
 class SiteChooser:
     """Runs the strategy pipeline at a site and checks what comes back."""
 
@@ -154,23 +204,27 @@ class SiteChooser:
         self.sites = list(sites)
         self.fisher = fisher
 
-    def choose(self, site: str, keep: int, moment: SecondMoment,
-               pooled: Sequence[tuple[str, SecondMoment]] = ()) -> tuple[torch.Tensor, SiteRecord]:
-        """The kept columns (d × keep, float64, on the moment's device) of the basis the pipeline
-        chooses, and the site's record. `pooled`: later sites that will keep this basis, with
-        their C; the strategies see the sums of C and of H over all of them (one site whose
-        tokens are those of every member)."""
+    def pool(self, site: str, moment: SecondMoment, others: Sequence[tuple[str, SecondMoment]] = ()) -> Pooled:
+        """The site's statistics, summed with those of later sites that will keep its basis
+        (`others`, with their C): one site whose tokens are those of every member."""
         C = moment.value()
-        for _, other in pooled:
+        for _, other in others:
             C = C + other.value()
+        names = [site, *(name for name, _ in others)]
+        H = None if self.fisher is None else sum(self.fisher[name].to(C.device, torch.float64) for name in names)
+        return Pooled(names, C, moment.tokens, H)
+
+    def choose(self, keep: int, pooled: Pooled) -> tuple[torch.Tensor, SiteRecord]:
+        """The kept columns (d × keep, float64, on C's device) of the basis the pipeline chooses
+        from `pooled` at its first site, and that site's record."""
+        site, C = pooled.names[0], pooled.C
         check_finite("C", site, C)
         width = C.shape[0]
-        names = [site, *(name for name, _ in pooled)]
-        extra = {} if self.fisher is None else {
-            "H": sum(self.fisher[name].to(C.device, torch.float64) for name in names)}
-        stats = SiteStatistics(C=C, tokens=moment.tokens, extra=extra)
+        names = pooled.names
+        extra = {} if pooled.H is None else {"H": pooled.H.to(C.device, torch.float64)}
+        stats = SiteStatistics(C=C, tokens=pooled.tokens, extra=extra)
         problem = SiteProblem(name=site, index=self.sites.index(site), width=width, keep=keep, stats=stats)
-        record = SiteRecord(name=site, width=width, kept=keep, tokens=moment.tokens, pooled_with=names[1:])
+        record = SiteRecord(name=site, width=width, kept=keep, tokens=pooled.tokens, pooled_with=names[1:])
         basis: Basis | None = None
         for step in self.pipeline:
             basis = step.strategy.select(problem, basis, step.options)
@@ -227,12 +281,14 @@ class _Walk:
         self.bases: dict[str, torch.Tensor] = {}
         self.resumed_from: str | None = None
 
-    def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int) -> SecondMoment | None:
+    def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int,
+                measure: bool = False) -> SecondMoment | None:
         """Push every batch through `block` (None: just read the stream); return C of the result
-        unless the site is already finished (a replay needs the activations, not their statistics)."""
-        if site in self.saved and block is None:
+        unless the site is already finished (a replay needs the activations, not their
+        statistics) and not to be `measure`d all the same."""
+        if site in self.saved and block is None and not measure:
             return None  # nothing to compute and nothing to change
-        moment = None if site in self.saved else SecondMoment(self.width, self.device)
+        moment = None if site in self.saved and not measure else SecondMoment(self.width, self.device)
         store = self.inputs.hidden
         for b in range(len(store)):
             hidden = store.get(b, self.device)
@@ -256,12 +312,13 @@ class _Walk:
         return moment.sum_over(self.ranks)
 
     def settle(self, site: str, moment: SecondMoment | None,
-               pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None,
+               given: Callable[[], Pooled] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
         its reader map): loaded from the checkpoint, or chosen now and checkpointed. `pooled`
         gives (only if the basis is chosen now) the C of later sites that will keep this basis;
-        their statistics join this site's in the choice."""
+        their statistics join this site's in the choice. `given` gives the whole problem instead
+        (a global layout's: every site's statistics, pooled)."""
         if site in self.saved:
             entry = self.saved[site]
             if tuple(entry.basis.shape) != (self.width, self.widths[site]):
@@ -289,7 +346,8 @@ class _Walk:
                                 steps=[{"strategy": "shared", "objectives": {"with": source}}])
         else:
             assert self.chooser is not None
-            basis, record = self.chooser.choose(site, self.widths[site], moment, pooled() if pooled else ())
+            problem = given() if given is not None else self.chooser.pool(site, moment, pooled() if pooled else ())
+            basis, record = self.chooser.choose(self.widths[site], problem)
         reader = basis
         if self.correct_readers:
             C = moment.value()
@@ -328,6 +386,8 @@ def prune(
     allocator: WidthAllocator | None = None,
     tie_head: bool = False,
     ranks: Ranks | None = None,
+    layout: str = "per_site",
+    pooling: str = "trace",
 ) -> PruneResult:
     """Rotate and slice `model` in place, then return it as a `sliced_*` model.
 
@@ -346,6 +406,13 @@ def prune(
     (a model with tied embeddings), the last site keeps the embedding's basis and the head stays
     tied to the embedding (`bases.apply_tied_head`); that basis is chosen from both sites'
     statistics, the last site's C from a survey pass (below).
+
+    With `layout="global"`, every site keeps one basis (`widths` the same everywhere, no
+    transitions: the sliced model is the original architecture at a smaller width, see
+    `compressor.stock`). It is chosen at the embedding, before the walk, from every site's C
+    and H on the unsliced model (a survey pass), summed as `pooling` says (`GlobalPool`); the
+    walk then applies it site by site (and checkpoints it like any site), and measures the
+    last site's C for the head (`PruneResult.head_moment`). The head is left untied.
 
     With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
     over the calibration windows and hands every site's C (and H) to it; its widths, saved in
@@ -373,8 +440,16 @@ def prune(
     allocation = checkpoint.load_allocation() if checkpoint is not None and allocator is not None else None
     if allocation is not None:
         widths = allocation["widths"]
+    one_basis = layout == "global"
+    if layout not in ("per_site", "global"):
+        raise ValueError(f"unknown layout {layout!r}")
+    if one_basis:
+        if allocator is not None or tie_head or shared or widths is None or len(set(widths.values())) != 1:
+            raise ValueError("a global layout takes one width for every site, and no allocator, tied head or "
+                             "shared sites (every site keeps one basis)")
+        shared = ids[1:]
     if widths is not None:
-        _check_widths(family, ids, widths, shared, tie_head)
+        _check_widths(family, ids, widths, shared, tie_head, one_basis)
     elif allocator is None:
         raise ValueError("give the widths, or an allocator to choose them")
     if tie_head:
@@ -418,9 +493,13 @@ def prune(
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
         last: list[tuple[str, SecondMoment]] = []  # with tie_head: the last site's C, for the embedding's choice
-        if widths is None or (tie_head and EMBEDDING not in saved):
+        pool = GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None
+        if widths is None or (tie_head and EMBEDDING not in saved) or pool is not None:
 
             def observe(site: str, moment: SecondMoment) -> None:
+                if pool is not None:
+                    pool.add(site, moment.value(), moment.tokens,
+                             None if fisher is None else fisher[site].to(device, torch.float64))
                 if widths is None:
                     assert allocator is not None
                     allocator.observe(site, moment.value(),
@@ -443,7 +522,9 @@ def prune(
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
                      shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
         report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
-        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None)
+        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None,
+                                      pool.pooled if pool is not None else None)
+        head_moment: torch.Tensor | None = None
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
@@ -455,7 +536,11 @@ def prune(
                     ahead = next(((n, s.block) for s, n in sites[position + 1:position + 2] if n in walk.shared), None)
                     pooled = None if ahead is None else (
                         lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
-                    chosen, reader = walk.settle(name, walk.advance(name, site.block, index), pooled)
+                    moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
+                    if one_basis and name == ids[-1]:
+                        assert moment is not None
+                        head_moment = moment.value().to("cpu")
+                    chosen, reader = walk.settle(name, moment, pooled)
                     close_site(layer, family, site, previous, chosen, name in walk.shared)
                     previous = reader
         report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
@@ -470,11 +555,12 @@ def prune(
                        bases=walk.bases, readers=walk.readers if correct_readers else None,
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
                        fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source,
-                       widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank)
+                       widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank,
+                       head_moment=head_moment)
 
 
 def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],
-                  tie_head: bool = False) -> None:
+                  tie_head: bool = False, one_basis: bool = False) -> None:
     if sorted(widths) != sorted(ids):
         raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
     if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
@@ -483,7 +569,7 @@ def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int]
     for site in shared:
         if site not in ids[1:]:
             raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
-        if layer_of.get(site) is None or layer_of.get(ids[ids.index(site) - 1]) != layer_of[site]:
+        if not one_basis and (layer_of.get(site) is None or layer_of.get(ids[ids.index(site) - 1]) != layer_of[site]):
             raise ValueError(f"{site} can reuse only the basis of an earlier site of its own layer")
         if widths[site] != widths[ids[ids.index(site) - 1]]:
             raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")

@@ -17,6 +17,11 @@ from torch import nn
 from compressor.errors import UserError
 
 
+STOCK_UNKNOWN = ("its description does not say that its own class can hold one residual basis "
+                 "(ModelFamily.stock_refusal)")
+LAYER_NORM = "its LayerNorm subtracts the mean over the kept width, which a rotated, sliced stream does not keep"
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """Module paths of a pre-norm decoder with RMSNorm, relative to the causal-LM model.
@@ -74,6 +79,13 @@ class ModelFamily:
     """Norms applied to a block's output before the residual add (Gemma2). Their RMS is taken
     over the full width, so the block's output linear keeps width d and a separate writer
     V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
+    scaled_embedding: bool = False
+    """The model multiplies the token embeddings by √hidden_size (Gemma), so a stock model of width
+    k multiplies by √k where the original multiplied by √d."""
+    stock_refusal: str | None = STOCK_UNKNOWN
+    """Why the family's own class cannot hold a model pruned with one residual basis
+    (`slicing.layout: global`, saved as the original architecture by `compressor.stock`); None
+    when it can: pre-norm RMSNorm blocks whose state-dict keys the sliced model keeps."""
 
     def head_modules(self, model: nn.Module) -> list[nn.Module]:
         """What turns the last site's stream into logits, in order: final norm, output projection
@@ -161,19 +173,22 @@ def _gpt2_refusal(config: Any) -> str | None:
     return None
 
 
-LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"))
-PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",))
-GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0)
+LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), stock_refusal=None)
+PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",),
+                   stock_refusal=None)
+GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0, scaled_embedding=True, stock_refusal=None)
 GEMMA2 = ModelFamily(name="gemma2", model_types=("gemma2",), norm_offset=1.0, mlp_norm="pre_feedforward_layernorm",
                      logit_softcapping="final_logit_softcapping",
-                     attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm")
+                     attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm",
+                     scaled_embedding=True,
+                     stock_refusal="its norms after each block's output take the RMS over the full width")
 
 OPT = ModelFamily(
     name="opt", model_types=("opt",), base_model="model.decoder", embedding="model.decoder.embed_tokens",
     layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", attn_norm="self_attn_layer_norm",
     attn_output="out_proj", mlp_norm="final_layer_norm", mlp_inputs=("fc1",), mlp_output="fc2",
     layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
-    input_projection="model.decoder.project_in", output_projection="model.decoder.project_out",
+    stock_refusal=LAYER_NORM, input_projection="model.decoder.project_in", output_projection="model.decoder.project_out",
 )
 
 GPT2 = ModelFamily(
@@ -182,13 +197,13 @@ GPT2 = ModelFamily(
     attn_inputs=("c_attn",), attn_output="c_proj", mlp_norm="ln_2", mlp_inputs=("c_fc",), mlp_output="c_proj",
     norm_eps="layer_norm_epsilon", layer_norm=True, extra_embeddings=("transformer.wpe",), prepare=_conv1d_to_linear,
     positional_args=("past_key_values", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
-    head_width_is_embedding_width=True,
+    head_width_is_embedding_width=True, stock_refusal=LAYER_NORM,
 )
 
 PHI = ModelFamily(
     name="phi", model_types=("phi",), final_norm="model.final_layernorm", attn_output="dense",
     mlp_norm="input_layernorm", mlp_inputs=("fc1",), mlp_output="fc2", norm_eps="layer_norm_eps",
-    layer_norm=True, parallel=True,
+    layer_norm=True, parallel=True, stock_refusal=LAYER_NORM,
 )
 
 BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2, PHI)

@@ -30,6 +30,8 @@ Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 Attention = Literal["sdpa", "eager"]
 Format = Literal["text", "chat"]
 AllocationMethod = Literal["uniform", "curves"]
+Layout = Literal["per_site", "global"]
+Pooling = Literal["trace", "sum"]
 Offload = Literal["host", "disk"]
 DTYPES = get_args(Dtype)
 ATTENTION = get_args(Attention)
@@ -86,7 +88,15 @@ class EvaluationSpec(DataSpec):
 
 @options(frozen=True, config=FORBID)
 class SlicingSpec:
+    layout: Layout = "per_site"
+    """per_site: a basis per site, joined by transition matrices (a `sliced_*` class, SliceGPT's
+    layout); global: one basis for the whole stream, saved as the original architecture at a
+    smaller hidden size (`compressor.stock`: vLLM, llama.cpp, TGI load it)."""
+    pooling: Pooling = "trace"
+    """global: how the sites' statistics are summed into one problem: each divided by its trace
+    (every site counts alike), or raw sums."""
     round_to: Annotated[StrictInt, described("kept widths are multiples of it", ge=1)] = 8
+    """Kept widths are multiples of it: 64 or 128 suit tensor cores, 256 llama.cpp's k-quants."""
     slice_head: StrictBool = False
     correct_readers: StrictBool = False
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
@@ -94,7 +104,9 @@ class SlicingSpec:
     """Each layer's MLP site keeps its attention site's basis, so no transition matrix sits between them."""
     tie_head: StrictBool = False
     """For a model with tied embeddings: the last site keeps the embedding's basis and the head
-    stays tied to the (sliced) embedding, with a small map after the final norm."""
+    stays tied to the (sliced) embedding, with a small map after the final norm. With the global
+    layout: the head stays tied and the final norm's scale becomes the best diagonal fit
+    (`stock.tied_scale`); off, the saved head is untied (exact, vocabulary × width more)."""
 
 
 @options(frozen=True, config=FORBID)
@@ -348,6 +360,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     if recipe.refinement is not None and recipe.slicing.correct_readers:
         raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
                         "whose readers are its bases; turn one of them off")
+    check_layout(recipe)
     return dataclasses.replace(
         recipe,
         pipeline=steps,
@@ -356,6 +369,19 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         evaluation=check_evaluation(recipe.evaluation, "evaluation", base) if recipe.evaluation else None,
         output=resolve_path(recipe.output, base),
     )
+
+
+def check_layout(recipe: Recipe) -> None:
+    """What a global layout (one basis, one width) cannot be combined with."""
+    slicing = recipe.slicing
+    if slicing.layout != "global":
+        return
+    if slicing.shared_bases:
+        raise UserError("slicing.shared_bases shares a basis within each layer, and slicing.layout: global already "
+                        "keeps one basis everywhere; remove slicing.shared_bases")
+    if recipe.allocation.method != "uniform":
+        raise UserError("slicing.layout: global keeps one width everywhere, so allocation.method must be uniform "
+                        f"(got {recipe.allocation.method}); use slicing.layout: per_site for per-site widths")
 
 
 def read_yaml(path: Path, what: str) -> Any:

@@ -172,15 +172,17 @@ def refine_bases(
     device: torch.device | str = "cpu",
     seed: int = 0,
     progress: Progress | None = None,
+    keep_tied: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
     """Refined bases (float64, same shapes) and what happened. `model` is the *original* model,
-    which this consumes (its norms are fused in place); it must fit on `device` whole."""
+    which this consumes (its norms are fused in place); it must fit on `device` whole.
+    `keep_tied` as in `bases.apply_bases` (default: the bases say whether the head stayed tied)."""
     started = time.perf_counter()
     device = torch.device(device)
     report = progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)
-    tied = tied_head(model, family, bases)  # before fusing, which unties
+    tied = tied_head(model, family, bases) if keep_tied is None else keep_tied  # before fusing, which unties
     fuse_norms(model, family)
     model.to(device)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)

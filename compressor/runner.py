@@ -44,6 +44,7 @@ from compressor.engine import PipelineStep, PruneResult, kept_width, prune, requ
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
+from compressor.stock import check_stock, head_stream, load_stock, save_stock, stock_param_model
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
@@ -315,6 +316,8 @@ class Plan:
     """The most parameters the pruned model may have."""
     shared: list[str]
     allocator: CurveAllocator | None = None
+    rounding: dict[str, int] | None = None
+    """When a budget decides a uniform width: what rounding it to `slicing.round_to` gave up."""
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -336,22 +339,33 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     if slicing.tie_head:
         check_tie_head(config, family)
     layers, d = config.num_hidden_layers, config.hidden_size
+    one_basis = slicing.layout == "global"
+    if one_basis:
+        check_stock(family, families.values())
     shared = shared_site_ids(family, layers, slicing.slice_head, slicing.tie_head) if slicing.shared_bases else []
-    params = param_model(config, family, shared, slicing.tie_head)
+    params = (stock_param_model(config, family, slicing.tie_head) if one_basis
+              else param_model(config, family, shared, slicing.tie_head))
 
     def uniform(kept: int) -> dict[str, int]:
-        return site_widths(family, layers, d, kept, slicing.slice_head or slicing.tie_head)
+        return site_widths(family, layers, d, kept, one_basis or slicing.slice_head or slicing.tie_head)
 
+    def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
+        widths = widest_uniform(params, budget, slicing.round_to, uniform)
+        exact = widest_uniform(params, budget, 1, uniform)
+        return widths, {"round_to": slicing.round_to, "width": widths[EMBEDDING], "params": params.count(widths),
+                        "unrounded_width": exact[EMBEDDING], "unrounded_params": params.count(exact)}
+
+    rounding = None
     if recipe.sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
         kept = kept_width(d, recipe.sparsity, slicing.round_to)
         widths = site_widths(family, layers, d, kept, slicing.slice_head)
         budget = param_model(config, family).count(widths)
-        if shared or slicing.tie_head:  # fewer parameters to carry: the same budget keeps more width
-            widths = widest_uniform(params, budget, slicing.round_to, uniform)
+        if shared or slicing.tie_head or one_basis:  # fewer parameters to carry: the same budget keeps more width
+            widths, rounding = widest(budget)
     else:
         assert recipe.target_params is not None
         budget = int(recipe.target_params * params.original)
-        widths = widest_uniform(params, budget, slicing.round_to, uniform)
+        widths, rounding = widest(budget)
     kept: int | None = widths[EMBEDDING]
     allocator = None
     if recipe.allocation.method == "curves":
@@ -363,7 +377,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
-    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator)
+    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding)
 
 
 def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
@@ -551,7 +565,9 @@ def _prune(model: PreTrainedModel, recipe: Recipe, checked: Plan, calibration: l
     return prune(model, checked.family, calibration, checked.widths, checked.pipeline, device, report_progress,
                  recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint, offload=recipe.activations,
                  scratch=scratch, fisher=fisher, correct_readers=recipe.slicing.correct_readers,
-                 shared=checked.shared, allocator=checked.allocator, tie_head=recipe.slicing.tie_head, ranks=ranks)
+                 shared=checked.shared, allocator=checked.allocator, ranks=ranks, layout=recipe.slicing.layout,
+                 pooling=recipe.slicing.pooling,
+                 tie_head=recipe.slicing.tie_head and recipe.slicing.layout == "per_site")
 
 
 def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources,
@@ -606,22 +622,33 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     timings["prune_s"] = time.perf_counter() - tick
 
     unrefined, refinement = None, None
+    one_basis = recipe.slicing.layout == "global"
+    keep_tied = False if one_basis else None  # a global layout's head is decided by its stock conversion
     if recipe.refinement is not None:
         tick = time.perf_counter()
         bases, refinement = refine_bases(resources.model(recipe.model), family, calibration, result.bases,
-                                         recipe.refinement, device, recipe.seed, report_progress)
+                                         recipe.refinement, device, recipe.seed, report_progress, keep_tied)
         if refinement.kept == "refined":
             unrefined = pruned
             report_progress("applying refined bases", 0, 1)
-            pruned = apply_bases(resources.model(recipe.model), family, bases, device)
+            pruned = apply_bases(resources.model(recipe.model), family, bases, device, keep_tied=keep_tied)
         timings["refine_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
     report_progress("saving model" if save_model else "saving bases", 0, 1)
-    if save_model:
+    stock = None
+    if one_basis:  # the original architecture: saved, then loaded back, so what is evaluated is what users load
+        folder = staging / "model" if save_model else staging / SCRATCH_FOLDER / "stock"
+        stock = save_stock(pruned, family, config, folder, tie=recipe.slicing.tie_head,
+                           stream=head_stream(result.head_moment, bases[EMBEDDING]))
+        pruned = load_stock(folder, pruned)
+        if not save_model:
+            shutil.rmtree(folder)
+    elif save_model:
         pruned.save_pretrained(staging / "model")
-        tokenizer.save_pretrained(staging / "model")
         write_remote_code(staging / "model", family, config.model_type)
+    if save_model:
+        tokenizer.save_pretrained(staging / "model")
     objectives = {site.name: site.steps for site in result.sites}
     metadata = {"objectives": json.dumps(objectives)}
     if refinement is not None:
@@ -663,6 +690,9 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "sparsity": recipe.sparsity,
         "target_params": recipe.target_params,
         "kept_width": kept,
+        "layout": recipe.slicing.layout,
+        "stock": stock,
+        "rounding": checked.rounding,
         "allocation": {"method": recipe.allocation.method, "budget": checked.budget,
                        "predicted_params": checked.params.count(result.widths),
                        "transition_params": checked.params.transition_params(result.widths),
