@@ -9,7 +9,7 @@ For each `--model` folder (a stock Hugging Face Llama checkpoint: the dense mode
 3. compute the perplexity of exactly those token ids with transformers (float32, CPU) and with
    llama.cpp (llama_cpp.Llama, logits_all=True): log-softmax at positions 0..L-2 scoring tokens 1..L-1;
 4. time llama.cpp prefill (one window of L tokens) and decode (one token at a time through the KV
-   cache after a short prompt, batch 1): one warm-up, then the median of `--repeats`;
+   cache after a short prompt, batch 1) in a fresh process: one warm-up, then the median of `--repeats`;
 5. print a table and write JSON (`--json`).
 
 It also checks that llama.cpp's own tokenizer (from the GGUF) encodes the held-out documents to the
@@ -47,12 +47,14 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -255,8 +257,10 @@ def transformers_nll(model_dir: Path, windows: np.ndarray, trust_remote_code: bo
 # ---------------------------------------------------------------- llama.cpp
 
 
-def llama_nll(gguf_path: Path, windows: np.ndarray, threads: int) -> np.ndarray:
-    """Per-token NLL of every window under llama.cpp: each window evaluated from an empty cache."""
+def llama_nll(gguf_path: Path, windows: np.ndarray, threads: int, tokenizer: Any, texts: Sequence[str],
+              n_docs: int) -> tuple[np.ndarray, int, int]:
+    """Per-token NLL of every window under llama.cpp (each window from an empty cache), and how many
+    of the first `n_docs` documents llama.cpp's own tokenizer encodes to the same ids as the HF one."""
     from llama_cpp import Llama
 
     seq_len = windows.shape[1]
@@ -267,22 +271,11 @@ def llama_nll(gguf_path: Path, windows: np.ndarray, threads: int) -> np.ndarray:
         llm.reset()
         llm.eval(window.tolist())
         rows.append(target_nll(np.array(llm.scores[:seq_len]), window))
-    llm.close()
-    return np.stack(rows)
-
-
-def tokenizer_agreement(gguf_path: Path, tokenizer: Any, texts: Sequence[str], n_docs: int) -> tuple[int, int]:
-    """How many of the first `n_docs` documents llama.cpp tokenises to the same ids as HF."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    same = 0
     docs = list(texts[:n_docs])
-    for text in docs:
-        ours = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-        same += ours == tokenizer.encode(text, add_special_tokens=False)
+    same = sum(llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+               == tokenizer.encode(text, add_special_tokens=False) for text in docs)
     llm.close()
-    return same, len(docs)
+    return np.stack(rows), same, len(docs)
 
 
 def llama_speed(gguf_path: Path, window: np.ndarray, threads: int, prompt_len: int, decode_steps: int,
@@ -412,20 +405,21 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
 
     print(f"  transformers: {len(windows)} x {args.seq_len} tokens")
     nll_hf, result.n_params = transformers_nll(model_dir, windows, args.trust_remote_code)
-    print("  llama.cpp: perplexity")
-    nll_cpp = llama_nll(gguf_path, windows, args.threads)
+    print("  llama.cpp: perplexity and tokenizer check")
+    nll_cpp, result.tokenizer_docs_identical, result.tokenizer_docs_checked = llama_nll(
+        gguf_path, windows, args.threads, tokenizer, texts, args.tokenizer_docs)
     result.ppl_transformers = float(np.exp(nll_hf.mean()))
     result.ppl_llama_cpp = float(np.exp(nll_cpp.mean()))
     result.ppl_rel_diff = (result.ppl_llama_cpp - result.ppl_transformers) / result.ppl_transformers
     diff = np.abs(nll_cpp - nll_hf)
     result.token_nll_max_abs_diff, result.token_nll_mean_abs_diff = float(diff.max()), float(diff.mean())
 
-    result.tokenizer_docs_identical, result.tokenizer_docs_checked = tokenizer_agreement(
-        gguf_path, tokenizer, texts, args.tokenizer_docs)
-
-    print(f"  llama.cpp: speed (warm-up + {args.repeats})")
-    prefill, decode = llama_speed(gguf_path, windows[0], args.threads, args.prompt_len, args.decode_steps,
-                                  args.repeats)
+    # Timed in a fresh process: once torch has run here its OpenMP worker threads compete with
+    # llama.cpp's for the cores (on 2 cores this cut decode from ~1,300 to ~260 tokens/s).
+    print(f"  llama.cpp: speed (warm-up + {args.repeats}, separate process)")
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        prefill, decode = pool.submit(llama_speed, gguf_path, windows[0], args.threads, args.prompt_len,
+                                      args.decode_steps, args.repeats).result()
     result.prefill_times_s, result.decode_times_s = prefill, decode
     result.prefill_tokens_per_s = args.seq_len / statistics.median(prefill)
     result.decode_tokens_per_s = args.decode_steps / statistics.median(decode)

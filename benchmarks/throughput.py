@@ -1,16 +1,23 @@
-"""What the pruning buys: size and speed of the dense and the pruned model, side by side.
+"""What the pruning buys: size and speed of the dense model and pruned ones, side by side.
 
-Loads a recipe's model (by default the reference Llama in ../shared) and its pruned version,
+Loads a recipe's model (by default the reference Llama in ../shared) and pruned versions of it,
 either pruned here with the recipe (calibration and pruning, no evaluation, nothing saved) or
-read from a run folder (`--pruned`), and measures both alike with `compressor.throughput`:
-parameters (the residual transitions included, and shown apart), weight bytes, and prefill and
-decode tokens per second at each batch size (random prompt of `--prompt-len` tokens, then
-`--decode-tokens` single-token steps through the KV cache; warm-up untimed, median of
-`--repeats`), for each dtype asked. Prints a table and its Markdown (for docs/benchmarks.md),
-writes JSON.
+read from run folders (`--pruned LABEL=RUN ...`: the per-site `sliced_*` model and the global
+layout's stock model at the same budget, say), and measures all of them alike, in one process,
+their runs interleaved, with `compressor.throughput`: parameters (the residual transitions
+included, and shown apart), weight bytes, and prefill and decode tokens per second at each
+batch size (random prompt of `--prompt-len` tokens, then `--decode-tokens` single-token steps
+through the KV cache; warm-up untimed, median of `--repeats`), for each dtype asked.
+
+`--shape NAME` measures speed without a trained model: a random dense model of a built-in shape
+(`SHAPES`), the per-site sliced model at `--sparsity` (a random basis per site, transitions
+included) and the stock model with one basis at the same parameter budget (`slicing.layout:
+global`, the original class). Random weights say nothing of quality; they cost what trained
+ones cost. Prints a table and its Markdown (for docs/benchmarks.md), writes JSON.
 
     .venv/bin/python benchmarks/throughput.py                                   # prune ref-llama at 25% here
-    .venv/bin/python benchmarks/throughput.py --pruned runs/demo-pca-25 --dtypes bfloat16
+    .venv/bin/python benchmarks/throughput.py --pruned per-site=runs/a global=runs/b --dtypes bfloat16
+    .venv/bin/python benchmarks/throughput.py --shape llama-150m --sparsity 0.25 --dtypes float32
 """
 
 from __future__ import annotations
@@ -30,18 +37,25 @@ from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import tempfile  # noqa: E402
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401  (registers the sliced architectures)
-from compressor.engine import prune  # noqa: E402
+from compressor.bases import apply_bases  # noqa: E402
+from compressor.budget import param_model, widest_uniform  # noqa: E402
+from compressor.engine import kept_width, prune  # noqa: E402
+from compressor.families import family_for  # noqa: E402
+from compressor.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
+from compressor.stock import load_stock, save_stock, stock_param_model  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import Recipe, load_recipe  # noqa: E402
 from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
-from compressor.throughput import compare_speed  # noqa: E402
+from compressor.throughput import measure_side_by_side, relative  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 10**6
@@ -51,7 +65,11 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_pca.yaml"),
                         help="its model is the dense one; without --pruned, it prunes that model here")
-    parser.add_argument("--pruned", default=None, help="a run folder (or its model/ folder) to load instead")
+    parser.add_argument("--pruned", nargs="*", default=None, metavar="LABEL=RUN",
+                        help="run folders (or their model/ folders) to load instead, each with a label")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="random weights of this shape: dense, per-site sliced and stock at one budget")
+    parser.add_argument("--sparsity", type=float, default=0.25, help="with --shape: SliceGPT's sparsity")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="default: the recipe's device")
@@ -66,33 +84,84 @@ def _args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+SHAPES = {
+    # A 150M Llama (hidden 1024, 8 layers, GQA 16/4, SwiGLU 2816, 32k vocabulary): big enough that
+    # the linears, not Python, take the time on a CPU.
+    "llama-150m": dict(model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                       max_position_embeddings=2048, tie_word_embeddings=False),
+}
+
+
+def _random_orthogonal(d: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=generator))[0]
+
+
+def _shape_models(name: str, sparsity: float, console: Console) -> dict[str, tuple[PreTrainedModel, str]]:
+    """A random dense model of `name`'s shape, its per-site sliced model at `sparsity` (SliceGPT's
+    layout: the head's input whole) and the stock model with one basis at the same budget."""
+    config = AutoConfig.for_model(**SHAPES[name])
+    family = family_for(config.model_type)
+    ids = site_ids(family, config.num_hidden_layers)
+    d = config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(config).eval()
+    kept = kept_width(d, sparsity, 8)
+    widths = site_widths(family, config.num_hidden_layers, d, kept, slice_head=False)
+    budget = param_model(config, family).count(widths)
+    per_site = {site: _random_orthogonal(d, generator)[:, :widths[site]] for site in ids}
+    sliced = apply_bases(copy.deepcopy(dense), family, per_site)
+    stock_params = stock_param_model(config, family, tied=False)
+    width = widest_uniform(stock_params, budget, 8, lambda k: {site: k for site in ids})[EMBEDDING]
+    basis = _random_orthogonal(d, generator)[:, :width]
+    one = apply_bases(copy.deepcopy(dense), family, {site: basis for site in ids}, keep_tied=False)
+    with tempfile.TemporaryDirectory() as folder:
+        save_stock(one, family, config, Path(folder))
+        stock = load_stock(Path(folder), one)
+    console.log(f"{name}: per-site width {kept} and stock width {width} of {d}, budget {budget:,} parameters")
+    return {"dense": (dense, f"random {name}"),
+            f"per-site {kept}": (sliced, f"sliced_{config.model_type}, sparsity {sparsity:g}, random bases"),
+            f"stock {width}": (stock, f"{type(stock).__name__} at hidden {width}, the same budget")}
+
+
+def _load_run(spec: str) -> tuple[str, PreTrainedModel, str]:
+    label, _, path = spec.rpartition("=")
+    folder = Path(path)
+    folder = folder / "model" if (folder / "model" / "config.json").is_file() else folder
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return label or folder.parent.name, model, str(folder.resolve())
+
+
 def _pruned_model(args: argparse.Namespace, recipe: Recipe, registry: PluginRegistry, device: torch.device,
                   console: Console) -> tuple[PreTrainedModel, str]:
-    """The pruned model and where it came from."""
-    if args.pruned:
-        folder = Path(args.pruned)
-        folder = folder / "model" if (folder / "model" / "config.json").is_file() else folder
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), str(folder.resolve())
+    """The model pruned here with the recipe, and what it is."""
     checked = plan(recipe, registry)
     batches = token_batches(recipe.calibration, load_tokenizer(recipe.model), "calibration")
     tick = time.perf_counter()
     torch.manual_seed(recipe.seed)
     result = prune(load_model(recipe.model), checked.family, batches, checked.widths, checked.pipeline, device,
-                   sensitivity=recipe.sensitivity, seed=recipe.seed)
+                   sensitivity=recipe.sensitivity, seed=recipe.seed, layout=recipe.slicing.layout,
+                   pooling=recipe.slicing.pooling)
     console.log(f"pruned to {checked.kept}/{checked.config.hidden_size} in {time.perf_counter() - tick:.1f} s")
     return result.model.eval(), f"pruned here: {recipe.sparsity:g} sparsity, {[s.strategy for s in recipe.pipeline]}"
 
 
-def _rows(dtype: str, result: dict[str, Any], batches: list[str]) -> list[list[str]]:
+def _rows(dtype: str, sides: dict[str, Any], batches: list[str]) -> list[list[str]]:
+    """A row per model, then each pruned model against the dense one (the first)."""
     def cells(side: dict[str, Any]) -> list[str]:
         rates = side["throughput"]["batch"]
         return [f"{side['params']:,}", f"{side['transition_params']:,}", f"{side['weight_bytes'] / MB:.2f}",
                 *(f"{rates[b][key]:,.0f}" for b in batches for key in ("prefill_tok_s", "decode_tok_s"))]
 
-    ratio = [f"{result['ratio']['params']:.3f}", "", f"{result['ratio']['weight_bytes']:.3f}",
-             *(f"{result['speedup'][b][phase]:.3f}" for b in batches for phase in ("prefill", "decode"))]
-    return [[dtype, "dense", *cells(result["baseline"])], [dtype, "pruned", *cells(result["pruned"])],
-            [dtype, "pruned / dense", *ratio]]
+    names = list(sides)
+    rows = [[dtype, name, *cells(sides[name])] for name in names]
+    for name in names[1:]:
+        versus = relative(sides[name], sides[names[0]])
+        rows.append([dtype, f"{name} / {names[0]}", f"{versus['ratio']['params']:.3f}", "",
+                     f"{versus['ratio']['weight_bytes']:.3f}",
+                     *(f"{versus['speedup'][b][phase]:.3f}" for b in batches for phase in ("prefill", "decode"))])
+    return rows
 
 
 def main() -> None:
@@ -106,18 +175,27 @@ def main() -> None:
     recipe = load_recipe(args.recipe, registry)
     device = resolve_device(args.device or recipe.device)
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
-    pruned, source = _pruned_model(args, recipe, registry, device, console)
-    dense = load_model(recipe.model)
+    if args.shape:
+        models = _shape_models(args.shape, args.sparsity, console)
+    else:
+        models = {"dense": (load_model(recipe.model), recipe.model.path)}
+        if args.pruned:
+            for spec in args.pruned:
+                label, model, source = _load_run(spec)
+                models[label] = (model, source)
+        else:
+            pruned, source = _pruned_model(args, recipe, registry, device, console)
+            models["pruned"] = (pruned, source)
     options = dict(prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, batch_sizes=tuple(args.batch_sizes),
                    warmup=args.warmup, repeats=args.repeats)
     results: dict[str, Any] = {}
     for dtype in args.dtypes:
         cast = getattr(torch, dtype)
-        base, cut = copy.deepcopy(dense).to(device, cast), copy.deepcopy(pruned).to(device, cast)
+        copies = {name: copy.deepcopy(model).to(device, cast) for name, (model, _) in models.items()}
         tick = time.perf_counter()
-        results[dtype] = compare_speed(base, cut, device, **options)
+        results[dtype] = measure_side_by_side(copies, device, **options)
         console.log(f"{dtype}: measured in {time.perf_counter() - tick:.1f} s")
-        del base, cut
+        del copies
 
     batches = [str(b) for b in args.batch_sizes]
     columns = ["dtype", "model", "params", "of which transitions", "weight MB",
@@ -137,8 +215,7 @@ def main() -> None:
     out.write_text(json.dumps({
         "benchmark": "throughput",
         "recipe": str(Path(args.recipe).resolve()),
-        "dense": recipe.model.path,
-        "pruned": source,
+        "models": {name: source for name, (_, source) in models.items()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "options": options,
         "results": results,

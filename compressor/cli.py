@@ -133,6 +133,9 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             original = checked.params.original
             notes.append(f"budget {checked.budget:,} of {original:,} parameters ({checked.budget / original:.1%}); "
                          f"kept width {checked.kept if checked.kept is not None else 'chosen per site after a survey'}")
+            if recipe.slicing.layout == "global":
+                notes.append(f"one basis: saved as {', '.join(checked.config.architectures or ['the original class'])} "
+                             f"with hidden_size {checked.kept} ({checked.params.count(checked.widths):,} parameters)")
         else:
             check_evaluation_tasks(recipe)
             notes.append("model config not checked (hub id)")

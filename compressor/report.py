@@ -100,6 +100,8 @@ def title(report: dict[str, Any]) -> str:
     chain = " + ".join(step["strategy"] for step in report["pipeline"])
     method = (report.get("allocation") or {}).get("method", "uniform")
     widths = "" if method == "uniform" else f", {method} widths"
+    if report.get("layout") == "global":
+        widths += ", one basis (stock architecture)"
     return (f"{Path(report['model']['path']).name}: {chain} at "
             f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}")
 

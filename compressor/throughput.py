@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -217,19 +217,29 @@ def measure(model: PreTrainedModel, device: torch.device | str, **options: Any) 
     return {**model_size(model), "throughput": measure_throughput(model, device, **options)}
 
 
+def measure_side_by_side(models: Mapping[str, PreTrainedModel], device: torch.device | str,
+                         **options: Any) -> dict[str, dict[str, Any]]:
+    """Every model measured as `measure` does, on the same inputs, their runs taken in turn (so a
+    load that comes and goes falls on all of them alike)."""
+    speeds = _throughput(list(models.values()), device, **options)
+    return {name: {**model_size(model), "throughput": speed} for (name, model), speed in zip(models.items(), speeds)}
+
+
+def relative(side: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """`side` against `base`: size ratios, and tokens/s ratios per batch size (above 1: faster)."""
+    speedup = {
+        batch: {phase: side["throughput"]["batch"][batch][f"{phase}_tok_s"] / numbers[f"{phase}_tok_s"]
+                for phase in ("prefill", "decode")}
+        for batch, numbers in base["throughput"]["batch"].items()
+    }
+    return {"ratio": {key: side[key] / base[key] for key in ("params", "weight_bytes")}, "speedup": speedup}
+
+
 def compare_speed(
     baseline: PreTrainedModel, pruned: PreTrainedModel, device: torch.device | str, **options: Any,
 ) -> dict[str, Any]:
     """Both models measured as `measure` does (`options` are `measure_throughput`'s keywords), on
     the same inputs, their runs taken in turn; `ratio` is pruned / baseline for the sizes,
     `speedup` pruned / baseline tokens per second per batch size (above 1: pruned is faster)."""
-    speeds = _throughput([baseline, pruned], device, **options)
-    base = {**model_size(baseline), "throughput": speeds[0]}
-    cut = {**model_size(pruned), "throughput": speeds[1]}
-    speedup = {
-        batch: {phase: cut["throughput"]["batch"][batch][f"{phase}_tok_s"] / numbers[f"{phase}_tok_s"]
-                for phase in ("prefill", "decode")}
-        for batch, numbers in base["throughput"]["batch"].items()
-    }
-    ratio = {key: cut[key] / base[key] for key in ("params", "weight_bytes")}
-    return {"baseline": base, "pruned": cut, "ratio": ratio, "speedup": speedup}
+    sides = measure_side_by_side({"baseline": baseline, "pruned": pruned}, device, **options)
+    return {**sides, **relative(sides["pruned"], sides["baseline"])}
