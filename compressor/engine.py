@@ -120,6 +120,9 @@ class PruneResult:
     """Calibration tokens each rank walked (one entry in a single process)."""
     head_moment: torch.Tensor | None = None
     """Global layout: C of the last site's stream (d × d, host), what the head reads."""
+    walked: Pooled | None = None
+    """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
+    (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
 
 
 def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
@@ -522,9 +525,13 @@ def prune(
         walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
                      shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
         report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
-        basis, previous = walk.settle(EMBEDDING, walk.advance(EMBEDDING, None, 0), (lambda: last) if last else None,
+        first = walk.advance(EMBEDDING, None, 0)
+        basis, previous = walk.settle(EMBEDDING, first, (lambda: last) if last else None,
                                       pool.pooled if pool is not None else None)
         head_moment: torch.Tensor | None = None
+        walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
+        if walked is not None and first is not None:
+            walked.add(EMBEDDING, first.value(), first.tokens, None if fisher is None else fisher[EMBEDDING].to(device))
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
@@ -537,6 +544,9 @@ def prune(
                     pooled = None if ahead is None else (
                         lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
                     moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
+                    if walked is not None and moment is not None:
+                        walked.add(name, moment.value(), moment.tokens,
+                                   None if fisher is None else fisher[name].to(device, torch.float64))
                     if one_basis and name == ids[-1]:
                         assert moment is not None
                         head_moment = moment.value().to("cpu")
@@ -556,7 +566,8 @@ def prune(
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
                        fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source,
                        widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank,
-                       head_moment=head_moment)
+                       head_moment=head_moment,
+                       walked=walked.pooled() if walked is not None and walked.names == ids else None)
 
 
 def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],

@@ -1,0 +1,102 @@
+"""Does a global basis chosen from the partly sliced model's statistics beat the unsliced model's?
+
+SliceGPT's walk measures each site's C on the model whose earlier sites are already sliced. A
+global basis is chosen before the walk from the unsliced model's statistics (the survey); the
+walk then measures every site again on the sliced model (`PruneResult.walked`, pooled alike).
+This chooses a second basis from those (the same pipeline, H unchanged: it is the unsliced
+model's in both), applies it, and compares the held-out KL and perplexity of the two stock
+models. Prints a table, writes JSON. Run by hand:
+
+    .venv/bin/python benchmarks/global_statistics.py [--recipe recipes/ref_llama_stock.yaml] \\
+        [--set pipeline.0.strategy=pca ...] [--out benchmarks/results/global_statistics.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
+
+from compressor.bases import apply_bases  # noqa: E402
+from compressor.engine import SiteChooser, prune  # noqa: E402
+from compressor.evaluate import compare  # noqa: E402
+from compressor.plugins import PluginRegistry  # noqa: E402
+from compressor.recipe import load_recipe  # noqa: E402
+from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
+from compressor.sites import EMBEDDING  # noqa: E402
+from compressor.stock import head_stream, load_stock, save_stock  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_stock.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "global_statistics.json"))
+    args = parser.parse_args()
+    console = Console()
+    registry = PluginRegistry()
+    recipe = load_recipe(args.recipe, registry, ["refinement=null", "evaluation.lm_eval=null", *args.overrides])
+    if recipe.slicing.layout != "global":
+        raise SystemExit("the recipe must have slicing.layout: global")
+    checked = plan(recipe, registry)
+    device = resolve_device(recipe.device)
+    tokenizer = load_tokenizer(recipe.model)
+    calibration = token_batches(recipe.calibration, tokenizer, "calibration")
+    evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation")
+    torch.manual_seed(recipe.seed)
+    tick = time.perf_counter()
+    result = prune(load_model(recipe.model), checked.family, calibration, checked.widths, checked.pipeline, device,
+                   sensitivity=recipe.sensitivity, seed=recipe.seed, layout="global", pooling=recipe.slicing.pooling)
+    walk_s = time.perf_counter() - tick
+    assert result.walked is not None
+    ids = list(checked.widths)
+    kept, _ = SiteChooser(checked.pipeline, ids).choose(checked.kept, result.walked)
+    second = {site: kept.to("cpu") for site in ids}
+
+    def stock(bases: dict[str, torch.Tensor], sliced: PreTrainedModel | None = None) -> PreTrainedModel:
+        sliced = sliced or apply_bases(load_model(recipe.model), checked.family, bases, device, keep_tied=False)
+        with tempfile.TemporaryDirectory() as folder:
+            save_stock(sliced, checked.family, checked.config, Path(folder), tie=recipe.slicing.tie_head,
+                       stream=head_stream(result.head_moment, bases[EMBEDDING]))
+            return load_stock(Path(folder), sliced)
+
+    original = load_model(recipe.model).to(device)
+    rows = {}
+    for label, model in (("unsliced model's statistics (survey)", stock(result.bases, result.model)),
+                         ("sliced model's statistics (walk)", stock(second))):
+        rows[label] = compare(original, model.to(device), evaluation, device)["pruned"]
+    V1, V2 = result.bases[EMBEDDING], second[EMBEDDING]
+    overlap = float(torch.linalg.matrix_norm(V1.T @ V2) ** 2 / V1.shape[1])
+    table = Table(title=f"{Path(recipe.model.path).name}: one basis at width {checked.kept}, "
+                        f"{'+'.join(s.strategy.name for s in checked.pipeline)}")
+    for column in ("statistics", "KL (nats)", "perplexity"):
+        table.add_column(column, justify="left" if column == "statistics" else "right")
+    for label, metrics in rows.items():
+        table.add_row(label, f"{metrics['kl']:.5f}", f"{metrics['ppl']:.3f}")
+    console.print(table)
+    console.print(f"subspace overlap ‖V1ᵀV2‖²/k = {overlap:.4f}; walk {walk_s:.1f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"recipe": args.recipe, "overrides": args.overrides, "width": checked.kept,
+                               "results": rows, "subspace_overlap": overlap, "walk_s": walk_s,
+                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2) + "\n")
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
