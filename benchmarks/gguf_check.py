@@ -15,10 +15,10 @@ For each `--model` folder (a stock Hugging Face Llama checkpoint: the dense mode
 It also checks that llama.cpp's own tokenizer (from the GGUF) encodes the held-out documents to the
 same ids as the HF tokenizer ("tok match"), which is what says the GGUF's pre-tokenizer is right.
 
-Set-up (a separate venv; llama-cpp-python compiles llama.cpp from source, ~20-30 min on 2 cores):
+Set-up (a separate venv; llama-cpp-python compiles llama.cpp from source, ~11 min on 2 cores):
 
     python3 -m venv /work/gguf-venv
-    /work/gguf-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /work/gguf-venv/bin/pip install torch==2.13.0    # pinned first, as in the Makefile: no CUDA wheels
     mkdir -p /work/gguf-src && cd /work/gguf-src
     /work/gguf-venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .
     tar xzf llama_cpp_python-0.3.36.tar.gz
@@ -357,6 +357,12 @@ def versions(converter: Path) -> dict[str, Any]:
     return out
 
 
+def short_name(model_dir: str | Path) -> str:
+    """A label for a model folder: its name, with the run folder's for `<run>/model`."""
+    path = Path(model_dir)
+    return f"{path.parent.name}/{path.name}" if path.name == "model" else path.name
+
+
 def print_table(results: Sequence[ModelResult]) -> None:
     """A fixed-width table of the headline numbers."""
     head = ["model", "params", "gguf MB", "ppl HF", "ppl llama.cpp", "rel diff", "max |dNLL|",
@@ -364,15 +370,18 @@ def print_table(results: Sequence[ModelResult]) -> None:
     rows = []
     for r in results:
         if r.error:
-            rows.append([Path(r.model).name, "error: " + r.error.splitlines()[0][:60]] + [""] * (len(head) - 2))
+            rows.append([short_name(r.model), "error"] + ["-"] * (len(head) - 2))
             continue
-        rows.append([Path(r.model).name, f"{r.n_params / 1e6:.2f}M", f"{r.gguf_bytes / 2**20:.1f}",
+        rows.append([short_name(r.model), f"{r.n_params / 1e6:.2f}M", f"{r.gguf_bytes / 2**20:.1f}",
                      f"{r.ppl_transformers:.4f}", f"{r.ppl_llama_cpp:.4f}", f"{r.ppl_rel_diff:+.2e}",
                      f"{r.token_nll_max_abs_diff:.1e}", f"{r.tokenizer_docs_identical}/{r.tokenizer_docs_checked}",
                      f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.0f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for line in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
+    for r in results:
+        if r.error:
+            print(f"{short_name(r.model)}: {r.error.splitlines()[0]}; last line: {r.error.splitlines()[-1].strip()}")
 
 
 # ---------------------------------------------------------------- main
@@ -383,8 +392,7 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
     from transformers import AutoTokenizer
 
     result = ModelResult(model=str(model_dir), seq_len=args.seq_len)
-    name = model_dir.name if model_dir.name not in ("", "model") else f"{model_dir.parent.name}-{model_dir.name}"
-    gguf_path = args.output / f"{index:02d}-{name}-{args.outtype}.gguf"
+    gguf_path = args.output / f"{index:02d}-{short_name(model_dir).replace('/', '-')}-{args.outtype}.gguf"
     if args.reuse_gguf and gguf_path.is_file():
         print(f"  reusing {gguf_path}")
     else:
@@ -449,7 +457,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokenizer-docs", type=int, default=50, help="documents for the tokenizer check")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="llama.cpp and torch threads; llama.cpp's OpenMP threads spin, so on a busy "
+                             "machine the timings collapse: use fewer threads or a quiet machine")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="JSON report (default: OUTPUT/gguf_check.json)")
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import PretrainedConfig
 
 import compressor
 from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, load_bases
@@ -31,6 +33,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
                                resolve_model_path)
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
+from compressor.stock import load_stock, save_stock
 from compressor.validation import replaced
 from compressor.runner import plan as plan_run
 from compressor.throughput import compare_speed, fitting_lengths, measure, model_size
@@ -78,6 +81,8 @@ class EvalPlan:
     seed: int = 0
     """A run's seed (lm-eval's few-shot sampling and generation use it), as in the run."""
     throughput: bool = True
+    stock: PretrainedConfig | None = None
+    """A rebuilt global-layout run: the original's config, for the stock conversion."""
 
 
 def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> list[LmEvalSpec]:
@@ -97,7 +102,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     data: DataSpec | None = None
     recipe_suites: list[LmEvalSpec] | None = None
     rebuild: tuple[Path, ModelFamily] | None = None
-    seed, throughput = 0, True
+    seed, throughput, stock = 0, True, None
     if (folder / RUN_MARKER).is_file():
         has_model, has_bases = (folder / "model").is_dir(), (folder / BASES_FILE).is_file()
         if not (folder / "recipe.yaml").is_file() or not (has_model or has_bases):
@@ -110,7 +115,13 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
                                          dtype=dtype)
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype)
-            rebuild = (folder / BASES_FILE, plan_run(dataclasses.replace(recipe, evaluation=None), registry).family)
+            checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
+            rebuild = (folder / BASES_FILE, checked.family)
+            if recipe.slicing.layout == "global":
+                if recipe.slicing.tie_head:
+                    raise UserError(f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
+                                    f"statistics, which only model/ holds; rerun it with the sweep's save_models: true")
+                stock = checked.config
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
         recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None
@@ -134,7 +145,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         data = check_data(replaced(data, "evaluation.", **overrides), "evaluation", Path.cwd())
     if request.throughput is not None:
         throughput = request.throughput
-    return EvalPlan(target, reference, data, suites, rebuild, seed, throughput)
+    return EvalPlan(target, reference, data, suites, rebuild, seed, throughput, stock)
 
 
 def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -153,7 +164,12 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
         report_progress("rebuilding the pruned model from its bases", 0, 1)
         readers = plan.rebuild[0].with_name(READERS_FILE)
         target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device,
-                             load_bases(readers) if readers.is_file() else None)
+                             load_bases(readers) if readers.is_file() else None,
+                             keep_tied=False if plan.stock is not None else None)
+        if plan.stock is not None:  # a global layout's model is the original class (its head untied)
+            with tempfile.TemporaryDirectory() as folder:
+                save_stock(target, plan.rebuild[1], plan.stock, Path(folder))
+                target = load_stock(Path(folder), target)
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,

@@ -280,3 +280,20 @@ def test_refinement_keeps_one_basis(tiny_checkpoint: Path, tmp_path: Path) -> No
     assert report["refinement"]["kept"] in ("refined", "received")
     weights = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
     assert weights["model.embed_tokens.weight"].shape[1] == report["stock"]["hidden_size"]
+
+
+def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(global_runs: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """A sweep keeps only bases: `compress eval` rebuilds the stock model (a tied original's head
+    untied, as the run saved it) and reproduces the run's own figures."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(global_runs["qwen2"], run)
+    shutil.rmtree(run / "model")
+    assert main(["eval", str(run), "--no-throughput", "--output", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    ran = json.loads((run / "report.json").read_text())
+    assert "rebuilt" in evaluated["target"]
+    for key in ("ppl", "kl"):
+        assert evaluated["metrics"]["pruned"][key] == pytest.approx(ran["metrics"]["pruned"][key], rel=1e-5)
