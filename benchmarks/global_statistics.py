@@ -71,7 +71,7 @@ def main() -> None:
     def stock(bases: dict[str, torch.Tensor], sliced: PreTrainedModel | None = None) -> PreTrainedModel:
         sliced = sliced or apply_bases(load_model(recipe.model), checked.family, bases, device, keep_tied=False)
         with tempfile.TemporaryDirectory() as folder:
-            save_stock(sliced, checked.family, checked.config, Path(folder), tie=recipe.slicing.tie_head,
+            save_stock(sliced, checked.family, checked.config, Path(folder), tie=checked.tie_head,
                        stream=head_stream(result.head_moment, bases[EMBEDDING]))
             return load_stock(Path(folder), sliced)
 

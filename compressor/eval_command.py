@@ -118,7 +118,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
             checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
             rebuild = (folder / BASES_FILE, checked.family)
             if recipe.slicing.layout == "global":
-                if recipe.slicing.tie_head:
+                if checked.tie_head:
                     raise UserError(f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
                                     f"statistics, which only model/ holds; rerun it with the sweep's save_models: true")
                 stock = checked.config

@@ -102,11 +102,13 @@ class SlicingSpec:
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
     shared_bases: StrictBool = False
     """Each layer's MLP site keeps its attention site's basis, so no transition matrix sits between them."""
-    tie_head: StrictBool = False
+    tie_head: StrictBool | None = None
     """For a model with tied embeddings: the last site keeps the embedding's basis and the head
     stays tied to the (sliced) embedding, with a small map after the final norm. With the global
     layout: the head stays tied and the final norm's scale becomes the best diagonal fit
-    (`stock.tied_scale`); off, the saved head is untied (exact, vocabulary × width more)."""
+    (`stock.tied_scale`); false saves it untied (exact, vocabulary × width more). Unset: off for
+    per_site, on for global when the model ties its embeddings (measured better at equal
+    parameters, docs/benchmarks.md)."""
 
 
 @options(frozen=True, config=FORBID)

@@ -318,6 +318,8 @@ class Plan:
     allocator: CurveAllocator | None = None
     rounding: dict[str, int] | None = None
     """When a budget decides a uniform width: what rounding it to `slicing.round_to` gave up."""
+    tie_head: bool = False
+    """`slicing.tie_head` as it applies to this model (unset: on for a global layout of a tied model)."""
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -336,18 +338,20 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     if slicing.shared_bases and family.parallel:
         raise UserError(f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
                         f"layers have one site (attention and MLP in parallel); turn it off")
-    if slicing.tie_head:
+    one_basis = slicing.layout == "global"
+    tie_head = slicing.tie_head if slicing.tie_head is not None else (
+        one_basis and bool(getattr(config, "tie_word_embeddings", False)))
+    if tie_head:
         check_tie_head(config, family)
     layers, d = config.num_hidden_layers, config.hidden_size
-    one_basis = slicing.layout == "global"
     if one_basis:
         check_stock(family, families.values())
-    shared = shared_site_ids(family, layers, slicing.slice_head, slicing.tie_head) if slicing.shared_bases else []
-    params = (stock_param_model(config, family, slicing.tie_head) if one_basis
-              else param_model(config, family, shared, slicing.tie_head))
+    shared = shared_site_ids(family, layers, slicing.slice_head, tie_head) if slicing.shared_bases else []
+    params = (stock_param_model(config, family, tie_head) if one_basis
+              else param_model(config, family, shared, tie_head))
 
     def uniform(kept: int) -> dict[str, int]:
-        return site_widths(family, layers, d, kept, one_basis or slicing.slice_head or slicing.tie_head)
+        return site_widths(family, layers, d, kept, one_basis or slicing.slice_head or tie_head)
 
     def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
         widths = widest_uniform(params, budget, slicing.round_to, uniform)
@@ -360,7 +364,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         kept = kept_width(d, recipe.sparsity, slicing.round_to)
         widths = site_widths(family, layers, d, kept, slicing.slice_head)
         budget = param_model(config, family).count(widths)
-        if shared or slicing.tie_head or one_basis:  # fewer parameters to carry: the same budget keeps more width
+        if shared or tie_head or one_basis:  # fewer parameters to carry: the same budget keeps more width
             widths, rounding = widest(budget)
     else:
         assert recipe.target_params is not None
@@ -369,7 +373,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     kept: int | None = widths[EMBEDDING]
     allocator = None
     if recipe.allocation.method == "curves":
-        kept, allocator = None, curve_allocator(recipe, family, params, budget, shared, d)
+        kept, allocator = None, curve_allocator(recipe, family, params, budget, shared, d, tie_head)
         widths = None
     pipeline = []
     for step in recipe.pipeline:
@@ -377,7 +381,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
-    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding)
+    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
 
 
 def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
@@ -391,7 +395,7 @@ def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
 
 
 def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, budget: int, shared: list[str],
-                    hidden_size: int) -> CurveAllocator:
+                    hidden_size: int, tie_head: bool) -> CurveAllocator:
     """The `curves` allocator for this recipe: widths on the allocation grid, from `min_kept` of
     the hidden width up to all of it (the last site stays whole unless `slice_head`)."""
     spec = recipe.allocation
@@ -399,7 +403,7 @@ def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, bud
     low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
     grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})
     choices = {site: grid for site in params.sites}
-    if not (recipe.slicing.slice_head or recipe.slicing.tie_head):
+    if not (recipe.slicing.slice_head or tie_head):
         choices[params.sites[-1]] = [hidden_size]
     narrowest = params.count({site: min(widths) for site, widths in choices.items()})
     if narrowest > budget:
@@ -407,7 +411,7 @@ def curve_allocator(recipe: Recipe, family: ModelFamily, params: ParamModel, bud
                         f"below the narrowest allocation allowed ({narrowest:,}, every site at "
                         f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept")
     return CurveAllocator(params, budget, choices, shared,
-                          tie_ends=family.head_width_is_embedding_width or recipe.slicing.tie_head)
+                          tie_ends=family.head_width_is_embedding_width or tie_head)
 
 
 def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
@@ -567,7 +571,7 @@ def _prune(model: PreTrainedModel, recipe: Recipe, checked: Plan, calibration: l
                  scratch=scratch, fisher=fisher, correct_readers=recipe.slicing.correct_readers,
                  shared=checked.shared, allocator=checked.allocator, ranks=ranks, layout=recipe.slicing.layout,
                  pooling=recipe.slicing.pooling,
-                 tie_head=recipe.slicing.tie_head and recipe.slicing.layout == "per_site")
+                 tie_head=checked.tie_head and recipe.slicing.layout == "per_site")
 
 
 def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources,
@@ -639,7 +643,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     stock = None
     if one_basis:  # the original architecture: saved, then loaded back, so what is evaluated is what users load
         folder = staging / "model" if save_model else staging / SCRATCH_FOLDER / "stock"
-        stock = save_stock(pruned, family, config, folder, tie=recipe.slicing.tie_head,
+        stock = save_stock(pruned, family, config, folder, tie=checked.tie_head,
                            stream=head_stream(result.head_moment, bases[EMBEDDING]))
         pruned = load_stock(folder, pruned)
         if not save_model:

@@ -70,7 +70,8 @@ def test_with_nothing_sliced_the_stock_model_computes_the_original(name: str, ti
 
 @pytest.fixture(scope="module")
 def global_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A global-layout PCA run at sparsity 0.25 on a tiny model of every stock family, and the
+    """A global-layout PCA run at sparsity 0.25 on a tiny model of every stock family (heads
+    untied, so the saved model computes exactly what the sliced one does), and the
     logits of each saved folder as plain transformers computes them in a fresh interpreter where
     compressor cannot be imported."""
     root = tmp_path_factory.mktemp("global")
@@ -79,7 +80,8 @@ def global_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         folder = root / name
         folder.mkdir()
         checkpoint = save_tiny_checkpoint(folder / "original", name)
-        recipe = write_recipe(folder, checkpoint, slicing={"layout": "global"}, output=str(folder / "run"))
+        recipe = write_recipe(folder, checkpoint, slicing={"layout": "global", "tie_head": False},
+                              output=str(folder / "run"))
         assert main(["run", str(recipe)]) == 0
         runs[name] = folder / "run"
     ids = random_batches(8192, count=1, batch=2, length=16)[0].input_ids
@@ -297,3 +299,20 @@ def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(global_
     assert "rebuilt" in evaluated["target"]
     for key in ("ppl", "kl"):
         assert evaluated["metrics"]["pruned"][key] == pytest.approx(ran["metrics"]["pruned"][key], rel=1e-5)
+
+
+def test_a_tied_model_stays_tied_by_default_in_a_global_layout(tmp_path: Path) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    recipe = write_recipe(tmp_path, checkpoint, slicing={"layout": "global"})
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["stock"]["head"] == "tied" and report["stock"]["tied_scale"]["weighted_by_stream"]
+    config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
+    params = stock_param_model(AutoConfig.from_pretrained(checkpoint), family_for("qwen2"), tied=True)
+    assert report["params"]["pruned"] == params.count({s: report["stock"]["hidden_size"] for s in params.sites})
+    untied = write_recipe(tmp_path, checkpoint, slicing={"layout": "global", "tie_head": False}, output="untied")
+    assert main(["run", str(untied)]) == 0
+    wider = json.loads((tmp_path / "untied" / "report.json").read_text())
+    assert wider["stock"]["head"] == "untied" and wider["stock"]["hidden_size"] < report["stock"]["hidden_size"]
