@@ -30,6 +30,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -51,7 +52,7 @@ from compressor.budget import param_model, widest_uniform  # noqa: E402
 from compressor.engine import kept_width, prune  # noqa: E402
 from compressor.families import family_for  # noqa: E402
 from compressor.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
-from compressor.stock import load_stock, save_stock, stock_param_model  # noqa: E402
+from compressor.stock import load_stock, save_stock, stock_param_model, width_multiple  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import Recipe, load_recipe  # noqa: E402
 from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
@@ -113,7 +114,8 @@ def _shape_models(name: str, sparsity: float, console: Console) -> dict[str, tup
     per_site = {site: _random_orthogonal(d, generator)[:, :widths[site]] for site in ids}
     sliced = apply_bases(copy.deepcopy(dense), family, per_site)
     stock_params = stock_param_model(config, family, tied=False)
-    width = widest_uniform(stock_params, budget, 8, lambda k: {site: k for site in ids})[EMBEDDING]
+    step = math.lcm(8, width_multiple(config, family))  # as a run plans it
+    width = widest_uniform(stock_params, budget, step, lambda k: {site: k for site in ids})[EMBEDDING]
     basis = _random_orthogonal(d, generator)[:, :width]
     one = apply_bases(copy.deepcopy(dense), family, {site: basis for site in ids}, keep_tied=False)
     with tempfile.TemporaryDirectory() as folder:

@@ -44,7 +44,7 @@ from compressor.engine import PipelineStep, PruneResult, kept_width, prune, requ
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
-from compressor.stock import check_stock, head_stream, load_stock, save_stock, stock_param_model
+from compressor.stock import check_stock, head_stream, load_stock, save_stock, stock_param_model, width_multiple
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
@@ -353,10 +353,14 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     def uniform(kept: int) -> dict[str, int]:
         return site_widths(family, layers, d, kept, one_basis or slicing.slice_head or tie_head)
 
+    required = width_multiple(config, family) if one_basis else 1  # the stock class's own demand
+
     def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
-        widths = widest_uniform(params, budget, slicing.round_to, uniform)
-        exact = widest_uniform(params, budget, 1, uniform)
-        return widths, {"round_to": slicing.round_to, "width": widths[EMBEDDING], "params": params.count(widths),
+        step = math.lcm(slicing.round_to, required)
+        widths = widest_uniform(params, budget, step, uniform)
+        exact = widest_uniform(params, budget, required, uniform)
+        return widths, {"round_to": slicing.round_to, "class_multiple": required, "step": step,
+                        "width": widths[EMBEDDING], "params": params.count(widths),
                         "unrounded_width": exact[EMBEDDING], "unrounded_params": params.count(exact)}
 
     rounding = None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.budget import ParamModel
@@ -61,6 +62,19 @@ def stock_config(config: PretrainedConfig, family: ModelFamily, width: int, tied
     for key in ("transformers_version", "_name_or_path"):
         values.pop(key, None)
     return type(config).from_dict(values)
+
+
+def width_multiple(config: PretrainedConfig, family: ModelFamily) -> int:
+    """What the stock class's config demands of hidden_size: the number of attention heads where it
+    insists on a multiple (transformers' LlamaConfig does, though the model reads head_dim), else 1."""
+    heads = int(config.num_attention_heads)
+    if heads <= 1:
+        return 1
+    try:
+        stock_config(config, family, heads * max(1, config.hidden_size // heads - 1) + 1, False)
+    except (ValueError, StrictDataclassError):  # the config's own validation refused a width off the heads
+        return heads
+    return 1
 
 
 def _meta_params(config: PretrainedConfig) -> int:

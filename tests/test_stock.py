@@ -316,3 +316,15 @@ def test_a_tied_model_stays_tied_by_default_in_a_global_layout(tmp_path: Path) -
     assert main(["run", str(untied)]) == 0
     wider = json.loads((tmp_path / "untied" / "report.json").read_text())
     assert wider["stock"]["head"] == "untied" and wider["stock"]["hidden_size"] < report["stock"]["hidden_size"]
+
+
+def test_the_width_is_one_the_stock_config_accepts(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """transformers' LlamaConfig refuses a hidden_size off the number of heads (its model reads
+    head_dim): the plan rounds to both, and the report says so."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, sparsity=0.3,
+                          slicing={"layout": "global", "round_to": 1})
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["rounding"]["class_multiple"] == 4 and report["rounding"]["step"] == 4
+    assert report["stock"]["hidden_size"] % 4 == 0
+    assert report["rounding"]["unrounded_width"] == report["rounding"]["width"]
