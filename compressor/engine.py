@@ -496,17 +496,19 @@ def prune(
                 if checkpoint is not None:
                     checkpoint.save_fisher(fisher)
         last: list[tuple[str, SecondMoment]] = []  # with tie_head: the last site's C, for the embedding's choice
+
+        def fisher_at(site: str) -> torch.Tensor | None:
+            return None if fisher is None else fisher[site].to(device, torch.float64)
+
         pool = GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None
         if widths is None or (tie_head and EMBEDDING not in saved) or pool is not None:
 
             def observe(site: str, moment: SecondMoment) -> None:
                 if pool is not None:
-                    pool.add(site, moment.value(), moment.tokens,
-                             None if fisher is None else fisher[site].to(device, torch.float64))
+                    pool.add(site, moment.value(), moment.tokens, fisher_at(site))
                 if widths is None:
                     assert allocator is not None
-                    allocator.observe(site, moment.value(),
-                                      None if fisher is None else fisher[site].to(device, torch.float64))
+                    allocator.observe(site, moment.value(), fisher_at(site))
                 if tie_head and site == ids[-1]:
                     last.append((site, moment))
 
@@ -531,7 +533,7 @@ def prune(
         head_moment: torch.Tensor | None = None
         walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
         if walked is not None and first is not None:
-            walked.add(EMBEDDING, first.value(), first.tokens, None if fisher is None else fisher[EMBEDDING].to(device))
+            walked.add(EMBEDDING, first.value(), first.tokens, fisher_at(EMBEDDING))
         apply_embedding_basis(model, family, basis)
         for index, layer in enumerate(model.get_submodule(family.layers)):
             report(f"layer {index + 1}/{num_layers}", index, num_layers)
@@ -545,8 +547,7 @@ def prune(
                         lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
                     moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
                     if walked is not None and moment is not None:
-                        walked.add(name, moment.value(), moment.tokens,
-                                   None if fisher is None else fisher[name].to(device, torch.float64))
+                        walked.add(name, moment.value(), moment.tokens, fisher_at(name))
                     if one_basis and name == ids[-1]:
                         assert moment is not None
                         head_moment = moment.value().to("cpu")
