@@ -20,7 +20,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -37,7 +36,7 @@ from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import load_recipe  # noqa: E402
 from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
 from compressor.sites import EMBEDDING  # noqa: E402
-from compressor.stock import head_stream, load_stock, save_stock  # noqa: E402
+from compressor.stock import head_stream, to_stock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,10 +69,8 @@ def main() -> None:
 
     def stock(bases: dict[str, torch.Tensor], sliced: PreTrainedModel | None = None) -> PreTrainedModel:
         sliced = sliced or apply_bases(load_model(recipe.model), checked.family, bases, device, keep_tied=False)
-        with tempfile.TemporaryDirectory() as folder:
-            save_stock(sliced, checked.family, checked.config, Path(folder), tie=checked.tie_head,
-                       stream=head_stream(result.head_moment, bases[EMBEDDING]))
-            return load_stock(Path(folder), sliced)
+        return to_stock(sliced, checked.family, checked.config, tie=checked.tie_head,
+                        stream=head_stream(result.head_moment, bases[EMBEDDING]))[0]
 
     original = load_model(recipe.model).to(device)
     rows = {}

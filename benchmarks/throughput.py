@@ -38,8 +38,6 @@ from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-import tempfile  # noqa: E402
-
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -52,7 +50,7 @@ from compressor.budget import param_model, widest_uniform  # noqa: E402
 from compressor.engine import kept_width, prune  # noqa: E402
 from compressor.families import family_for  # noqa: E402
 from compressor.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
-from compressor.stock import load_stock, save_stock, stock_param_model, width_multiple  # noqa: E402
+from compressor.stock import stock_param_model, to_stock, width_multiple  # noqa: E402
 from compressor.plugins import PluginRegistry  # noqa: E402
 from compressor.recipe import Recipe, load_recipe  # noqa: E402
 from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
@@ -118,9 +116,7 @@ def _shape_models(name: str, sparsity: float, console: Console) -> dict[str, tup
     width = widest_uniform(stock_params, budget, step, lambda k: {site: k for site in ids})[EMBEDDING]
     basis = _random_orthogonal(d, generator)[:, :width]
     one = apply_bases(copy.deepcopy(dense), family, {site: basis for site in ids}, keep_tied=False)
-    with tempfile.TemporaryDirectory() as folder:
-        save_stock(one, family, config, Path(folder))
-        stock = load_stock(Path(folder), one)
+    stock = to_stock(one, family, config)[0]
     console.log(f"{name}: per-site width {kept} and stock width {width} of {d}, budget {budget:,} parameters")
     return {"dense": (dense, f"random {name}"),
             f"per-site {kept}": (sliced, f"sliced_{config.model_type}, sparsity {sparsity:g}, random bases"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from compressor.plugins import PluginRegistry
 from compressor.recipe import (DTYPES, DataSpec, LmEvalSpec, ModelSpec, check_data, check_lm_eval, load_recipe,
                                resolve_model_path)
 from compressor.runner import RUN_MARKER, load_model, load_tokenizer, resolve_device, token_batches
-from compressor.stock import load_stock, save_stock
+from compressor.stock import to_stock
 from compressor.validation import replaced
 from compressor.runner import plan as plan_run
 from compressor.throughput import compare_speed, fitting_lengths, measure, model_size
@@ -167,9 +166,7 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
                              load_bases(readers) if readers.is_file() else None,
                              keep_tied=False if plan.stock is not None else None)
         if plan.stock is not None:  # a global layout's model is the original class (its head untied)
-            with tempfile.TemporaryDirectory() as folder:
-                save_stock(target, plan.rebuild[1], plan.stock, Path(folder))
-                target = load_stock(Path(folder), target)
+            target = to_stock(target, plan.rebuild[1], plan.stock)[0]
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,

@@ -44,7 +44,7 @@ from compressor.engine import PipelineStep, PruneResult, kept_width, prune, requ
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
-from compressor.stock import check_stock, head_stream, load_stock, save_stock, stock_param_model, width_multiple
+from compressor.stock import check_stock, head_stream, stock_param_model, to_stock, width_multiple
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
@@ -646,12 +646,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     report_progress("saving model" if save_model else "saving bases", 0, 1)
     stock = None
     if one_basis:  # the original architecture: saved, then loaded back, so what is evaluated is what users load
-        folder = staging / "model" if save_model else staging / SCRATCH_FOLDER / "stock"
-        stock = save_stock(pruned, family, config, folder, tie=checked.tie_head,
-                           stream=head_stream(result.head_moment, bases[EMBEDDING]))
-        pruned = load_stock(folder, pruned)
-        if not save_model:
-            shutil.rmtree(folder)
+        pruned, stock = to_stock(pruned, family, config, staging / "model" if save_model else None,
+                                 tie=checked.tie_head, stream=head_stream(result.head_moment, bases[EMBEDDING]))
     elif save_model:
         pruned.save_pretrained(staging / "model")
         write_remote_code(staging / "model", family, config.model_type)

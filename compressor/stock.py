@@ -23,7 +23,8 @@ The conversion writes a stock folder (config, safetensors) and loads it back wit
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -185,15 +186,21 @@ def load_stock(folder: Path, like: PreTrainedModel) -> PreTrainedModel:
     return model.eval().requires_grad_(False)
 
 
+def to_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path | None = None,
+             tie: bool = False, stream: torch.Tensor | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """`save_stock` into `folder` (a temporary one, removed after, when None), then `load_stock`
+    back: the stock model as its users will load it, and the conversion's record."""
+    if folder is not None:
+        record = save_stock(sliced, family, original, folder, tie, stream)
+        return load_stock(folder, sliced), record
+    with tempfile.TemporaryDirectory(prefix="compress-stock-") as scratch:
+        record = save_stock(sliced, family, original, Path(scratch), tie, stream)
+        return load_stock(Path(scratch), sliced), record
+
+
 def head_stream(moment: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor | None:
     """N = VᵀCV: the second moment of the stream the head reads, in kept coordinates."""
     if moment is None:
         return None
     V = basis.to(moment.device, torch.float64)
     return V.T @ moment.to(torch.float64) @ V
-
-
-def one_basis(bases: Mapping[str, torch.Tensor]) -> bool:
-    """Every site keeps the same directions (a global layout's bases)."""
-    values = list(bases.values())
-    return all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:])
