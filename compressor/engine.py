@@ -10,6 +10,7 @@ pipeline's strategies for a basis and knows nothing else about them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,9 @@ class PruneResult:
     """Calibration tokens each rank walked (one entry in a single process)."""
     head_moment: torch.Tensor | None = None
     """Global layout: C of the last site's stream (d × d, host), what the head reads."""
+    fisher_seconds: float = 0.0
+    """Time this call spent computing H (0 when H was given, loaded or not needed): work a
+    sweep's runs share, reported apart from the prune time."""
     walked: Pooled | None = None
     """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
     (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
@@ -202,10 +206,12 @@ class SiteChooser:
     """Runs the strategy pipeline at a site and checks what comes back."""
 
     def __init__(self, pipeline: Sequence[PipelineStep], sites: Sequence[str],
-                 fisher: Mapping[str, torch.Tensor] | None = None) -> None:
+                 fisher: Mapping[str, torch.Tensor] | None = None,
+                 report: ProgressCallback | None = None) -> None:
         self.pipeline = list(pipeline)
         self.sites = list(sites)
         self.fisher = fisher
+        self.report = report or (lambda *_: None)
 
     def pool(self, site: str, moment: SecondMoment, others: Sequence[tuple[str, SecondMoment]] = ()) -> Pooled:
         """The site's statistics, summed with those of later sites that will keep its basis
@@ -229,7 +235,9 @@ class SiteChooser:
         problem = SiteProblem(name=site, index=self.sites.index(site), width=width, keep=keep, stats=stats)
         record = SiteRecord(name=site, width=width, kept=keep, tokens=pooled.tokens, pooled_with=names[1:])
         basis: Basis | None = None
+        where = f"site {problem.index + 1}/{len(self.sites)} ({site})"
         for step in self.pipeline:
+            problem.progress = lambda done, total, phase=f"{where}: {step.strategy.name}": self.report(phase, done, total)
             basis = step.strategy.select(problem, basis, step.options)
             _check_basis(basis, width, step.strategy.name, site)
             record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
@@ -472,6 +480,7 @@ def prune(
         tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
         faults.reached("capture")
         given, fisher, fisher_loaded, source = fisher, None, False, None
+        fisher_seconds = 0.0
         if "H" in needed and (len(saved) < len(ids) or widths is None):
             fisher = checkpoint.load_fisher() if checkpoint is not None else None
             fisher_loaded = fisher is not None
@@ -489,8 +498,10 @@ def prune(
                     if done:  # mid-way through the pass, after its first chunk
                         faults.reached("fisher")
 
+                tick = time.perf_counter()
                 fisher = estimate_fisher(model, family, inputs, sensitivity or SensitivityOptions(), device, seed,
                                          h_progress, ranks, skipped)
+                fisher_seconds = time.perf_counter() - tick
                 for name, value in fisher.items():
                     check_finite("H", name, value)
                 if checkpoint is not None:
@@ -524,7 +535,7 @@ def prune(
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)
-        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher), widths, saved, checkpoint, correct_readers,
+        walk = _Walk(inputs, device, SiteChooser(pipeline, ids, fisher, report), widths, saved, checkpoint, correct_readers,
                      shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
         report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
         first = walk.advance(EMBEDDING, None, 0)
@@ -567,7 +578,7 @@ def prune(
                        resumed_from=walk.resumed_from, loaded_sites=len(saved),
                        fisher_loaded=fisher_loaded, fisher=fisher, fisher_source=source,
                        widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank,
-                       head_moment=head_moment,
+                       head_moment=head_moment, fisher_seconds=fisher_seconds,
                        walked=walked.pooled() if walked is not None and walked.names == ids else None)
 
 

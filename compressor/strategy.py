@@ -8,7 +8,7 @@ strategy returns a `Basis`. Strategies know nothing about model families or weig
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,15 +35,25 @@ class SiteStatistics:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
 @dataclass
 class SiteProblem:
-    """One site to prune: keep `keep` of `width` directions."""
+    """One site to prune: keep `keep` of `width` directions.
+
+    `progress(done, total)` moves the run's progress bar (with its time estimate) for a strategy
+    whose work at one site is long (an optimiser's steps, a search over many candidates): call it
+    every so often; it costs nothing when nobody watches.
+    """
 
     name: str
     index: int
     width: int
     keep: int
     stats: SiteStatistics
+    progress: Callable[[int, int], None] = field(default=_no_progress, repr=False, compare=False)
 
     @property
     def remove(self) -> int:
