@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class UserError(Exception):
     """Bad input (recipe, file, model, option): reported in one line, never as a traceback.
@@ -19,3 +22,10 @@ def first_line(error: BaseException) -> str:
     """The first line of an exception's message (its type name if it has none), for one-line reports."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the allowed name nearest a misspelt one, or nothing when
+    none is near: a typo is named with its fix."""
+    nearest = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{nearest[0]}'?)" if nearest else ""

@@ -14,7 +14,7 @@ from importlib import metadata
 
 import pluggy
 
-from compressor.errors import UserError
+from compressor.errors import UserError, did_you_mean
 from compressor.families import BUILTIN_FAMILIES, ModelFamily
 from compressor.strategy import Strategy
 
@@ -155,5 +155,6 @@ class PluginRegistry:
         if name not in self._strategies:
             known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
             restricted = "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
-            raise UserError(f"unknown strategy '{name}'; registered strategies: {known}{restricted}")
+            raise UserError(f"unknown strategy '{name}'{did_you_mean(name, self._strategies)}; "
+                            f"registered strategies: {known}{restricted}")
         return self._strategies[name].strategy

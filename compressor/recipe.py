@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -180,13 +181,55 @@ class Recipe:
 # --- overrides and paths ------------------------------------------------------------------
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """YAML as the 1.2 core schema reads it: only true/false are booleans (`yes`, `on`, `n` stay
+    strings, so a misspelt value is refused rather than read as another type), `1e-3` is a number,
+    and `010` or `1:30` are not octal or sexagesimal numbers."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _pattern, _first in (
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+        ("tag:yaml.org,2002:float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+0123456789.")):
+    RecipeLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+
+
+class _Core12Constructor:
+    """Ints in the 1.2 core forms (decimal, 0o octal, 0x hex); floats with an exponent and no dot."""
+
+    @staticmethod
+    def int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+        text = loader.construct_scalar(node)
+        return int(text, 0) if text.lstrip("+-").startswith(("0o", "0x")) else int(text)
+
+    @staticmethod
+    def float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+        text = str(loader.construct_scalar(node)).lower()
+        return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+RecipeLoader.add_constructor("tag:yaml.org,2002:int", _Core12Constructor.int)
+RecipeLoader.add_constructor("tag:yaml.org,2002:float", _Core12Constructor.float)
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` read as YAML with `RecipeLoader` (recipes, sweep files and --set values alike)."""
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (a SafeLoader)
+
+
+
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `--set dotted.key=value` (value parsed as YAML) to the raw recipe."""
     key, sep, text = assignment.partition("=")
     if not sep or not key:
         raise UserError(f"--set expects KEY=VALUE, got '{assignment}'")
     try:
-        value = yaml.safe_load(text) if text else None
+        value = parse_yaml(text) if text else None
     except yaml.YAMLError as error:
         raise UserError(f"--set {key}: the value is not valid YAML ({getattr(error, 'problem', None) or error})") from None
     assign(raw, key, value, "--set ")
@@ -393,7 +436,7 @@ def read_yaml(path: Path, what: str) -> Any:
     if not path.is_file():
         raise UserError(f"{what} file not found: {path}")
     try:
-        return yaml.safe_load(path.read_text())
+        return parse_yaml(path.read_text())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

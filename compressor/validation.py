@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic.dataclasses import dataclass as options  # noqa: F401  (re-exported: `@options(config=FORBID)`)
 
-from compressor.errors import UserError
+from compressor.errors import UserError, did_you_mean
 
 FORBID = ConfigDict(extra="forbid")
 """The config of every options class: a key that is not a field is an error."""
@@ -27,6 +27,7 @@ Number = Annotated[float, Strict()]
 """A number: an integer or a float, never a string or a boolean."""
 
 T = TypeVar("T")
+UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden")
 
 _EXPECTED = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -124,17 +125,19 @@ def _range(owner: Any, loc: tuple[Any, ...]) -> str | None:
 def message(error: ValidationError, cls: type, prefix: str = "") -> str:
     """One line for the first problem of `error`, raised validating `cls`; `prefix` goes before
     every key (e.g. "--set " or a strategy's name)."""
-    first = error.errors()[0]
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])  # a misspelt key also goes missing
     loc = tuple(part for part in first["loc"] if isinstance(part, int) or not str(part).startswith(("function-",)))
     key = ".".join(str(part) for part in loc)
     kind, value, ctx = first["type"], first.get("input"), first.get("ctx") or {}
     owner = _owner(cls, loc) if loc else None
     meaning = _description(owner, loc)
     where = f"{prefix}{key}" if key else (prefix.strip() or "the recipe")
-    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+    if kind in UNKNOWN_KEY:
         parent = ".".join(str(part) for part in loc[:-1])
-        allowed = ", ".join(f.name for f in dataclasses.fields(owner)) if dataclasses.is_dataclass(owner) else ""
-        return f"unknown key '{prefix}{key}'; allowed keys{' in ' + parent if parent else ''}: {allowed}"
+        names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        return (f"unknown key '{prefix}{key}'{did_you_mean(str(loc[-1]), names)}; "
+                f"allowed keys{' in ' + parent if parent else ''}: {', '.join(names)}")
     if kind == "missing":
         return f"missing key '{prefix}{key}'"
     if kind == "literal_error":
