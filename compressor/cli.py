@@ -32,8 +32,25 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+def _version() -> str:
+    """This package's version and those of the libraries that decide its results (read from the
+    installed metadata: importing torch for it would take seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from compressor import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"compress {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a YAML recipe")
     run.add_argument("recipe", help="path to the recipe (YAML)")
@@ -106,60 +123,24 @@ def _quiet_libraries() -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> None:
-    from compressor.data import is_local, offline
     from compressor.plugins import PluginRegistry
     from compressor.recipe import load_recipe
     from compressor.report import budget_label, rich_table
-    from compressor.runner import (
-        CHECKPOINT_FOLDER,
-        check_evaluation_tasks,
-        check_fields,
-        check_output,
-        check_writable,
-        load_tokenizer,
-        plan,
-        run,
-        staging_folder,
-        token_batches,
-    )
+    from compressor.runner import CHECKPOINT_FOLDER, run, staging_folder
 
     _quiet_libraries()
     registry = PluginRegistry()
     recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
     if args.dry_run:
-        notes = []
-        if Path(recipe.model.path).is_dir():  # a local config is cheap to read: check family and widths too
-            checked = plan(recipe, registry)
-            original = checked.params.original
-            notes.append(f"budget {checked.budget:,} of {original:,} parameters ({checked.budget / original:.1%}); "
-                         f"kept width {checked.kept if checked.kept is not None else 'chosen per site after a survey'}")
-            if recipe.slicing.layout == "global":
-                notes.append(f"one basis: saved as {', '.join(checked.config.architectures or ['the original class'])} "
-                             f"with hidden_size {checked.kept} ({checked.params.count(checked.widths):,} parameters)")
-        else:
-            check_evaluation_tasks(recipe)
-            notes.append("model config not checked (hub id)")
-        tokenizer = load_tokenizer(recipe.model) if Path(recipe.model.path).is_dir() else None
-        for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
-            if spec is None:
-                continue
-            if not is_local(spec.dataset) and offline():
-                notes.append(f"{where} data not checked (a hub dataset, and offline)")
-                continue
-            check_fields(spec, where)
-            if tokenizer is not None and is_local(spec.dataset):  # local text is cheap to count: enough windows?
-                token_batches(spec, tokenizer, where)
-        check_writable(Path(recipe.output))
-        try:
-            check_output(Path(recipe.output), args.overwrite)
-        except UserError as error:
-            notes.append(f"note: {error}")
+        from compressor.preflight import dry_run
+
+        found = dry_run(recipe, registry, args.overwrite, args.restart)
         console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}"
                       f"{', refined on KL' if recipe.refinement else ''}, "
                       f"{budget_label(recipe.sparsity, recipe.target_params)}"
                       f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
-                      + "".join(f"\n  {n}" for n in notes), soft_wrap=True, markup=False, highlight=False)
+                      + "".join(f"\n  {line}" for line in found.lines()), soft_wrap=True, markup=False, highlight=False)
         return
     from compressor import parallel
 
@@ -167,8 +148,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         if int(os.environ.get("RANK", "0")) > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
             run(recipe, registry, None, overwrite=args.overwrite, restart=args.restart)
             return
+        def warn(text: str) -> None:
+            console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
+
         with _progress_display(console) as progress:
-            report = run(recipe, registry, progress, overwrite=args.overwrite, restart=args.restart)
+            report = run(recipe, registry, progress, overwrite=args.overwrite, restart=args.restart, warn=warn)
     except KeyboardInterrupt:
         if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
             raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None
@@ -181,34 +165,56 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {recipe.output}")
 
 
-def phase_logger(console: Console, label: str = "") -> Callable[[str, int, int], None]:
+def phase_logger(console: Console, label: str = "", every_s: float = 60.0) -> Callable[[str, int, int], None]:
     """A progress callback that logs each phase once (not every batch), timestamped, so a log
-    file stays short; `label` prefixes every line (e.g. which run of a sweep)."""
-    shown: list[str] = []
+    file stays short; `label` prefixes every line (e.g. which run of a sweep). A phase that lasts
+    longer than `every_s` (an optimiser's steps at one site) logs how far it is, with the time left."""
+    import time
+
+    state: dict[str, Any] = {"phase": None, "since": 0.0, "logged": 0.0}
+
+    def log(text: str) -> None:
+        console.log(f"{label}: {text}" if label else text, markup=False, highlight=False)
 
     def log_phase(phase: str, done: int, total: int) -> None:
-        if not shown or shown[-1] != phase:
-            shown.append(phase)
-            console.log(f"{label}: {phase}" if label else phase, markup=False, highlight=False)
+        now = time.monotonic()
+        if state["phase"] != phase:
+            state.update(phase=phase, since=now, logged=now)
+            log(phase)
+        elif total and 0 < done < total and now - state["logged"] >= every_s:
+            state["logged"] = now
+            log(f"{phase}: {done}/{total}, about {_duration((now - state['since']) * (total - done) / done)} left")
 
     return log_phase
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
+
+
 @contextmanager
 def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], None]]:
-    """A live bar on a terminal; elsewhere (a log file, CI) one timestamped line per phase, so a
-    log stays short (a live display there would only leave a blank line behind)."""
+    """A live bar with the time a phase has taken and an estimate of what it has left, on a
+    terminal; elsewhere (a log file, CI) one timestamped line per phase (and, in a long phase,
+    one a minute), so a log stays short (a live display there would only leave a blank line)."""
     if not console.is_terminal:
         yield phase_logger(console)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
+        shown = {"phase": "starting"}
 
         def update(phase: str, done: int, total: int) -> None:
-            bar.update(task, description=phase, completed=done, total=total)
+            if phase != shown["phase"]:  # a new phase: its rate, so its time left, starts afresh
+                shown["phase"] = phase
+                bar.reset(task, description=phase, completed=done, total=total)
+            else:
+                bar.update(task, completed=done, total=total)
 
         yield update
 
@@ -279,7 +285,8 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)
     except KeyboardInterrupt:
         raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
-    console.print(render(summary["table"], ".md"), end="", markup=False, highlight=False, soft_wrap=True)
+    console.print(render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False,
+                  soft_wrap=True)
     kept = summary["runs"] - len(summary["ran"])
     console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs"
                   + (f" ({kept} had finished earlier)" if kept else "")
@@ -309,19 +316,23 @@ def _surrogate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from compressor.compare import FORMATS, cell, columns, render, rows
+    from compressor.compare import FORMATS, cell, columns, evaluation_warnings, render, rows
 
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix not in FORMATS:
         raise UserError(f"--output must end in {', '.join(FORMATS)}, got '{output.name}'")
-    table = rows([Path(run) for run in args.runs])
+    runs = [Path(run) for run in args.runs]
+    table = rows(runs)
+    warnings = evaluation_warnings(runs)
     if console.is_terminal:
         names = tuple(columns(table))
         _print_table(console, "runs", names, [tuple(cell(c, row.get(c)) for c in names) for row in table])
+        for line in warnings:
+            console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
     else:  # a pipe or a log: the Markdown table, whole lines that nothing folds or cuts
-        console.print(render(table, ".md"), end="", markup=False, highlight=False, soft_wrap=True)
+        console.print(render(table, ".md", warnings), end="", markup=False, highlight=False, soft_wrap=True)
     if output is not None:
-        _write_output(console, output, render(table, output.suffix))
+        _write_output(console, output, render(table, output.suffix, warnings))
 
 
 def _write_output(console: Console, output: Path, text: str) -> None:

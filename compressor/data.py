@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from compressor.calibration import Batch
 from compressor.errors import UserError, first_line
+from compressor.hub import dataset_advice, offline  # noqa: F401  (offline: re-exported for callers of this module)
 
 
 def load_records(dataset: Mapping[str, Any], streaming: bool = False) -> Iterable[Mapping[str, Any]]:
@@ -25,16 +26,8 @@ def load_records(dataset: Mapping[str, Any], streaming: bool = False) -> Iterabl
     try:
         return datasets.load_dataset(**kwargs)
     except Exception as error:  # datasets raises many types; all mean "cannot read this dataset"
-        hint = ""
-        if offline():
-            hint = " (offline mode is on: use local data files or a dataset already in the cache)"
+        hint = "" if is_local(dataset) else dataset_advice()
         raise UserError(f"cannot load dataset {kwargs.get('path')!r}: {first_line(error)}{hint}") from None
-
-
-def offline() -> bool:
-    """Whether the hub is off limits (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set)."""
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def is_local(dataset: Mapping[str, Any]) -> bool:

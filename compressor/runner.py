@@ -38,14 +38,15 @@ from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
-from compressor.checkpoint import Checkpoint, json_digest, model_digest, tensor_digest
-from compressor.data import batches_of, first_record, load_records, offline, token_windows
+from compressor.checkpoint import FINGERPRINT_FILE, Checkpoint, json_digest, model_digest, tensor_digest
+from compressor.data import batches_of, first_record, load_records, token_windows
 from compressor.engine import PipelineStep, PruneResult, kept_width, prune, required_statistics
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
 from compressor.stock import check_stock, head_stream, stock_param_model, to_stock, width_multiple
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
+from compressor.hub import cached, model_advice, unreachable
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe
@@ -58,21 +59,20 @@ Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
 
 
-def _offline_hint() -> str:
-    if offline():
-        return " (offline mode is on: HF_HUB_OFFLINE=1; use a local folder or a model already in the cache)"
-    return ""
-
-
 def _load(what: str, spec: ModelSpec, loader: Callable[[], T]) -> T:
-    """Call a transformers loader; a missing or unreadable model is a one-line UserError."""
+    """Call a transformers loader; a missing or unreadable model is a one-line UserError. A hub
+    model that is not cached, where the hub cannot be reached, is refused at once (huggingface_hub
+    would retry for half a minute) with the same advice as in offline mode."""
+    on_hub = not Path(spec.path).is_dir()
+    if on_hub and unreachable() and not cached(spec.path, "config.json", spec.revision):
+        raise UserError(f"cannot load {what}: not in the cache{model_advice()}")
     try:
         return loader()
     except (OSError, ValueError) as error:
         if "contains custom code" in str(error) and not spec.trust_remote_code:
             raise UserError(f"model '{spec.path}' ships its own Python code (auto_map in its config), which is not run "
                             f"unless the recipe sets model.trust_remote_code: true (read that code first)") from None
-        hint = "" if Path(spec.path).is_dir() else _offline_hint()
+        hint = model_advice(error) if on_hub else ""
         raise UserError(f"cannot load {what}: {first_line(error)}{hint}") from None
 
 
@@ -171,8 +171,37 @@ RUN_MARKER = "report.json"
 """A folder holding this file was written by a run, and only such a folder is ever replaced."""
 
 
+RUN_FILES = ".run-files"
+"""The list of files a run wrote (relative paths, one per line), written as it is published:
+`--overwrite` replaces a previous run only when its folder holds nothing else."""
+
+
+def list_run_files(folder: Path) -> list[str]:
+    """Every file under `folder` (relative POSIX paths, sorted), and every empty folder (with a
+    trailing slash), except the manifest itself."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                found.append(path.relative_to(folder).as_posix() + "/")
+        elif path.name != RUN_FILES or path.parent != folder:
+            found.append(path.relative_to(folder).as_posix())
+    return found
+
+
+def foreign_files(output: Path) -> list[str]:
+    """What in a previous run's folder that run did not write (a user's notes, a copied file):
+    everything, when the folder has no list of its files (a run by an earlier compressor)."""
+    try:
+        written = set((output / RUN_FILES).read_text().splitlines())
+    except OSError:
+        written = set()
+    return [name for name in list_run_files(output) if name not in written]
+
+
 def check_output(output: Path, overwrite: bool) -> None:
-    """The output may be new, an empty folder, or (with `overwrite`) a previous run's folder.
+    """The output may be new, an empty folder, or (with `overwrite`) a previous run's folder
+    that holds only what that run wrote.
 
     Anything else is refused even with `overwrite`: a run never deletes files it did not write.
     """
@@ -189,6 +218,28 @@ def check_output(output: Path, overwrite: bool) -> None:
                         f"choose another --output")
     if not overwrite:
         raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
+    foreign = foreign_files(output)
+    if not (output / RUN_FILES).is_file():
+        raise UserError(f"output folder {output} holds a run without its list of files ({RUN_FILES}: an earlier "
+                        f"compressor wrote it), so --overwrite cannot tell its files from yours; move what you want to keep "
+                        f"and remove the folder, or choose another --output")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(f"output folder {output} holds files the previous run did not write ({shown}); --overwrite "
+                        f"replaces only a run's own files: move them out of the folder, or choose another --output")
+
+
+def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
+    """An interrupted run to `output` started with another recipe is refused before any weights
+    load (the checkpoint's model and data are checked once loaded). `restart` discards it."""
+    checkpoint = Checkpoint(staging_folder(output) / CHECKPOINT_FOLDER)
+    try:
+        saved = json.loads((checkpoint.folder / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if not restart and saved.get("recipe") != recipe_fingerprint(recipe) and checkpoint.has_progress():
+        raise UserError(f"an interrupted run in {staging_folder(output)} was started with a different recipe; "
+                        f"rerun with --restart to discard its progress, or choose another --output")
 
 
 def check_writable(output: Path) -> None:
@@ -281,6 +332,9 @@ def _publish(staging: Path, output: Path) -> None:
     The checkpoint goes only once the run is in place (until then a failure can still resume),
     and the lock file last, while it is still held."""
     shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)
+    written = [name for name in list_run_files(staging) if name != LOCK_FILE
+               and not name.startswith(f"{CHECKPOINT_FOLDER}/") and name != f"{CHECKPOINT_FOLDER}/"]
+    (staging / RUN_FILES).write_text("".join(f"{name}\n" for name in written))
     _give_default_modes(staging)
     previous = None
     try:
@@ -388,6 +442,25 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
 
 
+WIDE_LOSS = 0.5
+"""Keeping less than this share of the hidden width (or of the parameters) warns: past it,
+pruning the residual stream alone costs a large part of the model's quality."""
+
+
+def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
+    """A budget that keeps under half the width runs, with a warning that names what it keeps."""
+    d = checked.config.hidden_size
+    if checked.kept is not None and checked.kept < WIDE_LOSS * d:
+        what = f"keeps {checked.kept} of {d} dimensions of the residual stream"
+    elif checked.kept is None and checked.budget < WIDE_LOSS * checked.params.original:
+        what = f"keeps {checked.budget / checked.params.original:.0%} of the parameters"
+    else:
+        return []
+    budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
+    return [f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
+            f"consider removing less"]
+
+
 def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
     """Windows longer than the model's positions would be scored past what it was trained on (its
     perplexity then means nothing): refused, naming the limit."""
@@ -474,6 +547,7 @@ def run(
     restart: bool = False,
     resources: Resources | None = None,
     save_model: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run a validated recipe; return the report (also written to `<output>/report.json`).
 
@@ -481,10 +555,13 @@ def run(
     when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
     `resources` supplies model, data and H (a sweep shares them between its runs);
     `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
+    `warn` hears what the run goes on with but a user should know (a very large cut).
     """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)
+    for warning in budget_warnings(recipe, checked):
+        (warn or (lambda _: None))(warning)
     device = resolve_device(recipe.device)
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
         raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
@@ -499,6 +576,8 @@ def run(
             check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
             return _follow(recipe, checked, device, ranks, Resources(), report_progress)
     output = Path(recipe.output)
+    check_output(output, overwrite)
+    check_interrupted(output, recipe, restart)  # kept (refused before anything is created or loaded)
     staging = _prepare_staging(output, overwrite)
     with _locked(staging, output):
         check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
@@ -627,7 +706,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     if result.fisher is not None:
         resources.keep_fisher(h_key, result.fisher)
     pruned, bases = result.model, result.bases
-    timings["prune_s"] = time.perf_counter() - tick
+    timings["fisher_s"] = result.fisher_seconds  # shared work in a sweep: reported apart from the prune
+    timings["prune_s"] = time.perf_counter() - tick - result.fisher_seconds
 
     unrefined, refinement = None, None
     one_basis = recipe.slicing.layout == "global"
@@ -717,6 +797,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                    "ratio": parameter_count(pruned) / baseline_params},
         "size": {"baseline": baseline_size, "pruned": model_size(pruned)},
         "speed": speed,
+        "warnings": budget_warnings(recipe, checked),
         "sites": [site.to_json() for site in result.sites],
         "timings": timings,
         "environment": {"device": str(device), "torch": torch.__version__,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from compressor.bases import load_bases
 
 from compressor.cli import main
+from compressor.runner import RUN_FILES
 from tests.conftest import EXAMPLES, save_tiny_checkpoint
 
 
@@ -51,8 +52,8 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"  # relative output resolves against the recipe's folder
-    assert sorted(p.name for p in out.iterdir()) == ["bases.safetensors", "model", "recipe.yaml", "report.json",
-                                                     "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [".run-files", "bases.safetensors", "model", "recipe.yaml",
+                                                     "report.json", "report.md"]
     assert not list(tmp_path.glob(".out.partial*"))
     umask = os.umask(0o022)
     os.umask(umask)
@@ -107,6 +108,55 @@ def test_existing_run_needs_overwrite(tiny_checkpoint: Path, tmp_path: Path, cap
     assert (tmp_path / "out" / "report.json").read_text() == first
     assert main(["run", str(recipe), "--overwrite"]) == 0
     assert (tmp_path / "out" / "report.json").read_text() != first  # timings differ: it was rewritten
+
+
+@pytest.mark.parametrize("foreign", ["my_analysis.md", "notes/today.txt", "model/notes.txt", "plots/"])
+def test_overwrite_refuses_a_run_folder_holding_files_the_run_did_not_write(
+        tiny_checkpoint: Path, tmp_path: Path, foreign: str, capsys: pytest.CaptureFixture) -> None:
+    """A user's file (or folder) added to a previous run, at the top level or inside model/,
+    is named and kept; the previous run stays as it was, and no staging folder is left."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    output = tmp_path / "out"
+    added = output / foreign
+    if foreign.endswith("/"):
+        added.mkdir()
+    else:
+        added.parent.mkdir(exist_ok=True)
+        added.write_text("the user's own words")
+    before = {p.relative_to(output): p.read_bytes() for p in output.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and foreign in err and "did not write" in err
+    assert {p.relative_to(output): p.read_bytes() for p in output.rglob("*") if p.is_file()} == before
+    assert added.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
+    added.unlink() if added.is_file() else added.rmdir()
+    if foreign == "notes/today.txt":
+        added.parent.rmdir()
+    assert main(["run", str(recipe), "--overwrite"]) == 0  # once moved out, the run is replaced
+
+
+def test_overwrite_replaces_a_run_whose_own_files_were_edited(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    (tmp_path / "out" / "report.md").write_text("edited")
+    (tmp_path / "out" / "model" / "config.json").unlink()
+    assert main(["run", str(recipe), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "report.md").read_text() != "edited"
+    assert (tmp_path / "out" / "model" / "config.json").is_file()
+
+
+def test_overwrite_refuses_a_run_without_its_list_of_files(tiny_checkpoint: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """A run folder from before runs listed their files: nothing tells its files from a user's."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    (tmp_path / "out" / RUN_FILES).unlink()
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--overwrite"]) == 2
+    assert "without its list of files" in capsys.readouterr().err
+    assert (tmp_path / "out" / "report.json").is_file()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -184,6 +234,14 @@ BAD_INPUTS = {
     "unknown nested key": (dict(calibration__num_sample=3), None, "unknown key 'calibration.num_sample'"),
     "no budget": (dict(sparsity=_DELETE), None, "give one of sparsity"),
     "unknown strategy": (dict(pipeline=[{"strategy": "pcaa"}]), None, "unknown strategy 'pcaa'"),
+    "misspelt nested key in the file": (dict(calibration__num_samples=_DELETE, calibration__num_sample=4), None,
+                                        "unknown key 'calibration.num_sample' (did you mean 'num_samples'?); allowed"),
+    "misspelt section in the file": (dict(calibraton={"num_samples": 4}, calibration=_DELETE), None,
+                                     "unknown key 'calibraton' (did you mean 'calibration'?); allowed"),
+    "misspelt strategy": (dict(pipeline=[{"strategy": "sensitivty"}]), None,
+                          "unknown strategy 'sensitivty' (did you mean 'sensitivity'?)"),
+    "misspelt strategy option": (dict(pipeline=[{"strategy": "stiefel", "step": 5}]), None,
+                                 "unknown key 'step' (did you mean 'steps'?)"),
     "option for an option-less strategy": (dict(pipeline=[{"strategy": "pca", "tau": 3}]), None, "takes no options"),
     "empty pipeline": (dict(pipeline=[]), None, "pipeline must be a non-empty list"),
     "wrong type": (dict(calibration__num_samples="many"), None, "calibration.num_samples must be an integer"),
@@ -202,6 +260,8 @@ BAD_INPUTS = {
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
     "--set value that is not YAML": ({}, ["--set", "sparsity=[0.3"], "--set sparsity: the value is not valid YAML"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
+    "--set yes is a string, not true": ({}, ["--set", "evaluation.throughput=yes"],
+                                        "evaluation.throughput must be true or false"),
     "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be at least 0"),
     "unknown refinement key": (dict(refinement={"steps": 5}), None, "unknown key 'refinement.steps'"),
     "refinement after corrected readers": (dict(refinement={}, slicing={"correct_readers": True}), None,
@@ -252,10 +312,18 @@ def test_strategies_lists_builtin_pca_with_its_source(capsys: pytest.CaptureFixt
 
 
 def test_shipped_recipes_validate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every shipped recipe passes its dry run here; one for a GPU, on a machine without one,
+    is checked in full and then refused naming the device (it would stop there at once)."""
     for recipe in sorted((EXAMPLES.parent / "recipes").glob("*.yaml")):
         if "shared" in recipe.read_text() and not (EXAMPLES.parent.parent / "shared").is_dir():
             continue
-        assert main(["run", str(recipe), "--dry-run", "--output", str(tmp_path / recipe.stem)]) == 0, recipe
+        command = ["run", str(recipe), "--dry-run", "--output", str(tmp_path / recipe.stem)]
+        if "device: cuda" in recipe.read_text() and not torch.cuda.is_available():
+            capsys.readouterr()
+            assert main(command) == 2, recipe
+            assert "no CUDA GPU" in capsys.readouterr().err
+            command += ["--set", "device=auto"]
+        assert main(command) == 0, recipe
 
 
 def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -439,3 +507,61 @@ def test_sliced_classes_register_even_after_a_probe_for_transformers() -> None:
               "print('sliced_llama' in CONFIG_MAPPING)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("yes", "yes"), ("on", "on"), ("n", "n"), ("true", True), ("False", False), ("1e-3", 1e-3), ("-2.5E+1", -25.0),
+    ("010", 10), ("1:30", "1:30"), ("0x1f", 31), ("null", None), ("[1, no]", [1, "no"]),
+])
+def test_recipe_values_are_read_as_yaml_1_2(text: str, value: Any) -> None:
+    """Only true/false are booleans (YAML 1.1 made `yes`, `on`, `n` booleans and `1:30` the number
+    90), and `1e-3` is a number (YAML 1.1 left it a string)."""
+    from compressor.recipe import parse_yaml
+
+    assert parse_yaml(text) == value and type(parse_yaml(text)) is type(value)
+
+
+def test_yes_in_a_recipe_file_is_refused_not_read_as_true(tiny_checkpoint: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    text = recipe.read_text()
+    assert "throughput: false" in text
+    recipe.write_text(text.replace("throughput: false", "throughput: yes"))
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    assert "evaluation.throughput must be true or false, got 'yes'" in capsys.readouterr().err
+
+
+def test_version_names_the_package_and_the_libraries_that_decide_results(capsys: pytest.CaptureFixture) -> None:
+    from importlib.metadata import version
+
+    import compressor
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"compress {compressor.__version__} (torch {version('torch')}")
+    assert version("compressor") == compressor.__version__  # pyproject.toml and the package agree
+
+
+def test_a_log_names_each_phase_once_and_a_long_one_with_its_time_left() -> None:
+    import io
+
+    from rich.console import Console
+
+    from compressor.cli import phase_logger
+
+    console = Console(file=io.StringIO(), width=200)
+    log = phase_logger(console, every_s=0.0)
+    for done in range(4):
+        log("site 1/3 (embedding): stiefel", done, 4)
+    log("site 2/3 (layer.0.attn): stiefel", 0, 4)
+    lines = console.file.getvalue().splitlines()
+    assert len(lines) == 5 and all("site 1/3 (embedding): stiefel" in line for line in lines[:4])
+    assert "left" not in lines[0] and "1/4, about" in lines[1] and "3/4, about" in lines[3]
+    assert "site 2/3" in lines[4] and "left" not in lines[4]
+    quiet_file = io.StringIO()
+    quiet = phase_logger(Console(file=quiet_file, width=200), every_s=3600.0)
+    for done in range(4):
+        quiet("phase", done, 4)
+    assert len(quiet_file.getvalue().splitlines()) == 1  # a short phase is one line, as before

@@ -70,3 +70,26 @@ def test_with_compressor_imported_the_folder_loads_without_remote_code(tmp_path:
         "modeling_sliced.SlicedForCausalLM"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # the registered local class, no remote code
     assert type(reloaded).__module__ == "compressor.modeling"
+
+
+def test_the_readme_snippet_for_a_folder_without_compressor_asks_nothing(tmp_path: Path) -> None:
+    """README's remote-code snippet, run as written on a run folder with stdin closed: the model
+    and its tokenizer load, and transformers never stops to ask about custom code."""
+    from compressor.cli import main
+    from tests.conftest import save_tiny_checkpoint
+    from tests.test_cli import write_recipe
+
+    recipe = write_recipe(tmp_path, save_tiny_checkpoint(tmp_path / "tiny"), evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [block.split("```")[0] for block in readme.split("```python\n")[1:]]
+    snippet = next(block for block in blocks if "AutoTokenizer" in block and "trust_remote_code=True" in block)
+    folder = str(tmp_path / "out" / "model")
+    script = LOADER.split("import torch")[0] + snippet.replace("runs/demo-pca-25/model", folder) + \
+        "print(type(model).__name__, len(tokenizer('a b c').input_ids))\n"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Do you wish" not in done.stdout + done.stderr
+    assert done.stdout.startswith("SlicedLlamaForCausalLM")

@@ -114,8 +114,8 @@ def test_a_run_killed_with_spilled_activations_resumes_with_other_memory_setting
     assert list((tmp_path / ".run.partial" / "scratch").glob("activations-*/*.bin"))
     resumed = compress(recipe, output, "--set", "activations=host", "--set", "sensitivity.chunk=1")
     assert resumed.returncode == 0, resumed.stderr
-    assert sorted(p.name for p in output.iterdir()) == ["bases.safetensors", "model", "recipe.yaml", "report.json",
-                                                        "report.md"]
+    assert sorted(p.name for p in output.iterdir()) == [".run-files", "bases.safetensors", "model", "recipe.yaml",
+                                                        "report.json", "report.md"]  # no scratch left
     assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
     produced = tensors(output)
     assert all(torch.equal(produced[name], value) for name, value in uninterrupted.items())
