@@ -8,19 +8,15 @@ from typing import Any
 
 from rich.table import Table
 
+from compressor.throughput import rate_range, speedup_bounds
+
 
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(quantity, baseline, pruned) rows shared by the Markdown and terminal tables."""
     params = report["params"]
-    rows = [
-        ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
-        ("hidden width", str(report["model"]["hidden_size"]), kept_label(report)),
-    ]
-    allocation = report.get("allocation") or {}
-    if allocation.get("transition_params"):
-        tied = (report.get("slicing") or {}).get("tie_head")
-        label = "of which residual transitions" + (" and the tied head's map" if tied else "")
-        rows.append((label, "", f"{allocation['transition_params']:,}"))
+    rows = [("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
+            *transition_rows(report),
+            ("hidden width", str(report["model"]["hidden_size"]), kept_label(report))]
     rows += speed_rows(report.get("size"), report.get("speed"))
     metrics = report.get("metrics") or {}
     if metrics:
@@ -29,12 +25,37 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
         if "unrefined" in metrics:
             rows.append(("KL before refinement", "", f"{metrics['unrefined']['kl']:.5f}"))
         rows += task_rows(metrics)
-    refinement = report.get("refinement")
-    if refinement:
-        rows.append((f"calibration KL, refinement objective (top_k {refinement['options']['top_k']})",
-                     f"{refinement['calibration_kl_before']:.5f}",
-                     f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})"))
-    timings = report["timings"]
+    rows += refinement_rows(report.get("refinement"))
+    return rows + timing_rows(report["timings"])
+
+
+def transition_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The residual transitions' share of the pruned parameter count, labelled as parameters and
+    placed under them (not under the hidden width, which it is no part of)."""
+    transitions = (report.get("allocation") or {}).get("transition_params")
+    if not transitions:
+        return []
+    tied = (report.get("slicing") or {}).get("tie_head")
+    label = "  of which residual transitions" + (" and the tied head's map" if tied else "") + " (parameters)"
+    return [(label, "", f"{transitions:,}")]
+
+
+def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """The refinement objective before and after, both in the pruned column: the baseline column
+    holds only the original model's figures, and the unrefined model is already a pruned one."""
+    if not refinement:
+        return []
+    objective = f"calibration KL (refinement objective, top_k {refinement['options']['top_k']})"
+    return [(f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
+            (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})")]
+
+
+def timing_rows(timings: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
+    that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
+    rows = []
+    if timings.get("fisher_s"):
+        rows.append(("output sensitivity H (s)", "", f"{timings['fisher_s']:.1f}"))
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
@@ -56,11 +77,31 @@ def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> lis
                 cells = []
                 for side in ("baseline", "pruned"):
                     numbers = speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch)
-                    cells.append(f"{numbers[f'{phase}_tok_s']:,.0f}" if numbers else "")
+                    cells.append(rate_cell(numbers, phase) if numbers else "")
                 if "speedup" in speed:
-                    cells[1] += f" (×{speed['speedup'][batch][phase]:.2f})"
+                    cells[1] += f" ({speedup_label(speed, batch, phase)})"
                 rows.append((f"{phase} tokens/s, batch {batch}", *cells))
     return rows
+
+
+def rate_cell(numbers: dict[str, Any], phase: str) -> str:
+    """The median tokens/s, with ± half the range of the repeats (relative to the median): a
+    median of a few runs on a busy machine means little without its spread."""
+    median, span = numbers[f"{phase}_tok_s"], rate_range(numbers, phase)
+    if span is None or not median:
+        return f"{median:,.0f}"
+    return f"{median:,.0f} ±{(span[1] - span[0]) / (2 * median):.0%}"
+
+
+def speedup_label(speed: dict[str, Any], batch: str, phase: str) -> str:
+    """`×speedup`, and whether the difference from the baseline is within the repeats' spread
+    (the two models' ranges of tokens/s overlap), so a 0.97× is not read as a slowdown."""
+    label = f"×{speed['speedup'][batch][phase]:.2f}"
+    sides = [speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch) for side in ("pruned", "baseline")]
+    bounds = speedup_bounds(sides[0], sides[1], phase) if all(sides) else None
+    if bounds is not None and bounds[0] <= 1 <= bounds[1]:
+        label += ", within noise"
+    return label
 
 
 def _score(values: dict[str, Any], metric: str) -> str:

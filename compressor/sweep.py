@@ -19,7 +19,10 @@ windows, the loaded original model (each run prunes a copy), H for each (model, 
 data, H options, seed), and the original model's lm-eval scores. H and the scores are also kept
 under `<output>/shared/`, so a sweep that was interrupted continues where it stopped: finished
 runs are kept (when their recipe is unchanged), an interrupted run resumes from its checkpoint,
-and nothing shared is computed twice. Results go to `results.{csv,json,md}` and PNG plots.
+and nothing shared is computed twice. Results go to `results.{csv,json,md}` and PNG plots. In
+the results, `prune s` is each run's own work and `shared s` the loading, tokenising and H that
+the first run needing them did for all; `results.md` ends with a warning where the runs were
+evaluated on different data (a grid over `evaluation.*`), whose KL and perplexity do not compare.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from transformers import PreTrainedModel
 
 from compressor.calibration import Batch
 from compressor.checkpoint import json_digest, write_atomic
-from compressor.compare import read_report, render, rows
+from compressor.compare import evaluation_warnings, read_report, render, rows
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe, assign, load_recipe, read_yaml, validate
@@ -267,17 +270,25 @@ def _stale_checkpoint(point: Point) -> bool:
 
 
 def results(finished: list[Point]) -> list[dict[str, Any]]:
-    """One row per finished run: `compress compare`'s columns and the run's grid values."""
-    table = rows([Path(p.recipe.output) for p in finished])
+    """One row per finished run: `compress compare`'s columns and the run's grid values (its
+    other differing settings too, but not again the dotted keys under a grid key)."""
+    table = rows([Path(p.recipe.output) for p in finished], shown=list(finished[0].values) if finished else ())
     for row, point in zip(table, finished):
         for key, value in point.values.items():
             row.setdefault(key, value if not isinstance(value, (list, dict)) else json.dumps(value))
     return table
 
 
-def write_results(sweep: Sweep, table: list[dict[str, Any]]) -> None:
+def warnings(finished: list[Point]) -> list[str]:
+    """`compress compare`'s warnings for the finished runs (e.g. a grid over the evaluation
+    windows makes their KL and perplexity incomparable)."""
+    return evaluation_warnings([Path(p.recipe.output) for p in finished])
+
+
+def write_results(sweep: Sweep, table: list[dict[str, Any]], notes: list[str] | None = None) -> None:
+    """results.{csv,json,md}; `notes` (`warnings`) go under the Markdown table."""
     for name in RESULT_FILES:
-        text = render(table, Path(name).suffix)
+        text = render(table, Path(name).suffix, notes or ())
         write_atomic(sweep.output / name, lambda p, text=text: p.write_text(text))
 
 
@@ -313,20 +324,20 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
             ran.append(point.name)
             finished.add(point.name)
             computed += result["fisher_source"] == "computed"
-            write_results(sweep, results(done()))
+            write_results(sweep, results(done()), warnings(done()))
     except BaseException:
         if done():
-            write_results(sweep, results(done()))
+            write_results(sweep, results(done()), warnings(done()))
         raise
-    table = results(done())
-    write_results(sweep, table)
+    table, notes = results(done()), warnings(done())
+    write_results(sweep, table, notes)
     report("plotting", 0, 1)
     from compressor.plots import sweep_plots
 
     plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done()], list(sweep.grid),
                         sweep.output)
     return {"output": str(sweep.output), "runs": len(table), "ran": ran, "fisher_computed": computed,
-            "plots": [str(p) for p in plots], "table": table}
+            "plots": [str(p) for p in plots], "table": table, "warnings": notes}
 
 
 def check(sweep: Sweep, registry: PluginRegistry) -> None:

@@ -4,7 +4,8 @@ Size counts what a pruned model really carries, the residual transition matrices
 (ordinary `nn.Linear` parameters: the `attn_shortcut` / `mlp_shortcut` of every
 `compressor.modeling.SlicedDecoderLayer`). Speed follows the usual split of generation into prefill (one forward
 over the whole prompt) and decode (one token at a time against the KV cache), in tokens per
-second per batch size, after untimed warm-up runs, as the median of repeats. The timed
+second per batch size, after untimed warm-up runs, as the median of repeats, with the slowest
+and fastest repeat beside it (a speedup near 1 may be noise: `speedup_bounds`). The timed
 decode is the model's real cached decoding path (`prefill` then `decode`, also used by the
 tests to check it against a full forward), fed fixed random tokens so both models do the same
 work whatever they predict.
@@ -136,6 +137,37 @@ def _timings(
     return runs
 
 
+def _rates(phase: str, tokens: int, seconds: list[float]) -> dict[str, Any]:
+    """A phase's median rate and time, every run's time, and the slowest and fastest run's rate:
+    the spread that tells a real speedup from the noise of a busy machine."""
+    median = statistics.median(seconds)
+    return {f"{phase}_tok_s": tokens / median, f"{phase}_s": median, f"{phase}_runs_s": seconds,
+            f"{phase}_tok_s_min": tokens / max(seconds), f"{phase}_tok_s_max": tokens / min(seconds),
+            f"{phase}_spread": (max(seconds) - min(seconds)) / median}
+
+
+def rate_range(numbers: Mapping[str, Any], phase: str) -> tuple[float, float] | None:
+    """(slowest, fastest) tokens/s of a phase's timed runs; derived from `*_runs_s` for
+    measurements taken before the range was recorded; None where neither is there."""
+    if f"{phase}_tok_s_min" in numbers and f"{phase}_tok_s_max" in numbers:
+        return numbers[f"{phase}_tok_s_min"], numbers[f"{phase}_tok_s_max"]
+    runs = numbers.get(f"{phase}_runs_s")
+    if not runs or not numbers.get(f"{phase}_s"):
+        return None
+    tokens = numbers[f"{phase}_tok_s"] * numbers[f"{phase}_s"]
+    return tokens / max(runs), tokens / min(runs)
+
+
+def speedup_bounds(side: Mapping[str, Any], base: Mapping[str, Any], phase: str) -> tuple[float, float] | None:
+    """The lowest and highest speedup the two models' ranges of tokens/s allow (slowest `side`
+    run over fastest `base` run, and the reverse); a span that holds 1 means the difference is
+    within the noise of the repeats. None where a range is unknown."""
+    ours, theirs = rate_range(side, phase), rate_range(base, phase)
+    if ours is None or theirs is None:
+        return None
+    return ours[0] / theirs[1], ours[1] / theirs[0]
+
+
 def _throughput(
     models: list[PreTrainedModel],
     device: torch.device | str,
@@ -169,15 +201,8 @@ def _throughput(
                 ids = torch.randint(vocab, (batch, prompt_len), generator=generator).to(device)
                 new = torch.randint(vocab, (batch, decode_tokens), generator=generator).to(device)
                 for into, (prefill_s, decode_s) in zip(per_batch, _timings(models, device, ids, new, warmup, repeats)):
-                    prefill_median, decode_median = statistics.median(prefill_s), statistics.median(decode_s)
-                    into[str(batch)] = {
-                        "prefill_tok_s": batch * prompt_len / prefill_median,
-                        "decode_tok_s": batch * decode_tokens / decode_median,
-                        "prefill_s": prefill_median,
-                        "decode_s": decode_median,
-                        "prefill_runs_s": prefill_s,
-                        "decode_runs_s": decode_s,
-                    }
+                    into[str(batch)] = {**_rates("prefill", batch * prompt_len, prefill_s),
+                                        **_rates("decode", batch * decode_tokens, decode_s)}
     finally:
         for model, training in zip(models, modes):
             model.train(training)
@@ -205,8 +230,10 @@ def measure_throughput(
     [0, vocab_size), the config's by default, with `seed`). Decode: batch × decode_tokens
     tokens over the time of decode_tokens single-token forwards after that prefill (its cache
     untimed). `warmup` runs are not timed; rates come from the median of `repeats` timed runs
-    (all kept, in `*_runs_s`). On CUDA the device is synchronised around each timing. The
-    model runs in eval mode and is given back in the mode it came in.
+    (all kept, in `*_runs_s`; the slowest and fastest run's rates in `*_tok_s_min` and
+    `*_tok_s_max`, and the range of the times over their median in `*_spread`). On CUDA the
+    device is synchronised around each timing. The model runs in eval mode and is given back in
+    the mode it came in.
     """
     return _throughput([model], device, prompt_len=prompt_len, decode_tokens=decode_tokens,
                        batch_sizes=batch_sizes, warmup=warmup, repeats=repeats, vocab_size=vocab_size, seed=seed)[0]
@@ -226,13 +253,15 @@ def measure_side_by_side(models: Mapping[str, PreTrainedModel], device: torch.de
 
 
 def relative(side: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-    """`side` against `base`: size ratios, and tokens/s ratios per batch size (above 1: faster)."""
-    speedup = {
-        batch: {phase: side["throughput"]["batch"][batch][f"{phase}_tok_s"] / numbers[f"{phase}_tok_s"]
-                for phase in ("prefill", "decode")}
-        for batch, numbers in base["throughput"]["batch"].items()
-    }
-    return {"ratio": {key: side[key] / base[key] for key in ("params", "weight_bytes")}, "speedup": speedup}
+    """`side` against `base`: size ratios, tokens/s ratios per batch size (above 1: faster), and
+    under `speedup_range` the span of those ratios the repeats allow (`speedup_bounds`)."""
+    speedup, spans = {}, {}
+    for batch, numbers in base["throughput"]["batch"].items():
+        ours = side["throughput"]["batch"][batch]
+        speedup[batch] = {phase: ours[f"{phase}_tok_s"] / numbers[f"{phase}_tok_s"] for phase in ("prefill", "decode")}
+        spans[batch] = {phase: speedup_bounds(ours, numbers, phase) for phase in ("prefill", "decode")}
+    return {"ratio": {key: side[key] / base[key] for key in ("params", "weight_bytes")}, "speedup": speedup,
+            "speedup_range": spans}
 
 
 def compare_speed(

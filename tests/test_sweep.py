@@ -54,6 +54,9 @@ def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint:
     with open(out / "results.csv") as handle:
         table = list(csv.DictReader(handle))
     assert len(table) == 4
+    shared = [float(r["shared s"]) for r in table]  # the first run loads, tokenises and computes H for all
+    assert float(table[0]["H s"]) > 0 and [float(r["H s"]) for r in table[1:]] == [0.0, 0.0, 0.0]
+    assert shared[0] > float(table[0]["H s"]) and all(s < shared[0] for s in shared[1:])
     assert {(r["sparsity"], r["pipeline"]) for r in table} == {
         (s, p) for s in ("0.125", "0.25") for p in ("sensitivity", "sensitivity + stiefel")}
     assert len(json.loads((out / "results.json").read_text())) == 4
@@ -199,5 +202,51 @@ def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_pa
     assert _lines(table, ["target_params"], "KL") == {"pca": [(0.748, 0.02, 0.02, 0.02), (0.897, 0.005, 0.005, 0.005)]}
     reports = [{"sites": []}, {"sites": []}]
     written = sweep_plots(table, reports, ["target_params"], tmp_path)
+    assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
+    assert written[0].read_bytes().startswith(PNG)
+
+
+def _fake_run(folder: Path, num_samples: int, ppl: float, refinement: dict | None) -> None:
+    """A finished run folder as compare reads it: its report and its saved recipe."""
+    folder.mkdir(parents=True)
+    report = {"model": {"path": "/m/ref-llama", "hidden_size": 64}, "pipeline": [{"strategy": "pca", "options": {}}],
+              "sparsity": 0.25, "kept_width": 48, "seed": 0, "params": {"baseline": 10, "pruned": 8, "ratio": 0.8},
+              "metrics": {"baseline": {"ppl": ppl}, "pruned": {"ppl": ppl + 1, "kl": 0.01}},
+              "timings": {"data_s": 1.0, "load_s": 1.0, "fisher_s": 0.0, "prune_s": 2.0}}
+    (folder / "report.json").write_text(json.dumps(report))
+    recipe = {"model": {"path": "/m/ref-llama"}, "sparsity": 0.25, "seed": 0, "refinement": refinement,
+              "evaluation": {"dataset": {"path": "json", "data_files": "/d/v.jsonl"}, "num_samples": num_samples,
+                             "seq_len": 64}}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+
+
+def test_results_of_a_grid_over_the_evaluation_carry_its_warning(tmp_path: Path) -> None:
+    """A grid over the evaluation windows: results.md says the KL and perplexity are not comparable,
+    and settings under a grid key are not repeated as dotted columns of their own."""
+    from types import SimpleNamespace
+
+    from compressor.sweep import Point, Sweep, results, warnings, write_results
+
+    points = []
+    for name, samples, ppl, windows in (("000", 64, 30.167, 8), ("001", 256, 20.314, 16)):
+        _fake_run(tmp_path / "runs" / name, samples, ppl, {"windows": windows})
+        values = {"evaluation.num_samples": samples, "refinement": {"windows": windows}}
+        points.append(Point(name, values, SimpleNamespace(output=str(tmp_path / "runs" / name))))
+    table, notes = results(points), warnings(points)
+    assert [row["evaluation.num_samples"] for row in table] == [64, 256]
+    assert not any(key.startswith("refinement.") for row in table for key in row)
+    assert [row["refinement"] for row in table] == ['{"windows": 8}', '{"windows": 16}']
+    assert len(notes) == 1 and "evaluation.num_samples 64 vs 256" in notes[0]
+    write_results(Sweep(tmp_path / "s.yaml", tmp_path, {}, points, False), table, notes)
+    assert f"> **warning**: {notes[0]}" in (tmp_path / "results.md").read_text()
+    assert "warning" not in (tmp_path / "results.csv").read_text()
+
+
+def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
+    from compressor.plots import sweep_plots
+
+    table = [{"model": "m", "pipeline": p, "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0 + kl,
+              "baseline ppl": 30.0} for p, kl in (("pca", 0.02), ("sensitivity", 0.01))]
+    written = sweep_plots(table, [{"sites": []}] * 2, ["sparsity", "pipeline"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
     assert written[0].read_bytes().startswith(PNG)

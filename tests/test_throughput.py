@@ -104,11 +104,17 @@ def test_throughput_gives_positive_finite_rates_per_batch_size(llama, which: str
         "device": "cpu", "dtype": "float32", "prompt_len": 8, "decode_tokens": 4, "warmup": 1, "repeats": 2}
     assert set(result["batch"]) == {"1", "3"}
     for numbers in result["batch"].values():
-        assert set(numbers) == {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "prefill_runs_s",
-                                "decode_runs_s"}
+        assert set(numbers) == {f"{phase}_{key}" for phase in ("prefill", "decode")
+                                for key in ("tok_s", "s", "runs_s", "tok_s_min", "tok_s_max", "spread")}
         assert len(numbers["prefill_runs_s"]) == len(numbers["decode_runs_s"]) == 2
         rates = [numbers[key] for key in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s")]
         assert all(math.isfinite(value) and value > 0 for value in rates)
+        for phase in ("prefill", "decode"):  # the slowest and the fastest repeat
+            runs, tokens = numbers[f"{phase}_runs_s"], numbers[f"{phase}_tok_s"] * numbers[f"{phase}_s"]
+            assert numbers[f"{phase}_tok_s_min"] == pytest.approx(tokens / max(runs))
+            assert numbers[f"{phase}_tok_s_max"] == pytest.approx(tokens / min(runs))
+            assert numbers[f"{phase}_tok_s_min"] <= numbers[f"{phase}_tok_s"] <= numbers[f"{phase}_tok_s_max"]
+            assert numbers[f"{phase}_spread"] == pytest.approx((max(runs) - min(runs)) / numbers[f"{phase}_s"])
 
 
 def test_measuring_runs_in_eval_mode_and_restores_the_mode(llama) -> None:
@@ -150,10 +156,13 @@ def test_comparison_reports_ratios_and_speedups(llama) -> None:
     assert result["pruned"]["transition_params"] > 0
     assert 0 < result["ratio"]["params"] < 1
     assert result["ratio"]["weight_bytes"] == pytest.approx(result["ratio"]["params"])
-    assert set(result["speedup"]) == {"1", "3"}
-    for phases in result["speedup"].values():
+    assert set(result["speedup"]) == set(result["speedup_range"]) == {"1", "3"}
+    for batch, phases in result["speedup"].items():
         assert set(phases) == {"prefill", "decode"}
         assert all(math.isfinite(value) and value > 0 for value in phases.values())
+        for phase, speedup in phases.items():  # the repeats' span holds the median's ratio
+            low, high = result["speedup_range"][batch][phase]
+            assert low <= speedup <= high
 
 
 def test_a_run_longer_than_the_model_allows_is_refused(llama) -> None:
