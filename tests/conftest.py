@@ -9,6 +9,9 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+BUILTIN_PLUGINS = "pca,sensitivity,stiefel"
+os.environ["COMPRESS_PLUGINS"] = BUILTIN_PLUGINS  # the suite means the built-ins: a user's own plugin, installed
+# in the same venv, must not change what it sees (tests of third-party plugins name theirs)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

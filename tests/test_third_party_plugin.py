@@ -18,6 +18,8 @@ import pytest
 import torch
 import yaml
 
+from tests.conftest import BUILTIN_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "keep-coordinates-plugin"
 REF_LLAMA = ROOT / "examples" / "ref-llama"
@@ -65,6 +67,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _env(site: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               COMPRESS_PLUGINS=f"{BUILTIN_PLUGINS},keep-coordinates",  # the suite pins its plugins (conftest)
                COLUMNS="250")  # rich wraps table cells at 80 columns when not on a terminal
     return env
 
@@ -120,8 +123,9 @@ def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tin
             in refused.stderr)
     unknown = cli("strategies", plugins="pca,keep-cordinates")
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
-    assert "COMPRESS_PLUGINS names 'keep-cordinates', which is not an installed plugin; installed: keep-coordinates, " \
-           "pca, sensitivity, stiefel" in unknown.stderr
+    assert "COMPRESS_PLUGINS names 'keep-cordinates', which is not an installed plugin; installed: " in unknown.stderr
+    installed = unknown.stderr.split("installed: ")[1].strip().split(", ")
+    assert {"keep-coordinates", "pca", "sensitivity", "stiefel"} <= set(installed)  # and whatever else a user has
 
 
 def test_basis_is_a_permutation_of_the_highest_energy_coordinates(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,3 +202,15 @@ def test_guide_shows_the_example_as_it_is() -> None:
     guide = (ROOT / "docs" / "writing-a-strategy.md").read_text()
     for path in ("pyproject.toml", "compressor_keep_coordinates/__init__.py"):
         assert (EXAMPLE / path).read_text() in guide, f"the guide's copy of {path} is out of date"
+
+
+def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path) -> None:
+    """A user who writes a plugin (docs/writing-a-strategy.md) and then runs the suite: the tests
+    that list strategies see only the plugins they mean (conftest pins COMPRESS_PLUGINS)."""
+    env = {key: value for key, value in _env(site).items() if key != "COMPRESS_PLUGINS"}  # as in a user's shell
+    chosen = ["tests/test_hardening.py::test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes",
+              "tests/test_cli.py::test_strategies_lists_builtin_pca_with_its_source"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *chosen], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 passed" in result.stdout
