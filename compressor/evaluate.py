@@ -85,21 +85,29 @@ def evaluate_models(
         if original is not None:
             if baseline_tasks is None:
                 report("lm-eval: original model", 0, 1)
-                baseline_tasks = task_scores(original, tokenizer, tasks, device, seed)
+                baseline_tasks = task_scores(original, tokenizer, tasks, device, seed,
+                                             lambda phase, done, total: report(f"lm-eval, original model: {phase}",
+                                                                               done, total))
             metrics["baseline"]["tasks"] = baseline_tasks
         report("lm-eval: pruned model", 0, 1)
-        metrics["pruned"]["tasks"] = task_scores(pruned, tokenizer, tasks, device, seed)
+        metrics["pruned"]["tasks"] = task_scores(pruned, tokenizer, tasks, device, seed,
+                                                 lambda phase, done, total: report(f"lm-eval, pruned model: {phase}",
+                                                                                   done, total))
     return metrics
 
 
 def task_scores(model: PreTrainedModel, tokenizer: Any, suites: list[LmEvalSpec], device: torch.device,
-                seed: int = 0) -> dict[str, Any]:
-    """Every suite's lm-eval scores, `{task: {metric: value}}` (imports lm-eval only when asked)."""
+                seed: int = 0, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Every suite's lm-eval scores, `{task: {metric: value}}` (imports lm-eval only when asked).
+    `progress(phase, done, total)` hears each suite's tasks and requests (`harness.run_tasks`)."""
     from compressor.harness import run_tasks
 
+    report = progress or (lambda *_: None)
     scores: dict[str, Any] = {}
-    for suite in suites:
-        scores.update(run_tasks(model, tokenizer, suite, device, seed))
+    for number, suite in enumerate(suites, 1):
+        where = f"suite {number}/{len(suites)}, " if len(suites) > 1 else ""
+        scores.update(run_tasks(model, tokenizer, suite, device, seed,
+                                lambda phase, done, total, where=where: report(f"{where}{phase}", done, total)))
     return scores
 
 

@@ -23,7 +23,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from unittest import mock
 import torch
 from transformers import PreTrainedModel
 
-from compressor.errors import UserError, first_line
+from compressor.errors import UserError, did_you_mean, first_line
 from compressor.recipe import TASK_FILE_SUFFIXES, LmEvalSpec, resolve_path
 
 
@@ -66,7 +67,8 @@ def check_tasks(spec: LmEvalSpec) -> None:
                 continue
             if task not in index:
                 where = f" or in {spec.include_path}" if spec.include_path else ""
-                raise UserError(f"unknown lm-eval task '{task}': not in lm-eval's registry{where} "
+                raise UserError(f"unknown lm-eval task '{task}'{did_you_mean(task, index)}: not in lm-eval's "
+                                f"registry{where} "
                                 f"(list them with `lm_eval ls tasks`, or give a task YAML file)")
             if index[task].kind.name == "TAG":
                 raise UserError(f"lm-eval name '{task}' is a tag, which has no score of its own: name its tasks "
@@ -197,18 +199,71 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+Progress = Callable[[str, int, int], None]
+
+REQUEST_KINDS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+"""lm-eval's request types: the LM methods its evaluator calls with all of a kind's requests."""
+
+
+def _watch_requests(wrapper: Any, report: Progress, what: str, seconds: float = 0.25) -> None:
+    """Make `wrapper` (an lm-eval LM) report `what: <kind> requests` with answered/total as it
+    works. lm-eval's evaluator hands each request type's requests of all the tasks at once (in
+    an order of its own), and the HF model calls its cache hook once per answered request as
+    each batch finishes (a `loglikelihood_rolling` request, once all its windows are done): a
+    counting hook gives per-batch progress at no cost, reported at most every `seconds`."""
+    from lm_eval.api.model import CacheHook
+
+    class Counter(CacheHook):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.phase, self.done, self.total, self.last = "", 0, 0, 0.0
+
+        def add_partial(self, attr: str, req: Any, res: Any) -> None:
+            self.done += 1
+            now = time.perf_counter()
+            if now - self.last >= seconds:
+                self.last = now
+                report(self.phase, min(self.done, self.total), self.total)
+
+    counter = Counter()
+    wrapper.set_cache_hook(counter)
+
+    def counted(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
+            counter.phase, counter.done, counter.total = f"{what}: {kind} requests", 0, len(requests)
+            counter.last = time.perf_counter()
+            report(counter.phase, 0, counter.total)
+            answers = method(requests, *args, **kwargs)
+            report(counter.phase, counter.total, counter.total)
+            return answers
+        return run
+
+    for kind in REQUEST_KINDS:  # the evaluator looks them up on the instance: getattr(lm, kind)
+        setattr(wrapper, kind, counted(kind, getattr(wrapper, kind)))
+
+
+def _task_list(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def run_tasks(model: PreTrainedModel, tokenizer: Any, spec: LmEvalSpec, device: torch.device,
-              seed: int = 0) -> dict[str, dict[str, float | int | None]]:
-    """Evaluate `model` (already on `device`) on the spec's tasks; `{task: {metric: value}}`."""
+              seed: int = 0, progress: Progress | None = None) -> dict[str, dict[str, float | int | None]]:
+    """Evaluate `model` (already on `device`) on the spec's tasks; `{task: {metric: value}}`.
+    `progress(phase, done, total)` hears the suite's tasks being prepared, then its requests
+    being answered (per request type, as batches finish)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    report = progress or (lambda *_: None)
     with _quiet():
         manager = _task_manager(spec)
         specs, names = _task_specs(spec, manager)
+        what = _task_list(names)
+        report(f"{what}: preparing the tasks", 0, 1)
         # lm-eval may give the tokenizer a pad token: a copy keeps the caller's (saved with the model) as it was
         wrapper = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size,
                        device=str(device))
+        _watch_requests(wrapper, report, what)
         limit = spec.limit if spec.limit is None or spec.limit < 1 else int(spec.limit)
         try:
             results = simple_evaluate(model=wrapper, tasks=specs, task_manager=manager, num_fewshot=spec.num_fewshot,

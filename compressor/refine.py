@@ -185,6 +185,7 @@ def refine_bases(
     tied = tied_head(model, family, bases) if keep_tied is None else keep_tied  # before fusing, which unties
     fuse_norms(model, family)
     model.to(device)
+    report("refinement: capturing layer inputs", 0, 1)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
     head = TiedHead(model.get_submodule(family.embedding).weight.detach()) if tied else None
     try:

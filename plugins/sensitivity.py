@@ -53,13 +53,21 @@ class Sensitivity(Strategy):
         C = frobenius_normalised(problem.stats.C)
         H = frobenius_normalised(problem.stats.extra["H"].to(C))
         keep = problem.keep
+        # progress counts eigendecompositions: the grid's and PCA's (one batch), then each refined τ
+        total, done = len(options.taus) + 1 + options.refine, len(options.taus) + 1
+        problem.progress(0, total)
 
         def candidate(tau: float) -> tuple[float, float, torch.Tensor]:
+            nonlocal done
             _, vectors = eigh_descending(tau * C + H / tau)
-            return coupled_loss(C, H, vectors[:, keep:]), tau, vectors
+            found = coupled_loss(C, H, vectors[:, keep:]), tau, vectors
+            done += 1
+            problem.progress(done, total)
+            return found
 
         bases = tau_candidates(C, H, options.taus)  # the grid's and PCA's, in one batch
         *losses, pca_loss = coupled_losses(C, H, bases[:, :, keep:]).tolist()  # one sync for all of them
+        problem.progress(done, total)
         candidates = list(zip(losses, options.taus, bases[:-1]))
         pca_vectors = bases[-1]
         refined = _golden_section(candidate, sorted(options.taus), min(candidates, key=lambda c: c[0])[1],

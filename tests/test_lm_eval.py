@@ -96,7 +96,7 @@ def test_eval_runs_tasks_alone_from_an_include_path(tiny_checkpoint: Path, tmp_p
     ({"tasks": ["x"], "shots": 5}, "unknown key 'evaluation.lm_eval.0.shots'"),
     ({"tasks": "arc_easy"}, "evaluation.lm_eval.0.tasks must be a list"),
     ([], "evaluation.lm_eval must hold at least one suite"),
-    ({"tasks": ["tiny_choise"], "include_path": "tasks"}, "unknown lm-eval task 'tiny_choise'"),
+    ({"tasks": ["tiny_choise"], "include_path": "tasks"}, "unknown lm-eval task 'tiny_choise' (did you mean 'tiny_choice'?)"),
 ])
 def test_bad_lm_eval_sections_are_one_line(lm_eval: object, message: str, tiny_checkpoint: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture) -> None:

@@ -178,7 +178,7 @@ def test_complete_basis_spans_the_removed_subspace_last() -> None:
 @pytest.mark.parametrize(("strategy", "options", "message"), [
     (Sensitivity(), {"taus": [1, -2]}, "taus.1 must be above 0 \\(a positive number\\), got -2"),
     (Sensitivity(), {"taus": []}, "non-empty"),
-    (Sensitivity(), {"tau": [1]}, "unknown key 'tau'; allowed keys: taus, include_pca, refine"),
+    (Sensitivity(), {"tau": [1]}, "unknown key 'tau' \\(did you mean 'taus'\\?\\); allowed keys: taus, include_pca, refine"),
     (Sensitivity(), {"include_pca": "yes"}, "include_pca must be true or false"),
     (Sensitivity(), {"refine": -1}, "refine must be at least 0 \\(a whole number of extra τ values\\), got -1"),
     (Sensitivity(), {"refine": 2.5}, "refine must be an integer"),
