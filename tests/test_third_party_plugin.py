@@ -197,11 +197,27 @@ def test_bad_option_is_one_line_user_error(site: Path, tiny_llama: Path, tmp_pat
     assert not out.exists()
 
 
+RERANK = ROOT / "examples" / "rerank-plugin"
+"""The guide's worked plugin (an option class, the helpers, H), written step by step in the guide."""
+
+
 def test_guide_shows_the_example_as_it_is() -> None:
-    """docs/writing-a-strategy.md quotes the plugin's files in full; keep them in step."""
+    """docs/writing-a-strategy.md quotes the plugins' files in full; keep them in step."""
     guide = (ROOT / "docs" / "writing-a-strategy.md").read_text()
     for path in ("pyproject.toml", "compressor_keep_coordinates/__init__.py"):
         assert (EXAMPLE / path).read_text() in guide, f"the guide's copy of {path} is out of date"
+    for path in ("pyproject.toml", "compressor_rerank/__init__.py", "ref_llama_rerank.yaml", "test_rerank.py"):
+        assert (RERANK / path).read_text() in guide, f"the guide's copy of rerank-plugin/{path} is out of date"
+
+
+def test_the_guide_s_worked_plugin_passes_its_own_tests(tmp_path: Path) -> None:
+    """What the guide tells its reader to run (`pytest examples/rerank-plugin`), run here from
+    the source folder: the plugin's module imports and its basis checks hold."""
+    env = {**os.environ, "PYTHONPATH": str(RERANK)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RERANK)],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
 
 
 def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path) -> None:
