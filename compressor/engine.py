@@ -261,13 +261,21 @@ def check_finite(statistic: str, site: str, value: torch.Tensor) -> None:
 
 
 def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
+    """A strategy's basis is d×d float64, finite and orthogonal, or the run stops in one line
+    naming the strategy (a plugin's bug, for its authors), before it reaches any weight."""
     q = basis.Q
+    fault = None
     if q.shape != (width, width) or q.dtype != torch.float64:
-        raise RuntimeError(f"strategy '{strategy}' returned a {tuple(q.shape)} {q.dtype} basis at {site}; "
-                           f"expected ({width}, {width}) float64")
-    error = (q.T @ q - torch.eye(width, dtype=q.dtype, device=q.device)).abs().max().item()
-    if error > 1e-6:
-        raise RuntimeError(f"strategy '{strategy}' returned a non-orthogonal basis at {site} (|QᵀQ − I| = {error:.2e})")
+        fault = f"a {tuple(q.shape)} {q.dtype} basis; expected ({width}, {width}) float64"
+    elif not bool(torch.isfinite(q).all()):
+        fault = "a basis holding NaN or Inf"
+    else:
+        error = (q.T @ q - torch.eye(width, dtype=q.dtype, device=q.device)).abs().max().item()
+        if error > 1e-6:
+            fault = f"a non-orthogonal basis (|QᵀQ − I| = {error:.2e})"
+    if fault is not None:
+        raise UserError(f"strategy '{strategy}' returned {fault} at site {site}: a bug in the strategy; report it "
+                        f"to its plugin's authors, or leave it out of the pipeline")
 
 
 class _Walk:
