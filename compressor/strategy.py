@@ -26,8 +26,12 @@ class StrategyOptionError(ValueError):
 class SiteStatistics:
     """Statistics of the residual stream at one site, over the counted calibration tokens.
 
-    `C` is E[x xᵀ] in float64. `extra` holds further d×d statistics by name (e.g. "H"),
-    present when a strategy in the pipeline `requires` them.
+    `C` is E[x xᵀ] in float64: the uncentred second moment (no mean is given), measured with
+    earlier sites already sliced. `extra` holds further d×d float64 statistics by name (e.g. "H",
+    E[g gᵀ] of the output KL's gradient), present when a strategy in the pipeline `requires`
+    them. Where sites share one basis (`slicing.shared_bases`, `slicing.layout: global`), the
+    problem is pooled: C and H are sums over its member sites (each divided by its trace under
+    global trace pooling), and `SiteProblem.name` is the first member's.
     """
 
     C: torch.Tensor
