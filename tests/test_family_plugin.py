@@ -20,6 +20,7 @@ from compressor.families import family_for
 from compressor.plugins import PluginRegistry
 from compressor_plugins.pca import PCA
 from tests.conftest import (
+    BUILTIN_PLUGINS,
     COMMON,
     EXAMPLES,
     ROOT,
@@ -100,7 +101,8 @@ def test_installed_family_plugin_runs_from_a_recipe(tmp_path: Path) -> None:
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "--target", str(site), str(source)], check=True, capture_output=True)
-    env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "COMPRESS_PLUGINS": f"{BUILTIN_PLUGINS},arcee-family"}  # the suite pins its plugins (conftest)
     listing = subprocess.run([sys.executable, "-m", "compressor.cli", "families"], env=env, capture_output=True,
                              text=True, cwd=ROOT)
     assert listing.returncode == 0 and "compressor-arcee-family 0.1.0" in listing.stdout
