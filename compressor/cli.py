@@ -135,12 +135,16 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         from compressor.preflight import dry_run
 
         found = dry_run(recipe, registry, args.overwrite, args.restart)
-        console.print(f"recipe OK: {args.recipe} -> {recipe.output} "
+        headline = "recipe checked, but the run would stop here" if found.refusal else (
+            "recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
+        console.print(f"{headline}: {args.recipe} -> {recipe.output} "
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}"
                       f"{', refined on KL' if recipe.refinement else ''}, "
                       f"{budget_label(recipe.sparsity, recipe.target_params)}"
                       f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
                       + "".join(f"\n  {line}" for line in found.lines()), soft_wrap=True, markup=False, highlight=False)
+        if found.refusal:
+            raise UserError(found.refusal)
         return
     from compressor import parallel
 

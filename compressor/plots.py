@@ -244,7 +244,8 @@ def _bars(axes: Any, table: list[dict[str, Any]], lines: dict[str, Points], colo
     for position, (series, points) in enumerate(lines.items()):
         _, mean, low, high = points[0]
         spread = [[mean - low], [high - mean]] if high > low else None
-        axes.bar(position, mean, yerr=spread, capsize=3, color=colours[series], label=labels[series])
+        bar = axes.bar(position, mean, yerr=spread, capsize=3, color=colours[series], label=labels[series])
+        axes.bar_label(bar, fmt="%.4g", fontsize=8)  # bars start at 0: close values differ in their labels
     axes.set_xticks([])  # the legend names the bars
     x = _x(table[0], _by_sparsity(table))
     axes.set_xlabel(f"sparsity {x}" if _by_sparsity(table) else f"{x:.3f} of the parameters kept")
@@ -292,7 +293,8 @@ def kl_ppl_figure(table: list[dict[str, Any]], grid_keys: list[str]) -> Any:
     figure, grid = _figure(1, 2, (12, 4.5))
     axes = grid[0]
     _plot_against_sparsity(axes[0], table, grid_keys, "KL")
-    axes[0].set_yscale("log")
+    if not _single_x(table):  # a log axis cuts bars off at an arbitrary floor: bars stay linear, from 0
+        axes[0].set_yscale("log")
     axes[0].set_ylabel("KL(original ‖ pruned), nats per token")
     axes[0].set_title(f"{model}: KL to the original model")
     _plot_against_sparsity(axes[1], table, grid_keys, "pruned ppl", _dense(table, "baseline ppl"))

@@ -46,6 +46,9 @@ class DryRun:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    refusal: str | None = None
+    """Why the run would stop at once here although the recipe is sound (a device this machine
+    lacks, an output it may not replace): the dry run shows what it checked, then fails with it."""
 
     def lines(self) -> list[str]:
         return ([f"checked: {line}" for line in self.checked] + [f"note: {line}" for line in self.notes]
@@ -80,10 +83,10 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
         check_output(output, overwrite)
         found.checked.append(f"output {output} can be written")
     except UserError as error:
-        found.notes.append(str(error))
+        found.refusal = str(error)
     found.unchecked.append(ALWAYS_UNCHECKED)
     if missing is not None:
-        raise UserError(f"{missing} (everything else a dry run checks passed)")
+        found.refusal = missing
     return found
 
 
@@ -97,6 +100,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             check_evaluation_tasks(recipe)
             found.unchecked.append(f"the model's config, family, budget and widths, and the data's window counts "
                                    f"(hub model '{path}' is not in the cache; {why})")
+            found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
     checked = plan(recipe, registry)
     original = checked.params.original

@@ -337,13 +337,14 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     assert "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi, phi3, qwen2, qwen3" in capsys.readouterr().err
 
 
-def test_dry_run_notes_an_existing_output(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_refuses_an_existing_output_as_the_run_would(tiny_checkpoint: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.json").write_text("{}")
-    assert main(["run", str(recipe), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "recipe OK" in out and "note: output folder" in out and "already holds a run" in out
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("recipe checked, but the run would stop here") and "already holds a run" in err
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -23,8 +23,9 @@ def test_a_recipe_for_cuda_is_refused_here_after_everything_else_is_checked(
         tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, device="cuda")
     assert main(["run", str(recipe), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert "no CUDA GPU is available" in err and "everything else a dry run checks passed" in err
+    out, err = capsys.readouterr()
+    assert "no CUDA GPU is available" in err and err.count("\n") == 1
+    assert out.startswith("recipe checked, but the run would stop here") and "checked: model config" in out
     recipe = write_recipe(tmp_path, tiny_checkpoint, device="cuda", sparsity=0.99)  # a real problem comes first
     assert main(["run", str(recipe), "--dry-run"]) == 2
     assert "leaves no width" in capsys.readouterr().err
@@ -84,5 +85,22 @@ def test_a_very_large_cut_warns_in_the_dry_run_the_run_and_its_report(
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(report["warnings"]) == 1 and "expect a large loss" in report["warnings"][0]
     recipe = write_recipe(tmp_path, tiny_checkpoint, sparsity=0.25, evaluation=None)
-    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert main(["run", str(recipe), "--dry-run", "--overwrite"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_the_dry_run_refuses_what_the_run_refuses_at_the_output(tiny_checkpoint: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """A previous run without --overwrite, or a user's file in it with --overwrite: the run stops
+    at once, so the dry run does not say OK (it lists what it checked first)."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "already holds a run; pass --overwrite" in err and "checked: model config" in out
+    assert main(["run", str(recipe), "--dry-run", "--overwrite"]) == 0
+    (tmp_path / "out" / "model" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run", "--overwrite"]) == 2
+    assert "holds files the previous run did not write (model/notes.txt)" in capsys.readouterr().err

@@ -282,6 +282,10 @@ def test_a_single_sparsity_gets_bars() -> None:
     assert len(kl_axes.patches) == len(ppl_axes.patches) == 4
     assert sorted(p.get_height() for p in kl_axes.patches) == pytest.approx([0.01, 0.02, 0.03, 0.04])
     assert _data_lines(kl_axes) == []  # no column of dots
+    assert kl_axes.get_yscale() == "linear" and kl_axes.get_ylim()[0] == 0  # a log axis would cut the bars short
+    assert sorted(float(t.get_text()) for t in kl_axes.texts) == pytest.approx([0.01, 0.02, 0.03, 0.04])
+    assert figure.axes[0].get_yscale() == "linear"
+    assert kl_ppl_figure(_table([0.2, 0.3]), GRID).axes[0].get_yscale() == "log"  # lines over a range stay on log
 
 
 def test_identical_series_say_so_in_the_legend() -> None:
