@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import fnmatch
 import json
 import math
 import os
@@ -189,14 +190,24 @@ def list_run_files(folder: Path) -> list[str]:
     return found
 
 
+LEGACY_RUN_FILES = ("report.json", "report.md", "recipe.yaml", "bases.safetensors", "readers.safetensors",
+                    "model/config.json", "model/generation_config.json", "model/*.safetensors",
+                    "model/model.safetensors.index.json", "model/tokenizer*", "model/special_tokens_map.json",
+                    "model/added_tokens.json", "model/chat_template.jinja", "model/vocab.*", "model/merges.txt",
+                    "model/modeling_sliced.py", "model/configuration_sliced.py")
+"""What a run wrote before runs listed their files: a folder from then is judged by these names."""
+
+
 def foreign_files(output: Path) -> list[str]:
-    """What in a previous run's folder that run did not write (a user's notes, a copied file):
-    everything, when the folder has no list of its files (a run by an earlier compressor)."""
+    """What in a previous run's folder that run did not write (a user's notes, a copied file).
+    A folder from before runs listed their files (no `.run-files`) is judged by the names a run
+    writes (`LEGACY_RUN_FILES`)."""
     try:
         written = set((output / RUN_FILES).read_text().splitlines())
+        return [name for name in list_run_files(output) if name not in written]
     except OSError:
-        written = set()
-    return [name for name in list_run_files(output) if name not in written]
+        return [name for name in list_run_files(output)
+                if not any(fnmatch.fnmatchcase(name, pattern) for pattern in LEGACY_RUN_FILES)]
 
 
 def check_output(output: Path, overwrite: bool) -> None:
@@ -219,10 +230,6 @@ def check_output(output: Path, overwrite: bool) -> None:
     if not overwrite:
         raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
     foreign = foreign_files(output)
-    if not (output / RUN_FILES).is_file():
-        raise UserError(f"output folder {output} holds a run without its list of files ({RUN_FILES}: an earlier "
-                        f"compressor wrote it), so --overwrite cannot tell its files from yours; move what you want to keep "
-                        f"and remove the folder, or choose another --output")
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UserError(f"output folder {output} holds files the previous run did not write ({shown}); --overwrite "

@@ -147,16 +147,19 @@ def test_overwrite_replaces_a_run_whose_own_files_were_edited(tiny_checkpoint: P
     assert (tmp_path / "out" / "model" / "config.json").is_file()
 
 
-def test_overwrite_refuses_a_run_without_its_list_of_files(tiny_checkpoint: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
-    """A run folder from before runs listed their files: nothing tells its files from a user's."""
+def test_a_run_from_before_runs_listed_their_files_is_judged_by_the_names_a_run_writes(
+        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No .run-files (an earlier compressor's run): its own files are replaced, a user's are not."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     assert main(["run", str(recipe)]) == 0
     (tmp_path / "out" / RUN_FILES).unlink()
+    (tmp_path / "out" / "model" / "notes.txt").write_text("mine")
     capsys.readouterr()
     assert main(["run", str(recipe), "--overwrite"]) == 2
-    assert "without its list of files" in capsys.readouterr().err
-    assert (tmp_path / "out" / "report.json").is_file()
+    assert "did not write (model/notes.txt)" in capsys.readouterr().err
+    (tmp_path / "out" / "model" / "notes.txt").unlink()
+    assert main(["run", str(recipe), "--overwrite"]) == 0
+    assert (tmp_path / "out" / RUN_FILES).is_file()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
