@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from compressor.calibration import Batch
 from compressor.errors import UserError, first_line
-from compressor.hub import dataset_advice, offline  # noqa: F401  (offline: re-exported for callers of this module)
+from compressor.hub import dataset_advice
 
 
 def load_records(dataset: Mapping[str, Any], streaming: bool = False) -> Iterable[Mapping[str, Any]]:

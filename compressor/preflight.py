@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from compressor.data import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
 from compressor.plugins import PluginRegistry
-from compressor.recipe import Recipe
+from compressor.recipe import DataSpec, Recipe
 from compressor.runner import (
     Plan,
-    budget_warnings,
     check_evaluation_tasks,
     check_fields,
     check_interrupted,
@@ -70,7 +70,7 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
         found.checked.append(f"device {recipe.device} (here: {device})")
     checked = _model(recipe, registry, found)
     if checked is not None:
-        found.warnings += budget_warnings(recipe, checked)
+        found.warnings += checked.warnings
     tokenizer = load_tokenizer(recipe.model) if checked is not None else None
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None:
@@ -115,10 +115,9 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     return checked
 
 
-def _data(where: str, spec: object, tokenizer: object, found: DryRun) -> None:
+def _data(where: str, spec: DataSpec, tokenizer: Any, found: DryRun) -> None:
     """Local text: its first record's field, and enough windows (tokenised when the tokenizer
     is at hand). A hub dataset: its first record, unless the hub cannot be reached."""
-    assert hasattr(spec, "dataset")
     local = is_local(spec.dataset)
     if not local:
         why = unreachable()
@@ -126,16 +125,16 @@ def _data(where: str, spec: object, tokenizer: object, found: DryRun) -> None:
             found.unchecked.append(f"{where} data (hub dataset {spec.dataset.get('path')!r}; {why})")
             return
     try:
-        check_fields(spec, where)  # type: ignore[arg-type]
+        check_fields(spec, where)
     except UserError as error:
         if local or not any(word in str(error).lower() for word in NETWORK_WORDS):
             raise
         found.unchecked.append(f"{where} data (hub dataset {spec.dataset.get('path')!r} could not be reached: {error})")
         return
     if tokenizer is not None and local:
-        batches = token_batches(spec, tokenizer, where)  # type: ignore[arg-type]
+        batches = token_batches(spec, tokenizer, where)
         found.checked.append(f"{where} data: {sum(len(b.input_ids) for b in batches)} windows of "
-                             f"{spec.seq_len} tokens")  # type: ignore[attr-defined]
+                             f"{spec.seq_len} tokens")
     else:
         found.checked.append(f"{where} data: its first record has the field the recipe names")
         found.unchecked.append(f"{where} data's window count (read only by the run)")

@@ -236,15 +236,21 @@ def check_output(output: Path, overwrite: bool) -> None:
                         f"replaces only a run's own files: move them out of the folder, or choose another --output")
 
 
-def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
-    """An interrupted run to `output` started with another recipe is refused before any weights
-    load (the checkpoint's model and data are checked once loaded). `restart` discards it."""
+def interrupted_with_another_recipe(output: Path, recipe: Recipe) -> bool:
+    """Whether an interrupted run to `output` left progress made with another recipe (its model
+    and data are checked once loaded, by `Checkpoint.start`)."""
     checkpoint = Checkpoint(staging_folder(output) / CHECKPOINT_FOLDER)
     try:
         saved = json.loads((checkpoint.folder / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError):
-        return
-    if not restart and saved.get("recipe") != recipe_fingerprint(recipe) and checkpoint.has_progress():
+        return False
+    return saved.get("recipe") != recipe_fingerprint(recipe) and checkpoint.has_progress()
+
+
+def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
+    """An interrupted run to `output` started with another recipe is refused before any weights
+    load; `restart` discards it."""
+    if not restart and interrupted_with_another_recipe(output, recipe):
         raise UserError(f"an interrupted run in {staging_folder(output)} was started with a different recipe; "
                         f"rerun with --restart to discard its progress, or choose another --output")
 
@@ -339,8 +345,7 @@ def _publish(staging: Path, output: Path) -> None:
     The checkpoint goes only once the run is in place (until then a failure can still resume),
     and the lock file last, while it is still held."""
     shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)
-    written = [name for name in list_run_files(staging) if name != LOCK_FILE
-               and not name.startswith(f"{CHECKPOINT_FOLDER}/") and name != f"{CHECKPOINT_FOLDER}/"]
+    written = [name for name in list_run_files(staging) if name.split("/")[0] not in (LOCK_FILE, CHECKPOINT_FOLDER)]
     (staging / RUN_FILES).write_text("".join(f"{name}\n" for name in written))
     _give_default_modes(staging)
     previous = None
@@ -381,6 +386,8 @@ class Plan:
     """When a budget decides a uniform width: what rounding it to `slicing.round_to` gave up."""
     tie_head: bool = False
     """`slicing.tie_head` as it applies to this model (unset: on for a global layout of a tied model)."""
+    warnings: tuple[str, ...] = ()
+    """What a run goes on with but its user should know (`budget_warnings`)."""
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -446,7 +453,8 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
-    return Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
+    checked = Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
+    return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 
 WIDE_LOSS = 0.5
@@ -567,8 +575,8 @@ def run(
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)
-    for warning in budget_warnings(recipe, checked):
-        (warn or (lambda _: None))(warning)
+    for warning in checked.warnings if warn is not None else ():
+        warn(warning)
     device = resolve_device(recipe.device)
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
         raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
@@ -583,9 +591,8 @@ def run(
             check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
             return _follow(recipe, checked, device, ranks, Resources(), report_progress)
     output = Path(recipe.output)
-    check_output(output, overwrite)
-    check_interrupted(output, recipe, restart)  # kept (refused before anything is created or loaded)
     staging = _prepare_staging(output, overwrite)
+    check_interrupted(output, recipe, restart)  # its progress kept, refused before anything is loaded
     with _locked(staging, output):
         check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
         checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
@@ -804,7 +811,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                    "ratio": parameter_count(pruned) / baseline_params},
         "size": {"baseline": baseline_size, "pruned": model_size(pruned)},
         "speed": speed,
-        "warnings": budget_warnings(recipe, checked),
+        "warnings": list(checked.warnings),
         "sites": [site.to_json() for site in result.sites],
         "timings": timings,
         "environment": {"device": str(device), "torch": torch.__version__,

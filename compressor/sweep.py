@@ -42,12 +42,11 @@ from transformers import PreTrainedModel
 
 from compressor.calibration import Batch
 from compressor.checkpoint import json_digest, write_atomic
-from compressor.compare import evaluation_warnings, read_report, render, rows
+from compressor.compare import compare_runs, read_report, render
 from compressor.errors import UserError
 from compressor.plugins import PluginRegistry
 from compressor.recipe import DataSpec, ModelSpec, Recipe, assign, load_recipe, read_yaml, validate
-from compressor.checkpoint import FINGERPRINT_FILE
-from compressor.runner import CHECKPOINT_FOLDER, RUN_MARKER, Resources, plan, recipe_fingerprint, run, staging_folder
+from compressor.runner import RUN_MARKER, Resources, interrupted_with_another_recipe, plan, run
 
 SWEEP_MARKER = "sweep.yaml"
 """A folder holding this file was written by a sweep (the sweep file as it was run)."""
@@ -259,30 +258,26 @@ def _rearrange(sweep: Sweep, registry: PluginRegistry) -> list[str]:
     return moves
 
 
-def _stale_checkpoint(point: Point) -> bool:
-    """The point's interrupted run was started with another recipe (the grid was edited since):
-    its checkpoint is discarded for this point only, instead of refusing the whole sweep."""
-    path = staging_folder(Path(point.recipe.output)) / CHECKPOINT_FOLDER / FINGERPRINT_FILE
-    try:
-        return json.loads(path.read_text()).get("recipe") != recipe_fingerprint(point.recipe)
-    except (OSError, ValueError):
-        return False
-
-
 def results(finished: list[Point]) -> list[dict[str, Any]]:
     """One row per finished run: `compress compare`'s columns and the run's grid values (its
     other differing settings too, but not again the dotted keys under a grid key)."""
-    table = rows([Path(p.recipe.output) for p in finished], shown=list(finished[0].values) if finished else ())
-    for row, point in zip(table, finished):
-        for key, value in point.values.items():
-            row.setdefault(key, value if not isinstance(value, (list, dict)) else json.dumps(value))
-    return table
+    return results_and_warnings(finished)[0]
 
 
 def warnings(finished: list[Point]) -> list[str]:
     """`compress compare`'s warnings for the finished runs (e.g. a grid over the evaluation
     windows makes their KL and perplexity incomparable)."""
-    return evaluation_warnings([Path(p.recipe.output) for p in finished])
+    return results_and_warnings(finished)[1]
+
+
+def results_and_warnings(finished: list[Point]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`results` and `warnings`, each run's report and recipe read once."""
+    table, notes = compare_runs([Path(p.recipe.output) for p in finished],
+                                shown=list(finished[0].values) if finished else ())
+    for row, point in zip(table, finished):
+        for key, value in point.values.items():
+            row.setdefault(key, value if not isinstance(value, (list, dict)) else json.dumps(value))
+    return table, notes
 
 
 def write_results(sweep: Sweep, table: list[dict[str, Any]], notes: list[str] | None = None) -> None:
@@ -318,18 +313,21 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
             if not restart and point.name in finished:
                 report(f"{label}: finished earlier", position, len(sweep.points))
                 continue
+            # the point's interrupted run was started with another recipe (the grid was edited since):
+            # its checkpoint is discarded for this point only, instead of refusing the whole sweep
+            stale = interrupted_with_another_recipe(Path(point.recipe.output), point.recipe)
             result = run(point.recipe, registry, lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
-                         overwrite=True, restart=restart or _stale_checkpoint(point), resources=shared,
+                         overwrite=True, restart=restart or stale, resources=shared,
                          save_model=sweep.save_models)
             ran.append(point.name)
             finished.add(point.name)
             computed += result["fisher_source"] == "computed"
-            write_results(sweep, results(done()), warnings(done()))
+            write_results(sweep, *results_and_warnings(done()))
     except BaseException:
         if done():
-            write_results(sweep, results(done()), warnings(done()))
+            write_results(sweep, *results_and_warnings(done()))
         raise
-    table, notes = results(done()), warnings(done())
+    table, notes = results_and_warnings(done())
     write_results(sweep, table, notes)
     report("plotting", 0, 1)
     from compressor.plots import sweep_plots
