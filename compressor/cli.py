@@ -320,14 +320,12 @@ def _surrogate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from compressor.compare import FORMATS, cell, columns, evaluation_warnings, render, rows
+    from compressor.compare import FORMATS, cell, columns, compare_runs, render
 
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix not in FORMATS:
         raise UserError(f"--output must end in {', '.join(FORMATS)}, got '{output.name}'")
-    runs = [Path(run) for run in args.runs]
-    table = rows(runs)
-    warnings = evaluation_warnings(runs)
+    table, warnings = compare_runs([Path(run) for run in args.runs])
     if console.is_terminal:
         names = tuple(columns(table))
         _print_table(console, "runs", names, [tuple(cell(c, row.get(c)) for c in names) for row in table])

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from compressor.errors import UserError
+from compressor.recipe import parse_yaml
 from compressor.runner import RUN_MARKER
 
 COLUMNS = ("run", "model", "pipeline", "sparsity", "kept", "params", "baseline ppl", "pruned ppl", "KL",
@@ -123,9 +124,10 @@ def columns(table: list[dict[str, Any]]) -> list[str]:
 
 
 def read_recipe(folder: Path) -> dict[str, Any] | None:
-    """The recipe a run saved (`recipe.yaml`), or None for a run folder without a readable one."""
+    """The recipe a run saved (`recipe.yaml`, read as recipes are), or None for a run folder
+    without a readable one."""
     try:
-        recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+        recipe = parse_yaml((folder / "recipe.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return None
     return recipe if isinstance(recipe, dict) else None
@@ -256,7 +258,7 @@ def warnings_for(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | N
 
 def evaluation_warnings(folders: list[Path]) -> list[str]:
     """`warnings_for` the run folders (what `compress compare` prints beside its table)."""
-    return warnings_for([read_report(folder) for folder in folders], [read_recipe(folder) for folder in folders])
+    return compare_runs(folders)[1]
 
 
 def _timing_cells(timings: dict[str, Any]) -> dict[str, Any]:
@@ -275,8 +277,19 @@ def _timing_cells(timings: dict[str, Any]) -> dict[str, Any]:
 def rows(folders: list[Path], shown: Iterable[str] = ()) -> list[dict[str, Any]]:
     """One row per run folder; recipe settings that differ between the runs get columns, except
     keys under `shown` (a sweep's grid keys, which it adds itself)."""
+    return compare_runs(folders, shown)[0]
+
+
+def compare_runs(folders: list[Path], shown: Iterable[str] = ()) -> tuple[list[dict[str, Any]], list[str]]:
+    """`rows` and `evaluation_warnings` of the run folders, each report and recipe read once."""
     reports = [read_report(folder) for folder in folders]
-    settings = differing_settings([read_recipe(folder) for folder in folders], list(shown))
+    recipes = [read_recipe(folder) for folder in folders]
+    return _rows(folders, reports, recipes, shown), warnings_for(reports, recipes)
+
+
+def _rows(folders: list[Path], reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None],
+          shown: Iterable[str]) -> list[dict[str, Any]]:
+    settings = differing_settings(recipes, list(shown))
     table = []
     for folder, report, label, differing in zip(folders, reports, _labels(reports), settings):
         metrics = report.get("metrics") or {}
