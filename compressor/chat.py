@@ -69,9 +69,10 @@ def chat_batches(
     num_samples: int,
     batch_size: int,
     messages_field: str = "messages",
+    minimum: int | None = None,
 ) -> list[Batch]:
-    """The first `num_samples` conversations, each truncated to `seq_len` tokens and right-padded
-    within its batch. `sensitivity_mask` marks the positions whose *next* token is an assistant
+    """The first `num_samples` conversations (with `minimum`: as many as there are up to that,
+    refused below `minimum`), each truncated to `seq_len` tokens and right-padded within its batch. `sensitivity_mask` marks the positions whose *next* token is an assistant
     token: the outputs that predict the response, and the activations that generate it."""
     rows: list[tuple[list[int], list[int]]] = []
     for index, record in enumerate(records):
@@ -91,11 +92,12 @@ def chat_batches(
             raise UserError("chat calibration needs a fast tokenizer (character offsets); "
                             "this tokenizer has none") from None
         rows.append((ids[:seq_len], mask[1:seq_len + 1] + [0] * (len(mask) <= seq_len)))
-    if len(rows) < num_samples:
-        raise UserError(f"the dataset has {len(rows)} conversations, but num_samples is {num_samples}; "
-                        f"lower num_samples or use more data")
+    if len(rows) < (num_samples if minimum is None else minimum):
+        wanted = f"num_samples is {num_samples}" if minimum is None else f"it needs at least {minimum}"
+        raise UserError(f"the dataset has {len(rows)} conversations, but {wanted}; "
+                        f"lower that or use more data")
     if not any(any(mask) for _, mask in rows):
-        raise UserError(f"no assistant tokens remain within seq_len={seq_len} in the {num_samples} conversations; "
+        raise UserError(f"no assistant tokens remain within seq_len={seq_len} in the {len(rows)} conversations; "
                         f"raise seq_len (output sensitivity is measured on assistant tokens only)")
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     batches = []

@@ -62,8 +62,10 @@ def token_windows(
     num_samples: int,
     text_field: str = "text",
     chunk: int = 64,
+    minimum: int | None = None,
 ) -> torch.Tensor:
-    """The first `num_samples` windows of `seq_len` tokens, as a (num_samples, seq_len) tensor.
+    """The first `num_samples` windows of `seq_len` tokens, as a (num_samples, seq_len) tensor;
+    with `minimum`, as many as the dataset holds up to `num_samples`, refused below `minimum`.
 
     Reads only as many records as it needs.
     """
@@ -92,12 +94,14 @@ def token_windows(
                 break
     if pending:
         flush()
-    if len(stream) < needed:
+    found = min(num_samples, len(stream) // seq_len)
+    if found < (num_samples if minimum is None else minimum):
+        wanted = "num_samples is" if minimum is None else "it needs at least"
         raise UserError(
-            f"the dataset yields {len(stream) // seq_len} windows of {seq_len} tokens, "
-            f"but num_samples is {num_samples}; lower num_samples or seq_len, or use more data"
+            f"the dataset yields {found} windows of {seq_len} tokens, "
+            f"but {wanted} {num_samples if minimum is None else minimum}; lower that or seq_len, or use more data"
         )
-    return torch.tensor(stream[:needed], dtype=torch.long).view(num_samples, seq_len)
+    return torch.tensor(stream[:found * seq_len], dtype=torch.long).view(found, seq_len)
 
 
 def batches_of(windows: torch.Tensor, batch_size: int) -> list[Batch]:

@@ -17,6 +17,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from compressor.families import BUILTIN_FAMILIES, ModelFamily, stream_reader, stream_writers
@@ -58,8 +59,9 @@ class Site(NamedTuple):
     shortcut: str
 
 
-class SlicedDecoderLayer(nn.Module):
+class SlicedDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer whose residual stream changes basis (and width) at each site.
+    (A `GradientCheckpointingLayer`, so training with gradient checkpointing recomputes it.)
 
     `attn_shortcut` maps the layer input (basis of the previous site) to the basis after
     attention; `mlp_shortcut` maps that to the basis after the MLP. A shortcut of None is

@@ -88,13 +88,24 @@ def rebatch(batches: list[Batch], size: int, windows: int | None = None) -> list
 
 
 @dataclass
-class _Target:
+class TeacherTarget:
     """One batch's teacher: log-probabilities of the kept tokens and of the rest (one bin), or of
-    the whole vocabulary (`indices` None). Only the counted positions are kept."""
+    the whole vocabulary (`indices` None). Only the counted positions are kept, in row-major order."""
 
     values: torch.Tensor
     indices: torch.Tensor | None
     tail: torch.Tensor | None
+
+    @staticmethod
+    def cat(parts: list["TeacherTarget"], device: torch.device | None = None) -> "TeacherTarget":
+        """Several batches' (or rows') targets as one, in order, on `device`."""
+        def joined(name: str) -> torch.Tensor | None:
+            tensors = [getattr(part, name) for part in parts]
+            return None if tensors[0] is None else torch.cat(tensors).to(device)
+
+        values = joined("values")
+        assert values is not None
+        return TeacherTarget(values, joined("indices"), joined("tail"))
 
 
 def _bins(logits: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,16 +118,18 @@ def _bins(logits: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, to
     return kept, rest
 
 
-def _target(logits: torch.Tensor, mask: torch.Tensor, top_k: int) -> _Target:
+def teacher_target(logits: torch.Tensor, mask: torch.Tensor, top_k: int, host: bool = True) -> TeacherTarget:
+    """The teacher's bins at the positions `mask` counts (on the host unless `host` is False)."""
     logits = logits[mask].float()
+    move = (lambda t: t.cpu()) if host else (lambda t: t)
     if top_k == 0 or top_k >= logits.shape[-1]:
-        return _Target(torch.log_softmax(logits, dim=-1).cpu(), None, None)
+        return TeacherTarget(move(torch.log_softmax(logits, dim=-1)), None, None)
     indices = logits.topk(top_k, dim=-1).indices
     values, tail = _bins(logits, indices)
-    return _Target(values.cpu(), indices.cpu(), tail.cpu())
+    return TeacherTarget(move(values), move(indices), move(tail))
 
 
-def kl_to_target(target: _Target, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def kl_to_target(target: TeacherTarget, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Σ over counted positions of KL(teacher ‖ student), on the teacher's bins."""
     logits = logits[mask].float()
     values = target.values.to(logits.device)
@@ -205,7 +218,7 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
                         "raise refinement.windows or leave it unset")
     received = [bases[site].to(device, torch.float64) for site in ids]
 
-    def objective(current: list[torch.Tensor], targets: list[_Target], phase: str) -> float:
+    def objective(current: list[torch.Tensor], targets: list[TeacherTarget], phase: str) -> float:
         total = 0.0
         for b in range(len(inputs)):
             total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current, tied),
@@ -217,7 +230,7 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
     with torch.no_grad():
         for b in range(len(inputs)):
             logits = site_activations(model, family, inputs, b, lambda _, stream: stream)[1]
-            targets.append(_target(logits, masks[b], options.top_k))
+            targets.append(teacher_target(logits, masks[b], options.top_k))
             report("refinement: teacher log-probabilities", b + 1, len(inputs))
         before = objective(received, targets, "refinement: KL before")
 
