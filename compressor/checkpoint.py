@@ -28,6 +28,8 @@ from compressor.errors import UserError
 FINGERPRINT_FILE = "fingerprint.json"
 FISHER_FILE = "fisher.safetensors"
 ALLOCATION_FILE = "allocation.json"
+DISTILLATION_FOLDER = "distillation"
+"""The distillation stage's Trainer checkpoints (`compressor.distill`)."""
 SITES_FOLDER = "sites"
 
 
@@ -132,7 +134,11 @@ class Checkpoint:
 
     def has_progress(self) -> bool:
         return ((self.folder / FISHER_FILE).is_file() or (self.folder / ALLOCATION_FILE).is_file()
-                or any(self.sites_folder.glob("[0-9]*.safetensors")))
+                or any(self.sites_folder.glob("[0-9]*.safetensors")) or self.has_distillation_progress())
+
+    def has_distillation_progress(self) -> bool:
+        """A Trainer checkpoint of the distillation stage (its state file is written last)."""
+        return any((self.folder / DISTILLATION_FOLDER).glob("checkpoint-*/trainer_state.json"))
 
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE

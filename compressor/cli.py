@@ -139,7 +139,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             "recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
         console.print(f"{headline}: {args.recipe} -> {recipe.output} "
                       f"({' + '.join(s.strategy for s in recipe.pipeline)}"
-                      f"{', refined on KL' if recipe.refinement else ''}, "
+                      f"{', refined on KL' if recipe.refinement else ''}"
+                      f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
                       f"{budget_label(recipe.sparsity, recipe.target_params)}"
                       f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
                       + "".join(f"\n  {line}" for line in found.lines()), soft_wrap=True, markup=False, highlight=False)

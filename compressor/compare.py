@@ -81,8 +81,8 @@ def _differing(own: dict[str, Any], others: list[dict[str, Any]]) -> str:
 
 
 def _extras(report: dict[str, Any], reports: list[dict[str, Any]]) -> str:
-    """What a run did besides its strategies: corrected readers, and refinement on the KL (with the
-    settings that differ between refined runs), or its refinement rejected."""
+    """What a run did besides its strategies: corrected readers, refinement on the KL and
+    distillation (each with the settings that differ between runs that did it), or either rejected."""
     text = " + corrected readers" if (report.get("slicing") or {}).get("correct_readers") else ""
     refinement = report.get("refinement")
     if refinement:
@@ -90,6 +90,12 @@ def _extras(report: dict[str, Any], reports: list[dict[str, Any]]) -> str:
         settings = _differing(refinement.get("options", {}), others)
         text += (f" → refined on KL{settings}" if refinement.get("kept") == "refined"
                  else f" → refinement{settings} rejected")
+    distillation = report.get("distillation")
+    if distillation:
+        others = [(r.get("distillation") or {}).get("options", {}) for r in reports if r.get("distillation")]
+        settings = _differing({k: v for k, v in distillation.get("options", {}).items() if k != "dataset"}, others)
+        text += (f" → distilled ({distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens){settings}"
+                 if distillation.get("kept") == "distilled" else f" → distillation{settings} rejected")
     return text
 
 

@@ -333,7 +333,33 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
     objectives = _objectives(table, reports, grid_keys)
     if objectives:
         written.append(_save(_objectives_figure(table, grid_keys, objectives), folder / "objectives_by_site.png"))
+
+    labels = series_labels(table, grid_keys)
+    by_sparsity = _by_sparsity(table)
+    curves = {f"{labels[_series(row, grid_keys)]} @ {_x(row, by_sparsity):g}": report["distillation"]["curve"]
+              for row, report in zip(table, reports) if (report.get("distillation") or {}).get("curve")}
+    if curves:
+        written.append(_save(distillation_figure(curves, model), folder / "distillation_heldout_kl.png"))
     return written
+
+
+def distillation_figure(curves: dict[str, list[dict[str, float]]], model: str = "") -> Any:
+    """Held-out KL against distillation tokens, one line per run (a run folder's
+    `distillation.png`, a sweep's `distillation_heldout_kl.png`); the best point of each marked."""
+    figure, grid = _figure(1, 1, (7, 4.5))
+    axes = grid[0][0]
+    for label, curve in curves.items():
+        tokens = [point["tokens"] / 1e6 for point in curve]
+        kls = [point["kl"] for point in curve]
+        line = axes.plot(tokens, kls, marker="o", markersize=3, label=label)[0]
+        best = min(range(len(kls)), key=kls.__getitem__)
+        axes.plot([tokens[best]], [kls[best]], marker="*", markersize=11, color=line.get_color(), linestyle="none")
+    axes.set_xlabel("distillation tokens (millions)")
+    axes.set_ylabel("held-out KL(original ‖ student), nats per token")
+    axes.set_yscale("log")
+    axes.set_title(f"{model + ': ' if model else ''}held-out KL during distillation (★ best, kept)")
+    add_legend(figure)
+    return figure
 
 
 def _objectives_figure(table: list[dict[str, Any]], grid_keys: list[str],

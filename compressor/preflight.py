@@ -75,6 +75,8 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None:
             _data(where, spec, tokenizer, found)
+    if recipe.distillation is not None and tokenizer is not None:
+        _distillation(recipe, tokenizer, found)
     _tasks(recipe, found)
     output = Path(recipe.output)
     check_writable(output)
@@ -113,6 +115,25 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
                              f"with hidden_size {checked.kept} ({checked.params.count(checked.widths):,} parameters)")
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
+
+
+def _distillation(recipe: Recipe, tokenizer: Any, found: DryRun) -> None:
+    """Its LoRA targets and trainer keys (checked by `plan`), and its windows when the data is local."""
+    from compressor.distill import distillation_data, steps_for
+
+    spec = recipe.distillation
+    assert spec is not None and spec.dataset is not None
+    found.checked.append(f"distillation: {spec.method}"
+                         + (f" on {spec.lora.target_modules}" if spec.method == "lora" else "")
+                         + (f", trainer settings {', '.join(spec.trainer)}" if spec.trainer else ""))
+    if not is_local(spec.dataset):
+        found.unchecked.append("distillation data's window count (a hub dataset, read only by the run)")
+        return
+    data = distillation_data(spec, tokenizer)
+    steps, per_step = steps_for(spec, 1)
+    found.checked.append(f"distillation data: {len(data.train)} training windows of {spec.seq_len} tokens "
+                         f"({steps * per_step / len(data.train):.2g} passes for {spec.tokens:,} tokens in {steps} "
+                         f"steps on one process), {len(data.heldout)} held-out windows")
 
 
 def _data(where: str, spec: DataSpec, tokenizer: Any, found: DryRun) -> None:

@@ -24,8 +24,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
         if "unrefined" in metrics:
             rows.append(("KL before refinement", "", f"{metrics['unrefined']['kl']:.5f}"))
+        if "undistilled" in metrics:
+            rows.append(("perplexity before distillation", "", f"{metrics['undistilled']['ppl']:.3f}"))
+            rows.append(("KL before distillation", "", f"{metrics['undistilled']['kl']:.5f}"))
         rows += task_rows(metrics)
     rows += refinement_rows(report.get("refinement"))
+    rows += distillation_rows(report.get("distillation"))
     return rows + timing_rows(report["timings"])
 
 
@@ -50,6 +54,20 @@ def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, s
             (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})")]
 
 
+def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """The held-out KL before and at the kept checkpoint, and what the stage trained on."""
+    if not distillation:
+        return []
+    top_k = distillation["options"]["top_k"]
+    objective = f"distillation held-out KL ({distillation['heldout_windows']} windows, top_k {top_k})"
+    stopped = ", stopped early" if distillation["stopped_early"] else ""
+    return [(f"{objective} before", "", f"{distillation['heldout_kl_before']:.5f}"),
+            (f"{objective} kept", "", f"{distillation['heldout_kl_best']:.5f} ({distillation['kept']}, step "
+                                      f"{distillation['best_step']})"),
+            ("distillation", "", f"{distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens, "
+                                 f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)")]
+
+
 def timing_rows(timings: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
     that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
@@ -59,6 +77,8 @@ def timing_rows(timings: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
+    if "distill_s" in timings:
+        rows.append(("distillation time (s)", "", f"{timings['distill_s']:.1f}"))
     if "eval_s" in timings:
         rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
     return rows

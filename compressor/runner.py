@@ -39,20 +39,21 @@ from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
 from compressor.chat import chat_batches
 from compressor.budget import ParamModel, param_model, widest_uniform
-from compressor.checkpoint import FINGERPRINT_FILE, Checkpoint, json_digest, model_digest, tensor_digest
+from compressor.checkpoint import DISTILLATION_FOLDER, FINGERPRINT_FILE, Checkpoint, json_digest, model_digest, tensor_digest
 from compressor.data import batches_of, first_record, load_records, token_windows
 from compressor.engine import PipelineStep, PruneResult, kept_width, prune, required_statistics
 from compressor.errors import ProgressKept, UserError, first_line
 from compressor.evaluate import compare, evaluate_models, parameter_count
 from compressor.export import write_remote_code
-from compressor.stock import check_stock, head_stream, stock_param_model, to_stock, width_multiple
+from compressor.stock import check_stock, head_stream, load_stock, stock_param_model, to_stock, width_multiple
 from compressor.families import ModelFamily, family_for, stream_reader, stream_writers
 from compressor.hub import cached, model_advice, unreachable
 from compressor.parallel import Ranks
 from compressor.plugins import PluginRegistry
-from compressor.recipe import DataSpec, ModelSpec, Recipe
+from compressor.recipe import DataSpec, DistillationSpec, ModelSpec, Recipe
 from compressor.refine import refine_bases
 from compressor.report import write_markdown
+from compressor.plots import distillation_figure
 from compressor.sites import EMBEDDING, shared_site_ids, site_widths
 from compressor.throughput import compare_speed, fitting_lengths, model_size
 
@@ -244,7 +245,14 @@ def interrupted_with_another_recipe(output: Path, recipe: Recipe) -> bool:
         saved = json.loads((checkpoint.folder / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return saved.get("recipe") != recipe_fingerprint(recipe) and checkpoint.has_progress()
+    if saved.get("recipe") != recipe_fingerprint(recipe) and checkpoint.has_progress():
+        return True
+    try:
+        trained = json.loads((checkpoint.folder / DISTILLATION_FOLDER / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (recipe.distillation is not None and trained.get("settings") != distillation_fingerprint(recipe.distillation)
+            and checkpoint.has_distillation_progress())
 
 
 def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
@@ -453,6 +461,8 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
+    if recipe.distillation is not None:
+        check_distillation(recipe, config, one_basis)
     checked = Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
@@ -518,6 +528,24 @@ def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
                         f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off")
 
 
+def check_distillation(recipe: Recipe, config: PretrainedConfig, one_basis: bool) -> None:
+    """What the distillation section names exists: its LoRA targets among the student's linear
+    layers (the original's, and the residual transitions of a per-site layout), its extra
+    TrainingArguments among transformers'; its device is one the Trainer can be given."""
+    from compressor.distill import SLICED_LINEARS, check_target_modules, linear_names, trainer_keys
+
+    spec = recipe.distillation
+    assert spec is not None
+    trainer_keys(spec)
+    with torch.device("meta"):
+        names = linear_names(AutoModelForCausalLM.from_config(config))
+    check_target_modules(spec, names if one_basis else names | set(SLICED_LINEARS))
+    index = torch.device(recipe.device).index if recipe.device.startswith("cuda:") else None
+    if index not in (None, 0) and "LOCAL_RANK" not in os.environ:
+        raise UserError(f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "
+                        f"device: {recipe.device}, set device: cuda and CUDA_VISIBLE_DEVICES={index}")
+
+
 def check_evaluation_tasks(recipe: Recipe) -> None:
     """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
     if recipe.evaluation is not None and recipe.evaluation.lm_eval is not None:
@@ -532,9 +560,10 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     instead) and settings that change memory use but not results (activations, H chunking), so
     a run killed for lack of memory can resume with other ones. The checkpoint holds the walk
     only, so `refinement` (after the walk, never checkpointed) is left out too: a killed run may
-    resume with other refinement settings."""
+    resume with other refinement settings. `distillation` has its own checkpoint and fingerprint
+    (`distillation_fingerprint`, with the student and its data)."""
     values = recipe.to_dict()
-    for key in ("output", "evaluation", "activations", "refinement"):
+    for key in ("output", "evaluation", "activations", "refinement", "distillation"):
         values.pop(key, None)
     values["model"].pop("path", None)
     values["model"].pop("revision", None)
@@ -543,6 +572,18 @@ def recipe_fingerprint(recipe: Recipe) -> str:
         values["sensitivity"].pop(key, None)
     values["compressor"] = compressor.__version__
     return json_digest(values)
+
+
+DISTILLATION_MEMORY_KEYS = ("gradient_checkpointing", "teacher")
+"""Distillation settings that change memory use, not results: a resumed stage may change them."""
+
+
+def distillation_fingerprint(spec: DistillationSpec) -> str:
+    """The distillation settings that decide its result (the student and the data are
+    fingerprinted apart, once known), with this package's version."""
+    values = {k: v for k, v in dataclasses.asdict(spec).items() if k not in DISTILLATION_MEMORY_KEYS}
+    values["dataset"] = None  # its contents are fingerprinted instead
+    return json_digest({"distillation": values, "compressor": compressor.__version__})
 
 
 def data_fingerprint(batches: list[Batch]) -> str:
@@ -685,6 +726,13 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
         result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch),
                         None, ranks)
+    if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
+        pruned = result.model
+        if recipe.slicing.layout == "global":
+            pruned, _ = to_stock(pruned, checked.family, checked.config, tie=checked.tie_head,
+                                 stream=head_stream(result.head_moment, result.bases[EMBEDDING]))
+        _distil(recipe, checked.family, pruned, staging_folder(Path(recipe.output)), device, tokenizer, None, Resources(),
+                report_progress, ranks)
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
 
 
@@ -736,12 +784,26 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
             pruned = apply_bases(resources.model(recipe.model), family, bases, device, keep_tied=keep_tied)
         timings["refine_s"] = time.perf_counter() - tick
 
+    stock, distillation, undistilled, original = None, None, None, None
+    if recipe.distillation is not None:
+        if one_basis:  # the student is what users load: the original class at the kept width
+            report_progress("converting to the original architecture", 0, 1)
+            pruned, stock = to_stock(pruned, family, config, tie=checked.tie_head,
+                                     stream=head_stream(result.head_moment, bases[EMBEDDING]))
+        tick = time.perf_counter()
+        pruned, distillation, undistilled, original = _distil(recipe, family, pruned, staging, device, tokenizer, evaluation,
+                                                              resources, report_progress, ranks)
+        timings["distill_s"] = time.perf_counter() - tick
+
     tick = time.perf_counter()
     report_progress("saving model" if save_model else "saving bases", 0, 1)
-    stock = None
-    if one_basis:  # the original architecture: saved, then loaded back, so what is evaluated is what users load
-        pruned, stock = to_stock(pruned, family, config, staging / "model" if save_model else None,
+    if one_basis and distillation is None:  # the original architecture: saved, then loaded back, so what is
+        pruned, stock = to_stock(pruned, family, config,  # evaluated is what users load
+                                 staging / "model" if save_model else None,
                                  tie=checked.tie_head, stream=head_stream(result.head_moment, bases[EMBEDDING]))
+    elif one_basis and save_model:  # already the original class (distilled): saved and loaded back likewise
+        pruned.save_pretrained(staging / "model")
+        pruned = load_stock(staging / "model", pruned)
     elif save_model:
         pruned.save_pretrained(staging / "model")
         write_remote_code(staging / "model", family, config.model_type)
@@ -761,7 +823,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     if evaluation is not None:
         tick = time.perf_counter()
         report_progress("evaluating", 0, len(evaluation))
-        original = resources.model(recipe.model).to(device)
+        original = (original if original is not None else resources.model(recipe.model)).to(device)
         suites = recipe.evaluation.lm_eval
         tasks_key = baseline_tasks_key(suites or [], fingerprint["model"], recipe, tokenizer, device)
         metrics = evaluate_models(original, pruned.to(device), evaluation, device, report_progress,
@@ -769,6 +831,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
                                   baseline_tasks=resources.baseline_tasks(tasks_key))
         if suites:
             resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
+        if undistilled is not None:  # measured before the distillation stage, on the same windows
+            metrics["undistilled"] = undistilled
         if unrefined is not None:  # held-out KL before refinement, beside the refined model's
             report_progress("evaluating the unrefined model", 0, len(evaluation))
             metrics["unrefined"] = compare(original, unrefined.to(device), evaluation, device)["pruned"]
@@ -806,6 +870,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
         "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
         "fisher_source": result.fisher_source,
         "refinement": refinement.to_json() if refinement is not None else None,
+        "distillation": distillation.to_json() if distillation is not None else None,
         "metrics": metrics,
         "params": {"baseline": baseline_params, "pruned": parameter_count(pruned),
                    "ratio": parameter_count(pruned) / baseline_params},
@@ -820,4 +885,41 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     write_markdown(report, staging / "report.md")
+    if distillation is not None:
+        distillation_figure({"held-out KL": distillation.curve}).savefig(staging / "distillation.png", dpi=120,
+                                                                         bbox_inches="tight")
     return report
+
+
+def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, staging: Path, device: torch.device, tokenizer: Any,
+            evaluation: list[Batch] | None, resources: Resources, report_progress: Progress, ranks: Ranks
+            ) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
+    """The distillation stage on every rank: its data, the original as teacher (beside the
+    student, or its targets cached layer by layer), the student's evaluation-window KL before
+    (rank 0, when the recipe evaluates), then `distill.distill`. Returns the student, the
+    stage's record, the before-metrics and the original (reused for evaluation)."""
+    from compressor.distill import CachedTeacher, LiveTeacher, cached_targets, distill, distillation_data
+
+    spec = recipe.distillation
+    assert spec is not None
+    report_progress("distillation: tokenising its data", 0, 1)
+    data = distillation_data(spec, tokenizer)
+    original = resources.model(recipe.model)
+    undistilled = None
+    if evaluation is not None and ranks.rank == 0:
+        report_progress("evaluating the undistilled model", 0, len(evaluation))
+        undistilled = compare(original.to(device), student.to(device), evaluation, device)["pruned"]
+    if spec.teacher == "cached":
+        original.to("cpu")
+        student.to("cpu")
+        teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout,
+                                                    spec.top_k, device, spec.batch_size, report_progress))
+    else:
+        teacher = LiveTeacher(original, spec.top_k)
+    fingerprint = {"settings": distillation_fingerprint(spec), "student": model_digest(student),
+                   "data": tensor_digest([row["input_ids"] for row in data.train + data.heldout]),
+                   "world": str(ranks.world)}
+    folder = staging / CHECKPOINT_FOLDER / DISTILLATION_FOLDER
+    student, record = distill(student, teacher, data, spec, folder, device, fingerprint, recipe.seed,
+                              report_progress, ranks.world)
+    return student, record, undistilled, original
