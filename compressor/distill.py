@@ -26,6 +26,7 @@ import json
 import math
 import resource
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -213,13 +214,19 @@ def trainer_keys(spec: DistillationSpec) -> None:
                             f"{did_you_mean(key, known)}")
 
 
-def _with_adapters(model: PreTrainedModel, spec: DistillationSpec) -> nn.Module:
+def _with_adapters(model: PreTrainedModel, spec: DistillationSpec, seed: int) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     lora = spec.lora
+    targets = lora.target_modules
+    targets = targets if targets == "all-linear" or not isinstance(targets, str) else [targets]  # peft: a string is a regex
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, bias="none")
-    adapted = get_peft_model(model, config)
+                        target_modules=targets, bias="none")
+    torch.manual_seed(seed)  # the adapters' random half starts the same in a fresh and a resumed run
+    try:
+        adapted = get_peft_model(model, config)
+    except ValueError as error:
+        raise UserError(f"distillation.lora.target_modules: {first_line(error)}") from None
     # No base model for peft to compare embeddings with when it saves adapters: the name is the
     # original's (a hub id peft would look up), whose config is not the student's.
     adapted.peft_config["default"].base_model_name_or_path = ""
@@ -254,26 +261,28 @@ class _Distiller(Trainer):
         ce = None
         if self.spec.ce_weight > 0:
             predicts = counted[:, :-1] & mask[:, 1:].bool()
-            ce = F.cross_entropy(logits[:, :-1][predicts].float(), inputs["input_ids"][:, 1:][predicts])
+            ce = (F.cross_entropy(logits[:, :-1][predicts].float(), inputs["input_ids"][:, 1:][predicts])
+                  if predicts.any() else logits.sum() * 0.0)  # no next token to predict: nothing, not NaN
         return kl, ce, counted.sum().clamp(min=1)
 
     @torch.no_grad()
     def heldout_kl(self) -> float:
-        """KL(teacher ‖ student) per counted token over the held-out rows, on the loss's bins.
-        Every process measures all of them (no communication; they agree)."""
+        """KL(teacher ‖ student) per counted token over the held-out rows, on the loss's bins, in
+        the training's precision. Every process measures all of them; rank 0's value is used."""
         model = self.model
         was_training = model.training
         model.eval()
-        total, count = 0.0, 0
+        total = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         size = self.args.per_device_eval_batch_size
         for start in range(0, len(self.heldout), size):
             inputs = {k: v.to(self.args.device) for k, v in collate(self.heldout[start:start + size]).items()}
-            with self.autocast_smart_context_manager():
+            with self.accelerator.autocast():  # as in training (accelerate patches the trained forward alone)
                 kl, _, counted = self._losses(model, inputs)
-            total += float(kl)
-            count += int(counted)
+            total += torch.stack([kl.double(), counted.double()])
         model.train(was_training)
-        return total / max(count, 1)
+        if self.args.world_size > 1:  # rank 0's value for all: best checkpoint and early stop agree everywhere
+            torch.distributed.broadcast(total, src=0)
+        return float(total[0] / total[1].clamp(min=1))
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
                  ) -> dict[str, float]:
@@ -365,7 +374,8 @@ class DistillationRecord:
     train_seconds: float
     """`Trainer.train` in this process (after a resume: the part it ran)."""
     seconds_per_million_tokens: float
-    """`train_seconds` per million tokens trained in this process (evaluations included)."""
+    """`train_seconds` per million tokens trained since this process started training (all
+    processes' tokens; evaluations included)."""
     peak_memory_bytes: int
     peak_memory_of: str
     heldout_kl_before: float
@@ -410,9 +420,16 @@ def _arguments(spec: DistillationSpec, folder: Path, device: torch.device, seed:
             save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="kl", greater_is_better=False,
             logging_steps=spec.eval_every, seed=seed, data_seed=seed, use_cpu=device.type == "cpu",
             remove_unused_columns=False, disable_tqdm=True, log_level="warning", dataloader_pin_memory=False,
-            include_num_input_tokens_seen="non_padding", **options)
+            include_num_input_tokens_seen="non_padding", restore_callback_states_from_checkpoint=True, **options)
     except (TypeError, ValueError) as error:
         raise UserError(f"distillation: transformers refused the training settings: {first_line(error)}") from None
+
+
+def check_training_arguments(spec: DistillationSpec) -> None:
+    """The section's TrainingArguments (its own and `trainer`'s) as transformers reads them, on a
+    throwaway folder: a bad value is refused before the walk, not after it."""
+    with tempfile.TemporaryDirectory(prefix="compress-args-") as folder:
+        _arguments(spec, Path(folder), torch.device("cpu"), 0, 1, "float32")
 
 
 def steps_for(spec: DistillationSpec, world: int) -> tuple[int, int]:
@@ -436,7 +453,7 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
     hf_logging.get_logger("transformers.trainer_utils").setLevel(hf_logging.ERROR)  # "mtime may not be reliable"
     max_steps, per_step = steps_for(spec, world)
     precision = _precision(spec, device)
-    dtype = next(student.parameters()).dtype
+    dtypes = {name: p.dtype for name, p in student.named_parameters()}  # restored after (buffers untouched)
     use_cache = getattr(student.config, "use_cache", None)  # the Trainer turns it off for training
     args = _arguments(spec, folder, device, seed, max_steps, precision)
     check_fingerprint(folder, fingerprint, write=args.process_index == 0)
@@ -445,17 +462,21 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
     resume = last_checkpoint(folder)
     if spec.method == "full":
         received = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
-        model: nn.Module = student.float().train()  # fp32 master weights; autocast decides the compute dtype
-        model.requires_grad_(True)
+        for parameter in student.parameters():  # fp32 master weights (buffers as they are); autocast computes
+            parameter.data = parameter.data.float()
+        model: nn.Module = student.train().requires_grad_(True)
     else:
         received = None
-        model = _with_adapters(student, spec).train()
+        model = _with_adapters(student, spec, seed).train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
-    trainer = _Distiller(model=model, args=args, train_dataset=data.train, eval_dataset=data.heldout,
-                         data_collator=collate, teacher=teacher, spec=spec, heldout=data.heldout,
-                         callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks])
+    try:
+        trainer = _Distiller(model=model, args=args, train_dataset=data.train, eval_dataset=data.heldout,
+                             data_collator=collate, teacher=teacher, spec=spec, heldout=data.heldout,
+                             callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks])
+    except ValueError as error:
+        raise UserError(f"distillation: transformers' Trainer refused the settings: {first_line(error)}") from None
     for noisy in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(noisy)
     if spec.patience is not None:
@@ -474,7 +495,7 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
               for entry in state.log_history if "eval_kl" in entry]
     best = state.best_metric if state.best_metric is not None else math.inf
     kept = "distilled" if best < before else "received"
-    model = trainer.model.eval()
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast patch
     merge_diff = None
     if spec.method == "lora":
         probe = {k: v.to(args.device) for k, v in collate(data.heldout[:1]).items()}
@@ -504,7 +525,9 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
         resumed_from_step=resumed_at, curve=curve,
         trainable_params=trainable, merge_max_abs_diff=merge_diff, lr=args.learning_rate, precision=precision,
         options=asdict(spec))
-    student = model.to(dtype).eval().requires_grad_(False)  # type: ignore[assignment]
+    for name, parameter in model.named_parameters():
+        parameter.data = parameter.data.to(dtypes.get(name, parameter.dtype))
+    student = model.eval().requires_grad_(False)  # type: ignore[assignment]
     if use_cache is not None:
         student.config.use_cache = use_cache
     return student, record

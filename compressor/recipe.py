@@ -206,7 +206,7 @@ class DistillationSpec:
     computed once, layer by layer as the H pass does, and kept in host memory (for models whose
     teacher and student do not fit together)."""
     trainer: dict[StrictStr, Any] = field(default_factory=dict)
-    """More transformers TrainingArguments, e.g. {optim: adamw_torch_fused, fsdp: full_shard auto_wrap}."""
+    """More transformers TrainingArguments, e.g. {optim: adamw_torch_fused, report_to: [wandb]}."""
 
 
 @options(frozen=True, config=FORBID)
@@ -497,7 +497,10 @@ TRAINER_OWNED = ("output_dir", "max_steps", "num_train_epochs", "per_device_trai
                  "warmup_steps", "weight_decay", "max_grad_norm", "bf16", "fp16", "gradient_checkpointing",
                  "eval_strategy", "eval_steps", "save_strategy", "save_steps", "load_best_model_at_end",
                  "metric_for_best_model", "greater_is_better", "seed", "use_cpu", "resume_from_checkpoint",
-                 "remove_unused_columns")
+                 "remove_unused_columns", "activation_checkpointing", "activation_checkpointing_kwargs",
+                 "gradient_checkpointing_kwargs", "save_total_limit", "data_seed", "logging_steps",
+                 "include_num_input_tokens_seen", "restore_callback_states_from_checkpoint", "disable_tqdm",
+                 "log_level", "dataloader_pin_memory")
 """TrainingArguments the distillation section sets itself (under its own names, or from the run)."""
 
 
@@ -518,6 +521,11 @@ def check_distillation(spec: DistillationSpec, calibration: DataSpec, evaluation
         where = "distillation.dataset" if dataset is not None else "the calibration dataset (distillation's default)"
         raise UserError(f"{where} is the evaluation's dataset: distillation would train on the text it is scored on; "
                         f"give distillation.dataset other text")
+    sharded = sorted(set(spec.trainer) & {"fsdp", "fsdp_config", "deepspeed"})
+    if sharded:
+        raise UserError(f"distillation.trainer.{sharded[0]}: sharded training is not supported yet (merging LoRA and "
+                        f"saving need the whole student in each process); train with DDP under torchrun, or "
+                        f"lower batch_size, use gradient_checkpointing or teacher: cached")
     owned = sorted(set(spec.trainer) & set(TRAINER_OWNED))
     if owned:
         raise UserError(f"distillation.trainer.{owned[0]} is set by the distillation section itself or by the run; "

@@ -251,7 +251,7 @@ def interrupted_with_another_recipe(output: Path, recipe: Recipe) -> bool:
         trained = json.loads((checkpoint.folder / DISTILLATION_FOLDER / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (recipe.distillation is not None and trained.get("settings") != distillation_fingerprint(recipe.distillation)
+    return (recipe.distillation is not None and trained.get("settings") != distillation_fingerprint(recipe)
             and checkpoint.has_distillation_progress())
 
 
@@ -532,11 +532,12 @@ def check_distillation(recipe: Recipe, config: PretrainedConfig, one_basis: bool
     """What the distillation section names exists: its LoRA targets among the student's linear
     layers (the original's, and the residual transitions of a per-site layout), its extra
     TrainingArguments among transformers'; its device is one the Trainer can be given."""
-    from compressor.distill import SLICED_LINEARS, check_target_modules, linear_names, trainer_keys
+    from compressor.distill import SLICED_LINEARS, check_target_modules, check_training_arguments, linear_names, trainer_keys
 
     spec = recipe.distillation
     assert spec is not None
     trainer_keys(spec)
+    check_training_arguments(spec)
     with torch.device("meta"):
         names = linear_names(AutoModelForCausalLM.from_config(config))
     check_target_modules(spec, names if one_basis else names | set(SLICED_LINEARS))
@@ -578,12 +579,16 @@ DISTILLATION_MEMORY_KEYS = ("gradient_checkpointing", "teacher")
 """Distillation settings that change memory use, not results: a resumed stage may change them."""
 
 
-def distillation_fingerprint(spec: DistillationSpec) -> str:
-    """The distillation settings that decide its result (the student and the data are
-    fingerprinted apart, once known), with this package's version."""
-    values = {k: v for k, v in dataclasses.asdict(spec).items() if k not in DISTILLATION_MEMORY_KEYS}
+def distillation_fingerprint(recipe: Recipe) -> str:
+    """What decides the distillation stage's result besides its data (fingerprinted apart, once
+    read): its settings, the walk's recipe fingerprint and the refinement settings that made its
+    student (inputs, not the student's bits: a GPU's refinement need not repeat them exactly)."""
+    assert recipe.distillation is not None
+    values = {k: v for k, v in dataclasses.asdict(recipe.distillation).items() if k not in DISTILLATION_MEMORY_KEYS}
     values["dataset"] = None  # its contents are fingerprinted instead
-    return json_digest({"distillation": values, "compressor": compressor.__version__})
+    refinement = dataclasses.asdict(recipe.refinement) if recipe.refinement is not None else None
+    return json_digest({"distillation": values, "walk": recipe_fingerprint(recipe), "refinement": refinement,
+                        "compressor": compressor.__version__})
 
 
 def data_fingerprint(batches: list[Batch]) -> str:
@@ -622,6 +627,13 @@ def run(
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
         raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
                         "it is for CPU runs: leave it unset (or true) on a GPU")
+    if recipe.distillation is not None:
+        if not save_model:
+            raise UserError("distillation changes the weights, which bases alone cannot rebuild: save the models "
+                            "(a sweep's save_models: true), or remove distillation")
+        if device.type == "cpu" and recipe.distillation.precision == "float16":
+            raise UserError("distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 "
+                            "(or auto)")
     ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:
@@ -720,6 +732,7 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
     torch.manual_seed(recipe.seed)
     tokenizer = resources.tokenizer(recipe.model)
     calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
+    rows = _distillation_data(recipe, tokenizer)
     model = resources.model(recipe.model)
     ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
     checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
@@ -731,7 +744,7 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
         if recipe.slicing.layout == "global":
             pruned, _ = to_stock(pruned, checked.family, checked.config, tie=checked.tie_head,
                                  stream=head_stream(result.head_moment, result.bases[EMBEDDING]))
-        _distil(recipe, checked.family, pruned, staging_folder(Path(recipe.output)), device, tokenizer, None, Resources(),
+        _distil(recipe, checked.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
                 report_progress, ranks)
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
 
@@ -748,6 +761,7 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     tokenizer = resources.tokenizer(recipe.model)
     calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
     evaluation = resources.batches(recipe.evaluation, tokenizer, "evaluation") if recipe.evaluation else None
+    distillation_rows = _distillation_data(recipe, tokenizer)  # before the walk: a data problem costs nothing
     timings["data_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -791,8 +805,8 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
             pruned, stock = to_stock(pruned, family, config, tie=checked.tie_head,
                                      stream=head_stream(result.head_moment, bases[EMBEDDING]))
         tick = time.perf_counter()
-        pruned, distillation, undistilled, original = _distil(recipe, family, pruned, staging, device, tokenizer, evaluation,
-                                                              resources, report_progress, ranks)
+        pruned, distillation, undistilled, original = _distil(recipe, family, pruned, distillation_rows, staging,
+                                                              device, evaluation, resources, report_progress, ranks)
         timings["distill_s"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -891,19 +905,27 @@ def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, 
     return report
 
 
-def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, staging: Path, device: torch.device, tokenizer: Any,
-            evaluation: list[Batch] | None, resources: Resources, report_progress: Progress, ranks: Ranks
-            ) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
-    """The distillation stage on every rank: its data, the original as teacher (beside the
-    student, or its targets cached layer by layer), the student's evaluation-window KL before
-    (rank 0, when the recipe evaluates), then `distill.distill`. Returns the student, the
-    stage's record, the before-metrics and the original (reused for evaluation)."""
-    from compressor.distill import CachedTeacher, LiveTeacher, cached_targets, distill, distillation_data
+def _distillation_data(recipe: Recipe, tokenizer: Any) -> Any:
+    """The distillation stage's windows (None without one)."""
+    if recipe.distillation is None:
+        return None
+    from compressor.distill import distillation_data
+
+    return distillation_data(recipe.distillation, tokenizer)
+
+
+def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, data: Any, staging: Path,
+            device: torch.device, evaluation: list[Batch] | None, resources: Resources, report_progress: Progress,
+            ranks: Ranks) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
+    """The distillation stage on every rank: the original as teacher (beside the student, or its
+    targets cached layer by layer), the student's evaluation-window KL before (rank 0, when the
+    recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
+    student, the stage's record, the before-metrics and the original (reused for evaluation). A
+    bad setting found here keeps the walk's checkpoint, to continue from once it is fixed."""
+    from compressor.distill import CachedTeacher, LiveTeacher, cached_targets, distill
 
     spec = recipe.distillation
     assert spec is not None
-    report_progress("distillation: tokenising its data", 0, 1)
-    data = distillation_data(spec, tokenizer)
     original = resources.model(recipe.model)
     undistilled = None
     if evaluation is not None and ranks.rank == 0:
@@ -912,14 +934,20 @@ def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, stagi
     if spec.teacher == "cached":
         original.to("cpu")
         student.to("cpu")
-        teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout,
-                                                    spec.top_k, device, spec.batch_size, report_progress))
+        teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout, spec.top_k, device,
+                                                    spec.batch_size, report_progress))
     else:
         teacher = LiveTeacher(original, spec.top_k)
-    fingerprint = {"settings": distillation_fingerprint(spec), "student": model_digest(student),
+    fingerprint = {"settings": distillation_fingerprint(recipe),
                    "data": tensor_digest([row["input_ids"] for row in data.train + data.heldout]),
                    "world": str(ranks.world)}
     folder = staging / CHECKPOINT_FOLDER / DISTILLATION_FOLDER
-    student, record = distill(student, teacher, data, spec, folder, device, fingerprint, recipe.seed,
-                              report_progress, ranks.world)
+    try:
+        student, record = distill(student, teacher, data, spec, folder, device, fingerprint, recipe.seed,
+                                  report_progress, ranks.world)
+    except UserError as error:
+        if isinstance(error, ProgressKept):
+            raise
+        raise ProgressKept(f"{error} (the walk's progress is kept in {staging}: fix that and run the same command "
+                           f"to continue)") from None
     return student, record, undistilled, original

@@ -206,6 +206,8 @@ def test_distillation_under_torchrun_trains_on_both_processes(sharp_checkpoint: 
     ({"method": "lora", "lora": {"target_modules": ["q_prj"]}}, "'q_prj' is not a linear layer of this model (did you mean 'q_proj'?)"),
     ({"trainer": {"optimm": "adamw_torch"}}, "distillation.trainer.optimm is not a transformers TrainingArguments field (did you mean 'optim'?)"),
     ({"trainer": {"max_steps": 3}}, "distillation.trainer.max_steps is set by the distillation section itself"),
+    ({"trainer": {"fsdp": "full_shard"}}, "distillation.trainer.fsdp: sharded training is not supported yet"),
+    ({"trainer": {"optim": "no_such_optimiser"}}, "distillation: transformers refused the training settings"),
     ({"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")}},
      "is the evaluation's dataset"),
     ({"heldout_windows": 100000}, "distillation: the dataset yields"),
@@ -224,3 +226,25 @@ def test_distillation_data_defaults_to_the_calibration_text(tiny_checkpoint: Pat
     spec = recipe.distillation
     assert spec is not None
     assert (spec.dataset, spec.seq_len, spec.format) == (recipe.calibration.dataset, 64, "text")
+
+
+def test_a_setting_only_the_student_reveals_keeps_the_walk(tiny_checkpoint: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """A LoRA target the sliced class may have but this model lacks (Gemma2's writers) is found only
+    once the student exists: one line, exit 2, and the walk's checkpoint kept to continue from."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
+                          distillation={**DISTILLATION, "lora": {"target_modules": ["attn_writer"]}})
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "distillation.lora.target_modules" in err and "progress is kept" in err and len(err.splitlines()) == 1
+    assert any((tmp_path / ".out.partial" / "checkpoint" / "sites").iterdir())
+
+
+def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from compressor.errors import UserError
+    from compressor.runner import run
+
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, distillation=DISTILLATION), PluginRegistry())
+    with pytest.raises(UserError, match="save the models"):
+        run(recipe, PluginRegistry(), save_model=False)
+    assert not (tmp_path / "out").exists()

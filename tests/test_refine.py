@@ -16,7 +16,7 @@ from compressor.cli import main
 from compressor.engine import PipelineStep, kept_width, prune
 from compressor.families import family_for
 from compressor.recipe import RefinementSpec
-from compressor.refine import TiedHead, _student_logits, _target, kl_to_target, rebatch, refine_bases
+from compressor.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
 from compressor.sites import site_ids
 from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
@@ -118,12 +118,12 @@ def test_top_k_objective_is_a_lower_bound_and_exact_with_the_whole_vocabulary() 
     mask[0, :3] = False
     p, q = torch.log_softmax(teacher[mask].double(), -1), torch.log_softmax(student[mask].double(), -1)
     exact = float((p.exp() * (p - q)).sum())
-    assert float(kl_to_target(_target(teacher, mask, 0), student, mask)) == pytest.approx(exact, rel=1e-5)
-    assert float(kl_to_target(_target(teacher, mask, 50), student, mask)) == pytest.approx(exact, rel=1e-5)
-    truncated = [float(kl_to_target(_target(teacher, mask, k), student, mask)) for k in (1, 5, 20, 49)]
+    assert float(kl_to_target(teacher_target(teacher, mask, 0), student, mask)) == pytest.approx(exact, rel=1e-5)
+    assert float(kl_to_target(teacher_target(teacher, mask, 50), student, mask)) == pytest.approx(exact, rel=1e-5)
+    truncated = [float(kl_to_target(teacher_target(teacher, mask, k), student, mask)) for k in (1, 5, 20, 49)]
     assert all(0 < value <= exact * (1 + 1e-4) for value in truncated)  # float32 rounding
     assert truncated[-1] > truncated[0]
-    assert float(kl_to_target(_target(teacher, mask, 5), teacher, mask)) == pytest.approx(0, abs=1e-6)
+    assert float(kl_to_target(teacher_target(teacher, mask, 5), teacher, mask)) == pytest.approx(0, abs=1e-6)
 
 
 def test_rebatch_pads_batches_of_different_widths_on_the_right() -> None:

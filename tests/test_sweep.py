@@ -250,3 +250,23 @@ def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
     written = sweep_plots(table, [{"sites": []}] * 2, ["sparsity", "pipeline"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
     assert written[0].read_bytes().startswith(PNG)
+
+
+def test_a_grid_of_distilled_runs_plots_their_heldout_curves(tmp_path: Path) -> None:
+    """Points whose reports carry a distillation curve get one line each in
+    distillation_heldout_kl.png, labelled by what the grid varies; points without one add nothing."""
+    from compressor.plots import distillation_figure, sweep_plots
+
+    table = [{"model": "m", "pipeline": "pca", "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0,
+              "baseline ppl": 29.0, "distillation.method": method}
+             for method, kl in (("lora", 0.02), ("full", 0.01), (None, 0.03))]
+    curve = [{"step": 0, "tokens": 0, "kl": 0.03}, {"step": 10, "tokens": 40960, "kl": 0.02}]
+    reports = [{"sites": [], "distillation": {"curve": curve}}, {"sites": [], "distillation": {"curve": curve[:1]}},
+               {"sites": [], "distillation": None}]
+    written = sweep_plots(table, reports, ["distillation.method"], tmp_path)
+    assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png", "distillation_heldout_kl.png"]
+    assert written[1].read_bytes().startswith(PNG)
+    figure = distillation_figure({"a": curve, "b": curve[:1]})
+    lines = [line for line in figure.axes[0].get_lines() if not line.get_label().startswith("_")]
+    assert [line.get_label() for line in lines] == ["a", "b"]
+    assert list(lines[0].get_xdata()) == [0, 0.04096]
