@@ -248,3 +248,29 @@ def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Pa
     with pytest.raises(UserError, match="save the models"):
         run(recipe, PluginRegistry(), save_model=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights(tmp_path: Path) -> None:
+    """With `gradient_checkpointing` the sliced layers (GradientCheckpointingLayer) are recomputed in
+    the backward pass: the trained weights are those of a run that kept every activation."""
+    import dataclasses
+
+    original, student, data, spec = _student_and_data()
+    spec = dataclasses.replace(spec, tokens=512, method="full", warmup=0.0, lr=0.001)
+    results, calls = [], []
+    for checkpointing in (False, True):
+        model = copy_model(student)
+        count = [0]
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        trained, record = distill(model, LiveTeacher(original, spec.top_k), data,
+                                  dataclasses.replace(spec, gradient_checkpointing=checkpointing),
+                                  tmp_path / str(checkpointing), torch.device("cpu"), {"test": "gc"})
+        assert record.steps == 4 and record.kept == "distilled"
+        results.append(trained.state_dict())
+        calls.append(count[0])
+    assert calls[1] == calls[0] + 4  # the layer (its attention inside) recomputed once per training step
+    assert results[0].keys() == results[1].keys()
+    moved = [name for name, tensor in results[0].items() if not torch.equal(tensor, student.state_dict()[name])]
+    assert moved  # training changed the weights
+    for name in results[0]:
+        assert torch.allclose(results[0][name], results[1][name], atol=1e-6), name
