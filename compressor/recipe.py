@@ -204,7 +204,8 @@ class DistillationSpec:
     teacher: TeacherPlacement = "model"
     """model: the original sits beside the student on the device; cached: its top-k targets are
     computed once, layer by layer as the H pass does, and kept in host memory (for models whose
-    teacher and student do not fit together)."""
+    teacher and student do not fit together); that pass's activations wait on the host, or on
+    disk with the recipe's `activations: disk`."""
     trainer: dict[StrictStr, Any] = field(default_factory=dict)
     """More transformers TrainingArguments, e.g. {optim: adamw_torch_fused, report_to: [wandb]}."""
 

@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 import compressor
 from compressor import faults, parallel
+from compressor.activations import ActivationStore
 from compressor.allocation import CurveAllocator
 from compressor.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.calibration import Batch
@@ -934,8 +935,9 @@ def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, data:
     if spec.teacher == "cached":
         original.to("cpu")
         student.to("cpu")
+        store = ActivationStore(device, recipe.activations, staging / SCRATCH_FOLDER)  # `activations: disk` spills
         teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout, spec.top_k, device,
-                                                    spec.batch_size, report_progress))
+                                                    spec.batch_size, report_progress, store))
     else:
         teacher = LiveTeacher(original, spec.top_k)
     fingerprint = {"settings": distillation_fingerprint(recipe),

@@ -274,3 +274,13 @@ def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights
     assert moved  # training changed the weights
     for name in results[0]:
         assert torch.allclose(results[0][name], results[1][name], atol=1e-6), name
+
+
+def test_a_cached_teacher_run_with_activations_on_disk(sharp_checkpoint: Path, tmp_path: Path) -> None:
+    """`teacher: cached` with `activations: disk`: the stage runs from the targets computed layer
+    by layer (spilled activations in the staging folder, gone after) and still lowers the KL."""
+    report = _run(tmp_path, sharp_checkpoint, "cached", sparsity=0.5, evaluation=None, activations="disk",
+                  distillation={**DISTILLATION, "teacher": "cached"})
+    record = report["distillation"]
+    assert record["kept"] == "distilled" and record["heldout_kl_best"] < 0.9 * record["heldout_kl_before"]
+    assert not (tmp_path / ".cached.partial").exists()
