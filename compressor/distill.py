@@ -59,8 +59,6 @@ DEFAULT_LR = {"lora": 1e-3, "full": 1e-4}
 """Peak learning rates when the recipe gives none (docs/benchmarks.md, "Recovery distillation")."""
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
-SLICED_LINEARS = ("attn_shortcut", "mlp_shortcut", "attn_writer", "mlp_writer")
-"""Linear layers a per-site sliced model adds: residual transitions, and Gemma2's writers."""
 
 
 # --- data ---------------------------------------------------------------------------------

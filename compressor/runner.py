@@ -463,7 +463,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
     check_evaluation_tasks(recipe)
     if recipe.distillation is not None:
-        check_distillation(recipe, config, one_basis)
+        check_distillation(recipe, config, family, widths or uniform(d), shared, tie_head)
     checked = Plan(config, family, kept, widths, pipeline, params, budget, shared, allocator, rounding, tie_head)
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
@@ -529,19 +529,25 @@ def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
                         f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off")
 
 
-def check_distillation(recipe: Recipe, config: PretrainedConfig, one_basis: bool) -> None:
+def check_distillation(recipe: Recipe, config: PretrainedConfig, family: ModelFamily, widths: dict[str, int],
+                       shared: list[str], tie_head: bool) -> None:
     """What the distillation section names exists: its LoRA targets among the student's linear
-    layers (the original's, and the residual transitions of a per-site layout), its extra
-    TrainingArguments among transformers'; its device is one the Trainer can be given."""
-    from compressor.distill import SLICED_LINEARS, check_target_modules, check_training_arguments, linear_names, trainer_keys
+    layers (the student built on the meta device: the original class for a global layout, else the
+    sliced one with its transitions), its extra TrainingArguments among transformers' and valid
+    there; its device is one the Trainer can be given."""
+    from compressor.distill import check_target_modules, check_training_arguments, linear_names, trainer_keys
+    from compressor.budget import layout_config
+    from compressor.modeling import apply_slicing_layout
 
     spec = recipe.distillation
     assert spec is not None
     trainer_keys(spec)
     check_training_arguments(spec)
     with torch.device("meta"):
-        names = linear_names(AutoModelForCausalLM.from_config(config))
-    check_target_modules(spec, names if one_basis else names | set(SLICED_LINEARS))
+        student = AutoModelForCausalLM.from_config(config)
+    if recipe.slicing.layout != "global":
+        apply_slicing_layout(student, family, layout_config(student, family, widths, shared, tie_head))
+    check_target_modules(spec, linear_names(student))
     index = torch.device(recipe.device).index if recipe.device.startswith("cuda:") else None
     if index not in (None, 0) and "LOCAL_RANK" not in os.environ:
         raise UserError(f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "

@@ -20,6 +20,7 @@ from compressor.cli import main
 from compressor.distill import (CachedTeacher, LiveTeacher, _rows, cached_targets, collate, distill,
                                 distillation_data)
 from compressor.engine import PipelineStep, prune
+from compressor.errors import UserError
 from compressor_plugins.pca import PCA
 from compressor.families import family_for
 from compressor.faults import KILL_VARIABLE
@@ -204,6 +205,7 @@ def test_distillation_under_torchrun_trains_on_both_processes(sharp_checkpoint: 
 @pytest.mark.parametrize(("change", "message"), [
     ({"tokens": -5}, "distillation.tokens"),
     ({"method": "lora", "lora": {"target_modules": ["q_prj"]}}, "'q_prj' is not a linear layer of this model (did you mean 'q_proj'?)"),
+    ({"lora": {"target_modules": ["attn_writer"]}}, "its linear layers: attn_shortcut, down_proj"),  # Gemma2's only
     ({"trainer": {"optimm": "adamw_torch"}}, "distillation.trainer.optimm is not a transformers TrainingArguments field (did you mean 'optim'?)"),
     ({"trainer": {"max_steps": 3}}, "distillation.trainer.max_steps is set by the distillation section itself"),
     ({"trainer": {"fsdp": "full_shard"}}, "distillation.trainer.fsdp: sharded training is not supported yet"),
@@ -228,20 +230,24 @@ def test_distillation_data_defaults_to_the_calibration_text(tiny_checkpoint: Pat
     assert (spec.dataset, spec.seq_len, spec.format) == (recipe.calibration.dataset, 64, "text")
 
 
-def test_a_setting_only_the_student_reveals_keeps_the_walk(tiny_checkpoint: Path, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
-    """A LoRA target the sliced class may have but this model lacks (Gemma2's writers) is found only
-    once the student exists: one line, exit 2, and the walk's checkpoint kept to continue from."""
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
-                          distillation={**DISTILLATION, "lora": {"target_modules": ["attn_writer"]}})
+def test_a_problem_found_in_the_stage_keeps_the_walk(tiny_checkpoint: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A user error raised by the stage itself (after the walk): one line, exit 2, and the walk's
+    checkpoint kept, so the fixed recipe continues without walking again."""
+    import compressor.distill
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise UserError("distillation: something only the stage could find")
+
+    monkeypatch.setattr(compressor.distill, "distill", refuse)
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, distillation=DISTILLATION)
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "distillation.lora.target_modules" in err and "progress is kept" in err and len(err.splitlines()) == 1
+    assert "something only the stage could find" in err and "progress is kept" in err and len(err.splitlines()) == 1
     assert any((tmp_path / ".out.partial" / "checkpoint" / "sites").iterdir())
 
 
 def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from compressor.errors import UserError
     from compressor.runner import run
 
     recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, distillation=DISTILLATION), PluginRegistry())
