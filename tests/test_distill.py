@@ -162,6 +162,7 @@ def _cli(recipe: Path, output: Path, **env: str) -> subprocess.CompletedProcess:
     return _compress([sys.executable], recipe, output, **env)
 
 
+@pytest.mark.slow  # three runs of the CLI in subprocesses (~40 s); .ci/run runs it
 def test_a_killed_distillation_continues_with_the_same_command(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """SIGKILL once the step-8 checkpoint is written: nothing is published, the same command
     continues from step 8 to the model of an uninterrupted run; changed distillation settings
@@ -189,6 +190,7 @@ def test_a_killed_distillation_continues_with_the_same_command(tiny_checkpoint: 
     assert not (tmp_path / ".run.partial").exists()
 
 
+@pytest.mark.slow  # a two-process torchrun job (~20 s); .ci/run runs it
 def test_distillation_under_torchrun_trains_on_both_processes(sharp_checkpoint: Path, tmp_path: Path) -> None:
     """Two gloo processes: the walk shares the calibration, then the Trainer runs DDP; the report
     says two processes trained, each step covering both processes' windows."""
