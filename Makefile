@@ -23,5 +23,5 @@ demo: setup  ## prune the bundled reference Llama by 25% with SliceGPT (pca) and
 test: setup  ## the default suite (slow tests excluded)
 	$(OFFLINE) $(PY) -m pytest -m "not slow"
 
-test-all: setup
-	$(OFFLINE) $(PY) -m pytest
+test-all: setup  ## every test, the slow ones too (.ci/run), with the slowest listed
+	$(OFFLINE) $(PY) -m pytest --durations=15

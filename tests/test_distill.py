@@ -51,7 +51,8 @@ def _state_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in load_file(str(folder / "model.safetensors")).items()}
 
 
-@pytest.mark.parametrize(("layout", "method"), [("per_site", "lora"), ("global", "full")])
+@pytest.mark.parametrize(("layout", "method"), [
+    ("per_site", "lora"), pytest.param("global", "full", marks=pytest.mark.slow)])  # slow: two more CLI runs
 def test_distillation_lowers_the_heldout_kl_and_keeps_the_architecture(layout: str, method: str,
                                                                        sharp_checkpoint: Path, tmp_path: Path) -> None:
     """The same recipe with and without a distillation section: the same config, class, tensor
@@ -258,6 +259,7 @@ def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # two trainings of the tiny model (~12 s)
 def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights(tmp_path: Path) -> None:
     """With `gradient_checkpointing` the sliced layers (GradientCheckpointingLayer) are recomputed in
     the backward pass: the trained weights are those of a run that kept every activation."""
@@ -284,6 +286,7 @@ def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights
         assert torch.allclose(results[0][name], results[1][name], atol=1e-6), name
 
 
+@pytest.mark.slow  # a CLI run (~15 s)
 def test_a_cached_teacher_run_with_activations_on_disk(sharp_checkpoint: Path, tmp_path: Path) -> None:
     """`teacher: cached` with `activations: disk`: the stage runs from the targets computed layer
     by layer (spilled activations in the staging folder, gone after) and still lowers the KL."""
