@@ -5,7 +5,7 @@ input kept whole, and sliced), with the share its residual transitions and its u
 take; then, for a `target_params` fraction, the widest uniform width each way reaches and its
 exact count: plain (transitions and an untied, sliced head paid with width), shared bases (each
 layer's MLP keeps its attention's basis), a tied head kept tied (tied models), and both. Counts
-come from `compressor.budget` (a sliced model built on the meta device), so nothing is loaded.
+come from `compressor.models.budget` (a sliced model built on the meta device), so nothing is loaded.
 Why: a model with tied embeddings and a large vocabulary can *grow* when sliced, and the way to
 a budget decides how much width is left.
 
@@ -27,11 +27,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
-from compressor.budget import param_model, widest_uniform
-from compressor.engine import kept_width
+from compressor.engine.walk import kept_width
 from compressor.errors import UserError
-from compressor.families import family_for
-from compressor.sites import shared_site_ids, site_widths
+from compressor.models.budget import param_model, widest_uniform
+from compressor.models.families import family_for
+from compressor.models.sites import shared_site_ids, site_widths
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,11 +26,12 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from compressor.checkpoint import Checkpoint  # noqa: E402
-from compressor.engine import prune  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
+from compressor.engine.checkpoint import Checkpoint  # noqa: E402
+from compressor.engine.walk import prune  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.checks import plan  # noqa: E402
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,8 +1,8 @@
 """Peak accelerator and host memory of each prune phase against the calibration tokens, without a GPU.
 
 The engine runs its own code, every move between host and device and every lifetime as on a GPU,
-with the meta device standing in for the accelerator (`compressor.memtrack.emulated_accelerator`:
-tensors there have shapes and no data), and `compressor.memtrack.LiveBytes` counts the live bytes
+with the meta device standing in for the accelerator (`compressor.evaluation.memtrack.emulated_accelerator`:
+tensors there have shapes and no data), and `compressor.evaluation.memtrack.LiveBytes` counts the live bytes
 on each side: the accelerator's ("meta") and the host's ("cpu"). So a whole prune of a real
 config at real token counts costs seconds to minutes, and shows how device and host memory grow
 with the calibration tokens. What it leaves out: the allocator's rounding and caching, and
@@ -36,13 +36,13 @@ from rich.table import Table  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401
-from compressor.calibration import Batch  # noqa: E402
-from compressor.engine import PipelineStep, kept_width, prune  # noqa: E402
-from compressor.families import family_for  # noqa: E402
-from compressor.memtrack import LiveBytes, emulated_accelerator  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.sensitivity_options import SensitivityOptions  # noqa: E402
-from compressor.sites import site_widths  # noqa: E402
+from compressor.engine.calibration import Batch  # noqa: E402
+from compressor.engine.walk import PipelineStep, kept_width, prune  # noqa: E402
+from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator  # noqa: E402
+from compressor.models.families import family_for  # noqa: E402
+from compressor.models.sites import site_widths  # noqa: E402
+from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prune_cost import CONFIGS  # noqa: E402

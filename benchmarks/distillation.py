@@ -3,7 +3,7 @@
 For each layout (per-site bases, and the stock layout: one basis, the original class) the
 benchmark recipe (default `recipes/ref_llama_distill.yaml`) is run once without its
 distillation section (an ordinary run: prune, refine, save), and its saved model is the student.
-Then, per method (LoRA, full weights), `compressor.distill.distill` trains it from the original
+Then, per method (LoRA, full weights), `compressor.training.distill.distill` trains it from the original
 on the recipe's distillation data with the recipe's settings and a budget of `--tokens`; at each
 of `--marks` tokens seen (and at 0), a Trainer callback measures KL(original ‖ student) and
 perplexity on the recipe's evaluation windows (valid.jsonl), timed apart from training. So the
@@ -46,11 +46,12 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 import compressor  # noqa: E402,F401  (registers the sliced classes)
 from compressor.cli import phase_logger  # noqa: E402
-from compressor.distill import LiveTeacher, distill, distillation_data  # noqa: E402
-from compressor.evaluate import compare, parameter_count  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import load_model, load_tokenizer, run, token_batches  # noqa: E402
+from compressor.evaluation.metrics import compare, parameter_count  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.loading import load_model, load_tokenizer, token_batches  # noqa: E402
+from compressor.run.runner import run  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
+from compressor.training.distill import LiveTeacher, distill, distillation_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE = Console()

@@ -1,6 +1,6 @@
 """Does H predict the output KL of removing a whole subspace? (Figure 2a with k-dimensional U)
 
-The rank-one check is `compress surrogate` (compressor/surrogate.py, `check_recipe`). This
+The rank-one check is `compress surrogate` (compressor/run/surrogate.py, `check_recipe`). This
 script keeps its subspace variant, built from the same pieces: at one site of the reference
 model (recipes/ref_llama_sens.yaml: its model, data and H options), for k-dimensional
 subspaces U (k = the width the recipe's sparsity removes: random ones, and the bottom
@@ -27,12 +27,11 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from compressor.calibration import capture_layer_inputs  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
-from compressor.strategy import eigh_descending, frobenius_normalised  # noqa: E402
-from compressor.surrogate import (  # noqa: E402
+from compressor.engine.calibration import capture_layer_inputs  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.checks import plan  # noqa: E402
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
+from compressor.run.surrogate import (  # noqa: E402
     check_site,
     ensure_fused,
     measure_kl,
@@ -41,6 +40,8 @@ from compressor.surrogate import (  # noqa: E402
     rank_correlation,
     site_statistics,
 )
+from compressor.strategies.contract import eigh_descending, frobenius_normalised  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

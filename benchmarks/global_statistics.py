@@ -29,14 +29,15 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from transformers import PreTrainedModel  # noqa: E402
 
-from compressor.bases import apply_bases  # noqa: E402
-from compressor.engine import SiteChooser, prune  # noqa: E402
-from compressor.evaluate import compare  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
-from compressor.sites import EMBEDDING  # noqa: E402
-from compressor.stock import head_stream, to_stock  # noqa: E402
+from compressor.engine.bases import apply_bases  # noqa: E402
+from compressor.engine.walk import SiteChooser, prune  # noqa: E402
+from compressor.evaluation.metrics import compare  # noqa: E402
+from compressor.models.sites import EMBEDDING  # noqa: E402
+from compressor.models.stock import head_stream, to_stock  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.checks import plan  # noqa: E402
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

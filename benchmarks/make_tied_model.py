@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from compressor.data import batches_of, load_records, token_windows
-from compressor.evaluate import compare, parameter_count
+from compressor.data.text import batches_of, load_records, token_windows
+from compressor.evaluation.metrics import compare, parameter_count
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"

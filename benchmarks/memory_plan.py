@@ -3,7 +3,7 @@ without a GPU.
 
 The device side is *measured*: the engine's own code (one decoder layer of the real config, the
 head, one calibration batch) runs on fake tensors (`FakeTensorMode`: shapes and dtypes, no
-data), and `compressor.memtrack.LiveBytes` records the peak of live tensor bytes:
+data), and `compressor.evaluation.memtrack.LiveBytes` records the peak of live tensor bytes:
 - walk: a layer's weights, then for each of its sites `open_site`, `_Walk.advance` (the batch,
   its projection on the previous basis, the block, C in float64), H of the site in float64,
   the sensitivity strategy's τ candidates (one batched eigendecomposition) and their losses,
@@ -36,16 +36,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import compressor  # noqa: E402,F401
-from compressor.activations import ActivationStore  # noqa: E402
-from compressor.bases import close_site, open_site  # noqa: E402
-from compressor.calibration import LayerInputs  # noqa: E402
-from compressor.engine import _Walk, kept_width  # noqa: E402
-from compressor.families import family_for  # noqa: E402
-from compressor.memtrack import LiveBytes  # noqa: E402
-from compressor.sensitivity import SensitivityOptions, estimate_fisher  # noqa: E402
-from compressor.sites import layer_site_ids  # noqa: E402
-from compressor.strategy import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates  # noqa: E402
-from compressor.transforms import fuse_norms  # noqa: E402
+from compressor.engine.activations import ActivationStore  # noqa: E402
+from compressor.engine.bases import close_site, open_site  # noqa: E402
+from compressor.engine.calibration import LayerInputs  # noqa: E402
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher  # noqa: E402
+from compressor.engine.transforms import fuse_norms  # noqa: E402
+from compressor.engine.walk import _Walk, kept_width  # noqa: E402
+from compressor.evaluation.memtrack import LiveBytes  # noqa: E402
+from compressor.models.families import family_for  # noqa: E402
+from compressor.models.sites import layer_site_ids  # noqa: E402
+from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30

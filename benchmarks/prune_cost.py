@@ -44,12 +44,12 @@ from rich.table import Table  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401
-from compressor.calibration import Batch  # noqa: E402
-from compressor.engine import PipelineStep, kept_width, prune  # noqa: E402
-from compressor.families import family_for  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.sensitivity_options import SensitivityOptions  # noqa: E402
-from compressor.sites import site_widths  # noqa: E402
+from compressor.engine.calibration import Batch  # noqa: E402
+from compressor.engine.walk import PipelineStep, kept_width, prune  # noqa: E402
+from compressor.models.families import family_for  # noqa: E402
+from compressor.models.sites import site_widths  # noqa: E402
+from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_plan import CONFIGS  # noqa: E402

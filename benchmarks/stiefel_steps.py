@@ -3,7 +3,7 @@
 Runs the benchmark recipe (default `recipes/ref_llama_sens.yaml`: ref-llama, the paper's H pass)
 once with `sensitivity` alone (steps 0) and once per step count with `sensitivity` then
 `stiefel` at `steps: N` (its other options at their defaults, so a run may stop early after
-`patience` steps without gain). Every run is a whole `compressor.runner.run` with the recipe's
+`patience` steps without gain). Every run is a whole `compressor.run.runner.run` with the recipe's
 calibration and evaluation; the runs share data, model and H in memory (a sweep's
 `SharedResources`), so H is computed once and each run's prune time is the walk alone.
 
@@ -44,10 +44,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from compressor.cli import phase_logger  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.runner import run  # noqa: E402
-from compressor.sweep import SharedResources  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.runner import run  # noqa: E402
+from compressor.run.sweep import SharedResources  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

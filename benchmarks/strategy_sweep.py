@@ -49,10 +49,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from compressor.cli import phase_logger  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import load_recipe  # noqa: E402
-from compressor.report import kept_label  # noqa: E402
-from compressor.runner import run  # noqa: E402
+from compressor.recipe.schema import load_recipe  # noqa: E402
+from compressor.run.report import kept_label  # noqa: E402
+from compressor.run.runner import run  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ Loads a recipe's model (by default the reference Llama in ../shared) and pruned 
 either pruned here with the recipe (calibration and pruning, no evaluation, nothing saved) or
 read from run folders (`--pruned LABEL=RUN ...`: the per-site `sliced_*` model and the global
 layout's stock model at the same budget, say), and measures all of them alike, in one process,
-their runs interleaved, with `compressor.throughput`: parameters (the residual transitions
+their runs interleaved, with `compressor.evaluation.throughput`: parameters (the residual transitions
 included, and shown apart), weight bytes, and prefill and decode tokens per second at each
 batch size (random prompt of `--prompt-len` tokens, then `--decode-tokens` single-token steps
 through the KV cache; warm-up untimed, median of `--repeats`), for each dtype asked.
@@ -45,16 +45,17 @@ from rich.table import Table  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401  (registers the sliced architectures)
-from compressor.bases import apply_bases  # noqa: E402
-from compressor.budget import param_model, widest_uniform  # noqa: E402
-from compressor.engine import kept_width, prune  # noqa: E402
-from compressor.families import family_for  # noqa: E402
-from compressor.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
-from compressor.stock import stock_param_model, to_stock, width_multiple  # noqa: E402
-from compressor.plugins import PluginRegistry  # noqa: E402
-from compressor.recipe import Recipe, load_recipe  # noqa: E402
-from compressor.runner import load_model, load_tokenizer, plan, resolve_device, token_batches  # noqa: E402
-from compressor.throughput import measure_side_by_side, relative  # noqa: E402
+from compressor.engine.bases import apply_bases  # noqa: E402
+from compressor.engine.walk import kept_width, prune  # noqa: E402
+from compressor.evaluation.throughput import measure_side_by_side, relative  # noqa: E402
+from compressor.models.budget import param_model, widest_uniform  # noqa: E402
+from compressor.models.families import family_for  # noqa: E402
+from compressor.models.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
+from compressor.models.stock import stock_param_model, to_stock, width_multiple  # noqa: E402
+from compressor.recipe.schema import Recipe, load_recipe  # noqa: E402
+from compressor.run.checks import plan  # noqa: E402
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
+from compressor.strategies.registry import PluginRegistry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 10**6

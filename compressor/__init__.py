@@ -11,16 +11,18 @@ from __future__ import annotations
 import importlib
 import sys
 
+from compressor import _aliases
 from compressor._post_import import after_import
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _register_sliced_classes() -> None:
-    # compressor.modeling registers the built-in families when it is imported; if it is being
+    # compressor.models.sliced registers the built-in families when it is imported; if it is being
     # imported right now (it imported transformers), it does so when it finishes.
-    if "compressor.modeling" not in sys.modules:
-        importlib.import_module("compressor.modeling")
+    if "compressor.models.sliced" not in sys.modules:
+        importlib.import_module("compressor.models.sliced")
 
 
+_aliases.install()
 after_import("transformers", _register_sliced_classes)

@@ -9,9 +9,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from compressor.errors import UserError
 
@@ -123,16 +121,17 @@ def _quiet_libraries() -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> None:
-    from compressor.plugins import PluginRegistry
-    from compressor.recipe import load_recipe
-    from compressor.report import budget_label, rich_table
-    from compressor.runner import CHECKPOINT_FOLDER, run, staging_folder
+    from compressor.recipe.schema import load_recipe
+    from compressor.run.report import budget_label, rich_table
+    from compressor.run.runner import run
+    from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+    from compressor.strategies.registry import PluginRegistry
 
     _quiet_libraries()
     registry = PluginRegistry()
     recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
     if args.dry_run:
-        from compressor.preflight import dry_run
+        from compressor.run.preflight import dry_run
 
         found = dry_run(recipe, registry, args.overwrite, args.restart)
         headline = "recipe checked, but the run would stop here" if found.refusal else (
@@ -147,7 +146,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         if found.refusal:
             raise UserError(found.refusal)
         return
-    from compressor import parallel
+    from compressor.engine import parallel
 
     try:
         if int(os.environ.get("RANK", "0")) > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
@@ -206,7 +205,14 @@ def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], No
     if not console.is_terminal:
         yield phase_logger(console)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn())
@@ -240,8 +246,8 @@ def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: l
 def _eval(args: argparse.Namespace, console: Console) -> None:
     import json
 
-    from compressor.eval_command import EvalRequest, evaluate_target
-    from compressor.report import speed_rows, task_rows
+    from compressor.run.eval_command import EvalRequest, evaluate_target
+    from compressor.run.report import speed_rows, task_rows
 
     _quiet_libraries()
     output = Path(args.output) if args.output else None
@@ -273,9 +279,9 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
 
 
 def _sweep(args: argparse.Namespace, console: Console) -> None:
-    from compressor.compare import render
-    from compressor.plugins import PluginRegistry
-    from compressor.sweep import check, dump, load_sweep, run_sweep
+    from compressor.run.compare import render
+    from compressor.run.sweep import check, dump, load_sweep, run_sweep
+    from compressor.strategies.registry import PluginRegistry
 
     _quiet_libraries()
     registry = PluginRegistry()
@@ -301,9 +307,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
 
 
 def _surrogate(args: argparse.Namespace, console: Console) -> None:
-    from compressor.plugins import PluginRegistry
-    from compressor.recipe import load_recipe
-    from compressor.surrogate import check_recipe
+    from compressor.recipe.schema import load_recipe
+    from compressor.run.surrogate import check_recipe
+    from compressor.strategies.registry import PluginRegistry
 
     _quiet_libraries()
     registry = PluginRegistry()
@@ -321,7 +327,7 @@ def _surrogate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from compressor.compare import FORMATS, cell, columns, compare_runs, render
+    from compressor.run.compare import FORMATS, cell, columns, compare_runs, render
 
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix not in FORMATS:
@@ -350,8 +356,8 @@ def _write_output(console: Console, output: Path, text: str) -> None:
 def _schema(args: argparse.Namespace, console: Console) -> None:
     import json
 
-    from compressor.plugins import PluginRegistry
-    from compressor.recipe import recipe_schema
+    from compressor.recipe.schema import recipe_schema
+    from compressor.strategies.registry import PluginRegistry
 
     text = json.dumps(recipe_schema(PluginRegistry()), indent=2, ensure_ascii=False) + "\n"
     if args.output is None:
@@ -364,7 +370,7 @@ def _schema(args: argparse.Namespace, console: Console) -> None:
 
 
 def _strategies(console: Console) -> None:
-    from compressor.plugins import PluginRegistry
+    from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
     rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in registry.strategies().items()]
@@ -373,7 +379,7 @@ def _strategies(console: Console) -> None:
 
 
 def _families(console: Console) -> None:
-    from compressor.plugins import PluginRegistry
+    from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
     rows = [(model_type, e.family.name, e.plugin, e.source) for model_type, e in registry.families().items()]
@@ -382,7 +388,7 @@ def _families(console: Console) -> None:
 
 
 def _note_skipped(console: Console, registry: Any) -> None:
-    from compressor.plugins import ALLOW_VARIABLE
+    from compressor.strategies.registry import ALLOW_VARIABLE
 
     if registry.allowed is not None:
         skipped = registry.skipped()

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
 from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
-from pydantic.fields import FieldInfo
 from pydantic.dataclasses import dataclass as options  # noqa: F401  (re-exported: `@options(config=FORBID)`)
+from pydantic.fields import FieldInfo
 
 from compressor.errors import UserError, did_you_mean
 

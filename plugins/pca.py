@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from compressor.plugins import hookimpl
-from compressor.strategy import Basis, SiteProblem, Strategy, eigh_descending, removed_energy
+from compressor.strategies.contract import Basis, SiteProblem, Strategy, eigh_descending, removed_energy
+from compressor.strategies.registry import hookimpl
 
 
 class PCA(Strategy):

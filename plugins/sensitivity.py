@@ -17,8 +17,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import StrictBool, StrictInt
 
-from compressor.plugins import hookimpl
-from compressor.strategy import (
+from compressor.strategies.contract import (
     DEFAULT_TAUS,
     Basis,
     SiteProblem,
@@ -29,8 +28,8 @@ from compressor.strategy import (
     frobenius_normalised,
     tau_candidates,
 )
+from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
-
 
 PositiveNumber = Annotated[Number, described("a positive number", gt=0)]
 

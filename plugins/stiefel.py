@@ -18,8 +18,7 @@ import geoopt
 import torch
 from pydantic import StrictInt
 
-from compressor.plugins import hookimpl
-from compressor.strategy import (
+from compressor.strategies.contract import (
     Basis,
     SiteProblem,
     Strategy,
@@ -28,6 +27,7 @@ from compressor.strategy import (
     eigh_descending,
     frobenius_normalised,
 )
+from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
 
 

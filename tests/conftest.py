@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401  (registers the sliced architectures)
-from compressor.calibration import Batch  # noqa: E402
+from compressor.engine.calibration import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -46,8 +46,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
 
 def widths_for(family_name: str, config, kept: int, slice_head: bool) -> dict[str, int]:
     """Kept width per site id for a family (2 sites per layer, or 1 for parallel blocks)."""
-    from compressor.families import family_for
-    from compressor.sites import site_widths
+    from compressor.models.families import family_for
+    from compressor.models.sites import site_widths
 
     return site_widths(family_for(family_name), config.num_hidden_layers, config.hidden_size, kept, slice_head)
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-import compressor.allocation
-from compressor.allocation import DEFAULT_TAUS, Choice, CurveAllocator, groups_of, loss_curve, solve
-from compressor.bases import apply_bases, load_bases
-from compressor.budget import ParamModel, param_model, sliced_params, widest_uniform
-from compressor.checkpoint import Checkpoint
+import compressor.engine.allocation
 from compressor.cli import main
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.evaluate import parameter_count
-from compressor.families import family_for
-from compressor.sites import layer_site_ids, site_ids, site_widths
-from compressor.strategy import coupled_loss, eigh_descending, frobenius_normalised
+from compressor.engine.allocation import DEFAULT_TAUS, Choice, CurveAllocator, groups_of, loss_curve, solve
+from compressor.engine.bases import apply_bases, load_bases
+from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.evaluation.metrics import parameter_count
+from compressor.models.budget import ParamModel, param_model, sliced_params, widest_uniform
+from compressor.models.families import family_for
+from compressor.models.sites import layer_site_ids, site_ids, site_widths
+from compressor.strategies.contract import coupled_loss, eigh_descending, frobenius_normalised
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import (
@@ -188,7 +188,7 @@ def test_a_large_constant_still_finds_an_allocation_that_fits() -> None:
 def test_the_lagrangian_solver_is_near_the_best_allocation(transitions: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced (as on deep models): within the budget, and at most one width step's loss above the
     brute-force optimum on convex curves."""
-    monkeypatch.setattr(compressor.allocation, "WORK_LIMIT", 0)
+    monkeypatch.setattr(compressor.engine.allocation, "WORK_LIMIT", 0)
     params = _synthetic(1_000, transitions)
     options = [8, 16, 24, 32]
     for trial in range(12):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from compressor.chat import assistant_tokens, chat_batches
+from compressor.data.chat import assistant_tokens, chat_batches
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.bases import apply_bases, prediction_error, reader_map
-from compressor.checkpoint import Checkpoint
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.families import family_for
+from compressor.engine.bases import apply_bases, prediction_error, reader_map
+from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, prune
-from compressor.families import family_for
-from compressor.plugins import PluginRegistry
-from compressor.sensitivity_options import SensitivityOptions
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.families import family_for
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.strategies.registry import PluginRegistry
 from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

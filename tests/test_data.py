@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from compressor.data import batches_of, token_windows
+from compressor.data.text import batches_of, token_windows
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
 

@@ -1,4 +1,4 @@
-"""Recovery distillation (`compressor.distill`): it lowers the held-out KL, keeps the saved
+"""Recovery distillation (`compressor.training.distill`): it lowers the held-out KL, keeps the saved
 architecture, merges LoRA exactly, resumes after a kill, runs under torchrun, and refuses bad
 settings in one line."""
 
@@ -15,17 +15,24 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from compressor.calibration import Batch
 from compressor.cli import main
-from compressor.distill import (CachedTeacher, LiveTeacher, _rows, cached_targets, collate, distill,
-                                distillation_data)
-from compressor.engine import PipelineStep, prune
+from compressor.data.batches import Batch
+from compressor.engine.walk import PipelineStep, prune
 from compressor.errors import UserError
-from compressor_plugins.pca import PCA
-from compressor.families import family_for
 from compressor.faults import KILL_VARIABLE
-from compressor.plugins import PluginRegistry
-from compressor.recipe import DistillationSpec, load_recipe
+from compressor.models.families import family_for
+from compressor.recipe.schema import DistillationSpec, load_recipe
+from compressor.strategies.registry import PluginRegistry
+from compressor.training.distill import (
+    CachedTeacher,
+    LiveTeacher,
+    _rows,
+    cached_targets,
+    collate,
+    distill,
+    distillation_data,
+)
+from compressor_plugins.pca import PCA
 from tests.conftest import EXAMPLES, copy_model, random_batches, save_tiny_checkpoint, tiny_model, widths_for
 from tests.test_cli import write_recipe
 from tests.test_parallel import TORCHRUN, _compress
@@ -237,12 +244,12 @@ def test_a_problem_found_in_the_stage_keeps_the_walk(tiny_checkpoint: Path, tmp_
                                                    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """A user error raised by the stage itself (after the walk): one line, exit 2, and the walk's
     checkpoint kept, so the fixed recipe continues without walking again."""
-    import compressor.distill
+    import compressor.training.distill
 
     def refuse(*_: Any, **__: Any) -> None:
         raise UserError("distillation: something only the stage could find")
 
-    monkeypatch.setattr(compressor.distill, "distill", refuse)
+    monkeypatch.setattr(compressor.training.distill, "distill", refuse)
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, distillation=DISTILLATION)
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
@@ -251,7 +258,7 @@ def test_a_problem_found_in_the_stage_keeps_the_walk(tiny_checkpoint: Path, tmp_
 
 
 def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from compressor.runner import run
+    from compressor.run.runner import run
 
     recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, distillation=DISTILLATION), PluginRegistry())
     with pytest.raises(UserError, match="save the models"):

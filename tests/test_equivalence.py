@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, prune
-from compressor.families import family_for
-from compressor.strategy import Basis, SiteProblem, Strategy
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.families import family_for
+from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.export import write_remote_code
-from compressor.families import family_for
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.models.export import write_remote_code
+from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -69,7 +69,7 @@ def test_with_compressor_imported_the_folder_loads_without_remote_code(tmp_path:
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
         "modeling_sliced.SlicedForCausalLM"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # the registered local class, no remote code
-    assert type(reloaded).__module__ == "compressor.modeling"
+    assert type(reloaded).__module__ == "compressor.models.sliced"
 
 
 def test_the_readme_snippet_for_a_folder_without_compressor_asks_nothing(tmp_path: Path) -> None:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.sites import site_widths
+from compressor.engine.walk import PipelineStep, kept_width, prune
 from compressor.errors import UserError
-from compressor.families import family_for
-from compressor.plugins import PluginRegistry
+from compressor.models.families import family_for
+from compressor.models.sites import site_widths
+from compressor.strategies.registry import PluginRegistry
 from compressor_plugins.pca import PCA
 from tests.conftest import (
     BUILTIN_PLUGINS,
@@ -82,8 +82,8 @@ def test_a_registered_family_prunes_exactly_and_reloads(arcee_plugin, tmp_path: 
 
 
 def test_two_descriptions_of_one_model_type_are_refused(arcee_plugin) -> None:
-    from compressor.families import ModelFamily
-    from compressor.plugins import hookimpl
+    from compressor.models.families import ModelFamily
+    from compressor.strategies.registry import hookimpl
 
     class Rival:
         @hookimpl

@@ -128,7 +128,7 @@ sys.meta_path.insert(0, _Interrupt())
 
 
 @pytest.mark.parametrize(("module", "entry"), [
-    *((module, "compress") for module in ["rich", "torch", "transformers", "compressor.runner",
+    *((module, "compress") for module in ["rich", "torch", "transformers", "compressor.run.runner",
                                           "compressor_plugins.sensitivity"]),
     ("rich", "python -m compressor.cli"), ("torch", "python -m compressor.cli"),  # torchrun's form
 ])
@@ -255,7 +255,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny_checkpoint
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     with monkeypatch.context() as patch:
         if writer == "checkpoint":
-            patch.setattr("compressor.checkpoint.save_file", lambda tensors, path, **_: _disk_full(path))
+            patch.setattr("compressor.engine.checkpoint.save_file", lambda tensors, path, **_: _disk_full(path))
         else:
             patch.setattr(PreTrainedModel, "save_pretrained", lambda self, folder, **_: _disk_full(Path(folder)))
         assert main(["run", str(recipe)]) == 2
@@ -286,10 +286,10 @@ def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(t
     """A plugin strategy that requires a statistic the engine cannot compute is refused by
     `plan` (what --dry-run and a run call before loading weights), naming the statistic."""
     from compressor.errors import UserError
-    from compressor.plugins import PluginRegistry, hookimpl
-    from compressor.recipe import load_recipe
-    from compressor.runner import plan
-    from compressor.strategy import Strategy
+    from compressor.recipe.schema import load_recipe
+    from compressor.run.checks import plan
+    from compressor.strategies.contract import Strategy
+    from compressor.strategies.registry import PluginRegistry, hookimpl
 
     class NeedsG(Strategy):
         name = "needs-g"

@@ -59,7 +59,7 @@ def test_a_gated_repository_is_named_as_such(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_hub_dataset_that_cannot_be_fetched_gets_advice(no_network: None) -> None:
-    from compressor.data import load_records
+    from compressor.data.text import load_records
     from compressor.errors import UserError
 
     with pytest.raises(UserError, match="huggingface.co cannot be reached.*local data files.*HF_TOKEN"):

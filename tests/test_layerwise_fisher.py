@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.calibration import LayerInputs, capture_layer_inputs
-from compressor.families import ModelFamily, family_for
-from compressor.sensitivity import SensitivityOptions, estimate_fisher, sampled_score, site_activations
-from compressor.sites import site_ids
-from compressor.transforms import fuse_norms
+from compressor.engine.calibration import LayerInputs, capture_layer_inputs
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher, sampled_score, site_activations
+from compressor.engine.transforms import fuse_norms
+from compressor.models.families import ModelFamily, family_for
+from compressor.models.sites import site_ids
 from tests.conftest import FAMILY_CONFIGS, random_batches, tiny_model
 
 CASES = [(name, {}) for name in sorted(FAMILY_CONFIGS)] + [("opt", {"word_embed_proj_dim": 32})]

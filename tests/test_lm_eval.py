@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from compressor.cli import main
-from compressor.harness import _flatten
+from compressor.evaluation.harness import _flatten
 from tests.test_cli import write_recipe
 
 # With a random model every token costs about log(vocab) nats, so the summed log-likelihood
@@ -130,7 +130,7 @@ def test_a_task_named_in_two_suites_and_tags_are_refused(tiny_checkpoint: Path, 
 
 
 def test_hub_dataset_files_are_left_alone_and_local_ones_resolved(tmp_path: Path) -> None:
-    from compressor.harness import _local_config
+    from compressor.evaluation.harness import _local_config
 
     (tmp_path / "hub.yaml").write_text(yaml.safe_dump({"task": "t", "dataset_path": "someone/dataset",
                                                        "dataset_kwargs": {"data_files": {"test": "dev/x.csv"}}}))
@@ -141,8 +141,8 @@ def test_hub_dataset_files_are_left_alone_and_local_ones_resolved(tmp_path: Path
 
 
 def test_editing_a_local_task_changes_its_digest(tmp_path: Path) -> None:
-    from compressor.harness import suite_digest
-    from compressor.recipe import LmEvalSpec
+    from compressor.evaluation.harness import suite_digest
+    from compressor.recipe.schema import LmEvalSpec
 
     path = _write_task(tmp_path)
     spec = LmEvalSpec(tasks=[str(path)])

@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-from compressor.activations import held_on
-from compressor.calibration import capture_layer_inputs
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.families import family_for
-from compressor.memtrack import LiveBytes, emulated_accelerator
-from compressor.sensitivity import SensitivityOptions, estimate_fisher
-from compressor.transforms import fuse_norms
+from compressor.engine.activations import held_on
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher
+from compressor.engine.transforms import fuse_norms
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
+from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for

@@ -14,16 +14,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from compressor.bases import load_bases
-from compressor.calibration import capture_layer_inputs
-from compressor.engine import PipelineStep, PruneResult, prune
+from compressor.engine.bases import load_bases
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.fisher import estimate_fisher
+from compressor.engine.parallel import Ranks
+from compressor.engine.transforms import fuse_norms
+from compressor.engine.walk import PipelineStep, PruneResult, prune
 from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
-from compressor.families import family_for
-from compressor.parallel import Ranks
-from compressor.plugins import PluginRegistry
-from compressor.sensitivity import estimate_fisher
-from compressor.sensitivity_options import SensitivityOptions
-from compressor.transforms import fuse_norms
+from compressor.models.families import family_for
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.strategies.registry import PluginRegistry
 from tests.conftest import ROOT, copy_model, random_batches, tiny_model, widths_for
 from tests.test_cli import write_recipe
 

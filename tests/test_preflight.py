@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.checkpoint import FINGERPRINT_FILE, FISHER_FILE
 from compressor.cli import main
-from compressor.runner import CHECKPOINT_FOLDER, staging_folder
+from compressor.engine.checkpoint import FINGERPRINT_FILE, FISHER_FILE
+from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
 from tests.conftest import save_tiny_checkpoint
 from tests.test_cli import write_recipe
 from tests.test_hub import no_network  # noqa: F401  (a fixture)

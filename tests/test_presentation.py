@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from compressor import compare
-from compressor.compare import render, rows
-from compressor.report import summary_rows
+from compressor.run import compare
+from compressor.run.compare import render, rows
+from compressor.run.report import summary_rows
 
 RECIPE: dict[str, Any] = {
     "model": {"path": "/models/ref-llama", "dtype": "float32"},
@@ -185,7 +185,7 @@ def _speed(baseline: tuple[float, float, float], pruned: tuple[float, float, flo
 
 
 def _speed_cells(speed: dict[str, Any]) -> tuple[str, str]:
-    from compressor.report import speed_rows
+    from compressor.run.report import speed_rows
 
     (_, before, after), _ = speed_rows(None, speed)
     return before, after
@@ -204,7 +204,7 @@ def test_a_speedup_beyond_the_spread_is_not_called_noise() -> None:
 
 def test_old_speed_figures_get_their_spread_from_the_timed_runs() -> None:
     """Reports measured before the range was recorded keep every run's time: the spread follows."""
-    from compressor.throughput import rate_range
+    from compressor.evaluation.throughput import rate_range
 
     numbers = {"prefill_tok_s": 100.0, "prefill_s": 1.0, "prefill_runs_s": [0.8, 1.0, 1.25]}
     assert rate_range(numbers, "prefill") == pytest.approx((80.0, 125.0))
@@ -246,7 +246,7 @@ def _legend_texts(figure: Any) -> list[str]:
 
 
 def test_labels_are_short_and_name_what_differs() -> None:
-    from compressor.plots import series_labels
+    from compressor.evaluation.plots import series_labels
 
     labels = list(series_labels(_table([0.2]), GRID).values())
     assert labels == ["sensitivity, refinement(windows=8)", "sensitivity, refinement(windows=16)",
@@ -255,7 +255,7 @@ def test_labels_are_short_and_name_what_differs() -> None:
 
 
 def test_long_labels_are_cut_and_colliding_ones_told_apart() -> None:
-    from compressor.plots import LABEL_LIMIT, series_labels
+    from compressor.evaluation.plots import LABEL_LIMIT, series_labels
 
     long = "x" * 100
     table = [{"model": "m", "pipeline": f"{long}{end}", "sparsity": 0.2, "params": 0.8} for end in "ab"]
@@ -265,7 +265,7 @@ def test_long_labels_are_cut_and_colliding_ones_told_apart() -> None:
 
 
 def test_the_legend_fits_inside_the_figure_below_the_axes() -> None:
-    from compressor.plots import kl_ppl_figure
+    from compressor.evaluation.plots import kl_ppl_figure
 
     figure = kl_ppl_figure(_table([0.2, 0.3]), GRID)
     (legend,) = figure.legends
@@ -275,7 +275,7 @@ def test_the_legend_fits_inside_the_figure_below_the_axes() -> None:
 
 
 def test_a_single_sparsity_gets_bars() -> None:
-    from compressor.plots import kl_ppl_figure
+    from compressor.evaluation.plots import kl_ppl_figure
 
     figure = kl_ppl_figure(_table([0.25]), GRID)
     kl_axes, ppl_axes = figure.axes
@@ -289,7 +289,7 @@ def test_a_single_sparsity_gets_bars() -> None:
 
 
 def test_identical_series_say_so_in_the_legend() -> None:
-    from compressor.plots import kl_ppl_figure
+    from compressor.evaluation.plots import kl_ppl_figure
 
     table = _table([0.2, 0.3], kl=lambda index: 0.01 * (1 + index // 2))  # the refinement changes nothing
     figure = kl_ppl_figure(table, GRID)
@@ -301,7 +301,7 @@ def test_identical_series_say_so_in_the_legend() -> None:
 def test_nearly_equal_series_stay_distinguishable() -> None:
     """Lines a hair apart (a later step changed little): each keeps a style of its own, so the one
     drawn last does not hide the other."""
-    from compressor.plots import kl_ppl_figure
+    from compressor.evaluation.plots import kl_ppl_figure
 
     table = _table([0.2, 0.3], kl=lambda index: 0.01 * (1 + index // 2) * (1 + 1e-5 * (index % 2)))
     figure = kl_ppl_figure(table, GRID)

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.strategy import SiteProblem, SiteStatistics
+from compressor.strategies.contract import SiteProblem, SiteStatistics
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from compressor_plugins.stiefel import Schedule, Stiefel
 from tests.test_sensitivity import random_psd
-
 
 DOCUMENTED_DEFAULT_STEPS = 1_000
 """`stiefel`'s default steps, as measured and documented in docs/benchmarks.md (issue 24)."""
@@ -103,8 +102,8 @@ def test_sensitivity_without_refinement_reports_before_and_after_its_one_batch()
 
 
 def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
-    from compressor.engine import PipelineStep, kept_width, prune
-    from compressor.families import family_for
+    from compressor.engine.walk import PipelineStep, kept_width, prune
+    from compressor.models.families import family_for
     from tests.conftest import random_batches, tiny_model, widths_for
 
     model = tiny_model("llama")
@@ -122,8 +121,8 @@ def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
 
 
 def test_refinement_reports_every_step() -> None:
-    from compressor.recipe import RefinementSpec
-    from compressor.refine import refine_bases
+    from compressor.engine.refine import refine_bases
+    from compressor.recipe.schema import RefinementSpec
     from tests.conftest import copy_model, random_batches, tiny_model
     from tests.test_refine import _pca_bases
 
@@ -144,9 +143,9 @@ def test_lm_eval_reports_its_tasks_and_each_answered_request(tiny_checkpoint: Pa
     in batches of 4; the bar hears the task prepared, then the requests counted up to 12."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import compressor.harness as harness
-    from compressor.evaluate import task_scores
-    from compressor.recipe import LmEvalSpec
+    import compressor.evaluation.harness as harness
+    from compressor.evaluation.metrics import task_scores
+    from compressor.recipe.schema import LmEvalSpec
     from tests.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")
@@ -171,8 +170,8 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
     """Through `evaluate_models`, as a run calls it: each model's requests, under its name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compressor.evaluate import evaluate_models
-    from compressor.recipe import LmEvalSpec
+    from compressor.evaluation.metrics import evaluate_models
+    from compressor.recipe.schema import LmEvalSpec
     from tests.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from compressor.data import batches_of, load_records, token_windows
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.sites import site_widths
-from compressor.evaluate import compare
-from compressor.families import family_for
+from compressor.data.text import batches_of, load_records, token_windows
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.evaluation.metrics import compare
+from compressor.models.families import family_for
+from compressor.models.sites import site_widths
 from compressor_plugins.pca import PCA
 
 

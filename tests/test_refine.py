@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.bases import apply_bases, load_bases
-from compressor.calibration import capture_layer_inputs
 from compressor.cli import main
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.families import family_for
-from compressor.recipe import RefinementSpec
-from compressor.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
-from compressor.sites import site_ids
-from compressor.transforms import fuse_norms
+from compressor.engine.bases import apply_bases, load_bases
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
+from compressor.engine.transforms import fuse_norms
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.models.families import family_for
+from compressor.models.sites import site_ids
+from compressor.recipe.schema import RefinementSpec
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 from tests.test_cli import write_recipe

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compressor.bases import apply_bases, load_bases
-from compressor.checkpoint import Checkpoint
 from compressor.cli import main
-from compressor.engine import PipelineStep, kept_width, prune
+from compressor.engine.bases import apply_bases, load_bases
+from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.walk import PipelineStep, kept_width, prune
 from compressor.faults import KILL_VARIABLE
-from compressor.families import family_for
+from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from tests.conftest import EXAMPLES, FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
@@ -130,7 +130,7 @@ def test_ctrl_c_keeps_the_checkpoint_and_says_how_to_continue(recipe: Path, tmp_
 
     output = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr("compressor.engine.faults.reached", interrupt_at)
+        patch.setattr("compressor.engine.walk.faults.reached", interrupt_at)
         assert main(["run", str(recipe), "--output", str(output)]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "interrupted; progress is kept: run the same command to continue" in err

@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
-from compressor.calibration import Batch, capture_layer_inputs
-from compressor.families import family_for
-from compressor.sensitivity import SensitivityOptions, estimate_fisher, site_activations
-from compressor.strategy import (
+from compressor.data.batches import Batch
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher, site_activations
+from compressor.engine.transforms import fuse_norms
+from compressor.models.families import family_for
+from compressor.strategies.contract import (
     SiteProblem,
     SiteStatistics,
     StrategyOptionError,
@@ -20,7 +22,6 @@ from compressor.strategy import (
     eigh_descending,
     tau_candidates,
 )
-from compressor.transforms import fuse_norms
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from compressor_plugins.stiefel import Schedule, Stiefel, loss_and_gradient
@@ -233,7 +234,7 @@ def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_sampled_score_is_the_gradient_of_the_sampled_log_likelihood(reduction: str) -> None:
-    from compressor.sensitivity import sampled_score
+    from compressor.engine.fisher import sampled_score
 
     logits = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(3, 5, dtype=torch.bool)
@@ -246,7 +247,7 @@ def test_sampled_score_is_the_gradient_of_the_sampled_log_likelihood(reduction: 
 
 
 def test_sampled_labels_follow_the_model_distribution() -> None:
-    from compressor.sensitivity import sampled_score
+    from compressor.engine.fisher import sampled_score
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
     logits = probs.log().expand(20_000, 4).unsqueeze(0)
@@ -258,7 +259,7 @@ def test_sampled_labels_follow_the_model_distribution() -> None:
 def test_two_level_sampling_draws_what_a_full_cdf_search_draws() -> None:
     """Block sums then a search inside the block: the same label as inverse-CDF sampling over
     the whole row (up to rounding), across whole blocks and a shorter last one."""
-    from compressor.sensitivity import sample_labels
+    from compressor.engine.fisher import sample_labels
 
     logits = 3 * torch.randn(4000, 300, generator=torch.Generator().manual_seed(2))
     probs = torch.softmax(logits, -1)
@@ -271,7 +272,7 @@ def test_two_level_sampling_draws_what_a_full_cdf_search_draws() -> None:
 
 
 def test_two_level_sampling_follows_the_distribution() -> None:
-    from compressor.sensitivity import sample_labels
+    from compressor.engine.fisher import sample_labels
 
     probs = torch.softmax(torch.linspace(0, 4, 300), -1)
     labels = sample_labels(probs.expand(200_000, 300).contiguous(), torch.Generator().manual_seed(3), block=64)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import compressor.engine
+import compressor.engine.walk
 from compressor.cli import main
 from tests.test_chat import CONVERSATION
 from tests.test_cli import write_recipe
@@ -44,7 +44,7 @@ def test_pca_runs_never_estimate_h(tiny_checkpoint: Path, tmp_path: Path, monkey
     def forbidden(*args, **kwargs):
         raise AssertionError("H was estimated for a pipeline that does not need it")
 
-    monkeypatch.setattr(compressor.engine, "estimate_fisher", forbidden)
+    monkeypatch.setattr(compressor.engine.walk, "estimate_fisher", forbidden)
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, evaluation=None))]) == 0
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, kept_width, prune
 from compressor.errors import UserError
-from compressor.evaluate import parameter_count
-from compressor.families import family_for
-from compressor.sites import site_ids, site_widths
+from compressor.evaluation.metrics import parameter_count
+from compressor.models.families import family_for
+from compressor.models.sites import site_ids, site_widths
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 

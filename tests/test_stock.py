@@ -16,15 +16,21 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from compressor.bases import apply_bases, load_bases
 from compressor.cli import main
-from compressor.engine import GlobalPool, PipelineStep, prune
-from compressor.families import BUILTIN_FAMILIES, family_for
-from compressor.sites import site_ids
-from compressor.stock import load_stock, save_stock, stock_param_model, tied_scale
+from compressor.engine.bases import apply_bases, load_bases
+from compressor.engine.walk import GlobalPool, PipelineStep, prune
+from compressor.models.families import BUILTIN_FAMILIES, family_for
+from compressor.models.sites import site_ids
+from compressor.models.stock import load_stock, save_stock, stock_param_model, tied_scale
 from compressor_plugins.pca import PCA
-from tests.conftest import (FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches,
-                            save_tiny_checkpoint, tiny_model)
+from tests.conftest import (
+    FAMILY_CONFIGS,
+    copy_model,
+    max_relative_logit_error,
+    random_batches,
+    save_tiny_checkpoint,
+    tiny_model,
+)
 from tests.test_cli import write_recipe
 from tests.test_resume import compress, tensors
 
@@ -230,9 +236,9 @@ def test_the_global_basis_is_chosen_from_every_site(tmp_path: Path) -> None:
     assert result.sites[0].pooled_with == ids[1:]
     assert [r.steps[0]["strategy"] for r in result.sites[1:]] == ["shared"] * 4
     # The same basis from the survey's statistics, computed here by hand.
-    from compressor.sensitivity import site_activations
-    from compressor.transforms import fuse_norms
-    from compressor.calibration import capture_layer_inputs
+    from compressor.engine.calibration import capture_layer_inputs
+    from compressor.engine.fisher import site_activations
+    from compressor.engine.transforms import fuse_norms
 
     reference = tiny_model("llama")
     fuse_norms(reference, family)

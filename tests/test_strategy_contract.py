@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from compressor.engine import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, kept_width, prune
 from compressor.errors import UserError
-from compressor.families import family_for
-from compressor.strategy import Basis, SiteProblem, Strategy
+from compressor.models.families import family_for
+from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 
 

@@ -10,15 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.calibration import Batch, SecondMoment, capture_layer_inputs
+from compressor.data.batches import Batch
+from compressor.engine.calibration import SecondMoment, capture_layer_inputs
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher, site_activations
 from compressor.errors import UserError
-from compressor.families import family_for
-from compressor.plugins import PluginRegistry
-from compressor.recipe import load_recipe
-from compressor.sensitivity import SensitivityOptions, estimate_fisher, site_activations
-from compressor.sites import site_ids
-from compressor.surrogate import (JSON_FILE, PLOT_FILE, SurrogateResult, check_recipe, probe_directions,
-                                  rank_correlation, surrogate_check)
+from compressor.models.families import family_for
+from compressor.models.sites import site_ids
+from compressor.recipe.schema import load_recipe
+from compressor.run.surrogate import (
+    JSON_FILE,
+    PLOT_FILE,
+    SurrogateResult,
+    check_recipe,
+    probe_directions,
+    rank_correlation,
+    surrogate_check,
+)
+from compressor.strategies.registry import PluginRegistry
 from tests.conftest import random_batches, tiny_model
 from tests.test_cli import write_recipe
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import compressor.engine
+import compressor.engine.walk
 from compressor.cli import main
 from tests.test_cli import write_recipe
 
@@ -35,13 +35,13 @@ def _write_sweep(folder: Path, base: Path, **extra: object) -> Path:
 def fisher_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the H passes the engine really runs."""
     calls: list[int] = []
-    real = compressor.engine.estimate_fisher
+    real = compressor.engine.walk.estimate_fisher
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compressor.engine, "estimate_fisher", counted)
+    monkeypatch.setattr(compressor.engine.walk, "estimate_fisher", counted)
     return calls
 
 
@@ -194,7 +194,7 @@ def test_extending_the_grid_keeps_every_finished_run(tiny_checkpoint: Path, tmp_
 
 def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_path: Path) -> None:
     """Runs with `target_params` have no sparsity: their points sit at the parameters they kept."""
-    from compressor.plots import _lines, sweep_plots
+    from compressor.evaluation.plots import _lines, sweep_plots
 
     table = [{"model": "m", "pipeline": "pca", "sparsity": None, "target_params": t, "params": kept,
               "KL": kl, "pruned ppl": 30.0 + kl, "baseline ppl": 30.0}
@@ -225,7 +225,7 @@ def test_results_of_a_grid_over_the_evaluation_carry_its_warning(tmp_path: Path)
     and settings under a grid key are not repeated as dotted columns of their own."""
     from types import SimpleNamespace
 
-    from compressor.sweep import Point, Sweep, results, warnings, write_results
+    from compressor.run.sweep import Point, Sweep, results, warnings, write_results
 
     points = []
     for name, samples, ppl, windows in (("000", 64, 30.167, 8), ("001", 256, 20.314, 16)):
@@ -243,7 +243,7 @@ def test_results_of_a_grid_over_the_evaluation_carry_its_warning(tmp_path: Path)
 
 
 def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
-    from compressor.plots import sweep_plots
+    from compressor.evaluation.plots import sweep_plots
 
     table = [{"model": "m", "pipeline": p, "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0 + kl,
               "baseline ppl": 30.0} for p, kl in (("pca", 0.02), ("sensitivity", 0.01))]
@@ -255,7 +255,7 @@ def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
 def test_a_grid_of_distilled_runs_plots_their_heldout_curves(tmp_path: Path) -> None:
     """Points whose reports carry a distillation curve get one line each in
     distillation_heldout_kl.png, labelled by what the grid varies; points without one add nothing."""
-    from compressor.plots import distillation_figure, sweep_plots
+    from compressor.evaluation.plots import distillation_figure, sweep_plots
 
     table = [{"model": "m", "pipeline": "pca", "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0,
               "baseline ppl": 29.0, "distillation.method": method}

@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+import compressor
 from tests.conftest import BUILTIN_PLUGINS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def test_strategies_lists_the_installed_plugin(site: Path) -> None:
         [cell.strip() for cell in line.strip("│").split("│")] for line in result.stdout.splitlines()
         if line.startswith("│"))}
     assert rows["keep-coordinates"][:2] == ["keep-coordinates", "compressor-keep-coordinates 0.1.0"], result.stdout
-    assert rows["pca"][:2] == ["pca", "compressor 0.1.0"], result.stdout  # the built-in is still there
+    assert rows["pca"][:2] == ["pca", f"compressor {compressor.__version__}"], result.stdout  # the built-in is still there
 
 
 def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tiny_llama: Path,
@@ -131,8 +132,9 @@ def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tin
 def test_basis_is_a_permutation_of_the_highest_energy_coordinates(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delitem(sys.modules, "compressor_keep_coordinates", raising=False)
-    from compressor.strategy import Basis, SiteProblem, SiteStatistics, StrategyOptionError
     from compressor_keep_coordinates import KeepCoordinates
+
+    from compressor.strategies.contract import Basis, SiteProblem, SiteStatistics, StrategyOptionError
 
     strategy = KeepCoordinates()
     energy = torch.tensor([0.5, 3.0, 0.1, 2.0, 1.0], dtype=torch.float64)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.engine import PipelineStep, kept_width, prune
-from compressor.families import family_for
-from compressor.throughput import compare_speed, decode, measure_throughput, model_size, prefill
+from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
+from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 from tests.test_slicing import _expected_parameters

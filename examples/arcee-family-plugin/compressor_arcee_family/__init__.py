@@ -6,9 +6,9 @@ description differs from Llama's in one field: the MLP reads the stream through 
 
 from __future__ import annotations
 
-from compressor.families import ModelFamily
-from compressor.modeling import register_family
-from compressor.plugins import hookimpl
+from compressor.models.families import ModelFamily
+from compressor.models.sliced import register_family
+from compressor.strategies.registry import hookimpl
 
 ARCEE = ModelFamily(name="arcee", model_types=("arcee",), mlp_inputs=("up_proj",))
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from compressor.plugins import hookimpl
-from compressor.strategy import Basis, SiteProblem, Strategy, StrategyOptionError, removed_energy
+from compressor.strategies.registry import hookimpl
+from compressor.strategies.contract import Basis, SiteProblem, Strategy, StrategyOptionError, removed_energy
 
 ORDERS = ("energy", "index")
 

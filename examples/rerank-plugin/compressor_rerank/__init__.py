@@ -13,8 +13,8 @@ from typing import Annotated
 
 import torch
 
-from compressor.plugins import hookimpl
-from compressor.strategy import (
+from compressor.strategies.registry import hookimpl
+from compressor.strategies.contract import (
     Basis,
     SiteProblem,
     Strategy,

@@ -1,0 +1,187 @@
+"""Per-site checkpoints: what a killed run needs to continue from its last finished site.
+
+A checkpoint folder holds a fingerprint of what the run depends on (recipe, model, data), H once
+computed, the widths once allocated, and one file per finished site (its kept basis, its report record and the RNG states
+after it). Every file is written to a temporary name, flushed to disk and renamed into place,
+so a kill at any moment leaves either the old state or the new one. The fingerprint is written
+first and removed first: site files without one are never trusted. Only safetensors and JSON
+are read back: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compressor.errors import UserError
+
+FINGERPRINT_FILE = "fingerprint.json"
+FISHER_FILE = "fisher.safetensors"
+ALLOCATION_FILE = "allocation.json"
+DISTILLATION_FOLDER = "distillation"
+"""The distillation stage's Trainer checkpoints (`compressor.training.distill`)."""
+SITES_FOLDER = "sites"
+
+
+@dataclass
+class SavedSite:
+    basis: torch.Tensor
+    record: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    reader: torch.Tensor | None = None
+    """The site's reader map, when readers are corrected."""
+
+
+def digest(parts: Iterable[bytes]) -> str:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+def json_digest(value: Any) -> str:
+    return digest([json.dumps(value, sort_keys=True, default=str).encode()])
+
+
+def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
+    return digest(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
+    """The config (rope, norm eps, soft-caps…) and, for every tensor, its name, shape, dtype and an
+    evenly strided sample of its values: tells two checkpoints apart without hashing tens of GB."""
+    config = getattr(model, "config", None)
+    values = {} if config is None else config.to_dict()
+    for key in ("_name_or_path", "transformers_version"):
+        values.pop(key, None)
+    parts = [json.dumps(values, sort_keys=True, default=str).encode()]
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // sample)
+        parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        parts.append(flat[::step].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest(parts)
+
+
+def write_atomic(path: Path, write: Any) -> None:
+    """Write through a temporary file, flushed to disk before it is renamed into place."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+    except BaseException:  # a full disk, an interrupt: no half-written file stays behind
+        temporary.unlink(missing_ok=True)
+        raise
+    os.replace(temporary, path)
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"rng_cuda_{index}"] = state
+    return states
+
+
+def restore_rng(states: Mapping[str, torch.Tensor]) -> None:
+    """Put back the RNG states saved with a site (CPU, and each GPU's where there are GPUs)."""
+    torch.set_rng_state(states["rng"])
+    cuda = [states[key] for key in sorted(states) if key.startswith("rng_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class Checkpoint:
+    """A run's resumable state in `folder` (inside the run's staging folder). A data-parallel
+    run's other ranks read it (`writable=False`: their saves are skipped; rank 0 writes)."""
+
+    def __init__(self, folder: Path, writable: bool = True) -> None:
+        self.folder = folder
+        self.sites_folder = folder / SITES_FOLDER
+        self.writable = writable
+
+    def start(self, fingerprint: Mapping[str, str]) -> None:
+        """Begin, or continue a run with the same fingerprint; a different one is refused when
+        the checkpoint holds progress (else it is simply replaced)."""
+        path = self.folder / FINGERPRINT_FILE
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            changed = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
+            if not changed:
+                return
+            if self.has_progress():
+                raise UserError(f"an interrupted run in {self.folder.parent} was started with a different "
+                                f"{' and '.join(changed)}; rerun with --restart to discard it")
+        self.discard()  # no fingerprint: whatever is left cannot be trusted
+        self.sites_folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
+
+    def discard(self) -> None:
+        """Remove the checkpoint, fingerprint first, so that a kill half-way leaves nothing trusted."""
+        (self.folder / FINGERPRINT_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def has_progress(self) -> bool:
+        return ((self.folder / FISHER_FILE).is_file() or (self.folder / ALLOCATION_FILE).is_file()
+                or any(self.sites_folder.glob("[0-9]*.safetensors")) or self.has_distillation_progress())
+
+    def has_distillation_progress(self) -> bool:
+        """A Trainer checkpoint of the distillation stage (its state file is written last)."""
+        return any((self.folder / DISTILLATION_FOLDER).glob("checkpoint-*/trainer_state.json"))
+
+    def load_fisher(self) -> dict[str, torch.Tensor] | None:
+        path = self.folder / FISHER_FILE
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as handle:
+            return {site: handle.get_tensor(site) for site in handle.keys()}
+
+    def save_fisher(self, fisher: Mapping[str, torch.Tensor]) -> None:
+        if not self.writable:
+            return
+        tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
+        write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
+
+    def load_allocation(self) -> dict[str, Any] | None:
+        """The widths an allocator chose (and its record), once chosen."""
+        path = self.folder / ALLOCATION_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save_allocation(self, allocation: Mapping[str, Any]) -> None:
+        if not self.writable:
+            return
+        write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
+
+    def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any],
+                  reader: torch.Tensor | None = None) -> None:
+        if not self.writable:
+            return
+        tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
+        if reader is not None:
+            tensors["reader"] = reader.detach().to("cpu", torch.float64).contiguous()
+        metadata = {"site": site, "record": json.dumps(record)}
+        write_atomic(self.sites_folder / f"{position:05d}.safetensors",
+                      lambda p: save_file(tensors, str(p), metadata=metadata))
+
+    def finished_sites(self) -> dict[str, SavedSite]:
+        """Finished sites in the order they were chosen."""
+        saved = {}
+        for path in sorted(self.sites_folder.glob("[0-9]*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata()
+                saved[metadata["site"]] = SavedSite(
+                    basis=handle.get_tensor("basis"), record=json.loads(metadata["record"]),
+                    rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")},
+                    reader=handle.get_tensor("reader") if "reader" in handle.keys() else None)
+        return saved

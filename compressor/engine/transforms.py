@@ -1,0 +1,149 @@
+"""Exact weight transformations: norm fusion and changes of residual-stream basis.
+
+Every product is formed in float64 and cast back to the weight's dtype once, so a rotation
+without slicing changes the model only by that final rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor.models.families import ModelFamily, stream_reader, stream_writers
+from compressor.models.sliced import WeightlessRMSNorm, family_mlp, wrap_layer
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data = value.to(dtype=param.dtype, device=param.device).contiguous()
+
+
+def _fold_scale(scale: torch.Tensor, linears: list[nn.Linear]) -> None:
+    """Fold a norm's per-coordinate scale into the columns of the linears it feeds."""
+    for linear in linears:
+        w = linear.weight.data.to(torch.float64)
+        _assign(linear.weight, w * scale.to(device=w.device, dtype=torch.float64))
+
+
+def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
+    """Fold every RMSNorm scale into the next linears and untie the head, in float64.
+
+    Replaces each decoder layer with a `SlicedDecoderLayer` (identity shortcuts,
+    weightless norms that keep each norm's own eps). The function the model computes is
+    unchanged; unlike SliceGPT, nothing is mean-centred (RMSNorm needs no centring).
+    """
+    if family.prepare is not None:  # e.g. GPT-2's Conv1D → nn.Linear
+        family.prepare(model)
+    d = model.config.hidden_size
+    head = model.get_submodule(family.head)
+    embedding = model.get_submodule(family.embedding)
+    if head.weight is embedding.weight:  # tied (the same Parameter)
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    if family.layer_norm:  # centre what writes the stream, so every LayerNorm sees a zero-mean input
+        projection, embeddings = stream_writers(model, family)
+        if projection is not None:
+            _centre_output(projection)
+        for embedding in embeddings:
+            _centre_rows(embedding)
+    layers = model.get_submodule(family.layers)
+    for index, layer in enumerate(layers):
+        attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
+        attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
+        attn_readers = [attention.get_submodule(p) for p in family.attn_inputs]
+        mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
+        if family.layer_norm:
+            _centre_output(attention.get_submodule(family.attn_output))
+            _centre_output(mlp.get_submodule(family.mlp_output))
+            _fold_shift(attn_norm, attn_readers)
+            _fold_shift(mlp_norm, mlp_readers)
+        _fold_scale(_scale(attn_norm, family), attn_readers)
+        _fold_scale(_scale(mlp_norm, family), mlp_readers)
+        writers = {}
+        for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
+            if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
+                post_norm = layer.get_submodule(path)
+                like = attention.get_submodule(family.attn_output).weight
+                writer = nn.Linear(d, d, bias=False, device=like.device, dtype=like.dtype)
+                writer.requires_grad_(False)
+                _assign(writer.weight, torch.diag(_scale(post_norm, family)))
+                writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
+        layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
+    final_norm = model.get_submodule(family.final_norm)
+    reader = stream_reader(model, family)
+    if family.layer_norm:
+        _fold_shift(final_norm, [reader])
+    _fold_scale(_scale(final_norm, family), [reader])
+    model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
+
+
+def _scale(norm: nn.Module, family: ModelFamily) -> torch.Tensor:
+    """The per-coordinate factor the norm applies, in float64 (Gemma stores it as 1 + w)."""
+    if getattr(norm, "weight", None) is None:  # LayerNorm without affine parameters
+        return torch.ones(norm.normalized_shape[0], dtype=torch.float64)
+    return norm.weight.data.to(torch.float64) + family.norm_offset
+
+
+def _centre_rows(embedding: nn.Embedding) -> None:
+    """Subtract each embedding vector's mean over the hidden coordinates."""
+    w = embedding.weight.data.to(torch.float64)
+    _assign(embedding.weight, w - w.mean(dim=1, keepdim=True))
+
+
+def _centre_output(linear: nn.Linear) -> None:
+    """`W ← (I − 11ᵀ/d)·W` (and the bias): the linear writes zero-mean vectors to the stream."""
+    w = linear.weight.data.to(torch.float64)
+    _assign(linear.weight, w - w.mean(dim=0, keepdim=True))
+    if linear.bias is not None:
+        b = linear.bias.data.to(torch.float64)
+        _assign(linear.bias, b - b.mean())
+
+
+def _fold_shift(norm: nn.Module, linears: list[nn.Module]) -> None:
+    """Fold a LayerNorm's bias β into the next linears: b ← b + W·β (before the scale is folded)."""
+    beta = getattr(norm, "bias", None)
+    if beta is None:
+        return
+    for linear in linears:
+        w = linear.weight.data.to(torch.float64)
+        shift = w @ beta.data.to(device=w.device, dtype=torch.float64)
+        if linear.bias is None:
+            linear.bias = nn.Parameter(torch.zeros(linear.out_features, dtype=linear.weight.dtype,
+                                                   device=linear.weight.device), requires_grad=False)
+        _assign(linear.bias, linear.bias.data.to(torch.float64) + shift)
+
+
+def _eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise TypeError(f"cannot find the epsilon of norm {type(norm).__name__}")
+
+
+def rotate_inputs(linear: nn.Linear, basis: torch.Tensor) -> None:
+    """`W ← W·V`: the linear now reads the stream expressed in (the kept columns of) `basis`."""
+    w = linear.weight.data.to(torch.float64)
+    _assign(linear.weight, w @ basis.to(w.device))
+
+
+def rotate_embedding(embedding: nn.Embedding, basis: torch.Tensor) -> None:
+    """`E ← E·V`: token embeddings expressed in `basis`."""
+    rotate_inputs(embedding, basis)  # same algebra: rows are vectors of the stream
+
+
+def rotate_output(linear: nn.Linear, basis: torch.Tensor) -> None:
+    """`W ← Vᵀ·W` (and the bias): the linear now writes the stream in `basis`."""
+    w = linear.weight.data.to(torch.float64)
+    v = basis.to(w.device)
+    _assign(linear.weight, v.T @ w)
+    if linear.bias is not None:
+        _assign(linear.bias, v.T @ linear.bias.data.to(torch.float64))
+
+
+def transition(previous: torch.Tensor, new: torch.Tensor, like: torch.Tensor) -> nn.Linear:
+    """Residual-path linear `V_newᵀ·V_prev`, mapping the previous site's basis to the new one."""
+    weight = new.T @ previous
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=like.device, dtype=like.dtype)
+    linear.requires_grad_(False)
+    _assign(linear.weight, weight)
+    return linear

@@ -1,0 +1,708 @@
+"""The engine: fuse norms, then choose, rotate and slice one residual-stream site at a time.
+
+Sites (see `compressor.models.sites`) are visited in stream order. Each site's basis is chosen from
+activations of the model whose earlier sites are already sliced, so errors propagate forward
+as in SliceGPT. Activations stay on the host and visit the device one batch at a time; the
+device holds one layer. After each site the chosen basis goes to the checkpoint, so a killed
+run replays finished sites (forward only, bases loaded) and continues. The engine asks the
+pipeline's strategies for a basis and knows nothing else about them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from compressor import faults
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore, held_on
+from compressor.engine.bases import (
+    apply_embedding_basis,
+    apply_head_basis,
+    apply_tied_head,
+    as_sliced_model,
+    close_site,
+    open_site,
+    prediction_error,
+    reader_map,
+    slicing_config,
+)
+from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
+from compressor.engine.checkpoint import Checkpoint, SavedSite, restore_rng
+from compressor.engine.fisher import SensitivityOptions, estimate_fisher
+from compressor.engine.parallel import Ranks
+from compressor.engine.transforms import fuse_norms
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.models.layout import kept_width
+from compressor.models.sites import EMBEDDING, layer_site_ids, site_ids, site_widths
+from compressor.models.sliced import SlicedDecoderLayer
+from compressor.strategies.contract import Basis, SiteProblem, SiteStatistics, Strategy
+
+__all__ = ["PipelineStep", "PruneResult", "SiteRecord", "kept_width", "prune", "site_widths"]
+
+ProgressCallback = Callable[[str, int, int], None]
+"""Called as (phase description, steps done, steps in total)."""
+
+
+class WidthAllocator(Protocol):
+    """Chooses every site's kept width from statistics of the original model (`compressor.engine.allocation`)."""
+
+    requires: tuple[str, ...]
+
+    def observe(self, site: str, C: torch.Tensor, H: torch.Tensor | None) -> None: ...
+
+    def widths(self) -> dict[str, int]: ...
+
+    def to_json(self, widths: Mapping[str, int]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    strategy: Strategy
+    options: Any = None
+
+
+@dataclass
+class SiteRecord:
+    """What happened at one site, for the report (and the checkpoint)."""
+
+    name: str
+    width: int
+    kept: int
+    tokens: int
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    correction: dict[str, float] | None = None
+    """With corrected readers: the relative least-squares error of reading the stream back from
+    its kept coordinates, through the basis and through the reader map."""
+    pooled_with: list[str] = field(default_factory=list)
+    """Later sites that keep this site's basis, whose statistics were added to its own to choose it."""
+
+    def to_json(self) -> dict[str, Any]:
+        value = {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
+                 "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
+        if self.pooled_with:
+            value["pooled_with"] = self.pooled_with
+        return value if self.correction is None else {**value, "correction": self.correction}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "SiteRecord":
+        return cls(name=value["name"], width=value["width"], kept=value["kept"], tokens=value["tokens"],
+                   steps=list(value["steps"]), correction=value.get("correction"),
+                   pooled_with=list(value.get("pooled_with", [])))
+
+
+@dataclass
+class PruneResult:
+    model: PreTrainedModel
+    sites: list[SiteRecord]
+    slicing: dict[str, Any]
+    bases: dict[str, torch.Tensor]
+    """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id."""
+    readers: dict[str, torch.Tensor] | None = None
+    """With `correct_readers`: each site's reader map R_s (d × k_s, float64, host)."""
+    resumed_from: str | None = None
+    """The first site this call chose after loading finished sites from a checkpoint."""
+    loaded_sites: int = 0
+    fisher_loaded: bool = False
+    fisher: dict[str, torch.Tensor] | None = None
+    """H by site (host, accumulation dtype) when the pipeline used it, so a caller can reuse it."""
+    fisher_source: str | None = None
+    """Where H came from: "computed", "checkpoint", "given" (by the caller), or None (not used)."""
+    widths: dict[str, int] = field(default_factory=dict)
+    """The kept width of every site (given, or chosen by the allocator)."""
+    allocation: dict[str, Any] | None = None
+    """The allocator's record (budget, predicted loss, curves), when one chose the widths."""
+    tokens_by_rank: list[int] = field(default_factory=list)
+    """Calibration tokens each rank walked (one entry in a single process)."""
+    head_moment: torch.Tensor | None = None
+    """Global layout: C of the last site's stream (d × d, host), what the head reads."""
+    fisher_seconds: float = 0.0
+    """Time this call spent computing H (0 when H was given, loaded or not needed): work a
+    sweep's runs share, reported apart from the prune time."""
+    walked: Pooled | None = None
+    """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
+    (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
+
+
+STATISTICS = ("C", "H")
+"""Statistics the engine can provide: C = E[x xᵀ] (always) and H = E[g gᵀ] (on request)."""
+
+
+def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
+    needed = {r for step in pipeline for r in step.strategy.requires}
+    unknown = sorted(needed - set(STATISTICS))
+    if unknown:
+        raise UserError(f"the pipeline needs statistics this engine cannot compute: {', '.join(unknown)} "
+                        f"(available: {', '.join(STATISTICS)})")
+    return needed
+
+
+@dataclass
+class Pooled:
+    """The statistics one basis is chosen from: one site's, or the sum over the sites that keep it."""
+
+    names: list[str]
+    """The site the basis is chosen at, then the others that keep it."""
+    C: torch.Tensor
+    tokens: int
+    H: torch.Tensor | None = None
+
+
+POOLING = ("trace", "sum")
+"""How a global basis weighs the sites: each site's C and H divided by its trace (every site
+counts alike), or raw sums (the sites with the most energy decide)."""
+
+
+class GlobalPool:
+    """Every site's C and H, summed as they are observed into one problem (`slicing.layout:
+    global`); no site's d × d statistic is kept past its turn."""
+
+    def __init__(self, pooling: str) -> None:
+        if pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {POOLING}")
+        self.pooling = pooling
+        self.names: list[str] = []
+        self.C: torch.Tensor | None = None
+        self.H: torch.Tensor | None = None
+        self.tokens = 0
+
+    def _weighted(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(torch.float64)
+        return value / torch.trace(value) if self.pooling == "trace" else value
+
+    def add(self, site: str, C: torch.Tensor, tokens: int, H: torch.Tensor | None) -> None:
+        check_finite("C", site, C)
+        C = self._weighted(C)
+        self.C = C if self.C is None else self.C + C
+        if H is not None:
+            H = self._weighted(H.to(C.device))
+            self.H = H if self.H is None else self.H + H
+        self.names.append(site)
+        self.tokens = max(self.tokens, tokens)  # every site sees the same tokens
+
+    def pooled(self) -> Pooled:
+        assert self.C is not None, "no site observed"
+        return Pooled(self.names, self.C, self.tokens, self.H)
+
+
+class SiteChooser:
+    """Runs the strategy pipeline at a site and checks what comes back."""
+
+    def __init__(self, pipeline: Sequence[PipelineStep], sites: Sequence[str],
+                 fisher: Mapping[str, torch.Tensor] | None = None,
+                 report: ProgressCallback | None = None) -> None:
+        self.pipeline = list(pipeline)
+        self.sites = list(sites)
+        self.fisher = fisher
+        self.report = report or (lambda *_: None)
+
+    def pool(self, site: str, moment: SecondMoment, others: Sequence[tuple[str, SecondMoment]] = ()) -> Pooled:
+        """The site's statistics, summed with those of later sites that will keep its basis
+        (`others`, with their C): one site whose tokens are those of every member."""
+        C = moment.value()
+        for _, other in others:
+            C = C + other.value()
+        names = [site, *(name for name, _ in others)]
+        H = None if self.fisher is None else sum(self.fisher[name].to(C.device, torch.float64) for name in names)
+        return Pooled(names, C, moment.tokens, H)
+
+    def choose(self, keep: int, pooled: Pooled) -> tuple[torch.Tensor, SiteRecord]:
+        """The kept columns (d × keep, float64, on C's device) of the basis the pipeline chooses
+        from `pooled` at its first site, and that site's record."""
+        site, C = pooled.names[0], pooled.C
+        check_finite("C", site, C)
+        width = C.shape[0]
+        names = pooled.names
+        extra = {} if pooled.H is None else {"H": pooled.H.to(C.device, torch.float64)}
+        stats = SiteStatistics(C=C, tokens=pooled.tokens, extra=extra)
+        problem = SiteProblem(name=site, index=self.sites.index(site), width=width, keep=keep, stats=stats)
+        record = SiteRecord(name=site, width=width, kept=keep, tokens=pooled.tokens, pooled_with=names[1:])
+        basis: Basis | None = None
+        where = f"site {problem.index + 1}/{len(self.sites)} ({site})"
+        for step in self.pipeline:
+            problem.progress = lambda done, total, phase=f"{where}: {step.strategy.name}": self.report(phase, done, total)
+            basis = step.strategy.select(problem, basis, step.options)
+            _check_basis(basis, width, step.strategy.name, site)
+            record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
+        assert basis is not None
+        return basis.kept(keep).to(C.device), record
+
+
+FIXES = {
+    "C": "the activations overflow or the weights hold NaN or Inf: load the model in float32 (model.dtype) "
+         "or check its weights",
+    "H": "the output gradients overflow: set sensitivity.dtype: float64 and leave sensitivity.autocast off, "
+         "or load the model in float32",
+}
+
+
+def check_finite(statistic: str, site: str, value: torch.Tensor) -> None:
+    """A site's statistic must be finite: NaN or Inf would reach the eigendecomposition (which
+    fails far from the cause) or, worse, the chosen basis. Stops the run naming the site."""
+    if not bool(torch.isfinite(value).all()):
+        raise UserError(f"{statistic} at site {site} holds NaN or Inf: {FIXES[statistic]}")
+
+
+def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
+    """A strategy's basis is d×d float64, finite and orthogonal, or the run stops in one line
+    naming the strategy (a plugin's bug, for its authors), before it reaches any weight."""
+    q = basis.Q
+    fault = None
+    if q.shape != (width, width) or q.dtype != torch.float64:
+        fault = f"a {tuple(q.shape)} {q.dtype} basis; expected ({width}, {width}) float64"
+    elif not bool(torch.isfinite(q).all()):
+        fault = "a basis holding NaN or Inf"
+    else:
+        error = (q.T @ q - torch.eye(width, dtype=q.dtype, device=q.device)).abs().max().item()
+        if error > 1e-6:
+            fault = f"a non-orthogonal basis (|QᵀQ − I| = {error:.2e})"
+    if fault is not None:
+        raise UserError(f"strategy '{strategy}' returned {fault} at site {site}: a bug in the strategy; report it "
+                        f"to its plugin's authors, or leave it out of the pipeline")
+
+
+class _Walk:
+    """The state of one walk down the model: the activation store, the basis the stored
+    activations still have to be projected on, and the sites chosen or loaded so far."""
+
+    def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser | None,
+                 widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
+                 correct_readers: bool = False, shared: Collection[str] = (),
+                 copies: Mapping[str, str] | None = None, ranks: Ranks | None = None) -> None:
+        self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
+        self.ranks = ranks or Ranks()
+        """Data-parallel: each site's C is summed over the ranks' batches before anything reads it."""
+        self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
+        self.shared = set(shared)
+        self.copies = dict(copies or {})
+        """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
+        self.readers: dict[str, torch.Tensor] = {}
+        self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
+        self.pending: torch.Tensor | None = None
+        self.records: list[SiteRecord] = []
+        self.bases: dict[str, torch.Tensor] = {}
+        self.resumed_from: str | None = None
+
+    def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int,
+                measure: bool = False) -> SecondMoment | None:
+        """Push every batch through `block` (None: just read the stream); return C of the result
+        unless the site is already finished (a replay needs the activations, not their
+        statistics) and not to be `measure`d all the same."""
+        if site in self.saved and block is None and not measure:
+            return None  # nothing to compute and nothing to change
+        moment = None if site in self.saved and not measure else SecondMoment(self.width, self.device)
+        store = self.inputs.hidden
+        for b in range(len(store)):
+            hidden = store.get(b, self.device)
+            if block is not None:
+                if self.pending is not None:
+                    hidden = hidden @ self.pending.to(hidden.dtype)
+                hidden = block(hidden, **self.inputs.kwargs(b, layer, self.device))
+                store.put(b, hidden)
+            if moment is not None:
+                moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
+        return None if moment is None else moment.sum_over(self.ranks)
+
+    def look_ahead(self, block: Callable[..., torch.Tensor], layer: int) -> SecondMoment:
+        """C after `block` run on the stored stream, which stays as it is: the statistics of the
+        next site as the unsliced block would make them (the block must not be opened yet)."""
+        moment = SecondMoment(self.width, self.device)
+        store = self.inputs.hidden
+        for b in range(len(store)):
+            hidden = block(store.get(b, self.device), **self.inputs.kwargs(b, layer, self.device))
+            moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
+        return moment.sum_over(self.ranks)
+
+    def settle(self, site: str, moment: SecondMoment | None,
+               pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None,
+               given: Callable[[], Pooled] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
+        its reader map): loaded from the checkpoint, or chosen now and checkpointed. `pooled`
+        gives (only if the basis is chosen now) the C of later sites that will keep this basis;
+        their statistics join this site's in the choice. `given` gives the whole problem instead
+        (a global layout's: every site's statistics, pooled)."""
+        if site in self.saved:
+            entry = self.saved[site]
+            if tuple(entry.basis.shape) != (self.width, self.widths[site]):
+                raise UserError(f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
+                                f"run's widths do not allow; rerun with --restart to discard the checkpoint")
+            if self.correct_readers and entry.reader is None:
+                raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
+            self.records.append(SiteRecord.from_json(entry.record))
+            restore_rng(entry.rng)
+            self.bases[site] = entry.basis
+            self.pending = basis = entry.basis.to(self.device)
+            reader = basis
+            if self.correct_readers:
+                self.readers[site] = entry.reader
+                reader = entry.reader.to(self.device)
+            return basis, reader
+        assert moment is not None
+        if self.saved and self.resumed_from is None:
+            self.resumed_from = site
+        if site in self.shared or site in self.copies:  # keeps an earlier site's basis: nothing to choose
+            assert self.pending is not None and self.records
+            source = self.copies.get(site, self.records[-1].name)
+            basis = self.bases[source].to(self.device) if site in self.copies else self.pending
+            record = SiteRecord(name=site, width=self.width, kept=self.widths[site], tokens=moment.tokens,
+                                steps=[{"strategy": "shared", "objectives": {"with": source}}])
+        else:
+            assert self.chooser is not None
+            problem = given() if given is not None else self.chooser.pool(site, moment, pooled() if pooled else ())
+            basis, record = self.chooser.choose(self.widths[site], problem)
+        reader = basis
+        if self.correct_readers:
+            C = moment.value()
+            reader = reader_map(C, basis)
+            record.correction = {"error_basis": prediction_error(C, basis, basis),
+                                 "error_reader": prediction_error(C, basis, reader)}
+            self.readers[site] = reader.to("cpu")
+        self.records.append(record)
+        if self.checkpoint is not None:
+            self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json(),
+                                      reader if self.correct_readers else None)
+        faults.reached(f"site:{site}")
+        self.bases[site] = basis.to("cpu")
+        self.pending = basis
+        return basis, reader
+
+
+@torch.no_grad()
+def prune(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    widths: Mapping[str, int] | None,
+    pipeline: Sequence[PipelineStep],
+    device: torch.device | str = "cpu",
+    progress: ProgressCallback | None = None,
+    sensitivity: SensitivityOptions | None = None,
+    *,
+    seed: int = 0,
+    checkpoint: Checkpoint | None = None,
+    offload: str = "host",
+    scratch: Path | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None,
+    correct_readers: bool = False,
+    shared: Collection[str] = (),
+    allocator: WidthAllocator | None = None,
+    tie_head: bool = False,
+    ranks: Ranks | None = None,
+    layout: str = "per_site",
+    pooling: str = "trace",
+) -> PruneResult:
+    """Rotate and slice `model` in place, then return it as a `sliced_*` model.
+
+    `widths` gives the kept width of each site (by site id). Layers are moved to `device` one
+    at a time and back, and calibration activations stay on the host (`offload="disk"`:
+    memory-mapped files under `scratch`), so neither model nor activations need fit on the
+    accelerator. H is estimated (with `sensitivity` options and `seed`) only when a strategy of
+    the pipeline requires it, on the fused model before anything is sliced, unless the caller
+    gives it (`fisher`: H of this model, data, options and seed, e.g. from an earlier run of a
+    sweep). With a `checkpoint`, H and every finished site are saved there, and those already
+    saved are reused. With `correct_readers`, what reads each site's stream (the next block's
+    input linears, the residual transition, the head) reads it through the least-squares reader
+    map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`). The sites in `shared`
+    keep the previous site's basis, chosen there from both sites' statistics (the next block
+    looked ahead), with no transition matrix into them. With `tie_head`
+    (a model with tied embeddings), the last site keeps the embedding's basis and the head stays
+    tied to the embedding (`bases.apply_tied_head`); that basis is chosen from both sites'
+    statistics, the last site's C from a survey pass (below).
+
+    With `layout="global"`, every site keeps one basis (`widths` the same everywhere, no
+    transitions: the sliced model is the original architecture at a smaller width, see
+    `compressor.models.stock`). It is chosen at the embedding, before the walk, from every site's C
+    and H on the unsliced model (a survey pass), summed as `pooling` says (`GlobalPool`); the
+    walk then applies it site by site (and checkpoints it like any site), and measures the
+    last site's C for the head (`PruneResult.head_moment`). The head is left untied.
+
+    With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
+    over the calibration windows and hands every site's C (and H) to it; its widths, saved in
+    the checkpoint, then drive the walk. The survey costs one forward pass (run once for both
+    uses).
+
+    Data-parallel (`ranks`, by default the initialised `torch.distributed` group, if any): each
+    rank takes its share of `batches` (`Ranks.mine`), sums every site's C and H with the other
+    ranks before choosing, draws the labels a single process would draw for its batches, and so
+    returns the same bases as one process over all batches (up to the order of the sums).
+    """
+    device = torch.device(device)
+    ranks = ranks or Ranks.current()
+    mine = ranks.mine(len(batches))
+    if ranks.world > 1 and not mine:
+        raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
+                        f"give at least one batch per process")
+    local = [batches[i] for i in mine]
+    skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
+    report = progress or (lambda *_: None)
+    model.eval()
+    model.requires_grad_(False)
+    num_layers = model.config.num_hidden_layers
+    ids = site_ids(family, num_layers)
+    allocation = checkpoint.load_allocation() if checkpoint is not None and allocator is not None else None
+    if allocation is not None:
+        widths = allocation["widths"]
+    one_basis = layout == "global"
+    shared = _checked_layout(model, family, ids, widths, allocator, shared, tie_head, layout)
+    needed = required_statistics(pipeline) | (
+        set(allocator.requires) if widths is None and allocator is not None else set())
+    saved = checkpoint.finished_sites() if checkpoint is not None else {}
+
+    report("fusing norms", 0, num_layers)
+    fuse_norms(model, family)
+    report("capturing layer inputs", 0, num_layers)
+    store = ActivationStore(device, offload, scratch)
+    try:
+        inputs = capture_layer_inputs(model, family, local, device, store)
+        tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
+        faults.reached("capture")
+        h = _Sensitivity(device)
+        if "H" in needed and (len(saved) < len(ids) or widths is None):
+            h = _estimate_sensitivity(model, family, inputs, fisher, checkpoint, sensitivity, device, seed, report,
+                                      ranks, skipped)
+        survey = _Survey(GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None)
+        if widths is None or (tie_head and EMBEDDING not in saved) or survey.pool is not None:
+            widths, allocation = _survey_original(model, family, inputs, device, report, ranks, h, survey, widths,
+                                                  allocator, checkpoint, shared, tie_head)
+            store.close()  # the survey moved the activations down the model: start again
+            store = ActivationStore(device, offload, scratch)
+            inputs = capture_layer_inputs(model, family, local, device, store)
+        walked = _walk_sites(model, family, inputs, device, report, ranks, h,
+                             SiteChooser(pipeline, ids, h.values, report), widths, saved, checkpoint, correct_readers,
+                             shared, tie_head, one_basis, pooling, survey)
+    finally:
+        store.close()
+    slicing = _attach_head(model, family, widths, shared, tie_head, walked.reader)
+    walk = walked.walk
+    return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
+                       bases=walk.bases, readers=walk.readers if correct_readers else None,
+                       resumed_from=walk.resumed_from, loaded_sites=len(saved),
+                       fisher_loaded=h.loaded, fisher=h.values, fisher_source=h.source,
+                       widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank,
+                       head_moment=walked.head_moment, fisher_seconds=h.seconds,
+                       walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None)
+
+
+# The phases of `prune`, in order; each is named as the progress line that announces it.
+
+
+def _checked_layout(model: PreTrainedModel, family: ModelFamily, ids: list[str], widths: Mapping[str, int] | None,
+                    allocator: WidthAllocator | None, shared: Collection[str], tie_head: bool,
+                    layout: str) -> Collection[str]:
+    """The walk's layout arguments agree with each other and the model; returns the shared sites
+    (every site after the embedding in a global layout)."""
+    if layout not in ("per_site", "global"):
+        raise ValueError(f"unknown layout {layout!r}")
+    one_basis = layout == "global"
+    if one_basis:
+        if allocator is not None or tie_head or shared or widths is None or len(set(widths.values())) != 1:
+            raise ValueError("a global layout takes one width for every site, and no allocator, tied head or "
+                             "shared sites (every site keeps one basis)")
+        shared = ids[1:]
+    if widths is not None:
+        _check_widths(family, ids, widths, shared, tie_head, one_basis)
+    elif allocator is None:
+        raise ValueError("give the widths, or an allocator to choose them")
+    if tie_head:
+        head, embedding = model.get_submodule(family.head), model.get_submodule(family.embedding)
+        if head.weight is not embedding.weight:
+            raise ValueError("tie_head needs a model whose head weight is its embedding weight")
+    return shared
+
+
+@dataclass
+class _Sensitivity:
+    """H as the walk uses it, and where it came from."""
+
+    device: torch.device
+    values: dict[str, torch.Tensor] | None = None
+    loaded: bool = False
+    source: str | None = None
+    seconds: float = 0.0
+
+    def at(self, site: str) -> torch.Tensor | None:
+        return None if self.values is None else self.values[site].to(self.device, torch.float64)
+
+
+def _estimate_sensitivity(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs,
+                          given: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint | None,
+                          options: SensitivityOptions | None, device: torch.device, seed: int,
+                          report: ProgressCallback, ranks: Ranks, skipped: Any) -> _Sensitivity:
+    """"estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
+    else computed on the fused, unsliced model (and checkpointed)."""
+    h = _Sensitivity(device)
+    h.values = checkpoint.load_fisher() if checkpoint is not None else None
+    h.loaded = h.values is not None
+    h.source = "checkpoint" if h.loaded else None
+    if h.values is None and given is not None:
+        h.values, h.source = dict(given), "given"
+        if checkpoint is not None:
+            checkpoint.save_fisher(h.values)
+    if h.values is None:
+        h.source = "computed"
+        phase = "estimating output sensitivity (H)"
+
+        def h_progress(done: int, total: int) -> None:
+            report(phase, done, total)
+            if done:  # mid-way through the pass, after its first chunk
+                faults.reached("fisher")
+
+        tick = time.perf_counter()
+        h.values = estimate_fisher(model, family, inputs, options or SensitivityOptions(), device, seed,
+                                   h_progress, ranks, skipped)
+        h.seconds = time.perf_counter() - tick
+        for name, value in h.values.items():
+            check_finite("H", name, value)
+        if checkpoint is not None:
+            checkpoint.save_fisher(h.values)
+    return h
+
+
+@dataclass
+class _Survey:
+    """What a survey of the original model leaves for the walk: a global layout's pooled
+    statistics, and (tied head) the last site's C for the embedding's choice."""
+
+    pool: GlobalPool | None
+    last: list[tuple[str, SecondMoment]] = field(default_factory=list)
+
+
+def _survey_original(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
+                     report: ProgressCallback, ranks: Ranks, h: _Sensitivity, survey: _Survey,
+                     widths: Mapping[str, int] | None, allocator: WidthAllocator | None,
+                     checkpoint: Checkpoint | None, shared: Collection[str],
+                     tie_head: bool) -> tuple[Mapping[str, int], dict[str, Any] | None]:
+    """"surveying the original model": every site's C (and H) of the fused, unsliced model goes to
+    the global pool, the allocator (which then chooses the widths, checkpointed) and a tied head's
+    choice. Returns the widths and the allocation's record (None when the widths were given)."""
+    ids = site_ids(family, model.config.num_hidden_layers)
+
+    def observe(site: str, moment: SecondMoment) -> None:
+        if survey.pool is not None:
+            survey.pool.add(site, moment.value(), moment.tokens, h.at(site))
+        if widths is None:
+            assert allocator is not None
+            allocator.observe(site, moment.value(), h.at(site))
+        if tie_head and site == ids[-1]:
+            survey.last.append((site, moment))
+
+    _survey(model, family, inputs, device, report, observe, ranks)
+    if widths is not None:
+        return widths, None
+    assert allocator is not None
+    widths = allocator.widths()
+    _check_widths(family, ids, widths, shared, tie_head)
+    allocation = {"widths": widths, **allocator.to_json(widths)}
+    if checkpoint is not None:
+        checkpoint.save_allocation(allocation)
+    faults.reached("allocation")
+    return widths, allocation
+
+
+@dataclass
+class _Walked:
+    walk: _Walk
+    reader: torch.Tensor
+    """What reads the last site's stream: the head's input basis (or reader map)."""
+    head_moment: torch.Tensor | None
+    pool: GlobalPool | None
+    """Global layout, nothing loaded: every site's statistics as the sliced model made them."""
+
+
+def _walk_sites(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
+                report: ProgressCallback, ranks: Ranks, h: _Sensitivity, chooser: SiteChooser,
+                widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
+                correct_readers: bool, shared: Collection[str], tie_head: bool, one_basis: bool, pooling: str,
+                survey: _Survey) -> _Walked:
+    """"layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
+    (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
+    num_layers = model.config.num_hidden_layers
+    ids = site_ids(family, num_layers)
+    walk = _Walk(inputs, device, chooser, widths, saved, checkpoint, correct_readers,
+                 shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
+    report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
+    first = walk.advance(EMBEDDING, None, 0)
+    last = survey.last
+    basis, previous = walk.settle(EMBEDDING, first, (lambda: last) if last else None,
+                                  survey.pool.pooled if survey.pool is not None else None)
+    head_moment: torch.Tensor | None = None
+    walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
+    if walked is not None and first is not None:
+        walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
+    apply_embedding_basis(model, family, basis)
+    for index, layer in enumerate(model.get_submodule(family.layers)):
+        report(f"layer {index + 1}/{num_layers}", index, num_layers)
+        assert isinstance(layer, SlicedDecoderLayer)
+        with held_on([layer], device):
+            sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
+            for position, (site, name) in enumerate(sites):
+                open_site(layer, family, site, previous)
+                ahead = next(((n, s.block) for s, n in sites[position + 1:position + 2] if n in walk.shared), None)
+                pooled = None if ahead is None else (
+                    lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+                moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
+                if walked is not None and moment is not None:
+                    walked.add(name, moment.value(), moment.tokens, h.at(name))
+                if one_basis and name == ids[-1]:
+                    assert moment is not None
+                    head_moment = moment.value().to("cpu")
+                chosen, reader = walk.settle(name, moment, pooled)
+                close_site(layer, family, site, previous, chosen, name in walk.shared)
+                previous = reader
+    report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
+    return _Walked(walk, previous, head_moment, walked)
+
+
+def _attach_head(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int], shared: Collection[str],
+                 tie_head: bool, reader: torch.Tensor) -> dict[str, Any]:
+    """The head reads the last site's kept coordinates (or stays tied to the sliced embedding);
+    returns the sliced model's `slicing` config, taken before the head changes (its bias)."""
+    slicing = slicing_config(model, family, widths, shared, tie_head)
+    if tie_head:
+        apply_tied_head(model, family, reader)
+    else:
+        apply_head_basis(model, family, reader)
+    return slicing
+
+
+def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],
+                  tie_head: bool = False, one_basis: bool = False) -> None:
+    if sorted(widths) != sorted(ids):
+        raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
+    if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
+        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
+    layer_of = {site: i for i in range(len(ids)) for site in layer_site_ids(family, i) if site in ids}
+    for site in shared:
+        if site not in ids[1:]:
+            raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
+        if not one_basis and (layer_of.get(site) is None or layer_of.get(ids[ids.index(site) - 1]) != layer_of[site]):
+            raise ValueError(f"{site} can reuse only the basis of an earlier site of its own layer")
+        if widths[site] != widths[ids[ids.index(site) - 1]]:
+            raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
+
+
+def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
+            report: ProgressCallback, observe: Callable[[str, SecondMoment], None], ranks: Ranks | None = None) -> None:
+    """Run the fused, unsliced model over the calibration windows, handing each site's C to
+    `observe` (the allocator's curves; a tied head's last site). The stored activations end at
+    the last layer."""
+    survey = _Walk(inputs, device, None, {}, {}, None, ranks=ranks)
+    num_layers = model.config.num_hidden_layers
+
+    def seen(site: str, moment: SecondMoment | None) -> None:
+        assert moment is not None
+        observe(site, moment)
+
+    seen(EMBEDDING, survey.advance(EMBEDDING, None, 0))
+    for index, layer in enumerate(model.get_submodule(family.layers)):
+        report(f"surveying the original model: layer {index + 1}/{num_layers}", index, num_layers)
+        with held_on([layer], device, read_only=True):
+            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+                seen(name, survey.advance(name, site.block, index))

@@ -1,0 +1,141 @@
+"""Exact parameter counts of sliced models from a config alone, and the widths a budget allows.
+
+A sliced model's parameter count is a polynomial in its site widths k_s:
+
+    P(k) = constant + Σ_s linear_s·k_s + Σ_(s,t) k_s·k_t
+
+where the last sum runs over the residual transitions (a k_t × k_s matrix between consecutive
+sites s, t; none where a site reuses the previous site's basis) and, for a head kept tied to
+the embedding, the map from the last site to the embedding's width. `param_model` reads the
+constant and every coefficient off one sliced model built on the meta device (no memory) with
+each site's width set to a distinct marker, so the count is exact for any family the sliced
+architecture supports, head and transitions included, and no family is described twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily, stream_reader
+from compressor.models.sites import layout, site_ids
+from compressor.models.sliced import apply_slicing_layout
+
+MARKER = 7_000_003
+"""Widths of the marker model start here: far above any real dimension (vocabularies, MLPs)."""
+
+
+@dataclass(frozen=True)
+class ParamModel:
+    """P(widths) of one model's sliced variants (see the module docstring)."""
+
+    sites: tuple[str, ...]
+    constant: int
+    linear: Mapping[str, int]
+    transitions: tuple[tuple[str, str], ...]
+    original: int
+    """Parameters of the original model (tied weights once)."""
+    hidden_size: int
+
+    def count(self, widths: Mapping[str, int]) -> int:
+        return (self.constant + sum(self.linear[s] * widths[s] for s in self.sites)
+                + sum(widths[s] * widths[t] for s, t in self.transitions))
+
+    def transition_params(self, widths: Mapping[str, int]) -> int:
+        return sum(widths[s] * widths[t] for s, t in self.transitions)
+
+
+def _meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
+
+
+def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[str, int],
+                  shared: Collection[str] = (), tied: bool = False) -> dict:
+    """The `slicing` entry `apply_slicing_layout` builds `widths` from, for an original model."""
+    final_norm = model.get_submodule(family.final_norm)
+    shape = layout(family, model.config.num_hidden_layers, widths, shared)
+    value = {"hidden_size": model.config.hidden_size, "embedding": shape.embedding, "attn": shape.attn,
+             "mlp": shape.mlp, "norm_eps": 1e-6,
+             "reader_bias": stream_reader(model, family).bias is not None or getattr(final_norm, "bias", None) is not None}
+    if any(shape.attn_shared) or any(shape.mlp_shared):
+        value.update(attn_shared=shape.attn_shared, mlp_shared=shape.mlp_shared)
+    if tied:
+        value["tied_head"] = True
+    return value
+
+
+def sliced_params(config: PretrainedConfig, family: ModelFamily, widths: Mapping[str, int],
+                  shared: Collection[str] = (), tied: bool = False) -> int:
+    """Parameters of the sliced model with `widths`, counted on one built on the meta device."""
+    model = _meta_model(config)
+    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
+    return _count(model)
+
+
+def param_model(config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = (),
+                tied: bool = False) -> ParamModel:
+    """The exact parameter polynomial of `config`'s sliced variants; `shared` names the sites that
+    reuse the previous site's basis (no transition into them); `tied`: the head stays tied to the
+    embedding (a map from the last site's width to the embedding's replaces it)."""
+    return _param_model(config.to_json_string(), family, tuple(sorted(shared)), tied)
+
+
+@lru_cache(maxsize=16)
+def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...], tied: bool) -> ParamModel:
+    config = AutoConfig.for_model(**json.loads(config_json))
+    ids = site_ids(family, config.num_hidden_layers)
+    model = _meta_model(config)
+    original = _count(model)
+    markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
+    widths = {site: width for width, site in markers.items()}
+    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
+    constant, linear, transitions = 0, dict.fromkeys(ids, 0), []
+    for name, parameter in model.named_parameters():
+        dims = [markers.get(int(size), int(size)) for size in parameter.shape]
+        marked = [d for d in dims if isinstance(d, str)]
+        rest = 1
+        for d in dims:
+            if isinstance(d, int):
+                if d >= MARKER:
+                    raise RuntimeError(f"{name}: dimension {d} is neither a site width nor a fixed size")
+                rest *= d
+        if not marked:
+            constant += rest
+        elif len(marked) == 1:
+            linear[marked[0]] += rest
+        else:
+            pair = tuple(sorted(marked, key=ids.index))
+            consecutive = ids.index(pair[1]) == ids.index(pair[0]) + 1
+            if len(marked) != 2 or rest != 1 or not (consecutive or (tied and pair == (ids[0], ids[-1]))):
+                raise RuntimeError(f"{name} {tuple(parameter.shape)}: not a transition between consecutive sites")
+            transitions.append(pair)  # a pair twice is two matrices (a one-layer model's shortcut and tied map)
+    return ParamModel(sites=tuple(ids), constant=constant, linear=linear,
+                      transitions=tuple(sorted(transitions, key=lambda p: ids.index(p[0]))),
+                      original=original, hidden_size=config.hidden_size)
+
+
+def widest_uniform(params: ParamModel, budget: int, round_to: int,
+                   uniform: Callable[[int], dict[str, int]]) -> dict[str, int]:
+    """The widest uniform widths, `uniform(kept)` for a multiple `kept` of `round_to`, whose sliced
+    model has at most `budget` parameters; a UserError if even the narrowest has more."""
+    kept = params.hidden_size - params.hidden_size % round_to
+    while kept > 0:
+        widths = uniform(kept)
+        if params.count(widths) <= budget:
+            return widths
+        kept -= round_to
+    smallest = params.count(uniform(round_to))
+    raise UserError(f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
+                    f"original): the narrowest model (width {round_to}) has {smallest:,}; raise target_params, or "
+                    f"set slicing.slice_head: true if the head's input is kept whole")

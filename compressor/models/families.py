@@ -1,0 +1,220 @@
+"""Model families: where each part of a decoder-only transformer lives, described in one place.
+
+The engine and the sliced model classes only ever reach a model's parts through a
+`ModelFamily`, so supporting a new architecture means adding a description here, not
+touching the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from compressor.errors import UserError
+
+STOCK_UNKNOWN = ("its description does not say that its own class can hold one residual basis "
+                 "(ModelFamily.stock_refusal)")
+LAYER_NORM = "its LayerNorm subtracts the mean over the kept width, which a rotated, sliced stream does not keep"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Module paths of a pre-norm decoder with RMSNorm, relative to the causal-LM model.
+
+    `attention`, `mlp` and the norms are relative to one decoder layer; the input and
+    output linears are relative to their attention or MLP module, so they stay valid once
+    the layer is wrapped. "Inputs" read the residual stream (through the norm); the
+    "output" linear writes to it.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    base_model: str = "model"
+    embedding: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    attn_norm: str = "input_layernorm"
+    attention: str = "self_attn"
+    attn_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    attn_output: str = "o_proj"
+    mlp_norm: str = "post_attention_layernorm"
+    mlp: str = "mlp"
+    mlp_inputs: tuple[str, ...] = ("gate_proj", "up_proj")
+    mlp_output: str = "down_proj"
+    norm_eps: str = "rms_norm_eps"
+    norm_offset: float = 0.0
+    """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
+    logit_softcapping: str | None = None
+    """Config attribute of a cap c applied as c·tanh(logits / c) after the head (Gemma2)."""
+    layer_norm: bool = False
+    """LayerNorm family (mean and bias): every writer to the stream is centred and the norms'
+    affine parts are folded into the next linears, which turns it into the RMSNorm form exactly."""
+    extra_embeddings: tuple[str, ...] = ()
+    """Further embeddings added to the token embeddings before the first layer (learned positions)."""
+    build_mlp: Callable[[nn.Module], nn.Module] | None = None
+    """For layers whose MLP linears sit on the layer itself: builds the MLP module from the layer."""
+    refuse: Callable[[Any], str | None] | None = None
+    """Given a model config, the reason this family cannot prune it (None when it can)."""
+    prepare: Callable[[nn.Module], None] | None = None
+    """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear)."""
+    positional_args: tuple[str, ...] = ()
+    """Names of the arguments the model passes to each layer by position after the hidden states."""
+    input_projection: str | None = None
+    output_projection: str | None = None
+    """Optional linears between the token embedding and the stream, and between the final norm
+    and the head (OPT's project_in / project_out, present when word_embed_proj_dim differs)."""
+    parallel: bool = False
+    """Attention and MLP read one norm and write to the stream together (Phi-2): one site per layer."""
+    head_width_is_embedding_width: bool = False
+    """The model reshapes its output to the embedding's width (GPT-2), so the head input must be
+    sliced like the embedding (slicing.slice_head: true)."""
+    attn_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    """Norms applied to a block's output before the residual add (Gemma2). Their RMS is taken
+    over the full width, so the block's output linear keeps width d and a separate writer
+    V_newᵀ·diag(scale) (d → kept) follows the weightless norm: exact, at d·kept extra weights."""
+    scaled_embedding: bool = False
+    """The model multiplies the token embeddings by √hidden_size (Gemma), so a stock model of width
+    k multiplies by √k where the original multiplied by √d."""
+    stock_refusal: str | None = STOCK_UNKNOWN
+    """Why the family's own class cannot hold a model pruned with one residual basis
+    (`slicing.layout: global`, saved as the original architecture by `compressor.models.stock`); None
+    when it can: pre-norm RMSNorm blocks whose state-dict keys the sliced model keeps."""
+
+    def head_modules(self, model: nn.Module) -> list[nn.Module]:
+        """What turns the last site's stream into logits, in order: final norm, output projection
+        (where the model has one), head."""
+        projection = optional_module(model, self.output_projection)
+        return [model.get_submodule(self.final_norm), *([projection] if projection is not None else []),
+                model.get_submodule(self.head)]
+
+    def logits(self, model: nn.Module, hidden: Any, before_cap: Callable[[Any], Any] | None = None) -> Any:
+        """The model's logits from the stream after the last layer: the head modules, then the
+        logit soft-cap c·tanh(logits / c) where the family has one. The H pass and every
+        diagnostic forward go through here, so they compute what the model computes.
+        `before_cap` maps the head's output first (refinement's tied head)."""
+        for module in self.head_modules(model):
+            hidden = module(hidden)
+        if before_cap is not None:
+            hidden = before_cap(hidden)
+        cap = getattr(model.config, self.logit_softcapping, None) if self.logit_softcapping else None
+        return hidden if cap is None else torch.tanh(hidden / cap) * cap
+
+
+class FeedForward(nn.Module):
+    """fc1 → activation → fc2, gathered from a layer that holds them directly (OPT)."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.activation = fc1, fc2, activation
+
+    def forward(self, hidden_states: Any) -> Any:
+        return self.fc2(self.activation(self.fc1(hidden_states)))
+
+
+def _opt_mlp(layer: nn.Module) -> nn.Module:
+    return FeedForward(layer.fc1, layer.fc2, layer.activation_fn)
+
+
+def _opt_refusal(config: Any) -> str | None:
+    if not config.do_layer_norm_before:
+        return "OPT with layer norms after the blocks (do_layer_norm_before: false, e.g. opt-350m) is not supported"
+    return None
+
+
+def optional_module(model: nn.Module, path: str | None) -> nn.Module | None:
+    """The module at `path`, or None where the family has none or this model leaves it unset."""
+    if path is None:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # e.g. OPT sets project_in = None when no projection is needed
+        return None
+
+
+def stream_writers(model: nn.Module, family: "ModelFamily") -> tuple[nn.Module | None, list[nn.Module]]:
+    """What writes the stream before the first layer: the input projection (None without one) and
+    the embeddings added to the stream directly (the token embedding, unless a projection carries
+    it, and learned positions)."""
+    projection = optional_module(model, family.input_projection)
+    paths = ((family.embedding,) if projection is None else ()) + family.extra_embeddings
+    return projection, [model.get_submodule(path) for path in paths]
+
+
+def stream_reader(model: nn.Module, family: "ModelFamily") -> nn.Module:
+    """What reads the stream after the final norm: the output projection, or the head."""
+    return optional_module(model, family.output_projection) or model.get_submodule(family.head)
+
+
+def _conv1d_to_linear(model: nn.Module) -> None:
+    """Replace GPT-2's Conv1D (y = x·W + b, W stored in × out) with the equivalent nn.Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Conv1D):
+            weight = module.weight
+            linear = nn.Linear(weight.shape[0], weight.shape[1], bias=module.bias is not None,
+                               device=weight.device, dtype=weight.dtype)
+            linear.weight.data = weight.data.T.contiguous() if weight.device.type != "meta" else linear.weight.data
+            if module.bias is not None:
+                linear.bias.data = module.bias.data
+            model.set_submodule(name, linear)
+
+
+def _gpt2_refusal(config: Any) -> str | None:
+    if getattr(config, "add_cross_attention", False):
+        return "GPT-2 with cross-attention (add_cross_attention: true) is not supported"
+    return None
+
+
+LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), stock_refusal=None)
+PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",),
+                   stock_refusal=None)
+GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0, scaled_embedding=True, stock_refusal=None)
+GEMMA2 = ModelFamily(name="gemma2", model_types=("gemma2",), norm_offset=1.0, mlp_norm="pre_feedforward_layernorm",
+                     logit_softcapping="final_logit_softcapping",
+                     attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm",
+                     scaled_embedding=True,
+                     stock_refusal="its norms after each block's output take the RMS over the full width")
+
+OPT = ModelFamily(
+    name="opt", model_types=("opt",), base_model="model.decoder", embedding="model.decoder.embed_tokens",
+    layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", attn_norm="self_attn_layer_norm",
+    attn_output="out_proj", mlp_norm="final_layer_norm", mlp_inputs=("fc1",), mlp_output="fc2",
+    layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
+    stock_refusal=LAYER_NORM, input_projection="model.decoder.project_in", output_projection="model.decoder.project_out",
+)
+
+GPT2 = ModelFamily(
+    name="gpt2", model_types=("gpt2",), base_model="transformer", embedding="transformer.wte",
+    layers="transformer.h", final_norm="transformer.ln_f", attention="attn", attn_norm="ln_1",
+    attn_inputs=("c_attn",), attn_output="c_proj", mlp_norm="ln_2", mlp_inputs=("c_fc",), mlp_output="c_proj",
+    norm_eps="layer_norm_epsilon", layer_norm=True, extra_embeddings=("transformer.wpe",), prepare=_conv1d_to_linear,
+    positional_args=("past_key_values", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
+    head_width_is_embedding_width=True, stock_refusal=LAYER_NORM,
+)
+
+PHI = ModelFamily(
+    name="phi", model_types=("phi",), final_norm="model.final_layernorm", attn_output="dense",
+    mlp_norm="input_layernorm", mlp_inputs=("fc1",), mlp_output="fc2", norm_eps="layer_norm_eps",
+    layer_norm=True, parallel=True, stock_refusal=LAYER_NORM,
+)
+
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2, PHI)
+
+
+def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:
+    """The family that describes `model_type` (among `families`, by model_type; default: the
+    built-ins), or a UserError naming the supported ones."""
+    known = families if families is not None else {t: f for f in BUILTIN_FAMILIES for t in f.model_types}
+    if model_type in known:
+        return known[model_type]
+    raise UserError(
+        f"model_type '{model_type}' is not supported; supported model types: {', '.join(sorted(known))} "
+        f"(a plugin can add a family: see docs/adding-a-model-family.md)"
+    )

@@ -1,0 +1,143 @@
+"""What a model looks like sliced, decided once: its sites, their widths (or that an allocator
+will choose them), which sites share a basis, whether the head stays tied, the parameter
+budget and the exact parameter count of every choice. Built from the family, the config and
+the slicing settings, before any weight is loaded; the run's checks, the walk's arguments, the
+allocator, the stock export and the report all read this one object."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from compressor.errors import UserError
+from compressor.models.budget import ParamModel, layout_config, param_model, widest_uniform
+from compressor.models.families import ModelFamily, stream_reader, stream_writers
+from compressor.models.sites import EMBEDDING, shared_site_ids, site_ids, site_widths
+from compressor.models.stock import check_stock, stock_param_model, width_multiple
+
+LAYOUTS = ("per_site", "global")
+"""`per_site`: a basis per site, transitions on the residual path (a `sliced_*` class); `global`:
+one basis for the whole stream, saved as the original architecture at a smaller width."""
+
+
+@dataclass(frozen=True)
+class SlicedLayout:
+    """The sliced shape of one model under one recipe's slicing settings and budget."""
+
+    family: ModelFamily
+    config: PretrainedConfig
+    one_basis: bool
+    """A global layout: every site keeps the embedding's basis (`compressor.models.stock`)."""
+    sites: tuple[str, ...]
+    widths: dict[str, int] | None
+    """The kept width of every site; None when an allocator chooses them from a survey."""
+    shared: tuple[str, ...]
+    """Sites that keep the previous site's basis (`slicing.shared_bases`), no transition into them."""
+    tie_head: bool
+    """The head stays tied to the sliced embedding (`slicing.tie_head` as it applies here)."""
+    slice_head: bool
+    params: ParamModel
+    """The exact parameter count of any choice of widths."""
+    budget: int
+    """The most parameters the pruned model may have."""
+    rounding: dict[str, int] | None = None
+    """When a budget decides a uniform width: what rounding it to `round_to` gave up."""
+
+    @property
+    def kept(self) -> int | None:
+        """The uniform kept width (None when an allocator chooses widths per site)."""
+        return None if self.widths is None else self.widths[EMBEDDING]
+
+    def uniform(self, kept: int) -> dict[str, int]:
+        """Every site at `kept` (the head's input whole unless it is sliced, tied or global)."""
+        return site_widths(self.family, self.config.num_hidden_layers, self.config.hidden_size, kept,
+                           self.one_basis or self.slice_head or self.tie_head)
+
+    def slicing_config(self, model: torch.nn.Module, widths: dict[str, int] | None = None) -> dict[str, Any]:
+        """The `slicing` entry of the sliced class's config for `widths` (default: this layout's, or
+        every site whole when an allocator has not chosen yet), for `model` of the original class."""
+        chosen = widths or self.widths or self.uniform(self.config.hidden_size)
+        return layout_config(model, self.family, chosen, self.shared, self.tie_head)
+
+
+def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
+    """Width kept at a sliced site: d − sparsity·d, floored to a multiple of `round_to` (as SliceGPT)."""
+    kept = int((1.0 - sparsity) * hidden_size)
+    kept -= kept % round_to
+    if kept <= 0:
+        raise UserError(
+            f"sparsity {sparsity} leaves no width to keep at hidden size {hidden_size} "
+            f"(kept widths are multiples of slicing.round_to={round_to}); lower the sparsity"
+        )
+    return kept
+
+
+def sliced_layout(config: PretrainedConfig, family: ModelFamily, families: Iterable[ModelFamily], *,
+                  layout: str = "per_site", slice_head: bool = False, tie_head: bool | None = None,
+                  shared_bases: bool = False, round_to: int = 1, sparsity: float | None = None,
+                  target_params: float | None = None, allocated: bool = False) -> SlicedLayout:
+    """Decide the sliced shape: check that the family allows these settings, then find the budget
+    (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
+    widths within it (or none, `allocated`: an allocator chooses). Loads no weights."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}")
+    if family.head_width_is_embedding_width and not slice_head:
+        raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
+                        f"set slicing.slice_head: true")
+    if shared_bases and family.parallel:
+        raise UserError(f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
+                        f"layers have one site (attention and MLP in parallel); turn it off")
+    one_basis = layout == "global"
+    tied = tie_head if tie_head is not None else (one_basis and bool(getattr(config, "tie_word_embeddings", False)))
+    if tied:
+        check_tie_head(config, family)
+    layers, d = config.num_hidden_layers, config.hidden_size
+    if one_basis:
+        check_stock(family, families)
+    shared = shared_site_ids(family, layers, slice_head, tied) if shared_bases else []
+    params = stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
+
+    def uniform(kept: int) -> dict[str, int]:
+        return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
+
+    required = width_multiple(config, family) if one_basis else 1  # the stock class's own demand
+
+    def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
+        step = math.lcm(round_to, required)
+        widths = widest_uniform(params, budget, step, uniform)
+        exact = widest_uniform(params, budget, required, uniform)
+        return widths, {"round_to": round_to, "class_multiple": required, "step": step,
+                        "width": widths[EMBEDDING], "params": params.count(widths),
+                        "unrounded_width": exact[EMBEDDING], "unrounded_params": params.count(exact)}
+
+    rounding = None
+    if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
+        widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
+        budget = param_model(config, family).count(widths)
+        if shared or tied or one_basis:  # fewer parameters to carry: the same budget keeps more width
+            widths, rounding = widest(budget)
+    else:
+        if target_params is None:
+            raise ValueError("give a sparsity or a target_params")
+        budget = int(target_params * params.original)
+        widths, rounding = widest(budget)
+    return SlicedLayout(family=family, config=config, one_basis=one_basis, sites=tuple(site_ids(family, layers)),
+                        widths=None if allocated else widths, shared=tuple(shared), tie_head=tied,
+                        slice_head=slice_head, params=params, budget=budget, rounding=rounding)
+
+
+def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
+    """`slicing.tie_head` needs a tied model whose embedding writes the stream and whose head reads it."""
+    if not getattr(config, "tie_word_embeddings", False):
+        raise UserError("slicing.tie_head keeps a tied head tied, but this model's head is untied "
+                        "(tie_word_embeddings: false); turn slicing.tie_head off")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if stream_writers(model, family)[0] is not None or stream_reader(model, family) is not model.get_submodule(family.head):
+        raise UserError(f"slicing.tie_head: this {config.model_type} model projects between its embedding and the "
+                        f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off")

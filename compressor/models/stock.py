@@ -1,0 +1,206 @@
+"""One residual basis, saved as the original architecture (`slicing.layout: global`).
+
+When every site keeps the same directions V (d × k), every residual transition VᵀV is the
+identity: the sliced model is the original architecture with `hidden_size` k, which vLLM,
+llama.cpp, TGI and plain transformers load without this package. What changes besides the
+widths:
+
+- the norms. The sliced model's weightless RMSNorm divides by the original width d,
+  x / √(‖x‖²/d + ε). A stock RMSNorm over k with weight s = √(d/k) and ε' = ε·d/k computes
+  s·x / √(‖x‖²/k + ε') = x / √(‖x‖²/d + ε): the same (for a (1 + w) norm, w = s − 1);
+- `head_dim` is written explicitly (the heads keep their width; k is rarely heads × head_dim);
+- a family that scales its embeddings by √hidden_size (Gemma) would scale by √k, so the
+  embedding carries √(d/k);
+- a head tied to the embedding (`tie_head`): the final norm's scale g does not commute with the
+  rotation, so the saved model either unties the head (vocabulary × k more parameters, exact) or
+  keeps it tied and replaces diag(g) by the diagonal D that best maps the sliced embedding E·V
+  onto the untied head's W·diag(g)·V over the final stream's statistics (`tied_scale`).
+
+The conversion writes a stock folder (config, safetensors) and loads it back with
+`AutoModelForCausalLM.from_pretrained`, so what a run evaluates is what its users load.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from compressor.errors import UserError
+from compressor.models.budget import ParamModel
+from compressor.models.families import ModelFamily
+from compressor.models.sites import EMBEDDING, site_ids
+
+STOCK_KEYS = ("hidden_size", "head_dim", "tie_word_embeddings")
+"""Config fields a stock model changes (with the family's norm-eps field)."""
+
+
+def check_stock(family: ModelFamily, families: Iterable[ModelFamily]) -> None:
+    """A UserError naming the families that can be saved as their own class, when `family` cannot."""
+    if family.stock_refusal is None:
+        return
+    able = sorted({t for f in families if f.stock_refusal is None for t in f.model_types})
+    raise UserError(f"slicing.layout: global saves the original architecture, which {family.name} models cannot "
+                    f"hold: {family.stock_refusal}; model types that can: {', '.join(able)} "
+                    f"(or use slicing.layout: per_site)")
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def stock_config(config: PretrainedConfig, family: ModelFamily, width: int, tied: bool) -> PretrainedConfig:
+    """The original's config at hidden size `width`: explicit head_dim, ε·d/k, the head tied or not."""
+    values = config.to_dict()
+    values.update(hidden_size=width, head_dim=head_dim(config), tie_word_embeddings=tied)
+    values[family.norm_eps] = float(getattr(config, family.norm_eps)) * config.hidden_size / width
+    for key in ("transformers_version", "_name_or_path"):
+        values.pop(key, None)
+    return type(config).from_dict(values)
+
+
+def width_multiple(config: PretrainedConfig, family: ModelFamily) -> int:
+    """What the stock class's config demands of hidden_size: the number of attention heads where it
+    insists on a multiple (transformers' LlamaConfig does, though the model reads head_dim), else 1."""
+    heads = int(config.num_attention_heads)
+    if heads <= 1:
+        return 1
+    try:
+        stock_config(config, family, heads * max(1, config.hidden_size // heads - 1) + 1, False)
+    except (ValueError, StrictDataclassError):  # the config's own validation refused a width off the heads
+        return heads
+    return 1
+
+
+def _meta_params(config: PretrainedConfig) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # tied weights once
+
+
+def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool) -> ParamModel:
+    """P(k) = a + b·k for the stock models of `config` at width k (every linear, embedding and norm
+    is linear in k; nothing is k × k), read off two models built on the meta device. As a
+    `ParamModel` over the sites, b sits on the embedding: with one width everywhere, P(widths) is
+    exact and there are no transitions."""
+    d = config.hidden_size
+    low = max(1, d // 2)
+    high_count, low_count = _meta_params(stock_config(config, family, d, tied)), _meta_params(
+        stock_config(config, family, low, tied))
+    slope, rest = divmod(high_count - low_count, d - low) if d != low else (high_count, 0)
+    if rest:
+        raise RuntimeError(f"{config.model_type}: the stock model's parameters are not linear in its width")
+    ids = site_ids(family, config.num_hidden_layers)
+    linear = {site: 0 for site in ids}
+    linear[EMBEDDING] = slope
+    return ParamModel(sites=tuple(ids), constant=high_count - slope * d, linear=linear, transitions=(),
+                      original=_meta_params(config), hidden_size=d)
+
+
+@torch.no_grad()
+def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
+               rows: int = 16384) -> torch.Tensor:
+    """The diagonal D (k) that makes A·diag(D) closest to B on the final stream: A = E·V, the sliced
+    embedding, B = W·diag(g)·V, the untied head; it minimises E_n‖(A·diag(D) − B)·n‖² =
+    Tr((AD − B)·N·(AD − B)ᵀ) with N = E[n nᵀ] of the stream the head reads (`stream`, k × k; the
+    identity when None). Setting the gradient to zero: (AᵀA ∘ N)·D = diag(AᵀB·N)."""
+    k = embedding.shape[1]
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    cross = torch.zeros(k, k, dtype=torch.float64)
+    for start in range(0, embedding.shape[0], rows):  # vocabulary rows in chunks: no vocab × k float64 copies
+        a = embedding[start:start + rows].to("cpu", torch.float64)
+        gram += a.T @ a
+        cross += a.T @ head[start:start + rows].to("cpu", torch.float64)
+    N = torch.eye(k, dtype=torch.float64) if stream is None else stream.to("cpu", torch.float64)
+    return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
+
+
+def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool,
+                stream: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The stock model's state dict from a sliced model with one basis (no transitions), and what
+    the conversion chose (norm scale, embedding factor, tied-head fit)."""
+    slicing = sliced.config.slicing
+    d, k = slicing["hidden_size"], slicing["embedding"]
+    if any(name.endswith("_shortcut.weight") for name, _ in sliced.named_parameters()) or set(
+            slicing["attn"] + slicing["mlp"]) != {k}:
+        raise ValueError("a stock model needs one basis at every site (no transition matrices)")
+    state = dict(sliced.state_dict())
+    dtype = sliced.get_submodule(family.embedding).weight.dtype
+    scale = math.sqrt(d / k)
+    factor = scale if family.scaled_embedding else 1.0
+    embedding_key, head_key = f"{family.embedding}.weight", f"{family.head}.weight"
+    if factor != 1.0:
+        state[embedding_key] = (state[embedding_key].to(torch.float64) * factor).to(dtype)
+    final = torch.full((k,), scale, dtype=torch.float64)
+    record: dict[str, Any] = {"norm_scale": scale, "embedding_factor": factor, "head": "untied"}
+    if tie:
+        D = tied_scale(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight,
+                       stream)
+        final = scale * D / factor
+        record.update(head="tied", tied_scale={"min": float(D.min()), "max": float(D.max()),
+                                               "weighted_by_stream": stream is not None})
+        del state[head_key]
+    norms = [f"{family.layers}.{i}.{name}.weight" for i in range(len(slicing["attn"]))
+             for name in (family.attn_norm, family.mlp_norm)]
+    for key in norms:
+        state[key] = torch.full((k,), scale - family.norm_offset, dtype=torch.float64).to(dtype)
+    state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
+    return state, record
+
+
+def save_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path,
+               tie: bool = False, stream: torch.Tensor | None = None) -> dict[str, Any]:
+    """Write the stock checkpoint of a sliced model with one basis into `folder` (config.json,
+    generation config, safetensors), after proving that the original's class takes its state dict
+    whole; return the conversion's record. `original` is the unpruned model's config."""
+    k = sliced.config.slicing["embedding"]
+    config = stock_config(original, family, k, tie)
+    config.architectures = list(original.architectures or [type(sliced).__name__.removeprefix("Sliced")])
+    state, record = stock_state(sliced, family, tie, stream)
+    with torch.device("meta"):
+        stock = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = stock.load_state_dict(state, strict=False, assign=True)
+    tied_away = {f"{family.head}.weight"} if tie else set()
+    if set(missing) - tied_away or unexpected:
+        raise RuntimeError(f"the stock {config.model_type} class does not take the sliced state dict: "
+                           f"missing {sorted(set(missing) - tied_away)}, unexpected {sorted(unexpected)}")
+    if tie:
+        stock.tie_weights()
+    stock.generation_config = sliced.generation_config
+    stock.save_pretrained(folder)
+    return {**record, "hidden_size": k, "config": {key: getattr(config, key) for key in STOCK_KEYS} | {
+        family.norm_eps: getattr(config, family.norm_eps)}}
+
+
+def load_stock(folder: Path, like: PreTrainedModel) -> PreTrainedModel:
+    """A saved stock model, in the dtype and attention implementation of `like`."""
+    dtype = next(like.parameters()).dtype
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                 attn_implementation=like.config._attn_implementation)
+    return model.eval().requires_grad_(False)
+
+
+def to_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path | None = None,
+             tie: bool = False, stream: torch.Tensor | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """`save_stock` into `folder` (a temporary one, removed after, when None), then `load_stock`
+    back: the stock model as its users will load it, and the conversion's record."""
+    if folder is not None:
+        record = save_stock(sliced, family, original, folder, tie, stream)
+        return load_stock(folder, sliced), record
+    with tempfile.TemporaryDirectory(prefix="compress-stock-") as scratch:
+        record = save_stock(sliced, family, original, Path(scratch), tie, stream)
+        return load_stock(Path(scratch), sliced), record
+
+
+def head_stream(moment: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor | None:
+    """N = VᵀCV: the second moment of the stream the head reads, in kept coordinates."""
+    if moment is None:
+        return None
+    V = basis.to(moment.device, torch.float64)
+    return V.T @ moment.to(torch.float64) @ V

@@ -1,0 +1,181 @@
+"""Checks before any work: the recipe against the model's config and family (the sliced layout,
+the budget, the strategies' options, the distillation settings), loading no weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from compressor.engine.allocation import CurveAllocator
+from compressor.engine.walk import PipelineStep, required_statistics
+from compressor.errors import UserError
+from compressor.models.budget import ParamModel
+from compressor.models.families import ModelFamily, family_for
+from compressor.models.layout import SlicedLayout, sliced_layout
+from compressor.recipe.schema import Recipe
+from compressor.run.loading import load_config
+from compressor.strategies.registry import PluginRegistry
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run decides from the recipe and the model's config alone (no weights): the
+    sliced layout (`compressor.models.layout`), the strategies and the allocator."""
+
+    layout: SlicedLayout
+    pipeline: list[PipelineStep]
+    allocator: CurveAllocator | None = None
+    warnings: tuple[str, ...] = ()
+    """What a run goes on with but its user should know (`budget_warnings`)."""
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.layout.config
+
+    @property
+    def family(self) -> ModelFamily:
+        return self.layout.family
+
+    @property
+    def kept(self) -> int | None:
+        """The uniform kept width (None when an allocator chooses widths per site)."""
+        return self.layout.kept
+
+    @property
+    def widths(self) -> dict[str, int] | None:
+        return self.layout.widths
+
+    @property
+    def params(self) -> ParamModel:
+        return self.layout.params
+
+    @property
+    def budget(self) -> int:
+        """The most parameters the pruned model may have."""
+        return self.layout.budget
+
+    @property
+    def shared(self) -> list[str]:
+        return list(self.layout.shared)
+
+    @property
+    def rounding(self) -> dict[str, int] | None:
+        """When a budget decides a uniform width: what rounding it to `slicing.round_to` gave up."""
+        return self.layout.rounding
+
+    @property
+    def tie_head(self) -> bool:
+        """`slicing.tie_head` as it applies to this model (unset: on for a global layout of a tied model)."""
+        return self.layout.tie_head
+
+
+def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
+    """Read the model's config and check family, layout, widths and strategy options; load no weights."""
+    config = load_config(recipe.model)
+    families = {model_type: entry.family for model_type, entry in registry.families().items()}
+    family = family_for(config.model_type, families)
+    reason = family.refuse(config) if family.refuse is not None else None
+    if reason:
+        raise UserError(reason)
+    check_positions(recipe, config)
+    slicing = recipe.slicing
+    layout = sliced_layout(config, family, families.values(), layout=slicing.layout, slice_head=slicing.slice_head,
+                           tie_head=slicing.tie_head, shared_bases=slicing.shared_bases, round_to=slicing.round_to,
+                           sparsity=recipe.sparsity, target_params=recipe.target_params,
+                           allocated=recipe.allocation.method == "curves")
+    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
+    check_evaluation_tasks(recipe)
+    if recipe.distillation is not None:
+        check_distillation(recipe, layout)
+    checked = Plan(layout, pipeline, allocator)
+    return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
+
+
+WIDE_LOSS = 0.5
+"""Keeping less than this share of the hidden width (or of the parameters) warns: past it,
+pruning the residual stream alone costs a large part of the model's quality."""
+
+
+def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
+    """A budget that keeps under half the width runs, with a warning that names what it keeps."""
+    d = checked.config.hidden_size
+    if checked.kept is not None and checked.kept < WIDE_LOSS * d:
+        what = f"keeps {checked.kept} of {d} dimensions of the residual stream"
+    elif checked.kept is None and checked.budget < WIDE_LOSS * checked.params.original:
+        what = f"keeps {checked.budget / checked.params.original:.0%} of the parameters"
+    else:
+        return []
+    budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
+    return [f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
+            f"consider removing less"]
+
+
+def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
+    """Windows longer than the model's positions would be scored past what it was trained on (its
+    perplexity then means nothing): refused, naming the limit."""
+    positions = getattr(config, "max_position_embeddings", None)
+    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
+        if spec is not None and isinstance(positions, int) and spec.seq_len > positions:
+            raise UserError(f"{where}.seq_len is {spec.seq_len}, beyond the model's {positions} positions "
+                            f"(max_position_embeddings); set {where}.seq_len to {positions} or less")
+
+
+def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
+    """The `curves` allocator for this recipe: widths on the allocation grid, from `min_kept` of
+    the hidden width up to all of it (the last site stays whole unless `slice_head`)."""
+    spec = recipe.allocation
+    params, budget, hidden_size = layout.params, layout.budget, layout.config.hidden_size
+    step = spec.step or recipe.slicing.round_to
+    low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
+    grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})
+    choices = {site: grid for site in params.sites}
+    if not (recipe.slicing.slice_head or layout.tie_head):
+        choices[params.sites[-1]] = [hidden_size]
+    narrowest = params.count({site: min(widths) for site, widths in choices.items()})
+    if narrowest > budget:
+        raise UserError(f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
+                        f"below the narrowest allocation allowed ({narrowest:,}, every site at "
+                        f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept")
+    return CurveAllocator(params, budget, choices, list(layout.shared),
+                          tie_ends=layout.family.head_width_is_embedding_width or layout.tie_head)
+
+
+def check_distillation(recipe: Recipe, layout: SlicedLayout) -> None:
+    """What the distillation section names exists: its LoRA targets among the student's linear
+    layers (the student built on the meta device: the original class for a global layout, else the
+    sliced one with its transitions), its extra TrainingArguments among transformers' and valid
+    there; its device is one the Trainer can be given."""
+    from compressor.models.sliced import apply_slicing_layout
+    from compressor.training.distill import check_target_modules, check_training_arguments, linear_names, trainer_keys
+
+    spec = recipe.distillation
+    assert spec is not None
+    trainer_keys(spec)
+    check_training_arguments(spec)
+    with torch.device("meta"):
+        student = AutoModelForCausalLM.from_config(layout.config)
+    if not layout.one_basis:
+        apply_slicing_layout(student, layout.family, layout.slicing_config(student))
+    check_target_modules(spec, linear_names(student))
+    index = torch.device(recipe.device).index if recipe.device.startswith("cuda:") else None
+    if index not in (None, 0) and "LOCAL_RANK" not in os.environ:
+        raise UserError(f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "
+                        f"device: {recipe.device}, set device: cuda and CUDA_VISIBLE_DEVICES={index}")
+
+
+def check_evaluation_tasks(recipe: Recipe) -> None:
+    """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
+    if recipe.evaluation is not None and recipe.evaluation.lm_eval is not None:
+        from compressor.evaluation.harness import check_suites
+
+        check_suites(recipe.evaluation.lm_eval)

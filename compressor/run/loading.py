@@ -1,0 +1,129 @@
+"""What a run loads: model, config and tokenizer (one-line errors, offline advice), the device,
+and the data windows; `Resources`, which a sweep replaces with one that shares them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from compressor.data.batches import Batch
+from compressor.data.chat import chat_batches
+from compressor.data.text import batches_of, first_record, load_records, token_windows
+from compressor.errors import UserError, first_line
+from compressor.hub import cached, model_advice, unreachable
+from compressor.recipe.schema import DataSpec, ModelSpec
+from compressor.run.staging import RUN_MARKER
+
+T = TypeVar("T")
+
+
+def _load(what: str, spec: ModelSpec, loader: Callable[[], T]) -> T:
+    """Call a transformers loader; a missing or unreadable model is a one-line UserError. A hub
+    model that is not cached, where the hub cannot be reached, is refused at once (huggingface_hub
+    would retry for half a minute) with the same advice as in offline mode."""
+    on_hub = not Path(spec.path).is_dir()
+    if on_hub and unreachable() and not cached(spec.path, "config.json", spec.revision):
+        raise UserError(f"cannot load {what}: not in the cache{model_advice()}")
+    try:
+        return loader()
+    except (OSError, ValueError) as error:
+        if "contains custom code" in str(error) and not spec.trust_remote_code:
+            raise UserError(f"model '{spec.path}' ships its own Python code (auto_map in its config), which is not run "
+                            f"unless the recipe sets model.trust_remote_code: true (read that code first)") from None
+        hint = model_advice(error) if on_hub else ""
+        raise UserError(f"cannot load {what}: {first_line(error)}{hint}") from None
+
+
+def load_config(spec: ModelSpec) -> PretrainedConfig:
+    return _load(f"the config of model '{spec.path}'", spec,
+                 lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision,
+                                                    trust_remote_code=spec.trust_remote_code))
+
+
+def load_model(spec: ModelSpec) -> PreTrainedModel:
+    """The model `spec` names; a run folder's model only from safetensors (nothing in a run
+    folder is ever unpickled)."""
+    from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
+    return _load(f"model '{spec.path}'", spec, lambda: AutoModelForCausalLM.from_pretrained(
+        spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
+        attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
+        **({"use_safetensors": True} if from_run else {}),
+    )).eval()
+
+
+def load_tokenizer(spec: ModelSpec) -> Any:
+    return _load(f"the tokenizer of '{spec.path}'", spec,
+                 lambda: AutoTokenizer.from_pretrained(spec.path, revision=spec.revision,
+                                                       trust_remote_code=spec.trust_remote_code))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device '{name}' requested but no CUDA GPU is available; set device: cpu (or auto)")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"device '{name}' requested but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return device
+
+
+def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+    try:
+        records = load_records(spec.dataset)
+        if spec.format == "chat":
+            return chat_batches(records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size,
+                                spec.messages_field)
+        windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    return batches_of(windows, spec.batch_size)
+
+
+def check_fields(spec: DataSpec, where: str) -> None:
+    """The dataset's first record has the field the recipe names (text, or chat messages)."""
+    key = "messages_field" if spec.format == "chat" else "text_field"
+    name = getattr(spec, key)
+    try:
+        record = first_record(spec.dataset)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    if record is None:
+        raise UserError(f"{where}: the dataset has no records")
+    if name not in record:
+        raise UserError(f"{where}: the dataset's records have no field '{name}' (fields: {', '.join(record)}); "
+                        f"set {where}.{key} in the recipe")
+
+
+class Resources:
+    """Where a run gets its tokenizer, data windows, model and H. This one loads everything
+    afresh and keeps nothing; a sweep's (`compressor.run.sweep.SharedResources`) keeps what its
+    runs share, so each is loaded or computed once."""
+
+    def tokenizer(self, spec: ModelSpec) -> Any:
+        return load_tokenizer(spec)
+
+    def batches(self, spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
+        return token_batches(spec, tokenizer, where)
+
+    def model(self, spec: ModelSpec) -> PreTrainedModel:
+        """A model the caller may change (pruning works in place)."""
+        return load_model(spec)
+
+    def fisher(self, key: str) -> dict[str, torch.Tensor] | None:
+        """H computed earlier for `key` (model, data, H options, seed), if kept."""
+        return None
+
+    def keep_fisher(self, key: str, fisher: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def baseline_tasks(self, key: str) -> dict[str, Any] | None:
+        """The original model's lm-eval scores for `key` (model, suites, seed), if kept."""
+        return None
+
+    def keep_baseline_tasks(self, key: str, scores: dict[str, Any]) -> None:
+        pass

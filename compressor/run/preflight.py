@@ -1,0 +1,163 @@
+"""`compress run --dry-run`: every check a run makes before it loads weights, made without
+loading them, and a plain list of what could not be checked (and why).
+
+A dry run fails where the run would fail before its first minute of work: the device, the
+model's config and family, the budget, strategy options, lm-eval task names, the data (local
+text is tokenised to count its windows; a hub dataset's first record is read), an interrupted
+run started with another recipe, an output that cannot be written. What only the run can find
+(the weights, memory, numbers) is listed as not checked, as is what the hub could not tell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compressor.data.text import is_local
+from compressor.errors import UserError
+from compressor.hub import cached, unreachable
+from compressor.recipe.schema import DataSpec, Recipe
+from compressor.run.checks import Plan, check_evaluation_tasks, plan
+from compressor.run.loading import check_fields, load_tokenizer, resolve_device, token_batches
+from compressor.run.resume import check_interrupted
+from compressor.run.staging import check_output, check_writable
+from compressor.strategies.registry import PluginRegistry
+
+NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
+"""A hub dataset error with these words was the network's, not the dataset's: not checked, not refused."""
+ALWAYS_UNCHECKED = ("the weights (not loaded: a missing or corrupt shard, NaN or Inf, device memory show only "
+                    "in the run)")
+
+
+@dataclass
+class DryRun:
+    """What a dry run found: checked (one line each), notes, warnings, and what it could not check."""
+
+    checked: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    refusal: str | None = None
+    """Why the run would stop at once here although the recipe is sound (a device this machine
+    lacks, an output it may not replace): the dry run shows what it checked, then fails with it."""
+
+    def lines(self) -> list[str]:
+        return ([f"checked: {line}" for line in self.checked] + [f"note: {line}" for line in self.notes]
+                + [f"warning: {line}" for line in self.warnings] + [f"not checked: {line}" for line in self.unchecked])
+
+
+def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, restart: bool = False) -> DryRun:
+    """Check `recipe` as `compress run` would before loading weights; a problem is a UserError."""
+    found = DryRun()
+    try:  # a recipe for a GPU is still checked on a laptop; the missing device is the last word
+        device = resolve_device(recipe.device)
+        missing = None
+    except UserError as error:
+        device, missing = None, str(error)
+    if device is not None and device.type != "cpu" and recipe.sensitivity.recompute is False:
+        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+                        "it is for CPU runs: leave it unset (or true) on a GPU")
+    if device is not None:
+        found.checked.append(f"device {recipe.device} (here: {device})")
+    checked = _model(recipe, registry, found)
+    if checked is not None:
+        found.warnings += checked.warnings
+    tokenizer = load_tokenizer(recipe.model) if checked is not None else None
+    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
+        if spec is not None:
+            _data(where, spec, tokenizer, found)
+    if recipe.distillation is not None and tokenizer is not None:
+        _distillation(recipe, tokenizer, found)
+    _tasks(recipe, found)
+    output = Path(recipe.output)
+    check_writable(output)
+    check_interrupted(output, recipe, restart)
+    try:
+        check_output(output, overwrite)
+        found.checked.append(f"output {output} can be written")
+    except UserError as error:
+        found.refusal = str(error)
+    found.unchecked.append(ALWAYS_UNCHECKED)
+    if missing is not None:
+        found.refusal = missing
+    return found
+
+
+def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | None:
+    """The plan from the model's config (a hub model's config and tokenizer are small files,
+    fetched where the hub can be reached or read from the cache); None when it cannot be had."""
+    path = recipe.model.path
+    if not Path(path).is_dir():
+        why = unreachable()
+        if why and not cached(path, "config.json", recipe.model.revision):
+            check_evaluation_tasks(recipe)
+            found.unchecked.append(f"the model's config, family, budget and widths, and the data's window counts "
+                                   f"(hub model '{path}' is not in the cache; {why})")
+            found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
+            return None
+    checked = plan(recipe, registry)
+    original = checked.params.original
+    kept = checked.kept if checked.kept is not None else "chosen per site after a survey"
+    found.checked.append(f"model config ({checked.config.model_type}, {checked.config.num_hidden_layers} layers, "
+                         f"hidden {checked.config.hidden_size}): budget {checked.budget:,} of {original:,} parameters "
+                         f"({checked.budget / original:.1%}), kept width {kept}")
+    if checked.layout.one_basis:
+        found.checked.append(f"one basis: saved as {', '.join(checked.config.architectures or ['the original class'])} "
+                             f"with hidden_size {checked.kept} ({checked.params.count(checked.widths):,} parameters)")
+    found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
+    return checked
+
+
+def _distillation(recipe: Recipe, tokenizer: Any, found: DryRun) -> None:
+    """Its LoRA targets and trainer keys (checked by `plan`), and its windows when the data is local."""
+    from compressor.training.distill import distillation_data, steps_for
+
+    spec = recipe.distillation
+    assert spec is not None and spec.dataset is not None
+    found.checked.append(f"distillation: {spec.method}"
+                         + (f" on {spec.lora.target_modules}" if spec.method == "lora" else "")
+                         + (f", trainer settings {', '.join(spec.trainer)}" if spec.trainer else ""))
+    if not is_local(spec.dataset):
+        found.unchecked.append("distillation data's window count (a hub dataset, read only by the run)")
+        return
+    data = distillation_data(spec, tokenizer)
+    steps, per_step = steps_for(spec, 1)
+    found.checked.append(f"distillation data: {len(data.train)} training windows of {spec.seq_len} tokens "
+                         f"({steps * per_step / len(data.train):.2g} passes for {spec.tokens:,} tokens in {steps} "
+                         f"steps on one process), {len(data.heldout)} held-out windows")
+
+
+def _data(where: str, spec: DataSpec, tokenizer: Any, found: DryRun) -> None:
+    """Local text: its first record's field, and enough windows (tokenised when the tokenizer
+    is at hand). A hub dataset: its first record, unless the hub cannot be reached."""
+    local = is_local(spec.dataset)
+    if not local:
+        why = unreachable()
+        if why:
+            found.unchecked.append(f"{where} data (hub dataset {spec.dataset.get('path')!r}; {why})")
+            return
+    try:
+        check_fields(spec, where)
+    except UserError as error:
+        if local or not any(word in str(error).lower() for word in NETWORK_WORDS):
+            raise
+        found.unchecked.append(f"{where} data (hub dataset {spec.dataset.get('path')!r} could not be reached: {error})")
+        return
+    if tokenizer is not None and local:
+        batches = token_batches(spec, tokenizer, where)
+        found.checked.append(f"{where} data: {sum(len(b.input_ids) for b in batches)} windows of "
+                             f"{spec.seq_len} tokens")
+    else:
+        found.checked.append(f"{where} data: its first record has the field the recipe names")
+        found.unchecked.append(f"{where} data's window count (read only by the run)")
+
+
+def _tasks(recipe: Recipe, found: DryRun) -> None:
+    suites = recipe.evaluation.lm_eval if recipe.evaluation is not None else None
+    if not suites:
+        return
+    # their names were checked with the model (by `plan`, or on their own where the config was out of reach)
+    names = [task for suite in suites for task in suite.tasks]
+    found.checked.append(f"lm-eval task names: {', '.join(names)}")
+    found.unchecked.append("the lm-eval tasks' own data (the harness fetches it during the run)")

@@ -1,0 +1,183 @@
+"""Human-readable views of a run report: the rows of the before/after table, as Markdown
+(written next to report.json) or as a rich table (printed at the end of a run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from compressor.evaluation.throughput import rate_range, speedup_bounds
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(quantity, baseline, pruned) rows shared by the Markdown and terminal tables."""
+    params = report["params"]
+    rows = [("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
+            *transition_rows(report),
+            ("hidden width", str(report["model"]["hidden_size"]), kept_label(report))]
+    rows += speed_rows(report.get("size"), report.get("speed"))
+    metrics = report.get("metrics") or {}
+    if metrics:
+        rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
+        rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+        if "unrefined" in metrics:
+            rows.append(("KL before refinement", "", f"{metrics['unrefined']['kl']:.5f}"))
+        if "undistilled" in metrics:
+            rows.append(("perplexity before distillation", "", f"{metrics['undistilled']['ppl']:.3f}"))
+            rows.append(("KL before distillation", "", f"{metrics['undistilled']['kl']:.5f}"))
+        rows += task_rows(metrics)
+    rows += refinement_rows(report.get("refinement"))
+    rows += distillation_rows(report.get("distillation"))
+    return rows + timing_rows(report["timings"])
+
+
+def transition_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The residual transitions' share of the pruned parameter count, labelled as parameters and
+    placed under them (not under the hidden width, which it is no part of)."""
+    transitions = (report.get("allocation") or {}).get("transition_params")
+    if not transitions:
+        return []
+    tied = (report.get("slicing") or {}).get("tie_head")
+    label = "  of which residual transitions" + (" and the tied head's map" if tied else "") + " (parameters)"
+    return [(label, "", f"{transitions:,}")]
+
+
+def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """The refinement objective before and after, both in the pruned column: the baseline column
+    holds only the original model's figures, and the unrefined model is already a pruned one."""
+    if not refinement:
+        return []
+    objective = f"calibration KL (refinement objective, top_k {refinement['options']['top_k']})"
+    return [(f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
+            (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})")]
+
+
+def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """The held-out KL before and at the kept checkpoint, and what the stage trained on."""
+    if not distillation:
+        return []
+    top_k = distillation["options"]["top_k"]
+    objective = f"distillation held-out KL ({distillation['heldout_windows']} windows, top_k {top_k})"
+    stopped = ", stopped early" if distillation["stopped_early"] else ""
+    return [(f"{objective} before", "", f"{distillation['heldout_kl_before']:.5f}"),
+            (f"{objective} kept", "", f"{distillation['heldout_kl_best']:.5f} ({distillation['kept']}, step "
+                                      f"{distillation['best_step']})"),
+            ("distillation", "", f"{distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens, "
+                                 f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)")]
+
+
+def timing_rows(timings: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
+    that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
+    rows = []
+    if timings.get("fisher_s"):
+        rows.append(("output sensitivity H (s)", "", f"{timings['fisher_s']:.1f}"))
+    rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
+    if "refine_s" in timings:
+        rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
+    if "distill_s" in timings:
+        rows.append(("distillation time (s)", "", f"{timings['distill_s']:.1f}"))
+    if "eval_s" in timings:
+        rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
+    return rows
+
+
+def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """Weight bytes, and prefill and decode tokens/s per batch size, of the baseline and pruned model."""
+    rows = []
+    if size:
+        rows.append(("weights (MB)", *(f"{size[side]['weight_bytes'] / 1e6:,.2f}" if side in size else ""
+                                        for side in ("baseline", "pruned"))))
+    if speed:
+        any_side = speed.get("pruned") or speed.get("baseline")
+        for phase in ("prefill", "decode"):
+            for batch in any_side["throughput"]["batch"]:
+                cells = []
+                for side in ("baseline", "pruned"):
+                    numbers = speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch)
+                    cells.append(rate_cell(numbers, phase) if numbers else "")
+                if "speedup" in speed:
+                    cells[1] += f" ({speedup_label(speed, batch, phase)})"
+                rows.append((f"{phase} tokens/s, batch {batch}", *cells))
+    return rows
+
+
+def rate_cell(numbers: dict[str, Any], phase: str) -> str:
+    """The median tokens/s, with ± half the range of the repeats (relative to the median): a
+    median of a few runs on a busy machine means little without its spread."""
+    median, span = numbers[f"{phase}_tok_s"], rate_range(numbers, phase)
+    if span is None or not median:
+        return f"{median:,.0f}"
+    return f"{median:,.0f} ±{(span[1] - span[0]) / (2 * median):.0%}"
+
+
+def speedup_label(speed: dict[str, Any], batch: str, phase: str) -> str:
+    """`×speedup`, and whether the difference from the baseline is within the repeats' spread
+    (the two models' ranges of tokens/s overlap), so a 0.97× is not read as a slowdown."""
+    label = f"×{speed['speedup'][batch][phase]:.2f}"
+    sides = [speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch) for side in ("pruned", "baseline")]
+    bounds = speedup_bounds(sides[0], sides[1], phase) if all(sides) else None
+    if bounds is not None and bounds[0] <= 1 <= bounds[1]:
+        label += ", within noise"
+    return label
+
+
+def _score(values: dict[str, Any], metric: str) -> str:
+    value, stderr = values.get(metric), values.get(f"{metric}_stderr")
+    if value is None:
+        return "n/a"
+    return f"{value:.3f} ± {stderr:.3f}" if stderr is not None else f"{value:.3f}"
+
+
+def task_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """One (task metric, baseline, pruned) row per lm-eval score, with its standard error."""
+    pruned = metrics.get("pruned", {}).get("tasks", {})
+    baseline = metrics.get("baseline", {}).get("tasks", {})
+    rows = []
+    for task, values in pruned.items():
+        for metric in values:
+            if metric.endswith("_stderr") or metric == "samples":
+                continue
+            before = _score(baseline[task], metric) if task in baseline else ""
+            rows.append((f"{task} {metric} (n={values.get('samples', '?')})", before, _score(values, metric)))
+    return rows
+
+
+def kept_label(report: dict[str, Any]) -> str:
+    """The kept width, or the range of per-site widths when an allocation chose them."""
+    if report.get("kept_width") is not None:
+        return str(report["kept_width"])
+    kept = [site["kept"] for site in report.get("sites", [])]
+    return f"{min(kept)}–{max(kept)} by site" if kept else "by site"
+
+
+def budget_label(sparsity: float | None, target_params: float | None) -> str:
+    return f"sparsity {sparsity}" if sparsity is not None else f"target_params {target_params}"
+
+
+def title(report: dict[str, Any]) -> str:
+    chain = " + ".join(step["strategy"] for step in report["pipeline"])
+    method = (report.get("allocation") or {}).get("method", "uniform")
+    widths = "" if method == "uniform" else f", {method} widths"
+    if report.get("layout") == "global":
+        widths += ", one basis (stock architecture)"
+    return (f"{Path(report['model']['path']).name}: {chain} at "
+            f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}")
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    lines = [f"# {title(report)}", "", "| | baseline | pruned |", "|---|---:|---:|"]
+    lines += [f"| {name} | {before} | {after} |" for name, before, after in summary_rows(report)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def rich_table(report: dict[str, Any]) -> Table:
+    table = Table(title=title(report))
+    table.add_column("")
+    table.add_column("baseline", justify="right")
+    table.add_column("pruned", justify="right")
+    for row in summary_rows(report):
+        table.add_row(*row)
+    return table

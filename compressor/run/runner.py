@@ -1,0 +1,454 @@
+"""One `compress run`: check everything, load, prune, save, evaluate, report.
+
+All checks that need no weights (recipe, model config, family, widths, device) happen
+before any work (`run.checks`). The run writes into a hidden staging folder beside the output
+(`.<name>.partial`) and renames it into place only when everything succeeded, so a failed
+run leaves no half-written output. The staging folder also holds the run's checkpoint: a run
+that was killed or interrupted after H or a site was finished keeps it, and the same command
+continues from there (`restart=True` discards it). Folders, lock and publishing live in
+`run.staging`, loading in `run.loading`, fingerprints in `run.resume`; here is the order of a run
+(`run`) and its stages (`_Stages`: read data, load, walk, refine, distil, save, evaluate, report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+from transformers import PreTrainedModel
+
+import compressor
+from compressor import faults
+from compressor.data.batches import Batch
+from compressor.engine import parallel
+from compressor.engine.activations import ActivationStore
+from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
+from compressor.engine.checkpoint import DISTILLATION_FOLDER, Checkpoint, model_digest, tensor_digest
+from compressor.engine.parallel import Ranks
+from compressor.engine.refine import refine_bases
+from compressor.engine.walk import PruneResult, prune
+from compressor.errors import ProgressKept, UserError
+from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
+from compressor.evaluation.plots import distillation_figure
+from compressor.evaluation.throughput import compare_speed, fitting_lengths, model_size
+from compressor.models.export import write_remote_code
+from compressor.models.families import ModelFamily
+from compressor.models.sites import EMBEDDING
+from compressor.models.stock import head_stream, load_stock, to_stock
+from compressor.recipe.schema import Recipe
+from compressor.run.checks import Plan, plan
+from compressor.run.loading import Resources, resolve_device
+from compressor.run.report import write_markdown
+from compressor.run.resume import (
+    baseline_tasks_key,
+    check_interrupted,
+    data_fingerprint,
+    distillation_fingerprint,
+    fisher_key,
+    recipe_fingerprint,
+)
+from compressor.run.staging import (
+    CHECKPOINT_FOLDER,
+    SCRATCH_FOLDER,
+    check_output,
+    full_disk_is_a_user_error,
+    locked,
+    prepare_staging,
+    publish,
+    staging_folder,
+)
+from compressor.strategies.registry import PluginRegistry
+
+Progress = Callable[[str, int, int], None]
+
+
+def run(
+    recipe: Recipe,
+    registry: PluginRegistry,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    restart: bool = False,
+    resources: Resources | None = None,
+    save_model: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run a validated recipe; return the report (also written to `<output>/report.json`).
+
+    A run to the same output that was killed or interrupted continues from its checkpoint
+    when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
+    `resources` supplies model, data and H (a sweep shares them between its runs);
+    `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
+    `warn` hears what the run goes on with but a user should know (a very large cut).
+    """
+    started = time.perf_counter()
+    report_progress = progress or (lambda *_: None)
+    checked = plan(recipe, registry)
+    for warning in checked.warnings if warn is not None else ():
+        warn(warning)
+    device = resolve_device(recipe.device)
+    if device.type != "cpu" and recipe.sensitivity.recompute is False:
+        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+                        "it is for CPU runs: leave it unset (or true) on a GPU")
+    if recipe.distillation is not None:
+        if not save_model:
+            raise UserError("distillation changes the weights, which bases alone cannot rebuild: save the models "
+                            "(a sweep's save_models: true), or remove distillation")
+        if device.type == "cpu" and recipe.distillation.precision == "float16":
+            raise UserError("distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 "
+                            "(or auto)")
+    ranks, device = parallel.start(device)
+    if ranks.world > 1:
+        if recipe.refinement is not None:
+            raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
+        if resources is not None:
+            raise UserError("a sweep's runs share their data and H in one process: launch it without torchrun")
+        if ranks.rank > 0:
+            check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
+            return _follow(recipe, checked, device, ranks, Resources(), report_progress)
+    output = Path(recipe.output)
+    staging = prepare_staging(output, overwrite)
+    check_interrupted(output, recipe, restart)  # its progress kept, refused before anything is loaded
+    with locked(staging, output):
+        check_output(output, overwrite)  # again, under the lock: another run may have published meanwhile
+        checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER)
+        shutil.rmtree(staging / SCRATCH_FOLDER, ignore_errors=True)  # spill files of a killed run
+        if restart:
+            checkpoint.discard()
+        fresh = not checkpoint.has_progress()  # else this run resumes progress made before it
+        try:
+            with full_disk_is_a_user_error(output):
+                report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
+                                 resources or Resources(), save_model, ranks)
+            faults.reached("publish")
+            publish(staging, output)
+        except UserError as error:  # bad input found on the way: what this run created goes
+            if (fresh and not isinstance(error, ProgressKept)) or not checkpoint.has_progress():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        except BaseException:  # an interrupt or a crash: progress is kept, to continue from
+            if not checkpoint.has_progress():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return report
+
+
+def _prune(model: PreTrainedModel, recipe: Recipe, checked: Plan, calibration: list[Batch], device: torch.device,
+           report_progress: Progress, checkpoint: Checkpoint, scratch: Path,
+           fisher: dict[str, torch.Tensor] | None, ranks: Ranks) -> PruneResult:
+    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
+    layout = checked.layout
+    return prune(model, layout.family, calibration, layout.widths, checked.pipeline, device, report_progress,
+                 recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint, offload=recipe.activations,
+                 scratch=scratch, fisher=fisher, correct_readers=recipe.slicing.correct_readers,
+                 shared=list(layout.shared), allocator=checked.allocator, ranks=ranks,
+                 layout="global" if layout.one_basis else "per_site", pooling=recipe.slicing.pooling,
+                 tie_head=layout.tie_head and not layout.one_basis)
+
+
+def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources,
+            report_progress: Progress) -> dict[str, Any]:
+    """A data-parallel run's rank above 0: the walk on its share of the calibration batches, its
+    statistics summed with the others'; rank 0 writes the run folder and the checkpoint, which
+    this rank only reads (to resume where rank 0 does)."""
+    torch.manual_seed(recipe.seed)
+    tokenizer = resources.tokenizer(recipe.model)
+    calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
+    rows = _distillation_data(recipe, tokenizer)
+    model = resources.model(recipe.model)
+    ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
+    checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
+    with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
+        result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch),
+                        None, ranks)
+    if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
+        pruned = result.model
+        if checked.layout.one_basis:
+            pruned, _ = to_stock(pruned, checked.family, checked.config, tie=checked.tie_head,
+                                 stream=head_stream(result.head_moment, result.bases[EMBEDDING]))
+        _distil(recipe, checked.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
+                report_progress, ranks)
+    return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
+
+
+def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
+            started: float, report_progress: Progress, resources: Resources, save_model: bool,
+            ranks: Ranks) -> dict[str, Any]:
+    """Everything a run writes, into `staging`, stage by stage; returns the report."""
+    stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks)
+    torch.manual_seed(recipe.seed)
+    with stages.timed("data_s"):
+        stages.read_data()
+    with stages.timed("load_s"):
+        stages.load_model()
+    stages.walk()
+    if recipe.refinement is not None:
+        with stages.timed("refine_s"):
+            stages.refine()
+    if recipe.distillation is not None:
+        stages.to_student()
+        with stages.timed("distill_s"):
+            stages.distil()
+    with stages.timed("save_s"):
+        stages.save(save_model)
+    if stages.evaluation is not None:
+        with stages.timed("eval_s"):
+            stages.evaluate()
+    stages.timings["total_s"] = time.perf_counter() - started
+    return stages.write_report()
+
+
+class _Stages:
+    """One run's stages in its staging folder, and what each hands to the next (the pruned model,
+    its bases, the records the report is made of)."""
+
+    def __init__(self, staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
+                 progress: Progress, resources: Resources, ranks: Ranks) -> None:
+        self.staging, self.recipe, self.checked, self.device = staging, recipe, checked, device
+        self.checkpoint, self.progress, self.resources, self.ranks = checkpoint, progress, resources, ranks
+        self.family, self.config = checked.family, checked.config
+        self.one_basis = checked.layout.one_basis
+        self.timings: dict[str, float] = {}
+        self.refinement: Any = None
+        self.unrefined: PreTrainedModel | None = None
+        self.stock: dict[str, Any] | None = None
+        self.distillation: Any = None
+        self.undistilled: dict[str, float] | None = None
+        self.original: PreTrainedModel | None = None
+        self.metrics: dict[str, Any] = {}
+        self.speed: dict[str, Any] | None = None
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        tick = time.perf_counter()
+        yield
+        self.timings[key] = time.perf_counter() - tick
+
+    def read_data(self) -> None:
+        """"tokenising data": every window the run reads, the distillation's too (a data problem found
+        before the walk costs nothing)."""
+        recipe = self.recipe
+        self.progress("tokenising data", 0, 1)
+        self.tokenizer = self.resources.tokenizer(recipe.model)
+        self.calibration = self.resources.batches(recipe.calibration, self.tokenizer, "calibration")
+        self.evaluation = (self.resources.batches(recipe.evaluation, self.tokenizer, "evaluation")
+                           if recipe.evaluation else None)
+        self.distillation_rows = _distillation_data(recipe, self.tokenizer)
+
+    def load_model(self) -> None:
+        """"loading model", and its size before pruning."""
+        self.progress("loading model", 0, 1)
+        self.model = self.resources.model(self.recipe.model)
+        self.baseline_params = parameter_count(self.model)
+        self.baseline_size = model_size(self.model)
+
+    def walk(self) -> None:
+        """The checkpoint's fingerprint checked (or written), then `engine.prune`; H kept for a sweep."""
+        recipe, device = self.recipe, self.device
+        self.fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(self.model),
+                            "data": data_fingerprint(self.calibration)}
+        self.checkpoint.start(self.fingerprint)
+        h_key = fisher_key(recipe, self.fingerprint["model"], self.fingerprint["data"], device)
+        self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
+        tick = time.perf_counter()
+        self.result = _prune(self.model, recipe, self.checked, self.calibration, device, self.progress,
+                             self.checkpoint, self.staging / SCRATCH_FOLDER, self.resources.fisher(h_key), self.ranks)
+        if self.result.fisher is not None:
+            self.resources.keep_fisher(h_key, self.result.fisher)
+        self.pruned, self.bases = self.result.model, self.result.bases
+        self.timings["fisher_s"] = self.result.fisher_seconds  # shared work in a sweep: reported apart
+        self.timings["prune_s"] = time.perf_counter() - tick - self.result.fisher_seconds
+
+    @property
+    def keep_tied(self) -> bool | None:
+        return False if self.one_basis else None  # a global layout's head is decided by its stock conversion
+
+    def refine(self) -> None:
+        """`refinement`: the bases moved together on the output KL; applied to a fresh original when kept."""
+        recipe = self.recipe
+        assert recipe.refinement is not None
+        self.bases, self.refinement = refine_bases(self.resources.model(recipe.model), self.family, self.calibration,
+                                                   self.result.bases, recipe.refinement, self.device, recipe.seed,
+                                                   self.progress, self.keep_tied)
+        if self.refinement.kept == "refined":
+            self.unrefined = self.pruned
+            self.progress("applying refined bases", 0, 1)
+            self.pruned = apply_bases(self.resources.model(recipe.model), self.family, self.bases, self.device,
+                                      keep_tied=self.keep_tied)
+
+    def _head_stream(self) -> torch.Tensor | None:
+        return head_stream(self.result.head_moment, self.bases[EMBEDDING])
+
+    def to_student(self) -> None:
+        """A global layout's student is what users load: the original class at the kept width."""
+        if self.one_basis:
+            self.progress("converting to the original architecture", 0, 1)
+            self.pruned, self.stock = to_stock(self.pruned, self.family, self.config, tie=self.checked.tie_head,
+                                               stream=self._head_stream())
+
+    def distil(self) -> None:
+        """`distillation`: the student trained on the original's distribution."""
+        self.pruned, self.distillation, self.undistilled, self.original = _distil(
+            self.recipe, self.family, self.pruned, self.distillation_rows, self.staging, self.device,
+            self.evaluation, self.resources, self.progress, self.ranks)
+
+    def save(self, save_model: bool) -> None:
+        """"saving model": the folder users load (a global layout's saved as the original class and
+        loaded back, so what is evaluated is what users load), the tokenizer and the bases."""
+        staging, pruned = self.staging, self.pruned
+        self.progress("saving model" if save_model else "saving bases", 0, 1)
+        if self.one_basis and self.distillation is None:
+            pruned, self.stock = to_stock(pruned, self.family, self.config, staging / "model" if save_model else None,
+                                          tie=self.checked.tie_head, stream=self._head_stream())
+        elif self.one_basis and save_model:  # already the original class (distilled): saved and loaded back
+            pruned.save_pretrained(staging / "model")
+            pruned = load_stock(staging / "model", pruned)
+        elif save_model:
+            pruned.save_pretrained(staging / "model")
+            write_remote_code(staging / "model", self.family, self.config.model_type)
+        self.pruned = pruned
+        if save_model:
+            self.tokenizer.save_pretrained(staging / "model")
+        objectives = {site.name: site.steps for site in self.result.sites}
+        metadata = {"objectives": json.dumps(objectives)}
+        if self.refinement is not None:
+            metadata["refinement"] = json.dumps(self.refinement.to_json())
+        save_bases(self.bases, staging / BASES_FILE, metadata)
+        if self.result.readers is not None:
+            save_bases(self.result.readers, staging / READERS_FILE)
+
+    def evaluate(self) -> None:
+        """"evaluating": perplexity, KL and lm-eval suites of both models; the unrefined model's KL;
+        throughput."""
+        recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
+        assert evaluation is not None and recipe.evaluation is not None
+        self.progress("evaluating", 0, len(evaluation))
+        original = (self.original if self.original is not None else resources.model(recipe.model)).to(device)
+        self.original = None
+        suites = recipe.evaluation.lm_eval
+        tasks_key = baseline_tasks_key(suites or [], self.fingerprint["model"], recipe, self.tokenizer, device)
+        metrics = evaluate_models(original, self.pruned.to(device), evaluation, device, self.progress,
+                                  tasks=suites, tokenizer=self.tokenizer, seed=recipe.seed,
+                                  baseline_tasks=resources.baseline_tasks(tasks_key))
+        if suites:
+            resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
+        if self.undistilled is not None:  # measured before the distillation stage, on the same windows
+            metrics["undistilled"] = self.undistilled
+        if self.unrefined is not None:  # held-out KL before refinement, beside the refined model's
+            self.progress("evaluating the unrefined model", 0, len(evaluation))
+            metrics["unrefined"] = compare(original, self.unrefined.to(device), evaluation, device)["pruned"]
+            self.unrefined = None
+        if recipe.evaluation.throughput:
+            self.progress("measuring throughput", 0, 1)
+            self.speed = compare_speed(original, self.pruned, device, **fitting_lengths([original, self.pruned]))
+        self.metrics = metrics
+        del original
+
+    def write_report(self) -> dict[str, Any]:
+        """report.json, report.md, the recipe as run, and the distillation curve's plot."""
+        recipe, checked, result, config, staging = self.recipe, self.checked, self.result, self.config, self.staging
+        pruned_params = parameter_count(self.pruned)
+        report = {
+            "compressor": compressor.__version__,
+            "model": {"path": recipe.model.path, "model_type": config.model_type, "family": self.family.name,
+                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+                      "dtype": recipe.model.dtype},
+            "sparsity": recipe.sparsity,
+            "target_params": recipe.target_params,
+            "kept_width": checked.kept,
+            "layout": recipe.slicing.layout,
+            "stock": self.stock,
+            "rounding": checked.rounding,
+            "allocation": {"method": recipe.allocation.method, "budget": checked.budget,
+                           "predicted_params": checked.params.count(result.widths),
+                           "transition_params": checked.params.transition_params(result.widths),
+                           "shared_sites": checked.shared,
+                           **({k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
+                              if result.allocation else {})},
+            "seed": recipe.seed,
+            "parallel": {"world_size": self.ranks.world, "tokens_by_rank": result.tokens_by_rank},
+            "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
+            "slicing": dataclasses.asdict(recipe.slicing),
+            "fingerprint": self.fingerprint,
+            "resumed_from": result.resumed_from,
+            "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
+            "fisher_source": result.fisher_source,
+            "refinement": self.refinement.to_json() if self.refinement is not None else None,
+            "distillation": self.distillation.to_json() if self.distillation is not None else None,
+            "metrics": self.metrics,
+            "params": {"baseline": self.baseline_params, "pruned": pruned_params,
+                       "ratio": pruned_params / self.baseline_params},
+            "size": {"baseline": self.baseline_size, "pruned": model_size(self.pruned)},
+            "speed": self.speed,
+            "warnings": list(checked.warnings),
+            "sites": [site.to_json() for site in result.sites],
+            "timings": self.timings,
+            "environment": {"device": str(self.device), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "python": platform.python_version()},
+        }
+        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        write_markdown(report, staging / "report.md")
+        if self.distillation is not None:
+            distillation_figure({"held-out KL": self.distillation.curve}).savefig(
+                staging / "distillation.png", dpi=120, bbox_inches="tight")
+        return report
+
+
+def _distillation_data(recipe: Recipe, tokenizer: Any) -> Any:
+    """The distillation stage's windows (None without one)."""
+    if recipe.distillation is None:
+        return None
+    from compressor.training.distill import distillation_data
+
+    return distillation_data(recipe.distillation, tokenizer)
+
+
+def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, data: Any, staging: Path,
+            device: torch.device, evaluation: list[Batch] | None, resources: Resources, report_progress: Progress,
+            ranks: Ranks) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
+    """The distillation stage on every rank: the original as teacher (beside the student, or its
+    targets cached layer by layer), the student's evaluation-window KL before (rank 0, when the
+    recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
+    student, the stage's record, the before-metrics and the original (reused for evaluation). A
+    bad setting found here keeps the walk's checkpoint, to continue from once it is fixed."""
+    from compressor.training.distill import CachedTeacher, LiveTeacher, cached_targets, distill
+
+    spec = recipe.distillation
+    assert spec is not None
+    original = resources.model(recipe.model)
+    undistilled = None
+    if evaluation is not None and ranks.rank == 0:
+        report_progress("evaluating the undistilled model", 0, len(evaluation))
+        undistilled = compare(original.to(device), student.to(device), evaluation, device)["pruned"]
+    if spec.teacher == "cached":
+        original.to("cpu")
+        student.to("cpu")
+        store = ActivationStore(device, recipe.activations, staging / SCRATCH_FOLDER)  # `activations: disk` spills
+        teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout, spec.top_k, device,
+                                                    spec.batch_size, report_progress, store))
+    else:
+        teacher = LiveTeacher(original, spec.top_k)
+    fingerprint = {"settings": distillation_fingerprint(recipe),
+                   "data": tensor_digest([row["input_ids"] for row in data.train + data.heldout]),
+                   "world": str(ranks.world)}
+    folder = staging / CHECKPOINT_FOLDER / DISTILLATION_FOLDER
+    try:
+        student, record = distill(student, teacher, data, spec, folder, device, fingerprint, recipe.seed,
+                                  report_progress, ranks.world)
+    except UserError as error:
+        if isinstance(error, ProgressKept):
+            raise
+        raise ProgressKept(f"{error} (the walk's progress is kept in {staging}: fix that and run the same command "
+                           f"to continue)") from None
+    return student, record, undistilled, original

@@ -1,0 +1,160 @@
+"""Plugin discovery with pluggy. Built-ins and third-party plugins load the same way:
+through the `compressor` entry-point group of an installed distribution.
+
+`COMPRESS_PLUGINS=name,name` loads only those entry points (installed code that is not named is
+never imported); unset, every installed plugin loads. `compress strategies` shows what loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+
+import pluggy
+
+from compressor.errors import UserError, did_you_mean
+from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
+from compressor.strategies.contract import Strategy
+
+PROJECT = "compressor"
+ENTRY_POINT_GROUP = "compressor"
+ALLOW_VARIABLE = "COMPRESS_PLUGINS"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class CompressorHookSpecs:
+    """Hooks a plugin may implement."""
+
+    @hookspec
+    def compressor_strategies(self) -> list[Strategy]:
+        """Return the selection strategies this plugin provides."""
+
+    @hookspec
+    def compressor_model_families(self) -> list[ModelFamily]:
+        """Return descriptions of model families (by `model_type`) this plugin supports."""
+
+
+@dataclass(frozen=True)
+class RegisteredStrategy:
+    strategy: Strategy
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredFamily:
+    family: ModelFamily
+    plugin: str
+    source: str
+
+
+def installed_plugins() -> list[str]:
+    """Names of the installed entry points of the `compressor` group, each owned by one package.
+
+    pluggy silently skips a second entry point of the same name; that is refused here instead."""
+    owners: dict[str, str] = {}
+    for dist in metadata.distributions():
+        for entry in dist.entry_points:
+            if entry.group != ENTRY_POINT_GROUP:
+                continue
+            owner = dist.metadata["Name"]
+            if owners.get(entry.name, owner) != owner:
+                raise UserError(
+                    f"plugin name '{entry.name}' is registered by two installed packages, "
+                    f"'{owners[entry.name]}' and '{owner}'; uninstall one of them"
+                )
+            owners[entry.name] = owner
+    return sorted(owners)
+
+
+def allowed_plugins(installed: list[str]) -> list[str] | None:
+    """The plugins `COMPRESS_PLUGINS` allows (None: unset, all); a name not installed is refused."""
+    value = os.environ.get(ALLOW_VARIABLE)
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in installed]
+    if unknown:
+        raise UserError(f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
+                        f"{', '.join(installed) or 'none'}")
+    return names
+
+
+class PluginRegistry:
+    """All strategies provided by installed plugins (plus any registered directly)."""
+
+    def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True) -> None:
+        self.manager = pluggy.PluginManager(PROJECT)
+        self.manager.add_hookspecs(CompressorHookSpecs)
+        self.installed: list[str] = []
+        self.allowed: list[str] | None = None
+        """The plugins COMPRESS_PLUGINS allowed (None: all installed ones)."""
+        if load_entry_points:
+            self.installed = installed_plugins()
+            self.allowed = allowed_plugins(self.installed)
+            if self.allowed is None:
+                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            for name in self.allowed or ():
+                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
+        for plugin in extra_plugins:
+            self.manager.register(plugin)
+        self._strategies = self._collect()
+        self._families = self._collect_families()
+
+    def _source(self, plugin: object) -> str:
+        for registered, dist in self.manager.list_plugin_distinfo():
+            if registered is plugin:
+                return f"{dist.project_name} {dist.version}"
+        return getattr(plugin, "__name__", type(plugin).__name__)
+
+    def _collect(self) -> dict[str, RegisteredStrategy]:
+        found: dict[str, RegisteredStrategy] = {}
+        for impl in self.manager.hook.compressor_strategies.get_hookimpls():
+            for strategy in impl.function() or []:
+                if strategy.name in found:
+                    raise UserError(
+                        f"strategy '{strategy.name}' is provided twice, by plugins "
+                        f"'{found[strategy.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
+                    )
+                found[strategy.name] = RegisteredStrategy(strategy, impl.plugin_name, self._source(impl.plugin))
+        return found
+
+    def _collect_families(self) -> dict[str, RegisteredFamily]:
+        """Built-in families plus plugin ones, by model_type; a plugin's get its sliced classes."""
+        found = {t: RegisteredFamily(f, "built-in", "compressor") for f in BUILTIN_FAMILIES for t in f.model_types}
+        for impl in self.manager.hook.compressor_model_families.get_hookimpls():
+            for family in impl.function() or []:
+                for model_type in family.model_types:
+                    if model_type in found:
+                        raise UserError(
+                            f"model_type '{model_type}' is described twice, by '{found[model_type].plugin}' "
+                            f"and plugin '{impl.plugin_name}'; uninstall one of them"
+                        )
+                    found[model_type] = RegisteredFamily(family, impl.plugin_name, self._source(impl.plugin))
+                from compressor.models.sliced import register_family  # the model stack, only for a plugin's family
+
+                register_family(family)
+        return found
+
+    def skipped(self) -> list[str]:
+        """Installed plugins that COMPRESS_PLUGINS kept from loading."""
+        return [] if self.allowed is None else [name for name in self.installed if name not in self.allowed]
+
+    def families(self) -> dict[str, RegisteredFamily]:
+        """Every supported model_type and the family that describes it."""
+        return dict(sorted(self._families.items()))
+
+    def strategies(self) -> dict[str, RegisteredStrategy]:
+        return dict(sorted(self._strategies.items()))
+
+    def strategy(self, name: str) -> Strategy:
+        if name not in self._strategies:
+            known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
+            restricted = "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
+            raise UserError(f"unknown strategy '{name}'{did_you_mean(name, self._strategies)}; "
+                            f"registered strategies: {known}{restricted}")
+        return self._strategies[name].strategy

@@ -1,0 +1,532 @@
+"""Recovery distillation: the pruned model learns back from the original what slicing took.
+
+After slicing (and refinement) the student is the pruned model and the teacher the original.
+The loss is KL(teacher ‖ student) on the teacher's distribution (its top-k tokens plus the
+remaining mass as one bin, `refine.teacher_target`, or the whole vocabulary), optionally plus
+the cross-entropy on the data, counted on the positions H counts (all real tokens; for chat,
+those whose next token is an assistant token). Training is transformers' `Trainer` with a
+custom `compute_loss`, so mixed precision, gradient checkpointing and accumulation, schedules,
+checkpoints, and DDP/FSDP under `torchrun`/`accelerate` are theirs, not ours. (TRL's GKD trainer
+generates on-policy samples and mixes a JSD; the stage needs a fixed-text KL with a top-k tail
+and optionally a teacher cached off the device, which a `compute_loss` gives in a few lines.)
+
+By default the student gets LoRA adapters (peft) on its linear layers, merged at the end, so the
+saved model has exactly the class, config and parameter count it had (residual transitions are
+linear layers: they get adapters too; weightless norms have nothing to train). `method: full`
+trains every weight in place. A held-out KL on windows never trained on (after the training
+windows in the distillation data) is measured every `eval_every` steps; each measurement is a
+checkpoint, the best one is loaded at the end, training stops after `patience` measurements
+without a new best, and if no checkpoint beat the student as received, the student is returned
+unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import EarlyStoppingCallback, PrinterCallback, ProgressCallback
+from transformers.utils import logging as hf_logging
+
+from compressor import faults
+from compressor.data.batches import Batch
+from compressor.data.chat import chat_batches
+from compressor.data.text import batches_of, load_records, token_windows
+from compressor.engine.activations import ActivationStore, held_on
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.checkpoint import FINGERPRINT_FILE, write_atomic
+from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
+from compressor.errors import UserError, did_you_mean, first_line
+from compressor.models.families import ModelFamily
+from compressor.recipe.schema import DistillationSpec
+
+Progress = Callable[[str, int, int], None]
+Row = dict[str, torch.Tensor]
+
+DEFAULT_LR = {"lora": 1e-3, "full": 1e-4}
+"""Peak learning rates when the recipe gives none (docs/benchmarks.md, "Recovery distillation")."""
+STATE_FILE = "trainer_state.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+# --- data ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DistillationData:
+    """Training rows and held-out rows (never trained on), each a dict of 1-D tensors:
+    `input_ids`, `attention_mask`, `loss_mask` (the positions that count) and `row` (an index
+    over both lists, training rows first, for a cached teacher)."""
+
+    train: list[Row]
+    heldout: list[Row]
+    seq_len: int
+
+
+def _rows(batches: list[Batch], first: int = 0) -> list[Row]:
+    rows: list[Row] = []
+    for batch in batches:
+        counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
+        for i in range(batch.input_ids.shape[0]):
+            rows.append({"input_ids": batch.input_ids[i], "attention_mask": batch.attention_mask[i],
+                         "loss_mask": (counted[i].bool() & batch.attention_mask[i].bool()).long(),
+                         "row": torch.tensor(first + len(rows))})
+    return rows
+
+
+def distillation_data(spec: DistillationSpec, tokenizer: PreTrainedTokenizerBase) -> DistillationData:
+    """Windows of the distillation dataset: enough for the token budget (fewer when the dataset is
+    smaller: training then repeats them), the last `heldout_windows` of them held out."""
+    assert spec.seq_len is not None and spec.dataset is not None
+    wanted = math.ceil(spec.tokens / spec.seq_len) + spec.heldout_windows
+    least = spec.heldout_windows + 1
+    try:
+        records = load_records(spec.dataset)
+        if spec.format == "chat":
+            batches = chat_batches(records, tokenizer, spec.seq_len, wanted, 1, spec.messages_field or "messages",
+                                   minimum=least)
+        else:
+            windows = token_windows(records, tokenizer, spec.seq_len, wanted, spec.text_field or "text", minimum=least)
+            batches = batches_of(windows, 1)
+    except UserError as error:
+        raise UserError(f"distillation: {error} (held-out windows included)") from None
+    rows = _rows(batches)
+    return DistillationData(rows[:-spec.heldout_windows], rows[-spec.heldout_windows:], spec.seq_len)
+
+
+def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """Rows right-padded to the longest (chat rows differ in length; pads count for nothing)."""
+    width = max(int(row["input_ids"].shape[0]) for row in rows)
+    out: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        out[key] = torch.stack([F.pad(row[key], (0, width - row[key].shape[0])) for row in rows])
+    out["row"] = torch.stack([row["row"] for row in rows])
+    return out
+
+
+# --- teachers -----------------------------------------------------------------------------
+
+
+class Teacher(Protocol):
+    def target(self, inputs: dict[str, torch.Tensor], counted: torch.Tensor) -> TeacherTarget: ...
+
+
+class LiveTeacher:
+    """The original model beside the student: its targets computed for every batch."""
+
+    def __init__(self, model: PreTrainedModel, top_k: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.top_k = top_k
+
+    @torch.no_grad()
+    def target(self, inputs: dict[str, torch.Tensor], counted: torch.Tensor) -> TeacherTarget:
+        logits = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                            use_cache=False).logits
+        return teacher_target(logits, counted, self.top_k, host=False)
+
+
+class CachedTeacher:
+    """Targets computed once for every row (`cached_targets`, by row id) and kept on the host."""
+
+    def __init__(self, targets: dict[int, TeacherTarget]) -> None:
+        self.targets = targets
+
+    def target(self, inputs: dict[str, torch.Tensor], counted: torch.Tensor) -> TeacherTarget:
+        return TeacherTarget.cat([self.targets[int(row)] for row in inputs["row"]], counted.device)
+
+
+@torch.no_grad()
+def cached_targets(model: PreTrainedModel, family: ModelFamily, rows: list[Row], top_k: int, device: torch.device,
+                   batch_size: int, progress: Progress, store: ActivationStore | None = None
+                   ) -> dict[int, TeacherTarget]:
+    """Every row's teacher target (by its `row` id), computed as the H pass runs the model: one layer on the device
+    at a time over all rows (their activations on the host, or in `store`), then the head."""
+    batches = [collate(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+    inputs = capture_layer_inputs(model, family, [Batch(b["input_ids"], b["attention_mask"]) for b in batches],
+                                  device, store)
+    try:
+        layers = model.get_submodule(family.layers)
+        for index, layer in enumerate(layers):
+            progress(f"distillation: teacher targets, layer {index + 1}/{len(layers)}", index, len(layers) + 1)
+            with held_on([layer], device, read_only=True):
+                for b in range(len(batches)):
+                    out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                    inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+        targets: dict[int, TeacherTarget] = {}
+        with held_on(family.head_modules(model), device, read_only=True):
+            for b, batch in enumerate(batches):
+                counted = batch["loss_mask"].bool().to(device)
+                whole = teacher_target(family.logits(model, inputs.hidden.get(b, device)), counted, top_k)
+                sizes = batch["loss_mask"].sum(1).tolist()
+                parts = [whole.values.split(sizes)]
+                parts += [None if t is None else t.split(sizes) for t in (whole.indices, whole.tail)]
+                for i, row in enumerate(batch["row"].tolist()):
+                    targets[row] = TeacherTarget(parts[0][i], None if parts[1] is None else parts[1][i],
+                                                 None if parts[2] is None else parts[2][i])
+        progress("distillation: teacher targets", len(layers) + 1, len(layers) + 1)
+        return targets
+    finally:
+        inputs.hidden.close()
+
+
+# --- adapters -----------------------------------------------------------------------------
+
+
+def linear_names(model: nn.Module) -> set[str]:
+    """The last name of every linear layer of `model` but its head: what LoRA may target."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not head}
+
+
+def check_target_modules(spec: DistillationSpec, names: set[str]) -> None:
+    """Each named LoRA target is a linear layer of the student (`names`); one line otherwise."""
+    targets = spec.lora.target_modules
+    if spec.method != "lora" or targets == "all-linear":
+        return
+    for name in [targets] if isinstance(targets, str) else targets:
+        if name not in names:
+            raise UserError(f"distillation.lora.target_modules: '{name}' is not a linear layer of this model"
+                            f"{did_you_mean(name, names)}; its linear layers: {', '.join(sorted(names))} "
+                            f"(or all-linear)")
+
+
+def trainer_keys(spec: DistillationSpec) -> None:
+    """The keys of `distillation.trainer` are TrainingArguments fields."""
+    known = {f.name for f in fields(TrainingArguments)}
+    for key in spec.trainer:
+        if key not in known:
+            raise UserError(f"distillation.trainer.{key} is not a transformers TrainingArguments field"
+                            f"{did_you_mean(key, known)}")
+
+
+def _with_adapters(model: PreTrainedModel, spec: DistillationSpec, seed: int) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = spec.lora
+    targets = lora.target_modules
+    targets = targets if targets == "all-linear" or not isinstance(targets, str) else [targets]  # peft: a string is a regex
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
+                        target_modules=targets, bias="none")
+    torch.manual_seed(seed)  # the adapters' random half starts the same in a fresh and a resumed run
+    try:
+        adapted = get_peft_model(model, config)
+    except ValueError as error:
+        raise UserError(f"distillation.lora.target_modules: {first_line(error)}") from None
+    # No base model for peft to compare embeddings with when it saves adapters: the name is the
+    # original's (a hub id peft would look up), whose config is not the student's.
+    adapted.peft_config["default"].base_model_name_or_path = ""
+    return adapted
+
+
+# --- the trainer --------------------------------------------------------------------------
+
+
+class _Distiller(Trainer):
+    """`Trainer` with the distillation loss, and a held-out KL as its evaluation."""
+
+    def __init__(self, *args: Any, teacher: Teacher, spec: DistillationSpec, heldout: list[Row], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher
+        self.spec = spec
+        self.heldout = heldout
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        kl, ce, count = self._losses(model, inputs)
+        loss = kl / count + (self.spec.ce_weight * ce if ce is not None else 0.0)
+        return (loss, None) if return_outputs else loss
+
+    def _losses(self, model: nn.Module, inputs: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Summed KL over the counted positions, mean cross-entropy (when weighted), count."""
+        mask = inputs["attention_mask"]
+        counted = inputs["loss_mask"].bool() & mask.bool()
+        logits = model(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=False).logits
+        kl = kl_to_target(self.teacher.target(inputs, counted), logits, counted)
+        ce = None
+        if self.spec.ce_weight > 0:
+            predicts = counted[:, :-1] & mask[:, 1:].bool()
+            ce = (F.cross_entropy(logits[:, :-1][predicts].float(), inputs["input_ids"][:, 1:][predicts])
+                  if predicts.any() else logits.sum() * 0.0)  # no next token to predict: nothing, not NaN
+        return kl, ce, counted.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def heldout_kl(self) -> float:
+        """KL(teacher ‖ student) per counted token over the held-out rows, on the loss's bins, in
+        the training's precision. Every process measures all of them; rank 0's value is used."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        size = self.args.per_device_eval_batch_size
+        for start in range(0, len(self.heldout), size):
+            inputs = {k: v.to(self.args.device) for k, v in collate(self.heldout[start:start + size]).items()}
+            with self.accelerator.autocast():  # as in training (accelerate patches the trained forward alone)
+                kl, _, counted = self._losses(model, inputs)
+            total += torch.stack([kl.double(), counted.double()])
+        model.train(was_training)
+        if self.args.world_size > 1:  # rank 0's value for all: best checkpoint and early stop agree everywhere
+            torch.distributed.broadcast(total, src=0)
+        return float(total[0] / total[1].clamp(min=1))
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        metrics = {f"{metric_key_prefix}_kl": self.heldout_kl()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+class _Steps(TrainerCallback):
+    """Progress for the run's bar; the last step is always measured and saved; a test may kill
+    the process once a checkpoint is written (`faults`: `distillation:<step>`)."""
+
+    def __init__(self, report: Progress, label: str) -> None:
+        self.report = report
+        self.label = label
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+        self.report(self.label, state.global_step, state.max_steps)
+        if state.global_step >= state.max_steps:
+            control.should_evaluate = True
+            control.should_save = True
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+        faults.reached(f"distillation:{state.global_step}")
+        return control
+
+
+# --- checkpoints --------------------------------------------------------------------------
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    """The newest complete Trainer checkpoint in `folder` (its state file, written last, reads
+    back); newer incomplete ones (a kill while saving) are removed."""
+    found = sorted((p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()),
+                   key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), reverse=True)
+    for path in found:
+        try:
+            json.loads((path / STATE_FILE).read_text())
+            return path
+        except (OSError, ValueError):
+            shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def has_progress(folder: Path) -> bool:
+    return last_checkpoint(folder) is not None if folder.is_dir() else False
+
+
+def check_fingerprint(folder: Path, fingerprint: dict[str, str], write: bool) -> None:
+    """Continue only checkpoints made with the same settings, student and data; a different
+    fingerprint with progress is refused (`--restart` discards it)."""
+    path = folder / FINGERPRINT_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if saved is not None and saved != fingerprint and has_progress(folder):
+        changed = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
+        raise UserError(f"an interrupted run's distillation in {folder} was started with a different "
+                        f"{' and '.join(changed)}; rerun with --restart to discard its progress")
+    if write and saved != fingerprint:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda p: p.write_text(json.dumps(fingerprint, indent=2) + "\n"))
+
+
+# --- the stage ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistillationRecord:
+    """What the stage did, for the report. KLs are held-out (nats per counted token, on the
+    loss's bins: top_k plus the rest, or the whole vocabulary)."""
+
+    method: str
+    steps: int
+    max_steps: int
+    tokens: int
+    """Tokens in the windows trained on (padding excluded), all processes."""
+    windows_per_step: int
+    train_windows: int
+    heldout_windows: int
+    epochs: float
+    world_size: int
+    seconds: float
+    """The whole stage: held-out measurements, merging, and training."""
+    train_seconds: float
+    """`Trainer.train` in this process (after a resume: the part it ran)."""
+    seconds_per_million_tokens: float
+    """`train_seconds` per million tokens trained since this process started training (all
+    processes' tokens; evaluations included)."""
+    peak_memory_bytes: int
+    peak_memory_of: str
+    heldout_kl_before: float
+    heldout_kl_best: float
+    best_step: int
+    stopped_early: bool
+    kept: str
+    """"distilled", or "received" when no checkpoint beat the student as it came."""
+    resumed_from_step: int | None
+    curve: list[dict[str, float]]
+    """Held-out KL against step and tokens, from step 0 (the student as received)."""
+    trainable_params: int
+    merge_max_abs_diff: float | None
+    """LoRA: the largest logit difference between the merged model and the adapted one."""
+    lr: float
+    precision: str
+    options: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _precision(spec: DistillationSpec, device: torch.device) -> str:
+    if spec.precision != "auto":
+        return spec.precision
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def _arguments(spec: DistillationSpec, folder: Path, device: torch.device, seed: int, max_steps: int,
+               precision: str) -> TrainingArguments:
+    options: dict[str, Any] = {"report_to": [], **spec.trainer}
+    try:
+        return TrainingArguments(
+            output_dir=str(folder), max_steps=max_steps, per_device_train_batch_size=spec.batch_size,
+            per_device_eval_batch_size=spec.batch_size, gradient_accumulation_steps=spec.gradient_accumulation,
+            learning_rate=spec.lr or DEFAULT_LR[spec.method], lr_scheduler_type=spec.schedule,
+            warmup_steps=math.ceil(spec.warmup * max_steps), weight_decay=spec.weight_decay,
+            max_grad_norm=spec.max_grad_norm, bf16=precision == "bfloat16", fp16=precision == "float16",
+            activation_checkpointing=spec.gradient_checkpointing,
+            activation_checkpointing_kwargs={"use_reentrant": False} if spec.gradient_checkpointing else None,
+            eval_strategy="steps", eval_steps=spec.eval_every, save_strategy="steps", save_steps=spec.eval_every,
+            save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="kl", greater_is_better=False,
+            logging_steps=spec.eval_every, seed=seed, data_seed=seed, use_cpu=device.type == "cpu",
+            remove_unused_columns=False, disable_tqdm=True, log_level="warning", dataloader_pin_memory=False,
+            include_num_input_tokens_seen="non_padding", restore_callback_states_from_checkpoint=True, **options)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"distillation: transformers refused the training settings: {first_line(error)}") from None
+
+
+def check_training_arguments(spec: DistillationSpec) -> None:
+    """The section's TrainingArguments (its own and `trainer`'s) as transformers reads them, on a
+    throwaway folder: a bad value is refused before the walk, not after it."""
+    with tempfile.TemporaryDirectory(prefix="compress-args-") as folder:
+        _arguments(spec, Path(folder), torch.device("cpu"), 0, 1, "float32")
+
+
+def steps_for(spec: DistillationSpec, world: int) -> tuple[int, int]:
+    """(optimiser steps, windows per step) for the token budget on `world` processes."""
+    assert spec.seq_len is not None
+    per_step = spec.batch_size * spec.gradient_accumulation * world
+    return max(1, math.ceil(spec.tokens / (per_step * spec.seq_len))), per_step
+
+
+def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, spec: DistillationSpec,
+            folder: Path, device: torch.device, fingerprint: dict[str, str], seed: int = 0,
+            progress: Progress | None = None, world: int = 1, callbacks: list[TrainerCallback] = ()
+            ) -> tuple[PreTrainedModel, DistillationRecord]:
+    """Train `student` from `teacher` on `data`; return it (adapters merged, same class and
+    parameter count, in its own dtype) and the record. Checkpoints go to `folder`, which a killed
+    run's same call continues from when `fingerprint` matches. `callbacks` are more Trainer
+    callbacks (a benchmark's measurements along the way)."""
+    started = time.perf_counter()
+    report = progress or (lambda *_: None)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    hf_logging.get_logger("transformers.trainer_utils").setLevel(hf_logging.ERROR)  # "mtime may not be reliable"
+    max_steps, per_step = steps_for(spec, world)
+    precision = _precision(spec, device)
+    dtypes = {name: p.dtype for name, p in student.named_parameters()}  # restored after (buffers untouched)
+    use_cache = getattr(student.config, "use_cache", None)  # the Trainer turns it off for training
+    args = _arguments(spec, folder, device, seed, max_steps, precision)
+    check_fingerprint(folder, fingerprint, write=args.process_index == 0)
+    if args.world_size > 1:
+        torch.distributed.barrier()  # rank 0 has checked (or cleared) the checkpoints the others will read
+    resume = last_checkpoint(folder)
+    if spec.method == "full":
+        received = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+        for parameter in student.parameters():  # fp32 master weights (buffers as they are); autocast computes
+            parameter.data = parameter.data.float()
+        model: nn.Module = student.train().requires_grad_(True)
+    else:
+        received = None
+        model = _with_adapters(student, spec, seed).train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+    try:
+        trainer = _Distiller(model=model, args=args, train_dataset=data.train, eval_dataset=data.heldout,
+                             data_collator=collate, teacher=teacher, spec=spec, heldout=data.heldout,
+                             callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks])
+    except ValueError as error:
+        raise UserError(f"distillation: transformers' Trainer refused the settings: {first_line(error)}") from None
+    for noisy in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(noisy)
+    if spec.patience is not None:
+        trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=spec.patience))
+    if isinstance(teacher, LiveTeacher):
+        teacher.model.to(args.device)
+    report("distillation: held-out KL of the student as received", 0, 1)
+    before = trainer.heldout_kl()
+    tick = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    train_seconds = time.perf_counter() - tick
+    state = trainer.state
+    curve = [{"step": 0, "tokens": 0, "kl": before}]
+    curve += [{"step": entry["step"], "kl": entry["eval_kl"],
+               "tokens": entry.get("num_input_tokens_seen") or entry["step"] * per_step * data.seq_len}
+              for entry in state.log_history if "eval_kl" in entry]
+    best = state.best_metric if state.best_metric is not None else math.inf
+    kept = "distilled" if best < before else "received"
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast patch
+    merge_diff = None
+    if spec.method == "lora":
+        probe = {k: v.to(args.device) for k, v in collate(data.heldout[:1]).items()}
+        with torch.no_grad():
+            adapted = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.float()
+        model = model.merge_and_unload() if kept == "distilled" else model.unload()
+        with torch.no_grad():
+            merged = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.float()
+        merge_diff = float((adapted - merged).abs().max()) if kept == "distilled" else None
+    elif kept == "received":
+        assert received is not None
+        model.load_state_dict(received)
+    seconds = time.perf_counter() - started
+    tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
+    resumed_at = int(resume.name[len(CHECKPOINT_PREFIX):]) if resume else None
+    tokens_here = tokens * (state.global_step - (resumed_at or 0)) / max(state.global_step, 1)
+    peak, of = ((torch.cuda.max_memory_allocated(args.device), str(args.device)) if args.device.type == "cuda"
+                else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)"))
+    record = DistillationRecord(
+        method=spec.method, steps=state.global_step, max_steps=max_steps, tokens=tokens, windows_per_step=per_step,
+        train_windows=len(data.train), heldout_windows=len(data.heldout),
+        epochs=state.global_step * per_step / max(len(data.train), 1), world_size=args.world_size, seconds=seconds,
+        train_seconds=train_seconds, seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6, peak_memory_bytes=int(peak), peak_memory_of=of,
+        heldout_kl_before=before, heldout_kl_best=min(best, before),
+        best_step=int(state.best_global_step or 0) if kept == "distilled" else 0,
+        stopped_early=state.global_step < max_steps, kept=kept,
+        resumed_from_step=resumed_at, curve=curve,
+        trainable_params=trainable, merge_max_abs_diff=merge_diff, lr=args.learning_rate, precision=precision,
+        options=asdict(spec))
+    for name, parameter in model.named_parameters():
+        parameter.data = parameter.data.to(dtypes.get(name, parameter.dtype))
+    student = model.eval().requires_grad_(False)  # type: ignore[assignment]
+    if use_cache is not None:
+        student.config.use_cache = use_cache
+    return student, record
