@@ -102,9 +102,12 @@ def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
 
 
 def _start(recipe: Path, entry: list[str] = ENTRY, **env: str) -> subprocess.Popen:
+    """`compress run` as a terminal starts it: SIGINT at its default even where the tests run in the
+    background (a non-interactive shell starts background jobs with SIGINT ignored, which children inherit)."""
     return subprocess.Popen([*entry, "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                 "HF_DATASETS_OFFLINE": "1", **env})
+                                 "HF_DATASETS_OFFLINE": "1", **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _interrupted(process: subprocess.Popen) -> str:
