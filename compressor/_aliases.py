@@ -15,8 +15,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 MOVED: dict[str, str] = {
     "activations": "engine.activations",
@@ -86,3 +87,18 @@ def install() -> None:
     """Put the finder on `sys.meta_path` once (after the path finders: a real module wins)."""
     if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
         sys.meta_path.append(_AliasFinder())
+
+
+def forwarding(package: str, module: str) -> Callable[[str], Any]:
+    """The `__getattr__` of a package that replaced a module of the same name: the old module's
+    names resolve from `module`, its new home (imported on first use)."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # the import system's probes: nothing to forward
+            raise AttributeError(name)
+        try:
+            return getattr(importlib.import_module(module), name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__

@@ -7,14 +7,6 @@ resolve here (`from compressor.data import token_windows`), forwarded to `text`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compressor._aliases import forwarding
 
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):  # the import system's probes: nothing to forward
-        raise AttributeError(name)
-    try:
-        return getattr(importlib.import_module("compressor.data.text"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'compressor.data' has no attribute {name!r}") from None
+__getattr__ = forwarding(__name__, "compressor.data.text")

@@ -10,14 +10,6 @@ resolve here (`from compressor.engine import prune`), forwarded to `walk`."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compressor._aliases import forwarding
 
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):  # the import system's probes: nothing to forward
-        raise AttributeError(name)
-    try:
-        return getattr(importlib.import_module("compressor.engine.walk"), name)
-    except AttributeError:
-        raise AttributeError(f"module 'compressor.engine' has no attribute {name!r}") from None
+__getattr__ = forwarding(__name__, "compressor.engine.walk")
