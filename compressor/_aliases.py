@@ -96,6 +96,11 @@ def forwarding(package: str, module: str) -> Callable[[str], Any]:
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):  # the import system's probes: nothing to forward
             raise AttributeError(name)
+        try:  # a submodule not imported yet (`from compressor.engine import parallel`) is itself
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{package}.{name}":
+                raise
         try:
             return getattr(importlib.import_module(module), name)
         except AttributeError:

@@ -110,3 +110,12 @@ def test_importing_the_package_stays_cheap() -> None:
                              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"],
                             capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_a_submodule_imported_through_its_package_does_not_load_the_forwarded_module() -> None:
+    """`from compressor.engine import parallel` gives the submodule without importing the walk."""
+    script = ("import sys\nfrom compressor.engine import parallel\n"
+              "print(parallel.__name__, 'compressor.engine.walk' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["compressor.engine.parallel", "False"]
