@@ -373,6 +373,30 @@ def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(t
     assert max_relative_logit_error(first.model, again.model, batches) == 0.0
 
 
+def test_a_resumed_tied_allocation_that_surveys_again_keeps_the_saved_allocation(tmp_path: Path) -> None:
+    """Killed after allocation.json, before the embedding's site: the survey runs again for the tied
+    head's C, but the widths and their record (solver, curves) come from the checkpoint."""
+    original = tiny_model("qwen2")
+    family = family_for("qwen2")
+    params = param_model(original.config, family, [], True)
+    grid = list(range(8, original.config.hidden_size + 1, 8))
+
+    def allocator() -> CurveAllocator:
+        return CurveAllocator(params, int(0.8 * params.original), dict.fromkeys(params.sites, grid), tie_ends=True)
+
+    batches = random_batches(original.config.vocab_size)
+    checkpoint = Checkpoint(tmp_path / "checkpoint")
+    checkpoint.start({"test": "1"})
+    first = prune(original, family, batches, None, [PipelineStep(PCA())], checkpoint=checkpoint,
+                  allocator=allocator(), tie_head=True)
+    for site in checkpoint.sites_folder.glob("*.safetensors"):
+        site.unlink()
+    again = prune(tiny_model("qwen2"), family, batches, None, [PipelineStep(PCA())], checkpoint=checkpoint,
+                  allocator=allocator(), tie_head=True)
+    assert again.loaded_sites == 0 and again.widths == first.widths
+    assert again.allocation == json.loads(json.dumps(first.allocation))
+
+
 def test_target_params_on_a_tied_model_keeps_at_most_that_share(tmp_path: Path) -> None:
     checkpoint = save_tiny_checkpoint(tmp_path / "tied", "qwen2")  # tie_word_embeddings: true
     assert AutoModelForCausalLM.from_pretrained(checkpoint).config.tie_word_embeddings

@@ -7,6 +7,7 @@ import ast
 import importlib
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,27 @@ def test_a_submodule_imported_through_its_package_does_not_load_the_forwarded_mo
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["compressor.engine.parallel", "False"]
+
+
+RUNNER_NAMES_01 = ["Progress", "T", "load_config", "load_model", "load_tokenizer", "resolve_device", "token_batches",
+                   "check_fields", "Resources", "RUN_MARKER", "RUN_FILES", "list_run_files", "LEGACY_RUN_FILES",
+                   "foreign_files", "check_output", "interrupted_with_another_recipe", "check_interrupted",
+                   "check_writable", "CHECKPOINT_FOLDER", "SCRATCH_FOLDER", "LOCK_FILE", "staging_folder", "Plan", "plan",
+                   "WIDE_LOSS", "budget_warnings", "check_positions", "curve_allocator", "check_tie_head",
+                   "check_distillation", "check_evaluation_tasks", "recipe_fingerprint", "DISTILLATION_MEMORY_KEYS",
+                   "distillation_fingerprint", "data_fingerprint", "run", "FULL_DISK", "fisher_key", "baseline_tasks_key"]
+"""The public names of 0.1's `compressor/runner.py`, before it was split."""
+
+
+def test_every_name_of_the_old_runner_still_resolves_through_it() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        runner = importlib.import_module("compressor.runner")
+    missing = [name for name in RUNNER_NAMES_01 if not hasattr(runner, name)]
+    assert not missing, missing
+    from compressor.run.loading import load_model
+    from compressor.run.staging import RUN_MARKER
+
+    assert (runner.load_model, runner.RUN_MARKER) == (load_model, RUN_MARKER)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        runner.nothing_here  # noqa: B018

@@ -10,7 +10,7 @@ parameter count).
 Why a projected forward is the pruned model: a sliced model's block reads z = Vᵀx through a
 weightless RMSNorm that divides by the original width, and ‖z‖ = ‖V z‖, so the sliced model
 computes exactly what the fused original computes when the stream is replaced by V Vᵀ x after
-every site (`sensitivity.site_activations` with an edit). Gradients flow to every V through
+every site (`fisher.site_activations` with an edit). Gradients flow to every V through
 those projections.
 
 The teacher's log-probabilities are computed once and kept on the host: the `top_k` most

@@ -469,8 +469,9 @@ def prune(
                                       ranks, skipped)
         survey = _Survey(GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None)
         if widths is None or (tie_head and EMBEDDING not in saved) or survey.pool is not None:
-            widths, allocation = _survey_original(model, family, inputs, device, report, ranks, h, survey, widths,
-                                                  allocator, checkpoint, shared, tie_head)
+            widths, chosen = _survey_original(model, family, inputs, device, report, ranks, h, survey, widths,
+                                              allocator, checkpoint, shared, tie_head)
+            allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)

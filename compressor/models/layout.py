@@ -2,7 +2,7 @@
 will choose them), which sites share a basis, whether the head stays tied, the parameter
 budget and the exact parameter count of every choice. Built from the family, the config and
 the slicing settings, before any weight is loaded; the run's checks, the walk's arguments, the
-allocator, the stock export and the report all read this one object."""
+allocator, the distillation check and the report all read this one object."""
 
 from __future__ import annotations
 

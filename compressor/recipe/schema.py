@@ -509,7 +509,7 @@ def check_distillation(spec: DistillationSpec, calibration: DataSpec, evaluation
                        base: Path) -> DistillationSpec:
     """Its data completed from the calibration's (dataset, format, fields, seq_len) and not the
     evaluation's; no trainer key that the section sets itself. (Target modules and the other
-    trainer keys are checked against the model and transformers in `runner.plan`.)"""
+    trainer keys are checked against the model and transformers in `run.checks.plan`.)"""
     dataset = spec.dataset
     if dataset is not None:
         if "path" not in dataset:

@@ -13,6 +13,7 @@ continues from there (`restart=True` discards it). Folders, lock and publishing 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import platform
 import shutil
@@ -71,6 +72,20 @@ from compressor.run.staging import (
 from compressor.strategies.registry import PluginRegistry
 
 Progress = Callable[[str, int, int], None]
+
+
+RUN_PARTS = ("compressor.run.checks", "compressor.run.staging", "compressor.run.loading", "compressor.run.resume",
+             "compressor.models.layout")
+"""Where the names of 0.1's one-module runner went; `compressor.runner.<name>` still finds them."""
+
+
+def __getattr__(name: str) -> Any:
+    if not name.startswith("__"):
+        for part in RUN_PARTS:
+            module = importlib.import_module(part)
+            if hasattr(module, name):
+                return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(
