@@ -72,8 +72,9 @@ def chat_batches(
     minimum: int | None = None,
 ) -> list[Batch]:
     """The first `num_samples` conversations (with `minimum`: as many as there are up to that,
-    refused below `minimum`), each truncated to `seq_len` tokens and right-padded within its batch. `sensitivity_mask` marks the positions whose *next* token is an assistant
-    token: the outputs that predict the response, and the activations that generate it."""
+    refused below `minimum`), each truncated to `seq_len` tokens and right-padded within its batch.
+    `sensitivity_mask` marks the positions whose *next* token is an assistant token: the outputs
+    that predict the response, and the activations that generate it."""
     rows: list[tuple[list[int], list[int]]] = []
     for index, record in enumerate(records):
         if len(rows) == num_samples:

@@ -30,6 +30,9 @@ FISHER_FILE = "fisher.safetensors"
 ALLOCATION_FILE = "allocation.json"
 DISTILLATION_FOLDER = "distillation"
 """The distillation stage's Trainer checkpoints (`compressor.training.distill`)."""
+TRAINER_CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE_FILE = "trainer_state.json"
+"""How transformers' Trainer names its checkpoints there, and the file it writes last in each."""
 SITES_FOLDER = "sites"
 
 
@@ -138,7 +141,8 @@ class Checkpoint:
 
     def has_distillation_progress(self) -> bool:
         """A Trainer checkpoint of the distillation stage (its state file is written last)."""
-        return any((self.folder / DISTILLATION_FOLDER).glob("checkpoint-*/trainer_state.json"))
+        pattern = f"{TRAINER_CHECKPOINT_PREFIX}*/{TRAINER_STATE_FILE}"
+        return any((self.folder / DISTILLATION_FOLDER).glob(pattern))
 
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE

@@ -371,13 +371,18 @@ def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
 
 def check_data(spec: DataSpec, where: str, base: Path) -> DataSpec:
     """`dataset` names a loader or dataset, and its local files (resolved against `base`) exist."""
-    if "path" not in spec.dataset:
+    return dataclasses.replace(spec, dataset=check_dataset(spec.dataset, where, base))
+
+
+def check_dataset(dataset: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
+    """A dataset spec with a `path`, its local files resolved against `base` (and existing)."""
+    if "path" not in dataset:
         raise UserError(f"{where}.dataset needs a 'path' (a dataset name or a loader such as json)")
-    dataset = dict(spec.dataset)
+    dataset = dict(dataset)
     for key in ("data_files", "data_dir"):
         if key in dataset:
             dataset[key] = _resolve_data_files(dataset[key], base, f"{where}.dataset.{key}")
-    return dataclasses.replace(spec, dataset=dataset)
+    return dataset
 
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
@@ -510,14 +515,7 @@ def check_distillation(spec: DistillationSpec, calibration: DataSpec, evaluation
     """Its data completed from the calibration's (dataset, format, fields, seq_len) and not the
     evaluation's; no trainer key that the section sets itself. (Target modules and the other
     trainer keys are checked against the model and transformers in `run.checks.plan`.)"""
-    dataset = spec.dataset
-    if dataset is not None:
-        if "path" not in dataset:
-            raise UserError("distillation.dataset needs a 'path' (a dataset name or a loader such as json)")
-        dataset = dict(dataset)
-        for key in ("data_files", "data_dir"):
-            if key in dataset:
-                dataset[key] = _resolve_data_files(dataset[key], base, f"distillation.dataset.{key}")
+    dataset = check_dataset(spec.dataset, "distillation", base) if spec.dataset is not None else None
     if evaluation is not None and (dataset or calibration.dataset) == evaluation.dataset:
         where = "distillation.dataset" if dataset is not None else "the calibration dataset (distillation's default)"
         raise UserError(f"{where} is the evaluation's dataset: distillation would train on the text it is scored on; "

@@ -47,7 +47,8 @@ from compressor.data.chat import chat_batches
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.activations import ActivationStore, held_on
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.checkpoint import FINGERPRINT_FILE, write_atomic
+from compressor.engine.checkpoint import (FINGERPRINT_FILE, TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE,
+                                          write_atomic)
 from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
@@ -58,8 +59,6 @@ Row = dict[str, torch.Tensor]
 
 DEFAULT_LR = {"lora": 1e-3, "full": 1e-4}
 """Peak learning rates when the recipe gives none (docs/benchmarks.md, "Recovery distillation")."""
-STATE_FILE = "trainer_state.json"
-CHECKPOINT_PREFIX = "checkpoint-"
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -317,11 +316,12 @@ class _Steps(TrainerCallback):
 def last_checkpoint(folder: Path) -> Path | None:
     """The newest complete Trainer checkpoint in `folder` (its state file, written last, reads
     back); newer incomplete ones (a kill while saving) are removed."""
-    found = sorted((p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()),
-                   key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), reverse=True)
+    step = len(TRAINER_CHECKPOINT_PREFIX)
+    found = sorted((p for p in folder.glob(f"{TRAINER_CHECKPOINT_PREFIX}*") if p.name[step:].isdigit()),
+                   key=lambda p: int(p.name[step:]), reverse=True)
     for path in found:
         try:
-            json.loads((path / STATE_FILE).read_text())
+            json.loads((path / TRAINER_STATE_FILE).read_text())
             return path
         except (OSError, ValueError):
             shutil.rmtree(path, ignore_errors=True)
@@ -509,7 +509,7 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
         model.load_state_dict(received)
     seconds = time.perf_counter() - started
     tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
-    resumed_at = int(resume.name[len(CHECKPOINT_PREFIX):]) if resume else None
+    resumed_at = int(resume.name[len(TRAINER_CHECKPOINT_PREFIX):]) if resume else None
     tokens_here = tokens * (state.global_step - (resumed_at or 0)) / max(state.global_step, 1)
     peak, of = ((torch.cuda.max_memory_allocated(args.device), str(args.device)) if args.device.type == "cuda"
                 else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)"))
@@ -517,7 +517,8 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
         method=spec.method, steps=state.global_step, max_steps=max_steps, tokens=tokens, windows_per_step=per_step,
         train_windows=len(data.train), heldout_windows=len(data.heldout),
         epochs=state.global_step * per_step / max(len(data.train), 1), world_size=args.world_size, seconds=seconds,
-        train_seconds=train_seconds, seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6, peak_memory_bytes=int(peak), peak_memory_of=of,
+        train_seconds=train_seconds, seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6,
+        peak_memory_bytes=int(peak), peak_memory_of=of,
         heldout_kl_before=before, heldout_kl_best=min(best, before),
         best_step=int(state.best_global_step or 0) if kept == "distilled" else 0,
         stopped_early=state.global_step < max_steps, kept=kept,
