@@ -129,7 +129,7 @@ def test_refinement_reports_every_step() -> None:
     batches = random_batches(tiny_model("llama").config.vocab_size, padded=True)
     original, family, result = _pca_bases("llama", batches, sparsity=0.5)
     seen: list[tuple[str, int, int]] = []
-    _, record = refine_bases(copy_model(original), family, batches, result.bases,
+    _, record, _ = refine_bases(copy_model(original), family, batches, result.bases,
                              RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0),
                              progress=lambda phase, done, total: seen.append((phase, done, total)))
     steps = [(done, total) for phase, done, total in seen if phase == "refinement: Riemannian Adam on the KL"]

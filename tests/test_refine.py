@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
@@ -102,7 +103,7 @@ def test_refinement_of_a_tied_head_is_the_tied_model_and_keeps_it_tied(name: str
                 sliced = sliced_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep]
                 assert ((projected - sliced).abs().max() / sliced.abs().max()).item() < 1e-5
     options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
-    refined, record = refine_bases(tiny_model(name), family, batches, result.bases, options)
+    refined, record, _ = refine_bases(tiny_model(name), family, batches, result.bases, options)
     assert record.kept == "refined" and torch.equal(refined[ids[-1]], refined["embedding"])
     before = _calibration_kl(original, apply_bases(tiny_model(name), family, result.bases), batches)
     after = _calibration_kl(original, apply_bases(tiny_model(name), family, refined), batches)
@@ -153,7 +154,7 @@ def test_refinement_never_returns_a_higher_calibration_kl(lr: float, kept: str) 
     batches = random_batches(tiny_model("llama").config.vocab_size, padded=True)
     original, family, result = _pca_bases("llama", batches, sparsity=0.5)
     options = RefinementSpec(epochs=3, lr=lr, batch_size=2, top_k=0)
-    refined, record = refine_bases(copy_model(original), family, batches, result.bases, options)
+    refined, record, _ = refine_bases(copy_model(original), family, batches, result.bases, options)
     assert record.kept == kept
     assert record.steps == 12
     for site, basis in refined.items():
@@ -173,20 +174,24 @@ def test_refinement_never_returns_a_higher_calibration_kl(lr: float, kept: str) 
 
 
 def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "pca"}],
-                          refinement={"epochs": 2, "lr": 0.05, "batch_size": 1, "top_k": 16})
+    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "pca"}], calibration__num_samples=8,
+                          refinement={"epochs": 2, "lr": 0.05, "batch_size": 1, "top_k": 0})
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
     refinement = report["refinement"]
-    assert refinement["kept"] == "refined" and refinement["steps"] == 8
+    assert refinement["kept"] == "refined" and refinement["steps"] == 16
     assert refinement["calibration_kl_after"] < refinement["calibration_kl_before"]
+    (guard,) = report["guards"]  # and on the 16 held-out windows too, so the refined model is saved
+    assert guard["kept"] and guard["kl_after"] <= guard["kl_before"] and guard["windows"] == 16
+    assert report["metrics"]["unrefined"]["kl"] > report["metrics"]["pruned"]["kl"]
     assert "kl" in report["metrics"]["unrefined"] and "refine_s" in report["timings"]
     assert "KL before refinement" in (out / "report.md").read_text()
     assert main(["compare", str(out), "--output", str(tmp_path / "table.json")]) == 0
     (row,) = json.loads((tmp_path / "table.json").read_text())
     assert row["pipeline"] == "pca → refined on KL" and row["refine s"] == report["timings"]["refine_s"]
-    assert refinement["options"] == {"epochs": 2.0, "windows": None, "lr": 0.05, "batch_size": 1, "top_k": 16}
+    assert refinement["options"] == {"epochs": 2.0, "windows": None, "lr": 0.05, "batch_size": 1, "top_k": 0,
+                                     "heldout_windows": 16}
 
     original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     family = family_for(original.config.model_type)
@@ -198,3 +203,65 @@ def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, 
         expected = rebuilt(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         actual = reloaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     assert torch.equal(expected, actual)
+
+
+def test_refinement_optimises_the_stock_tied_head_that_is_saved() -> None:
+    """A one-basis model saved with its head tied computes E·V·diag(D)·Vᵀn, not the untied head:
+    refinement's objective before and after is the KL of that saved model (D fitted, then D as
+    refinement learned it), so what it lowers is what users load."""
+    from compressor.models.stock import fitted_tied_scale, head_stream, to_stock
+
+    original = tiny_model("qwen2")
+    assert original.config.tie_word_embeddings
+    family = family_for("qwen2")
+    batches = random_batches(original.config.vocab_size, padded=True)
+    k = kept_width(original.config.hidden_size, 0.25, 8)
+    widths = {site: k for site in site_ids(family, original.config.num_hidden_layers)}
+    result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())], layout="global")
+    scale = fitted_tied_scale(result.model, family, head_stream(result.head_moment, result.bases["embedding"]))
+    options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
+    refined = refine_bases(copy_model(original), family, batches, result.bases, options, keep_tied=False,
+                           stock_tied_scale=scale)
+    assert refined.record.kept == "refined" and refined.head_scale is not None
+    assert not torch.equal(refined.head_scale, scale)  # D moved with the basis
+    saved_before = to_stock(result.model, family, original.config, tie=True, scale=scale)[0]
+    moved = apply_bases(copy_model(original), family, refined.bases, keep_tied=False)
+    saved_after = to_stock(moved, family, original.config, tie=True, scale=refined.head_scale)[0]
+    assert saved_after.config.tie_word_embeddings
+    assert refined.record.calibration_kl_before == pytest.approx(_calibration_kl(original, saved_before, batches),
+                                                                 rel=1e-4)
+    assert refined.record.calibration_kl_after == pytest.approx(_calibration_kl(original, saved_after, batches),
+                                                                rel=1e-4)
+    untied = _calibration_kl(original, to_stock(result.model, family, original.config, tie=False)[0], batches)
+    assert abs(untied - refined.record.calibration_kl_before) > 1e-3 * untied  # another model than the untied one
+
+
+def test_a_refinement_that_hurts_held_out_text_is_undone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A tied model kept tied, refined for many steps on one window with an objective that keeps
+    only the teacher's top token (a crude proxy of the KL): its own objective falls, the saved
+    model's KL on the held-out windows rises, so the run saves the unrefined model, says so in one
+    line, and its report records the guard's measurement."""
+    from tests.conftest import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}])
+    recipe = write_recipe(tmp_path, checkpoint, **common,
+                          refinement={"windows": 1, "epochs": 40, "lr": 0.1, "batch_size": 1, "top_k": 1,
+                                      "heldout_windows": 8})
+    assert main(["run", str(recipe)]) == 0
+    said = capsys.readouterr()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    refinement, (guard,) = report["refinement"], report["guards"]
+    assert refinement["kept"] == "refined"  # its own objective fell...
+    assert refinement["calibration_kl_after"] < refinement["calibration_kl_before"]
+    assert guard["step"] == "refinement" and guard["windows"] == 8
+    assert guard["kl_after"] > guard["kl_before"] and guard["kept"] is False  # ...the saved model got worse
+    line = [text for text in (said.out + said.err).splitlines() if text.startswith("warning: refinement:")]
+    assert len(line) == 1 and "so the model from before refinement is kept" in line[0]
+    assert any("held-out KL of the saved model" in text for text in report["warnings"])
+    assert "unrefined" not in report["metrics"]
+    plain = write_recipe(tmp_path, checkpoint, **common, output="plain")  # the same walk, no refinement
+    assert main(["run", str(plain)]) == 0
+    for name in ("model/model.safetensors", "bases.safetensors"):
+        saved, unrefined = (load_file(str(tmp_path / run / name)) for run in ("out", "plain"))
+        assert [key for key in saved if not torch.equal(saved[key], unrefined[key])] == []

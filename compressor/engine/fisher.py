@@ -42,11 +42,13 @@ SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
 def site_activations(
     model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int, edit: SiteEdit | None = None,
     before_cap: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Forward one captured batch through the whole fused model (a diagnostic: the model must fit
     where it is); return the residual stream at every site, in `site_ids` order, and the logits.
     `edit`, if given, replaces the stream at each site (e.g. to measure the KL of a perturbation);
-    `before_cap` maps the head's output (`ModelFamily.logits`)."""
+    `before_cap` maps the head's output (`ModelFamily.logits`); `head` replaces the model's own
+    (the final stream → logits: a stock model's tied head, `refine.StockTiedHead`)."""
     device = model.get_submodule(family.head).weight.device
     hidden = inputs.hidden.get(batch, device).detach().requires_grad_(edit is None)
     sites = [hidden]
@@ -61,7 +63,7 @@ def site_activations(
             hidden = site.block(hidden, **kwargs)
             sites.append(hidden)
             hidden = visit(hidden)
-    return sites, family.logits(model, hidden, before_cap)
+    return sites, family.logits(model, hidden, before_cap) if head is None else head(hidden)
 
 
 def _uniform_draws(rows: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:

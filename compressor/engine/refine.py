@@ -19,7 +19,15 @@ probable tokens per position plus the remaining mass as one bin (an exact KL bet
 tokens × vocabulary floats on the host). The objective over the refinement's windows (all
 calibration windows, or `windows` of them) is measured before and after; the refined bases are
 returned only if it went down, otherwise the received ones. That is a guarantee on this
-in-sample objective, not on held-out text.
+in-sample objective, not on held-out text: the runner's held-out guard (`run.guard`) decides
+whether the refined model is kept.
+
+The model optimised is the model that is saved. A one-basis model saved as the original class
+with its head tied (`stock.save_stock(tie=True)`) computes its logits as E·V·diag(D)·Vᵀn: the
+embedding's kept directions, scaled by the final norm's diagonal D. That head is not the untied
+head W·diag(g)·V refinement would otherwise optimise, and D fitted for the received basis does
+not fit a moved one: `StockTiedHead` makes D a parameter learned with the basis, and the
+refined D is what the stock conversion writes (`Refined.head_scale`).
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import geoopt
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
@@ -163,18 +172,48 @@ class TiedHead:
         return ((solved @ V.T.to(dtype)) @ E.T).to(logits.dtype)
 
 
+class StockTiedHead:
+    """The head of a one-basis model saved as the original class with its head tied: the final
+    (weightless, fused) norm's output n, then E·V·diag(D)·Vᵀn, E the embedding, V the basis and D
+    the stock final norm's scale in the sliced model's terms (`stock.stock_state`). D is an
+    ordinary parameter (`scale`), learned beside the basis."""
+
+    def __init__(self, embedding: torch.Tensor, final_norm: nn.Module, scale: torch.Tensor) -> None:
+        self.embedding = embedding
+        self.final_norm = final_norm
+        self.scale = nn.Parameter(scale.to(embedding.device, torch.float64).clone())
+
+    def __call__(self, hidden: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        V = basis.to(dtype)
+        kept = (self.final_norm(hidden).to(dtype) @ V) * self.scale.to(dtype)  # (tokens, k): diag(D)·Vᵀn
+        return (kept @ (self.embedding.to(dtype) @ V).T).to(hidden.dtype)
+
+
+class Refined(NamedTuple):
+    """What refinement returns: the bases, its record, and a stock tied head's learned scale D
+    (None for every other head)."""
+
+    bases: dict[str, torch.Tensor]
+    record: RefinementRecord
+    head_scale: torch.Tensor | None = None
+
+
 def _student_logits(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int,
-                    bases: list[torch.Tensor], tied: TiedHead | None = None) -> torch.Tensor:
+                    bases: list[torch.Tensor], tied: TiedHead | StockTiedHead | None = None) -> torch.Tensor:
     """Logits of the pruned model that `bases` (in `site_ids` order) define: the fused original
-    with the stream projected on each site's kept directions (and a tied head's projection)."""
+    with the stream projected on each site's kept directions, and its head as it is saved (a
+    tied head's projection, or a stock tied head)."""
     def project(site: int, stream: torch.Tensor) -> torch.Tensor:
         """In float32 at least: V rounded to bfloat16 is no longer orthonormal, V Vᵀ no projector."""
         dtype = torch.promote_types(stream.dtype, torch.float32)
         basis = bases[site].to(dtype)
         return ((stream.to(dtype) @ basis) @ basis.T).to(stream.dtype)
 
-    head = None if tied is None else (lambda logits: tied(logits, bases[0]))
-    return site_activations(model, family, inputs, batch, project, head)[1]
+    if isinstance(tied, StockTiedHead):
+        return site_activations(model, family, inputs, batch, project, head=lambda n: tied(n, bases[-1]))[1]
+    before_cap = None if tied is None else (lambda logits: tied(logits, bases[0]))
+    return site_activations(model, family, inputs, batch, project, before_cap)[1]
 
 
 def refine_bases(
@@ -187,10 +226,13 @@ def refine_bases(
     seed: int = 0,
     progress: Progress | None = None,
     keep_tied: bool | None = None,
-) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
+    stock_tied_scale: torch.Tensor | None = None,
+) -> Refined:
     """Refined bases (float64, same shapes) and what happened. `model` is the *original* model,
     which this consumes (its norms are fused in place); it must fit on `device` whole.
-    `keep_tied` as in `bases.apply_bases` (default: the bases say whether the head stayed tied)."""
+    `keep_tied` as in `bases.apply_bases` (default: the bases say whether the head stayed tied).
+    `stock_tied_scale`: a one-basis model to be saved with its head tied, and its final norm's
+    scale D as fitted for the received basis (`stock.fitted_tied_scale`); D is learned too."""
     started = time.perf_counter()
     device = torch.device(device)
     report = progress or (lambda *_: None)
@@ -201,7 +243,12 @@ def refine_bases(
     model.to(device)
     report("refinement: capturing layer inputs", 0, 1)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
-    head = TiedHead(model.get_submodule(family.embedding).weight.detach()) if tied else None
+    embedding = model.get_submodule(family.embedding).weight.detach()
+    head: TiedHead | StockTiedHead | None = TiedHead(embedding) if tied else None
+    if stock_tied_scale is not None:
+        if tied or len(set(shared_sites(site_ids(family, model.config.num_hidden_layers), bases))) != len(bases) - 1:
+            raise ValueError("a stock tied head needs one basis at every site and the sliced model's head untied")
+        head = StockTiedHead(embedding, model.get_submodule(family.final_norm), stock_tied_scale)
     try:
         return _refine(model, family, inputs, bases, options, device, seed, report, started, head)
     finally:
@@ -210,7 +257,7 @@ def refine_bases(
 
 def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, bases: Mapping[str, torch.Tensor],
             options: RefinementSpec, device: torch.device, seed: int, report: Progress,
-            started: float, tied: TiedHead | None) -> tuple[dict[str, torch.Tensor], RefinementRecord]:
+            started: float, tied: TiedHead | StockTiedHead | None) -> Refined:
     ids = site_ids(family, model.config.num_hidden_layers)
     masks = [m.to(device) for m in inputs.sensitivity_masks]
     counted = sum(inputs.sensitivity_counts)
@@ -239,9 +286,14 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
     params: list[torch.Tensor] = []
     for site, v in zip(ids, received):  # a site that shares the previous site's basis shares its parameter
         params.append(params[-1] if site in shared else geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()))
-    if tied is not None:  # the last site keeps the embedding's basis
+    if isinstance(tied, TiedHead):  # the last site keeps the embedding's basis
         params[-1] = params[0]
-    optimiser = geoopt.optim.RiemannianAdam(list({id(p): p for p in params}.values()), lr=options.lr)
+    learned: list[torch.Tensor] = list({id(p): p for p in params}.values())
+    scale = tied.scale if isinstance(tied, StockTiedHead) else None
+    received_scale = None if scale is None else scale.detach().clone()
+    if scale is not None:
+        learned.append(scale)
+    optimiser = geoopt.optim.RiemannianAdam(learned, lr=options.lr)
     generator = torch.Generator().manual_seed(seed)
     steps = max(1, round(options.epochs * len(inputs)))
     order: list[int] = []
@@ -260,8 +312,12 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
         after = objective(refined, targets, "refinement: KL after")
     keep = after < before
     chosen = refined if keep else received
+    if scale is not None and not keep:
+        with torch.no_grad():
+            scale.copy_(received_scale)
     record = RefinementRecord(steps=steps, calibration_kl_before=before,
                               calibration_kl_refined=after, calibration_kl_after=after if keep else before,
                               kept="refined" if keep else "received", seconds=time.perf_counter() - started,
                               options=asdict(options))
-    return {site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)}, record
+    return Refined({site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)}, record,
+                   None if scale is None else scale.detach().to("cpu", torch.float64))

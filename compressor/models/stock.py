@@ -121,10 +121,16 @@ def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor
     return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
 
 
-def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool,
-                stream: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def fitted_tied_scale(sliced: PreTrainedModel, family: ModelFamily, stream: torch.Tensor | None) -> torch.Tensor:
+    """`tied_scale` for a sliced model with one basis: its embedding E·V onto its untied head."""
+    return tied_scale(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight, stream)
+
+
+def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool, stream: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The stock model's state dict from a sliced model with one basis (no transitions), and what
-    the conversion chose (norm scale, embedding factor, tied-head fit)."""
+    the conversion chose (norm scale, embedding factor, tied-head fit). A tied head's diagonal is
+    `scale` where given (refinement learned it with the basis), else fitted (`tied_scale`)."""
     slicing = sliced.config.slicing
     d, k = slicing["hidden_size"], slicing["embedding"]
     if any(name.endswith("_shortcut.weight") for name, _ in sliced.named_parameters()) or set(
@@ -132,37 +138,38 @@ def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool,
         raise ValueError("a stock model needs one basis at every site (no transition matrices)")
     state = dict(sliced.state_dict())
     dtype = sliced.get_submodule(family.embedding).weight.dtype
-    scale = math.sqrt(d / k)
-    factor = scale if family.scaled_embedding else 1.0
+    norm_scale = math.sqrt(d / k)
+    factor = norm_scale if family.scaled_embedding else 1.0
     embedding_key, head_key = f"{family.embedding}.weight", f"{family.head}.weight"
     if factor != 1.0:
         state[embedding_key] = (state[embedding_key].to(torch.float64) * factor).to(dtype)
-    final = torch.full((k,), scale, dtype=torch.float64)
-    record: dict[str, Any] = {"norm_scale": scale, "embedding_factor": factor, "head": "untied"}
+    final = torch.full((k,), norm_scale, dtype=torch.float64)
+    record: dict[str, Any] = {"norm_scale": norm_scale, "embedding_factor": factor, "head": "untied"}
     if tie:
-        D = tied_scale(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight,
-                       stream)
-        final = scale * D / factor
+        D = fitted_tied_scale(sliced, family, stream) if scale is None else scale.to("cpu", torch.float64)
+        final = norm_scale * D / factor
         record.update(head="tied", tied_scale={"min": float(D.min()), "max": float(D.max()),
-                                               "weighted_by_stream": stream is not None})
+                                               "weighted_by_stream": stream is not None and scale is None,
+                                               "learned": scale is not None})
         del state[head_key]
     norms = [f"{family.layers}.{i}.{name}.weight" for i in range(len(slicing["attn"]))
              for name in (family.attn_norm, family.mlp_norm)]
     for key in norms:
-        state[key] = torch.full((k,), scale - family.norm_offset, dtype=torch.float64).to(dtype)
+        state[key] = torch.full((k,), norm_scale - family.norm_offset, dtype=torch.float64).to(dtype)
     state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
     return state, record
 
 
 def save_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path,
-               tie: bool = False, stream: torch.Tensor | None = None) -> dict[str, Any]:
+               tie: bool = False, stream: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> dict[str, Any]:
     """Write the stock checkpoint of a sliced model with one basis into `folder` (config.json,
     generation config, safetensors), after proving that the original's class takes its state dict
     whole; return the conversion's record. `original` is the unpruned model's config."""
     k = sliced.config.slicing["embedding"]
     config = stock_config(original, family, k, tie)
     config.architectures = list(original.architectures or [type(sliced).__name__.removeprefix("Sliced")])
-    state, record = stock_state(sliced, family, tie, stream)
+    state, record = stock_state(sliced, family, tie, stream, scale)
     with torch.device("meta"):
         stock = AutoModelForCausalLM.from_config(config)
     missing, unexpected = stock.load_state_dict(state, strict=False, assign=True)
@@ -187,14 +194,15 @@ def load_stock(folder: Path, like: PreTrainedModel) -> PreTrainedModel:
 
 
 def to_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path | None = None,
-             tie: bool = False, stream: torch.Tensor | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
+             tie: bool = False, stream: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
     """`save_stock` into `folder` (a temporary one, removed after, when None), then `load_stock`
     back: the stock model as its users will load it, and the conversion's record."""
     if folder is not None:
-        record = save_stock(sliced, family, original, folder, tie, stream)
+        record = save_stock(sliced, family, original, folder, tie, stream, scale)
         return load_stock(folder, sliced), record
     with tempfile.TemporaryDirectory(prefix="compress-stock-") as scratch:
-        record = save_stock(sliced, family, original, Path(scratch), tie, stream)
+        record = save_stock(sliced, family, original, Path(scratch), tie, stream, scale)
         return load_stock(Path(scratch), sliced), record
 
 

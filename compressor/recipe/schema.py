@@ -142,6 +142,11 @@ class RefinementSpec:
     """Calibration windows per step."""
     top_k: Annotated[StrictInt, described("0 keeps the whole distribution", ge=0)] = 64
     """Teacher probabilities kept per token (the rest is one bin); 0 keeps the whole distribution."""
+    heldout_windows: Annotated[StrictInt, described(
+        "calibration-dataset windows after the calibration set, for the held-out guard", ge=1)] = 16
+    """The guard's windows: read from the calibration dataset after the `num_samples` windows the
+    walk and refinement use. The refined model is kept only when its KL to the original on them,
+    saved as it will be, is not above the received model's."""
 
 
 @options(frozen=True, config=FORBID)

@@ -13,10 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from compressor.data.batches import Batch
 from compressor.data.chat import chat_batches
 from compressor.data.text import batches_of, first_record, load_records, token_windows
+from compressor.engine.refine import rebatch
 from compressor.errors import UserError, first_line
 from compressor.hub import cached, model_advice, unreachable
 from compressor.recipe.schema import DataSpec, ModelSpec
 from compressor.run.staging import RUN_MARKER
+from compressor.validation import replaced
 
 T = TypeVar("T")
 
@@ -82,6 +84,22 @@ def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     return batches_of(windows, spec.batch_size)
+
+
+def heldout_batches(spec: DataSpec, tokenizer: Any, count: int, where: str) -> list[Batch]:
+    """`count` windows of `spec`'s dataset that follow its `num_samples` windows (read by the same
+    reader, so the windows before them are the calibration windows themselves): text no step
+    that trains on the calibration windows has seen, for the held-out guard (`run.guard`)."""
+    rows = token_batches(replaced(spec, num_samples=spec.num_samples + count), tokenizer, where)
+    joined = rebatch(rows, sum(len(b.input_ids) for b in rows))[0]
+    if len(joined.input_ids) < spec.num_samples + count:
+        raise UserError(f"{where}: the dataset holds {len(joined.input_ids)} windows of {spec.seq_len} tokens, "
+                        f"{spec.num_samples} for calibration and {count} held out for the guard; lower "
+                        f"{where}.heldout_windows or calibration.num_samples, or give more text")
+    counted = joined.sensitivity_mask
+    return [Batch(joined.input_ids[start:start + spec.batch_size], joined.attention_mask[start:start + spec.batch_size],
+                  None if counted is None else counted[start:start + spec.batch_size])
+            for start in range(spec.num_samples, spec.num_samples + count, spec.batch_size)]
 
 
 def check_fields(spec: DataSpec, where: str) -> None:

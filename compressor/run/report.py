@@ -29,6 +29,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(("KL before distillation", "", f"{metrics['undistilled']['kl']:.5f}"))
         rows += task_rows(metrics)
     rows += refinement_rows(report.get("refinement"))
+    rows += guard_rows(report.get("guards"), "refinement")
     rows += distillation_rows(report.get("distillation"))
     return rows + timing_rows(report["timings"])
 
@@ -52,6 +53,18 @@ def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, s
     objective = f"calibration KL (refinement objective, top_k {refinement['options']['top_k']})"
     return [(f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
             (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})")]
+
+
+def guard_rows(guards: list[dict[str, Any]] | None, step: str) -> list[tuple[str, str, str]]:
+    """The held-out guard of `step` (`run.guard`): the saved model's KL on windows the step did not
+    train on, before and after it, and whether its result was kept."""
+    rows = []
+    for guard in guards or []:
+        if guard["step"] == step:
+            verdict = "kept" if guard["kept"] else f"undone: the model from before {step} is saved"
+            rows.append((f"held-out KL before/after {step} ({guard['windows']} windows, guard)", "",
+                         f"{guard['kl_before']:.5f} -> {guard['kl_after']:.5f} ({verdict})"))
+    return rows
 
 
 def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, str, str]]:

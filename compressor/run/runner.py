@@ -46,10 +46,11 @@ from compressor.evaluation.throughput import compare_speed, fitting_lengths, mod
 from compressor.models.export import write_remote_code
 from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING
-from compressor.models.stock import head_stream, load_stock, to_stock
+from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.checks import Plan, plan
-from compressor.run.loading import Resources, resolve_device
+from compressor.run.guard import GuardRecord
+from compressor.run.loading import Resources, heldout_batches, resolve_device
 from compressor.run.report import write_markdown
 from compressor.run.resume import (
     baseline_tasks_key,
@@ -144,7 +145,7 @@ def run(
         try:
             with full_disk_is_a_user_error(output):
                 report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
-                                 resources or Resources(), save_model, ranks)
+                                 resources or Resources(), save_model, ranks, warn)
             faults.reached("publish")
             publish(staging, output)
         except UserError as error:  # bad input found on the way: what this run created goes
@@ -198,9 +199,9 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
 
 def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
             started: float, report_progress: Progress, resources: Resources, save_model: bool,
-            ranks: Ranks) -> dict[str, Any]:
+            ranks: Ranks, warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
-    stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks)
+    stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
     with stages.timed("data_s"):
         stages.read_data()
@@ -228,9 +229,17 @@ class _Stages:
     its bases, the records the report is made of)."""
 
     def __init__(self, staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
-                 progress: Progress, resources: Resources, ranks: Ranks) -> None:
+                 progress: Progress, resources: Resources, ranks: Ranks,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.staging, self.recipe, self.checked, self.device = staging, recipe, checked, device
         self.checkpoint, self.progress, self.resources, self.ranks = checkpoint, progress, resources, ranks
+        self.warn = warn or (lambda _: None)
+        self.warnings: list[str] = []
+        """Said during the run (a guarded step handed back), beside the plan's warnings in the report."""
+        self.guards: list[GuardRecord] = []
+        self.heldout: list[Batch] = []
+        self.head_scale: torch.Tensor | None = None
+        """A stock tied head's final-norm diagonal as refinement learned it (None: fitted at saving)."""
         self.family, self.config = checked.family, checked.config
         self.one_basis = checked.layout.one_basis
         self.timings: dict[str, float] = {}
@@ -259,6 +268,9 @@ class _Stages:
         self.evaluation = (self.resources.batches(recipe.evaluation, self.tokenizer, "evaluation")
                            if recipe.evaluation else None)
         self.distillation_rows = _distillation_data(recipe, self.tokenizer)
+        if recipe.refinement is not None:
+            self.heldout = heldout_batches(recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows,
+                                           "refinement")
 
     def load_model(self) -> None:
         """"loading model", and its size before pruning."""
@@ -288,18 +300,53 @@ class _Stages:
     def keep_tied(self) -> bool | None:
         return False if self.one_basis else None  # a global layout's head is decided by its stock conversion
 
+    @property
+    def stock_tied(self) -> bool:
+        """Saved as the original class with its head tied (its final norm's diagonal fitted or learned)."""
+        return self.one_basis and self.checked.tie_head
+
     def refine(self) -> None:
-        """`refinement`: the bases moved together on the output KL; applied to a fresh original when kept."""
+        """`refinement`: the bases moved together on the output KL (a stock tied head's diagonal with
+        them), applied to a fresh original when they lowered the objective, and kept only when the
+        model as saved is not worse on the held-out windows (`run.guard`)."""
         recipe = self.recipe
         assert recipe.refinement is not None
-        self.bases, self.refinement = refine_bases(self.resources.model(recipe.model), self.family, self.calibration,
-                                                   self.result.bases, recipe.refinement, self.device, recipe.seed,
-                                                   self.progress, self.keep_tied)
-        if self.refinement.kept == "refined":
-            self.unrefined = self.pruned
-            self.progress("applying refined bases", 0, 1)
-            self.pruned = apply_bases(self.resources.model(recipe.model), self.family, self.bases, self.device,
-                                      keep_tied=self.keep_tied)
+        received_scale = (fitted_tied_scale(self.pruned, self.family, self._head_stream()) if self.stock_tied
+                          else None)
+        refined = refine_bases(self.resources.model(recipe.model), self.family, self.calibration, self.result.bases,
+                               recipe.refinement, self.device, recipe.seed, self.progress, self.keep_tied,
+                               received_scale)
+        self.refinement = refined.record
+        if refined.record.kept != "refined":
+            return
+        self.progress("applying refined bases", 0, 1)
+        candidate = apply_bases(self.resources.model(recipe.model), self.family, refined.bases, self.device,
+                                keep_tied=self.keep_tied)
+        original = self.resources.model(recipe.model).to(self.device)
+        self.progress("refinement: the guard, on held-out windows", 0, 2)
+        before = self._heldout_kl(original, self.pruned, received_scale)
+        self.progress("refinement: the guard, on held-out windows", 1, 2)
+        after = self._heldout_kl(original, candidate, refined.head_scale)
+        guard = GuardRecord.judge("refinement", sum(len(b.input_ids) for b in self.heldout), before, after)
+        self._guarded(guard)
+        if guard.kept:
+            self.unrefined, self.pruned, self.bases, self.head_scale = (self.pruned, candidate, refined.bases,
+                                                                        refined.head_scale)
+
+    def _heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
+        """KL(original ‖ the model as it would be saved) on the guard's held-out windows."""
+        saved = sliced
+        if self.one_basis:
+            saved = to_stock(sliced, self.family, self.config, tie=self.checked.tie_head, stream=self._head_stream(),
+                             scale=scale)[0]
+        return compare(original, saved.to(self.device), self.heldout, self.device)["pruned"]["kl"]
+
+    def _guarded(self, guard: GuardRecord) -> None:
+        """A guarded step's verdict: in the report, and said in one line when the step was undone."""
+        self.guards.append(guard)
+        if not guard.kept:
+            self.warnings.append(guard.line())
+            self.warn(guard.line())
 
     def _head_stream(self) -> torch.Tensor | None:
         return head_stream(self.result.head_moment, self.bases[EMBEDDING])
@@ -309,13 +356,17 @@ class _Stages:
         if self.one_basis:
             self.progress("converting to the original architecture", 0, 1)
             self.pruned, self.stock = to_stock(self.pruned, self.family, self.config, tie=self.checked.tie_head,
-                                               stream=self._head_stream())
+                                               stream=self._head_stream(), scale=self.head_scale)
 
     def distil(self) -> None:
         """`distillation`: the student trained on the original's distribution."""
         self.pruned, self.distillation, self.undistilled, self.original = _distil(
             self.recipe, self.family, self.pruned, self.distillation_rows, self.staging, self.device,
             self.evaluation, self.resources, self.progress, self.ranks)
+        record = self.distillation  # guarded by the stage itself: its best held-out checkpoint, or the student as received
+        trained = [point["kl"] for point in record.curve if point["step"] > 0]
+        self._guarded(GuardRecord("distillation", record.heldout_windows, record.heldout_kl_before,
+                                  min(trained, default=record.heldout_kl_before), record.kept == "distilled"))
 
     def save(self, save_model: bool) -> None:
         """"saving model": the folder users load (a global layout's saved as the original class and
@@ -324,7 +375,7 @@ class _Stages:
         self.progress("saving model" if save_model else "saving bases", 0, 1)
         if self.one_basis and self.distillation is None:
             pruned, self.stock = to_stock(pruned, self.family, self.config, staging / "model" if save_model else None,
-                                          tie=self.checked.tie_head, stream=self._head_stream())
+                                          tie=self.checked.tie_head, stream=self._head_stream(), scale=self.head_scale)
         elif self.one_basis and save_model:  # already the original class (distilled): saved and loaded back
             pruned.save_pretrained(staging / "model")
             pruned = load_stock(staging / "model", pruned)
@@ -399,13 +450,14 @@ class _Stages:
             "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
             "fisher_source": result.fisher_source,
             "refinement": self.refinement.to_json() if self.refinement is not None else None,
+            "guards": [guard.to_json() for guard in self.guards],
             "distillation": self.distillation.to_json() if self.distillation is not None else None,
             "metrics": self.metrics,
             "params": {"baseline": self.baseline_params, "pruned": pruned_params,
                        "ratio": pruned_params / self.baseline_params},
             "size": {"baseline": self.baseline_size, "pruned": model_size(self.pruned)},
             "speed": self.speed,
-            "warnings": list(checked.warnings),
+            "warnings": list(checked.warnings) + self.warnings,
             "sites": [site.to_json() for site in result.sites],
             "timings": self.timings,
             "environment": {"device": str(self.device), "torch": torch.__version__,
