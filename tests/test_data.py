@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
-from compressor.data.text import batches_of, token_windows
+from compressor.data.text import batches_of, load_records, token_windows
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
 
@@ -43,3 +44,21 @@ def test_batches_cover_all_windows_without_padding(tokenizer) -> None:
 def test_a_non_text_field_is_a_user_error(tokenizer) -> None:
     with pytest.raises(UserError, match="record 1: field 'text' is int, not text"):
         token_windows([RECORDS[0], {"text": 7}], tokenizer, seq_len=4, num_samples=1)
+
+
+def test_the_guard_windows_follow_the_calibration_windows(tokenizer) -> None:
+    """The held-out guard reads the windows after the calibration set: the same reader, so they
+    continue the calibration windows' token stream and none of them is a calibration window."""
+    from compressor.recipe.schema import DataSpec
+    from compressor.run.loading import heldout_batches, token_batches
+
+    spec = DataSpec(dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
+                    num_samples=5, seq_len=32, batch_size=2)
+    calibration = torch.cat([b.input_ids for b in token_batches(spec, tokenizer, "calibration")])
+    heldout = heldout_batches(spec, tokenizer, 3, "refinement")
+    assert [b.input_ids.shape for b in heldout] == [(2, 32), (1, 32)]
+    longer = token_windows(load_records(spec.dataset), tokenizer, 32, 8)
+    assert torch.equal(longer[:5], calibration)
+    assert torch.equal(torch.cat([b.input_ids for b in heldout]), longer[5:])
+    with pytest.raises(UserError, match="^refinement.heldout_windows: 100000 windows after the 5 calibration windows"):
+        heldout_batches(spec, tokenizer, 100_000, "refinement")

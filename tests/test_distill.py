@@ -74,6 +74,10 @@ def test_distillation_lowers_the_heldout_kl_and_keeps_the_architecture(layout: s
     assert record["steps"] == record["max_steps"] == 2048 // (4 * 32) and record["tokens"] == 2048
     assert [point["step"] for point in record["curve"]] == [0, 4, 8, 12, 16]
     assert record["world_size"] == 1 and record["method"] == method
+    (guard,) = distilled["guards"]  # the stage's own held-out guard, recorded as every guarded step's
+    assert guard == {"step": "distillation", "windows": record["heldout_windows"], "kept": True,
+                     "kl_before": record["heldout_kl_before"], "kl_after": record["heldout_kl_best"]}
+    assert plain["guards"] == []
     metrics = distilled["metrics"]
     assert metrics["pruned"]["kl"] < metrics["undistilled"]["kl"]
     assert metrics["undistilled"] == plain["metrics"]["pruned"]  # measured on the same model and windows
@@ -302,3 +306,20 @@ def test_a_cached_teacher_run_with_activations_on_disk(sharp_checkpoint: Path, t
     record = report["distillation"]
     assert record["kept"] == "distilled" and record["heldout_kl_best"] < 0.9 * record["heldout_kl_before"]
     assert not (tmp_path / ".cached.partial").exists()
+
+
+def test_a_distillation_that_makes_the_student_worse_is_undone_and_said(sharp_checkpoint: Path, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """A learning rate that wrecks the student: every held-out measurement is worse than the
+    student as received, so the run saves the undistilled model and says so in one line."""
+    plain = _run(tmp_path, sharp_checkpoint, "plain", sparsity=0.5)
+    capsys.readouterr()
+    wrecked = _run(tmp_path, sharp_checkpoint, "wrecked", sparsity=0.5,
+                   distillation={**DISTILLATION, "tokens": 512, "lr": 5.0, "method": "full"})
+    (guard,) = wrecked["guards"]
+    assert guard["step"] == "distillation" and not guard["kept"] and guard["kl_after"] > guard["kl_before"]
+    assert wrecked["distillation"]["kept"] == "received"
+    said = capsys.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if line.startswith("warning: distillation:")]
+    assert len(lines) == 1 and "the model from before distillation is kept" in lines[0]
+    assert wrecked["metrics"]["pruned"] == plain["metrics"]["pruned"]  # the walk's model, as if not distilled

@@ -265,3 +265,12 @@ def test_a_refinement_that_hurts_held_out_text_is_undone(tmp_path: Path, capsys:
     for name in ("model/model.safetensors", "bases.safetensors"):
         saved, unrefined = (load_file(str(tmp_path / run / name)) for run in ("out", "plain"))
         assert [key for key in saved if not torch.equal(saved[key], unrefined[key])] == []
+
+
+def test_guard_windows_the_data_cannot_give_are_one_line(tiny_checkpoint: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, refinement={"heldout_windows": 100_000})
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: refinement.heldout_windows: 100000 windows after the 4")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))

@@ -90,12 +90,14 @@ def heldout_batches(spec: DataSpec, tokenizer: Any, count: int, where: str) -> l
     """`count` windows of `spec`'s dataset that follow its `num_samples` windows (read by the same
     reader, so the windows before them are the calibration windows themselves): text no step
     that trains on the calibration windows has seen, for the held-out guard (`run.guard`)."""
-    rows = token_batches(replaced(spec, num_samples=spec.num_samples + count), tokenizer, where)
+    try:
+        rows = token_batches(replaced(spec, num_samples=spec.num_samples + count), tokenizer, where)
+    except UserError:
+        raise UserError(f"{where}.heldout_windows: {count} windows after the {spec.num_samples} calibration windows "
+                        f"need {spec.num_samples + count} windows of {spec.seq_len} tokens, more than the calibration "
+                        f"dataset holds; lower {where}.heldout_windows or calibration.num_samples, or give more "
+                        f"text") from None
     joined = rebatch(rows, sum(len(b.input_ids) for b in rows))[0]
-    if len(joined.input_ids) < spec.num_samples + count:
-        raise UserError(f"{where}: the dataset holds {len(joined.input_ids)} windows of {spec.seq_len} tokens, "
-                        f"{spec.num_samples} for calibration and {count} held out for the guard; lower "
-                        f"{where}.heldout_windows or calibration.num_samples, or give more text")
     counted = joined.sensitivity_mask
     return [Batch(joined.input_ids[start:start + spec.batch_size], joined.attention_mask[start:start + spec.batch_size],
                   None if counted is None else counted[start:start + spec.batch_size])
