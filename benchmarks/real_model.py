@@ -205,7 +205,7 @@ def diagnose(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     """Whole runs, sharing data, model and H: held-out KL and perplexity before and after refinement."""
     from compressor.cli import phase_logger
-    from compressor.recipe.schema import validate
+    from compressor.recipe.schema import apply_override, validate
     from compressor.run.runner import run
     from compressor.run.sweep import SharedResources
     from compressor.strategies.registry import PluginRegistry
@@ -216,21 +216,25 @@ def table(args: argparse.Namespace) -> None:
     console = Console(stderr=True)
     rows = []
     for name in args.only or list(CONFIGS):
-        output = RESULTS / "real_model_runs" / f"{name}-{args.target}"
+        output = RESULTS / "real_model_runs" / f"{name}-{args.target}{args.label}"
         raw = base_recipe(Path(args.model), args.target, args.calibration, args.heldout, output)
         raw.update(CONFIGS[name])
+        for assignment in args.overrides:
+            apply_override(raw, assignment)
         recipe = validate(raw, ROOT, registry)
         report = run(recipe, registry, phase_logger(console, name), overwrite=True, resources=resources,
                      save_model=False, warn=lambda line: console.print(f"warning: {line}"))
         metrics, guards = report["metrics"], report.get("guards") or []
         before = metrics.get("unrefined", metrics["pruned"])
         rows.append({"run": name, "width": report["stock"]["hidden_size"] if report["stock"] else report["kept_width"],
-                     "head": report["stock"]["head"] if report["stock"] else "untied (per site)",
+                     "head": (report["stock"]["head"] + (f" ({report['stock']['tied_fit']})" if "tied_fit" in
+                              report["stock"] else "")) if report["stock"] else "untied (per site)",
                      "params_ratio": report["params"]["ratio"], "baseline_ppl": metrics["baseline"]["ppl"],
                      "kl_before": before["kl"], "ppl_before": before["ppl"],
                      "kl": metrics["pruned"]["kl"], "ppl": metrics["pruned"]["ppl"],
                      "refinement": report["refinement"], "guards": guards, "timings": report["timings"]})
     result = {"benchmark": "real_model table", "model": str(args.model), "target_params": args.target,
+              "overrides": args.overrides,
               "calibration_windows": args.calibration, "heldout_windows": args.heldout, "rows": rows,
               "environment": _environment(started)}
     columns = ["run", "width", "head", "parameters", "KL before refinement", "ppl before refinement",
@@ -244,7 +248,7 @@ def table(args: argparse.Namespace) -> None:
         cells.append([r["run"], str(r["width"]), r["head"], f"{r['params_ratio']:.1%}",
                       f"{r['kl_before']:.3f}" if refined else "", f"{r['ppl_before']:.1f}" if refined else "",
                       f"{r['kl']:.3f}", f"{r['ppl']:.1f}", verdict])
-    _write(f"real_model_table_{args.target}", result, columns, cells,
+    _write(f"real_model_table_{args.target}{args.label}", result, columns, cells,
            f"SmolLM2-135M at target_params {args.target} (original perplexity {rows[0]['baseline_ppl']:.2f})")
 
 
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
     parser.add_argument("--heldout", type=int, default=32, help="valid.jsonl windows of 512 tokens for KL and ppl")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="table: these runs only")
+    parser.add_argument("--label", default="", help="table: a suffix for its result files and run folders")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="table: a recipe override for every run (as compress run --set)")
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     {"prepare": prepare, "diagnose": diagnose, "table": table}[args.command](args)

@@ -22,7 +22,7 @@ from compressor.models.sites import site_ids
 from compressor.recipe.schema import RefinementSpec
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
-from tests.test_cli import write_recipe
+from tests.test_cli import _DELETE, write_recipe
 
 
 def _pca_bases(name: str, batches, sparsity: float = 0.25):
@@ -244,7 +244,8 @@ def test_a_refinement_that_hurts_held_out_text_is_undone(tmp_path: Path, capsys:
     from tests.conftest import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}])
+    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}], sparsity=_DELETE,
+                  target_params=0.75)
     recipe = write_recipe(tmp_path, checkpoint, **common,
                           refinement={"windows": 1, "epochs": 40, "lr": 0.1, "batch_size": 1, "top_k": 1,
                                       "heldout_windows": 8})

@@ -313,6 +313,7 @@ def test_a_tied_model_stays_tied_by_default_in_a_global_layout(tmp_path: Path) -
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["stock"]["head"] == "tied" and report["stock"]["tied_scale"]["weighted_by_stream"]
+    assert report["stock"]["tied_fit"] == "symmetric"  # the basis rotated for the tied head (slicing.tied_fit)
     config = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in load_file(str(tmp_path / "out" / "model" / "model.safetensors"))

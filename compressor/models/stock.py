@@ -121,6 +121,38 @@ def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor
     return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
 
 
+@torch.no_grad()
+def tied_rotation(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
+                  rows: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotation R (k × k) of the kept basis and the diagonal D for it that make the tied head
+    E·V·R·diag(D)·Rᵀ the least-squares fit of the untied head W·diag(g)·V on the final stream.
+
+    A stock model's norms are uniform but for the final one, so it computes the same with V·R for
+    any rotation R: its tied head can realise any symmetric S = R·diag(D)·Rᵀ, not only a diagonal.
+    The best S minimises Tr((A·S − B)·N·(A·S − B)ᵀ), A = E·V, B = W·diag(g)·V, N the stream's
+    second moment (`stream`; the identity when None): G·S·N + N·S·G = AᵀB·N + N·BᵀA, G = AᵀA.
+    With the pencil's eigenvectors P (Pᵀ·G·P = I, Pᵀ·N·P = Λ) and S = P·X·Pᵀ that is
+    X_ij = (Pᵀ(AᵀB·N + N·BᵀA)P)_ij / (λ_i + λ_j); then S = R·diag(D)·Rᵀ by its eigenvectors. The
+    diagonal fit (`tied_scale`) is the case R = I, so this is never worse in the fit's own terms."""
+    k = embedding.shape[1]
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    cross = torch.zeros(k, k, dtype=torch.float64)
+    for start in range(0, embedding.shape[0], rows):
+        a = embedding[start:start + rows].to("cpu", torch.float64)
+        gram += a.T @ a
+        cross += a.T @ head[start:start + rows].to("cpu", torch.float64)
+    N = torch.eye(k, dtype=torch.float64) if stream is None else stream.to("cpu", torch.float64)
+    lower = torch.linalg.cholesky(gram)
+    inverse = torch.linalg.solve_triangular(lower, torch.eye(k, dtype=torch.float64), upper=False)  # L⁻¹
+    pencil, vectors = torch.linalg.eigh(inverse @ N @ inverse.T)
+    P = inverse.T @ vectors
+    right = cross @ N
+    X = (P.T @ (right + right.T) @ P) / (pencil[:, None] + pencil[None, :])
+    S = P @ X @ P.T
+    D, R = torch.linalg.eigh((S + S.T) / 2)
+    return R, D
+
+
 def fitted_tied_scale(sliced: PreTrainedModel, family: ModelFamily, stream: torch.Tensor | None) -> torch.Tensor:
     """`tied_scale` for a sliced model with one basis: its embedding E·V onto its untied head."""
     return tied_scale(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight, stream)
@@ -149,8 +181,8 @@ def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool, stream:
         D = fitted_tied_scale(sliced, family, stream) if scale is None else scale.to("cpu", torch.float64)
         final = norm_scale * D / factor
         record.update(head="tied", tied_scale={"min": float(D.min()), "max": float(D.max()),
-                                               "weighted_by_stream": stream is not None and scale is None,
-                                               "learned": scale is not None})
+                                               "weighted_by_stream": stream is not None,
+                                               "fit": "diagonal" if scale is None else "given"})
         del state[head_key]
     norms = [f"{family.layers}.{i}.{name}.weight" for i in range(len(slicing["attn"]))
              for name in (family.attn_norm, family.mlp_norm)]
@@ -210,5 +242,6 @@ def head_stream(moment: torch.Tensor | None, basis: torch.Tensor) -> torch.Tenso
     """N = VᵀCV: the second moment of the stream the head reads, in kept coordinates."""
     if moment is None:
         return None
-    V = basis.to(moment.device, torch.float64)
+    V = basis.to(moment.device, torch.float64).clone(memory_format=torch.contiguous_format)  # one layout and
+    # alignment, so one rounding: a resumed walk's basis is read from a file
     return V.T @ moment.to(torch.float64) @ V

@@ -33,6 +33,7 @@ Format = Literal["text", "chat"]
 AllocationMethod = Literal["uniform", "curves"]
 Layout = Literal["per_site", "global"]
 Pooling = Literal["trace", "sum"]
+TiedFit = Literal["symmetric", "diagonal"]
 Offload = Literal["host", "disk"]
 DistillationMethod = Literal["lora", "full"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
@@ -114,6 +115,11 @@ class SlicingSpec:
     (`stock.tied_scale`); false saves it untied (exact, vocabulary × width more). Unset: off for
     per_site, on for global when the model ties its embeddings (measured better at equal
     parameters, docs/benchmarks.md)."""
+    tied_fit: TiedFit = "symmetric"
+    """global with a tied head: how the head is fitted to the untied one. symmetric: the basis is
+    rotated within its span so that the final norm's diagonal realises the best symmetric map
+    (`stock.tied_rotation`, free: the stock model's other norms are uniform); diagonal: the
+    final norm's scale alone (`stock.tied_scale`)."""
 
 
 @options(frozen=True, config=FORBID)

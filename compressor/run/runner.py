@@ -46,7 +46,7 @@ from compressor.evaluation.throughput import compare_speed, fitting_lengths, mod
 from compressor.models.export import write_remote_code
 from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING
-from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, to_stock
+from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
@@ -188,13 +188,35 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
         result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch),
                         None, ranks)
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
-        pruned = result.model
+        pruned, bases, scale = result.model, result.bases, None
+        if _rotates_for_a_tied_head(recipe, checked):  # as rank 0 does, so every rank trains one student
+            pruned, bases, scale = _rotated_for_a_tied_head(result, resources.model(recipe.model), checked.family,
+                                                            device)
         if checked.layout.one_basis:
             pruned, _ = to_stock(pruned, checked.family, checked.config, tie=checked.tie_head,
-                                 stream=head_stream(result.head_moment, result.bases[EMBEDDING]))
+                                 stream=head_stream(result.head_moment, bases[EMBEDDING]), scale=scale)
         _distil(recipe, checked.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
                 report_progress, ranks)
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
+
+
+def _rotates_for_a_tied_head(recipe: Recipe, checked: Plan) -> bool:
+    return checked.layout.one_basis and checked.tie_head and recipe.slicing.tied_fit == "symmetric"
+
+
+def _rotated_for_a_tied_head(result: PruneResult, original: PreTrainedModel, family: ModelFamily,
+                             device: torch.device) -> tuple[PreTrainedModel, dict[str, torch.Tensor], torch.Tensor]:
+    """A stock tied head (`slicing.tied_fit: symmetric`): the walk's basis V becomes V·R, R the
+    rotation whose final-norm diagonal D fits the untied head best (`stock.tied_rotation`); the
+    sliced model rebuilt from `original` with it, the rotated bases, and D."""
+    sliced = result.model
+    R, scale = tied_rotation(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight,
+                             head_stream(result.head_moment, result.bases[EMBEDDING]))
+    # One basis: every site the same tensor, so sites stay shared bit for bit. A fresh copy: a resumed
+    # walk's basis is read from a file, and BLAS may round a product of differently aligned memory differently.
+    rotated = result.bases[EMBEDDING].clone(memory_format=torch.contiguous_format) @ R
+    bases = {site: rotated for site in result.bases}
+    return apply_bases(original, family, bases, device, keep_tied=False), bases, scale
 
 
 def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
@@ -239,7 +261,10 @@ class _Stages:
         self.guards: list[GuardRecord] = []
         self.heldout: list[Batch] = []
         self.head_scale: torch.Tensor | None = None
-        """A stock tied head's final-norm diagonal as refinement learned it (None: fitted at saving)."""
+        """A stock tied head's final-norm diagonal, from the symmetric fit or refinement (None: the
+        diagonal fit at saving, `stock.tied_scale`)."""
+        self.head_fit = "diagonal"
+        """How that diagonal was found, for the report: diagonal, symmetric (rotated), refined."""
         self.family, self.config = checked.family, checked.config
         self.one_basis = checked.layout.one_basis
         self.timings: dict[str, float] = {}
@@ -293,6 +318,11 @@ class _Stages:
         if self.result.fisher is not None:
             self.resources.keep_fisher(h_key, self.result.fisher)
         self.pruned, self.bases = self.result.model, self.result.bases
+        if _rotates_for_a_tied_head(recipe, self.checked):
+            self.progress("fitting the tied head", 0, 1)
+            self.pruned, self.bases, self.head_scale = _rotated_for_a_tied_head(
+                self.result, self.resources.model(recipe.model), self.family, device)
+            self.head_fit = "symmetric"
         self.timings["fisher_s"] = self.result.fisher_seconds  # shared work in a sweep: reported apart
         self.timings["prune_s"] = time.perf_counter() - tick - self.result.fisher_seconds
 
@@ -311,9 +341,10 @@ class _Stages:
         model as saved is not worse on the held-out windows (`run.guard`)."""
         recipe = self.recipe
         assert recipe.refinement is not None
-        received_scale = (fitted_tied_scale(self.pruned, self.family, self._head_stream()) if self.stock_tied
-                          else None)
-        refined = refine_bases(self.resources.model(recipe.model), self.family, self.calibration, self.result.bases,
+        received_scale = self.head_scale
+        if self.stock_tied and received_scale is None:
+            received_scale = fitted_tied_scale(self.pruned, self.family, self._head_stream())
+        refined = refine_bases(self.resources.model(recipe.model), self.family, self.calibration, self.bases,
                                recipe.refinement, self.device, recipe.seed, self.progress, self.keep_tied,
                                received_scale)
         self.refinement = refined.record
@@ -332,6 +363,7 @@ class _Stages:
         if guard.kept:
             self.unrefined, self.pruned, self.bases, self.head_scale = (self.pruned, candidate, refined.bases,
                                                                         refined.head_scale)
+            self.head_fit += ", then refined"
 
     def _heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
         """KL(original ‖ the model as it would be saved) on the guard's held-out windows."""
@@ -433,7 +465,8 @@ class _Stages:
             "target_params": recipe.target_params,
             "kept_width": checked.kept,
             "layout": recipe.slicing.layout,
-            "stock": self.stock,
+            "stock": self.stock if self.stock is None or self.stock["head"] != "tied" else {
+                **self.stock, "tied_fit": self.head_fit},
             "rounding": checked.rounding,
             "allocation": {"method": recipe.allocation.method, "budget": checked.budget,
                            "predicted_params": checked.params.count(result.widths),
