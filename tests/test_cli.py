@@ -78,7 +78,8 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
     assert resolved["slicing"] == {"layout": "per_site", "pooling": "trace", "round_to": 8, "slice_head": False,
-                                   "correct_readers": False, "shared_bases": False, "tie_head": None}
+                                   "correct_readers": False, "shared_bases": False, "tie_head": None,
+                                   "tied_fit": "symmetric"}
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.model_type == "sliced_llama"
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
