@@ -275,3 +275,23 @@ def test_guard_windows_the_data_cannot_give_are_one_line(tiny_checkpoint: Path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: refinement.heldout_windows: 100000 windows after the 4")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+def test_the_unrefined_figure_is_the_model_that_would_have_been_saved(tmp_path: Path) -> None:
+    """A global layout's `metrics.unrefined` is the stock model the run saves without refinement
+    (its tied head included), not the sliced model with its untied head: the figure a user
+    compares the refined model with."""
+    from tests.conftest import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}], sparsity=_DELETE,
+                  target_params=0.75)
+    refined = write_recipe(tmp_path, checkpoint, **common,
+                           refinement={"epochs": 3, "lr": 0.05, "batch_size": 2, "top_k": 0, "heldout_windows": 8})
+    assert main(["run", str(refined)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["guards"][0]["kept"] and report["stock"]["tied_fit"] == "symmetric, then refined"
+    plain = write_recipe(tmp_path, checkpoint, **common, output="plain")
+    assert main(["run", str(plain)]) == 0
+    unrefined = json.loads((tmp_path / "plain" / "report.json").read_text())["metrics"]["pruned"]
+    assert report["metrics"]["unrefined"] == unrefined

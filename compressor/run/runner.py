@@ -361,17 +361,22 @@ class _Stages:
         guard = GuardRecord.judge("refinement", sum(len(b.input_ids) for b in self.heldout), before, after)
         self._guarded(guard)
         if guard.kept:
-            self.unrefined, self.pruned, self.bases, self.head_scale = (self.pruned, candidate, refined.bases,
-                                                                        refined.head_scale)
+            self.unrefined = self._as_saved(self.pruned, received_scale)  # evaluated beside the refined model
+            self.pruned, self.bases, self.head_scale = candidate, refined.bases, refined.head_scale
             self.head_fit += ", then refined"
+
+    def _as_saved(self, sliced: PreTrainedModel, scale: torch.Tensor | None) -> PreTrainedModel:
+        """The model as the run would save it: a global layout's stock model (its tied head with
+        the diagonal `scale`, or fitted), a per-site layout's sliced model itself."""
+        if not self.one_basis:
+            return sliced
+        return to_stock(sliced, self.family, self.config, tie=self.checked.tie_head, stream=self._head_stream(),
+                        scale=scale)[0]
 
     def _heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
         """KL(original ‖ the model as it would be saved) on the guard's held-out windows."""
-        saved = sliced
-        if self.one_basis:
-            saved = to_stock(sliced, self.family, self.config, tie=self.checked.tie_head, stream=self._head_stream(),
-                             scale=scale)[0]
-        return compare(original, saved.to(self.device), self.heldout, self.device)["pruned"]["kl"]
+        saved = self._as_saved(sliced, scale).to(self.device)
+        return compare(original, saved, self.heldout, self.device)["pruned"]["kl"]
 
     def _guarded(self, guard: GuardRecord) -> None:
         """A guarded step's verdict: in the report, and said in one line when the step was undone."""
@@ -395,7 +400,7 @@ class _Stages:
         self.pruned, self.distillation, self.undistilled, self.original = _distil(
             self.recipe, self.family, self.pruned, self.distillation_rows, self.staging, self.device,
             self.evaluation, self.resources, self.progress, self.ranks)
-        record = self.distillation  # guarded by the stage itself: its best held-out checkpoint, or the student as received
+        record = self.distillation  # guarded by the stage: its best held-out checkpoint, or the student as received
         trained = [point["kl"] for point in record.curve if point["step"] > 0]
         self._guarded(GuardRecord("distillation", record.heldout_windows, record.heldout_kl_before,
                                   min(trained, default=record.heldout_kl_before), record.kept == "distilled"))
@@ -442,7 +447,7 @@ class _Stages:
             resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
         if self.undistilled is not None:  # measured before the distillation stage, on the same windows
             metrics["undistilled"] = self.undistilled
-        if self.unrefined is not None:  # held-out KL before refinement, beside the refined model's
+        if self.unrefined is not None:  # held-out KL before refinement (the model as it was saved), beside the refined
             self.progress("evaluating the unrefined model", 0, len(evaluation))
             metrics["unrefined"] = compare(original, self.unrefined.to(device), evaluation, device)["pruned"]
             self.unrefined = None
