@@ -335,3 +335,38 @@ def test_the_width_is_one_the_stock_config_accepts(tiny_checkpoint: Path, tmp_pa
     assert report["rounding"]["class_multiple"] == 4 and report["rounding"]["step"] == 4
     assert report["stock"]["hidden_size"] % 4 == 0
     assert report["rounding"]["unrounded_width"] == report["rounding"]["width"]
+
+
+@pytest.mark.parametrize("k", [12, 20])
+def test_the_symmetric_tied_fit_beats_the_diagonal_and_is_exact_at_full_width(k: int) -> None:
+    """`tied_rotation`'s R·diag(D)·Rᵀ is the weighted least-squares symmetric map from the sliced
+    embedding to the untied head: never worse than `tied_scale`'s diagonal, no symmetric
+    perturbation improves it, and at k = d (nothing sliced) it is Vᵀ·diag(g)·V, exact."""
+    from compressor.models.stock import tied_rotation, tied_scale
+
+    generator = torch.Generator().manual_seed(0)
+    d = 20
+    E = torch.randn(500, d, generator=generator, dtype=torch.float64)
+    g = torch.rand(d, generator=generator, dtype=torch.float64) * 2 + 0.2
+    V = torch.linalg.qr(torch.randn(d, k, generator=generator, dtype=torch.float64))[0]
+    X = torch.randn(1000, d, generator=generator, dtype=torch.float64) @ torch.randn(d, d, generator=generator,
+                                                                                     dtype=torch.float64)
+    N = V.T @ (X.T @ X / 1000) @ V
+    A, B = E @ V, E @ torch.diag(g) @ V
+
+    def loss(S: torch.Tensor) -> float:
+        residual = A @ S - B
+        return float(torch.trace(residual @ N @ residual.T))
+
+    R, D = tied_rotation(A, B, N)
+    assert torch.allclose(R.T @ R, torch.eye(k, dtype=torch.float64), atol=1e-10)
+    S = R @ torch.diag(D) @ R.T
+    diagonal = loss(torch.diag(tied_scale(A, B, N)))
+    assert loss(S) <= diagonal
+    for _ in range(5):
+        P = torch.randn(k, k, generator=generator, dtype=torch.float64) * 1e-4
+        assert loss(S + P + P.T) >= loss(S)
+    if k == d:
+        assert torch.allclose(S, V.T @ torch.diag(g) @ V, atol=1e-8) and loss(S) < 1e-12 * diagonal
+    else:
+        assert loss(S) < 0.9 * diagonal

@@ -110,15 +110,24 @@ def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor
     embedding, B = W·diag(g)·V, the untied head; it minimises E_n‖(A·diag(D) − B)·n‖² =
     Tr((AD − B)·N·(AD − B)ᵀ) with N = E[n nᵀ] of the stream the head reads (`stream`, k × k; the
     identity when None). Setting the gradient to zero: (AᵀA ∘ N)·D = diag(AᵀB·N)."""
+    gram, cross, N = _head_products(embedding, head, stream, rows)
+    return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
+
+
+def _head_products(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
+                   rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AᵀA and AᵀB (A the sliced embedding, B the untied head; float64, k × k) and N (the
+    stream's second moment, or the identity), with the vocabulary read in chunks of `rows`: no
+    vocabulary × k float64 copies."""
     k = embedding.shape[1]
     gram = torch.zeros(k, k, dtype=torch.float64)
     cross = torch.zeros(k, k, dtype=torch.float64)
-    for start in range(0, embedding.shape[0], rows):  # vocabulary rows in chunks: no vocab × k float64 copies
+    for start in range(0, embedding.shape[0], rows):
         a = embedding[start:start + rows].to("cpu", torch.float64)
         gram += a.T @ a
         cross += a.T @ head[start:start + rows].to("cpu", torch.float64)
     N = torch.eye(k, dtype=torch.float64) if stream is None else stream.to("cpu", torch.float64)
-    return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
+    return gram, cross, N
 
 
 @torch.no_grad()
@@ -134,14 +143,8 @@ def tied_rotation(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Ten
     With the pencil's eigenvectors P (Pᵀ·G·P = I, Pᵀ·N·P = Λ) and S = P·X·Pᵀ that is
     X_ij = (Pᵀ(AᵀB·N + N·BᵀA)P)_ij / (λ_i + λ_j); then S = R·diag(D)·Rᵀ by its eigenvectors. The
     diagonal fit (`tied_scale`) is the case R = I, so this is never worse in the fit's own terms."""
-    k = embedding.shape[1]
-    gram = torch.zeros(k, k, dtype=torch.float64)
-    cross = torch.zeros(k, k, dtype=torch.float64)
-    for start in range(0, embedding.shape[0], rows):
-        a = embedding[start:start + rows].to("cpu", torch.float64)
-        gram += a.T @ a
-        cross += a.T @ head[start:start + rows].to("cpu", torch.float64)
-    N = torch.eye(k, dtype=torch.float64) if stream is None else stream.to("cpu", torch.float64)
+    gram, cross, N = _head_products(embedding, head, stream, rows)
+    k = gram.shape[0]
     lower = torch.linalg.cholesky(gram)
     inverse = torch.linalg.solve_triangular(lower, torch.eye(k, dtype=torch.float64), upper=False)  # L⁻¹
     pencil, vectors = torch.linalg.eigh(inverse @ N @ inverse.T)
