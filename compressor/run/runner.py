@@ -200,8 +200,13 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
 
 
+def _stock_tied(checked: Plan) -> bool:
+    """Saved as the original class with its head tied (its final norm's diagonal fitted or learned)."""
+    return checked.layout.one_basis and checked.tie_head
+
+
 def _rotates_for_a_tied_head(recipe: Recipe, checked: Plan) -> bool:
-    return checked.layout.one_basis and checked.tie_head and recipe.slicing.tied_fit == "symmetric"
+    return _stock_tied(checked) and recipe.slicing.tied_fit == "symmetric"
 
 
 def _rotated_for_a_tied_head(result: PruneResult, original: PreTrainedModel, family: ModelFamily,
@@ -330,11 +335,6 @@ class _Stages:
     def keep_tied(self) -> bool | None:
         return False if self.one_basis else None  # a global layout's head is decided by its stock conversion
 
-    @property
-    def stock_tied(self) -> bool:
-        """Saved as the original class with its head tied (its final norm's diagonal fitted or learned)."""
-        return self.one_basis and self.checked.tie_head
-
     def refine(self) -> None:
         """`refinement`: the bases moved together on the output KL (a stock tied head's diagonal with
         them), applied to a fresh original when they lowered the objective, and kept only when the
@@ -342,7 +342,7 @@ class _Stages:
         recipe = self.recipe
         assert recipe.refinement is not None
         received_scale = self.head_scale
-        if self.stock_tied and received_scale is None:
+        if _stock_tied(self.checked) and received_scale is None:
             received_scale = fitted_tied_scale(self.pruned, self.family, self._head_stream())
         refined = refine_bases(self.resources.model(recipe.model), self.family, self.calibration, self.bases,
                                recipe.refinement, self.device, recipe.seed, self.progress, self.keep_tied,
