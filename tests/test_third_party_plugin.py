@@ -232,3 +232,19 @@ def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 passed" in result.stdout
+
+
+@pytest.mark.parametrize("example", sorted(p.parent.name for p in (ROOT / "examples").glob("*/pyproject.toml")))
+def test_example_plugins_resolve_against_this_compressor(example: str, tmp_path: Path) -> None:
+    """pip's resolver, offline, against the installed compressor: the example's `compressor` pin
+    admits this version (its other dependencies are installed here already), so the plugin guide's
+    first `pip install` works. A pin left behind by a version bump fails here."""
+    source = tmp_path / example
+    shutil.copytree(ROOT / "examples" / example, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--quiet", "--report", str(tmp_path / "report.json"), str(source)],
+        capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    wanted = [item["metadata"]["name"] for item in json.loads((tmp_path / "report.json").read_text())["install"]]
+    assert wanted == [f"compressor-{example.removesuffix('-plugin')}"], wanted  # nothing but the plugin itself
