@@ -21,7 +21,8 @@ from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.walk import PipelineStep, kept_width, prune
 from compressor.evaluation.metrics import parameter_count
-from compressor.models.budget import ParamModel, param_model, sliced_params, widest_uniform
+from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
+from compressor.models.sliced import apply_slicing_layout
 from compressor.models.families import family_for
 from compressor.models.sites import layer_site_ids, site_ids, site_widths
 from compressor.strategies.contract import coupled_loss, eigh_descending, frobenius_normalised
@@ -45,6 +46,13 @@ LARGE = {
     "8B": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
+
+
+def sliced_params(config, family, widths, shared=(), tied=False) -> int:
+    """The oracle for ParamModel: a sliced model built on the meta device, its parameters counted."""
+    model = _meta_model(config)
+    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
+    return _count(model)
 
 
 def _config(name: str):

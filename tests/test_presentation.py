@@ -97,7 +97,7 @@ def test_compare_warns_when_runs_were_evaluated_on_different_windows(tmp_path: P
     a = _run(tmp_path / "a", _report(), _recipe())
     b = _run(tmp_path / "b", _report(metrics={"baseline": {"ppl": 20.314}, "pruned": {"ppl": 21.0, "kl": 0.01}}),
              _recipe(evaluation__num_samples=256))
-    warnings = compare.evaluation_warnings([a, b])
+    warnings = compare.compare_runs([a, b])[1]
     assert len(warnings) == 1
     assert "evaluated on different data" in warnings[0]
     assert "evaluation.num_samples 64 vs 256" in warnings[0]
@@ -110,7 +110,7 @@ def test_a_differing_baseline_perplexity_alone_is_warned_about(tmp_path: Path) -
     """An old run without its recipe, or a data file edited between runs: the baseline shows it."""
     a = _run(tmp_path / "a", _report())
     b = _run(tmp_path / "b", _report(metrics={"baseline": {"ppl": 15.687}, "pruned": {"ppl": 16.0, "kl": 0.01}}))
-    assert "baseline perplexity 30.167 vs 15.687" in " ".join(compare.evaluation_warnings([a, b]))
+    assert "baseline perplexity 30.167 vs 15.687" in " ".join(compare.compare_runs([a, b])[1])
 
 
 def test_runs_evaluated_alike_get_no_warning(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_runs_evaluated_alike_get_no_warning(tmp_path: Path) -> None:
     a = _run(tmp_path / "a", _report(), _recipe())
     b = _run(tmp_path / "b", _report(metrics=noise, seed=1), _recipe(sparsity=0.5, seed=1,
                                                                       calibration__num_samples=64))
-    assert compare.evaluation_warnings([a, b]) == []  # the seed changes no perplexity window
+    assert compare.compare_runs([a, b])[1] == []  # the seed changes no perplexity window
 
 
 def test_a_seed_that_differs_is_warned_about_for_task_scores(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_a_seed_that_differs_is_warned_about_for_task_scores(tmp_path: Path) -> 
              "pruned": {"ppl": 31.0, "kl": 0.02, "tasks": {"arc_easy": {"acc": 0.6}}}}
     a = _run(tmp_path / "a", _report(metrics=tasks), _recipe())
     b = _run(tmp_path / "b", _report(metrics=tasks, seed=1), _recipe(seed=1))
-    (warning,) = compare.evaluation_warnings([a, b])
+    (warning,) = compare.compare_runs([a, b])[1]
     assert "task scores" in warning and "seed 0 vs 1" in warning
 
 

@@ -75,14 +75,6 @@ def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[s
     return value
 
 
-def sliced_params(config: PretrainedConfig, family: ModelFamily, widths: Mapping[str, int],
-                  shared: Collection[str] = (), tied: bool = False) -> int:
-    """Parameters of the sliced model with `widths`, counted on one built on the meta device."""
-    model = _meta_model(config)
-    apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
-    return _count(model)
-
-
 def param_model(config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = (),
                 tied: bool = False) -> ParamModel:
     """The exact parameter polynomial of `config`'s sliced variants; `shared` names the sites that

@@ -40,9 +40,7 @@ Precision = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup", "inverse_sqrt"]
 TeacherPlacement = Literal["model", "cached"]
 DTYPES = get_args(Dtype)
-ATTENTION = get_args(Attention)
 FORMATS = get_args(Format)
-ALLOCATION_METHODS = get_args(AllocationMethod)
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 @options(frozen=True, config=FORBID)

@@ -5,7 +5,7 @@ strategies, with the options in which the compared runs differ (so two ablation 
 look alike) and whether the bases were refined on the KL after the walk, and the table can be
 written as Markdown, CSV or JSON. Time is split so that a sweep's first run does not look slow:
 `prune s` is the run's own work, `shared s` what runs can share (tokenising, loading, computing H).
-Every recipe setting in which the runs differ gets a column, and `evaluation_warnings` says when
+Every recipe setting in which the runs differ gets a column, and `warnings_for` says when
 the runs were not evaluated alike (their KL and perplexity are then not comparable).
 """
 
@@ -262,11 +262,6 @@ def warnings_for(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | N
     return lines
 
 
-def evaluation_warnings(folders: list[Path]) -> list[str]:
-    """`warnings_for` the run folders (what `compress compare` prints beside its table)."""
-    return compare_runs(folders)[1]
-
-
 def _timing_cells(timings: dict[str, Any]) -> dict[str, Any]:
     """The run's own prune time, and apart from it what runs can share (tokenising, loading, H):
     in a sweep the first run pays the shared part, which would otherwise look like slower
@@ -287,7 +282,7 @@ def rows(folders: list[Path], shown: Iterable[str] = ()) -> list[dict[str, Any]]
 
 
 def compare_runs(folders: list[Path], shown: Iterable[str] = ()) -> tuple[list[dict[str, Any]], list[str]]:
-    """`rows` and `evaluation_warnings` of the run folders, each report and recipe read once."""
+    """`rows` and `warnings_for` of the run folders, each report and recipe read once."""
     reports = [read_report(folder) for folder in folders]
     recipes = [read_recipe(folder) for folder in folders]
     return _rows(folders, reports, recipes, shown), warnings_for(reports, recipes)
@@ -324,7 +319,7 @@ def cell(column: str, value: Any) -> str:
 
 
 def render(table: list[dict[str, Any]], suffix: str, warnings: Iterable[str] = ()) -> str:
-    """The table as Markdown (.md), CSV (.csv) or JSON (.json); `warnings` (`evaluation_warnings`)
+    """The table as Markdown (.md), CSV (.csv) or JSON (.json); `warnings` (`warnings_for`)
     follow a Markdown table, where a reader of the table sees them (CSV and JSON stay plain data)."""
     if suffix == ".json":
         return json.dumps(table, indent=2) + "\n"
