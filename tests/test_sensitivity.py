@@ -314,3 +314,18 @@ def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str, overri
         _, logits = site_activations(model, family, inputs, 0)
         expected = model(input_ids=ids).logits
     assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_auto_is_bfloat16_only_where_the_cpu_computes_it(native: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` follows the CPU's bf16 instructions (emulated bf16 is several times slower than
+    float32), and an explicit setting is taken as given."""
+    from compressor.engine.fisher import autocast_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cpu = torch.device("cpu")
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+    assert autocast_dtype("bfloat16", cpu) == torch.bfloat16 and autocast_dtype(None, cpu) is None
+    assert autocast_dtype("auto", torch.device("meta")) is None

@@ -14,11 +14,12 @@ from tests.test_cli import write_recipe
 
 
 def test_sensitivity_then_stiefel_reports_every_site(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, sensitivity={"autocast": "bfloat16"},
                           pipeline=[{"strategy": "sensitivity", "taus": [1, 10]},
                                     {"strategy": "stiefel", "steps": 20, "lr": 0.01}])
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["fisher_source"] == "computed" and report["fisher_autocast"] == "bfloat16"
     for site in report["sites"]:
         assert site["strategy"] == "sensitivity+stiefel"
         sens, stiefel = site["steps"][0]["objectives"], site["steps"][1]["objectives"]
@@ -46,13 +47,14 @@ def test_pca_runs_never_estimate_h(tiny_checkpoint: Path, tmp_path: Path, monkey
 
     monkeypatch.setattr(compressor.engine.walk, "estimate_fisher", forbidden)
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, evaluation=None))]) == 0
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["fisher_autocast"] is None
 
 
 def test_bad_sensitivity_settings_exit_2(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for changes, message in [
         (dict(sensitivity={"dtype": "float16"}), "sensitivity.dtype must be one of float32, float64"),
         (dict(sensitivity={"reduction": "max"}), "sensitivity.reduction must be one of sum, mean"),
-        (dict(sensitivity={"autocast": "int8"}), "sensitivity.autocast must be null or one of bfloat16, float16"),
+        (dict(sensitivity={"autocast": "int8"}), "sensitivity.autocast must be null or one of auto, bfloat16, float16"),
         (dict(calibration__format="dialogue"), "calibration.format must be one of text, chat"),
         (dict(pipeline=[{"strategy": "stiefel", "lr": -1}]), "pipeline.0: strategy 'stiefel': lr must be above 0"),
     ]:

@@ -131,6 +131,24 @@ def _chunks(inputs: LayerInputs, samples: int) -> list[range]:
     return groups
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with
+    AVX512-BF16 or AMX tiles (elsewhere torch emulates it, several times slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
+
+
+def autocast_dtype(setting: str | None, device: torch.device) -> torch.dtype | None:
+    """`sensitivity.autocast` on `device`: None (full precision), a dtype, or for `auto`
+    bfloat16 where it is native and None elsewhere."""
+    if setting == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else None
+    return getattr(torch, setting) if setting else None
+
+
 def estimate_fisher(
     model: PreTrainedModel,
     family: ModelFamily,
@@ -158,7 +176,7 @@ def estimate_fisher(
     are accumulated. With `reduction: mean` each batch's objective is divided by its own count.
     """
     dtype = getattr(torch, options.dtype)
-    lowered = getattr(torch, options.autocast) if options.autocast else None
+    lowered = autocast_dtype(options.autocast, device)
     recompute = options.recompute if options.recompute is not None else device.type != "cpu"
     layers = list(model.get_submodule(family.layers))
     generator = torch.Generator(device=device).manual_seed(seed)

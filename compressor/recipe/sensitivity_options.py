@@ -10,7 +10,7 @@ from compressor.validation import FORBID, described, options
 
 Reduction = Literal["sum", "mean"]
 AccumulationDtype = Literal["float32", "float64"]
-AutocastDtype = Literal["bfloat16", "float16"]
+AutocastDtype = Literal["auto", "bfloat16", "float16"]
 REDUCTIONS = get_args(Reduction)
 ACCUMULATION_DTYPES = get_args(AccumulationDtype)
 AUTOCAST_DTYPES = get_args(AutocastDtype)
@@ -20,7 +20,9 @@ AUTOCAST_DTYPES = get_args(AutocastDtype)
 class SensitivityOptions:
     """How H is estimated. `dtype` is the accumulation precision (the paper: float32);
     `autocast`, if set, runs the forward and backward passes of the H estimate (only) in that
-    lower precision: faster where the hardware has it, at a measured cost in accuracy.
+    lower precision: faster where the hardware has it, at a measured cost in accuracy; `auto` is
+    bfloat16 only where the device computes it natively (a CUDA GPU with bf16, a CPU with
+    AVX512-BF16 or AMX), full precision elsewhere (emulated bf16 is several times slower).
     `chunk` is how many calibration sequences go down the layers together when layers are
     recomputed: their inputs to every layer are held on the host at once (≈ (L + 1) · chunk ·
     seq_len · d values); without recomputation the pass goes one batch at a time.

@@ -31,7 +31,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows += refinement_rows(report.get("refinement"))
     rows += guard_rows(report.get("guards"), "refinement")
     rows += distillation_rows(report.get("distillation"))
-    return rows + timing_rows(report["timings"])
+    return rows + timing_rows(report["timings"], report.get("fisher_autocast"))
 
 
 def transition_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -81,12 +81,13 @@ def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, st
                                  f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)")]
 
 
-def timing_rows(timings: dict[str, Any]) -> list[tuple[str, str, str]]:
+def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tuple[str, str, str]]:
     """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
     that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
     rows = []
     if timings.get("fisher_s"):
-        rows.append(("output sensitivity H (s)", "", f"{timings['fisher_s']:.1f}"))
+        under = f" (autocast {autocast})" if autocast else ""
+        rows.append((f"output sensitivity H (s){under}", "", f"{timings['fisher_s']:.1f}"))
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))

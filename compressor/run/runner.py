@@ -36,6 +36,7 @@ from compressor.engine import parallel
 from compressor.engine.activations import ActivationStore
 from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.engine.checkpoint import DISTILLATION_FOLDER, Checkpoint, model_digest, tensor_digest
+from compressor.engine.fisher import autocast_dtype
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import refine_bases
 from compressor.engine.walk import PruneResult, prune
@@ -487,6 +488,7 @@ class _Stages:
             "resumed_from": result.resumed_from,
             "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
             "fisher_source": result.fisher_source,
+            "fisher_autocast": _autocast_name(recipe, self.device) if result.fisher_source is not None else None,
             "refinement": self.refinement.to_json() if self.refinement is not None else None,
             "guards": [guard.to_json() for guard in self.guards],
             "distillation": self.distillation.to_json() if self.distillation is not None else None,
@@ -508,6 +510,13 @@ class _Stages:
             distillation_figure({"held-out KL": self.distillation.curve}).savefig(
                 staging / "distillation.png", dpi=120, bbox_inches="tight")
         return report
+
+
+def _autocast_name(recipe: Recipe, device: torch.device) -> str:
+    """The autocast H's passes ran under on this device (`sensitivity.autocast`, `auto` resolved; off:
+    the model's own dtype)."""
+    lowered = autocast_dtype(recipe.sensitivity.autocast, device)
+    return "off" if lowered is None else str(lowered).removeprefix("torch.")
 
 
 def _distillation_data(recipe: Recipe, tokenizer: Any) -> Any:
