@@ -193,7 +193,7 @@ def _speed_cells(speed: dict[str, Any]) -> tuple[str, str]:
 
 def test_a_speedup_within_the_spread_of_the_repeats_is_called_noise() -> None:
     before, after = _speed_cells(_speed((1000, 900, 1100), (930, 880, 1050)))
-    assert "±10%" in before
+    assert before == "1,000 (900–1,100)"  # the median, then the slowest and fastest repeat
     assert "×0.93" in after and "within noise" in after
 
 

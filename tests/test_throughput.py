@@ -189,3 +189,13 @@ def test_a_run_reports_size_and_speed_of_both_models(tiny_checkpoint, tmp_path) 
         assert speed[side]["throughput"]["prompt_len"] + speed[side]["throughput"]["decode_tokens"] <= 128
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "| weights (MB) |" in markdown and "| decode tokens/s, batch 8 |" in markdown
+
+
+def test_a_time_budget_bounds_the_timed_rounds(llama) -> None:
+    """A budget smaller than one round still times one round; without one, every repeat runs."""
+    _, pruned, _ = llama
+    bounded = measure_throughput(pruned, "cpu", **{**FAST, "repeats": 4, "budget_s": 1e-9})
+    unbounded = measure_throughput(pruned, "cpu", **{**FAST, "repeats": 4})
+    assert bounded["budget_s"] == 1e-9 and unbounded["budget_s"] is None
+    assert {len(numbers["decode_runs_s"]) for numbers in bounded["batch"].values()} == {1}
+    assert {len(numbers["decode_runs_s"]) for numbers in unbounded["batch"].values()} == {4}

@@ -55,7 +55,7 @@ class _Recorder(nn.Module):
         return hidden_states
 
 
-_DROPPED_KWARGS = ("past_key_values", "use_cache")
+_DROPPED_KWARGS = ("cache", "past_key_values", "use_cache")
 
 
 @torch.no_grad()

@@ -71,7 +71,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tens
     comparison (bfloat16, batch 8: +60% prefill time on the reference model).
     """
     out = model(input_ids=input_ids, use_cache=True)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], out.cache
 
 
 def decode(model: PreTrainedModel, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,8 @@ def decode(model: PreTrainedModel, cache: Any, tokens: torch.Tensor) -> torch.Te
     does; returns each step's logits (batch, steps, vocab). The cache grows in place."""
     logits = []
     for step in range(tokens.shape[1]):
-        out = model(input_ids=tokens[:, step : step + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=tokens[:, step : step + 1], cache=cache, use_cache=True)
+        cache = out.cache
         logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 
@@ -104,12 +104,32 @@ def fitting_lengths(models: list[PreTrainedModel], prompt_len: int = 128, decode
     return {"prompt_len": prompt_len, "decode_tokens": decode_tokens}
 
 
+REPORT_REPEATS, REPORT_BUDGET_S = 5, 20.0
+"""A run's report times up to 5 rounds per batch size, within about 20 s of timed rounds each (a
+135M model on two busy CPU cores spent 11 of a run's 26 minutes here with 3 unbounded repeats)."""
+
+
+def report_settings(models: list[PreTrainedModel]) -> dict[str, Any]:
+    """`measure_throughput`'s keywords for a run's or `compress eval`'s report: lengths that fit
+    the models, and the bounded repeats."""
+    return {**fitting_lengths(models), "repeats": REPORT_REPEATS, "budget_s": REPORT_BUDGET_S}
+
+
+def cost_note(settings: Mapping[str, Any], batch_sizes: int = 2) -> str:
+    """What the measurement will cost, for its progress line."""
+    return (f"one warm-up and up to {settings['repeats']} timed rounds per batch size, "
+            f"about {settings['budget_s'] * batch_sizes:.0f} s at most after warm-up")
+
+
 def _timings(
     models: list[PreTrainedModel], device: torch.device, ids: torch.Tensor, new: torch.Tensor, warmup: int,
-    repeats: int,
+    repeats: int, budget_s: float | None,
 ) -> list[tuple[list[float], list[float]]]:
     """(prefill seconds, decode seconds) of each run of each model. The models take turns run by
-    run, so a load that comes and goes on a shared machine falls on all of them alike."""
+    run, so a load that comes and goes on a shared machine falls on all of them alike. With
+    `budget_s`, a round (every model once) is not started once the rounds so far plus one more,
+    at the last round's (or warm-up's) cost, would pass it: at least one timed round, at most
+    `repeats` (a model whose one call takes seconds gets fewer repeats, not minutes)."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -125,15 +145,21 @@ def _timings(
         sync()
         return middle - tick, time.perf_counter() - middle
 
+    round_s = 0.0
     for _ in range(warmup):
-        for model in models:
-            once(model)
+        round_s = sum(sum(once(model)) for model in models)
     runs: list[tuple[list[float], list[float]]] = [([], []) for _ in models]
-    for _ in range(repeats):
+    spent = 0.0
+    for done in range(repeats):
+        if done and budget_s is not None and spent + round_s > budget_s:
+            break
+        round_s = 0.0
         for model, (prefill_s, decode_s) in zip(models, runs):
             first, second = once(model)
             prefill_s.append(first)
             decode_s.append(second)
+            round_s += first + second
+        spent += round_s
     return runs
 
 
@@ -177,6 +203,7 @@ def _throughput(
     batch_sizes: Iterable[int] = (1, 8),
     warmup: int = 1,
     repeats: int = 3,
+    budget_s: float | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
@@ -200,14 +227,15 @@ def _throughput(
             for batch in batch_sizes:
                 ids = torch.randint(vocab, (batch, prompt_len), generator=generator).to(device)
                 new = torch.randint(vocab, (batch, decode_tokens), generator=generator).to(device)
-                for into, (prefill_s, decode_s) in zip(per_batch, _timings(models, device, ids, new, warmup, repeats)):
+                timed = _timings(models, device, ids, new, warmup, repeats, budget_s)
+                for into, (prefill_s, decode_s) in zip(per_batch, timed):
                     into[str(batch)] = {**_rates("prefill", batch * prompt_len, prefill_s),
                                         **_rates("decode", batch * decode_tokens, decode_s)}
     finally:
         for model, training in zip(models, modes):
             model.train(training)
     settings = {"device": str(device), "torch_threads": torch.get_num_threads(), "prompt_len": prompt_len,
-                "decode_tokens": decode_tokens, "warmup": warmup, "repeats": repeats}
+                "decode_tokens": decode_tokens, "warmup": warmup, "repeats": repeats, "budget_s": budget_s}
     return [{**settings, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "batch": batch}
             for model, batch in zip(models, per_batch)]
 
@@ -221,6 +249,7 @@ def measure_throughput(
     batch_sizes: Iterable[int] = (1, 8),
     warmup: int = 1,
     repeats: int = 3,
+    budget_s: float | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -231,12 +260,14 @@ def measure_throughput(
     tokens over the time of decode_tokens single-token forwards after that prefill (its cache
     untimed). `warmup` runs are not timed; rates come from the median of `repeats` timed runs
     (all kept, in `*_runs_s`; the slowest and fastest run's rates in `*_tok_s_min` and
-    `*_tok_s_max`, and the range of the times over their median in `*_spread`). On CUDA the
+    `*_tok_s_max`, and the range of the times over their median in `*_spread`); `budget_s` bounds
+    the timed rounds' seconds per batch size (at least one round; `_timings`). On CUDA the
     device is synchronised around each timing. The model runs in eval mode and is given back in
     the mode it came in.
     """
     return _throughput([model], device, prompt_len=prompt_len, decode_tokens=decode_tokens,
-                       batch_sizes=batch_sizes, warmup=warmup, repeats=repeats, vocab_size=vocab_size, seed=seed)[0]
+                       batch_sizes=batch_sizes, warmup=warmup, repeats=repeats, budget_s=budget_s,
+                       vocab_size=vocab_size, seed=seed)[0]
 
 
 def measure(model: PreTrainedModel, device: torch.device | str, **options: Any) -> dict[str, Any]:

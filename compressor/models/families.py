@@ -195,7 +195,7 @@ GPT2 = ModelFamily(
     layers="transformer.h", final_norm="transformer.ln_f", attention="attn", attn_norm="ln_1",
     attn_inputs=("c_attn",), attn_output="c_proj", mlp_norm="ln_2", mlp_inputs=("c_fc",), mlp_output="c_proj",
     norm_eps="layer_norm_epsilon", layer_norm=True, extra_embeddings=("transformer.wpe",), prepare=_conv1d_to_linear,
-    positional_args=("past_key_values", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
+    positional_args=("cache", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
     head_width_is_embedding_width=True, stock_refusal=LAYER_NORM,
 )
 

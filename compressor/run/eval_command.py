@@ -27,7 +27,7 @@ from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, load_
 from compressor.errors import UserError
 from compressor.evaluation.harness import check_suites
 from compressor.evaluation.metrics import evaluate_models
-from compressor.evaluation.throughput import compare_speed, fitting_lengths, measure, model_size
+from compressor.evaluation.throughput import compare_speed, cost_note, measure, model_size, report_settings
 from compressor.models.families import ModelFamily
 from compressor.models.stock import to_stock
 from compressor.recipe.schema import (
@@ -183,11 +183,12 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
     speed = None
     if plan.throughput:
-        report_progress("measuring throughput", 0, 1)
+        settings = report_settings([target] if reference is None else [reference, target])
+        report_progress(f"measuring throughput ({cost_note(settings)})", 0, 1)
         if reference is None:
-            speed = {"pruned": measure(target, device, **fitting_lengths([target]))}
+            speed = {"pruned": measure(target, device, **settings)}
         else:
-            speed = compare_speed(reference, target, device, **fitting_lengths([reference, target]))
+            speed = compare_speed(reference, target, device, **settings)
     return {
         "compressor": compressor.__version__,
         "target": plan.target.path if plan.rebuild is None else f"{request.target} (rebuilt from {BASES_FILE})",

@@ -119,12 +119,13 @@ def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> lis
 
 
 def rate_cell(numbers: dict[str, Any], phase: str) -> str:
-    """The median tokens/s, with ± half the range of the repeats (relative to the median): a
-    median of a few runs on a busy machine means little without its spread."""
+    """The median tokens/s with the slowest and fastest repeat's: a median of a few runs on a busy
+    machine means little without its spread, and a range (unlike ± a percentage of the median,
+    which passed 100% when one repeat ran 4.5x faster) cannot read like a bug."""
     median, span = numbers[f"{phase}_tok_s"], rate_range(numbers, phase)
-    if span is None or not median:
+    if span is None or not median or span[0] == span[1]:
         return f"{median:,.0f}"
-    return f"{median:,.0f} ±{(span[1] - span[0]) / (2 * median):.0%}"
+    return f"{median:,.0f} ({span[0]:,.0f}–{span[1]:,.0f})"
 
 
 def speedup_label(speed: dict[str, Any], batch: str, phase: str) -> str:

@@ -43,7 +43,7 @@ from compressor.engine.walk import PruneResult, prune
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
 from compressor.evaluation.plots import distillation_figure
-from compressor.evaluation.throughput import compare_speed, fitting_lengths, model_size
+from compressor.evaluation.throughput import compare_speed, cost_note, model_size, report_settings
 from compressor.models.export import write_remote_code
 from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING
@@ -453,8 +453,9 @@ class _Stages:
             metrics["unrefined"] = compare(original, self.unrefined.to(device), evaluation, device)["pruned"]
             self.unrefined = None
         if recipe.evaluation.throughput:
-            self.progress("measuring throughput", 0, 1)
-            self.speed = compare_speed(original, self.pruned, device, **fitting_lengths([original, self.pruned]))
+            settings = report_settings([original, self.pruned])
+            self.progress(f"measuring throughput ({cost_note(settings)})", 0, 1)
+            self.speed = compare_speed(original, self.pruned, device, **settings)
         self.metrics = metrics
         del original
 
