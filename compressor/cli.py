@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="validate the recipe, a local model's config.json, the data (local text is tokenised to "
                           "count its windows; otherwise its first record) and the output, and stop; loads no weights")
-    run.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the output folder of a previous run (a folder holding files no run wrote is "
+                          "refused even then: a run never deletes what it did not write)")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
     evaluate = commands.add_parser("eval", help="perplexity (and KL to a reference) of a run folder or any model")
@@ -122,14 +124,15 @@ def _quiet_libraries() -> None:
 
 def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.recipe.schema import load_recipe
+    from compressor.strategies.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)  # before the heavy imports
+    _quiet_libraries()
     from compressor.run.report import budget_label, rich_table
     from compressor.run.runner import run
     from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
-    from compressor.strategies.registry import PluginRegistry
 
-    _quiet_libraries()
-    registry = PluginRegistry()
-    recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)
     if args.dry_run:
         from compressor.run.preflight import dry_run
 
@@ -403,7 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rich.console import Console
 
         console = Console(stderr=False, log_path=False)
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        if not (sys.argv[1:] if argv is None else list(argv)):  # bare `compress`: what it can do, not an error
+            parser.print_help()
+            return 2
+        args = parser.parse_args(argv)
         if args.command == "run":
             _run(args, console)
         elif args.command == "families":

@@ -256,6 +256,9 @@ BAD_INPUTS = {
     "missing data file": (dict(calibration__dataset={"path": "json", "data_files": "nope.jsonl"}), None,
                           "data file not found"),
     "missing model folder": (dict(model__path="./no-such-model"), None, "model folder not found"),
+    "reference data not beside the checkout": (dict(calibration__dataset={"path": "json", "data_files":
+                                                                          "../shared/corpus/calib.jsonl"}), None,
+                                               "expect the reference data (models/ref-llama, corpus/) in a shared/"),
     "hub model while offline": (dict(model__path="someone/some-model"), None, "offline mode is on"),
     "unsupported family": ("bloom", None, "model_type 'bloom' is not supported"),
     "too little data": (dict(evaluation__num_samples=100000), None, "evaluation: the dataset yields"),
@@ -479,9 +482,10 @@ def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny
     assert message in err and err.count("\n") == 1
 
 
-def test_help_and_recipe_checks_leave_the_model_stack_unimported() -> None:
+def test_help_and_recipe_checks_leave_the_model_stack_unimported(tmp_path: Path) -> None:
     """`compress --help` imports neither torch nor transformers; checking a recipe and listing the
-    strategies import torch (the strategies are torch code) but not transformers or lm-eval."""
+    strategies import torch (the strategies are torch code) but not transformers or lm-eval, and
+    `compress run` reports a recipe's typo before it imports them (seconds sooner)."""
     import subprocess
     import sys
 
@@ -489,7 +493,10 @@ def test_help_and_recipe_checks_leave_the_model_stack_unimported() -> None:
               "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    {call}\n"
               "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))")
     demo = EXAMPLES.parent / "recipes" / "demo.yaml"
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(demo.read_text().replace("num_samples", "num_sample"))
     for call, expected in [
+        (f"main(['run', {str(typo)!r}])", "['torch']"),
         ("main(['--help'])", "[]"),
         (f"from compressor.recipe.schema import load_recipe; from compressor.strategies.registry import PluginRegistry; "
          f"load_recipe({str(demo)!r}, PluginRegistry())", "['torch']"),
@@ -534,6 +541,12 @@ def test_yes_in_a_recipe_file_is_refused_not_read_as_true(tiny_checkpoint: Path,
     recipe.write_text(text.replace("throughput: false", "throughput: yes"))
     assert main(["run", str(recipe), "--dry-run"]) == 2
     assert "evaluation.throughput must be true or false, got 'yes'" in capsys.readouterr().err
+
+
+def test_bare_compress_prints_its_usage(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: compress") and "run" in out and "eval" in out
 
 
 def test_version_names_the_package_and_the_libraries_that_decide_results(capsys: pytest.CaptureFixture) -> None:

@@ -357,16 +357,27 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
     if path.startswith((".", "/", "~")) or local.exists():
         resolved = Path(path).expanduser() if path.startswith("~") else Path(resolve_path(path, base))
         if not resolved.is_dir():
-            raise UserError(f"model folder not found: {resolved} ({where})")
+            raise UserError(f"model folder not found: {resolved} ({where}){_reference_hint(resolved)}")
         return str(resolved)
     return path
+
+
+def _reference_hint(missing: Path) -> str:
+    """The benchmark recipes read the reference model and corpus from a `shared/` folder beside the
+    checkout: say so, and where the demo's own copies are, instead of a bare "not found"."""
+    if "shared" not in missing.parts:
+        return ""
+    return ("; the ref_llama_* recipes expect the reference data (models/ref-llama, corpus/) in a shared/ folder "
+            "beside the checkout; without it, recipes/demo.yaml runs on the copies in examples/ref-llama and "
+            "examples/data")
 
 
 def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
     if isinstance(files, str):
         resolved = resolve_path(files, base)
         if not _is_remote(resolved) and not any(ch in resolved for ch in "*?[") and not Path(resolved).exists():
-            raise UserError(f"data file not found: {resolved} ({where}, relative to the recipe's folder)")
+            raise UserError(f"data file not found: {resolved} ({where}, relative to the recipe's folder)"
+                            f"{_reference_hint(Path(resolved))}")
         return resolved
     if isinstance(files, list):
         return [_resolve_data_files(f, base, where) for f in files]
