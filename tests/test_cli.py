@@ -482,6 +482,18 @@ def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny
     assert message in err and err.count("\n") == 1
 
 
+def test_eval_of_a_folder_of_runs_says_what_it_is_and_what_would_do(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "report.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", str(tmp_path / "runs"), "--data", str(EXAMPLES / "data" / "valid-demo.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a run folder (no report.json) but holds 1 run(s)" in err and "compress compare" in err
+    assert main(["eval", str(tmp_path / "empty")]) == 2
+    assert "neither a run folder (no report.json) nor a model folder (no config.json)" in capsys.readouterr().err
+
+
 def test_help_and_recipe_checks_leave_the_model_stack_unimported(tmp_path: Path) -> None:
     """`compress --help` imports neither torch nor transformers; checking a recipe and listing the
     strategies import torch (the strategies are torch code) but not transformers or lm-eval, and

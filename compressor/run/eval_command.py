@@ -74,7 +74,20 @@ class EvalRequest:
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise UserError(_not_a_target(folder))
     return ModelSpec(path=resolve_model_path(path, Path.cwd(), "relative to the current folder"), dtype=dtype)
+
+
+def _not_a_target(folder: Path) -> str:
+    """What a folder that is neither a run nor a model is, and what `compress eval` would take."""
+    runs = sorted(child.name for child in folder.iterdir() if (child / RUN_MARKER).is_file())
+    if runs:
+        return (f"{folder} is not a run folder (no {RUN_MARKER}) but holds {len(runs)} run(s): evaluate one "
+                f"(compress eval {folder / runs[0]}) or tabulate them (compress compare {folder}/*)")
+    return (f"{folder} is neither a run folder (no {RUN_MARKER}) nor a model folder (no config.json): give a run's "
+            f"output folder, a saved model's folder or a hub id")
 
 
 @dataclass(frozen=True)
