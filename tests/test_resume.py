@@ -80,6 +80,9 @@ def test_a_killed_run_resumes_to_a_bit_identical_model(point: str, loaded: int, 
     resumed = compress(recipe, output)
     assert resumed.returncode == 0, resumed.stderr
     assert not (tmp_path / ".run.partial").exists()
+    said = f"resuming an interrupted run: {tmp_path / '.run.partial' / 'checkpoint'} holds {loaded} finished site(s)"
+    assert (said in resumed.stdout) == (loaded > 0)  # said first, before the work
+    assert said not in resumed.stdout or resumed.stdout.index(said) < resumed.stdout.index("wrote")
     report = json.loads((output / "report.json").read_text())
     assert report["resume"] == {"sites_loaded": loaded, "fisher_loaded": fisher_loaded}
     assert report["resumed_from"] == resumed_from
@@ -93,10 +96,15 @@ def test_a_killed_run_resumes_to_a_bit_identical_model(point: str, loaded: int, 
 def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe: Path, tmp_path: Path) -> None:
     output = tmp_path / "run"
     assert compress(recipe, output, kill="site:layers.0.attn").returncode == -9
+    same = compress(recipe, output, "--dry-run")
+    assert same.returncode == 0 and "the run would resume an interrupted run" in same.stdout
+    assert "holds 2 finished site(s), H" in same.stdout
     changed = compress(recipe, output, "--set", "sparsity=0.5")
     assert changed.returncode == 2
     assert changed.stderr.strip().count("\n") == 0 and "Traceback" not in changed.stderr
-    assert "different recipe" in changed.stderr and "--restart" in changed.stderr
+    assert "different recipe (sparsity changed)" in changed.stderr and "--restart" in changed.stderr
+    assert "different recipe (sparsity changed)" in compress(recipe, output, "--set", "sparsity=0.5",
+                                                             "--dry-run").stderr
     restarted = compress(recipe, output, "--set", "sparsity=0.5", "--restart")
     assert restarted.returncode == 0, restarted.stderr
     report = json.loads((output / "report.json").read_text())

@@ -20,7 +20,7 @@ from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
 from compressor.run.checks import Plan, check_evaluation_tasks, plan
 from compressor.run.loading import check_fields, load_tokenizer, resolve_device, token_batches
-from compressor.run.resume import check_interrupted
+from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.staging import check_output, check_writable
 from compressor.strategies.registry import PluginRegistry
 
@@ -73,6 +73,9 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
     output = Path(recipe.output)
     check_writable(output)
     check_interrupted(output, recipe, restart)
+    resumable = None if restart else progress_summary(output)
+    if resumable is not None:
+        found.notes.append(f"the run would resume an interrupted run: {resumable} (--restart discards it)")
     try:
         check_output(output, overwrite)
         found.checked.append(f"output {output} can be written")

@@ -12,7 +12,8 @@ import torch
 
 import compressor
 from compressor.data.batches import Batch
-from compressor.engine.checkpoint import DISTILLATION_FOLDER, FINGERPRINT_FILE, Checkpoint, json_digest, tensor_digest
+from compressor.engine.checkpoint import (DISTILLATION_FOLDER, FINGERPRINT_FILE, FISHER_FILE, TRAINER_CHECKPOINT_PREFIX,
+                                          Checkpoint, json_digest, tensor_digest)
 from compressor.errors import UserError
 from compressor.recipe.schema import Recipe
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
@@ -36,12 +37,60 @@ def interrupted_with_another_recipe(output: Path, recipe: Recipe) -> bool:
             and checkpoint.has_distillation_progress())
 
 
+RECIPE_VALUES_FILE = "recipe.json"
+"""Beside the checkpoint's fingerprint: the recipe values it digests, so a changed recipe can be
+told key by key."""
+
+
 def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
     """An interrupted run to `output` started with another recipe is refused before any weights
-    load; `restart` discards it."""
+    load, naming the keys that changed; `restart` discards it."""
     if not restart and interrupted_with_another_recipe(output, recipe):
-        raise UserError(f"an interrupted run in {staging_folder(output)} was started with a different recipe; "
+        changed = changed_keys(output, recipe)
+        which = f" ({', '.join(changed)} changed)" if changed else ""
+        raise UserError(f"an interrupted run in {staging_folder(output)} was started with a different recipe{which}; "
                         f"rerun with --restart to discard its progress, or choose another --output")
+
+
+def save_recipe_values(checkpoint: Checkpoint, recipe: Recipe) -> None:
+    """The fingerprinted recipe values, written beside the fingerprint (`changed_keys` reads them)."""
+    if checkpoint.writable:
+        (checkpoint.folder / RECIPE_VALUES_FILE).write_text(json.dumps(fingerprinted(recipe), indent=2) + "\n")
+
+
+def changed_keys(output: Path, recipe: Recipe) -> list[str]:
+    """The dotted recipe keys whose values differ from those the interrupted run to `output` was
+    started with ([] where that run kept no values)."""
+    try:
+        saved = json.loads((staging_folder(output) / CHECKPOINT_FOLDER / RECIPE_VALUES_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    now = json.loads(json.dumps(fingerprinted(recipe)))
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): value}
+
+    before, after = flat(saved), flat(now)
+    return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+
+
+def progress_summary(output: Path) -> str | None:
+    """What an interrupted run to `output` left (None: nothing to resume): where, how many sites,
+    H, the allocation, distillation's last step."""
+    checkpoint = Checkpoint(staging_folder(output) / CHECKPOINT_FOLDER)
+    if not (checkpoint.folder / FINGERPRINT_FILE).is_file() or not checkpoint.has_progress():
+        return None
+    parts = [f"{len(list(checkpoint.sites_folder.glob('[0-9]*.safetensors')))} finished site(s)"]
+    if (checkpoint.folder / FISHER_FILE).is_file():
+        parts.append("H")
+    steps = [int(p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX))
+             for p in (checkpoint.folder / DISTILLATION_FOLDER).glob(f"{TRAINER_CHECKPOINT_PREFIX}*")
+             if p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX).isdigit()]
+    if steps:
+        parts.append(f"distillation at step {max(steps)}")
+    return f"{checkpoint.folder} holds {', '.join(parts)}"
 
 
 def recipe_fingerprint(recipe: Recipe) -> str:
@@ -52,6 +101,11 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     only, so `refinement` (after the walk, never checkpointed) is left out too: a killed run may
     resume with other refinement settings. `distillation` has its own checkpoint and fingerprint
     (`distillation_fingerprint`, with the student and its data)."""
+    return json_digest(fingerprinted(recipe))
+
+
+def fingerprinted(recipe: Recipe) -> dict[str, Any]:
+    """The recipe values `recipe_fingerprint` digests."""
     values = recipe.to_dict()
     for key in ("output", "evaluation", "activations", "refinement", "distillation"):
         values.pop(key, None)
@@ -61,7 +115,7 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     for key in ("chunk", "recompute"):
         values["sensitivity"].pop(key, None)
     values["compressor"] = compressor.__version__
-    return json_digest(values)
+    return values
 
 
 DISTILLATION_MEMORY_KEYS = ("gradient_checkpointing", "teacher")

@@ -60,6 +60,7 @@ from compressor.run.resume import (
     distillation_fingerprint,
     fisher_key,
     recipe_fingerprint,
+    save_recipe_values,
 )
 from compressor.run.staging import (
     CHECKPOINT_FOLDER,
@@ -316,6 +317,7 @@ class _Stages:
         self.fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(self.model),
                             "data": data_fingerprint(self.calibration)}
         self.checkpoint.start(self.fingerprint)
+        save_recipe_values(self.checkpoint, recipe)
         h_key = fisher_key(recipe, self.fingerprint["model"], self.fingerprint["data"], device)
         self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
         tick = time.perf_counter()
