@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                           "refused even then: a run never deletes what it did not write)")
     run.add_argument("--restart", action="store_true",
                      help="discard the checkpoint of an interrupted run to the same output and start afresh")
-    evaluate = commands.add_parser("eval", help="perplexity (and KL to a reference) of a run folder or any model")
+    evaluate = commands.add_parser("eval", help="perplexity, KL to a reference, lm-eval tasks and throughput of a run "
+                                                "folder or any model")
     evaluate.add_argument("target", help="a run folder (its model/, reference model and evaluation data by default), "
                                          "a model folder or a hub id")
     evaluate.add_argument("--reference", help="reference model for KL(reference ‖ target) (default for a run: its original)")
