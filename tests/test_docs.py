@@ -54,5 +54,6 @@ def test_the_recipe_reference_documents_every_key_of_the_schema() -> None:
     assert not documented - expected, f"docs/recipes.md documents keys the schema lacks: {sorted(documented - expected)}"
 
 
-def test_the_readme_is_short_enough_to_read_to_the_end() -> None:
+def test_the_readme_and_the_map_are_short_enough_to_read_to_the_end() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+    assert len((ROOT / "docs" / "architecture.md").read_text().splitlines()) <= 150
