@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
-from compressor.engine.walk import kept_width
+from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.budget import param_model, widest_uniform
 from compressor.models.families import family_for

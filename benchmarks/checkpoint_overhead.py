@@ -61,7 +61,7 @@ def main() -> None:
                 checkpoint.start({"benchmark": "1"})
             torch.manual_seed(recipe.seed)
             tick = time.perf_counter()
-            prune(model, checked.family, batches, checked.widths, checked.pipeline, device,
+            prune(model, checked.layout.family, batches, checked.layout.widths, checked.pipeline, device,
                   sensitivity=recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint)
             elapsed = time.perf_counter() - tick
             return elapsed, _size(Path(folder))

@@ -60,8 +60,8 @@ def main() -> None:
     recipe = load_recipe(args.recipe, registry, [f"calibration.num_samples={args.calibration}",
                                                  f"evaluation.num_samples={args.windows}"])
     checked = plan(recipe, registry)
-    family, device = checked.family, resolve_device(recipe.device)
-    check_site(family, checked.config.num_hidden_layers, args.site)
+    family, device = checked.layout.family, resolve_device(recipe.device)
+    check_site(family, checked.layout.config.num_hidden_layers, args.site)
     tokenizer = load_tokenizer(recipe.model)
     model = load_model(recipe.model).requires_grad_(False)
     ensure_fused(model, family)
@@ -69,7 +69,7 @@ def main() -> None:
     calibration = capture_layer_inputs(model, family, batches, device)
     C, H = site_statistics(model, family, calibration, args.site, device, recipe.sensitivity, recipe.seed)
     d = C.shape[0]
-    k = d - checked.kept
+    k = d - checked.layout.kept
     target = pca_energy(C, k)
 
     subspaces: list[tuple[str, torch.Tensor]] = []

@@ -39,9 +39,11 @@ import compressor  # noqa: E402,F401
 from compressor.engine.activations import ActivationStore  # noqa: E402
 from compressor.engine.bases import close_site, open_site  # noqa: E402
 from compressor.engine.calibration import LayerInputs  # noqa: E402
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher  # noqa: E402
+from compressor.engine.fisher import estimate_fisher  # noqa: E402
+from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
 from compressor.engine.transforms import fuse_norms  # noqa: E402
-from compressor.engine.walk import _Walk, kept_width  # noqa: E402
+from compressor.engine.walk import _Walk  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.evaluation.memtrack import LiveBytes  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
 from compressor.models.sites import layer_site_ids  # noqa: E402

@@ -44,8 +44,9 @@ from rich.table import Table  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401
-from compressor.engine.calibration import Batch  # noqa: E402
-from compressor.engine.walk import PipelineStep, kept_width, prune  # noqa: E402
+from compressor.data.batches import Batch  # noqa: E402
+from compressor.engine.walk import PipelineStep, prune  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
 from compressor.models.sites import site_widths  # noqa: E402
 from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402

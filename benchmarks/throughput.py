@@ -46,7 +46,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # no
 
 import compressor  # noqa: E402,F401  (registers the sliced architectures)
 from compressor.engine.bases import apply_bases  # noqa: E402
-from compressor.engine.walk import kept_width, prune  # noqa: E402
+from compressor.engine.walk import prune  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.evaluation.throughput import measure_side_by_side, relative  # noqa: E402
 from compressor.models.budget import param_model, widest_uniform  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
@@ -139,10 +140,10 @@ def _pruned_model(args: argparse.Namespace, recipe: Recipe, registry: PluginRegi
     batches = token_batches(recipe.calibration, load_tokenizer(recipe.model), "calibration")
     tick = time.perf_counter()
     torch.manual_seed(recipe.seed)
-    result = prune(load_model(recipe.model), checked.family, batches, checked.widths, checked.pipeline, device,
+    result = prune(load_model(recipe.model), checked.layout.family, batches, checked.layout.widths, checked.pipeline, device,
                    sensitivity=recipe.sensitivity, seed=recipe.seed, layout=recipe.slicing.layout,
                    pooling=recipe.slicing.pooling)
-    console.log(f"pruned to {checked.kept}/{checked.config.hidden_size} in {time.perf_counter() - tick:.1f} s")
+    console.log(f"pruned to {checked.layout.kept}/{checked.layout.config.hidden_size} in {time.perf_counter() - tick:.1f} s")
     return result.model.eval(), f"pruned here: {recipe.sparsity:g} sparsity, {[s.strategy for s in recipe.pipeline]}"
 
 

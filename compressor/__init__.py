@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from compressor import _aliases
 from compressor._post_import import after_import
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def _register_sliced_classes() -> None:
@@ -24,5 +23,4 @@ def _register_sliced_classes() -> None:
         importlib.import_module("compressor.models.sliced")
 
 
-_aliases.install()
 after_import("transformers", _register_sliced_classes)

@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-from compressor.strategies.contract import Basis, SiteProblem, Strategy, eigh_descending, removed_energy
-from compressor.strategies.registry import hookimpl
+from compressor.plugin import (
+    Basis,
+    SiteProblem,
+    Strategy,
+    eigh_descending,
+    hookimpl,
+    removed_energy,
+)
 
 
 class PCA(Strategy):

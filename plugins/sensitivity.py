@@ -17,19 +17,22 @@ from typing import Annotated, Any
 import torch
 from pydantic import StrictBool, StrictInt
 
-from compressor.strategies.contract import (
+from compressor.plugin import (
     DEFAULT_TAUS,
+    FORBID,
     Basis,
+    Number,
     SiteProblem,
     Strategy,
     coupled_loss,
     coupled_losses,
+    described,
     eigh_descending,
     frobenius_normalised,
+    hookimpl,
+    options,
     tau_candidates,
 )
-from compressor.strategies.registry import hookimpl
-from compressor.validation import FORBID, Number, described, options
 
 PositiveNumber = Annotated[Number, described("a positive number", gt=0)]
 

@@ -18,17 +18,20 @@ import geoopt
 import torch
 from pydantic import StrictInt
 
-from compressor.strategies.contract import (
+from compressor.plugin import (
+    FORBID,
     Basis,
+    Number,
     SiteProblem,
     Strategy,
     complete_basis,
     coupled_loss,
+    described,
     eigh_descending,
     frobenius_normalised,
+    hookimpl,
+    options,
 )
-from compressor.strategies.registry import hookimpl
-from compressor.validation import FORBID, Number, described, options
 
 
 @options(frozen=True, config=FORBID)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 import compressor  # noqa: E402,F401  (registers the sliced architectures)
-from compressor.engine.calibration import Batch  # noqa: E402
+from compressor.data.batches import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -16,10 +16,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import compressor.engine.allocation
 from compressor.cli import main
-from compressor.engine.allocation import DEFAULT_TAUS, Choice, CurveAllocator, groups_of, loss_curve, solve
+from compressor.engine.allocation import Choice, CurveAllocator, groups_of, loss_curve, solve
+from compressor.strategies.contract import DEFAULT_TAUS
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
 from compressor.models.sliced import apply_slicing_layout

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.models.export import write_remote_code
 from compressor.models.families import family_for
 from compressor_plugins.pca import PCA

@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+
+from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.sites import site_widths

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from compressor.engine.calibration import LayerInputs, capture_layer_inputs
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher, sampled_score, site_activations
+from compressor.engine.fisher import estimate_fisher, sampled_score, site_activations
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import ModelFamily, family_for
 from compressor.models.sites import site_ids

@@ -12,9 +12,11 @@ from torch.utils._pytree import tree_leaves
 
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher
+from compressor.engine.fisher import estimate_fisher
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
 from compressor_plugins.pca import PCA

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+
+from compressor.models.layout import kept_width
 from compressor.models.families import family_for
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for

@@ -102,7 +102,8 @@ def test_sensitivity_without_refinement_reports_before_and_after_its_one_batch()
 
 
 def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
-    from compressor.engine.walk import PipelineStep, kept_width, prune
+    from compressor.engine.walk import PipelineStep, prune
+    from compressor.models.layout import kept_width
     from compressor.models.families import family_for
     from tests.conftest import random_batches, tiny_model, widths_for
 

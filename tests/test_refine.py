@@ -16,7 +16,8 @@ from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.models.families import family_for
 from compressor.models.sites import site_ids
 from compressor.recipe.schema import RefinementSpec

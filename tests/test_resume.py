@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor_plugins.pca import PCA

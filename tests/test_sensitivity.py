@@ -9,7 +9,8 @@ import torch
 
 from compressor.data.batches import Batch
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher, site_activations
+from compressor.engine.fisher import estimate_fisher, site_activations
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import family_for
 from compressor.strategies.contract import (

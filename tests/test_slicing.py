@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.families import family_for

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+
+from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.strategies.contract import Basis, SiteProblem, Strategy

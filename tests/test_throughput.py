@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.engine.walk import PipelineStep, kept_width, prune
+from compressor.engine.walk import PipelineStep, prune
+
+from compressor.models.layout import kept_width
 from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
 from compressor.models.families import family_for
 from compressor_plugins.pca import PCA

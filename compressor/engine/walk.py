@@ -35,7 +35,8 @@ from compressor.engine.bases import (
 )
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint, SavedSite, restore_rng
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher
+from compressor.engine.fisher import estimate_fisher
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError

@@ -14,8 +14,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from compressor.engine.allocation import CurveAllocator
 from compressor.engine.walk import PipelineStep, required_statistics
 from compressor.errors import UserError
-from compressor.models.budget import ParamModel
-from compressor.models.families import ModelFamily, family_for
+from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
@@ -32,46 +31,6 @@ class Plan:
     allocator: CurveAllocator | None = None
     warnings: tuple[str, ...] = ()
     """What a run goes on with but its user should know (`budget_warnings`)."""
-
-    @property
-    def config(self) -> PretrainedConfig:
-        return self.layout.config
-
-    @property
-    def family(self) -> ModelFamily:
-        return self.layout.family
-
-    @property
-    def kept(self) -> int | None:
-        """The uniform kept width (None when an allocator chooses widths per site)."""
-        return self.layout.kept
-
-    @property
-    def widths(self) -> dict[str, int] | None:
-        return self.layout.widths
-
-    @property
-    def params(self) -> ParamModel:
-        return self.layout.params
-
-    @property
-    def budget(self) -> int:
-        """The most parameters the pruned model may have."""
-        return self.layout.budget
-
-    @property
-    def shared(self) -> list[str]:
-        return list(self.layout.shared)
-
-    @property
-    def rounding(self) -> dict[str, int] | None:
-        """When a budget decides a uniform width: what rounding it to `slicing.round_to` gave up."""
-        return self.layout.rounding
-
-    @property
-    def tie_head(self) -> bool:
-        """`slicing.tie_head` as it applies to this model (unset: on for a global layout of a tied model)."""
-        return self.layout.tie_head
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -108,11 +67,11 @@ pruning the residual stream alone costs a large part of the model's quality."""
 
 def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     """A budget that keeps under half the width runs, with a warning that names what it keeps."""
-    d = checked.config.hidden_size
-    if checked.kept is not None and checked.kept < WIDE_LOSS * d:
-        what = f"keeps {checked.kept} of {d} dimensions of the residual stream"
-    elif checked.kept is None and checked.budget < WIDE_LOSS * checked.params.original:
-        what = f"keeps {checked.budget / checked.params.original:.0%} of the parameters"
+    d = checked.layout.config.hidden_size
+    if checked.layout.kept is not None and checked.layout.kept < WIDE_LOSS * d:
+        what = f"keeps {checked.layout.kept} of {d} dimensions of the residual stream"
+    elif checked.layout.kept is None and checked.layout.budget < WIDE_LOSS * checked.layout.params.original:
+        what = f"keeps {checked.layout.budget / checked.layout.params.original:.0%} of the parameters"
     else:
         return []
     budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"

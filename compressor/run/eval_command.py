@@ -137,12 +137,12 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype)
             checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
-            rebuild = (folder / BASES_FILE, checked.family)
+            rebuild = (folder / BASES_FILE, checked.layout.family)
             if checked.layout.one_basis:
-                if checked.tie_head:
+                if checked.layout.tie_head:
                     raise UserError(f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
                                     f"statistics, which only model/ holds; rerun it with the sweep's save_models: true")
-                stock = checked.config
+                stock = checked.layout.config
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
         recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None

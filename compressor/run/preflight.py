@@ -100,14 +100,14 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
     checked = plan(recipe, registry)
-    original = checked.params.original
-    kept = checked.kept if checked.kept is not None else "chosen per site after a survey"
-    found.checked.append(f"model config ({checked.config.model_type}, {checked.config.num_hidden_layers} layers, "
-                         f"hidden {checked.config.hidden_size}): budget {checked.budget:,} of {original:,} parameters "
-                         f"({checked.budget / original:.1%}), kept width {kept}")
+    original = checked.layout.params.original
+    kept = checked.layout.kept if checked.layout.kept is not None else "chosen per site after a survey"
+    found.checked.append(f"model config ({checked.layout.config.model_type}, {checked.layout.config.num_hidden_layers} layers, "
+                         f"hidden {checked.layout.config.hidden_size}): budget {checked.layout.budget:,} of {original:,} parameters "
+                         f"({checked.layout.budget / original:.1%}), kept width {kept}")
     if checked.layout.one_basis:
-        found.checked.append(f"one basis: saved as {', '.join(checked.config.architectures or ['the original class'])} "
-                             f"with hidden_size {checked.kept} ({checked.params.count(checked.widths):,} parameters)")
+        found.checked.append(f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
+                             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)")
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
 

@@ -13,7 +13,6 @@ continues from there (`restart=True` discards it). Folders, lock and publishing 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import platform
 import shutil
@@ -75,20 +74,6 @@ from compressor.run.staging import (
 from compressor.strategies.registry import PluginRegistry
 
 Progress = Callable[[str, int, int], None]
-
-
-RUN_PARTS = ("compressor.run.checks", "compressor.run.staging", "compressor.run.loading", "compressor.run.resume",
-             "compressor.models.layout")
-"""Where the names of 0.1's one-module runner went; `compressor.runner.<name>` still finds them."""
-
-
-def __getattr__(name: str) -> Any:
-    if not name.startswith("__"):
-        for part in RUN_PARTS:
-            module = importlib.import_module(part)
-            if hasattr(module, name):
-                return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(
@@ -192,19 +177,19 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
         pruned, bases, scale = result.model, result.bases, None
         if _rotates_for_a_tied_head(recipe, checked):  # as rank 0 does, so every rank trains one student
-            pruned, bases, scale = _rotated_for_a_tied_head(result, resources.model(recipe.model), checked.family,
+            pruned, bases, scale = _rotated_for_a_tied_head(result, resources.model(recipe.model), checked.layout.family,
                                                             device)
         if checked.layout.one_basis:
-            pruned, _ = to_stock(pruned, checked.family, checked.config, tie=checked.tie_head,
+            pruned, _ = to_stock(pruned, checked.layout.family, checked.layout.config, tie=checked.layout.tie_head,
                                  stream=head_stream(result.head_moment, bases[EMBEDDING]), scale=scale)
-        _distil(recipe, checked.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
+        _distil(recipe, checked.layout.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
                 report_progress, ranks)
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
 
 
 def _stock_tied(checked: Plan) -> bool:
     """Saved as the original class with its head tied (its final norm's diagonal fitted or learned)."""
-    return checked.layout.one_basis and checked.tie_head
+    return checked.layout.one_basis and checked.layout.tie_head
 
 
 def _rotates_for_a_tied_head(recipe: Recipe, checked: Plan) -> bool:
@@ -272,7 +257,7 @@ class _Stages:
         diagonal fit at saving, `stock.tied_scale`)."""
         self.head_fit = "diagonal"
         """How that diagonal was found, for the report: diagonal, symmetric (rotated), refined."""
-        self.family, self.config = checked.family, checked.config
+        self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
         self.timings: dict[str, float] = {}
         self.refinement: Any = None
@@ -373,7 +358,7 @@ class _Stages:
         the diagonal `scale`, or fitted), a per-site layout's sliced model itself."""
         if not self.one_basis:
             return sliced
-        return to_stock(sliced, self.family, self.config, tie=self.checked.tie_head, stream=self._head_stream(),
+        return to_stock(sliced, self.family, self.config, tie=self.checked.layout.tie_head, stream=self._head_stream(),
                         scale=scale)[0]
 
     def _heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
@@ -395,7 +380,7 @@ class _Stages:
         """A global layout's student is what users load: the original class at the kept width."""
         if self.one_basis:
             self.progress("converting to the original architecture", 0, 1)
-            self.pruned, self.stock = to_stock(self.pruned, self.family, self.config, tie=self.checked.tie_head,
+            self.pruned, self.stock = to_stock(self.pruned, self.family, self.config, tie=self.checked.layout.tie_head,
                                                stream=self._head_stream(), scale=self.head_scale)
 
     def distil(self) -> None:
@@ -415,7 +400,7 @@ class _Stages:
         self.progress("saving model" if save_model else "saving bases", 0, 1)
         if self.one_basis and self.distillation is None:
             pruned, self.stock = to_stock(pruned, self.family, self.config, staging / "model" if save_model else None,
-                                          tie=self.checked.tie_head, stream=self._head_stream(), scale=self.head_scale)
+                                          tie=self.checked.layout.tie_head, stream=self._head_stream(), scale=self.head_scale)
         elif self.one_basis and save_model:  # already the original class (distilled): saved and loaded back
             pruned.save_pretrained(staging / "model")
             pruned = load_stock(staging / "model", pruned)
@@ -472,15 +457,15 @@ class _Stages:
                       "dtype": recipe.model.dtype},
             "sparsity": recipe.sparsity,
             "target_params": recipe.target_params,
-            "kept_width": checked.kept,
+            "kept_width": checked.layout.kept,
             "layout": recipe.slicing.layout,
             "stock": self.stock if self.stock is None or self.stock["head"] != "tied" else {
                 **self.stock, "tied_fit": self.head_fit},
-            "rounding": checked.rounding,
-            "allocation": {"method": recipe.allocation.method, "budget": checked.budget,
-                           "predicted_params": checked.params.count(result.widths),
-                           "transition_params": checked.params.transition_params(result.widths),
-                           "shared_sites": checked.shared,
+            "rounding": checked.layout.rounding,
+            "allocation": {"method": recipe.allocation.method, "budget": checked.layout.budget,
+                           "predicted_params": checked.layout.params.count(result.widths),
+                           "transition_params": checked.layout.params.transition_params(result.widths),
+                           "shared_sites": list(checked.layout.shared),
                            **({k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
                               if result.allocation else {})},
             "seed": recipe.seed,

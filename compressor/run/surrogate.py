@@ -50,7 +50,8 @@ from transformers import PreTrainedModel
 from compressor.data.batches import Batch
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
-from compressor.engine.fisher import SensitivityOptions, estimate_fisher
+from compressor.engine.fisher import estimate_fisher
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
@@ -419,12 +420,12 @@ def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions
     if directions < 1:
         raise UserError(f"--directions must be at least 1, got {directions}")
     checked = plan(recipe, registry)
-    check_site(checked.family, checked.config.num_hidden_layers, site)
-    width = checked.config.hidden_size
-    if checked.kept is None:
+    check_site(checked.layout.family, checked.layout.config.num_hidden_layers, site)
+    width = checked.layout.config.hidden_size
+    if checked.layout.kept is None:
         raise UserError("the surrogate check fixes the removed energy at PCA's for one uniform width: give the "
                         "recipe a sparsity (and no per-site allocation) instead of target_params")
-    remove = width - checked.kept
+    remove = width - checked.layout.kept
     if remove < 1:
         raise UserError(f"sparsity {recipe.sparsity} removes no direction at width {width}; the check fixes the "
                         f"removed energy at PCA's for the recipe's sparsity: set a sparsity above 0")
@@ -441,7 +442,7 @@ def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions
     except OSError as error:
         raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
     try:
-        return _check_into(output, recipe, checked.family, site, directions, remove, device, started, progress)
+        return _check_into(output, recipe, checked.layout.family, site, directions, remove, device, started, progress)
     except BaseException:
         if created:
             try:

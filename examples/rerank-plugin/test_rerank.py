@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compressor.strategies.contract import SiteProblem, SiteStatistics, StrategyOptionError
+from compressor.plugin import SiteProblem, SiteStatistics, StrategyOptionError
 from compressor_rerank import Rerank
 
 

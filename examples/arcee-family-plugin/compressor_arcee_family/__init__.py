@@ -6,9 +6,7 @@ description differs from Llama's in one field: the MLP reads the stream through 
 
 from __future__ import annotations
 
-from compressor.models.families import ModelFamily
-from compressor.models.sliced import register_family
-from compressor.strategies.registry import hookimpl
+from compressor.plugin import ModelFamily, hookimpl, register_family
 
 ARCEE = ModelFamily(name="arcee", model_types=("arcee",), mlp_inputs=("up_proj",))
 

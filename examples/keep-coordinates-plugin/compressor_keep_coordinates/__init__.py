@@ -13,8 +13,14 @@ from typing import Any
 
 import torch
 
-from compressor.strategies.registry import hookimpl
-from compressor.strategies.contract import Basis, SiteProblem, Strategy, StrategyOptionError, removed_energy
+from compressor.plugin import (
+    Basis,
+    SiteProblem,
+    Strategy,
+    StrategyOptionError,
+    hookimpl,
+    removed_energy,
+)
 
 ORDERS = ("energy", "index")
 

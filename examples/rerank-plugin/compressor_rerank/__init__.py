@@ -13,18 +13,21 @@ from typing import Annotated
 
 import torch
 
-from compressor.strategies.registry import hookimpl
-from compressor.strategies.contract import (
+from compressor.plugin import (
+    FORBID,
     Basis,
+    Number,
     SiteProblem,
     Strategy,
     complete_basis,
     coupled_loss,
+    described,
     eigh_descending,
     frobenius_normalised,
+    hookimpl,
+    options,
     removed_energy,
 )
-from compressor.validation import FORBID, Number, described, options
 
 
 @options(frozen=True, config=FORBID)

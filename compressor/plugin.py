@@ -1,0 +1,74 @@
+"""The public face for plugins: everything a strategy or a model-family plugin needs, in one place.
+
+This module is the stable API. A strategy plugin subclasses `Strategy`, receives a `SiteProblem`
+(its `SiteStatistics`) and the previous step's `Basis`, returns a `Basis`, declares its options as
+an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. A family
+plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
+models of that family load through the transformers Auto classes. The helpers are the linear
+algebra the built-in strategies share.
+
+Everything else in `compressor` is internal and may move between versions: the built-in plugins
+(`plugins/`), the examples and the guides import only from here, and `tests/test_architecture.py`
+fails when one imports anything else. Importing this module imports torch but not transformers,
+so loading plugins stays cheap for `compress --help`-like paths and recipe checks.
+"""
+
+from __future__ import annotations
+
+from compressor._post_import import after_import
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.strategies.contract import (
+    DEFAULT_TAUS,
+    Basis,
+    SiteProblem,
+    SiteStatistics,
+    Strategy,
+    StrategyOptionError,
+    complete_basis,
+    coupled_loss,
+    coupled_losses,
+    eigh_descending,
+    frobenius_normalised,
+    removed_energy,
+    tau_candidates,
+)
+from compressor.strategies.registry import hookimpl
+from compressor.validation import FORBID, Number, described, options
+
+
+def register_family(family: ModelFamily) -> None:
+    """Register the `sliced_<model_type>` classes of `family` with the transformers Auto classes,
+    when transformers is imported (at once if it is), so `import your_plugin` stays cheap."""
+
+    def register() -> None:
+        from compressor.models.sliced import register_family as register_now
+
+        register_now(family)
+
+    after_import("transformers", register)
+
+
+__all__ = [
+    "DEFAULT_TAUS",
+    "FORBID",
+    "Basis",
+    "ModelFamily",
+    "Number",
+    "SiteProblem",
+    "SiteStatistics",
+    "Strategy",
+    "StrategyOptionError",
+    "UserError",
+    "complete_basis",
+    "coupled_loss",
+    "coupled_losses",
+    "described",
+    "eigh_descending",
+    "frobenius_normalised",
+    "hookimpl",
+    "options",
+    "register_family",
+    "removed_energy",
+    "tau_candidates",
+]
