@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: setup demo test test-all
+.PHONY: setup demo test test-all lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,7 @@ test: setup  ## the default suite (slow tests excluded)
 
 test-all: setup  ## every test, the slow ones too (.ci/run), with the slowest listed
 	$(OFFLINE) $(PY) -m pytest --durations=15
+
+lint: setup  ## ruff's lint rules and format (pyproject.toml), as .ci/run checks them
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

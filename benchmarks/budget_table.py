@@ -27,19 +27,27 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
-from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.budget import param_model, widest_uniform
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import shared_site_ids, site_widths
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def shapes() -> dict[str, PretrainedConfig]:
-    found = {"135M-shaped, tied (30 layers, width 576, vocab 49,152)": LlamaConfig(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        vocab_size=49152, tie_word_embeddings=True)}
+    found = {
+        "135M-shaped, tied (30 layers, width 576, vocab 49,152)": LlamaConfig(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+        )
+    }
     reference = ROOT.parent / "shared" / "models" / "ref-llama"
     if reference.is_dir():
         found["ref-llama (6 layers, width 256, vocab 8,192, untied)"] = AutoConfig.from_pretrained(reference)
@@ -55,18 +63,32 @@ def rows_for(name: str, config: PretrainedConfig, target: float, sparsity: float
 
     def row(way: str, params: Any, widths: dict[str, int]) -> dict[str, Any]:
         count = params.count(widths)
-        return {"model": name, "way": way, "kept": widths["embedding"], "head_input": widths[params.sites[-1]],
-                "params": count, "ratio": count / params.original,
-                "transitions": params.transition_params(widths) / count}
+        return {
+            "model": name,
+            "way": way,
+            "kept": widths["embedding"],
+            "head_input": widths[params.sites[-1]],
+            "params": count,
+            "ratio": count / params.original,
+            "transitions": params.transition_params(widths) / count,
+        }
 
     kept = kept_width(d, sparsity, 8)
     for slice_head in (False, True):
-        rows.append(row(f"SliceGPT at sparsity {sparsity}" + (", head input sliced" if slice_head else ""),
-                        plain, site_widths(family, layers, d, kept, slice_head)))
+        rows.append(
+            row(
+                f"SliceGPT at sparsity {sparsity}" + (", head input sliced" if slice_head else ""),
+                plain,
+                site_widths(family, layers, d, kept, slice_head),
+            )
+        )
     budget = int(target * plain.original)
     ways = [("plain", (), False), ("shared bases", shared_site_ids(family, layers, True, False), False)]
     if tied_model:
-        ways += [("tied head", (), True), ("shared bases + tied head", shared_site_ids(family, layers, True, True), True)]
+        ways += [
+            ("tied head", (), True),
+            ("shared bases + tied head", shared_site_ids(family, layers, True, True), True),
+        ]
     for way, sites, tied in ways:
         params = param_model(config, family, sites, tied)
         try:
@@ -90,15 +112,26 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(column, justify="right")
     lines = ["| " + " | ".join(columns) + " |", "|---|---|" + "---:|" * (len(columns) - 2)]
     for r in rows:
-        cells = [r["model"], r["way"], str(r["kept"]), str(r["head_input"]), f"{r['params']:,}", f"{r['ratio']:.1%}",
-                 f"{r['transitions']:.1%}"]
+        cells = [
+            r["model"],
+            r["way"],
+            str(r["kept"]),
+            str(r["head_input"]),
+            f"{r['params']:,}",
+            f"{r['ratio']:.1%}",
+            f"{r['transitions']:.1%}",
+        ]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "budget_table", "target": args.target, "sparsity": args.sparsity,
-                               "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {"benchmark": "budget_table", "target": args.target, "sparsity": args.sparsity, "rows": rows}, indent=2
+        )
+        + "\n"
+    )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -61,8 +61,17 @@ def main() -> None:
                 checkpoint.start({"benchmark": "1"})
             torch.manual_seed(recipe.seed)
             tick = time.perf_counter()
-            prune(model, checked.layout.family, batches, checked.layout.widths, checked.pipeline, device,
-                  sensitivity=recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint)
+            prune(
+                model,
+                checked.layout.family,
+                batches,
+                checked.layout.widths,
+                checked.pipeline,
+                device,
+                sensitivity=recipe.sensitivity,
+                seed=recipe.seed,
+                checkpoint=checkpoint,
+            )
             elapsed = time.perf_counter() - tick
             return elapsed, _size(Path(folder))
 
@@ -74,17 +83,23 @@ def main() -> None:
         runs["with"].append(elapsed)
     median = {key: statistics.median(values) for key, values in runs.items()}
     result: dict[str, Any] = {
-        "recipe": args.recipe, "pipeline": [s.strategy for s in recipe.pipeline], "repeats": args.repeats,
-        "prune_s": runs, "median_s": median, "overhead_s": median["with"] - median["without"],
-        "overhead_ratio": median["with"] / median["without"], "checkpoint_bytes": size,
+        "recipe": args.recipe,
+        "pipeline": [s.strategy for s in recipe.pipeline],
+        "repeats": args.repeats,
+        "prune_s": runs,
+        "median_s": median,
+        "overhead_s": median["with"] - median["without"],
+        "overhead_ratio": median["with"] / median["without"],
+        "checkpoint_bytes": size,
         "torch_threads": torch.get_num_threads(),
     }
     table = Table(title=f"prune phase, {Path(args.recipe).name}, median of {args.repeats}")
     for column in ("checkpoint", "prune s (median)", "runs", "checkpoint size"):
         table.add_column(column)
     table.add_row("none", f"{median['without']:.2f}", ", ".join(f"{t:.2f}" for t in runs["without"]), "")
-    table.add_row("per site + H", f"{median['with']:.2f}", ", ".join(f"{t:.2f}" for t in runs["with"]),
-                  f"{size / 2**20:.1f} MiB")
+    table.add_row(
+        "per site + H", f"{median['with']:.2f}", ", ".join(f"{t:.2f}" for t in runs["with"]), f"{size / 2**20:.1f} MiB"
+    )
     console = Console()
     console.print(table)
     console.print(f"overhead: {result['overhead_s']:+.2f} s ({result['overhead_ratio']:.3f}x)")

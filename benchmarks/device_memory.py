@@ -38,9 +38,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # no
 import compressor  # noqa: E402,F401
 from compressor.data.batches import Batch  # noqa: E402
 from compressor.engine.walk import PipelineStep, prune  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.sites import site_widths  # noqa: E402
 from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
 from compressor.strategies.registry import PluginRegistry  # noqa: E402
@@ -55,9 +55,13 @@ GiB = 2**30
 def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, choices=sorted(CONFIGS), help="a published config")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: the config's); the device holds one layer at a time, so "
-                             "fewer layers keep the host side small without changing the device's peak")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the config's); the device holds one layer at a time, so "
+        "fewer layers keep the host side small without changing the device's peak",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--samples", type=int, default=128, help="calibration windows at 1×")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -127,16 +131,26 @@ def measure(args: argparse.Namespace, pipeline: str, samples: int, registry: Plu
     model = _model(args)
     config = model.config
     family = family_for(config.model_type)
-    widths = site_widths(family, config.num_hidden_layers, config.hidden_size,
-                         kept_width(config.hidden_size, args.sparsity, 8), False)
+    widths = site_widths(
+        family, config.num_hidden_layers, config.hidden_size, kept_width(config.hidden_size, args.sparsity, 8), False
+    )
     strategy = registry.strategy(pipeline)
     options = SensitivityOptions(**({"chunk": args.chunk} if args.chunk else {}))
     tracker = LiveBytes()
     phases = PhasePeaks(tracker)
     with emulated_accelerator() as device, tracker:
         tracker.adopt(*model.parameters(), *model.buffers())
-        prune(model, family, _batches(config.vocab_size, samples, args), widths,
-              [PipelineStep(strategy, strategy.parse_options({}))], device, phases, options, seed=args.seed)
+        prune(
+            model,
+            family,
+            _batches(config.vocab_size, samples, args),
+            widths,
+            [PipelineStep(strategy, strategy.parse_options({}))],
+            device,
+            phases,
+            options,
+            seed=args.seed,
+        )
     return phases.close()
 
 
@@ -160,33 +174,59 @@ def main() -> None:
                 samples = args.samples * scale
                 progress.update(task, description=f"{pipeline}, {samples} × {args.seq_len} tokens")
                 phases = measure(args, pipeline, samples, registry)
-                runs.append({"scale": scale, "samples": samples, "tokens": samples * args.seq_len,
-                             "pipeline": pipeline, "phases": phases,
-                             "device_peak_gib": max(p["device_gib"] or 0.0 for p in phases),
-                             "host_peak_gib": max(p["host_gib"] for p in phases)})
+                runs.append(
+                    {
+                        "scale": scale,
+                        "samples": samples,
+                        "tokens": samples * args.seq_len,
+                        "pipeline": pipeline,
+                        "phases": phases,
+                        "device_peak_gib": max(p["device_gib"] or 0.0 for p in phases),
+                        "host_peak_gib": max(p["host_gib"] for p in phases),
+                    }
+                )
                 progress.advance(task)
     layers = args.layers or CONFIGS[args.config]["num_hidden_layers"]
-    table = Table(title=f"peak live bytes (GiB) on the emulated accelerator: {args.config}, {layers} layers, "
-                        f"{args.dtype}, batch {args.batch_size}, sparsity {args.sparsity}")
+    table = Table(
+        title=f"peak live bytes (GiB) on the emulated accelerator: {args.config}, {layers} layers, "
+        f"{args.dtype}, batch {args.batch_size}, sparsity {args.sparsity}"
+    )
     seen = [p["phase"] for run in runs for p in run["phases"]]
     phases = [p for p in ENGINE_ORDER if p in seen] + [p for p in dict.fromkeys(seen) if p not in ENGINE_ORDER]
-    for column in ("tokens", "pipeline", *[f"{phase}: device / host" for phase in phases], "device peak",
-                   "host peak"):
+    for column in ("tokens", "pipeline", *[f"{phase}: device / host" for phase in phases], "device peak", "host peak"):
         table.add_column(column, justify="right")
     for run in runs:
         by_phase = {p["phase"]: p for p in run["phases"]}
-        table.add_row(f"{run['tokens']:,}", run["pipeline"],
-                      *[_cell(by_phase.get(p)) for p in phases],
-                      f"{run['device_peak_gib']:.2f}", f"{run['host_peak_gib']:.2f}")
+        table.add_row(
+            f"{run['tokens']:,}",
+            run["pipeline"],
+            *[_cell(by_phase.get(p)) for p in phases],
+            f"{run['device_peak_gib']:.2f}",
+            f"{run['host_peak_gib']:.2f}",
+        )
     console.print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "device_memory", "config": args.config, "layers": layers, "settings": vars(args), "runs": runs,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "environment": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "python": platform.python_version()},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "device_memory",
+                "config": args.config,
+                "layers": layers,
+                "settings": vars(args),
+                "runs": runs,
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "environment": {
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "python": platform.python_version(),
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     console.print(f"wrote {out}")
 
 

@@ -63,16 +63,35 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", nargs="+", default=["per_site", "global"], choices=["per_site", "global"])
     parser.add_argument("--methods", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     parser.add_argument("--tokens", type=int, default=2_000_000, help="the distillation budget of each run")
-    parser.add_argument("--method-tokens", action="append", default=[], metavar="METHOD=TOKENS",
-                        help="a budget for one method instead of --tokens (repeatable)")
+    parser.add_argument(
+        "--method-tokens",
+        action="append",
+        default=[],
+        metavar="METHOD=TOKENS",
+        help="a budget for one method instead of --tokens (repeatable)",
+    )
     parser.add_argument("--marks", type=int, nargs="+", default=[250_000, 500_000, 1_000_000, 2_000_000])
-    parser.add_argument("--reuse", action="store_true",
-                        help="use a student run folder left by an earlier invocation (same recipe) instead of pruning again")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="use a student run folder left by an earlier invocation (same recipe) instead of pruning again",
+    )
     parser.add_argument("--eval-samples", type=int, default=64, help="evaluation windows (valid.jsonl) per point")
-    parser.add_argument("--set", dest="common", action="append", default=[], metavar="KEY=VALUE",
-                        help="a further recipe override for every run (repeatable)")
-    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
-                        help="run nothing: write --out's table and plot from the rows of earlier outputs")
+    parser.add_argument(
+        "--set",
+        dest="common",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further recipe override for every run (repeatable)",
+    )
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: write --out's table and plot from the rows of earlier outputs",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "distillation.json"))
     return parser.parse_args(argv)
 
@@ -96,9 +115,16 @@ class Marks(TrainerCallback):
         model.eval()
         result = compare(self.teacher, model, self.windows, self.device)
         model.train(was)
-        self.points.append({"tokens": tokens, "step": step, "kl": result["pruned"]["kl"],
-                            "ppl": result["pruned"]["ppl"], "baseline_ppl": result["baseline"]["ppl"],
-                            "train_s": time.perf_counter() - self.started - self.measuring})
+        self.points.append(
+            {
+                "tokens": tokens,
+                "step": step,
+                "kl": result["pruned"]["kl"],
+                "ppl": result["pruned"]["ppl"],
+                "baseline_ppl": result["baseline"]["ppl"],
+                "train_s": time.perf_counter() - self.started - self.measuring,
+            }
+        )
         self.measuring += time.perf_counter() - tick
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> Any:
@@ -110,9 +136,13 @@ class Marks(TrainerCallback):
 
 def _student_run(recipe: Any, layout: str, folder: Path, registry: PluginRegistry) -> dict[str, Any]:
     """The recipe without distillation (and without lm-eval or throughput): the student."""
-    plain = dataclasses.replace(recipe, distillation=None, output=str(folder),
-                                slicing=dataclasses.replace(recipe.slicing, layout=layout),
-                                evaluation=dataclasses.replace(recipe.evaluation, lm_eval=None, throughput=False))
+    plain = dataclasses.replace(
+        recipe,
+        distillation=None,
+        output=str(folder),
+        slicing=dataclasses.replace(recipe.slicing, layout=layout),
+        evaluation=dataclasses.replace(recipe.evaluation, lm_eval=None, throughput=False),
+    )
     return run(plain, registry, progress=phase_logger(CONSOLE, f"{layout} student"), overwrite=True)
 
 
@@ -138,13 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         folder = work / f"student-{layout}"
         tick = time.perf_counter()
         reused = args.reuse and (folder / "report.json").is_file()
-        student_report = (json.loads((folder / "report.json").read_text()) if reused
-                          else _student_run(recipe, layout, folder, registry))
+        student_report = (
+            json.loads((folder / "report.json").read_text())
+            if reused
+            else _student_run(recipe, layout, folder, registry)
+        )
         prune_s = time.perf_counter() - tick
         for method in args.methods:
             spec = dataclasses.replace(recipe.distillation, method=method, tokens=budgets[method])
-            if method == "full" and recipe.distillation.method == "lora" and not any(
-                    s.startswith("distillation.lr=") for s in args.common):
+            if (
+                method == "full"
+                and recipe.distillation.method == "lora"
+                and not any(s.startswith("distillation.lr=") for s in args.common)
+            ):
                 spec = dataclasses.replace(spec, lr=None)  # the method's default rate, not LoRA's
             student = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).to(device)
             teacher = load_model(recipe.model).to(device)
@@ -153,30 +189,51 @@ def main(argv: list[str] | None = None) -> int:
             data = distillation_data(spec, tokenizer)
             checkpoints = work / f"checkpoints-{layout}-{method}"
             shutil.rmtree(checkpoints, ignore_errors=True)
-            distilled, record = distill(student, LiveTeacher(teacher, spec.top_k), data, spec, checkpoints, device,
-                                        {"benchmark": f"{layout}-{method}"}, recipe.seed,
-                                        phase_logger(CONSOLE, f"{layout} {method}"), callbacks=[marks])
+            distilled, record = distill(
+                student,
+                LiveTeacher(teacher, spec.top_k),
+                data,
+                spec,
+                checkpoints,
+                device,
+                {"benchmark": f"{layout}-{method}"},
+                recipe.seed,
+                phase_logger(CONSOLE, f"{layout} {method}"),
+                callbacks=[marks],
+            )
             final = compare(teacher, distilled.to(device), windows, device)
             shutil.rmtree(checkpoints, ignore_errors=True)
             trained_s = record.train_seconds - marks.measuring
-            rows.append({
-                "layout": layout, "method": method, "budget": spec.tokens, "lr": record.lr,
-                "train_s": trained_s, "s_per_million_tokens": trained_s / max(record.tokens, 1) * 1e6,
-                "params": parameter_count(distilled), "baseline_params": student_report["params"]["baseline"],
-                "width": student_report["kept_width"], "prune_s": None if reused else prune_s,
-                "points": marks.points,
-                "final": {"tokens": record.tokens, "best_step": record.best_step, "kl": final["pruned"]["kl"],
-                          "ppl": final["pruned"]["ppl"], "baseline_ppl": final["baseline"]["ppl"]},
-                "record": record.to_json(),
-            })
+            rows.append(
+                {
+                    "layout": layout,
+                    "method": method,
+                    "budget": spec.tokens,
+                    "lr": record.lr,
+                    "train_s": trained_s,
+                    "s_per_million_tokens": trained_s / max(record.tokens, 1) * 1e6,
+                    "params": parameter_count(distilled),
+                    "baseline_params": student_report["params"]["baseline"],
+                    "width": student_report["kept_width"],
+                    "prune_s": None if reused else prune_s,
+                    "points": marks.points,
+                    "final": {
+                        "tokens": record.tokens,
+                        "best_step": record.best_step,
+                        "kl": final["pruned"]["kl"],
+                        "ppl": final["pruned"]["ppl"],
+                        "baseline_ppl": final["baseline"]["ppl"],
+                    },
+                    "record": record.to_json(),
+                }
+            )
             _write(args, rows)
             del student, teacher, distilled
     _write(args, rows, show=True)
     return 0
 
 
-COLUMNS = ("layout", "method", "params", "tokens", "KL", "KL / undistilled", "ppl", "ppl vs original",
-           "s / M tokens")
+COLUMNS = ("layout", "method", "params", "tokens", "KL", "KL / undistilled", "ppl", "ppl vs original", "s / M tokens")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -184,11 +241,23 @@ def _table(rows: list[dict[str, Any]]) -> list[list[str]]:
     for row in rows:
         start = row["points"][0]
         per_million = row["s_per_million_tokens"]
-        for point, label in [*((p, f"{p['tokens'] / 1e6:.2f}M") for p in row["points"]),
-                             (row["final"], f"kept (step {row['final']['best_step']})")]:
-            cells.append([row["layout"], row["method"], f"{row['params']:,}", label, f"{point['kl']:.5f}",
-                          f"{point['kl'] / start['kl']:.3f}", f"{point['ppl']:.3f}",
-                          f"{100 * (point['ppl'] / point['baseline_ppl'] - 1):+.2f}%", f"{per_million:.0f}"])
+        for point, label in [
+            *((p, f"{p['tokens'] / 1e6:.2f}M") for p in row["points"]),
+            (row["final"], f"kept (step {row['final']['best_step']})"),
+        ]:
+            cells.append(
+                [
+                    row["layout"],
+                    row["method"],
+                    f"{row['params']:,}",
+                    label,
+                    f"{point['kl']:.5f}",
+                    f"{point['kl'] / start['kl']:.3f}",
+                    f"{point['ppl']:.3f}",
+                    f"{100 * (point['ppl'] / point['baseline_ppl'] - 1):+.2f}%",
+                    f"{per_million:.0f}",
+                ]
+            )
     return cells
 
 
@@ -217,12 +286,22 @@ def _figure(rows: list[dict[str, Any]], path: Path) -> None:
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]], show: bool = False) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    environment = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-                   "torch": torch.__version__, "transformers": transformers.__version__,
-                   "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                   "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    out.write_text(json.dumps({"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                               "environment": environment, "rows": rows}, indent=2) + "\n")
+    environment = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    out.write_text(
+        json.dumps(
+            {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "environment": environment, "rows": rows},
+            indent=2,
+        )
+        + "\n"
+    )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells) + " |" for cells in _table(rows)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

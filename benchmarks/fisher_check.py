@@ -57,8 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=140)
     registry = PluginRegistry()
-    recipe = load_recipe(args.recipe, registry, [f"calibration.num_samples={args.calibration}",
-                                                 f"evaluation.num_samples={args.windows}"])
+    recipe = load_recipe(
+        args.recipe, registry, [f"calibration.num_samples={args.calibration}", f"evaluation.num_samples={args.windows}"]
+    )
     checked = plan(recipe, registry)
     family, device = checked.layout.family, resolve_device(recipe.device)
     check_site(family, checked.layout.config.num_hidden_layers, args.site)
@@ -75,7 +76,7 @@ def main() -> None:
     subspaces: list[tuple[str, torch.Tensor]] = []
     Cn, Hn = frobenius_normalised(C), frobenius_normalised(H)
     for tau in (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0):
-        subspaces.append((f"bottom of τC+H/τ, τ={tau:g}", eigh_descending(tau * Cn + Hn / tau)[1][:, d - k:]))
+        subspaces.append((f"bottom of τC+H/τ, τ={tau:g}", eigh_descending(tau * Cn + Hn / tau)[1][:, d - k :]))
     generator = torch.Generator().manual_seed(0)
     for i in range(args.random):
         U, _ = torch.linalg.qr(torch.randn(d, k, generator=generator, dtype=torch.float64))
@@ -85,8 +86,10 @@ def main() -> None:
     held_out = capture_layer_inputs(model, family, token_batches(recipe.evaluation, tokenizer, "evaluation"), device)
     perturbations = [(U, alpha) for (_, U), alpha in zip(subspaces, alphas)]
     measured, _ = measure_kl(model, family, held_out, args.site, perturbations, device)
-    rows = [{"subspace": name, "alpha": alpha, "predicted_kl": predicted_kl(C, H, U, alpha), "measured_kl": kl}
-            for (name, U), alpha, kl in zip(subspaces, alphas, measured)]
+    rows = [
+        {"subspace": name, "alpha": alpha, "predicted_kl": predicted_kl(C, H, U, alpha), "measured_kl": kl}
+        for (name, U), alpha, kl in zip(subspaces, alphas, measured)
+    ]
 
     correlation = rank_correlation([r["predicted_kl"] for r in rows], [r["measured_kl"] for r in rows])
     table = Table(title=f"H vs finite-difference KL at {args.site} (removed energy fixed at PCA's for k={k} of {d})")

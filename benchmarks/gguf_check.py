@@ -54,11 +54,12 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Any
 
 import numpy as np  # noqa: E402
 
@@ -153,13 +154,24 @@ def infer_pre_tokenizer(model_dir: Path) -> str | None:
     return None
 
 
-def convert(model_dir: Path, out_file: Path, converter: Path, python: str, outtype: str,
-            pre_tokenizer: str, log_file: Path) -> tuple[float, str | None]:
+def convert(
+    model_dir: Path, out_file: Path, converter: Path, python: str, outtype: str, pre_tokenizer: str, log_file: Path
+) -> tuple[float, str | None]:
     """Run llama.cpp's converter on `model_dir`; returns (seconds, fallback pre-tokenizer or None)."""
     fallback = infer_pre_tokenizer(model_dir) if pre_tokenizer == "auto" else pre_tokenizer
     fallback = "" if fallback in (None, "none") else fallback
-    cmd = [python, "-c", CONVERTER_BOOTSTRAP, str(converter), fallback, str(model_dir),
-           "--outtype", outtype, "--outfile", str(out_file)]
+    cmd = [
+        python,
+        "-c",
+        CONVERTER_BOOTSTRAP,
+        str(converter),
+        fallback,
+        str(model_dir),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(out_file),
+    ]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -191,10 +203,21 @@ def gguf_metadata(path: Path, converter: Path) -> dict[str, Any]:
         return bytes(part).decode() if fld.types and fld.types[0] == gguf.GGUFValueType.STRING else part.tolist()[0]
 
     arch = value("general.architecture")
-    keys = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count",
-            "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count"]
-    meta: dict[str, Any] = {"general.architecture": arch, "general.file_type": value("general.file_type"),
-                            "tokenizer.ggml.pre": value("tokenizer.ggml.pre")}
+    keys = [
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",
+        "rope.dimension_count",
+    ]
+    meta: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.file_type": value("general.file_type"),
+        "tokenizer.ggml.pre": value("tokenizer.ggml.pre"),
+    }
     meta.update({f"{arch}.{k}": value(f"{arch}.{k}") for k in keys})
     return meta
 
@@ -241,8 +264,9 @@ def transformers_nll(model_dir: Path, windows: np.ndarray, trust_remote_code: bo
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+    ).eval()
     n_params = sum(p.numel() for p in model.parameters())
     rows = []
     with torch.inference_mode():
@@ -257,29 +281,42 @@ def transformers_nll(model_dir: Path, windows: np.ndarray, trust_remote_code: bo
 # ---------------------------------------------------------------- llama.cpp
 
 
-def llama_nll(gguf_path: Path, windows: np.ndarray, threads: int, tokenizer: Any, texts: Sequence[str],
-              n_docs: int) -> tuple[np.ndarray, int, int]:
+def llama_nll(
+    gguf_path: Path, windows: np.ndarray, threads: int, tokenizer: Any, texts: Sequence[str], n_docs: int
+) -> tuple[np.ndarray, int, int]:
     """Per-token NLL of every window under llama.cpp (each window from an empty cache), and how many
     of the first `n_docs` documents llama.cpp's own tokenizer encodes to the same ids as the HF one."""
     from llama_cpp import Llama
 
     seq_len = windows.shape[1]
-    llm = Llama(model_path=str(gguf_path), n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len,
-                logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=seq_len,
+        n_batch=seq_len,
+        n_ubatch=seq_len,
+        logits_all=True,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     rows = []
     for window in windows:
         llm.reset()
         llm.eval(window.tolist())
         rows.append(target_nll(np.array(llm.scores[:seq_len]), window))
     docs = list(texts[:n_docs])
-    same = sum(llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-               == tokenizer.encode(text, add_special_tokens=False) for text in docs)
+    same = sum(
+        llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        == tokenizer.encode(text, add_special_tokens=False)
+        for text in docs
+    )
     llm.close()
     return np.stack(rows), same, len(docs)
 
 
-def llama_speed(gguf_path: Path, window: np.ndarray, threads: int, prompt_len: int, decode_steps: int,
-                repeats: int) -> tuple[list[float], list[float]]:
+def llama_speed(
+    gguf_path: Path, window: np.ndarray, threads: int, prompt_len: int, decode_steps: int, repeats: int
+) -> tuple[list[float], list[float]]:
     """Timed prefill of `window` and decode of `decode_steps` single tokens after `prompt_len` (seconds).
 
     Decode feeds the window's own next tokens (teacher forcing) one at a time through the KV cache,
@@ -292,8 +329,16 @@ def llama_speed(gguf_path: Path, window: np.ndarray, threads: int, prompt_len: i
     while len(tokens) < prompt_len + decode_steps:
         tokens += window.tolist()
     n_ctx = max(seq_len, prompt_len + decode_steps)
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=False,
-                n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=False,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
 
     def prefill() -> float:
         llm.reset()
@@ -305,7 +350,7 @@ def llama_speed(gguf_path: Path, window: np.ndarray, threads: int, prompt_len: i
         llm.reset()
         llm.eval(tokens[:prompt_len])
         start = time.perf_counter()
-        for token in tokens[prompt_len: prompt_len + decode_steps]:
+        for token in tokens[prompt_len : prompt_len + decode_steps]:
             llm.eval([token])
         return time.perf_counter() - start
 
@@ -346,9 +391,13 @@ def versions(converter: Path) -> dict[str, Any]:
     import torch
     import transformers
 
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "numpy": np.__version__,
-                           "llama_cpp_python": llama_cpp.__version__}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+        "llama_cpp_python": llama_cpp.__version__,
+    }
     try:
         out["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
     except Exception:  # noqa: BLE001 - informational only
@@ -365,17 +414,37 @@ def short_name(model_dir: str | Path) -> str:
 
 def print_table(results: Sequence[ModelResult]) -> None:
     """A fixed-width table of the headline numbers."""
-    head = ["model", "params", "gguf MB", "ppl HF", "ppl llama.cpp", "rel diff", "max |dNLL|",
-            "tok match", "prefill tok/s", "decode tok/s"]
+    head = [
+        "model",
+        "params",
+        "gguf MB",
+        "ppl HF",
+        "ppl llama.cpp",
+        "rel diff",
+        "max |dNLL|",
+        "tok match",
+        "prefill tok/s",
+        "decode tok/s",
+    ]
     rows = []
     for r in results:
         if r.error:
             rows.append([short_name(r.model), "error"] + ["-"] * (len(head) - 2))
             continue
-        rows.append([short_name(r.model), f"{r.n_params / 1e6:.2f}M", f"{r.gguf_bytes / 2**20:.1f}",
-                     f"{r.ppl_transformers:.4f}", f"{r.ppl_llama_cpp:.4f}", f"{r.ppl_rel_diff:+.2e}",
-                     f"{r.token_nll_max_abs_diff:.1e}", f"{r.tokenizer_docs_identical}/{r.tokenizer_docs_checked}",
-                     f"{r.prefill_tokens_per_s:,.0f}", f"{r.decode_tokens_per_s:,.0f}"])
+        rows.append(
+            [
+                short_name(r.model),
+                f"{r.n_params / 1e6:.2f}M",
+                f"{r.gguf_bytes / 2**20:.1f}",
+                f"{r.ppl_transformers:.4f}",
+                f"{r.ppl_llama_cpp:.4f}",
+                f"{r.ppl_rel_diff:+.2e}",
+                f"{r.token_nll_max_abs_diff:.1e}",
+                f"{r.tokenizer_docs_identical}/{r.tokenizer_docs_checked}",
+                f"{r.prefill_tokens_per_s:,.0f}",
+                f"{r.decode_tokens_per_s:,.0f}",
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for line in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
@@ -398,8 +467,14 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
     else:
         print(f"  converting -> {gguf_path}")
         result.convert_s, result.pre_tokenizer_fallback = convert(
-            model_dir, gguf_path, args.converter, args.converter_python, args.outtype, args.pre_tokenizer,
-            gguf_path.with_suffix(".convert.log"))
+            model_dir,
+            gguf_path,
+            args.converter,
+            args.converter_python,
+            args.outtype,
+            args.pre_tokenizer,
+            gguf_path.with_suffix(".convert.log"),
+        )
         if result.pre_tokenizer_fallback:
             print(f"  converter did not know the pre-tokenizer hash; wrote '{result.pre_tokenizer_fallback}'")
     result.gguf, result.gguf_bytes = str(gguf_path), gguf_path.stat().st_size
@@ -415,7 +490,8 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
     nll_hf, result.n_params = transformers_nll(model_dir, windows, args.trust_remote_code)
     print("  llama.cpp: perplexity and tokenizer check")
     nll_cpp, result.tokenizer_docs_identical, result.tokenizer_docs_checked = llama_nll(
-        gguf_path, windows, args.threads, tokenizer, texts, args.tokenizer_docs)
+        gguf_path, windows, args.threads, tokenizer, texts, args.tokenizer_docs
+    )
     result.ppl_transformers = float(np.exp(nll_hf.mean()))
     result.ppl_llama_cpp = float(np.exp(nll_cpp.mean()))
     result.ppl_rel_diff = (result.ppl_llama_cpp - result.ppl_transformers) / result.ppl_transformers
@@ -426,8 +502,9 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
     # llama.cpp's for the cores (on 2 cores this cut decode from ~1,300 to ~260 tokens/s).
     print(f"  llama.cpp: speed (warm-up + {args.repeats}, separate process)")
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        prefill, decode = pool.submit(llama_speed, gguf_path, windows[0], args.threads, args.prompt_len,
-                                      args.decode_steps, args.repeats).result()
+        prefill, decode = pool.submit(
+            llama_speed, gguf_path, windows[0], args.threads, args.prompt_len, args.decode_steps, args.repeats
+        ).result()
     result.prefill_times_s, result.decode_times_s = prefill, decode
     result.prefill_tokens_per_s = args.seq_len / statistics.median(prefill)
     result.decode_tokens_per_s = args.decode_steps / statistics.median(decode)
@@ -437,18 +514,37 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, action="append", required=True,
-                        help="HF model folder; repeat to compare several side by side")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        required=True,
+        help="HF model folder; repeat to compare several side by side",
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="held-out JSONL with a `text` field")
-    parser.add_argument("--converter", type=Path, default=os.environ.get("GGUF_CONVERTER"),
-                        help="llama.cpp's convert_hf_to_gguf.py (default: $GGUF_CONVERTER)")
-    parser.add_argument("--converter-python", default=sys.executable,
-                        help="interpreter that runs the converter (needs torch, transformers, numpy)")
-    parser.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0", "auto"],
-                        help="GGUF weight type passed to the converter")
-    parser.add_argument("--pre-tokenizer", default="auto",
-                        help="llama.cpp pre-tokenizer name written only if the converter does not know the "
-                             "tokenizer's hash; 'auto' infers it from tokenizer.json, 'none' never overrides")
+    parser.add_argument(
+        "--converter",
+        type=Path,
+        default=os.environ.get("GGUF_CONVERTER"),
+        help="llama.cpp's convert_hf_to_gguf.py (default: $GGUF_CONVERTER)",
+    )
+    parser.add_argument(
+        "--converter-python",
+        default=sys.executable,
+        help="interpreter that runs the converter (needs torch, transformers, numpy)",
+    )
+    parser.add_argument(
+        "--outtype",
+        default="f32",
+        choices=["f32", "f16", "bf16", "q8_0", "auto"],
+        help="GGUF weight type passed to the converter",
+    )
+    parser.add_argument(
+        "--pre-tokenizer",
+        default="auto",
+        help="llama.cpp pre-tokenizer name written only if the converter does not know the "
+        "tokenizer's hash; 'auto' infers it from tokenizer.json, 'none' never overrides",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="folder for the GGUF files")
     parser.add_argument("--reuse-gguf", action="store_true", help="skip conversion where the GGUF exists")
     parser.add_argument("--windows", type=int, default=32)
@@ -457,9 +553,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokenizer-docs", type=int, default=50, help="documents for the tokenizer check")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="llama.cpp and torch threads; llama.cpp's OpenMP threads spin, so on a busy "
-                             "machine the timings collapse: use fewer threads or a quiet machine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="llama.cpp and torch threads; llama.cpp's OpenMP threads spin, so on a busy "
+        "machine the timings collapse: use fewer threads or a quiet machine",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="JSON report (default: OUTPUT/gguf_check.json)")
     args = parser.parse_args(argv)
@@ -487,11 +587,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(ModelResult(model=str(model_dir), error=f"{type(error).__name__}: {error}"))
     print()
     print_table(results)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-              "cpu_count": os.cpu_count(), "data": str(args.data), "outtype": args.outtype,
-              "windows": args.windows, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
-              "decode_steps": args.decode_steps, "repeats": args.repeats, "threads": args.threads,
-              "versions": versions(args.converter), "models": [asdict(r) for r in results]}
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "data": str(args.data),
+        "outtype": args.outtype,
+        "windows": args.windows,
+        "seq_len": args.seq_len,
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "versions": versions(args.converter),
+        "models": [asdict(r) for r in results],
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {args.json}")

@@ -60,8 +60,18 @@ def main() -> None:
     evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation")
     torch.manual_seed(recipe.seed)
     tick = time.perf_counter()
-    result = prune(load_model(recipe.model), checked.layout.family, calibration, checked.layout.widths, checked.pipeline, device,
-                   sensitivity=recipe.sensitivity, seed=recipe.seed, layout="global", pooling=recipe.slicing.pooling)
+    result = prune(
+        load_model(recipe.model),
+        checked.layout.family,
+        calibration,
+        checked.layout.widths,
+        checked.pipeline,
+        device,
+        sensitivity=recipe.sensitivity,
+        seed=recipe.seed,
+        layout="global",
+        pooling=recipe.slicing.pooling,
+    )
     walk_s = time.perf_counter() - tick
     assert result.walked is not None
     ids = list(checked.layout.widths)
@@ -70,18 +80,27 @@ def main() -> None:
 
     def stock(bases: dict[str, torch.Tensor], sliced: PreTrainedModel | None = None) -> PreTrainedModel:
         sliced = sliced or apply_bases(load_model(recipe.model), checked.layout.family, bases, device, keep_tied=False)
-        return to_stock(sliced, checked.layout.family, checked.layout.config, tie=checked.layout.tie_head,
-                        stream=head_stream(result.head_moment, bases[EMBEDDING]))[0]
+        return to_stock(
+            sliced,
+            checked.layout.family,
+            checked.layout.config,
+            tie=checked.layout.tie_head,
+            stream=head_stream(result.head_moment, bases[EMBEDDING]),
+        )[0]
 
     original = load_model(recipe.model).to(device)
     rows = {}
-    for label, model in (("unsliced model's statistics (survey)", stock(result.bases, result.model)),
-                         ("sliced model's statistics (walk)", stock(second))):
+    for label, model in (
+        ("unsliced model's statistics (survey)", stock(result.bases, result.model)),
+        ("sliced model's statistics (walk)", stock(second)),
+    ):
         rows[label] = compare(original, model.to(device), evaluation, device)["pruned"]
     V1, V2 = result.bases[EMBEDDING], second[EMBEDDING]
     overlap = float(torch.linalg.matrix_norm(V1.T @ V2) ** 2 / V1.shape[1])
-    table = Table(title=f"{Path(recipe.model.path).name}: one basis at width {checked.layout.kept}, "
-                        f"{'+'.join(s.strategy.name for s in checked.pipeline)}")
+    table = Table(
+        title=f"{Path(recipe.model.path).name}: one basis at width {checked.layout.kept}, "
+        f"{'+'.join(s.strategy.name for s in checked.pipeline)}"
+    )
     for column in ("statistics", "KL (nats)", "perplexity"):
         table.add_column(column, justify="left" if column == "statistics" else "right")
     for label, metrics in rows.items():
@@ -90,9 +109,21 @@ def main() -> None:
     console.print(f"subspace overlap ‖V1ᵀV2‖²/k = {overlap:.4f}; walk {walk_s:.1f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"recipe": args.recipe, "overrides": args.overrides, "width": checked.layout.kept,
-                               "results": rows, "subspace_overlap": overlap, "walk_s": walk_s,
-                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "recipe": args.recipe,
+                "overrides": args.overrides,
+                "width": checked.layout.kept,
+                "results": rows,
+                "subspace_overlap": overlap,
+                "walk_s": walk_s,
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     console.print(f"wrote {out}")
 
 

@@ -31,7 +31,7 @@ def build(corpus: Path, records: int, context_lines: int, seed: int) -> list[dic
         doc = index % len(documents)
         lines = documents[doc]
         start = rng.randrange(len(lines) - context_lines)
-        context, answer = lines[start:start + context_lines], lines[start + context_lines]
+        context, answer = lines[start : start + context_lines], lines[start + context_lines]
         others = [d for i, d in enumerate(documents) if i != doc]
         distractors = [rng.choice(rng.choice(others)) for _ in range(3)]
         choices = [answer, *distractors]

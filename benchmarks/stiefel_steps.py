@@ -55,16 +55,31 @@ ROOT = Path(__file__).resolve().parent.parent
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_sens.yaml"), help="benchmark recipe")
-    parser.add_argument("--steps", type=int, nargs="+", default=[0, 50, 100, 200, 500, 1000, 2000, 10000],
-                        help="stiefel step counts; 0 is sensitivity alone")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=[0, 50, 100, 200, 500, 1000, 2000, 10000],
+        help="stiefel step counts; 0 is sensitivity alone",
+    )
     parser.add_argument("--sparsity", type=float, default=0.25)
     parser.add_argument("--calibration-samples", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--eval-samples", type=int, default=128, help="held-out windows for the KL")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: small products on a shared, busy machine are far slower "
-                             "with 2 threads fighting other processes than with 1)")
-    parser.add_argument("--set", dest="common", action="append", default=[], metavar="KEY=VALUE",
-                        help="a further recipe override for every run (repeatable)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: small products on a shared, busy machine are far slower "
+        "with 2 threads fighting other processes than with 1)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="common",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further recipe override for every run (repeatable)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stiefel_steps.json"))
     args = parser.parse_args(argv)
     if any(s < 0 for s in args.steps):
@@ -136,19 +151,42 @@ def _add_shares(rows: list[dict[str, Any]]) -> None:
             r[f"{key}_gain_share"] = (base[key] - r[key]) / whole if base and whole != 0 else None
 
 
-COLUMNS = ("steps", "taken (Σ sites)", "early stops", "objective Σ", "obj / sens", "obj gain share",
-           "KL (nats)", "KL / sens", "KL gain share", "pruned ppl", "stiefel s", "ms / step", "prune s")
+COLUMNS = (
+    "steps",
+    "taken (Σ sites)",
+    "early stops",
+    "objective Σ",
+    "obj / sens",
+    "obj gain share",
+    "KL (nats)",
+    "KL / sens",
+    "KL gain share",
+    "pruned ppl",
+    "stiefel s",
+    "ms / step",
+    "prune s",
+)
 
 
 def _cells(r: dict[str, Any], kl0: float | None) -> list[str]:
     def share(value: float | None) -> str:
         return "" if value is None else f"{100 * value:.0f}%"
 
-    return [str(r["steps"]), f"{r['steps_taken']:,}", f"{r['sites_stopped_early']}/{r['sites']}",
-            f"{r['objective']:.6g}", f"{r['objective_ratio']:.4f}", share(r["objective_gain_share"]),
-            f"{r['kl']:.5f}", "" if kl0 is None else f"{r['kl'] / kl0:.4f}", share(r["kl_gain_share"]),
-            f"{r['pruned_ppl']:.4f}", f"{r['stiefel_s']:.1f}",
-            "" if r["s_per_step"] is None else f"{1000 * r['s_per_step']:.2f}", f"{r['prune_s']:.1f}"]
+    return [
+        str(r["steps"]),
+        f"{r['steps_taken']:,}",
+        f"{r['sites_stopped_early']}/{r['sites']}",
+        f"{r['objective']:.6g}",
+        f"{r['objective_ratio']:.4f}",
+        share(r["objective_gain_share"]),
+        f"{r['kl']:.5f}",
+        "" if kl0 is None else f"{r['kl'] / kl0:.4f}",
+        share(r["kl_gain_share"]),
+        f"{r['pruned_ppl']:.4f}",
+        f"{r['stiefel_s']:.1f}",
+        "" if r["s_per_step"] is None else f"{1000 * r['s_per_step']:.2f}",
+        f"{r['prune_s']:.1f}",
+    ]
 
 
 def _markdown(rows: list[dict[str, Any]], kl0: float | None) -> str:
@@ -157,8 +195,15 @@ def _markdown(rows: list[dict[str, Any]], kl0: float | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Path, args: argparse.Namespace, common: list[str], recipe: Any, report: dict[str, Any],
-           rows: list[dict[str, Any]], started: datetime) -> None:
+def _write(
+    out: Path,
+    args: argparse.Namespace,
+    common: list[str],
+    recipe: Any,
+    report: dict[str, Any],
+    rows: list[dict[str, Any]],
+    started: datetime,
+) -> None:
     result = {
         "benchmark": "stiefel_steps",
         "recipe": str(Path(args.recipe).resolve()),
@@ -196,33 +241,51 @@ def main(argv: list[str] | None = None) -> None:
     registry = PluginRegistry()
     timer = StiefelTimer()
     started = datetime.now(timezone.utc)
-    common = [f"sparsity={args.sparsity}", f"evaluation.num_samples={args.eval_samples}", "evaluation.lm_eval=null",
-              "evaluation.throughput=false",
-              *([f"calibration.num_samples={args.calibration_samples}"] if args.calibration_samples else []),
-              *args.common]
+    common = [
+        f"sparsity={args.sparsity}",
+        f"evaluation.num_samples={args.eval_samples}",
+        "evaluation.lm_eval=null",
+        "evaluation.throughput=false",
+        *([f"calibration.num_samples={args.calibration_samples}"] if args.calibration_samples else []),
+        *args.common,
+    ]
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="stiefel_steps_") as scratch:
         shared = SharedResources(Path(scratch) / "shared")
         for steps in args.steps:
-            pipeline = "[{strategy: sensitivity}]" if steps == 0 else \
-                f"[{{strategy: sensitivity}}, {{strategy: stiefel, steps: {steps}}}]"
-            recipe = load_recipe(args.recipe, registry, [*common, f"pipeline={pipeline}"],
-                                 str(Path(scratch) / f"steps-{steps}"))
+            pipeline = (
+                "[{strategy: sensitivity}]"
+                if steps == 0
+                else f"[{{strategy: sensitivity}}, {{strategy: stiefel, steps: {steps}}}]"
+            )
+            recipe = load_recipe(
+                args.recipe, registry, [*common, f"pipeline={pipeline}"], str(Path(scratch) / f"steps-{steps}")
+            )
             timer.seconds = 0.0
             tick, load = time.perf_counter(), os.getloadavg()[0]
-            report = run(recipe, registry, phase_logger(console, f"steps {steps}"), overwrite=True,
-                         resources=shared, save_model=False)
+            report = run(
+                recipe,
+                registry,
+                phase_logger(console, f"steps {steps}"),
+                overwrite=True,
+                resources=shared,
+                save_model=False,
+            )
             rows.append(_row(steps, report, timer.seconds, (load, os.getloadavg()[0])))
-            console.log(f"steps {steps}: KL {rows[-1]['kl']:.5f}, {rows[-1]['steps_taken']} steps taken in "
-                        f"{timer.seconds:.1f} s; run {time.perf_counter() - tick:.1f} s")
+            console.log(
+                f"steps {steps}: KL {rows[-1]['kl']:.5f}, {rows[-1]['steps_taken']} steps taken in "
+                f"{timer.seconds:.1f} s; run {time.perf_counter() - tick:.1f} s"
+            )
             _add_shares(rows)
             _write(out, args, common, recipe, report, rows, started)  # after every run: a long one may be cut short
     kl0 = next((r["kl"] for r in rows if r["steps"] == 0), None)
-    table = Table(title=f"stiefel steps ({Path(args.recipe).name}, sparsity {args.sparsity}, "
-                        f"{recipe.calibration.num_samples} calibration / {args.eval_samples} held-out windows, "
-                        f"{args.threads} thread(s))")
+    table = Table(
+        title=f"stiefel steps ({Path(args.recipe).name}, sparsity {args.sparsity}, "
+        f"{recipe.calibration.num_samples} calibration / {args.eval_samples} held-out windows, "
+        f"{args.threads} thread(s))"
+    )
     for name in COLUMNS:
         table.add_column(name, justify="right")
     for r in rows:

@@ -60,22 +60,43 @@ ROOT = Path(__file__).resolve().parent.parent
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "ref_llama_pca.yaml"), help="benchmark recipe")
-    parser.add_argument("--sparsities", type=float, nargs="+", default=None,
-                        help="default 0.1 0.2 0.25 0.3 unless --targets is given")
-    parser.add_argument("--targets", type=float, nargs="+", default=[],
-                        help="target_params fractions, run as points of their own (sparsity: null)")
-    parser.add_argument("--set", dest="common", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for every run, e.g. model.path=/abs/path (repeatable)")
-    parser.add_argument("--pipelines", nargs="+", default=["pca"],
-                        help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
-                             "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16; "
-                             "NAME= in front names the row")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each pipeline per sparsity; rows report median wall times")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "strategy_sweep.json"),
-                        help="where the JSON results are written")
-    parser.add_argument("--runs-dir", default=None,
-                        help="keep each run's output folder here (default: a temporary folder, deleted)")
+    parser.add_argument(
+        "--sparsities", type=float, nargs="+", default=None, help="default 0.1 0.2 0.25 0.3 unless --targets is given"
+    )
+    parser.add_argument(
+        "--targets",
+        type=float,
+        nargs="+",
+        default=[],
+        help="target_params fractions, run as points of their own (sparsity: null)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="common",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for every run, e.g. model.path=/abs/path (repeatable)",
+    )
+    parser.add_argument(
+        "--pipelines",
+        nargs="+",
+        default=["pca"],
+        help="strategy chains joined by '+', e.g. pca sensitivity sensitivity+stiefel; "
+        "recipe overrides may follow a colon: sensitivity:sensitivity.autocast=bfloat16; "
+        "NAME= in front names the row",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each pipeline per sparsity; rows report median wall times"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks" / "results" / "strategy_sweep.json"),
+        help="where the JSON results are written",
+    )
+    parser.add_argument(
+        "--runs-dir", default=None, help="keep each run's output folder here (default: a temporary folder, deleted)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -88,8 +109,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _points(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(budget label, recipe overrides) of each point: sparsities, then parameter targets."""
-    return ([(f"{s:.2f}", [f"sparsity={s}"]) for s in args.sparsities]
-            + [(f"params ≤ {t:g}", ["sparsity=null", f"target_params={t}"]) for t in args.targets])
+    return [(f"{s:.2f}", [f"sparsity={s}"]) for s in args.sparsities] + [
+        (f"params ≤ {t:g}", ["sparsity=null", f"target_params={t}"]) for t in args.targets
+    ]
 
 
 def _row(report: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +148,10 @@ def _median_row(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
     non-deterministic GPU kernels) is reported, not fatal, so no finished run is thrown away."""
     first = runs[0]
     if any((r["kl"], r["pruned_ppl"]) != (first["kl"], first["pruned_ppl"]) for r in runs[1:]):
-        console.print(f"warning: {first['pipeline']} at {first['budget']}: repeats differ in quality "
-                      f"(KL {', '.join(format(r['kl'], '.6g') for r in runs)}); the row shows the medians")
+        console.print(
+            f"warning: {first['pipeline']} at {first['budget']}: repeats differ in quality "
+            f"(KL {', '.join(format(r['kl'], '.6g') for r in runs)}); the row shows the medians"
+        )
     row = dict(first)
     for key in (*TIMES, "kl", "pruned_ppl"):
         row[key] = statistics.median(r[key] for r in runs)
@@ -155,24 +179,54 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         for key in ("kl_ratio_to_pca", "total_ratio_to_pca"):
             values = [r[key] for r in rows if r["pipeline"] == chain and r[key] is not None]
             if values:
-                summary.setdefault(chain, {}).update({f"{key}_mean": statistics.fmean(values),
-                                                      f"{key}_min": min(values), f"{key}_max": max(values)})
+                summary.setdefault(chain, {}).update(
+                    {f"{key}_mean": statistics.fmean(values), f"{key}_min": min(values), f"{key}_max": max(values)}
+                )
     return summary
 
 
-COLUMNS = ("pipeline", "budget", "kept", "base ppl", "pruned ppl", "Δppl %", "KL (nats)", "KL / pca",
-           "params pruned", "params / orig", "prune s", "refine s", "prune / sens", "eval s", "total s", "time / pca")
+COLUMNS = (
+    "pipeline",
+    "budget",
+    "kept",
+    "base ppl",
+    "pruned ppl",
+    "Δppl %",
+    "KL (nats)",
+    "KL / pca",
+    "params pruned",
+    "params / orig",
+    "prune s",
+    "refine s",
+    "prune / sens",
+    "eval s",
+    "total s",
+    "time / pca",
+)
 
 
 def _cells(r: dict[str, Any]) -> list[str]:
     def ratio(value: float | None) -> str:
         return "" if value is None else f"{value:.3f}"
 
-    return [r["pipeline"], r["budget"], str(r["kept_width"]), f"{r['baseline_ppl']:.4f}",
-            f"{r['pruned_ppl']:.4f}", f"{r['ppl_increase_pct']:.2f}", f"{r['kl']:.5f}", ratio(r["kl_ratio_to_pca"]),
-            f"{r['params_pruned']:,}", f"{r['params_ratio']:.4f}", f"{r['prune_s']:.1f}", f"{r['refine_s']:.1f}",
-            ratio(r["prune_ratio_to_sensitivity"]), f"{r['eval_s']:.1f}", f"{r['total_s']:.1f}",
-            ratio(r["total_ratio_to_pca"])]
+    return [
+        r["pipeline"],
+        r["budget"],
+        str(r["kept_width"]),
+        f"{r['baseline_ppl']:.4f}",
+        f"{r['pruned_ppl']:.4f}",
+        f"{r['ppl_increase_pct']:.2f}",
+        f"{r['kl']:.5f}",
+        ratio(r["kl_ratio_to_pca"]),
+        f"{r['params_pruned']:,}",
+        f"{r['params_ratio']:.4f}",
+        f"{r['prune_s']:.1f}",
+        f"{r['refine_s']:.1f}",
+        ratio(r["prune_ratio_to_sensitivity"]),
+        f"{r['eval_s']:.1f}",
+        f"{r['total_s']:.1f}",
+        ratio(r["total_ratio_to_pca"]),
+    ]
 
 
 def _table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -223,7 +277,9 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[dict[str, Any]]] = {chain: [] for chain in args.pipelines}
             for repeat in range(args.repeats):
                 for index, chain in enumerate(args.pipelines):
-                    label = f"{_split(chain)[0]} at {budget}" + (f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
+                    label = f"{_split(chain)[0]} at {budget}" + (
+                        f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+                    )
                     output = runs_dir / f"{index}-{number}-{repeat}"
                     overrides = [*args.common, *point, *_overrides(chain)]
                     recipe = load_recipe(args.recipe, registry, overrides, str(output))
@@ -260,10 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     console.print(_table(rows, f"strategy sweep ({Path(args.recipe).name})"))
     for chain, ratios in result["summary"].items():
         if chain != "pca" and "total_ratio_to_pca_mean" in ratios:
-            console.print(f"{chain}: time / pca {ratios['total_ratio_to_pca_mean']:.3f} on average "
-                          f"({ratios['total_ratio_to_pca_min']:.3f}-{ratios['total_ratio_to_pca_max']:.3f})"
-                          + (f", KL / pca {ratios['kl_ratio_to_pca_mean']:.3f} on average"
-                             if "kl_ratio_to_pca_mean" in ratios else ""))
+            console.print(
+                f"{chain}: time / pca {ratios['total_ratio_to_pca_mean']:.3f} on average "
+                f"({ratios['total_ratio_to_pca_min']:.3f}-{ratios['total_ratio_to_pca_max']:.3f})"
+                + (
+                    f", KL / pca {ratios['kl_ratio_to_pca_mean']:.3f} on average"
+                    if "kl_ratio_to_pca_mean" in ratios
+                    else ""
+                )
+            )
     console.print(f"wrote {out}")
 
 

@@ -29,8 +29,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.done = False
         self._looking = threading.local()
 
-    def find_spec(self, fullname: str, path: object = None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name or self.done or getattr(self._looking, "active", False):
             return None
         self._looking.active = True  # the other finders locate the module; we only wrap its loader

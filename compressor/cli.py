@@ -53,58 +53,106 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a YAML recipe")
     run.add_argument("recipe", help="path to the recipe (YAML)")
     run.add_argument("--output", help="output folder (overrides the recipe's output)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)")
-    run.add_argument("--dry-run", action="store_true",
-                     help="validate the recipe, a local model's config.json, the data (local text is tokenised to "
-                          "count its windows; otherwise its first record) and the output, and stop; loads no weights")
-    run.add_argument("--overwrite", action="store_true",
-                     help="replace the output folder of a previous run (a folder holding files no run wrote is "
-                          "refused even then: a run never deletes what it did not write)")
-    run.add_argument("--restart", action="store_true",
-                     help="discard the checkpoint of an interrupted run to the same output and start afresh")
-    evaluate = commands.add_parser("eval", help="perplexity, KL to a reference, lm-eval tasks and throughput of a run "
-                                                "folder or any model")
-    evaluate.add_argument("target", help="a run folder (its model/, reference model and evaluation data by default), "
-                                         "a model folder or a hub id")
-    evaluate.add_argument("--reference", help="reference model for KL(reference ‖ target) (default for a run: its original)")
-    evaluate.add_argument("--data", help="evaluation text, JSON lines (default for a run: its recipe's evaluation data)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)",
+    )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the recipe, a local model's config.json, the data (local text is tokenised to "
+        "count its windows; otherwise its first record) and the output, and stop; loads no weights",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the output folder of a previous run (a folder holding files no run wrote is "
+        "refused even then: a run never deletes what it did not write)",
+    )
+    run.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the checkpoint of an interrupted run to the same output and start afresh",
+    )
+    evaluate = commands.add_parser(
+        "eval", help="perplexity, KL to a reference, lm-eval tasks and throughput of a run folder or any model"
+    )
+    evaluate.add_argument(
+        "target",
+        help="a run folder (its model/, reference model and evaluation data by default), a model folder or a hub id",
+    )
+    evaluate.add_argument(
+        "--reference", help="reference model for KL(reference ‖ target) (default for a run: its original)"
+    )
+    evaluate.add_argument(
+        "--data", help="evaluation text, JSON lines (default for a run: its recipe's evaluation data)"
+    )
     evaluate.add_argument("--text-field", help="field of each JSON line holding the text (default: text)")
     evaluate.add_argument("--num-samples", type=int, help="evaluation windows (default: the run's, else 64)")
     evaluate.add_argument("--seq-len", type=int, help="tokens per window (default: the run's, else 512)")
     evaluate.add_argument("--batch-size", type=int, help="windows per batch (default: the run's, else 8)")
     evaluate.add_argument("--dtype", help="dtype to load the models in (default: the run's, else float32)")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    evaluate.add_argument("--tasks", help="lm-eval tasks, comma-separated: registry names or task YAML files "
-                                          "(default for a run: its recipe's evaluation.lm_eval)")
+    evaluate.add_argument(
+        "--tasks",
+        help="lm-eval tasks, comma-separated: registry names or task YAML files "
+        "(default for a run: its recipe's evaluation.lm_eval)",
+    )
     evaluate.add_argument("--include-path", help="a folder of local lm-eval task YAMLs")
     evaluate.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     evaluate.add_argument("--limit", type=float, help="at most this many documents per task (below 1: a fraction)")
     evaluate.add_argument("--task-batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
-    evaluate.add_argument("--apply-chat-template", action="store_true", help="format lm-eval prompts with the chat template")
-    evaluate.add_argument("--no-throughput", action="store_true",
-                          help="skip measuring prefill and decode tokens/s (batch 1 and 8)")
+    evaluate.add_argument(
+        "--apply-chat-template", action="store_true", help="format lm-eval prompts with the chat template"
+    )
+    evaluate.add_argument(
+        "--no-throughput", action="store_true", help="skip measuring prefill and decode tokens/s (batch 1 and 8)"
+    )
     evaluate.add_argument("--output", help="also write the report to this JSON file")
-    sweep = commands.add_parser("sweep", help="run a grid of recipes sharing H, data and the dense model's scores; "
-                                              "tables and plots")
+    sweep = commands.add_parser(
+        "sweep", help="run a grid of recipes sharing H, data and the dense model's scores; tables and plots"
+    )
     sweep.add_argument("sweep", help="path to the sweep file (YAML: base, output, grid, set, save_models)")
-    sweep.add_argument("--dry-run", action="store_true", help="check the sweep and every run's recipe, list the runs, stop")
-    sweep.add_argument("--restart", action="store_true",
-                       help="discard what an earlier run of this sweep finished or kept, and start afresh")
-    surrogate = commands.add_parser("surrogate", help="does H predict the output KL of removing a direction? "
-                                                      "(the paper's Figure 2a, at one site)")
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="check the sweep and every run's recipe, list the runs, stop"
+    )
+    sweep.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard what an earlier run of this sweep finished or kept, and start afresh",
+    )
+    surrogate = commands.add_parser(
+        "surrogate", help="does H predict the output KL of removing a direction? (the paper's Figure 2a, at one site)"
+    )
     surrogate.add_argument("recipe", help="path to the recipe (YAML): its model, calibration and evaluation data")
-    surrogate.add_argument("--site", required=True, help="site id, e.g. layers.2.attn (embedding, layers.N.attn, layers.N.mlp)")
-    surrogate.add_argument("--directions", type=int, default=32,
-                           help="random directions (default 32; 24 eigen-directions of C, H and τC+H/τ are added)")
+    surrogate.add_argument(
+        "--site", required=True, help="site id, e.g. layers.2.attn (embedding, layers.N.attn, layers.N.mlp)"
+    )
+    surrogate.add_argument(
+        "--directions",
+        type=int,
+        default=32,
+        help="random directions (default 32; 24 eigen-directions of C, H and τC+H/τ are added)",
+    )
     surrogate.add_argument("--output", required=True, help="folder for surrogate.json and surrogate.png")
-    surrogate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                           help="override a recipe key (e.g. --set evaluation.num_samples=16: fewer windows, faster)")
+    surrogate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key (e.g. --set evaluation.num_samples=16: fewer windows, faster)",
+    )
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
-    schema = commands.add_parser("schema", help="print the JSON schema of a recipe (for editors), with the "
-                                                "options of every loaded strategy")
+    schema = commands.add_parser(
+        "schema", help="print the JSON schema of a recipe (for editors), with the options of every loaded strategy"
+    )
     schema.add_argument("--output", help="write it to this .json file instead")
     commands.add_parser("strategies", help="list the registered selection strategies")
     commands.add_parser("families", help="list the supported model families (by model_type)")
@@ -138,15 +186,23 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         from compressor.run.preflight import dry_run
 
         found = dry_run(recipe, registry, args.overwrite, args.restart)
-        headline = "recipe checked, but the run would stop here" if found.refusal else (
-            "recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
-        console.print(f"{headline}: {args.recipe} -> {recipe.output} "
-                      f"({' + '.join(s.strategy for s in recipe.pipeline)}"
-                      f"{', refined on KL' if recipe.refinement else ''}"
-                      f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
-                      f"{budget_label(recipe.sparsity, recipe.target_params)}"
-                      f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
-                      + "".join(f"\n  {line}" for line in found.lines()), soft_wrap=True, markup=False, highlight=False)
+        headline = (
+            "recipe checked, but the run would stop here"
+            if found.refusal
+            else ("recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
+        )
+        console.print(
+            f"{headline}: {args.recipe} -> {recipe.output} "
+            f"({' + '.join(s.strategy for s in recipe.pipeline)}"
+            f"{', refined on KL' if recipe.refinement else ''}"
+            f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
+            f"{budget_label(recipe.sparsity, recipe.target_params)}"
+            f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
+            + "".join(f"\n  {line}" for line in found.lines()),
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
         if found.refusal:
             raise UserError(found.refusal)
         return
@@ -160,6 +216,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         if int(os.environ.get("RANK", "0")) > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
             run(recipe, registry, None, overwrite=args.overwrite, restart=args.restart)
             return
+
         def warn(text: str) -> None:
             console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
 
@@ -222,8 +279,14 @@ def _progress_display(console: Console) -> Iterator[Callable[[str, int, int], No
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("eta"), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
         shown = {"phase": "starting"}
@@ -261,20 +324,36 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix != ".json":
         raise UserError(f"--output must be a .json file, got '{output.name}'")
-    request = EvalRequest(target=args.target, reference=args.reference, data=args.data, text_field=args.text_field,
-                          num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                          dtype=args.dtype, device=args.device,
-                          tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else (),
-                          include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
-                          task_batch_size=args.task_batch_size, apply_chat_template=args.apply_chat_template,
-                          throughput=False if args.no_throughput else None)
+    request = EvalRequest(
+        target=args.target,
+        reference=args.reference,
+        data=args.data,
+        text_field=args.text_field,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        device=args.device,
+        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else (),
+        include_path=args.include_path,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        task_batch_size=args.task_batch_size,
+        apply_chat_template=args.apply_chat_template,
+        throughput=False if args.no_throughput else None,
+    )
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)
     metrics = report["metrics"]
     rows = speed_rows(report["size"], report["speed"])
     if "ppl" in metrics["pruned"]:
-        rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
-                     f"{metrics['pruned']['ppl']:.3f}"))
+        rows.append(
+            (
+                "perplexity",
+                f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
+                f"{metrics['pruned']['ppl']:.3f}",
+            )
+        )
     if "kl" in metrics["pruned"]:
         rows.append(("KL to reference (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
     rows += task_rows(metrics)
@@ -296,22 +375,37 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
     sweep = load_sweep(Path(args.sweep), registry)
     if args.dry_run:
         check(sweep, registry)
-        console.print(f"sweep OK: {args.sweep} -> {sweep.output} ({len(sweep.points)} runs)\n{dump(sweep)}",
-                      end="", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"sweep OK: {args.sweep} -> {sweep.output} ({len(sweep.points)} runs)\n{dump(sweep)}",
+            end="",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     try:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)
     except KeyboardInterrupt:
         raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
-    console.print(render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(
+        render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False, soft_wrap=True
+    )
     kept = summary["runs"] - len(summary["ran"])
-    console.print(f"ran {len(summary['ran'])} of {summary['runs']} runs"
-                  + (f" ({kept} had finished earlier)" if kept else "")
-                  + f"; H computed {summary['fisher_computed']} time(s)", markup=False, highlight=False)
-    console.print(f"wrote {sweep.output}: results.csv, results.json, results.md, "
-                  f"{', '.join(Path(p).name for p in summary['plots'])}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"ran {len(summary['ran'])} of {summary['runs']} runs"
+        + (f" ({kept} had finished earlier)" if kept else "")
+        + f"; H computed {summary['fisher_computed']} time(s)",
+        markup=False,
+        highlight=False,
+    )
+    console.print(
+        f"wrote {sweep.output}: results.csv, results.json, results.md, "
+        f"{', '.join(Path(p).name for p in summary['plots'])}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _surrogate(args: argparse.Namespace, console: Console) -> None:
@@ -324,13 +418,18 @@ def _surrogate(args: argparse.Namespace, console: Console) -> None:
     recipe = load_recipe(Path(args.recipe), registry, args.overrides)
     with _progress_display(console) as progress:
         result = check_recipe(recipe, registry, args.site, args.directions, Path(args.output), progress)
+
     def rho(key: str) -> str:
         return "n/a" if result[key] is None else f"{result[key]:.3f}"
 
-    console.print(f"{args.site}: Spearman ρ(predicted, measured KL) = {rho('spearman')} over {len(result['rows'])} "
-                  f"directions at equal removed energy (random directions only: {rho('spearman_random')}; "
-                  f"activation variance alone, random directions: {rho('spearman_variance_random')})",
-                  markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"{args.site}: Spearman ρ(predicted, measured KL) = {rho('spearman')} over {len(result['rows'])} "
+        f"directions at equal removed energy (random directions only: {rho('spearman_random')}; "
+        f"activation variance alone, random directions: {rho('spearman_variance_random')})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     console.print(f"wrote {Path(args.output) / 'surrogate.json'} and surrogate.png", markup=False, highlight=False)
 
 
@@ -400,8 +499,12 @@ def _note_skipped(console: Console, registry: Any) -> None:
 
     if registry.allowed is not None:
         skipped = registry.skipped()
-        console.print(f"{ALLOW_VARIABLE}={','.join(registry.allowed)}: not loaded: {', '.join(skipped) or 'none'}",
-                      markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"{ALLOW_VARIABLE}={','.join(registry.allowed)}: not loaded: {', '.join(skipped) or 'none'}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

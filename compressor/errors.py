@@ -25,7 +25,7 @@ def first_line(error: BaseException) -> str:
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" for the allowed name nearest a misspelt one, or nothing when
+    """ " (did you mean 'x'?)" for the allowed name nearest a misspelt one, or nothing when
     none is near: a typo is named with its fix."""
     nearest = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{nearest[0]}'?)" if nearest else ""

@@ -9,15 +9,19 @@ import socket
 from urllib.parse import urlparse
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-HUB_ADVICE = ("Use a local model folder or one already in the cache (HF_HUB_OFFLINE=1 reads the cache without "
-              "waiting for the network); for gated repositories such as Mistral's or Llama's, accept the licence "
-              "on the model's page and log in (`hf auth login`) or set HF_TOKEN")
+HUB_ADVICE = (
+    "Use a local model folder or one already in the cache (HF_HUB_OFFLINE=1 reads the cache without "
+    "waiting for the network); for gated repositories such as Mistral's or Llama's, accept the licence "
+    "on the model's page and log in (`hf auth login`) or set HF_TOKEN"
+)
 
 
 def offline() -> bool:
     """Whether the hub is off limits (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set)."""
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def endpoint_host() -> str:
@@ -70,5 +74,7 @@ def model_advice(error: BaseException | None = None) -> str:
 def dataset_advice() -> str:
     """The end of the line for a hub dataset that could not be loaded."""
     why = unreachable()
-    return (f"{'; ' + why if why else ''}. Use local data files (path: json, data_files: ...) or a dataset "
-            f"already in the cache; for a gated dataset, log in (`hf auth login`) or set HF_TOKEN")
+    return (
+        f"{'; ' + why if why else ''}. Use local data files (path: json, data_files: ...) or a dataset "
+        f"already in the cache; for a gated dataset, log in (`hf auth login`) or set HF_TOKEN"
+    )

@@ -30,14 +30,27 @@ T = TypeVar("T")
 UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden")
 
 _EXPECTED = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
-    "dict_type": "a mapping", "dataclass_type": "a mapping", "model_type": "a mapping", "mapping_type": "a mapping",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "dataclass_type": "a mapping",
+    "model_type": "a mapping",
+    "mapping_type": "a mapping",
     "list_type": "a list",
 }
-_BOUNDS = {"greater_than_equal": ("ge", "at least"), "greater_than": ("gt", "above"),
-           "less_than": ("lt", "below"), "less_than_equal": ("le", "at most")}
+_BOUNDS = {
+    "greater_than_equal": ("ge", "at least"),
+    "greater_than": ("gt", "above"),
+    "less_than": ("lt", "below"),
+    "less_than_equal": ("le", "at most"),
+}
 
 
 def _strip(tp: Any) -> Any:
@@ -136,8 +149,10 @@ def message(error: ValidationError, cls: type, prefix: str = "") -> str:
     if kind in UNKNOWN_KEY:
         parent = ".".join(str(part) for part in loc[:-1])
         names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
-        return (f"unknown key '{prefix}{key}'{did_you_mean(str(loc[-1]), names)}; "
-                f"allowed keys{' in ' + parent if parent else ''}: {', '.join(names)}")
+        return (
+            f"unknown key '{prefix}{key}'{did_you_mean(str(loc[-1]), names)}; "
+            f"allowed keys{' in ' + parent if parent else ''}: {', '.join(names)}"
+        )
     if kind == "missing":
         return f"missing key '{prefix}{key}'"
     if kind == "literal_error":
@@ -150,8 +165,7 @@ def message(error: ValidationError, cls: type, prefix: str = "") -> str:
     if kind == "too_short":
         return f"{where} must not be empty{meaning}"
     if kind == "string_pattern_mismatch":
-        return f"{where} must be{meaning.replace(' (', ' ', 1).rstrip(')') or ' of the right form'}, " \
-               f"got {value!r}"
+        return f"{where} must be{meaning.replace(' (', ' ', 1).rstrip(')') or ' of the right form'}, got {value!r}"
     if kind in _EXPECTED:
         return f"{where} must be {_EXPECTED[kind]}{meaning}, got {value!r}"
     if kind == "value_error":

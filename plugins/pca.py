@@ -25,7 +25,7 @@ class PCA(Strategy):
         C = problem.stats.C
         _, vectors = eigh_descending(C)
         total = float(torch.trace(C))
-        removed = removed_energy(C, vectors[:, problem.keep:])
+        removed = removed_energy(C, vectors[:, problem.keep :])
         return Basis(
             Q=vectors,
             objectives={"removed_energy": removed, "removed_energy_fraction": removed / total if total > 0 else 0.0},

@@ -39,8 +39,9 @@ PositiveNumber = Annotated[Number, described("a positive number", gt=0)]
 
 @options(frozen=True, config=FORBID)
 class TauGrid:
-    taus: Annotated[tuple[PositiveNumber, ...], described("a non-empty list of positive numbers", min_length=1)] = \
+    taus: Annotated[tuple[PositiveNumber, ...], described("a non-empty list of positive numbers", min_length=1)] = (
         DEFAULT_TAUS
+    )
     include_pca: StrictBool = False
     refine: Annotated[StrictInt, described("a whole number of extra τ values", ge=0)] = 0
 
@@ -72,23 +73,28 @@ class Sensitivity(Strategy):
         problem.progress(done, total)
         candidates = list(zip(losses, options.taus, bases[:-1]))
         pca_vectors = bases[-1]
-        refined = _golden_section(candidate, sorted(options.taus), min(candidates, key=lambda c: c[0])[1],
-                                  options.refine)
+        refined = _golden_section(
+            candidate, sorted(options.taus), min(candidates, key=lambda c: c[0])[1], options.refine
+        )
         pool = candidates + refined + ([(pca_loss, math.inf, pca_vectors)] if options.include_pca else [])
         loss, tau, vectors = min(pool, key=lambda c: c[0])
-        return Basis(Q=vectors.clone(), objectives={  # not a view holding every candidate
-            "loss": loss,
-            "tau": tau if math.isfinite(tau) else None,  # None: the PCA subspace won (include_pca)
-            "chose_pca": not math.isfinite(tau),
-            "loss_pca": pca_loss,
-            "loss_ratio_to_pca": loss / pca_loss if pca_loss > 0 else 1.0,
-            "candidates": [{"tau": t, "loss": value} for value, t, _ in candidates],
-            "refined": [{"tau": t, "loss": value} for value, t, _ in refined],
-        })
+        return Basis(
+            Q=vectors.clone(),
+            objectives={  # not a view holding every candidate
+                "loss": loss,
+                "tau": tau if math.isfinite(tau) else None,  # None: the PCA subspace won (include_pca)
+                "chose_pca": not math.isfinite(tau),
+                "loss_pca": pca_loss,
+                "loss_ratio_to_pca": loss / pca_loss if pca_loss > 0 else 1.0,
+                "candidates": [{"tau": t, "loss": value} for value, t, _ in candidates],
+                "refined": [{"tau": t, "loss": value} for value, t, _ in refined],
+            },
+        )
 
 
-def _golden_section(candidate: Any, grid: list[float], best: float, evaluations: int
-                    ) -> list[tuple[float, float, torch.Tensor]]:
+def _golden_section(
+    candidate: Any, grid: list[float], best: float, evaluations: int
+) -> list[tuple[float, float, torch.Tensor]]:
     """`evaluations` more candidates, placed by golden-section search on log τ over the bracket
     between the best grid τ's neighbours (a decade beyond the grid's ends). The loss need not be
     unimodal there; the search only ever adds candidates, so the choice cannot get worse."""

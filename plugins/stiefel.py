@@ -81,7 +81,7 @@ class Stiefel(Strategy):
         C = frobenius_normalised(problem.stats.C)
         H = frobenius_normalised(problem.stats.extra["H"].to(C))
         start = incoming.Q if incoming is not None else eigh_descending(C)[1]
-        start_removed = start[:, problem.keep:]
+        start_removed = start[:, problem.keep :]
         start_loss = coupled_loss(C, H, start_removed)
         if problem.remove == 0:
             return Basis(Q=start, objectives={"loss_before": start_loss, "loss_after": start_loss, "steps": 0})
@@ -103,7 +103,7 @@ class Stiefel(Strategy):
         if coupled_loss(C, H, U.data) < best_loss:
             best = U.data.clone()
         Q = complete_basis(best)
-        final_loss = coupled_loss(C, H, Q[:, problem.keep:])
+        final_loss = coupled_loss(C, H, Q[:, problem.keep :])
         if final_loss > start_loss:  # re-orthonormalising can cost a rounding error: keep the start
             Q, final_loss = start, start_loss
         return Basis(Q=Q, objectives={"loss_before": start_loss, "loss_after": final_loss, "steps": steps})

@@ -25,8 +25,16 @@ EXAMPLES = ROOT / "examples"
 SHARED = ROOT.parent / "shared"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=128,
+)
 
 FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
@@ -37,8 +45,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gemma": dict(model_type="gemma", tie_word_embeddings=True),  # scaled embeddings, (1 + w) norms
     "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, sliding_window=8),  # norms after blocks
     # LayerNorm with bias, learned positions, biases everywhere, tied head
-    "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=64, enable_bias=True, do_layer_norm_before=True,
-                pad_token_id=1, tie_word_embeddings=True),
+    "opt": dict(
+        model_type="opt",
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        enable_bias=True,
+        do_layer_norm_before=True,
+        pad_token_id=1,
+        tie_word_embeddings=True,
+    ),
     "gpt2": dict(model_type="gpt2", tie_word_embeddings=True),  # Conv1D weights, LayerNorm, learned positions
     "phi": dict(model_type="phi", tie_word_embeddings=False),  # Phi-2: parallel attention and MLP on one LayerNorm
 }
@@ -73,8 +88,9 @@ def copy_model(model: PreTrainedModel) -> PreTrainedModel:
     return clone.eval()
 
 
-def random_batches(vocab: int, count: int = 2, batch: int = 4, length: int = 24, padded: bool = False,
-                   seed: int = 1) -> list[Batch]:
+def random_batches(
+    vocab: int, count: int = 2, batch: int = 4, length: int = 24, padded: bool = False, seed: int = 1
+) -> list[Batch]:
     """Random token batches; with `padded`, rows are left-padded by different amounts."""
     generator = torch.Generator().manual_seed(seed)
     out = []

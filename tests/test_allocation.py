@@ -17,17 +17,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 import compressor.engine.allocation
 from compressor.cli import main
 from compressor.engine.allocation import Choice, CurveAllocator, groups_of, loss_curve, solve
-from compressor.strategies.contract import DEFAULT_TAUS
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
-from compressor.models.sliced import apply_slicing_layout
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import layer_site_ids, site_ids, site_widths
-from compressor.strategies.contract import coupled_loss, eigh_descending, frobenius_normalised
+from compressor.models.sliced import apply_slicing_layout
+from compressor.strategies.contract import DEFAULT_TAUS, coupled_loss, eigh_descending, frobenius_normalised
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import (
@@ -43,10 +42,24 @@ from tests.test_cli import write_recipe
 
 # Shapes of real models (random weights are never built: counting happens on the meta device).
 LARGE = {
-    "135M tied": LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "8B": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "135M tied": LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "8B": LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -81,7 +94,7 @@ def test_the_8b_shape_counts_as_llama_31_8b() -> None:
     params = param_model(LARGE["8B"], family_for("llama"))
     assert params.original == 8_030_261_248  # Llama-3.1-8B's published parameter count
     widths = site_widths(family_for("llama"), 32, 4096, 4096, slice_head=True)
-    transitions = 64 * 4096 ** 2  # rotating without slicing adds one d × d matrix per site after the first
+    transitions = 64 * 4096**2  # rotating without slicing adds one d × d matrix per site after the first
     norm_scales = 65 * 4096  # and fuses every RMSNorm scale into the linears it feeds
     assert params.count(widths) == params.original + transitions - norm_scales
 
@@ -102,16 +115,24 @@ def _brute_force(params, choices, budget, tie_ends):
 @pytest.mark.parametrize("tie_ends", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_dynamic_program_finds_the_best_allocation_within_the_budget(tie_ends: bool, shared: bool) -> None:
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=50)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
     family = family_for("llama")
     shared_sites = [layer_site_ids(family, i)[-1] for i in range(2)] if shared else []
     params = param_model(config, family, shared_sites)
     options = [8, 16, 24, 32]
     for trial in range(12):
         rng = random.Random(trial)
-        choices = [Choice(group, options, sorted((rng.random() for _ in options), reverse=True))
-                   for group in groups_of(params, shared_sites)]
+        choices = [
+            Choice(group, options, sorted((rng.random() for _ in options), reverse=True))
+            for group in groups_of(params, shared_sites)
+        ]
         budget = params.count(site_widths(family, 2, 32, rng.choice([16, 24]), True)) - rng.randrange(0, 2000)
         expected = _brute_force(params, choices, budget, tie_ends)
         widths, solver = solve(params, choices, budget, tie_ends)
@@ -154,11 +175,12 @@ def test_loss_curves_are_the_best_candidates_predicted_kl() -> None:
     C, H = A @ A.T / 40, B @ B.T / 40
     widths = [4, 8, 12, 16]
     curve = loss_curve(C, H, widths)
-    candidates = [eigh_descending(C)[1]] + [eigh_descending(tau * frobenius_normalised(C) + frobenius_normalised(H)
-                                                             / tau)[1] for tau in DEFAULT_TAUS]
+    candidates = [eigh_descending(C)[1]] + [
+        eigh_descending(tau * frobenius_normalised(C) + frobenius_normalised(H) / tau)[1] for tau in DEFAULT_TAUS
+    ]
     best = [min(0.5 * coupled_loss(C, H, Q[:, k:]) for Q in candidates) for k in range(17)]
     for width, value in zip(widths, curve):  # the best candidate at this width or any narrower one
-        assert value == pytest.approx(min(best[:width + 1]), rel=1e-9, abs=1e-12)
+        assert value == pytest.approx(min(best[: width + 1]), rel=1e-9, abs=1e-12)
     assert curve == sorted(curve, reverse=True) and curve[-1] == 0.0
     assert curve[0] > 0
 
@@ -167,8 +189,14 @@ def _synthetic(constant: int, transitions: bool) -> ParamModel:
     """Four sites with small width costs under a large constant (a big vocabulary's embedding)."""
     sites = ("embedding", "a", "b", "c")
     pairs = tuple(zip(sites, sites[1:])) if transitions else ()
-    return ParamModel(sites=sites, constant=constant, linear=dict(zip(sites, (70, 90, 90, 80))), transitions=pairs,
-                      original=constant + 10_000, hidden_size=32)
+    return ParamModel(
+        sites=sites,
+        constant=constant,
+        linear=dict(zip(sites, (70, 90, 90, 80))),
+        transitions=pairs,
+        original=constant + 10_000,
+        hidden_size=32,
+    )
 
 
 def _loss(choices: list[Choice], widths: dict[str, int]) -> float:
@@ -262,8 +290,7 @@ def test_shared_bases_drop_the_transition_and_rebuild_exactly(name: str) -> None
     for layer in result.model.get_submodule(family.layers):
         assert layer.mlp_shortcut is None and layer.attn_shortcut is not None
     assert parameter_count(result.model) == param_model(config, family, shared).count(widths)
-    assert all(torch.equal(result.bases[s], result.bases[layer_site_ids(family, i)[0]])
-               for i, s in enumerate(shared))
+    assert all(torch.equal(result.bases[s], result.bases[layer_site_ids(family, i)[0]]) for i, s in enumerate(shared))
     assert [r.steps[0]["strategy"] for r in result.sites if r.name in shared] == ["shared"] * len(shared)
     rebuilt = apply_bases(copy_model(original), family, result.bases)
     assert max_relative_logit_error(result.model, rebuilt, batches) == 0.0
@@ -343,11 +370,12 @@ def test_a_shared_group_s_loss_curve_adds_its_members_losses() -> None:
     widths = [3, 6, 9, 12]
     curve = loss_curve(*pairs[0], widths, pooled=[pairs[1]])
     C, H = pairs[0][0] + pairs[1][0], pairs[0][1] + pairs[1][1]
-    candidates = [eigh_descending(C)[1]] + [eigh_descending(tau * frobenius_normalised(C) + frobenius_normalised(H)
-                                                             / tau)[1] for tau in DEFAULT_TAUS]
+    candidates = [eigh_descending(C)[1]] + [
+        eigh_descending(tau * frobenius_normalised(C) + frobenius_normalised(H) / tau)[1] for tau in DEFAULT_TAUS
+    ]
     best = [min(sum(0.5 * coupled_loss(c, h, Q[:, k:]) for c, h in pairs) for Q in candidates) for k in range(13)]
     for width, value in zip(widths, curve):
-        assert value == pytest.approx(min(best[:width + 1]), rel=1e-9, abs=1e-12)
+        assert value == pytest.approx(min(best[: width + 1]), rel=1e-9, abs=1e-12)
 
 
 class _Counting(CurveAllocator):
@@ -369,16 +397,14 @@ def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(t
     checkpoint = Checkpoint(tmp_path / "checkpoint")
     checkpoint.start({"test": "1"})
     first_allocator = _Counting(params, budget, choices)
-    first = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint,
-                  allocator=first_allocator)
+    first = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint, allocator=first_allocator)
     assert first_allocator.observed == len(params.sites)
     assert first.widths == first_allocator.widths()  # the walk kept what the allocator chose
     assert [r.kept for r in first.sites] == [first.widths[s] for s in params.sites]
     assert parameter_count(first.model) == params.count(first.widths) <= budget
     assert first.allocation["widths"] == first.widths and first.allocation["budget"] == budget
     again_allocator = _Counting(params, budget, choices)
-    again = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint,
-                  allocator=again_allocator)
+    again = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint, allocator=again_allocator)
     assert not hasattr(again_allocator, "observed") and again.loaded_sites == len(params.sites)
     assert max_relative_logit_error(first.model, again.model, batches) == 0.0
 
@@ -397,12 +423,28 @@ def test_a_resumed_tied_allocation_that_surveys_again_keeps_the_saved_allocation
     batches = random_batches(original.config.vocab_size)
     checkpoint = Checkpoint(tmp_path / "checkpoint")
     checkpoint.start({"test": "1"})
-    first = prune(original, family, batches, None, [PipelineStep(PCA())], checkpoint=checkpoint,
-                  allocator=allocator(), tie_head=True)
+    first = prune(
+        original,
+        family,
+        batches,
+        None,
+        [PipelineStep(PCA())],
+        checkpoint=checkpoint,
+        allocator=allocator(),
+        tie_head=True,
+    )
     for site in checkpoint.sites_folder.glob("*.safetensors"):
         site.unlink()
-    again = prune(tiny_model("qwen2"), family, batches, None, [PipelineStep(PCA())], checkpoint=checkpoint,
-                  allocator=allocator(), tie_head=True)
+    again = prune(
+        tiny_model("qwen2"),
+        family,
+        batches,
+        None,
+        [PipelineStep(PCA())],
+        checkpoint=checkpoint,
+        allocator=allocator(),
+        tie_head=True,
+    )
     assert again.loaded_sites == 0 and again.widths == first.widths
     assert again.allocation == json.loads(json.dumps(first.allocation))
 
@@ -411,9 +453,11 @@ def test_target_params_on_a_tied_model_keeps_at_most_that_share(tmp_path: Path) 
     checkpoint = save_tiny_checkpoint(tmp_path / "tied", "qwen2")  # tie_word_embeddings: true
     assert AutoModelForCausalLM.from_pretrained(checkpoint).config.tie_word_embeddings
     transitions = {}
-    for way, changes in {"uniform": {}, "shared": {"slicing": {"shared_bases": True}},
-                         "curves": {"allocation": {"method": "curves", "min_kept": 0.25},
-                                    "pipeline": [{"strategy": "sensitivity"}]}}.items():
+    for way, changes in {
+        "uniform": {},
+        "shared": {"slicing": {"shared_bases": True}},
+        "curves": {"allocation": {"method": "curves", "min_kept": 0.25}, "pipeline": [{"strategy": "sensitivity"}]},
+    }.items():
         folder = tmp_path / way
         folder.mkdir()
         # its head is as large as its embedding, so a 75% model must slice the head's input too

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 import compressor
 
 PACKAGE = Path(compressor.__file__).parent
@@ -76,18 +75,28 @@ def test_the_architecture_page_draws_every_room() -> None:
 
 def test_importing_the_package_stays_cheap() -> None:
     """`import compressor` (the CLI's help, a recipe check) imports neither torch nor transformers."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, compressor, compressor.cli; "
-                             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"],
-                            capture_output=True, text=True, check=True)
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, compressor, compressor.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert loaded.stdout.strip() == "[]"
 
 
 def test_there_is_no_compatibility_layer() -> None:
     """Every module has one name, its home: 0.1's flat names and the packages' forwarding are gone."""
-    script = ("import importlib\n"
-              "for name in ('compressor.bases', 'compressor.runner', 'compressor.strategy'):\n"
-              "    try:\n        importlib.import_module(name)\n    except ModuleNotFoundError:\n        print('gone')\n"
-              "try:\n    from compressor.engine import prune\nexcept ImportError:\n    print('gone')\n")
+    script = (
+        "import importlib\n"
+        "for name in ('compressor.bases', 'compressor.runner', 'compressor.strategy'):\n"
+        "    try:\n        importlib.import_module(name)\n    except ModuleNotFoundError:\n        print('gone')\n"
+        "try:\n    from compressor.engine import prune\nexcept ImportError:\n    print('gone')\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.split() == ["gone"] * 4, done.stderr
 
@@ -114,13 +123,24 @@ def test_plugins_and_their_guides_import_only_the_public_face() -> None:
                 if node.module != "compressor.plugin":
                     reaching.append(f"{where}: from {node.module} import ...")
             elif isinstance(node, ast.Import):
-                reaching += [f"{where}: import {alias.name}" for alias in node.names
-                             if alias.name.split(".")[0] == "compressor" and alias.name != "compressor.plugin"]
+                reaching += [
+                    f"{where}: import {alias.name}"
+                    for alias in node.names
+                    if alias.name.split(".")[0] == "compressor" and alias.name != "compressor.plugin"
+                ]
     assert not reaching, "\n".join(reaching)
 
 
 def test_the_public_face_is_cheap_to_import() -> None:
     """Loading plugins (recipe checks, `compress strategies`) must not import transformers."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, compressor.plugin, compressor_plugins.sensitivity; "
-                             "print('transformers' in sys.modules)"], capture_output=True, text=True, check=True)
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, compressor.plugin, compressor_plugins.sensitivity; print('transformers' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert loaded.stdout.strip() == "False"

@@ -16,9 +16,11 @@ CONVERSATION = [
     {"role": "user", "content": "And hidden ones?"},
     {"role": "assistant", "content": "ls -a shows them."},
 ]
-NO_MARKERS = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
-              "{% else %}<|assistant|>{{ m['content'] }}<|eos|>{% endif %}{% endfor %}"
-              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+NO_MARKERS = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
+    "{% else %}<|assistant|>{{ m['content'] }}<|eos|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture
@@ -81,9 +83,11 @@ def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
 
 
 def test_conversation_the_template_rejects_is_a_user_error(tokenizer) -> None:
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                               "{{ raise_exception('system messages are not supported') }}{% endif %}"
-                               "{{ m['content'] }}{% endfor %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('system messages are not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
     records = [{"messages": CONVERSATION}, {"messages": [{"role": "system", "content": "be brief"}] + CONVERSATION}]
     with pytest.raises(UserError, match="record 1: the chat template refused the conversation: system messages"):
         chat_batches(records, tokenizer, seq_len=20, num_samples=2, batch_size=2)
@@ -99,10 +103,13 @@ def test_the_first_assistant_token_is_predicted_from_the_prompt(tokenizer) -> No
     assert batch.sensitivity_mask[0, -1] == 0  # the final EOS predicts nothing of the answer
 
 
-@pytest.mark.parametrize(("messages", "seq_len", "message"), [
-    ("hi", 64, "must be a list of {role, content} messages"),
-    (CONVERSATION, 3, "no assistant tokens remain within seq_len=3"),
-])
+@pytest.mark.parametrize(
+    ("messages", "seq_len", "message"),
+    [
+        ("hi", 64, "must be a list of {role, content} messages"),
+        (CONVERSATION, 3, "no assistant tokens remain within seq_len=3"),
+    ],
+)
 def test_unusable_conversations_are_user_errors(tokenizer, messages, seq_len: int, message: str) -> None:
     with pytest.raises(UserError, match=message):
         chat_batches([{"messages": messages}], tokenizer, seq_len=seq_len, num_samples=1, batch_size=1)

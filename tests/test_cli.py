@@ -23,12 +23,20 @@ from tests.conftest import EXAMPLES, save_tiny_checkpoint
 def write_recipe(folder: Path, checkpoint: Path, **changes: Any) -> Path:
     recipe: dict[str, Any] = {
         "model": {"path": str(checkpoint), "dtype": "float32"},
-        "calibration": {"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
-                        "num_samples": 4, "seq_len": 64, "batch_size": 2},
+        "calibration": {
+            "dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
+            "num_samples": 4,
+            "seq_len": 64,
+            "batch_size": 2,
+        },
         "sparsity": 0.25,
         "pipeline": [{"strategy": "pca"}],
-        "evaluation": {"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")},
-                       "num_samples": 4, "seq_len": 64, "throughput": False},  # timed in test_throughput.py
+        "evaluation": {
+            "dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")},
+            "num_samples": 4,
+            "seq_len": 64,
+            "throughput": False,
+        },  # timed in test_throughput.py
         "output": "out",
     }
     for dotted, value in changes.items():
@@ -48,12 +56,20 @@ def write_recipe(folder: Path, checkpoint: Path, **changes: Any) -> Path:
 _DELETE = object()
 
 
-def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_run_writes_model_recipe_and_report(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"  # relative output resolves against the recipe's folder
-    assert sorted(p.name for p in out.iterdir()) == [".run-files", "bases.safetensors", "model", "recipe.yaml",
-                                                     "report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".run-files",
+        "bases.safetensors",
+        "model",
+        "recipe.yaml",
+        "report.json",
+        "report.md",
+    ]
     assert not list(tmp_path.glob(".out.partial*"))
     umask = os.umask(0o022)
     os.umask(umask)
@@ -64,12 +80,16 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     assert metrics["baseline"]["ppl"] > 1 and metrics["pruned"]["ppl"] > 1 and metrics["pruned"]["kl"] > 0
     assert report["params"]["pruned"] < report["params"]["baseline"]
     assert {"prune_s", "eval_s", "total_s"} <= set(report["timings"])
-    assert [s["name"] for s in report["sites"]] == ["embedding", "layers.0.attn", "layers.0.mlp",
-                                                     "layers.1.attn", "layers.1.mlp"]
+    assert [s["name"] for s in report["sites"]] == [
+        "embedding",
+        "layers.0.attn",
+        "layers.0.mlp",
+        "layers.1.attn",
+        "layers.1.mlp",
+    ]
     assert [s["kept"] for s in report["sites"]] == [48, 48, 48, 48, 64]
     bases = load_bases(out / "bases.safetensors")
-    assert {site: tuple(v.shape) for site, v in bases.items()} == {
-        s["name"]: (64, s["kept"]) for s in report["sites"]}
+    assert {site: tuple(v.shape) for site, v in bases.items()} == {s["name"]: (64, s["kept"]) for s in report["sites"]}
     assert all(v.dtype == torch.float64 for v in bases.values())
     assert report["resumed_from"] is None and report["seed"] == 0
     assert report["pipeline"] == [{"strategy": "pca", "options": {}}]
@@ -77,9 +97,16 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
     assert all(s["strategy"] == "pca" and "removed_energy" in s["steps"][0]["objectives"] for s in report["sites"])
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["calibration"]["dataset"]["data_files"] == str(EXAMPLES / "data" / "calib-demo.jsonl")
-    assert resolved["slicing"] == {"layout": "per_site", "pooling": "trace", "round_to": 8, "slice_head": False,
-                                   "correct_readers": False, "shared_bases": False, "tie_head": None,
-                                   "tied_fit": "symmetric"}
+    assert resolved["slicing"] == {
+        "layout": "per_site",
+        "pooling": "trace",
+        "round_to": 8,
+        "slice_head": False,
+        "correct_readers": False,
+        "shared_bases": False,
+        "tie_head": None,
+        "tied_fit": "symmetric",
+    }
     reloaded = AutoModelForCausalLM.from_pretrained(out / "model")
     assert reloaded.config.model_type == "sliced_llama"
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
@@ -92,8 +119,23 @@ def test_run_writes_model_recipe_and_report(tiny_checkpoint: Path, tmp_path: Pat
 def test_set_overrides_and_output_option(tiny_checkpoint: Path, tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     target = tmp_path / "elsewhere"
-    assert main(["run", str(recipe), "--output", str(target), "--set", "sparsity=0.5",
-                 "--set", "slicing.slice_head=true", "--set", "evaluation=null"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(recipe),
+                "--output",
+                str(target),
+                "--set",
+                "sparsity=0.5",
+                "--set",
+                "slicing.slice_head=true",
+                "--set",
+                "evaluation=null",
+            ]
+        )
+        == 0
+    )
     report = json.loads((target / "report.json").read_text())
     assert report["kept_width"] == 32 and [s["kept"] for s in report["sites"]][-1] == 32
     assert report["metrics"] == {} and "eval_s" not in report["timings"]
@@ -113,7 +155,8 @@ def test_existing_run_needs_overwrite(tiny_checkpoint: Path, tmp_path: Path, cap
 
 @pytest.mark.parametrize("foreign", ["my_analysis.md", "notes/today.txt", "model/notes.txt", "plots/"])
 def test_overwrite_refuses_a_run_folder_holding_files_the_run_did_not_write(
-        tiny_checkpoint: Path, tmp_path: Path, foreign: str, capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path, tmp_path: Path, foreign: str, capsys: pytest.CaptureFixture
+) -> None:
     """A user's file (or folder) added to a previous run, at the top level or inside model/,
     is named and kept; the previous run stays as it was, and no staging folder is left."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
@@ -149,7 +192,8 @@ def test_overwrite_replaces_a_run_whose_own_files_were_edited(tiny_checkpoint: P
 
 
 def test_a_run_from_before_runs_listed_their_files_is_judged_by_the_names_a_run_writes(
-        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """No .run-files (an earlier compressor's run): its own files are replaced, a user's are not."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     assert main(["run", str(recipe)]) == 0
@@ -164,8 +208,9 @@ def test_a_run_from_before_runs_listed_their_files_is_judged_by_the_names_a_run_
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_folder_that_is_not_a_run_is_never_replaced(tiny_checkpoint: Path, tmp_path: Path, overwrite: bool,
-                                                      capsys: pytest.CaptureFixture) -> None:
+def test_a_folder_that_is_not_a_run_is_never_replaced(
+    tiny_checkpoint: Path, tmp_path: Path, overwrite: bool, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("user data")
@@ -185,8 +230,9 @@ def test_a_symlinked_output_resolves_to_its_target(tiny_checkpoint: Path, tmp_pa
 
 
 @pytest.mark.parametrize("target", ["file", "under-a-file"])
-def test_unusable_output_paths_are_user_errors(tiny_checkpoint: Path, tmp_path: Path, target: str,
-                                               capsys: pytest.CaptureFixture) -> None:
+def test_unusable_output_paths_are_user_errors(
+    tiny_checkpoint: Path, tmp_path: Path, target: str, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     (tmp_path / "a-file").write_text("x")
     output = tmp_path / "a-file" if target == "file" else tmp_path / "a-file" / "sub"
@@ -201,10 +247,16 @@ def test_saved_recipe_records_strategy_defaults(tiny_checkpoint: Path, tmp_path:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}])
     assert main(["run", str(recipe)]) == 0
     saved = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
-    assert saved["pipeline"] == [{"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0],
-                                  "include_pca": False, "refine": 0}]
-    assert saved["sensitivity"] == {"dtype": "float32", "reduction": "sum", "autocast": None, "chunk": 32,
-                                    "recompute": None}
+    assert saved["pipeline"] == [
+        {"strategy": "sensitivity", "taus": [1.0, 7.0, 10.0, 30.0, 70.0], "include_pca": False, "refine": 0}
+    ]
+    assert saved["sensitivity"] == {
+        "dtype": "float32",
+        "reduction": "sum",
+        "autocast": None,
+        "chunk": 32,
+        "recompute": None,
+    }
     assert saved["seed"] == 0 and saved["activations"] == "host"
 
 
@@ -238,14 +290,26 @@ BAD_INPUTS = {
     "unknown nested key": (dict(calibration__num_sample=3), None, "unknown key 'calibration.num_sample'"),
     "no budget": (dict(sparsity=_DELETE), None, "give one of sparsity"),
     "unknown strategy": (dict(pipeline=[{"strategy": "pcaa"}]), None, "unknown strategy 'pcaa'"),
-    "misspelt nested key in the file": (dict(calibration__num_samples=_DELETE, calibration__num_sample=4), None,
-                                        "unknown key 'calibration.num_sample' (did you mean 'num_samples'?); allowed"),
-    "misspelt section in the file": (dict(calibraton={"num_samples": 4}, calibration=_DELETE), None,
-                                     "unknown key 'calibraton' (did you mean 'calibration'?); allowed"),
-    "misspelt strategy": (dict(pipeline=[{"strategy": "sensitivty"}]), None,
-                          "unknown strategy 'sensitivty' (did you mean 'sensitivity'?)"),
-    "misspelt strategy option": (dict(pipeline=[{"strategy": "stiefel", "step": 5}]), None,
-                                 "unknown key 'step' (did you mean 'steps'?)"),
+    "misspelt nested key in the file": (
+        dict(calibration__num_samples=_DELETE, calibration__num_sample=4),
+        None,
+        "unknown key 'calibration.num_sample' (did you mean 'num_samples'?); allowed",
+    ),
+    "misspelt section in the file": (
+        dict(calibraton={"num_samples": 4}, calibration=_DELETE),
+        None,
+        "unknown key 'calibraton' (did you mean 'calibration'?); allowed",
+    ),
+    "misspelt strategy": (
+        dict(pipeline=[{"strategy": "sensitivty"}]),
+        None,
+        "unknown strategy 'sensitivty' (did you mean 'sensitivity'?)",
+    ),
+    "misspelt strategy option": (
+        dict(pipeline=[{"strategy": "stiefel", "step": 5}]),
+        None,
+        "unknown key 'step' (did you mean 'steps'?)",
+    ),
     "option for an option-less strategy": (dict(pipeline=[{"strategy": "pca", "tau": 3}]), None, "takes no options"),
     "empty pipeline": (dict(pipeline=[]), None, "pipeline must be a non-empty list"),
     "wrong type": (dict(calibration__num_samples="many"), None, "calibration.num_samples must be an integer"),
@@ -253,12 +317,17 @@ BAD_INPUTS = {
     "impossible sparsity": (dict(sparsity=0.95), None, "leaves no width"),
     "bad dtype": (dict(model__dtype="fp7"), None, "model.dtype must be one of"),
     "bad device": (dict(device="tpu"), None, "device must be auto, cpu, cuda"),
-    "missing data file": (dict(calibration__dataset={"path": "json", "data_files": "nope.jsonl"}), None,
-                          "data file not found"),
+    "missing data file": (
+        dict(calibration__dataset={"path": "json", "data_files": "nope.jsonl"}),
+        None,
+        "data file not found",
+    ),
     "missing model folder": (dict(model__path="./no-such-model"), None, "model folder not found"),
-    "reference data not beside the checkout": (dict(calibration__dataset={"path": "json", "data_files":
-                                                                          "../shared/corpus/calib.jsonl"}), None,
-                                               "expect the reference data (models/ref-llama, corpus/) in a shared/"),
+    "reference data not beside the checkout": (
+        dict(calibration__dataset={"path": "json", "data_files": "../shared/corpus/calib.jsonl"}),
+        None,
+        "expect the reference data (models/ref-llama, corpus/) in a shared/",
+    ),
     "hub model while offline": (dict(model__path="someone/some-model"), None, "offline mode is on"),
     "unsupported family": ("bloom", None, "model_type 'bloom' is not supported"),
     "too little data": (dict(evaluation__num_samples=100000), None, "evaluation: the dataset yields"),
@@ -267,18 +336,25 @@ BAD_INPUTS = {
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
     "--set value that is not YAML": ({}, ["--set", "sparsity=[0.3"], "--set sparsity: the value is not valid YAML"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
-    "--set yes is a string, not true": ({}, ["--set", "evaluation.throughput=yes"],
-                                        "evaluation.throughput must be true or false"),
+    "--set yes is a string, not true": (
+        {},
+        ["--set", "evaluation.throughput=yes"],
+        "evaluation.throughput must be true or false",
+    ),
     "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be at least 0"),
     "unknown refinement key": (dict(refinement={"steps": 5}), None, "unknown key 'refinement.steps'"),
-    "refinement after corrected readers": (dict(refinement={}, slicing={"correct_readers": True}), None,
-                                           "refinement cannot follow slicing.correct_readers"),
+    "refinement after corrected readers": (
+        dict(refinement={}, slicing={"correct_readers": True}),
+        None,
+        "refinement cannot follow slicing.correct_readers",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_one_line_and_exit_2(case: str, tiny_checkpoint: Path, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    case: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     changes, extra_args, message = BAD_INPUTS[case]
     if changes == "bloom":
         recipe = write_recipe(tmp_path, _bloom_checkpoint(tmp_path / "bloom"))
@@ -341,11 +417,15 @@ def test_unsupported_family_fails_before_loading_weights(tmp_path: Path, capsys:
     (folder / "config.json").write_text(json.dumps(config))
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe)]) == 2
-    assert "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi, phi3, qwen2, qwen3" in capsys.readouterr().err
+    assert (
+        "supported model types: gemma, gemma2, gpt2, llama, mistral, opt, phi, phi3, qwen2, qwen3"
+        in capsys.readouterr().err
+    )
 
 
-def test_dry_run_refuses_an_existing_output_as_the_run_would(tiny_checkpoint: Path, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_refuses_an_existing_output_as_the_run_would(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.json").write_text("{}")
@@ -354,20 +434,25 @@ def test_dry_run_refuses_an_existing_output_as_the_run_would(tiny_checkpoint: Pa
     assert out.startswith("recipe checked, but the run would stop here") and "already holds a run" in err
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(sparsity=0.95), "leaves no width"),
-    (dict(model__path="BLOOM"), "model_type 'bloom' is not supported"),
-])
-def test_dry_run_checks_a_local_model_config(changes: dict, message: str, tiny_checkpoint: Path, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(sparsity=0.95), "leaves no width"),
+        (dict(model__path="BLOOM"), "model_type 'bloom' is not supported"),
+    ],
+)
+def test_dry_run_checks_a_local_model_config(
+    changes: dict, message: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     if changes.get("model__path") == "BLOOM":
         changes = dict(model__path=str(_bloom_checkpoint(tmp_path / "bloom")))
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, **changes)), "--dry-run"]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture) -> None:
+def test_two_packages_claiming_one_plugin_name_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """pluggy would load only the first of two same-named entry points, silently."""
     for name in ("alpha", "beta"):
         info = tmp_path / f"{name}-1.0.dist-info"
@@ -380,16 +465,21 @@ def test_two_packages_claiming_one_plugin_name_are_refused(tmp_path: Path, monke
     assert "'shared-name' is registered by two installed packages, 'alpha' and 'beta'" in err
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(do_layer_norm_before=False), "do_layer_norm_before: false"),
-])
-def test_unsupported_opt_variants_are_refused(overrides: dict, message: str, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(do_layer_norm_before=False), "do_layer_norm_before: false"),
+    ],
+)
+def test_unsupported_opt_variants_are_refused(
+    overrides: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from transformers import OPTConfig
 
     folder = tmp_path / "opt"
-    OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=8192,
-              **overrides).save_pretrained(folder)
+    OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=8192, **overrides
+    ).save_pretrained(folder)
     recipe = write_recipe(tmp_path, folder)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -404,12 +494,26 @@ def test_gpt2_needs_the_head_sliced_like_the_embedding(tmp_path: Path, capsys: p
     assert main(["run", str(recipe), "--dry-run", "--set", "slicing.slice_head=true"]) == 0
 
 
-def test_compare_tabulates_runs_and_shows_the_options_that_differ(tiny_checkpoint: Path, tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_compare_tabulates_runs_and_shows_the_options_that_differ(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "sensitivity", "taus": [1, 10]}])
     assert main(["run", str(recipe), "--output", str(tmp_path / "a")]) == 0
-    assert main(["run", str(recipe), "--output", str(tmp_path / "b"), "--set", "pipeline.0.taus=[3]",
-                 "--set", "sparsity=0.5"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(recipe),
+                "--output",
+                str(tmp_path / "b"),
+                "--set",
+                "pipeline.0.taus=[3]",
+                "--set",
+                "sparsity=0.5",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "t.csv")]) == 0
     import csv
@@ -426,13 +530,17 @@ def test_compare_tabulates_runs_and_shows_the_options_that_differ(tiny_checkpoin
     assert (tmp_path / "t.md").read_text().splitlines()[2].startswith("| a | tiny-llama")
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["compare", "{tmp}/nothing"], "is not a finished run"),
-    (["compare", "{run}"], "report.json is not a run report (no model, pipeline"),
-    (["compare", "{run}", "--output", "{tmp}/table.txt"], "--output must end in .md, .csv, .json"),
-])
-def test_compare_refuses_bad_input_in_one_line(args: list[str], message: str, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["compare", "{tmp}/nothing"], "is not a finished run"),
+        (["compare", "{run}"], "report.json is not a run report (no model, pipeline"),
+        (["compare", "{run}", "--output", "{tmp}/table.txt"], "--output must end in .md, .csv, .json"),
+    ],
+)
+def test_compare_refuses_bad_input_in_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "report.json").write_text("{}")
@@ -441,8 +549,9 @@ def test_compare_refuses_bad_input_in_one_line(args: list[str], message: str, tm
     assert message in err and err.count("\n") == 1
 
 
-def test_eval_of_a_run_reproduces_the_runs_own_figures(tiny_checkpoint: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture) -> None:
+def test_eval_of_a_run_reproduces_the_runs_own_figures(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["run", str(recipe)]) == 0
     assert main(["eval", str(tmp_path / "out"), "--output", str(tmp_path / "eval.json")]) == 0
@@ -467,14 +576,18 @@ def test_eval_of_a_model_alone_and_with_fewer_windows(tiny_checkpoint: Path, tmp
     assert itself["pruned"]["ppl"] == pytest.approx(alone["metrics"]["pruned"]["ppl"], rel=1e-9)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ([], "nothing to evaluate for"),
-    (["--data", "{tmp}/missing.jsonl"], "data file not found"),
-    (["--num-samples", "0", "--data", "{data}"], "evaluation.num_samples must be at least 1"),
-    (["--output", "{tmp}/report.txt"], "--output must be a .json file"),
-])
-def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny_checkpoint: Path, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "nothing to evaluate for"),
+        (["--data", "{tmp}/missing.jsonl"], "data file not found"),
+        (["--num-samples", "0", "--data", "{data}"], "evaluation.num_samples must be at least 1"),
+        (["--output", "{tmp}/report.txt"], "--output must be a .json file"),
+    ],
+)
+def test_eval_refuses_bad_input_in_one_line(
+    extra: list[str], message: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     data = str(EXAMPLES / "data" / "valid-demo.jsonl")
     args = ["eval", str(tiny_checkpoint), *[a.format(tmp=tmp_path, data=data) for a in extra]]
     assert main(args) == 2
@@ -482,8 +595,9 @@ def test_eval_refuses_bad_input_in_one_line(extra: list[str], message: str, tiny
     assert message in err and err.count("\n") == 1
 
 
-def test_eval_of_a_folder_of_runs_says_what_it_is_and_what_would_do(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture) -> None:
+def test_eval_of_a_folder_of_runs_says_what_it_is_and_what_would_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "runs" / "a").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "report.json").write_text("{}")
     (tmp_path / "empty").mkdir()
@@ -501,21 +615,27 @@ def test_help_and_recipe_checks_leave_the_model_stack_unimported(tmp_path: Path)
     import subprocess
     import sys
 
-    script = ("import contextlib, io, sys\nfrom compressor.cli import main\n"
-              "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    {call}\n"
-              "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))")
+    script = (
+        "import contextlib, io, sys\nfrom compressor.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    {call}\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))"
+    )
     demo = EXAMPLES.parent / "recipes" / "demo.yaml"
     typo = tmp_path / "typo.yaml"
     typo.write_text(demo.read_text().replace("num_samples", "num_sample"))
     for call, expected in [
         (f"main(['run', {str(typo)!r}])", "['torch']"),
         ("main(['--help'])", "[]"),
-        (f"from compressor.recipe.schema import load_recipe; from compressor.strategies.registry import PluginRegistry; "
-         f"load_recipe({str(demo)!r}, PluginRegistry())", "['torch']"),
+        (
+            f"from compressor.recipe.schema import load_recipe; from compressor.strategies.registry import PluginRegistry; "
+            f"load_recipe({str(demo)!r}, PluginRegistry())",
+            "['torch']",
+        ),
         ("main(['strategies'])", "['torch']"),
     ]:
-        out = subprocess.run([sys.executable, "-c", script.format(call=call)], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", script.format(call=call)], capture_output=True, text=True, check=True
+        ).stdout
         assert out.strip().splitlines()[-1] == expected, (call, out)
 
 
@@ -524,19 +644,34 @@ def test_sliced_classes_register_even_after_a_probe_for_transformers() -> None:
     import subprocess
     import sys
 
-    script = ("import importlib.util, compressor\n"
-              "importlib.util.find_spec('transformers')\n"
-              "import transformers.models.llama\n"
-              "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
-              "print('sliced_llama' in CONFIG_MAPPING)")
+    script = (
+        "import importlib.util, compressor\n"
+        "importlib.util.find_spec('transformers')\n"
+        "import transformers.models.llama\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "print('sliced_llama' in CONFIG_MAPPING)"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
 
 
-@pytest.mark.parametrize(("text", "value"), [
-    ("yes", "yes"), ("on", "on"), ("n", "n"), ("true", True), ("False", False), ("1e-3", 1e-3), ("-2.5E+1", -25.0),
-    ("010", 10), ("1:30", "1:30"), ("0x1f", 31), ("null", None), ("[1, no]", [1, "no"]),
-])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("yes", "yes"),
+        ("on", "on"),
+        ("n", "n"),
+        ("true", True),
+        ("False", False),
+        ("1e-3", 1e-3),
+        ("-2.5E+1", -25.0),
+        ("010", 10),
+        ("1:30", "1:30"),
+        ("0x1f", 31),
+        ("null", None),
+        ("[1, no]", [1, "no"]),
+    ],
+)
 def test_recipe_values_are_read_as_yaml_1_2(text: str, value: Any) -> None:
     """Only true/false are booleans (YAML 1.1 made `yes`, `on`, `n` booleans and `1:30` the number
     90), and `1e-3` is a number (YAML 1.1 left it a string)."""
@@ -545,8 +680,9 @@ def test_recipe_values_are_read_as_yaml_1_2(text: str, value: Any) -> None:
     assert parse_yaml(text) == value and type(parse_yaml(text)) is type(value)
 
 
-def test_yes_in_a_recipe_file_is_refused_not_read_as_true(tiny_checkpoint: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
+def test_yes_in_a_recipe_file_is_refused_not_read_as_true(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint)
     text = recipe.read_text()
     assert "throughput: false" in text

@@ -12,8 +12,8 @@ import torch
 from compressor.engine.bases import apply_bases, prediction_error, reader_map
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
@@ -21,8 +21,9 @@ from tests.conftest import copy_model, max_relative_logit_error, random_batches,
 
 def _spd(d: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    A = torch.randn(d, 3 * d, generator=generator, dtype=torch.float64) * torch.linspace(0.1, 3, 3 * d,
-                                                                                        dtype=torch.float64)
+    A = torch.randn(d, 3 * d, generator=generator, dtype=torch.float64) * torch.linspace(
+        0.1, 3, 3 * d, dtype=torch.float64
+    )
     return A @ A.T / (3 * d)
 
 
@@ -43,11 +44,16 @@ def test_the_reader_map_is_the_basis_for_pca_and_optimal_otherwise() -> None:
 
 def _prune(original, name: str, pipeline, correct: bool, checkpoint: Checkpoint | None = None):
     family = family_for(name)
-    widths = widths_for(name, original.config, kept_width(original.config.hidden_size, 0.25, 8),
-                        slice_head=family.head_width_is_embedding_width)
+    widths = widths_for(
+        name,
+        original.config,
+        kept_width(original.config.hidden_size, 0.25, 8),
+        slice_head=family.head_width_is_embedding_width,
+    )
     batches = random_batches(original.config.vocab_size, padded=True)
-    return prune(copy_model(original), family, batches, widths, pipeline, checkpoint=checkpoint,
-                 correct_readers=correct), batches
+    return prune(
+        copy_model(original), family, batches, widths, pipeline, checkpoint=checkpoint, correct_readers=correct
+    ), batches
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])

@@ -31,8 +31,14 @@ def test_rotation_on_the_gpu_reproduces_logits(family_name: str) -> None:
     original = tiny_model(family_name)
     batches = random_batches(original.config.vocab_size, padded=True)
     d = original.config.hidden_size
-    result = prune(copy_model(original), family_for(family_name), batches,
-                   widths_for(family_name, original.config, d, slice_head=True), _steps("pca"), CUDA)
+    result = prune(
+        copy_model(original),
+        family_for(family_name),
+        batches,
+        widths_for(family_name, original.config, d, slice_head=True),
+        _steps("pca"),
+        CUDA,
+    )
     assert next(result.model.parameters()).device.type == "cpu"  # layers go back to the host
     assert max_relative_logit_error(original, result.model, batches) <= 1e-4
 
@@ -57,7 +63,17 @@ def test_h_on_the_gpu_does_not_depend_on_recomputation() -> None:
     batches = random_batches(original.config.vocab_size, count=3)
     family = family_for("llama")
     widths = widths_for("llama", original.config, 48, slice_head=True)
-    kept, recomputed = (prune(copy_model(original), family, batches, widths, _steps("sensitivity"), CUDA,
-                              sensitivity=SensitivityOptions(recompute=flag, chunk=2)).fisher for flag in (False, True))
+    kept, recomputed = (
+        prune(
+            copy_model(original),
+            family,
+            batches,
+            widths,
+            _steps("sensitivity"),
+            CUDA,
+            sensitivity=SensitivityOptions(recompute=flag, chunk=2),
+        ).fisher
+        for flag in (False, True)
+    )
     for site in kept:
         assert torch.allclose(kept[site], recomputed[site], rtol=1e-4, atol=1e-6 * kept[site].abs().max()), site

@@ -10,7 +10,7 @@ from compressor.data.text import batches_of, load_records, token_windows
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
 
-RECORDS = [{"text": "fn main() { println!(\"hi\"); }"}, {"text": "set nocompatible"}, {"text": "man ls"}] * 10
+RECORDS = [{"text": 'fn main() { println!("hi"); }'}, {"text": "set nocompatible"}, {"text": "man ls"}] * 10
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,12 @@ def test_the_guard_windows_follow_the_calibration_windows(tokenizer) -> None:
     from compressor.recipe.schema import DataSpec
     from compressor.run.loading import heldout_batches, token_batches
 
-    spec = DataSpec(dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
-                    num_samples=5, seq_len=32, batch_size=2)
+    spec = DataSpec(
+        dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
+        num_samples=5,
+        seq_len=32,
+        batch_size=2,
+    )
     calibration = torch.cat([b.input_ids for b in token_batches(spec, tokenizer, "calibration")])
     heldout = heldout_batches(spec, tokenizer, 3, "refinement")
     assert [b.input_ids.shape for b in heldout] == [(2, 32), (1, 32)]

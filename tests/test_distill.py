@@ -37,8 +37,15 @@ from tests.conftest import EXAMPLES, copy_model, random_batches, save_tiny_check
 from tests.test_cli import write_recipe
 from tests.test_parallel import TORCHRUN, _compress
 
-DISTILLATION = {"tokens": 2048, "seq_len": 32, "batch_size": 4, "heldout_windows": 8, "eval_every": 4,
-                "lr": 0.01, "patience": None}
+DISTILLATION = {
+    "tokens": 2048,
+    "seq_len": 32,
+    "batch_size": 4,
+    "heldout_windows": 8,
+    "eval_every": 4,
+    "lr": 0.01,
+    "patience": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,25 +65,38 @@ def _state_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in load_file(str(folder / "model.safetensors")).items()}
 
 
-@pytest.mark.parametrize(("layout", "method"), [
-    ("per_site", "lora"), pytest.param("global", "full", marks=pytest.mark.slow)])  # slow: two more CLI runs
-def test_distillation_lowers_the_heldout_kl_and_keeps_the_architecture(layout: str, method: str,
-                                                                       sharp_checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("layout", "method"), [("per_site", "lora"), pytest.param("global", "full", marks=pytest.mark.slow)]
+)  # slow: two more CLI runs
+def test_distillation_lowers_the_heldout_kl_and_keeps_the_architecture(
+    layout: str, method: str, sharp_checkpoint: Path, tmp_path: Path
+) -> None:
     """The same recipe with and without a distillation section: the same config, class, tensor
     names and shapes (so the same parameter count); the held-out KL went down, the evaluation
     KL too, and the report says what the stage did."""
     slicing = {"layout": layout}
     plain = _run(tmp_path, sharp_checkpoint, "plain", slicing=slicing, sparsity=0.5)
-    distilled = _run(tmp_path, sharp_checkpoint, "distilled", slicing=slicing, sparsity=0.5,
-                     distillation={**DISTILLATION, "method": method})
+    distilled = _run(
+        tmp_path,
+        sharp_checkpoint,
+        "distilled",
+        slicing=slicing,
+        sparsity=0.5,
+        distillation={**DISTILLATION, "method": method},
+    )
     record = distilled["distillation"]
     assert record["kept"] == "distilled" and record["heldout_kl_best"] < 0.9 * record["heldout_kl_before"]
     assert record["steps"] == record["max_steps"] == 2048 // (4 * 32) and record["tokens"] == 2048
     assert [point["step"] for point in record["curve"]] == [0, 4, 8, 12, 16]
     assert record["world_size"] == 1 and record["method"] == method
     (guard,) = distilled["guards"]  # the stage's own held-out guard, recorded as every guarded step's
-    assert guard == {"step": "distillation", "windows": record["heldout_windows"], "kept": True,
-                     "kl_before": record["heldout_kl_before"], "kl_after": record["heldout_kl_best"]}
+    assert guard == {
+        "step": "distillation",
+        "windows": record["heldout_windows"],
+        "kept": True,
+        "kl_before": record["heldout_kl_before"],
+        "kl_after": record["heldout_kl_best"],
+    }
     assert plain["guards"] == []
     metrics = distilled["metrics"]
     assert metrics["pruned"]["kl"] < metrics["undistilled"]["kl"]
@@ -87,7 +107,8 @@ def test_distillation_lowers_the_heldout_kl_and_keeps_the_architecture(layout: s
     assert _state_shapes(tmp_path / "plain" / "model") == _state_shapes(tmp_path / "distilled" / "model")
     assert (tmp_path / "distilled" / "distillation.png").stat().st_size > 0
     assert ("modeling_sliced.py" in {p.name for p in (tmp_path / "distilled" / "model").iterdir()}) == (
-        layout == "per_site")  # a stock folder stays stock
+        layout == "per_site"
+    )  # a stock folder stays stock
     assert "distillation held-out KL" in (tmp_path / "distilled" / "report.md").read_text()
 
 
@@ -97,9 +118,19 @@ def _student_and_data(top_k: int = 16) -> tuple[Any, Any, Any, DistillationSpec]
     widths = widths_for("llama", original.config, 48, slice_head=False)
     student = prune(copy_model(original), family, random_batches(8192, length=16), widths, [PipelineStep(PCA())]).model
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLES / "ref-llama")
-    spec = DistillationSpec(tokens=1024, dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
-                            format="text", text_field="text", seq_len=32, batch_size=4, heldout_windows=4,
-                            eval_every=2, lr=0.003, top_k=top_k, patience=None)
+    spec = DistillationSpec(
+        tokens=1024,
+        dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},
+        format="text",
+        text_field="text",
+        seq_len=32,
+        batch_size=4,
+        heldout_windows=4,
+        eval_every=2,
+        lr=0.003,
+        top_k=top_k,
+        patience=None,
+    )
     return original, student, distillation_data(spec, tokenizer), spec
 
 
@@ -125,8 +156,16 @@ def test_the_merged_model_computes_what_the_adapted_student_computed(tmp_path: P
     probe = collate(data.heldout)
     adapted = _AdaptedLogits(probe)
     shapes = {name: tuple(p.shape) for name, p in student.named_parameters()}
-    merged, record = distill(student, LiveTeacher(original, spec.top_k), data, spec, tmp_path / "ck",
-                             torch.device("cpu"), {"test": "merge"}, callbacks=[adapted])
+    merged, record = distill(
+        student,
+        LiveTeacher(original, spec.top_k),
+        data,
+        spec,
+        tmp_path / "ck",
+        torch.device("cpu"),
+        {"test": "merge"},
+        callbacks=[adapted],
+    )
     assert record.kept == "distilled" and record.merge_max_abs_diff is not None
     assert {name: tuple(p.shape) for name, p in merged.named_parameters()} == shapes  # no adapter left
     assert type(merged).__name__ == "SlicedLlamaForCausalLM"
@@ -135,8 +174,9 @@ def test_the_merged_model_computes_what_the_adapted_student_computed(tmp_path: P
     assert adapted.logits is not None
     assert torch.allclose(logits, adapted.logits, atol=1e-5 * float(adapted.logits.abs().max()))
     merged.save_pretrained(tmp_path / "saved")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32,
-                                                     attn_implementation=merged.config._attn_implementation).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "saved", dtype=torch.float32, attn_implementation=merged.config._attn_implementation
+    ).eval()
     with torch.no_grad():
         again = reloaded(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     assert torch.equal(again, logits)
@@ -147,8 +187,9 @@ def test_cached_targets_equal_the_live_teachers() -> None:
     targets the whole model gives batch by batch."""
     original, _, data, spec = _student_and_data(top_k=8)
     rows = data.train[:6] + data.heldout[:2]
-    cached = CachedTeacher(cached_targets(original, family_for("llama"), rows, 8, torch.device("cpu"), 3,
-                                          lambda *_: None))
+    cached = CachedTeacher(
+        cached_targets(original, family_for("llama"), rows, 8, torch.device("cpu"), 3, lambda *_: None)
+    )
     live = LiveTeacher(original, 8)
     inputs = collate(rows)
     counted = inputs["loss_mask"].bool()
@@ -165,8 +206,9 @@ def test_chat_rows_count_only_what_the_sensitivity_mask_counts() -> None:
     rows = _rows([Batch(ids, real, assistant)], first=5)
     assert [row["loss_mask"].tolist() for row in rows] == [[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]]
     assert [int(row["row"]) for row in rows] == [5, 6]
-    padded = collate([{**rows[0], **{k: rows[0][k][:4] for k in ("input_ids", "attention_mask", "loss_mask")}},
-                      rows[1]])
+    padded = collate(
+        [{**rows[0], **{k: rows[0][k][:4] for k in ("input_ids", "attention_mask", "loss_mask")}}, rows[1]]
+    )
     assert padded["attention_mask"].tolist()[0] == [1, 1, 1, 1, 0, 0]
 
 
@@ -186,8 +228,13 @@ def test_a_killed_distillation_continues_with_the_same_command(tiny_checkpoint: 
     assert killed.returncode != 0 and not (tmp_path / "run").exists()
     assert (tmp_path / ".run.partial" / "checkpoint" / "distillation" / "checkpoint-8").is_dir()
     (tmp_path / "changed").mkdir()
-    changed = write_recipe(tmp_path / "changed", tiny_checkpoint, evaluation=None, output=str(tmp_path / "run"),
-                           distillation={**DISTILLATION, "lr": 0.02})
+    changed = write_recipe(
+        tmp_path / "changed",
+        tiny_checkpoint,
+        evaluation=None,
+        output=str(tmp_path / "run"),
+        distillation={**DISTILLATION, "lr": 0.02},
+    )
     refused = _cli(changed, tmp_path / "run")
     assert refused.returncode == 2 and "different recipe" in refused.stderr and "--restart" in refused.stderr
     resumed = _cli(recipe, tmp_path / "run")
@@ -206,8 +253,9 @@ def test_a_killed_distillation_continues_with_the_same_command(tiny_checkpoint: 
 def test_distillation_under_torchrun_trains_on_both_processes(sharp_checkpoint: Path, tmp_path: Path) -> None:
     """Two gloo processes: the walk shares the calibration, then the Trainer runs DDP; the report
     says two processes trained, each step covering both processes' windows."""
-    recipe = write_recipe(tmp_path, sharp_checkpoint, evaluation=None, calibration__num_samples=4, sparsity=0.5,
-                          distillation=DISTILLATION)
+    recipe = write_recipe(
+        tmp_path, sharp_checkpoint, evaluation=None, calibration__num_samples=4, sparsity=0.5, distillation=DISTILLATION
+    )
     done = _compress(TORCHRUN, recipe, tmp_path / "two")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "two" / "report.json").read_text())["distillation"]
@@ -216,20 +264,32 @@ def test_distillation_under_torchrun_trains_on_both_processes(sharp_checkpoint: 
     assert record["kept"] == "distilled"
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"tokens": -5}, "distillation.tokens"),
-    ({"method": "lora", "lora": {"target_modules": ["q_prj"]}}, "'q_prj' is not a linear layer of this model (did you mean 'q_proj'?)"),
-    ({"lora": {"target_modules": ["attn_writer"]}}, "its linear layers: attn_shortcut, down_proj"),  # Gemma2's only
-    ({"trainer": {"optimm": "adamw_torch"}}, "distillation.trainer.optimm is not a transformers TrainingArguments field (did you mean 'optim'?)"),
-    ({"trainer": {"max_steps": 3}}, "distillation.trainer.max_steps is set by the distillation section itself"),
-    ({"trainer": {"fsdp": "full_shard"}}, "distillation.trainer.fsdp: sharded training is not supported yet"),
-    ({"trainer": {"optim": "no_such_optimiser"}}, "distillation: transformers refused the training settings"),
-    ({"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")}},
-     "is the evaluation's dataset"),
-    ({"heldout_windows": 100000}, "distillation: the dataset yields"),
-])
-def test_bad_distillation_settings_are_one_line(change: dict[str, Any], message: str, tiny_checkpoint: Path,
-                                               tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokens": -5}, "distillation.tokens"),
+        (
+            {"method": "lora", "lora": {"target_modules": ["q_prj"]}},
+            "'q_prj' is not a linear layer of this model (did you mean 'q_proj'?)",
+        ),
+        ({"lora": {"target_modules": ["attn_writer"]}}, "its linear layers: attn_shortcut, down_proj"),  # Gemma2's only
+        (
+            {"trainer": {"optimm": "adamw_torch"}},
+            "distillation.trainer.optimm is not a transformers TrainingArguments field (did you mean 'optim'?)",
+        ),
+        ({"trainer": {"max_steps": 3}}, "distillation.trainer.max_steps is set by the distillation section itself"),
+        ({"trainer": {"fsdp": "full_shard"}}, "distillation.trainer.fsdp: sharded training is not supported yet"),
+        ({"trainer": {"optim": "no_such_optimiser"}}, "distillation: transformers refused the training settings"),
+        (
+            {"dataset": {"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")}},
+            "is the evaluation's dataset",
+        ),
+        ({"heldout_windows": 100000}, "distillation: the dataset yields"),
+    ],
+)
+def test_bad_distillation_settings_are_one_line(
+    change: dict[str, Any], message: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, distillation={**DISTILLATION, **change})
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
@@ -244,8 +304,9 @@ def test_distillation_data_defaults_to_the_calibration_text(tiny_checkpoint: Pat
     assert (spec.dataset, spec.seq_len, spec.format) == (recipe.calibration.dataset, 64, "text")
 
 
-def test_a_problem_found_in_the_stage_keeps_the_walk(tiny_checkpoint: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_a_problem_found_in_the_stage_keeps_the_walk(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """A user error raised by the stage itself (after the walk): one line, exit 2, and the walk's
     checkpoint kept, so the fixed recipe continues without walking again."""
     import compressor.training.distill
@@ -282,10 +343,16 @@ def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights
     for checkpointing in (False, True):
         model = copy_model(student)
         count = [0]
-        model.model.layers[0].self_attn.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-        trained, record = distill(model, LiveTeacher(original, spec.top_k), data,
-                                  dataclasses.replace(spec, gradient_checkpointing=checkpointing),
-                                  tmp_path / str(checkpointing), torch.device("cpu"), {"test": "gc"})
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))  # noqa: B023
+        trained, record = distill(
+            model,
+            LiveTeacher(original, spec.top_k),
+            data,
+            dataclasses.replace(spec, gradient_checkpointing=checkpointing),
+            tmp_path / str(checkpointing),
+            torch.device("cpu"),
+            {"test": "gc"},
+        )
         assert record.steps == 4 and record.kept == "distilled"
         results.append(trained.state_dict())
         calls.append(count[0])
@@ -301,21 +368,34 @@ def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights
 def test_a_cached_teacher_run_with_activations_on_disk(sharp_checkpoint: Path, tmp_path: Path) -> None:
     """`teacher: cached` with `activations: disk`: the stage runs from the targets computed layer
     by layer (spilled activations in the staging folder, gone after) and still lowers the KL."""
-    report = _run(tmp_path, sharp_checkpoint, "cached", sparsity=0.5, evaluation=None, activations="disk",
-                  distillation={**DISTILLATION, "teacher": "cached"})
+    report = _run(
+        tmp_path,
+        sharp_checkpoint,
+        "cached",
+        sparsity=0.5,
+        evaluation=None,
+        activations="disk",
+        distillation={**DISTILLATION, "teacher": "cached"},
+    )
     record = report["distillation"]
     assert record["kept"] == "distilled" and record["heldout_kl_best"] < 0.9 * record["heldout_kl_before"]
     assert not (tmp_path / ".cached.partial").exists()
 
 
-def test_a_distillation_that_makes_the_student_worse_is_undone_and_said(sharp_checkpoint: Path, tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture) -> None:
+def test_a_distillation_that_makes_the_student_worse_is_undone_and_said(
+    sharp_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A learning rate that wrecks the student: every held-out measurement is worse than the
     student as received, so the run saves the undistilled model and says so in one line."""
     plain = _run(tmp_path, sharp_checkpoint, "plain", sparsity=0.5)
     capsys.readouterr()
-    wrecked = _run(tmp_path, sharp_checkpoint, "wrecked", sparsity=0.5,
-                   distillation={**DISTILLATION, "tokens": 512, "lr": 5.0, "method": "full"})
+    wrecked = _run(
+        tmp_path,
+        sharp_checkpoint,
+        "wrecked",
+        sparsity=0.5,
+        distillation={**DISTILLATION, "tokens": 512, "lr": 5.0, "method": "full"},
+    )
     (guard,) = wrecked["guards"]
     assert guard["step"] == "distillation" and not guard["kept"] and guard["kl_after"] > guard["kl_before"]
     assert wrecked["distillation"]["kept"] == "received"

@@ -31,6 +31,7 @@ def _schema_keys(schema: dict[str, Any], node: dict[str, Any], prefix: str = "")
 def _documented_keys(block: str) -> set[str]:
     """Dotted keys of the reference block: its YAML, and keys given as an alternative in a
     comment at the top level (`# target_params: 0.75`)."""
+
     def walk(value: Any, prefix: str = "") -> set[str]:
         if not isinstance(value, dict):
             return set()
@@ -51,7 +52,9 @@ def test_the_recipe_reference_documents_every_key_of_the_schema() -> None:
     expected = _schema_keys(schema, schema)
     documented = _documented_keys(block)
     assert not expected - documented, f"keys missing from docs/recipes.md: {sorted(expected - documented)}"
-    assert not documented - expected, f"docs/recipes.md documents keys the schema lacks: {sorted(documented - expected)}"
+    assert not documented - expected, (
+        f"docs/recipes.md documents keys the schema lacks: {sorted(documented - expected)}"
+    )
 
 
 def test_the_readme_and_the_map_are_short_enough_to_read_to_the_end() -> None:

@@ -30,8 +30,13 @@ def test_rotation_without_slicing_reproduces_logits(family_name: str, padded: bo
     original = tiny_model(family_name)
     batches = random_batches(original.config.vocab_size, padded=padded)
     d = original.config.hidden_size
-    result = prune(copy_model(original), family_for(family_name), batches,
-                   widths_for(family_name, original.config, d, slice_head=True), [PipelineStep(strategy)])
+    result = prune(
+        copy_model(original),
+        family_for(family_name),
+        batches,
+        widths_for(family_name, original.config, d, slice_head=True),
+        [PipelineStep(strategy)],
+    )
     assert max_relative_logit_error(original, result.model, batches) <= 1e-4
 
 
@@ -39,8 +44,13 @@ def test_rotation_is_not_the_identity() -> None:
     """Guard for the test above: the bases really change the weights."""
     original = tiny_model("llama")
     d = original.config.hidden_size
-    result = prune(copy_model(original), family_for("llama"), random_batches(128),
-                   widths_for("llama", original.config, d, slice_head=True), [PipelineStep(PCA())])
+    result = prune(
+        copy_model(original),
+        family_for("llama"),
+        random_batches(128),
+        widths_for("llama", original.config, d, slice_head=True),
+        [PipelineStep(PCA())],
+    )
     before = original.model.embed_tokens.weight
     after = result.model.model.embed_tokens.weight
     assert after.shape == before.shape
@@ -51,8 +61,13 @@ def test_fusion_does_not_centre_rmsnorm_models() -> None:
     """SliceGPT mean-centres embeddings of RMSNorm models; that changes the function, we must not."""
     original = tiny_model("llama")
     d = original.config.hidden_size
-    result = prune(copy_model(original), family_for("llama"), random_batches(128),
-                   widths_for("llama", original.config, d, slice_head=True), [PipelineStep(RandomRotation())])
+    result = prune(
+        copy_model(original),
+        family_for("llama"),
+        random_batches(128),
+        widths_for("llama", original.config, d, slice_head=True),
+        [PipelineStep(RandomRotation())],
+    )
     rotated_back = result.model.model.embed_tokens.weight.double()
     # Row norms are preserved by an orthogonal change of basis; centring would shrink them.
     assert torch.allclose(rotated_back.norm(dim=1), original.model.embed_tokens.weight.double().norm(dim=1), atol=1e-5)

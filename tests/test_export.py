@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.models.export import write_remote_code
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -54,8 +54,14 @@ def test_pruned_folders_load_with_remote_code_and_without_compressor(tmp_path: P
             expected[name] = pruned(input_ids=ids).logits
         folders.append(str(folder))
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ""}
-    done = subprocess.run([sys.executable, "-c", LOADER, json.dumps(ids.tolist()), *folders], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", LOADER, json.dumps(ids.tolist()), *folders],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for name in sorted(FAMILY_CONFIGS):
         assert torch.equal(torch.load(tmp_path / name / "logits.pt"), expected[name]), name
@@ -67,8 +73,10 @@ def test_with_compressor_imported_the_folder_loads_without_remote_code(tmp_path:
     pruned = prune(copy_model(original), family_for("llama"), random_batches(128), widths, [PipelineStep(PCA())]).model
     pruned.save_pretrained(tmp_path)
     write_remote_code(tmp_path, family_for("llama"), "llama")
-    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
-        "modeling_sliced.SlicedForCausalLM"
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        == "modeling_sliced.SlicedForCausalLM"
+    )
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # the registered local class, no remote code
     assert type(reloaded).__module__ == "compressor.models.sliced"
 
@@ -86,11 +94,21 @@ def test_the_readme_snippet_for_a_folder_without_compressor_asks_nothing(tmp_pat
     blocks = [block.split("```")[0] for block in readme.split("```python\n")[1:]]
     snippet = next(block for block in blocks if "AutoTokenizer" in block and "trust_remote_code=True" in block)
     folder = str(tmp_path / "out" / "model")
-    script = LOADER.split("import torch")[0] + snippet.replace("runs/demo-pca-25/model", folder) + \
-        "print(type(model).__name__, len(tokenizer('a b c').input_ids))\n"
+    script = (
+        LOADER.split("import torch")[0]
+        + snippet.replace("runs/demo-pca-25/model", folder)
+        + "print(type(model).__name__, len(tokenizer('a b c').input_ids))\n"
+    )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ""}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Do you wish" not in done.stdout + done.stderr
     assert done.stdout.startswith("SlicedLlamaForCausalLM")

@@ -14,10 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.engine.walk import PipelineStep, prune
-
-from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import site_widths
 from compressor.strategies.registry import PluginRegistry
 from compressor_plugins.pca import PCA
@@ -70,7 +69,9 @@ def test_a_registered_family_prunes_exactly_and_reloads(arcee_plugin, tmp_path: 
     original = tiny_arcee()
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(original.config.vocab_size, padded=True)
-    rotated = prune(copy_model(original), family, batches, site_widths(family, layers, d, d, True), [PipelineStep(PCA())])
+    rotated = prune(
+        copy_model(original), family, batches, site_widths(family, layers, d, d, True), [PipelineStep(PCA())]
+    )
     assert max_relative_logit_error(original, rotated.model, batches) <= 1e-4
 
     widths = site_widths(family, layers, d, kept_width(d, 0.25, 8), False)
@@ -101,12 +102,34 @@ def test_installed_family_plugin_runs_from_a_recipe(tmp_path: Path) -> None:
     source = tmp_path / "src"
     shutil.copytree(PLUGIN, source)
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(site), str(source)], check=True, capture_output=True)
-    env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "COMPRESS_PLUGINS": f"{BUILTIN_PLUGINS},arcee-family"}  # the suite pins its plugins (conftest)
-    listing = subprocess.run([sys.executable, "-m", "compressor.cli", "families"], env=env, capture_output=True,
-                             text=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "COLUMNS": "200",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "COMPRESS_PLUGINS": f"{BUILTIN_PLUGINS},arcee-family",
+    }  # the suite pins its plugins (conftest)
+    listing = subprocess.run(
+        [sys.executable, "-m", "compressor.cli", "families"], env=env, capture_output=True, text=True, cwd=ROOT
+    )
     assert listing.returncode == 0 and "compressor-arcee-family 0.1.0" in listing.stdout
 
     checkpoint = tmp_path / "arcee"
@@ -117,8 +140,10 @@ def test_installed_family_plugin_runs_from_a_recipe(tmp_path: Path) -> None:
     recipe.write_text(
         f"model: {{path: {checkpoint}}}\n"
         f"calibration: {{dataset: {{path: json, data_files: {EXAMPLES / 'data' / 'calib-demo.jsonl'}}}, "
-        f"num_samples: 4, seq_len: 64}}\nsparsity: 0.25\npipeline: [{{strategy: pca}}]\noutput: out\n")
-    result = subprocess.run([sys.executable, "-m", "compressor.cli", "run", str(recipe)], env=env,
-                            capture_output=True, text=True, cwd=ROOT)
+        f"num_samples: 4, seq_len: 64}}\nsparsity: 0.25\npipeline: [{{strategy: pca}}]\noutput: out\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "compressor.cli", "run", str(recipe)], env=env, capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "report.json").is_file()

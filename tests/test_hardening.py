@@ -32,8 +32,9 @@ def _one_line_error(capsys: pytest.CaptureFixture, *needles: str) -> str:
 
 @pytest.mark.parametrize("dry_run", [False, True])
 @pytest.mark.parametrize("where", ["calibration", "evaluation"])
-def test_windows_longer_than_the_model_s_positions_are_refused(tiny_checkpoint: Path, tmp_path: Path, where: str,
-                                                              dry_run: bool, capsys: pytest.CaptureFixture) -> None:
+def test_windows_longer_than_the_model_s_positions_are_refused(
+    tiny_checkpoint: Path, tmp_path: Path, where: str, dry_run: bool, capsys: pytest.CaptureFixture
+) -> None:
     """The tiny model has 128 positions; 256-token windows would be scored past them."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, **{f"{where}__seq_len": 256})
     assert main(["run", str(recipe), *(["--dry-run"] if dry_run else [])]) == 2
@@ -41,21 +42,29 @@ def test_windows_longer_than_the_model_s_positions_are_refused(tiny_checkpoint: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"calibration__text_field": "body"}, "calibration: the dataset's records have no field 'body' (fields: text)"),
-    ({"evaluation__text_field": "body"}, "evaluation: the dataset's records have no field 'body' (fields: text)"),
-    ({"calibration__format": "chat"}, "calibration: the dataset's records have no field 'messages' (fields: text); "
-                                      "set calibration.messages_field"),
-])
-def test_dry_run_reads_the_first_record_of_the_data(tiny_checkpoint: Path, tmp_path: Path, change: dict,
-                                                    message: str, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"calibration__text_field": "body"}, "calibration: the dataset's records have no field 'body' (fields: text)"),
+        ({"evaluation__text_field": "body"}, "evaluation: the dataset's records have no field 'body' (fields: text)"),
+        (
+            {"calibration__format": "chat"},
+            "calibration: the dataset's records have no field 'messages' (fields: text); "
+            "set calibration.messages_field",
+        ),
+    ],
+)
+def test_dry_run_reads_the_first_record_of_the_data(
+    tiny_checkpoint: Path, tmp_path: Path, change: dict, message: str, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, **change)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     _one_line_error(capsys, message)
 
 
-def test_dry_run_passes_data_with_the_named_field(tiny_checkpoint: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_passes_data_with_the_named_field(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint)), "--dry-run"]) == 0
     assert "recipe OK" in capsys.readouterr().out
 
@@ -76,8 +85,13 @@ def _failing_rename(source: str, destination: Path):
 
 @pytest.mark.parametrize(("failing", "previous_run"), [("partial", False), ("partial", True), ("out", True)])
 def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
-        tiny_checkpoint: Path, tmp_path: Path, failing: str, previous_run: bool, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    failing: str,
+    previous_run: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     output = tmp_path / "out"
     before = None
@@ -88,8 +102,11 @@ def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
     with monkeypatch.context() as patch:
         patch.setattr(Path, "rename", _failing_rename(failing, output))
         assert main(["run", str(recipe), "--overwrite"]) == 2
-    _one_line_error(capsys, f"cannot put the finished run in place at {output}: Permission denied",
-                    "run the same command to continue")
+    _one_line_error(
+        capsys,
+        f"cannot put the finished run in place at {output}: Permission denied",
+        "run the same command to continue",
+    )
     assert not list(tmp_path.glob(".out.old-*"))  # no empty folder left aside
     if previous_run:
         assert (output / "report.json").read_bytes() == before  # the previous run is where it was
@@ -104,10 +121,14 @@ def test_a_run_that_cannot_be_put_in_place_says_so_and_leaves_nothing_aside(
 def _start(recipe: Path, entry: list[str] = ENTRY, **env: str) -> subprocess.Popen:
     """`compress run` as a terminal starts it: SIGINT at its default even where the tests run in the
     background (a non-interactive shell starts background jobs with SIGINT ignored, which children inherit)."""
-    return subprocess.Popen([*entry, "run", str(recipe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                 "HF_DATASETS_OFFLINE": "1", **env},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [*entry, "run", str(recipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _interrupted(process: subprocess.Popen) -> str:
@@ -130,13 +151,20 @@ sys.meta_path.insert(0, _Interrupt())
 """
 
 
-@pytest.mark.parametrize(("module", "entry"), [
-    *((module, "compress") for module in ["rich", "torch", "transformers", "compressor.run.runner",
-                                          "compressor_plugins.sensitivity"]),
-    ("rich", "python -m compressor.cli"), ("torch", "python -m compressor.cli"),  # torchrun's form
-])
-def test_ctrl_c_while_compress_imports_a_library_is_one_line(tiny_checkpoint: Path, tmp_path: Path,
-                                                              module: str, entry: str) -> None:
+@pytest.mark.parametrize(
+    ("module", "entry"),
+    [
+        *(
+            (module, "compress")
+            for module in ["rich", "torch", "transformers", "compressor.run.runner", "compressor_plugins.sensitivity"]
+        ),
+        ("rich", "python -m compressor.cli"),
+        ("torch", "python -m compressor.cli"),  # torchrun's form
+    ],
+)
+def test_ctrl_c_while_compress_imports_a_library_is_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, module: str, entry: str
+) -> None:
     """SIGINT exactly as `compress` starts importing `module` (a sitecustomize hook signals the
     process then): one line, exit code 130, nothing created."""
     hook = tmp_path / "hook"
@@ -149,8 +177,9 @@ def test_ctrl_c_while_compress_imports_a_library_is_one_line(tiny_checkpoint: Pa
 
 
 @pytest.mark.parametrize("phase", ["tokenising data", "loading model", "fusing norms", "capturing layer inputs"])
-def test_ctrl_c_as_a_phase_begins_is_one_line_and_leaves_nothing_unfinished(tiny_checkpoint: Path, tmp_path: Path,
-                                                                            phase: str) -> None:
+def test_ctrl_c_as_a_phase_begins_is_one_line_and_leaves_nothing_unfinished(
+    tiny_checkpoint: Path, tmp_path: Path, phase: str
+) -> None:
     """SIGINT as a phase of the run begins (its log line is read from the pipe): one line, exit
     code 130, no output folder, and no staging folder unless a site was checkpointed by the time
     the signal landed (the tiny model is fast), which the line then says."""
@@ -172,8 +201,6 @@ def test_ctrl_c_as_a_phase_begins_is_one_line_and_leaves_nothing_unfinished(tiny
         assert left == ["recipe.yaml"]
 
 
-
-
 def _model_with_code(folder: Path, marker: Path) -> Path:
     """The tiny model, its config pointing (auto_map) at Python code in its folder that leaves
     `marker` behind when it runs."""
@@ -186,13 +213,15 @@ def _model_with_code(folder: Path, marker: Path) -> Path:
         f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
-        "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+        "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
     return folder
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
-def test_a_model_s_own_code_never_runs_unless_the_recipe_asks(tmp_path: Path, dry_run: bool,
-                                                              capsys: pytest.CaptureFixture) -> None:
+def test_a_model_s_own_code_never_runs_unless_the_recipe_asks(
+    tmp_path: Path, dry_run: bool, capsys: pytest.CaptureFixture
+) -> None:
     marker = tmp_path / "code-ran"
     model = _model_with_code(tmp_path / "model", marker)
     recipe = write_recipe(tmp_path, model, evaluation=None)
@@ -235,9 +264,15 @@ def test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes(tmp_path: 
         errors = list(validator.iter_errors(yaml.safe_load(path.read_text())))
         assert not errors, (path.name, errors[0].message)
     good = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
-    for key, value in [("bogus", 1), ("sparsity", 1.5), ("seed", "one"), ("device", "gpu"),
-                       ("pipeline", [{"strategy": "sensitivity", "tau": [1]}]), ("pipeline", [{"strategy": "nope"}]),
-                       ("slicing", {"round_to": 0})]:
+    for key, value in [
+        ("bogus", 1),
+        ("sparsity", 1.5),
+        ("seed", "one"),
+        ("device", "gpu"),
+        ("pipeline", [{"strategy": "sensitivity", "tau": [1]}]),
+        ("pipeline", [{"strategy": "nope"}]),
+        ("slicing", {"round_to": 0}),
+    ]:
         assert list(validator.iter_errors({**good, key: value})), key
 
 
@@ -248,9 +283,9 @@ def _disk_full(path: object, *args: object, **kwargs: object) -> None:
 
 
 @pytest.mark.parametrize("writer", ["checkpoint", "model"])
-def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path, writer: str,
-                                                                 monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(
+    tiny_checkpoint: Path, tmp_path: Path, writer: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The disk fills while a site's checkpoint is written (safetensors), or while the pruned
     model is saved: one line, exit code 2, and neither output, staging folder nor temporary file."""
     from transformers import PreTrainedModel
@@ -266,8 +301,9 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(tiny_checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
-def test_a_run_folder_s_model_is_never_unpickled(tiny_checkpoint: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture) -> None:
+def test_a_run_folder_s_model_is_never_unpickled(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A run folder whose model was swapped for a pickle (pytorch_model.bin) is refused by
     `compress eval` in one line: its weights load from safetensors only."""
     from safetensors.torch import load_file
@@ -279,13 +315,18 @@ def test_a_run_folder_s_model_is_never_unpickled(tiny_checkpoint: Path, tmp_path
     weights.unlink()
     capsys.readouterr()
     data = str(ROOT / "examples" / "data" / "valid-demo.jsonl")
-    assert main(["eval", str(tmp_path / "out"), "--data", data, "--num-samples", "2", "--seq-len", "32",
-                 "--no-throughput"]) == 2
+    assert (
+        main(
+            ["eval", str(tmp_path / "out"), "--data", data, "--num-samples", "2", "--seq-len", "32", "--no-throughput"]
+        )
+        == 2
+    )
     _one_line_error(capsys, "cannot load model", "model.safetensors")
 
 
-def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(tiny_checkpoint: Path,
-                                                                              tmp_path: Path) -> None:
+def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
     """A plugin strategy that requires a statistic the engine cannot compute is refused by
     `plan` (what --dry-run and a run call before loading weights), naming the statistic."""
     from compressor.errors import UserError
@@ -312,16 +353,18 @@ def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(t
         plan(recipe, registry)
 
 
-def test_dry_run_counts_the_windows_of_local_text(tiny_checkpoint: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_counts_the_windows_of_local_text(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Asking for more windows than the data holds is refused by --dry-run, not later by the run."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, calibration__num_samples=100_000)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     _one_line_error(capsys, "calibration: the dataset yields", "but num_samples is 100000")
 
 
-def test_dry_run_refuses_an_output_that_cannot_be_written(tiny_checkpoint: Path, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_dry_run_refuses_an_output_that_cannot_be_written(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "a-file").write_text("")
     recipe = write_recipe(tmp_path, tiny_checkpoint, output="a-file/run")
     assert main(["run", str(recipe), "--dry-run"]) == 2

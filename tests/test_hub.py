@@ -31,8 +31,8 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("online", [False, True])
 def test_a_hub_model_that_cannot_be_fetched_gets_the_same_advice_at_once(
-        online: bool, request: pytest.FixtureRequest, tiny_checkpoint: Path, tmp_path: Path,
-        capsys: pytest.CaptureFixture) -> None:
+    online: bool, request: pytest.FixtureRequest, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     if online:
         request.getfixturevalue("no_network")
     recipe = write_recipe(tmp_path, tiny_checkpoint, model__path="mistralai/Mistral-Nemo-Base-2407")

@@ -7,10 +7,10 @@ import torch
 
 from compressor.engine.calibration import LayerInputs, capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher, sampled_score, site_activations
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import ModelFamily, family_for
 from compressor.models.sites import site_ids
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from tests.conftest import FAMILY_CONFIGS, random_batches, tiny_model
 
 CASES = [(name, {}) for name in sorted(FAMILY_CONFIGS)] + [("opt", {"word_embed_proj_dim": 32})]
@@ -21,8 +21,9 @@ def whole_model_fisher(model, family: ModelFamily, inputs: LayerInputs, seed: in
     gradients read at every site; labels drawn from the same generator in the same order."""
     generator = torch.Generator().manual_seed(seed)
     ids = site_ids(family, model.config.num_hidden_layers)
-    totals = {site: torch.zeros(model.config.hidden_size, model.config.hidden_size, dtype=torch.float64)
-              for site in ids}
+    totals = {
+        site: torch.zeros(model.config.hidden_size, model.config.hidden_size, dtype=torch.float64) for site in ids
+    }
     tokens = 0
     for batch in range(len(inputs)):
         mask = inputs.sensitivity_masks[batch]
@@ -39,8 +40,9 @@ def whole_model_fisher(model, family: ModelFamily, inputs: LayerInputs, seed: in
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept-graphs"])
-@pytest.mark.parametrize(("family_name", "overrides"), CASES,
-                         ids=[name + ("-projections" if extra else "") for name, extra in CASES])
+@pytest.mark.parametrize(
+    ("family_name", "overrides"), CASES, ids=[name + ("-projections" if extra else "") for name, extra in CASES]
+)
 def test_layerwise_h_equals_whole_model_h(family_name: str, overrides: dict, recompute: bool) -> None:
     model = tiny_model(family_name, **overrides).double()
     family = family_for(family_name)
@@ -81,6 +83,7 @@ def test_h_does_not_depend_on_the_chunking() -> None:
     family = family_for("llama")
     fuse_norms(model, family)
     inputs = capture_layer_inputs(model, family, random_batches(128, count=3), torch.device("cpu"))
+
     def h(**options) -> dict[str, torch.Tensor]:
         return estimate_fisher(model, family, inputs, SensitivityOptions(**options), torch.device("cpu"), seed=2)
 

@@ -13,12 +13,12 @@ from torch.utils._pytree import tree_leaves
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
@@ -34,8 +34,13 @@ def _walk_peak(model, batches: int) -> int:
     widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8), False)
     tracker = LiveBytes()
     with tracker:
-        prune(copy_model(model), family_for("llama"), random_batches(128, count=batches, batch=BATCH, length=LENGTH),
-              widths, [PipelineStep(PCA())])
+        prune(
+            copy_model(model),
+            family_for("llama"),
+            random_batches(128, count=batches, batch=BATCH, length=LENGTH),
+            widths,
+            [PipelineStep(PCA())],
+        )
     return tracker.peak["cpu"]
 
 
@@ -55,8 +60,9 @@ def _captured_bytes_per_batch(model) -> int:
     family = family_for("llama")
     fused = copy_model(model)
     fuse_norms(fused, family)
-    inputs = capture_layer_inputs(fused, family, random_batches(128, count=1, batch=BATCH, length=LENGTH),
-                                  torch.device("cpu"))
+    inputs = capture_layer_inputs(
+        fused, family, random_batches(128, count=1, batch=BATCH, length=LENGTH), torch.device("cpu")
+    )
     leaves = [t for kwargs in inputs.layer_kwargs[0] for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in leaves}
     return sum(storages.values())
@@ -77,12 +83,14 @@ def _h_working_set(layers: int, recompute: bool) -> int:
     model = tiny_model("llama", num_hidden_layers=layers, intermediate_size=512)
     family = family_for("llama")
     fuse_norms(model, family)
-    inputs = capture_layer_inputs(model, family, random_batches(128, count=2, batch=BATCH, length=LENGTH),
-                                  torch.device("cpu"))
+    inputs = capture_layer_inputs(
+        model, family, random_batches(128, count=2, batch=BATCH, length=LENGTH), torch.device("cpu")
+    )
     tracker = LiveBytes()
     with tracker:
-        estimate_fisher(model, family, inputs, SensitivityOptions(chunk=BATCH, recompute=recompute),
-                        torch.device("cpu"))
+        estimate_fisher(
+            model, family, inputs, SensitivityOptions(chunk=BATCH, recompute=recompute), torch.device("cpu")
+        )
     return tracker.peak["cpu"]
 
 
@@ -145,7 +153,8 @@ def test_attention_on_the_emulated_accelerator_never_forms_the_attention_weights
             mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta") if masked else None
             with LiveBytes() as tracker:
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    query, key, key, attn_mask=mask, is_causal=not masked, enable_gqa=True)
+                    query, key, key, attn_mask=mask, is_causal=not masked, enable_gqa=True
+                )
                 out.sum().backward()
             assert out.shape == query.shape and query.grad.shape == query.shape and key.grad.shape == key.shape
         return tracker.peak["meta"]
@@ -161,9 +170,15 @@ def _emulated_peaks(strategy, batches: int) -> dict[str, int]:
     tracker = LiveBytes()
     with emulated_accelerator() as device, tracker:
         tracker.adopt(*model.parameters(), *model.buffers())
-        prune(model, family_for("llama"), random_batches(128, count=batches, batch=BATCH, length=LENGTH), widths,
-              [PipelineStep(strategy, strategy.parse_options({}))], device,
-              sensitivity=SensitivityOptions(chunk=2 * BATCH))
+        prune(
+            model,
+            family_for("llama"),
+            random_batches(128, count=batches, batch=BATCH, length=LENGTH),
+            widths,
+            [PipelineStep(strategy, strategy.parse_options({}))],
+            device,
+            sensitivity=SensitivityOptions(chunk=2 * BATCH),
+        )
     return dict(tracker.peak)
 
 

@@ -10,9 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.engine.walk import PipelineStep, prune
-
-from compressor.models.layout import kept_width
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
 
@@ -29,8 +28,13 @@ def test_opt_projections_rotate_exactly_slice_and_reload(padded: bool, tmp_path:
     rotated = prune(copy_model(original), family, batches, widths_for("opt", config, d, True), [PipelineStep(PCA())])
     assert max_relative_logit_error(original, rotated.model, batches) <= 1e-4
 
-    pruned = prune(copy_model(original), family, batches, widths_for("opt", config, kept_width(d, 0.25, 8), True),
-                   [PipelineStep(PCA())]).model
+    pruned = prune(
+        copy_model(original),
+        family,
+        batches,
+        widths_for("opt", config, kept_width(d, 0.25, 8), True),
+        [PipelineStep(PCA())],
+    ).model
     sliced = pruned.model.decoder
     assert sliced.embed_tokens.weight.shape == (config.vocab_size, 32)  # embedding keeps its own width
     assert sliced.project_in.out_features == 48 and sliced.project_out.in_features == 48

@@ -40,15 +40,21 @@ def _prune(strategy: str) -> PruneResult:
     original = tiny_model(FAMILY)
     registry = PluginRegistry()
     step = registry.strategy(strategy)
-    return prune(copy_model(original), family_for(FAMILY), _batches(),
-                 widths_for(FAMILY, original.config, 40, slice_head=True), [PipelineStep(step, step.parse_options({}))],
-                 sensitivity=SensitivityOptions(dtype="float64"))
+    return prune(
+        copy_model(original),
+        family_for(FAMILY),
+        _batches(),
+        widths_for(FAMILY, original.config, 40, slice_head=True),
+        [PipelineStep(step, step.parse_options({}))],
+        sensitivity=SensitivityOptions(dtype="float64"),
+    )
 
 
 def _logits(result: PruneResult) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([result.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-                          for b in _batches()])
+        return torch.cat(
+            [result.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits for b in _batches()]
+        )
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
@@ -116,17 +122,28 @@ def test_each_rank_gets_the_labels_a_single_process_draws_for_its_batches() -> N
     for site, H in whole.items():
         combined = (parts[0][site] * counts[0] + parts[1][site] * counts[1]) / sum(counts)
         assert torch.allclose(combined, H, rtol=1e-10, atol=1e-13 * H.abs().max()), site
-    unskipped = estimate_fisher(model, family, capture_layer_inputs(model, family, batches[1::2], torch.device("cpu")),
-                                options, torch.device("cpu"), seed=3)
+    unskipped = estimate_fisher(
+        model,
+        family,
+        capture_layer_inputs(model, family, batches[1::2], torch.device("cpu")),
+        options,
+        torch.device("cpu"),
+        seed=3,
+    )
     assert not torch.allclose(unskipped["embedding"], parts[1]["embedding"])  # the skips matter
 
 
 def test_a_rank_without_a_batch_is_refused() -> None:
     original = tiny_model(FAMILY)
     with pytest.raises(Exception, match="at least one batch per process"):
-        prune(copy_model(original), family_for(FAMILY), random_batches(128, count=1),
-              widths_for(FAMILY, original.config, 40, slice_head=True),
-              [PipelineStep(PluginRegistry().strategy("pca"))], ranks=Ranks(1, 2))
+        prune(
+            copy_model(original),
+            family_for(FAMILY),
+            random_batches(128, count=1),
+            widths_for(FAMILY, original.config, 40, slice_head=True),
+            [PipelineStep(PluginRegistry().strategy("pca"))],
+            ranks=Ranks(1, 2),
+        )
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -138,16 +155,28 @@ def _compress(command: list[str], recipe: Path, output: Path, **kill: str) -> su
     env.pop(KILL_VARIABLE, None)
     env.pop(KILL_RANK_VARIABLE, None)
     env.update(kill)
-    return subprocess.run([*command, "-m", "compressor.cli", "run", str(recipe), "--output", str(output)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [*command, "-m", "compressor.cli", "run", str(recipe), "--output", str(output)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(tiny_checkpoint: Path,
-                                                                           tmp_path: Path) -> None:
+def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
     """`torchrun --nproc-per-node 2 -m compressor.cli run`: rank 0 writes the run, with the bases a
     single process chooses and each rank's share of the tokens in the report."""
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
-                          calibration__num_samples=6, sensitivity={"dtype": "float64"})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        calibration__num_samples=6,
+        sensitivity={"dtype": "float64"},
+    )
     single = _compress([sys.executable], recipe, tmp_path / "single")
     assert single.returncode == 0, single.stderr
     shared = _compress(TORCHRUN, recipe, tmp_path / "two")
@@ -157,20 +186,30 @@ def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(tiny_
     assert report["parallel"]["world_size"] == 2 and alone["parallel"]["world_size"] == 1
     assert report["parallel"]["tokens_by_rank"] == [4 * 64, 2 * 64]  # batches 0, 2 and 1 of three batches of 2
     assert sum(report["parallel"]["tokens_by_rank"]) == alone["parallel"]["tokens_by_rank"][0]
-    expected, found = load_bases(tmp_path / "single" / "bases.safetensors"), load_bases(tmp_path / "two" / "bases.safetensors")
+    expected, found = (
+        load_bases(tmp_path / "single" / "bases.safetensors"),
+        load_bases(tmp_path / "two" / "bases.safetensors"),
+    )
     for site, V in expected.items():
         assert torch.dist(found[site] @ found[site].T, V @ V.T) <= 1e-10, site
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "single", "two"]  # no staging left behind
 
 
 @pytest.mark.parametrize(("point", "loaded", "fisher_loaded"), [("fisher", 0, False), ("site:layers.0.attn", 2, True)])
-def test_a_torchrun_job_that_lost_rank_0_resumes_to_the_same_run(point: str, loaded: int, fisher_loaded: bool,
-                                                                  tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_a_torchrun_job_that_lost_rank_0_resumes_to_the_same_run(
+    point: str, loaded: int, fisher_loaded: bool, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
     """Rank 0 killed mid-way (in the H pass, or in the middle of a layer after a site's checkpoint):
     the job fails, nothing is published, and the same torchrun command continues from rank 0's
     checkpoint on every rank, to the bases of an uninterrupted two-process run, bit for bit."""
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
-                          calibration__num_samples=8, sensitivity={"chunk": 2})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        calibration__num_samples=8,
+        sensitivity={"chunk": 2},
+    )
     whole = _compress(TORCHRUN, recipe, tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr
     killed = _compress(TORCHRUN, recipe, tmp_path / "run", **{KILL_VARIABLE: point, KILL_RANK_VARIABLE: "0"})
@@ -181,7 +220,10 @@ def test_a_torchrun_job_that_lost_rank_0_resumes_to_the_same_run(point: str, loa
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["resume"] == {"sites_loaded": loaded, "fisher_loaded": fisher_loaded}
     assert report["parallel"] == json.loads((tmp_path / "whole" / "report.json").read_text())["parallel"]
-    expected, found = load_bases(tmp_path / "whole" / "bases.safetensors"), load_bases(tmp_path / "run" / "bases.safetensors")
+    expected, found = (
+        load_bases(tmp_path / "whole" / "bases.safetensors"),
+        load_bases(tmp_path / "run" / "bases.safetensors"),
+    )
     assert expected.keys() == found.keys()
     assert all(torch.equal(found[site], V) for site, V in expected.items())
     assert not (tmp_path / ".run.partial").exists()

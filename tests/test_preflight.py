@@ -20,7 +20,8 @@ from tests.test_lm_eval import _write_task
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_recipe_for_cuda_is_refused_here_after_everything_else_is_checked(
-        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, device="cuda")
     assert main(["run", str(recipe), "--dry-run"]) == 2
     out, err = capsys.readouterr()
@@ -40,7 +41,8 @@ def _interrupted_with_another_recipe(output: Path) -> None:
 
 
 def test_an_interrupted_run_with_another_recipe_is_refused_before_any_weights_load(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     model = save_tiny_checkpoint(tmp_path / "m")
     (model / "model.safetensors").write_bytes(b"not a checkpoint")  # loading it would fail otherwise
     recipe = write_recipe(tmp_path, model)
@@ -54,7 +56,8 @@ def test_an_interrupted_run_with_another_recipe_is_refused_before_any_weights_lo
 
 
 def test_the_dry_run_names_the_lm_eval_tasks_and_what_it_did_not_check(
-        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     _write_task(tmp_path / "tasks")
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation__lm_eval={"tasks": ["tasks/tiny_choice.yaml"]})
     assert main(["run", str(recipe), "--dry-run"]) == 0
@@ -65,7 +68,11 @@ def test_the_dry_run_names_the_lm_eval_tasks_and_what_it_did_not_check(
 
 
 def test_a_hub_dataset_out_of_reach_is_not_checked_rather_than_refused(
-        tiny_checkpoint: Path, tmp_path: Path, no_network: None, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    no_network: None,  # noqa: F811
+    capsys: pytest.CaptureFixture,
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, calibration__dataset={"path": "someone/some-dataset"})
     started = time.perf_counter()
     assert main(["run", str(recipe), "--dry-run"]) == 0
@@ -76,7 +83,8 @@ def test_a_hub_dataset_out_of_reach_is_not_checked_rather_than_refused(
 
 
 def test_a_very_large_cut_warns_in_the_dry_run_the_run_and_its_report(
-        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, sparsity=0.75, evaluation=None)
     assert main(["run", str(recipe), "--dry-run"]) == 0
     assert "warning: sparsity 0.75 keeps 16 of 64 dimensions" in capsys.readouterr().out
@@ -89,8 +97,9 @@ def test_a_very_large_cut_warns_in_the_dry_run_the_run_and_its_report(
     assert "warning" not in capsys.readouterr().out
 
 
-def test_the_dry_run_refuses_what_the_run_refuses_at_the_output(tiny_checkpoint: Path, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_the_dry_run_refuses_what_the_run_refuses_at_the_output(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A previous run without --overwrite, or a user's file in it with --overwrite: the run stops
     at once, so the dry run does not say OK (it lists what it checked first)."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)

@@ -17,12 +17,15 @@ from compressor.run.report import summary_rows
 
 RECIPE: dict[str, Any] = {
     "model": {"path": "/models/ref-llama", "dtype": "float32"},
-    "calibration": {"dataset": {"path": "json", "data_files": "/data/calib.jsonl"}, "num_samples": 128,
-                    "seq_len": 512},
+    "calibration": {"dataset": {"path": "json", "data_files": "/data/calib.jsonl"}, "num_samples": 128, "seq_len": 512},
     "pipeline": [{"strategy": "pca"}],
     "sparsity": 0.25,
-    "evaluation": {"dataset": {"path": "json", "data_files": "/data/valid.jsonl"}, "num_samples": 64,
-                   "seq_len": 512, "lm_eval": None},
+    "evaluation": {
+        "dataset": {"path": "json", "data_files": "/data/valid.jsonl"},
+        "num_samples": 64,
+        "seq_len": 512,
+        "lm_eval": None,
+    },
     "refinement": None,
     "seed": 0,
 }
@@ -31,7 +34,10 @@ RECIPE: dict[str, Any] = {
 def _report(**changes: Any) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": {"path": "/models/ref-llama", "hidden_size": 256},
-        "pipeline": [{"strategy": "pca", "options": {}}], "sparsity": 0.25, "kept_width": 192, "seed": 0,
+        "pipeline": [{"strategy": "pca", "options": {}}],
+        "sparsity": 0.25,
+        "kept_width": 192,
+        "seed": 0,
         "params": {"baseline": 1000, "pruned": 800, "ratio": 0.8},
         "metrics": {"baseline": {"ppl": 30.167}, "pruned": {"ppl": 31.0, "kl": 0.02}},
         "timings": {"data_s": 1.5, "load_s": 2.0, "fisher_s": 20.0, "prune_s": 7.0, "eval_s": 3.0},
@@ -95,8 +101,11 @@ def test_the_run_report_gives_h_its_own_row_when_the_run_computed_it() -> None:
 
 def test_compare_warns_when_runs_were_evaluated_on_different_windows(tmp_path: Path) -> None:
     a = _run(tmp_path / "a", _report(), _recipe())
-    b = _run(tmp_path / "b", _report(metrics={"baseline": {"ppl": 20.314}, "pruned": {"ppl": 21.0, "kl": 0.01}}),
-             _recipe(evaluation__num_samples=256))
+    b = _run(
+        tmp_path / "b",
+        _report(metrics={"baseline": {"ppl": 20.314}, "pruned": {"ppl": 21.0, "kl": 0.01}}),
+        _recipe(evaluation__num_samples=256),
+    )
     warnings = compare.compare_runs([a, b])[1]
     assert len(warnings) == 1
     assert "evaluated on different data" in warnings[0]
@@ -116,14 +125,15 @@ def test_a_differing_baseline_perplexity_alone_is_warned_about(tmp_path: Path) -
 def test_runs_evaluated_alike_get_no_warning(tmp_path: Path) -> None:
     noise = {"baseline": {"ppl": 30.167 * (1 + 1e-7)}, "pruned": {"ppl": 40.0, "kl": 0.1}}
     a = _run(tmp_path / "a", _report(), _recipe())
-    b = _run(tmp_path / "b", _report(metrics=noise, seed=1), _recipe(sparsity=0.5, seed=1,
-                                                                      calibration__num_samples=64))
+    b = _run(tmp_path / "b", _report(metrics=noise, seed=1), _recipe(sparsity=0.5, seed=1, calibration__num_samples=64))
     assert compare.compare_runs([a, b])[1] == []  # the seed changes no perplexity window
 
 
 def test_a_seed_that_differs_is_warned_about_for_task_scores(tmp_path: Path) -> None:
-    tasks = {"baseline": {"ppl": 30.167, "tasks": {"arc_easy": {"acc": 0.7}}},
-             "pruned": {"ppl": 31.0, "kl": 0.02, "tasks": {"arc_easy": {"acc": 0.6}}}}
+    tasks = {
+        "baseline": {"ppl": 30.167, "tasks": {"arc_easy": {"acc": 0.7}}},
+        "pruned": {"ppl": 31.0, "kl": 0.02, "tasks": {"arc_easy": {"acc": 0.6}}},
+    }
     a = _run(tmp_path / "a", _report(metrics=tasks), _recipe())
     b = _run(tmp_path / "b", _report(metrics=tasks, seed=1), _recipe(seed=1))
     (warning,) = compare.compare_runs([a, b])[1]
@@ -132,8 +142,7 @@ def test_a_seed_that_differs_is_warned_about_for_task_scores(tmp_path: Path) -> 
 
 def test_the_table_shows_every_setting_that_differs(tmp_path: Path) -> None:
     a = _run(tmp_path / "a", _report(), _recipe())
-    b = _run(tmp_path / "b", _report(), _recipe(calibration__num_samples=64,
-                                                  refinement={"windows": 8, "top_k": 64}))
+    b = _run(tmp_path / "b", _report(), _recipe(calibration__num_samples=64, refinement={"windows": 8, "top_k": 64}))
     c = _run(tmp_path / "c", _report(), _recipe(refinement={"windows": 16, "top_k": 64}))
     table = rows([a, b, c])
     assert [row["calibration.num_samples"] for row in table] == [128, 64, 128]
@@ -149,8 +158,12 @@ def test_the_table_shows_every_setting_that_differs(tmp_path: Path) -> None:
 
 
 def test_the_baseline_column_holds_no_pruned_figure() -> None:
-    refinement = {"options": {"top_k": 64}, "calibration_kl_before": 0.0123, "calibration_kl_after": 0.0045,
-                  "kept": "refined"}
+    refinement = {
+        "options": {"top_k": 64},
+        "calibration_kl_before": 0.0123,
+        "calibration_kl_after": 0.0045,
+        "kept": "refined",
+    }
     table = summary_rows(_report(refinement=refinement))
     refined = [(name, before, after) for name, before, after in table if "calibration KL" in name]
     assert [before for _, before, _ in refined] == ["", ""]
@@ -173,6 +186,7 @@ def test_the_transitions_row_is_part_of_the_parameters() -> None:
 
 def _speed(baseline: tuple[float, float, float], pruned: tuple[float, float, float]) -> dict[str, Any]:
     """Speed figures of both models at batch 1: (median, slowest, fastest) prefill tokens/s; decode alike."""
+
     def side(rates: tuple[float, float, float]) -> dict[str, Any]:
         median, low, high = rates
         numbers = {}
@@ -225,9 +239,18 @@ def _table(sparsities: list[float], kl: Any = None) -> list[dict[str, Any]]:
         for pipeline in PIPELINES:
             for refinement in REFINEMENTS:
                 index = len(table)
-                table.append({"model": "ref-llama", "pipeline": pipeline, "sparsity": sparsity, "params": 0.8,
-                              "KL": kl(index) if kl else 0.01 * (index + 1), "pruned ppl": 20.0 + index,
-                              "baseline ppl": 19.0, "refinement": json.dumps(refinement)})
+                table.append(
+                    {
+                        "model": "ref-llama",
+                        "pipeline": pipeline,
+                        "sparsity": sparsity,
+                        "params": 0.8,
+                        "KL": kl(index) if kl else 0.01 * (index + 1),
+                        "pruned ppl": 20.0 + index,
+                        "baseline ppl": 19.0,
+                        "refinement": json.dumps(refinement),
+                    }
+                )
     return table
 
 
@@ -249,9 +272,12 @@ def test_labels_are_short_and_name_what_differs() -> None:
     from compressor.evaluation.plots import series_labels
 
     labels = list(series_labels(_table([0.2]), GRID).values())
-    assert labels == ["sensitivity, refinement(windows=8)", "sensitivity, refinement(windows=16)",
-                      "sensitivity+stiefel(steps=20), refinement(windows=8)",
-                      "sensitivity+stiefel(steps=20), refinement(windows=16)"]
+    assert labels == [
+        "sensitivity, refinement(windows=8)",
+        "sensitivity, refinement(windows=16)",
+        "sensitivity+stiefel(steps=20), refinement(windows=8)",
+        "sensitivity+stiefel(steps=20), refinement(windows=16)",
+    ]
 
 
 def test_long_labels_are_cut_and_colliding_ones_told_apart() -> None:

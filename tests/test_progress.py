@@ -83,9 +83,13 @@ def test_stiefel_default_steps_are_the_measured_ones() -> None:
     basis = strategy.select(problem, None, options)
     assert recorder.calls[-1] == (DOCUMENTED_DEFAULT_STEPS, DOCUMENTED_DEFAULT_STEPS)
     assert 0 < basis.objectives["steps"] <= DOCUMENTED_DEFAULT_STEPS
-    assert f"{DOCUMENTED_DEFAULT_STEPS:,} steps" in Path(__file__).parent.parent.joinpath(
-        "docs", "benchmarks.md").read_text().split("## Stiefel steps: what the default buys (issue 24)")[1]
-
+    assert (
+        f"{DOCUMENTED_DEFAULT_STEPS:,} steps"
+        in Path(__file__)
+        .parent.parent.joinpath("docs", "benchmarks.md")
+        .read_text()
+        .split("## Stiefel steps: what the default buys (issue 24)")[1]
+    )
 
 
 def test_sensitivity_reports_the_batched_grid_then_each_refined_tau() -> None:
@@ -103,19 +107,28 @@ def test_sensitivity_without_refinement_reports_before_and_after_its_one_batch()
 
 def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
     from compressor.engine.walk import PipelineStep, prune
-    from compressor.models.layout import kept_width
     from compressor.models.families import family_for
+    from compressor.models.layout import kept_width
     from tests.conftest import random_batches, tiny_model, widths_for
 
     model = tiny_model("llama")
     family = family_for("llama")
-    widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8),
-                        slice_head=family.head_width_is_embedding_width)
+    widths = widths_for(
+        "llama",
+        model.config,
+        kept_width(model.config.hidden_size, 0.25, 8),
+        slice_head=family.head_width_is_embedding_width,
+    )
     batches = random_batches(model.config.vocab_size)
     seen: list[tuple[str, int, int]] = []
-    prune(model, family, batches, widths, [PipelineStep(Stiefel(), Schedule(steps=50, patience=10_000,
-                                                                            tolerance=0.0))],
-          progress=lambda phase, done, total: seen.append((phase, done, total)))
+    prune(
+        model,
+        family,
+        batches,
+        widths,
+        [PipelineStep(Stiefel(), Schedule(steps=50, patience=10_000, tolerance=0.0))],
+        progress=lambda phase, done, total: seen.append((phase, done, total)),
+    )
     stiefel = [call for call in seen if call[0].endswith(": stiefel")]
     assert stiefel and stiefel[-1][0].startswith("site ") and stiefel[-1][1:] == (50, 50)
     assert any(0 < done < 50 for _, done, _ in stiefel)
@@ -130,16 +143,22 @@ def test_refinement_reports_every_step() -> None:
     batches = random_batches(tiny_model("llama").config.vocab_size, padded=True)
     original, family, result = _pca_bases("llama", batches, sparsity=0.5)
     seen: list[tuple[str, int, int]] = []
-    _, record, _ = refine_bases(copy_model(original), family, batches, result.bases,
-                             RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0),
-                             progress=lambda phase, done, total: seen.append((phase, done, total)))
+    _, record, _ = refine_bases(
+        copy_model(original),
+        family,
+        batches,
+        result.bases,
+        RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0),
+        progress=lambda phase, done, total: seen.append((phase, done, total)),
+    )
     steps = [(done, total) for phase, done, total in seen if phase == "refinement: Riemannian Adam on the KL"]
     assert record.steps == 12
     assert steps == [(step, 12) for step in range(1, 13)]
 
 
-def test_lm_eval_reports_its_tasks_and_each_answered_request(tiny_checkpoint: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lm_eval_reports_its_tasks_and_each_answered_request(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A local multiple-choice task: 6 documents of 2 choices are 12 loglikelihood requests, answered
     in batches of 4; the bar hears the task prepared, then the requests counted up to 12."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,11 +172,17 @@ def test_lm_eval_reports_its_tasks_and_each_answered_request(tiny_checkpoint: Pa
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     unthrottled = harness._watch_requests
-    monkeypatch.setattr(harness, "_watch_requests",
-                        lambda wrapper, report, what: unthrottled(wrapper, report, what, seconds=0.0))
+    monkeypatch.setattr(
+        harness, "_watch_requests", lambda wrapper, report, what: unthrottled(wrapper, report, what, seconds=0.0)
+    )
     seen: list[tuple[str, int, int]] = []
-    scores = task_scores(model, tokenizer, [LmEvalSpec(tasks=[str(path)], batch_size=4)], torch.device("cpu"),
-                         progress=lambda phase, done, total: seen.append((phase, done, total)))
+    scores = task_scores(
+        model,
+        tokenizer,
+        [LmEvalSpec(tasks=[str(path)], batch_size=4)],
+        torch.device("cpu"),
+        progress=lambda phase, done, total: seen.append((phase, done, total)),
+    )
     assert scores["tiny_choice"]["samples"] == len(RECORDS)
     assert seen[0] == ("tiny_choice: preparing the tasks", 0, 1)
     requests = [(done, total) for phase, done, total in seen if phase == "tiny_choice: loglikelihood requests"]
@@ -179,8 +204,18 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     seen: list[tuple[str, int, int]] = []
-    evaluate_models(model, model, None, torch.device("cpu"), lambda *call: seen.append(call),
-                    tasks=[LmEvalSpec(tasks=[str(path)], batch_size=4)], tokenizer=tokenizer)
+    evaluate_models(
+        model,
+        model,
+        None,
+        torch.device("cpu"),
+        lambda *call: seen.append(call),
+        tasks=[LmEvalSpec(tasks=[str(path)], batch_size=4)],
+        tokenizer=tokenizer,
+    )
     for side in ("original", "pruned"):
-        assert (f"lm-eval, {side} model: tiny_choice: loglikelihood requests", 2 * len(RECORDS),
-                2 * len(RECORDS)) in seen
+        assert (
+            f"lm-eval, {side} model: tiny_choice: loglikelihood requests",
+            2 * len(RECORDS),
+            2 * len(RECORDS),
+        ) in seen

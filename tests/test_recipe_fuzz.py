@@ -41,43 +41,133 @@ def _base() -> dict[str, Any]:
         "calibration": {"dataset": data, "num_samples": 4, "seq_len": 32, "batch_size": 2},
         "sparsity": 0.25,
         "pipeline": [{"strategy": "pca"}],
-        "evaluation": {"dataset": dict(data, data_files=str(EXAMPLES / "data" / "valid-demo.jsonl")),
-                       "num_samples": 2, "seq_len": 32, "throughput": False},
+        "evaluation": {
+            "dataset": dict(data, data_files=str(EXAMPLES / "data" / "valid-demo.jsonl")),
+            "num_samples": 2,
+            "seq_len": 32,
+            "throughput": False,
+        },
         "output": "out",
     }
 
 
-KEYS = ["model", "model.path", "model.dtype", "model.revision", "model.attn_implementation", "calibration",
-        "calibration.dataset", "calibration.dataset.path", "calibration.dataset.data_files", "calibration.num_samples",
-        "calibration.seq_len", "calibration.batch_size", "calibration.format", "calibration.text_field",
-        "calibration.messages_field", "sparsity", "target_params", "pipeline", "pipeline.0", "pipeline.0.strategy",
-        "pipeline.0.taus", "pipeline.0.include_pca", "pipeline.0.refine", "pipeline.1", "pipeline.1.strategy",
-        "pipeline.1.steps", "evaluation", "evaluation.num_samples", "evaluation.seq_len", "evaluation.lm_eval",
-        "evaluation.lm_eval.tasks", "evaluation.lm_eval.limit", "evaluation.throughput", "slicing",
-        "slicing.round_to", "slicing.slice_head", "slicing.tie_head", "slicing.shared_bases",
-        "slicing.correct_readers", "allocation", "allocation.method", "allocation.min_kept", "allocation.step",
-        "sensitivity", "sensitivity.chunk", "sensitivity.dtype", "sensitivity.reduction", "sensitivity.autocast",
-        "sensitivity.recompute", "device", "seed", "activations", "refinement", "refinement.epochs",
-        "refinement.lr", "refinement.windows", "refinement.top_k", "output", "bogus", "model.bogus",
-        "slicing.bogus", "pipeline.0.bogus"]
+KEYS = [
+    "model",
+    "model.path",
+    "model.dtype",
+    "model.revision",
+    "model.attn_implementation",
+    "calibration",
+    "calibration.dataset",
+    "calibration.dataset.path",
+    "calibration.dataset.data_files",
+    "calibration.num_samples",
+    "calibration.seq_len",
+    "calibration.batch_size",
+    "calibration.format",
+    "calibration.text_field",
+    "calibration.messages_field",
+    "sparsity",
+    "target_params",
+    "pipeline",
+    "pipeline.0",
+    "pipeline.0.strategy",
+    "pipeline.0.taus",
+    "pipeline.0.include_pca",
+    "pipeline.0.refine",
+    "pipeline.1",
+    "pipeline.1.strategy",
+    "pipeline.1.steps",
+    "evaluation",
+    "evaluation.num_samples",
+    "evaluation.seq_len",
+    "evaluation.lm_eval",
+    "evaluation.lm_eval.tasks",
+    "evaluation.lm_eval.limit",
+    "evaluation.throughput",
+    "slicing",
+    "slicing.round_to",
+    "slicing.slice_head",
+    "slicing.tie_head",
+    "slicing.shared_bases",
+    "slicing.correct_readers",
+    "allocation",
+    "allocation.method",
+    "allocation.min_kept",
+    "allocation.step",
+    "sensitivity",
+    "sensitivity.chunk",
+    "sensitivity.dtype",
+    "sensitivity.reduction",
+    "sensitivity.autocast",
+    "sensitivity.recompute",
+    "device",
+    "seed",
+    "activations",
+    "refinement",
+    "refinement.epochs",
+    "refinement.lr",
+    "refinement.windows",
+    "refinement.top_k",
+    "output",
+    "bogus",
+    "model.bogus",
+    "slicing.bogus",
+    "pipeline.0.bogus",
+]
 
-ODD_STRINGS = ["", " ", "pca", "sensitivity", "stiefel", "nope", "cuda:7", "cpu", "auto", "float16", "int8", "chat",
-               "text", "curves", "uniform", "disk", "host", "/", "/dev/null", "/nonexistent/model", "../..", "~",
-               "~/nothing", "*.jsonl", "a" * 300, "ünïcödé", "\x00", "$HOME", "org/model-that-is-not-here",
-               "https://example.invalid/data.jsonl", str(EXAMPLES / "data" / "calib-demo.jsonl")]
+ODD_STRINGS = [
+    "",
+    " ",
+    "pca",
+    "sensitivity",
+    "stiefel",
+    "nope",
+    "cuda:7",
+    "cpu",
+    "auto",
+    "float16",
+    "int8",
+    "chat",
+    "text",
+    "curves",
+    "uniform",
+    "disk",
+    "host",
+    "/",
+    "/dev/null",
+    "/nonexistent/model",
+    "../..",
+    "~",
+    "~/nothing",
+    "*.jsonl",
+    "a" * 300,
+    "ünïcödé",
+    "\x00",
+    "$HOME",
+    "org/model-that-is-not-here",
+    "https://example.invalid/data.jsonl",
+    str(EXAMPLES / "data" / "calib-demo.jsonl"),
+]
 
 SCALARS = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(min_value=-10**20, max_value=10**20),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**20), max_value=10**20),
     st.sampled_from([0, 1, 2, 3, 7, 8, 31, 64, 127, 128, 129, 4096, -1]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, 0.25, 0.5, 0.99, 1.0, 1.5, -0.1, math.inf, math.nan, 1e-300]),
-    st.sampled_from(ODD_STRINGS), st.text(max_size=12),
+    st.sampled_from(ODD_STRINGS),
+    st.text(max_size=12),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                        st.dictionaries(st.sampled_from(["path", "strategy", "tasks",
-                                                                                         "x", "0"]), inner,
-                                                                        max_size=3)), max_leaves=6)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(["path", "strategy", "tasks", "x", "0"]), inner, max_size=3),
+    ),
+    max_leaves=6,
+)
 
 
 def _set(recipe: Any, dotted: str, value: Any) -> Any:
@@ -102,8 +192,11 @@ def _delete(recipe: Any, dotted: str) -> Any:
     node = recipe
     *parents, last = dotted.split(".")
     for part in parents:
-        node = node.get(part) if isinstance(node, dict) else (
-            node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None)
+        node = (
+            node.get(part)
+            if isinstance(node, dict)
+            else (node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None)
+        )
     if isinstance(node, dict):
         node.pop(last, None)
     elif isinstance(node, list) and last.isdigit() and int(last) < len(node):
@@ -111,18 +204,62 @@ def _delete(recipe: Any, dotted: str) -> Any:
     return recipe
 
 
-MUTATIONS = st.lists(st.one_of(
-    st.tuples(st.just("set"), st.sampled_from(KEYS), VALUES),
-    st.tuples(st.just("delete"), st.sampled_from(KEYS), st.none()),
-), min_size=1, max_size=4)
+MUTATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.sampled_from(KEYS), VALUES),
+        st.tuples(st.just("delete"), st.sampled_from(KEYS), st.none()),
+    ),
+    min_size=1,
+    max_size=4,
+)
 
-OVERRIDES = st.lists(st.one_of(
-    st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS), st.sampled_from(
-        ["", "0", "1", "-1", "0.5", "1.5", "nan", ".inf", "null", "true", "[]", "{}", "[1, 2]", "{a: 1}", "pca",
-         "'", "[", "{", ": :", "sensitivity", "x" * 50])),
-    st.sampled_from(["=1", "sparsity", "sparsity==0.3", "pipeline.9.strategy=pca", "model.path.x=1",
-                     "calibration.num_samples.0=1", "pipeline.x=1", "..=1", "a..b=2"]),
-), max_size=3)
+OVERRIDES = st.lists(
+    st.one_of(
+        st.builds(
+            lambda k, v: f"{k}={v}",
+            st.sampled_from(KEYS),
+            st.sampled_from(
+                [
+                    "",
+                    "0",
+                    "1",
+                    "-1",
+                    "0.5",
+                    "1.5",
+                    "nan",
+                    ".inf",
+                    "null",
+                    "true",
+                    "[]",
+                    "{}",
+                    "[1, 2]",
+                    "{a: 1}",
+                    "pca",
+                    "'",
+                    "[",
+                    "{",
+                    ": :",
+                    "sensitivity",
+                    "x" * 50,
+                ]
+            ),
+        ),
+        st.sampled_from(
+            [
+                "=1",
+                "sparsity",
+                "sparsity==0.3",
+                "pipeline.9.strategy=pca",
+                "model.path.x=1",
+                "calibration.num_samples.0=1",
+                "pipeline.x=1",
+                "..=1",
+                "a..b=2",
+            ]
+        ),
+    ),
+    max_size=3,
+)
 
 
 def _text(recipe: Any, breakage: int) -> str:
@@ -164,8 +301,9 @@ def _check(folder: Path, code: int, err: str) -> None:
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
 @given(mutations=MUTATIONS, overrides=OVERRIDES, breakage=st.sampled_from([0] * 10 + [1, 2, 3, 4, 5, 6]))
-def test_generated_bad_recipes_end_in_one_line_and_leave_nothing(mutations: list, overrides: list[str],
-                                                                 breakage: int) -> None:
+def test_generated_bad_recipes_end_in_one_line_and_leave_nothing(
+    mutations: list, overrides: list[str], breakage: int
+) -> None:
     recipe = _base()
     for kind, key, value in mutations:
         recipe = _set(recipe, key, copy.deepcopy(value)) if kind == "set" else _delete(recipe, key)
@@ -178,8 +316,9 @@ def test_generated_bad_recipes_end_in_one_line_and_leave_nothing(mutations: list
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
 @given(mutations=MUTATIONS, overrides=OVERRIDES)
-def test_generated_bad_recipes_that_run_end_in_one_line_and_leave_nothing(mutations: list,
-                                                                          overrides: list[str]) -> None:
+def test_generated_bad_recipes_that_run_end_in_one_line_and_leave_nothing(
+    mutations: list, overrides: list[str]
+) -> None:
     recipe = _base()
     for kind, key, value in mutations:
         recipe = _set(recipe, key, copy.deepcopy(value)) if kind == "set" else _delete(recipe, key)

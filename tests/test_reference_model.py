@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.evaluation.metrics import compare
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import site_widths
 from compressor_plugins.pca import PCA
 
@@ -19,10 +19,18 @@ from compressor_plugins.pca import PCA
 def _setup(shared: Path, sparsity: float):
     path = shared / "models" / "ref-llama"
     tokenizer = AutoTokenizer.from_pretrained(path)
-    calib = batches_of(token_windows(load_records({"path": "json", "data_files": str(shared / "corpus" / "calib.jsonl")}),
-                                     tokenizer, 256, 16), 8)
-    valid = batches_of(token_windows(load_records({"path": "json", "data_files": str(shared / "corpus" / "valid.jsonl")}),
-                                     tokenizer, 256, 16), 8)
+    calib = batches_of(
+        token_windows(
+            load_records({"path": "json", "data_files": str(shared / "corpus" / "calib.jsonl")}), tokenizer, 256, 16
+        ),
+        8,
+    )
+    valid = batches_of(
+        token_windows(
+            load_records({"path": "json", "data_files": str(shared / "corpus" / "valid.jsonl")}), tokenizer, 256, 16
+        ),
+        8,
+    )
     original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     d, layers = model.config.hidden_size, model.config.num_hidden_layers

@@ -17,8 +17,8 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import site_ids
 from compressor.recipe.schema import RefinementSpec
 from compressor_plugins.pca import PCA
@@ -29,8 +29,12 @@ from tests.test_cli import _DELETE, write_recipe
 def _pca_bases(name: str, batches, sparsity: float = 0.25):
     original = tiny_model(name)
     family = family_for(name)
-    widths = widths_for(name, original.config, kept_width(original.config.hidden_size, sparsity, 8),
-                        slice_head=family.head_width_is_embedding_width)
+    widths = widths_for(
+        name,
+        original.config,
+        kept_width(original.config.hidden_size, sparsity, 8),
+        slice_head=family.head_width_is_embedding_width,
+    )
     result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())])
     return original, family, result
 
@@ -41,8 +45,12 @@ def _calibration_kl(original, pruned, batches) -> float:
     with torch.no_grad():
         for batch in batches:
             keep = batch.attention_mask.bool()
-            p, q = (torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask
-                                            ).logits[keep].double(), -1) for model in (original, pruned))
+            p, q = (
+                torch.log_softmax(
+                    model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[keep].double(), -1
+                )
+                for model in (original, pruned)
+            )
             total += float((p.exp() * (p - q)).sum())
             count += int(keep.sum())
     return total / count
@@ -59,8 +67,10 @@ def test_the_projected_forward_is_the_sliced_model(name: str, kind: str) -> None
     chosen = result.bases
     if kind == "random":
         generator = torch.Generator().manual_seed(3)
-        chosen = {site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
-                  for site, v in result.bases.items()}
+        chosen = {
+            site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
+            for site, v in result.bases.items()
+        }
     sliced_model = apply_bases(copy_model(original), family, chosen)
     fused = copy_model(original)
     fuse_norms(fused, family)
@@ -86,8 +96,10 @@ def test_refinement_of_a_tied_head_is_the_tied_model_and_keeps_it_tied(name: str
     widths = widths_for(name, original.config, 40, slice_head=True)
     result = prune(tiny_model(name), family, batches, widths, [PipelineStep(PCA())], tie_head=True)
     generator = torch.Generator().manual_seed(5)
-    scrambled = {site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
-                 for site, v in result.bases.items()}
+    scrambled = {
+        site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
+        for site, v in result.bases.items()
+    }
     scrambled[ids[-1]] = scrambled["embedding"]
     fused = tiny_model(name)
     fuse_norms(fused, family)
@@ -175,8 +187,13 @@ def test_refinement_never_returns_a_higher_calibration_kl(lr: float, kept: str) 
 
 
 def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "pca"}], calibration__num_samples=8,
-                          refinement={"epochs": 2, "lr": 0.05, "batch_size": 1, "top_k": 0})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        pipeline=[{"strategy": "pca"}],
+        calibration__num_samples=8,
+        refinement={"epochs": 2, "lr": 0.05, "batch_size": 1, "top_k": 0},
+    )
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
@@ -191,8 +208,14 @@ def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, 
     assert main(["compare", str(out), "--output", str(tmp_path / "table.json")]) == 0
     (row,) = json.loads((tmp_path / "table.json").read_text())
     assert row["pipeline"] == "pca → refined on KL" and row["refine s"] == report["timings"]["refine_s"]
-    assert refinement["options"] == {"epochs": 2.0, "windows": None, "lr": 0.05, "batch_size": 1, "top_k": 0,
-                                     "heldout_windows": 16}
+    assert refinement["options"] == {
+        "epochs": 2.0,
+        "windows": None,
+        "lr": 0.05,
+        "batch_size": 1,
+        "top_k": 0,
+        "heldout_windows": 16,
+    }
 
     original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     family = family_for(original.config.model_type)
@@ -221,18 +244,21 @@ def test_refinement_optimises_the_stock_tied_head_that_is_saved() -> None:
     result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())], layout="global")
     scale = fitted_tied_scale(result.model, family, head_stream(result.head_moment, result.bases["embedding"]))
     options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
-    refined = refine_bases(copy_model(original), family, batches, result.bases, options, keep_tied=False,
-                           stock_tied_scale=scale)
+    refined = refine_bases(
+        copy_model(original), family, batches, result.bases, options, keep_tied=False, stock_tied_scale=scale
+    )
     assert refined.record.kept == "refined" and refined.head_scale is not None
     assert not torch.equal(refined.head_scale, scale)  # D moved with the basis
     saved_before = to_stock(result.model, family, original.config, tie=True, scale=scale)[0]
     moved = apply_bases(copy_model(original), family, refined.bases, keep_tied=False)
     saved_after = to_stock(moved, family, original.config, tie=True, scale=refined.head_scale)[0]
     assert saved_after.config.tie_word_embeddings
-    assert refined.record.calibration_kl_before == pytest.approx(_calibration_kl(original, saved_before, batches),
-                                                                 rel=1e-4)
-    assert refined.record.calibration_kl_after == pytest.approx(_calibration_kl(original, saved_after, batches),
-                                                                rel=1e-4)
+    assert refined.record.calibration_kl_before == pytest.approx(
+        _calibration_kl(original, saved_before, batches), rel=1e-4
+    )
+    assert refined.record.calibration_kl_after == pytest.approx(
+        _calibration_kl(original, saved_after, batches), rel=1e-4
+    )
     untied = _calibration_kl(original, to_stock(result.model, family, original.config, tie=False)[0], batches)
     assert abs(untied - refined.record.calibration_kl_before) > 1e-3 * untied  # another model than the untied one
 
@@ -245,11 +271,18 @@ def test_a_refinement_that_hurts_held_out_text_is_undone(tmp_path: Path, capsys:
     from tests.conftest import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}], sparsity=_DELETE,
-                  target_params=0.75)
-    recipe = write_recipe(tmp_path, checkpoint, **common,
-                          refinement={"windows": 1, "epochs": 40, "lr": 0.1, "batch_size": 1, "top_k": 1,
-                                      "heldout_windows": 8})
+    common = dict(
+        slicing={"layout": "global", "tie_head": True},
+        pipeline=[{"strategy": "pca"}],
+        sparsity=_DELETE,
+        target_params=0.75,
+    )
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        **common,
+        refinement={"windows": 1, "epochs": 40, "lr": 0.1, "batch_size": 1, "top_k": 1, "heldout_windows": 8},
+    )
     assert main(["run", str(recipe)]) == 0
     said = capsys.readouterr()
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -269,8 +302,9 @@ def test_a_refinement_that_hurts_held_out_text_is_undone(tmp_path: Path, capsys:
         assert [key for key in saved if not torch.equal(saved[key], unrefined[key])] == []
 
 
-def test_guard_windows_the_data_cannot_give_are_one_line(tiny_checkpoint: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture) -> None:
+def test_guard_windows_the_data_cannot_give_are_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, refinement={"heldout_windows": 100_000})
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err
@@ -285,10 +319,18 @@ def test_the_unrefined_figure_is_the_model_that_would_have_been_saved(tmp_path: 
     from tests.conftest import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    common = dict(slicing={"layout": "global", "tie_head": True}, pipeline=[{"strategy": "pca"}], sparsity=_DELETE,
-                  target_params=0.75)
-    refined = write_recipe(tmp_path, checkpoint, **common,
-                           refinement={"epochs": 3, "lr": 0.05, "batch_size": 2, "top_k": 0, "heldout_windows": 8})
+    common = dict(
+        slicing={"layout": "global", "tie_head": True},
+        pipeline=[{"strategy": "pca"}],
+        sparsity=_DELETE,
+        target_params=0.75,
+    )
+    refined = write_recipe(
+        tmp_path,
+        checkpoint,
+        **common,
+        refinement={"epochs": 3, "lr": 0.05, "batch_size": 2, "top_k": 0, "heldout_windows": 8},
+    )
     assert main(["run", str(refined)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["guards"][0]["kept"] and report["stock"]["tied_fit"] == "symmetric, then refined"

@@ -9,9 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.engine.walk import PipelineStep, prune
-
-from compressor.models.layout import kept_width
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -23,12 +22,14 @@ def test_saved_model_reloads_and_generates_identically(family_name: str, tmp_pat
     d = config.hidden_size
     slice_head = family_for(family_name).head_width_is_embedding_width  # GPT-2 needs it; others test without
     widths = widths_for(family_name, config, kept_width(d, 0.25, 8), slice_head=slice_head)
-    pruned = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
-                   widths, [PipelineStep(PCA())]).model
+    pruned = prune(
+        copy_model(original), family_for(family_name), random_batches(config.vocab_size), widths, [PipelineStep(PCA())]
+    ).model
     pruned.save_pretrained(tmp_path)
     # Same attention kernel as the in-memory model, so "identical" can mean bit-identical.
     reloaded = AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation=pruned.config._attn_implementation).eval()
+        tmp_path, attn_implementation=pruned.config._attn_implementation
+    ).eval()
     assert type(reloaded) is type(pruned)
     assert reloaded.config.slicing == pruned.config.slicing
 

@@ -17,9 +17,9 @@ from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from tests.conftest import EXAMPLES, FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
@@ -33,8 +33,13 @@ def compress(recipe: Path, output: Path, *extra: str, kill: str | None = None) -
     env.pop(KILL_VARIABLE, None)
     if kill is not None:
         env[KILL_VARIABLE] = kill
-    return subprocess.run([sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), *extra],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def tensors(run: Path) -> dict[str, torch.Tensor]:
@@ -47,8 +52,14 @@ def tensors(run: Path) -> dict[str, torch.Tensor]:
 def recipe(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """H and a τ-search (so H is checkpointed too), several H chunks, no evaluation (not resumed)."""
     folder = tmp_path_factory.mktemp("resume")
-    return write_recipe(folder, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
-                        calibration__num_samples=8, sensitivity={"chunk": 2})
+    return write_recipe(
+        folder,
+        tiny_checkpoint,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        calibration__num_samples=8,
+        sensitivity={"chunk": 2},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +82,15 @@ KILLS = [
 
 
 @pytest.mark.parametrize(("point", "loaded", "fisher_loaded", "resumed_from"), KILLS, ids=[k[0] for k in KILLS])
-def test_a_killed_run_resumes_to_a_bit_identical_model(point: str, loaded: int, fisher_loaded: bool,
-                                                       resumed_from: str | None, recipe: Path,
-                                                       uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+def test_a_killed_run_resumes_to_a_bit_identical_model(
+    point: str,
+    loaded: int,
+    fisher_loaded: bool,
+    resumed_from: str | None,
+    recipe: Path,
+    uninterrupted: dict[str, torch.Tensor],
+    tmp_path: Path,
+) -> None:
     output = tmp_path / "run"
     killed = compress(recipe, output, kill=point)
     assert killed.returncode == -9, killed.stderr  # SIGKILL: no handler ran
@@ -104,8 +121,9 @@ def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe:
     assert changed.returncode == 2
     assert changed.stderr.strip().count("\n") == 0 and "Traceback" not in changed.stderr
     assert "different recipe (sparsity changed)" in changed.stderr and "--restart" in changed.stderr
-    assert "different recipe (sparsity changed)" in compress(recipe, output, "--set", "sparsity=0.5",
-                                                             "--dry-run").stderr
+    assert (
+        "different recipe (sparsity changed)" in compress(recipe, output, "--set", "sparsity=0.5", "--dry-run").stderr
+    )
     restarted = compress(recipe, output, "--set", "sparsity=0.5", "--restart")
     assert restarted.returncode == 0, restarted.stderr
     report = json.loads((output / "report.json").read_text())
@@ -114,7 +132,8 @@ def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe:
 
 
 def test_a_run_killed_with_spilled_activations_resumes_with_other_memory_settings(
-        recipe: Path, uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    recipe: Path, uninterrupted: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
     """Memory settings are not part of the fingerprint (a run killed for lack of memory resumes
     with new ones), and the killed run's spill files do not reach the output."""
     output = tmp_path / "run"
@@ -123,16 +142,22 @@ def test_a_run_killed_with_spilled_activations_resumes_with_other_memory_setting
     assert list((tmp_path / ".run.partial" / "scratch").glob("activations-*/*.bin"))
     resumed = compress(recipe, output, "--set", "activations=host", "--set", "sensitivity.chunk=1")
     assert resumed.returncode == 0, resumed.stderr
-    assert sorted(p.name for p in output.iterdir()) == [".run-files", "bases.safetensors", "model", "recipe.yaml",
-                                                        "report.json", "report.md"]  # no scratch left
+    assert sorted(p.name for p in output.iterdir()) == [
+        ".run-files",
+        "bases.safetensors",
+        "model",
+        "recipe.yaml",
+        "report.json",
+        "report.md",
+    ]  # no scratch left
     assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
     produced = tensors(output)
     assert all(torch.equal(produced[name], value) for name, value in uninterrupted.items())
 
 
-def test_ctrl_c_keeps_the_checkpoint_and_says_how_to_continue(recipe: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_ctrl_c_keeps_the_checkpoint_and_says_how_to_continue(
+    recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     def interrupt_at(point: str) -> None:
         if point == "site:layers.0.attn":
             raise KeyboardInterrupt
@@ -161,8 +186,9 @@ def test_sites_without_a_fingerprint_are_not_trusted(tmp_path: Path) -> None:
 def test_changed_data_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
     data = tmp_path / "calib.jsonl"
     data.write_text((EXAMPLES / "data" / "calib-demo.jsonl").read_text())
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
-                          calibration__dataset={"path": "json", "data_files": str(data)})
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, evaluation=None, calibration__dataset={"path": "json", "data_files": str(data)}
+    )
     output = tmp_path / "run"
     assert compress(recipe, output, kill="site:layers.0.attn").returncode == -9
     data.write_text("\n".join(reversed(data.read_text().splitlines())) + "\n")  # same recipe, other windows
@@ -177,8 +203,9 @@ def test_saved_bases_applied_to_the_original_model_reproduce_the_pruned_model(fa
     family = family_for(family_name)
     d = original.config.hidden_size
     widths = widths_for(family_name, original.config, kept_width(d, 0.25, 8), family.head_width_is_embedding_width)
-    result = prune(copy_model(original), family, random_batches(original.config.vocab_size), widths,
-                   [PipelineStep(PCA())])
+    result = prune(
+        copy_model(original), family, random_batches(original.config.vocab_size), widths, [PipelineStep(PCA())]
+    )
     assert {site: v.shape[1] for site, v in result.bases.items()} == widths
     rebuilt = apply_bases(copy_model(original), family, result.bases)
     expected, actual = result.model.state_dict(), rebuilt.state_dict()
@@ -194,8 +221,9 @@ def test_activations_spilled_to_disk_give_the_same_model(tmp_path: Path) -> None
     batches = random_batches(original.config.vocab_size, count=3)
     pipeline = [PipelineStep(Sensitivity(), TauGrid())]
     in_memory = prune(copy_model(original), family_for("llama"), batches, widths, pipeline)
-    spilled = prune(copy_model(original), family_for("llama"), batches, widths, pipeline, offload="disk",
-                    scratch=tmp_path)
+    spilled = prune(
+        copy_model(original), family_for("llama"), batches, widths, pipeline, offload="disk", scratch=tmp_path
+    )
     assert not list(tmp_path.iterdir())  # the spill files are gone
     for name, value in in_memory.model.state_dict().items():
         assert torch.equal(spilled.model.state_dict()[name], value), name

@@ -10,9 +10,9 @@ import torch
 from compressor.data.batches import Batch
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher, site_activations
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import family_for
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.contract import (
     SiteProblem,
     SiteStatistics,
@@ -65,8 +65,10 @@ def test_batched_tau_candidates_are_the_one_at_a_time_eigendecompositions() -> N
     for Q, single, loss in zip(stacked, singles, losses.tolist()):
         assert torch.allclose(projector(Q[:, keep:]), projector(single[:, keep:]), atol=1e-10)
         assert loss == pytest.approx(coupled_loss(C, H, single[:, keep:]), rel=1e-10)
-        assert loss == pytest.approx(float(torch.trace(single[:, keep:].T @ C @ single[:, keep:]
-                                                       @ single[:, keep:].T @ H @ single[:, keep:])), rel=1e-10)
+        assert loss == pytest.approx(
+            float(torch.trace(single[:, keep:].T @ C @ single[:, keep:] @ single[:, keep:].T @ H @ single[:, keep:])),
+            rel=1e-10,
+        )
 
 
 @pytest.mark.parametrize("d", [2, 3])
@@ -82,7 +84,7 @@ def test_rank_one_tau_search_reaches_the_brute_force_minimum(d: int) -> None:
     else:
         n = 400_000  # Fibonacci sphere
         i = torch.arange(n, dtype=torch.float64) + 0.5
-        phi, theta = torch.acos(1 - 2 * i / n), math.pi * (1 + 5 ** 0.5) * i
+        phi, theta = torch.acos(1 - 2 * i / n), math.pi * (1 + 5**0.5) * i
         u = torch.stack([theta.cos() * phi.sin(), theta.sin() * phi.sin(), phi.cos()], dim=1)
     brute = (((u @ Cn) * u).sum(1) * ((u @ Hn) * u).sum(1)).min().item()
     assert chosen <= brute * (1 + 1e-9)  # the spectral pick is at least as good as any sampled direction
@@ -156,8 +158,7 @@ def test_stiefel_refinement_never_increases_the_loss(start: str) -> None:
     C = random_psd(16, seed=9)
     H = sensitive_where_pca_cuts(C, removed=6, seed=10)
     site = problem(C, H, keep=10)
-    incoming = (Sensitivity().select(site, None, TauGrid()) if start == "sensitivity"
-                else PCA().select(site, None, None))
+    incoming = Sensitivity().select(site, None, TauGrid()) if start == "sensitivity" else PCA().select(site, None, None)
     refined = Stiefel().select(site, incoming, Schedule(steps=2000, lr=1e-2, patience=200))
     before, after = refined.objectives["loss_before"], refined.objectives["loss_after"]
     Cn, Hn = C / torch.linalg.matrix_norm(C), H / torch.linalg.matrix_norm(H)
@@ -177,18 +178,25 @@ def test_complete_basis_spans_the_removed_subspace_last() -> None:
     assert torch.allclose(projector(Q[:, 5:]), projector(U), atol=1e-12)
 
 
-@pytest.mark.parametrize(("strategy", "options", "message"), [
-    (Sensitivity(), {"taus": [1, -2]}, "taus.1 must be above 0 \\(a positive number\\), got -2"),
-    (Sensitivity(), {"taus": []}, "non-empty"),
-    (Sensitivity(), {"tau": [1]}, "unknown key 'tau' \\(did you mean 'taus'\\?\\); allowed keys: taus, include_pca, refine"),
-    (Sensitivity(), {"include_pca": "yes"}, "include_pca must be true or false"),
-    (Sensitivity(), {"refine": -1}, "refine must be at least 0 \\(a whole number of extra τ values\\), got -1"),
-    (Sensitivity(), {"refine": 2.5}, "refine must be an integer"),
-    (Stiefel(), {"steps": 0}, "steps must be at least 1"),
-    (Stiefel(), {"lr": 0}, "lr must be above 0"),
-    (Stiefel(), {"steps": 2.5}, "steps must be an integer"),
-    (Stiefel(), {"iterations": 5}, "unknown key 'iterations'; allowed keys: steps, lr, patience, tolerance"),
-])
+@pytest.mark.parametrize(
+    ("strategy", "options", "message"),
+    [
+        (Sensitivity(), {"taus": [1, -2]}, "taus.1 must be above 0 \\(a positive number\\), got -2"),
+        (Sensitivity(), {"taus": []}, "non-empty"),
+        (
+            Sensitivity(),
+            {"tau": [1]},
+            "unknown key 'tau' \\(did you mean 'taus'\\?\\); allowed keys: taus, include_pca, refine",
+        ),
+        (Sensitivity(), {"include_pca": "yes"}, "include_pca must be true or false"),
+        (Sensitivity(), {"refine": -1}, "refine must be at least 0 \\(a whole number of extra τ values\\), got -1"),
+        (Sensitivity(), {"refine": 2.5}, "refine must be an integer"),
+        (Stiefel(), {"steps": 0}, "steps must be at least 1"),
+        (Stiefel(), {"lr": 0}, "lr must be above 0"),
+        (Stiefel(), {"steps": 2.5}, "steps must be an integer"),
+        (Stiefel(), {"iterations": 5}, "unknown key 'iterations'; allowed keys: steps, lr, patience, tolerance"),
+    ],
+)
 def test_bad_strategy_options_are_refused(strategy, options, message) -> None:
     with pytest.raises(StrategyOptionError, match=message):
         strategy.parse_options(options)
@@ -211,13 +219,15 @@ def _exact_fisher(model, family, inputs, batch: int) -> list[torch.Tensor]:
 
 
 def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
-    model = tiny_model("llama", vocab_size=12, hidden_size=16, head_dim=4, num_hidden_layers=1,
-                       intermediate_size=24).double()
+    model = tiny_model(
+        "llama", vocab_size=12, hidden_size=16, head_dim=4, num_hidden_layers=1, intermediate_size=24
+    ).double()
     family = family_for("llama")
     fuse_norms(model, family)
     ids = torch.tensor([[0, 5, 3, 9, 7]])
-    exact = _exact_fisher(model, family, capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))],
-                                                              torch.device("cpu")), 0)
+    exact = _exact_fisher(
+        model, family, capture_layer_inputs(model, family, [Batch(ids, torch.ones_like(ids))], torch.device("cpu")), 0
+    )
 
     def estimate(samples: int) -> dict[str, torch.Tensor]:
         repeated = ids.repeat(samples, 1)
@@ -225,8 +235,10 @@ def test_fisher_estimate_converges_to_the_exact_fisher() -> None:
         return estimate_fisher(model, family, inputs, SensitivityOptions(dtype="float64"), torch.device("cpu"), seed=3)
 
     def error(estimates: dict[str, torch.Tensor]) -> float:
-        return max((torch.linalg.matrix_norm(e - x) / torch.linalg.matrix_norm(x)).item()
-                   for e, x in zip(estimates.values(), exact))
+        return max(
+            (torch.linalg.matrix_norm(e - x) / torch.linalg.matrix_norm(x)).item()
+            for e, x in zip(estimates.values(), exact)
+        )
 
     coarse, fine = error(estimate(20)), error(estimate(4000))
     assert fine < 0.1
@@ -301,8 +313,11 @@ H_PASS_CASES = [(name, {}) for name in sorted(__import__("tests.conftest", froml
 H_PASS_CASES.append(("opt", {"word_embed_proj_dim": 32}))  # project_out between the final norm and the head
 
 
-@pytest.mark.parametrize(("family_name", "overrides"), H_PASS_CASES,
-                         ids=[name + ("-projections" if extra else "") for name, extra in H_PASS_CASES])
+@pytest.mark.parametrize(
+    ("family_name", "overrides"),
+    H_PASS_CASES,
+    ids=[name + ("-projections" if extra else "") for name, extra in H_PASS_CASES],
+)
 def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str, overrides: dict) -> None:
     """H is the Fisher of *this* model's output: the H pass must compute the same logits
     (soft-capping included, through OPT's project_out) as the fused model's own forward."""
@@ -318,8 +333,9 @@ def test_the_h_pass_forward_reproduces_the_model_logits(family_name: str, overri
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_autocast_auto_is_bfloat16_only_where_the_cpu_computes_it(native: bool,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_autocast_auto_is_bfloat16_only_where_the_cpu_computes_it(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`auto` follows the CPU's bf16 instructions (emulated bf16 is several times slower than
     float32), and an explicit setting is taken as given."""
     from compressor.engine.fisher import autocast_dtype

@@ -14,9 +14,13 @@ from tests.test_cli import write_recipe
 
 
 def test_sensitivity_then_stiefel_reports_every_site(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, sensitivity={"autocast": "bfloat16"},
-                          pipeline=[{"strategy": "sensitivity", "taus": [1, 10]},
-                                    {"strategy": "stiefel", "steps": 20, "lr": 0.01}])
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        evaluation=None,
+        sensitivity={"autocast": "bfloat16"},
+        pipeline=[{"strategy": "sensitivity", "taus": [1, 10]}, {"strategy": "stiefel", "steps": 20, "lr": 0.01}],
+    )
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["fisher_source"] == "computed" and report["fisher_autocast"] == "bfloat16"
@@ -32,10 +36,19 @@ def test_sensitivity_then_stiefel_reports_every_site(tiny_checkpoint: Path, tmp_
 def test_chat_calibration_runs(tiny_checkpoint: Path, tmp_path: Path) -> None:
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(6)) + "\n")
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None,
-                          calibration={"dataset": {"path": "json", "data_files": str(data)}, "format": "chat",
-                                       "num_samples": 6, "seq_len": 32, "batch_size": 4},
-                          pipeline=[{"strategy": "sensitivity"}])
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        evaluation=None,
+        calibration={
+            "dataset": {"path": "json", "data_files": str(data)},
+            "format": "chat",
+            "num_samples": 6,
+            "seq_len": 32,
+            "batch_size": 4,
+        },
+        pipeline=[{"strategy": "sensitivity"}],
+    )
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert all(site["steps"][0]["objectives"]["loss"] >= 0 for site in report["sites"])

@@ -6,18 +6,26 @@ import pytest
 import torch
 
 from compressor.engine.walk import PipelineStep, prune
-from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.models.sites import site_ids, site_widths
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
 
-@pytest.mark.parametrize(("hidden", "sparsity", "round_to", "expected"), [
-    (256, 0.25, 8, 192), (256, 0.1, 8, 224), (256, 0.2, 8, 200), (256, 0.3, 8, 176), (64, 0.25, 1, 48), (64, 0.0, 8, 64),
-])
+@pytest.mark.parametrize(
+    ("hidden", "sparsity", "round_to", "expected"),
+    [
+        (256, 0.25, 8, 192),
+        (256, 0.1, 8, 224),
+        (256, 0.2, 8, 200),
+        (256, 0.3, 8, 176),
+        (64, 0.25, 1, 48),
+        (64, 0.0, 8, 64),
+    ],
+)
 def test_kept_width_is_floored_to_the_interval(hidden: int, sparsity: float, round_to: int, expected: int) -> None:
     assert kept_width(hidden, sparsity, round_to) == expected
 
@@ -30,7 +38,12 @@ def test_impossible_sparsity_is_refused() -> None:
 def test_site_widths_keep_the_head_input_unless_asked() -> None:
     llama = family_for("llama")
     assert site_widths(llama, 2, 64, 48, slice_head=False) == {
-        "embedding": 48, "layers.0.attn": 48, "layers.0.mlp": 48, "layers.1.attn": 48, "layers.1.mlp": 64}
+        "embedding": 48,
+        "layers.0.attn": 48,
+        "layers.0.mlp": 48,
+        "layers.1.attn": 48,
+        "layers.1.mlp": 64,
+    }
     assert list(site_widths(llama, 2, 64, 48, slice_head=True).values()) == [48] * 5
     assert site_ids(family_for("phi"), 2) == ["embedding", "layers.0", "layers.1"]
 
@@ -81,7 +94,7 @@ def _expected_parameters(config, widths: list[int]) -> int:
         return _expected_opt_parameters(config, widths)
     if config.model_type == "gpt2":
         return _expected_gpt2_parameters(config, widths)
-    heads, kv, hd =  config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     inter, vocab = config.intermediate_size, config.vocab_size
     attn_bias = (heads + 2 * kv) * hd if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
     total = vocab * widths[0] + vocab * widths[-1]  # embedding, head (untied)
@@ -108,8 +121,9 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     d = config.hidden_size
     kept = kept_width(d, 0.25, 8)
     by_site = widths_for(family_name, config, kept, slice_head)
-    result = prune(copy_model(original), family_for(family_name), random_batches(config.vocab_size),
-                   by_site, [PipelineStep(PCA())])
+    result = prune(
+        copy_model(original), family_for(family_name), random_batches(config.vocab_size), by_site, [PipelineStep(PCA())]
+    )
     widths = list(by_site.values())
     model = result.model
     family = family_for(family_name)
@@ -144,8 +158,13 @@ def test_sliced_model_stays_close_on_its_calibration_data() -> None:
     original = tiny_model("llama")
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(128)
-    result = prune(copy_model(original), family_for("llama"), batches,
-                   site_widths(family_for("llama"), layers, d, kept_width(d, 0.25, 8), False), [PipelineStep(PCA())])
+    result = prune(
+        copy_model(original),
+        family_for("llama"),
+        batches,
+        site_widths(family_for("llama"), layers, d, kept_width(d, 0.25, 8), False),
+        [PipelineStep(PCA())],
+    )
     with torch.no_grad():
         ref = torch.log_softmax(original(batches[0].input_ids).logits, -1)
         out = torch.log_softmax(result.model(batches[0].input_ids).logits, -1)

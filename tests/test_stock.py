@@ -86,21 +86,33 @@ def global_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         folder = root / name
         folder.mkdir()
         checkpoint = save_tiny_checkpoint(folder / "original", name)
-        recipe = write_recipe(folder, checkpoint, slicing={"layout": "global", "tie_head": False},
-                              output=str(folder / "run"))
+        recipe = write_recipe(
+            folder, checkpoint, slicing={"layout": "global", "tie_head": False}, output=str(folder / "run")
+        )
         assert main(["run", str(recipe)]) == 0
         runs[name] = folder / "run"
     ids = random_batches(8192, count=1, batch=2, length=16)[0].input_ids
-    loaded = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_COMPRESSOR, "-", json.dumps(ids.tolist()),
-                             *(str(run / "model") for run in runs.values())], capture_output=True, text=True,
-                            timeout=600)
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD_WITHOUT_COMPRESSOR,
+            "-",
+            json.dumps(ids.tolist()),
+            *(str(run / "model") for run in runs.values()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert loaded.returncode == 0, loaded.stderr
     return runs
 
 
 @pytest.mark.parametrize("name", STOCK_FAMILIES)
-def test_a_global_run_saves_a_stock_model_that_computes_the_pruned_model(name: str, global_runs: dict[str, Path]
-                                                                        ) -> None:
+def test_a_global_run_saves_a_stock_model_that_computes_the_pruned_model(
+    name: str, global_runs: dict[str, Path]
+) -> None:
     run = global_runs[name]
     config = json.loads((run / "model" / "config.json").read_text())
     original = json.loads((run.parent / "original" / "config.json").read_text())
@@ -117,8 +129,12 @@ def test_a_global_run_saves_a_stock_model_that_computes_the_pruned_model(name: s
     assert all(torch.equal(v, bases["embedding"]) for v in bases.values())
     from transformers import AutoModelForCausalLM
 
-    sliced = apply_bases(AutoModelForCausalLM.from_pretrained(run.parent / "original", dtype=torch.float32),
-                         family, bases, keep_tied=False)
+    sliced = apply_bases(
+        AutoModelForCausalLM.from_pretrained(run.parent / "original", dtype=torch.float32),
+        family,
+        bases,
+        keep_tied=False,
+    )
     ids = random_batches(8192, count=1, batch=2, length=16)[0].input_ids
     with torch.no_grad():
         expected = sliced(input_ids=ids).logits
@@ -130,12 +146,17 @@ def test_a_global_run_saves_a_stock_model_that_computes_the_pruned_model(name: s
 def test_a_global_run_meets_its_budget_exactly(name: str, global_runs: dict[str, Path]) -> None:
     report = json.loads((global_runs[name] / "report.json").read_text())
     rounding, budget = report["rounding"], report["allocation"]["budget"]
-    params = stock_param_model(AutoConfig.from_pretrained(global_runs[name].parent / "original"), family_for(name),
-                               tied=False)
+    params = stock_param_model(
+        AutoConfig.from_pretrained(global_runs[name].parent / "original"), family_for(name), tied=False
+    )
     assert report["layout"] == "global" and report["stock"]["hidden_size"] == rounding["width"]
     assert report["params"]["pruned"] == rounding["params"] == report["allocation"]["predicted_params"]
     assert rounding["params"] <= budget < params.count({s: rounding["width"] + 8 for s in params.sites})
-    assert rounding["unrounded_params"] <= budget < params.count({s: rounding["unrounded_width"] + 1 for s in params.sites})
+    assert (
+        rounding["unrounded_params"]
+        <= budget
+        < params.count({s: rounding["unrounded_width"] + 1 for s in params.sites})
+    )
     assert rounding["width"] % 8 == 0 and rounding["unrounded_width"] >= rounding["width"]
     assert report["allocation"]["transition_params"] == 0
     # The same budget as SliceGPT's model at 25% (48 of 64 at every site, transitions counted) keeps more width.
@@ -143,8 +164,14 @@ def test_a_global_run_meets_its_budget_exactly(name: str, global_runs: dict[str,
 
 
 def test_target_params_and_rounding_for_kernels(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, sparsity=None, target_params=0.8, evaluation=None,
-                          slicing={"layout": "global", "round_to": 16})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        sparsity=None,
+        target_params=0.8,
+        evaluation=None,
+        slicing={"layout": "global", "round_to": 16},
+    )
     text = recipe.read_text().replace("sparsity: null\n", "")
     recipe.write_text(text)
     assert main(["run", str(recipe)]) == 0
@@ -154,8 +181,11 @@ def test_target_params_and_rounding_for_kernels(tiny_checkpoint: Path, tmp_path:
     rounding = report["rounding"]
     assert rounding["width"] % 16 == 0
     assert report["params"]["pruned"] == params.count({s: rounding["width"] for s in params.sites})
-    assert report["params"]["pruned"] <= int(0.8 * params.original) < params.count(
-        {s: rounding["width"] + 16 for s in params.sites})
+    assert (
+        report["params"]["pruned"]
+        <= int(0.8 * params.original)
+        < params.count({s: rounding["width"] + 16 for s in params.sites})
+    )
     assert rounding["unrounded_params"] <= int(0.8 * params.original)
 
 
@@ -163,8 +193,13 @@ def test_a_killed_global_run_resumes_to_a_bit_identical_model(tmp_path: Path) ->
     """A tied model kept tied: after the last site the resumed walk still measures the stream
     the head reads (the tied scale's weights)."""
     checkpoint = save_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    recipe = write_recipe(tmp_path, checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}],
-                          slicing={"layout": "global", "tie_head": True})
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        slicing={"layout": "global", "tie_head": True},
+    )
     uninterrupted = compress(recipe, tmp_path / "whole")
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     expected = tensors(tmp_path / "whole")
@@ -181,12 +216,25 @@ def test_a_killed_global_run_resumes_to_a_bit_identical_model(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("name", OTHERS)
-def test_families_the_stock_class_cannot_hold_are_refused_before_work(name: str, tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_families_the_stock_class_cannot_hold_are_refused_before_work(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     checkpoint = tmp_path / "model"
-    AutoConfig.for_model(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128),
-                            **FAMILY_CONFIGS[name]}).save_pretrained(checkpoint)
+    AutoConfig.for_model(
+        **{
+            **dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                vocab_size=128,
+                max_position_embeddings=128,
+            ),
+            **FAMILY_CONFIGS[name],
+        }
+    ).save_pretrained(checkpoint)
     recipe = write_recipe(tmp_path, checkpoint, slicing={"layout": "global", "slice_head": True})
     for args in (["--dry-run"], []):
         assert main(["run", str(recipe), *args]) == 2
@@ -196,14 +244,18 @@ def test_families_the_stock_class_cannot_hold_are_refused_before_work(name: str,
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(slicing={"layout": "global", "shared_bases": True}), "remove slicing.shared_bases"),
-    (dict(slicing={"layout": "global"}, allocation={"method": "curves"}), "allocation.method must be uniform"),
-    (dict(slicing={"layout": "everywhere"}), "slicing.layout must be one of"),
-    (dict(slicing={"layout": "global", "pooling": "max"}), "slicing.pooling must be one of"),
-])
-def test_what_a_global_layout_cannot_take_is_one_line(changes: dict, message: str, tiny_checkpoint: Path,
-                                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(slicing={"layout": "global", "shared_bases": True}), "remove slicing.shared_bases"),
+        (dict(slicing={"layout": "global"}, allocation={"method": "curves"}), "allocation.method must be uniform"),
+        (dict(slicing={"layout": "everywhere"}), "slicing.layout must be one of"),
+        (dict(slicing={"layout": "global", "pooling": "max"}), "slicing.pooling must be one of"),
+    ],
+)
+def test_what_a_global_layout_cannot_take_is_one_line(
+    changes: dict, message: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -279,8 +331,9 @@ def test_the_tied_scale_is_the_least_squares_diagonal() -> None:
 
 
 def test_refinement_keeps_one_basis(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint, slicing={"layout": "global"},
-                          refinement={"epochs": 1, "batch_size": 2, "lr": 0.05})
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, slicing={"layout": "global"}, refinement={"epochs": 1, "batch_size": 2, "lr": 0.05}
+    )
     assert main(["run", str(recipe)]) == 0
     bases = load_bases(tmp_path / "out" / "bases.safetensors")
     assert all(torch.equal(v, bases["embedding"]) for v in bases.values())
@@ -290,8 +343,9 @@ def test_refinement_keeps_one_basis(tiny_checkpoint: Path, tmp_path: Path) -> No
     assert weights["model.embed_tokens.weight"].shape[1] == report["stock"]["hidden_size"]
 
 
-def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(global_runs: dict[str, Path],
-                                                                         tmp_path: Path) -> None:
+def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(
+    global_runs: dict[str, Path], tmp_path: Path
+) -> None:
     """A sweep keeps only bases: `compress eval` rebuilds the stock model (a tied original's head
     untied, as the run saved it) and reproduces the run's own figures."""
     import shutil
@@ -328,8 +382,9 @@ def test_a_tied_model_stays_tied_by_default_in_a_global_layout(tmp_path: Path) -
 def test_the_width_is_one_the_stock_config_accepts(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """transformers' LlamaConfig refuses a hidden_size off the number of heads (its model reads
     head_dim): the plan rounds to both, and the report says so."""
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, sparsity=0.3,
-                          slicing={"layout": "global", "round_to": 1})
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, evaluation=None, sparsity=0.3, slicing={"layout": "global", "round_to": 1}
+    )
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["rounding"]["class_multiple"] == 4 and report["rounding"]["step"] == 4
@@ -349,8 +404,9 @@ def test_the_symmetric_tied_fit_beats_the_diagonal_and_is_exact_at_full_width(k:
     E = torch.randn(500, d, generator=generator, dtype=torch.float64)
     g = torch.rand(d, generator=generator, dtype=torch.float64) * 2 + 0.2
     V = torch.linalg.qr(torch.randn(d, k, generator=generator, dtype=torch.float64))[0]
-    X = torch.randn(1000, d, generator=generator, dtype=torch.float64) @ torch.randn(d, d, generator=generator,
-                                                                                     dtype=torch.float64)
+    X = torch.randn(1000, d, generator=generator, dtype=torch.float64) @ torch.randn(
+        d, d, generator=generator, dtype=torch.float64
+    )
     N = V.T @ (X.T @ X / 1000) @ V
     A, B = E @ V, E @ torch.diag(g) @ V
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from compressor.engine.walk import PipelineStep, prune
-
-from compressor.models.layout import kept_width
 from compressor.errors import UserError
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 
@@ -29,11 +28,14 @@ def _strategy(make: Callable[[int], torch.Tensor]) -> Strategy:
     return Broken()
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda d: torch.full((d, d), float("nan"), dtype=torch.float64), "a basis holding NaN or Inf"),
-    (lambda d: torch.eye(d, dtype=torch.float32), "a \\(64, 64\\) torch.float32 basis; expected"),
-    (lambda d: 2 * torch.eye(d, dtype=torch.float64), "a non-orthogonal basis"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: torch.full((d, d), float("nan"), dtype=torch.float64), "a basis holding NaN or Inf"),
+        (lambda d: torch.eye(d, dtype=torch.float32), "a \\(64, 64\\) torch.float32 basis; expected"),
+        (lambda d: 2 * torch.eye(d, dtype=torch.float64), "a non-orthogonal basis"),
+    ],
+)
 def test_a_bad_basis_stops_the_walk_naming_the_strategy(make: Callable[[int], torch.Tensor], message: str) -> None:
     model, family = tiny_model("llama"), family_for("llama")
     widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8), False)

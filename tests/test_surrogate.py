@@ -13,11 +13,11 @@ import torch
 from compressor.data.batches import Batch
 from compressor.engine.calibration import SecondMoment, capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher, site_activations
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.sites import site_ids
 from compressor.recipe.schema import load_recipe
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.run.surrogate import (
     JSON_FILE,
     PLOT_FILE,
@@ -45,8 +45,18 @@ def test_prediction_is_the_second_order_kl_where_the_local_model_is_exact(site: 
     model = tiny_model("llama").double()
     calibration = [Batch(torch.full((8192, 1), 17), torch.ones(8192, 1, dtype=torch.long))]
     evaluation = [Batch(torch.full((1, 1), 17), torch.ones(1, 1, dtype=torch.long))]
-    result = surrogate_check(model, LLAMA, calibration, evaluation, site, directions=8, eigenvectors=0,
-                             energy=1e-8, seed=3, sensitivity=FLOAT64)
+    result = surrogate_check(
+        model,
+        LLAMA,
+        calibration,
+        evaluation,
+        site,
+        directions=8,
+        eigenvectors=0,
+        energy=1e-8,
+        seed=3,
+        sensitivity=FLOAT64,
+    )
     assert [r["kind"] for r in result.rows] == ["random"] * 8
     assert all(r["alpha"] < 0.1 for r in result.rows)
     ratios = [r["measured"] / r["predicted"] for r in result.rows]
@@ -58,8 +68,18 @@ def checked() -> tuple[SurrogateResult, torch.nn.Module, list[Batch], list[Batch
     model = tiny_model("llama").double()
     calibration = random_batches(128, count=3, length=16, seed=1)
     evaluation = random_batches(128, count=2, length=16, seed=2)  # float64 eager attention turns padding into NaN
-    result = surrogate_check(model, LLAMA, calibration, evaluation, "layers.0.mlp", directions=6, eigenvectors=3,
-                             remove=16, seed=5, sensitivity=FLOAT64)
+    result = surrogate_check(
+        model,
+        LLAMA,
+        calibration,
+        evaluation,
+        "layers.0.mlp",
+        directions=6,
+        eigenvectors=3,
+        remove=16,
+        seed=5,
+        sensitivity=FLOAT64,
+    )
     return result, model, calibration, evaluation
 
 
@@ -78,7 +98,8 @@ def test_every_direction_removes_the_same_energy_and_the_rows_recompute(checked)
     energy = torch.linalg.eigvalsh(C)[:16].sum().item()  # PCA's, removing 16 of 64
     assert result.settings["energy"] == pytest.approx(energy, rel=1e-9)
     assert [r["kind"] for r in result.rows] == ["random"] * 6 + ["C-eigenvector"] * 3 + ["H-eigenvector"] * 3 + [
-        "tau-minimiser"] * 3
+        "tau-minimiser"
+    ] * 3
     held_out = capture_layer_inputs(model, LLAMA, evaluation, torch.device("cpu"))
     with torch.no_grad():
         reference = [torch.log_softmax(site_activations(model, LLAMA, held_out, b)[1], -1) for b in range(2)]
@@ -135,8 +156,9 @@ def test_rank_correlation() -> None:
 def test_padding_is_not_counted() -> None:
     model = tiny_model("llama")
     evaluation = random_batches(128, count=2, length=16, seed=2, padded=True)
-    result = surrogate_check(model, LLAMA, random_batches(128, count=1), evaluation, "layers.1.attn", directions=3,
-                             eigenvectors=0, remove=8)
+    result = surrogate_check(
+        model, LLAMA, random_batches(128, count=1), evaluation, "layers.1.attn", directions=3, eigenvectors=0, remove=8
+    )
     assert result.settings["evaluation_tokens"] == sum(int(b.attention_mask.sum()) for b in evaluation) < 2 * 4 * 16
     assert all(math.isfinite(r["measured"]) and r["measured"] > 0 for r in result.rows)
 
@@ -174,8 +196,9 @@ def test_check_recipe_writes_json_and_png(recipe_path: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_a_failed_plot_leaves_no_files(recipe_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       existing: bool) -> None:
+def test_a_failed_plot_leaves_no_files(
+    recipe_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
     """Nothing half-written stays: not the JSON written before the plot failed, not the half PNG,
     and not the folder the call made (a folder that was there keeps what it held)."""
     registry = PluginRegistry()
@@ -198,16 +221,32 @@ def test_a_failed_plot_leaves_no_files(recipe_path: Path, tmp_path: Path, monkey
         assert not output.exists()
 
 
-@pytest.mark.parametrize(("change", "site", "message"), [
-    ({"evaluation": None}, "layers.0.attn", "add an evaluation section"),
-    ({}, "layers.2.attn", "unknown site 'layers.2.attn'; sites are embedding, layers.0.attn, layers.0.mlp, "
-                          "layers.1.attn, layers.1.mlp (5 in all)"),
-    ({"sparsity": 0.0}, "layers.0.attn", "removes no direction"),
-    ({"sparsity": None, "target_params": 0.9, "allocation": {"method": "curves"},
-      "pipeline": [{"strategy": "sensitivity"}]}, "layers.0.attn", "give the recipe a sparsity"),
-])
-def test_check_recipe_refuses_before_loading_anything(tiny_checkpoint: Path, tmp_path: Path, change: dict, site: str,
-                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "site", "message"),
+    [
+        ({"evaluation": None}, "layers.0.attn", "add an evaluation section"),
+        (
+            {},
+            "layers.2.attn",
+            "unknown site 'layers.2.attn'; sites are embedding, layers.0.attn, layers.0.mlp, "
+            "layers.1.attn, layers.1.mlp (5 in all)",
+        ),
+        ({"sparsity": 0.0}, "layers.0.attn", "removes no direction"),
+        (
+            {
+                "sparsity": None,
+                "target_params": 0.9,
+                "allocation": {"method": "curves"},
+                "pipeline": [{"strategy": "sensitivity"}],
+            },
+            "layers.0.attn",
+            "give the recipe a sparsity",
+        ),
+    ],
+)
+def test_check_recipe_refuses_before_loading_anything(
+    tiny_checkpoint: Path, tmp_path: Path, change: dict, site: str, message: str
+) -> None:
     model = tmp_path / "model"
     model.mkdir()
     for file in tiny_checkpoint.iterdir():
@@ -225,8 +264,23 @@ def test_the_surrogate_command(recipe_path: Path, tmp_path: Path, capsys: pytest
     from compressor.cli import main
 
     output = tmp_path / "check"
-    assert main(["surrogate", str(recipe_path), "--site", "layers.0.mlp", "--directions", "4",
-                 "--output", str(output), "--set", "evaluation.num_samples=1"]) == 0
+    assert (
+        main(
+            [
+                "surrogate",
+                str(recipe_path),
+                "--site",
+                "layers.0.mlp",
+                "--directions",
+                "4",
+                "--output",
+                str(output),
+                "--set",
+                "evaluation.num_samples=1",
+            ]
+        )
+        == 0
+    )
     values = json.loads((output / JSON_FILE).read_text())
     assert values["settings"]["evaluation_tokens"] == 64 and values["kinds"]["random"] == 4
     assert f"Spearman ρ(predicted, measured KL) = {values['spearman']:.3f}" in capsys.readouterr().out

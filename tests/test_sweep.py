@@ -21,11 +21,18 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _write_sweep(folder: Path, base: Path, **extra: object) -> Path:
-    sweep = {"base": base.name, "output": "sweep-out",
-             "grid": {"sparsity": [0.125, 0.25],
-                      "pipeline": [[{"strategy": "sensitivity"}],
-                                   [{"strategy": "sensitivity"}, {"strategy": "stiefel", "steps": 2}]]},
-             **extra}
+    sweep = {
+        "base": base.name,
+        "output": "sweep-out",
+        "grid": {
+            "sparsity": [0.125, 0.25],
+            "pipeline": [
+                [{"strategy": "sensitivity"}],
+                [{"strategy": "sensitivity"}, {"strategy": "stiefel", "steps": 2}],
+            ],
+        },
+        **extra,
+    }
     path = folder / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep, sort_keys=False))  # grid order decides the run order
     return path
@@ -45,8 +52,9 @@ def fisher_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint: Path, tmp_path: Path,
-                                                                 fisher_calls: list[int]) -> None:
+def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(
+    tiny_checkpoint: Path, tmp_path: Path, fisher_calls: list[int]
+) -> None:
     base = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 0
     out = tmp_path / "sweep-out"
@@ -58,7 +66,8 @@ def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint:
     assert float(table[0]["H s"]) > 0 and [float(r["H s"]) for r in table[1:]] == [0.0, 0.0, 0.0]
     assert shared[0] > float(table[0]["H s"]) and all(s < shared[0] for s in shared[1:])
     assert {(r["sparsity"], r["pipeline"]) for r in table} == {
-        (s, p) for s in ("0.125", "0.25") for p in ("sensitivity", "sensitivity + stiefel")}
+        (s, p) for s in ("0.125", "0.25") for p in ("sensitivity", "sensitivity + stiefel")
+    }
     assert len(json.loads((out / "results.json").read_text())) == 4
     assert (out / "results.md").read_text().count("\n| 0") == 4
     for plot in ("kl_ppl_vs_sparsity.png", "objectives_by_site.png"):
@@ -77,9 +86,9 @@ def test_a_sweep_writes_its_table_and_plots_and_computes_h_once(tiny_checkpoint:
     assert evaluated["pruned"]["ppl"] == pytest.approx(reports[3]["metrics"]["pruned"]["ppl"], rel=1e-6)
 
 
-def test_an_interrupted_sweep_continues_without_recomputing(tiny_checkpoint: Path, tmp_path: Path,
-                                                            fisher_calls: list[int],
-                                                            capsys: pytest.CaptureFixture) -> None:
+def test_an_interrupted_sweep_continues_without_recomputing(
+    tiny_checkpoint: Path, tmp_path: Path, fisher_calls: list[int], capsys: pytest.CaptureFixture
+) -> None:
     base = write_recipe(tmp_path, tiny_checkpoint)
     sweep = _write_sweep(tmp_path, base)
     assert main(["sweep", str(sweep)]) == 0
@@ -96,8 +105,9 @@ def test_an_interrupted_sweep_continues_without_recomputing(tiny_checkpoint: Pat
     assert [r["KL"] for r in again] == pytest.approx([r["KL"] for r in first], rel=1e-9)
 
 
-def test_a_changed_grid_point_is_run_again(tiny_checkpoint: Path, tmp_path: Path, fisher_calls: list[int],
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_a_changed_grid_point_is_run_again(
+    tiny_checkpoint: Path, tmp_path: Path, fisher_calls: list[int], capsys: pytest.CaptureFixture
+) -> None:
     base = write_recipe(tmp_path, tiny_checkpoint)
     assert main(["sweep", str(_write_sweep(tmp_path, base))]) == 0
     capsys.readouterr()
@@ -105,17 +115,23 @@ def test_a_changed_grid_point_is_run_again(tiny_checkpoint: Path, tmp_path: Path
     assert "ran 4 of 4 runs" in capsys.readouterr().out  # every recipe changed (evaluation is no fingerprint key)
 
 
-@pytest.mark.parametrize(("sweep", "message"), [
-    ({"base": "recipe.yaml", "output": "o"}, "missing key 'grid' in sweep"),
-    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": 0.2}}, "grid.sparsity must be a non-empty list"),
-    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2]}, "plots": True}, "unknown key 'plots'"),
-    ({"base": "nothing.yaml", "output": "o", "grid": {"sparsity": [0.2]}}, "base recipe file not found"),
-    ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2, 1.5]}},
-     "sweep run 001 (sparsity=1.5): sparsity must be in [0, 1)"),
-    ({"base": "recipe.yaml", "output": "o", "grid": {"pipeline": [[{"strategy": "nosuch"}]]}}, "unknown strategy"),
-])
-def test_bad_sweeps_are_one_line_and_write_nothing(sweep: dict, message: str, tiny_checkpoint: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        ({"base": "recipe.yaml", "output": "o"}, "missing key 'grid' in sweep"),
+        ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": 0.2}}, "grid.sparsity must be a non-empty list"),
+        ({"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2]}, "plots": True}, "unknown key 'plots'"),
+        ({"base": "nothing.yaml", "output": "o", "grid": {"sparsity": [0.2]}}, "base recipe file not found"),
+        (
+            {"base": "recipe.yaml", "output": "o", "grid": {"sparsity": [0.2, 1.5]}},
+            "sweep run 001 (sparsity=1.5): sparsity must be in [0, 1)",
+        ),
+        ({"base": "recipe.yaml", "output": "o", "grid": {"pipeline": [[{"strategy": "nosuch"}]]}}, "unknown strategy"),
+    ],
+)
+def test_bad_sweeps_are_one_line_and_write_nothing(
+    sweep: dict, message: str, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     write_recipe(tmp_path, tiny_checkpoint)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
@@ -125,8 +141,9 @@ def test_bad_sweeps_are_one_line_and_write_nothing(sweep: dict, message: str, ti
     assert not (tmp_path / "o").exists()
 
 
-def test_a_sweep_refuses_a_folder_it_did_not_write(tiny_checkpoint: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
+def test_a_sweep_refuses_a_folder_it_did_not_write(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     base = write_recipe(tmp_path, tiny_checkpoint)
     (tmp_path / "sweep-out").mkdir()
     (tmp_path / "sweep-out" / "notes.txt").write_text("mine")
@@ -142,8 +159,13 @@ def test_a_sweep_killed_mid_run_resumes_that_run_and_reuses_h(tiny_checkpoint: P
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         if kill:
             env["COMPRESS_KILL_AT"] = kill
-        return subprocess.run([sys.executable, "-m", "compressor.cli", "sweep", str(sweep)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "compressor.cli", "sweep", str(sweep)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     killed = compress("site:layers.1.attn")  # SIGKILL inside the first run, after H and some sites
     assert killed.returncode == -9
@@ -160,8 +182,13 @@ def test_a_point_interrupted_under_an_edited_grid_starts_afresh(tiny_checkpoint:
     base = write_recipe(tmp_path, tiny_checkpoint)
     sweep = _write_sweep(tmp_path, base)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COMPRESS_KILL_AT": "site:layers.1.attn"}
-    killed = subprocess.run([sys.executable, "-m", "compressor.cli", "sweep", str(sweep)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(
+        [sys.executable, "-m", "compressor.cli", "sweep", str(sweep)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -9
     edited = _write_sweep(tmp_path, base, set={"calibration.num_samples": 3})  # run 000's recipe is another now
     assert main(["sweep", str(edited)]) == 0
@@ -169,12 +196,15 @@ def test_a_point_interrupted_under_an_edited_grid_starts_afresh(tiny_checkpoint:
     assert report["resume"]["sites_loaded"] == 0 and report["sites"][0]["tokens"] == 3 * 64
 
 
-def test_extending_the_grid_keeps_every_finished_run(tiny_checkpoint: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture) -> None:
+def test_extending_the_grid_keeps_every_finished_run(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     base = write_recipe(tmp_path, tiny_checkpoint)
     pipelines = [[{"strategy": "pca"}], [{"strategy": "sensitivity"}]]
-    assert main(["sweep", str(_write_sweep(tmp_path, base, grid={"sparsity": [0.125, 0.375],
-                                                                 "pipeline": pipelines}))]) == 0
+    assert (
+        main(["sweep", str(_write_sweep(tmp_path, base, grid={"sparsity": [0.125, 0.375], "pipeline": pipelines}))])
+        == 0
+    )
     out = tmp_path / "sweep-out"
     kl = {json.loads((out / "runs" / n / "report.json").read_text())["sparsity"]: None for n in ("002", "003")}
     before = {n: (out / "runs" / n / "report.json").read_text() for n in ("000", "001", "002", "003")}
@@ -196,9 +226,19 @@ def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_pa
     """Runs with `target_params` have no sparsity: their points sit at the parameters they kept."""
     from compressor.evaluation.plots import _lines, sweep_plots
 
-    table = [{"model": "m", "pipeline": "pca", "sparsity": None, "target_params": t, "params": kept,
-              "KL": kl, "pruned ppl": 30.0 + kl, "baseline ppl": 30.0}
-             for t, kept, kl in ((0.75, 0.748, 0.02), (0.9, 0.897, 0.005))]
+    table = [
+        {
+            "model": "m",
+            "pipeline": "pca",
+            "sparsity": None,
+            "target_params": t,
+            "params": kept,
+            "KL": kl,
+            "pruned ppl": 30.0 + kl,
+            "baseline ppl": 30.0,
+        }
+        for t, kept, kl in ((0.75, 0.748, 0.02), (0.9, 0.897, 0.005))
+    ]
     assert _lines(table, ["target_params"], "KL") == {"pca": [(0.748, 0.02, 0.02, 0.02), (0.897, 0.005, 0.005, 0.005)]}
     reports = [{"sites": []}, {"sites": []}]
     written = sweep_plots(table, reports, ["target_params"], tmp_path)
@@ -209,14 +249,28 @@ def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_pa
 def _fake_run(folder: Path, num_samples: int, ppl: float, refinement: dict | None) -> None:
     """A finished run folder as compare reads it: its report and its saved recipe."""
     folder.mkdir(parents=True)
-    report = {"model": {"path": "/m/ref-llama", "hidden_size": 64}, "pipeline": [{"strategy": "pca", "options": {}}],
-              "sparsity": 0.25, "kept_width": 48, "seed": 0, "params": {"baseline": 10, "pruned": 8, "ratio": 0.8},
-              "metrics": {"baseline": {"ppl": ppl}, "pruned": {"ppl": ppl + 1, "kl": 0.01}},
-              "timings": {"data_s": 1.0, "load_s": 1.0, "fisher_s": 0.0, "prune_s": 2.0}}
+    report = {
+        "model": {"path": "/m/ref-llama", "hidden_size": 64},
+        "pipeline": [{"strategy": "pca", "options": {}}],
+        "sparsity": 0.25,
+        "kept_width": 48,
+        "seed": 0,
+        "params": {"baseline": 10, "pruned": 8, "ratio": 0.8},
+        "metrics": {"baseline": {"ppl": ppl}, "pruned": {"ppl": ppl + 1, "kl": 0.01}},
+        "timings": {"data_s": 1.0, "load_s": 1.0, "fisher_s": 0.0, "prune_s": 2.0},
+    }
     (folder / "report.json").write_text(json.dumps(report))
-    recipe = {"model": {"path": "/m/ref-llama"}, "sparsity": 0.25, "seed": 0, "refinement": refinement,
-              "evaluation": {"dataset": {"path": "json", "data_files": "/d/v.jsonl"}, "num_samples": num_samples,
-                             "seq_len": 64}}
+    recipe = {
+        "model": {"path": "/m/ref-llama"},
+        "sparsity": 0.25,
+        "seed": 0,
+        "refinement": refinement,
+        "evaluation": {
+            "dataset": {"path": "json", "data_files": "/d/v.jsonl"},
+            "num_samples": num_samples,
+            "seq_len": 64,
+        },
+    }
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
 
 
@@ -245,8 +299,18 @@ def test_results_of_a_grid_over_the_evaluation_carry_its_warning(tmp_path: Path)
 def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
     from compressor.evaluation.plots import sweep_plots
 
-    table = [{"model": "m", "pipeline": p, "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0 + kl,
-              "baseline ppl": 30.0} for p, kl in (("pca", 0.02), ("sensitivity", 0.01))]
+    table = [
+        {
+            "model": "m",
+            "pipeline": p,
+            "sparsity": 0.25,
+            "params": 0.8,
+            "KL": kl,
+            "pruned ppl": 30.0 + kl,
+            "baseline ppl": 30.0,
+        }
+        for p, kl in (("pca", 0.02), ("sensitivity", 0.01))
+    ]
     written = sweep_plots(table, [{"sites": []}] * 2, ["sparsity", "pipeline"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
     assert written[0].read_bytes().startswith(PNG)
@@ -257,12 +321,25 @@ def test_a_grid_of_distilled_runs_plots_their_heldout_curves(tmp_path: Path) -> 
     distillation_heldout_kl.png, labelled by what the grid varies; points without one add nothing."""
     from compressor.evaluation.plots import distillation_figure, sweep_plots
 
-    table = [{"model": "m", "pipeline": "pca", "sparsity": 0.25, "params": 0.8, "KL": kl, "pruned ppl": 30.0,
-              "baseline ppl": 29.0, "distillation.method": method}
-             for method, kl in (("lora", 0.02), ("full", 0.01), (None, 0.03))]
+    table = [
+        {
+            "model": "m",
+            "pipeline": "pca",
+            "sparsity": 0.25,
+            "params": 0.8,
+            "KL": kl,
+            "pruned ppl": 30.0,
+            "baseline ppl": 29.0,
+            "distillation.method": method,
+        }
+        for method, kl in (("lora", 0.02), ("full", 0.01), (None, 0.03))
+    ]
     curve = [{"step": 0, "tokens": 0, "kl": 0.03}, {"step": 10, "tokens": 40960, "kl": 0.02}]
-    reports = [{"sites": [], "distillation": {"curve": curve}}, {"sites": [], "distillation": {"curve": curve[:1]}},
-               {"sites": [], "distillation": None}]
+    reports = [
+        {"sites": [], "distillation": {"curve": curve}},
+        {"sites": [], "distillation": {"curve": curve[:1]}},
+        {"sites": [], "distillation": None},
+    ]
     written = sweep_plots(table, reports, ["distillation.method"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png", "distillation_heldout_kl.png"]
     assert written[1].read_bytes().startswith(PNG)

@@ -41,9 +41,23 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--quiet", "--target", str(target), str(source)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     assert (target / "compressor_keep_coordinates" / "__init__.py").is_file()
     return target
@@ -55,9 +69,18 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=8192,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=8192,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     for name in TOKENIZER_FILES:
@@ -67,15 +90,25 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env(site: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               COMPRESS_PLUGINS=f"{BUILTIN_PLUGINS},keep-coordinates",  # the suite pins its plugins (conftest)
-               COLUMNS="250")  # rich wraps table cells at 80 columns when not on a terminal
+    env.update(
+        PYTHONPATH=str(site),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        COMPRESS_PLUGINS=f"{BUILTIN_PLUGINS},keep-coordinates",  # the suite pins its plugins (conftest)
+        COLUMNS="250",
+    )  # rich wraps table cells at 80 columns when not on a terminal
     return env
 
 
 def _cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "compressor.cli", *args], env=_env(site), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "compressor.cli", *args],
+        env=_env(site),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _recipe(folder: Path, model: Path, **step: object) -> Path:
@@ -97,22 +130,39 @@ def _recipe(folder: Path, model: Path, **step: object) -> Path:
 def test_strategies_lists_the_installed_plugin(site: Path) -> None:
     result = _cli(site, "strategies")
     assert result.returncode == 0, result.stderr
-    rows = {cells[0]: cells[1:] for cells in (
-        [cell.strip() for cell in line.strip("│").split("│")] for line in result.stdout.splitlines()
-        if line.startswith("│"))}
+    rows = {
+        cells[0]: cells[1:]
+        for cells in (
+            [cell.strip() for cell in line.strip("│").split("│")]
+            for line in result.stdout.splitlines()
+            if line.startswith("│")
+        )
+    }
     assert rows["keep-coordinates"][:2] == ["keep-coordinates", "compressor-keep-coordinates 0.1.0"], result.stdout
-    assert rows["pca"][:2] == ["pca", f"compressor {compressor.__version__}"], result.stdout  # the built-in is still there
+    assert rows["pca"][:2] == ["pca", f"compressor {compressor.__version__}"], (
+        result.stdout
+    )  # the built-in is still there
 
 
-def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tiny_llama: Path,
-                                                                 tmp_path: Path) -> None:
+def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tiny_llama: Path, tmp_path: Path) -> None:
     """COMPRESS_PLUGINS lists what may load: the third party's module is never imported, listings
     say what was left out, and a recipe naming its strategy is refused in one line."""
+
     def cli(*args: str, plugins: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", "import sys; from compressor.cli import main; code = main(); "
-                               "assert 'compressor_keep_coordinates' not in sys.modules; sys.exit(code)", *args],
-                              env={**_env(site), "COMPRESS_PLUGINS": plugins}, cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from compressor.cli import main; code = main(); "
+                "assert 'compressor_keep_coordinates' not in sys.modules; sys.exit(code)",
+                *args,
+            ],
+            env={**_env(site), "COMPRESS_PLUGINS": plugins},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     listed = cli("strategies", plugins="pca,sensitivity")
     assert listed.returncode == 0, listed.stderr
@@ -120,8 +170,10 @@ def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tin
     assert "COMPRESS_PLUGINS=pca,sensitivity: not loaded: keep-coordinates, stiefel" in listed.stdout
     refused = cli("run", str(_recipe(tmp_path, tiny_llama)), "--dry-run", plugins="pca")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
-    assert ("unknown strategy 'keep-coordinates'; registered strategies: pca (COMPRESS_PLUGINS=pca limits the plugins)"
-            in refused.stderr)
+    assert (
+        "unknown strategy 'keep-coordinates'; registered strategies: pca (COMPRESS_PLUGINS=pca limits the plugins)"
+        in refused.stderr
+    )
     unknown = cli("strategies", plugins="pca,keep-cordinates")
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
     assert "COMPRESS_PLUGINS names 'keep-cordinates', which is not an installed plugin; installed: " in unknown.stderr
@@ -184,12 +236,19 @@ def test_run_recipe_with_the_plugin(site: Path, tiny_llama: Path, tmp_path: Path
     assert (out / "model" / "config.json").is_file()
 
 
-@pytest.mark.parametrize(("option", "message"), [
-    ({"order": "sideways"}, "pipeline.0: strategy 'keep-coordinates': order must be energy or index, got 'sideways'"),
-    ({"descending": True}, "pipeline.0: strategy 'keep-coordinates' has no option 'descending'"),
-])
-def test_bad_option_is_one_line_user_error(site: Path, tiny_llama: Path, tmp_path: Path,
-                                           option: dict[str, object], message: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            {"order": "sideways"},
+            "pipeline.0: strategy 'keep-coordinates': order must be energy or index, got 'sideways'",
+        ),
+        ({"descending": True}, "pipeline.0: strategy 'keep-coordinates' has no option 'descending'"),
+    ],
+)
+def test_bad_option_is_one_line_user_error(
+    site: Path, tiny_llama: Path, tmp_path: Path, option: dict[str, object], message: str
+) -> None:
     out = tmp_path / "out"
     result = _cli(site, "run", str(_recipe(tmp_path, tiny_llama, **option)), "--output", str(out))
     assert result.returncode == 2
@@ -216,8 +275,14 @@ def test_the_guide_s_worked_plugin_passes_its_own_tests(tmp_path: Path) -> None:
     """What the guide tells its reader to run (`pytest examples/rerank-plugin`), run here from
     the source folder: the plugin's module imports and its basis checks hold."""
     env = {**os.environ, "PYTHONPATH": str(RERANK)}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RERANK)],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RERANK)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
 
@@ -226,10 +291,18 @@ def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path
     """A user who writes a plugin (docs/writing-a-strategy.md) and then runs the suite: the tests
     that list strategies see only the plugins they mean (conftest pins COMPRESS_PLUGINS)."""
     env = {key: value for key, value in _env(site).items() if key != "COMPRESS_PLUGINS"}  # as in a user's shell
-    chosen = ["tests/test_hardening.py::test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes",
-              "tests/test_cli.py::test_strategies_lists_builtin_pca_with_its_source"]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *chosen], env=env,
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    chosen = [
+        "tests/test_hardening.py::test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes",
+        "tests/test_cli.py::test_strategies_lists_builtin_pca_with_its_source",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *chosen],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 passed" in result.stdout
 
@@ -242,9 +315,23 @@ def test_example_plugins_resolve_against_this_compressor(example: str, tmp_path:
     source = tmp_path / example
     shutil.copytree(ROOT / "examples" / example, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--quiet", "--report", str(tmp_path / "report.json"), str(source)],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--report",
+            str(tmp_path / "report.json"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     wanted = [item["metadata"]["name"] for item in json.loads((tmp_path / "report.json").read_text())["install"]]
     assert wanted == [f"compressor-{example.removesuffix('-plugin')}"], wanted  # nothing but the plugin itself

@@ -13,10 +13,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.engine.walk import PipelineStep, prune
-
-from compressor.models.layout import kept_width
 from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
 from compressor.models.families import family_for
+from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 from tests.test_slicing import _expected_parameters
@@ -30,8 +29,9 @@ def _pruned(family_name: str) -> tuple[PreTrainedModel, PreTrainedModel, list[in
     config = dense.config
     slice_head = family_for(family_name).head_width_is_embedding_width
     by_site = widths_for(family_name, config, kept_width(config.hidden_size, 0.25, 8), slice_head)
-    pruned = prune(copy_model(dense), family_for(family_name), random_batches(config.vocab_size),
-                   by_site, [PipelineStep(PCA())]).model
+    pruned = prune(
+        copy_model(dense), family_for(family_name), random_batches(config.vocab_size), by_site, [PipelineStep(PCA())]
+    ).model
     return dense, pruned, list(by_site.values())
 
 
@@ -103,11 +103,20 @@ def test_throughput_gives_positive_finite_rates_per_batch_size(llama, which: str
     model = dense if which == "dense" else pruned
     result = measure_throughput(model, "cpu", **FAST)
     assert {key: result[key] for key in ("device", "dtype", "prompt_len", "decode_tokens", "warmup", "repeats")} == {
-        "device": "cpu", "dtype": "float32", "prompt_len": 8, "decode_tokens": 4, "warmup": 1, "repeats": 2}
+        "device": "cpu",
+        "dtype": "float32",
+        "prompt_len": 8,
+        "decode_tokens": 4,
+        "warmup": 1,
+        "repeats": 2,
+    }
     assert set(result["batch"]) == {"1", "3"}
     for numbers in result["batch"].values():
-        assert set(numbers) == {f"{phase}_{key}" for phase in ("prefill", "decode")
-                                for key in ("tok_s", "s", "runs_s", "tok_s_min", "tok_s_max", "spread")}
+        assert set(numbers) == {
+            f"{phase}_{key}"
+            for phase in ("prefill", "decode")
+            for key in ("tok_s", "s", "runs_s", "tok_s_min", "tok_s_max", "spread")
+        }
         assert len(numbers["prefill_runs_s"]) == len(numbers["decode_runs_s"]) == 2
         rates = [numbers[key] for key in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s")]
         assert all(math.isfinite(value) and value > 0 for value in rates)

@@ -53,8 +53,9 @@ def assistant_tokens(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> 
     if not template:
         raise UserError("the tokenizer has no chat template; chat calibration (format: chat) needs one")
     if GENERATION_MARKER.search(template if isinstance(template, str) else str(template)):
-        out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return list(out["input_ids"]), list(out["assistant_masks"])
     text, spans = _spans_by_prefix(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -80,30 +81,35 @@ def chat_batches(
         if len(rows) == num_samples:
             break
         if messages_field not in record:
-            raise UserError(f"dataset record {index} has no field '{messages_field}' "
-                            f"(fields: {', '.join(record)}); set messages_field in the recipe")
+            raise UserError(
+                f"dataset record {index} has no field '{messages_field}' "
+                f"(fields: {', '.join(record)}); set messages_field in the recipe"
+            )
         try:
             ids, mask = assistant_tokens(tokenizer, record[messages_field])
         except TemplateError as error:
             raise UserError(f"dataset record {index}: the chat template refused the conversation: {error}") from None
         except (TypeError, KeyError, AttributeError):
-            raise UserError(f"dataset record {index}: '{messages_field}' must be a list of "
-                            f"{{role, content}} messages") from None
+            raise UserError(
+                f"dataset record {index}: '{messages_field}' must be a list of {{role, content}} messages"
+            ) from None
         except NotImplementedError:
-            raise UserError("chat calibration needs a fast tokenizer (character offsets); "
-                            "this tokenizer has none") from None
-        rows.append((ids[:seq_len], mask[1:seq_len + 1] + [0] * (len(mask) <= seq_len)))
+            raise UserError(
+                "chat calibration needs a fast tokenizer (character offsets); this tokenizer has none"
+            ) from None
+        rows.append((ids[:seq_len], mask[1 : seq_len + 1] + [0] * (len(mask) <= seq_len)))
     if len(rows) < (num_samples if minimum is None else minimum):
         wanted = f"num_samples is {num_samples}" if minimum is None else f"it needs at least {minimum}"
-        raise UserError(f"the dataset has {len(rows)} conversations, but {wanted}; "
-                        f"lower that or use more data")
+        raise UserError(f"the dataset has {len(rows)} conversations, but {wanted}; lower that or use more data")
     if not any(any(mask) for _, mask in rows):
-        raise UserError(f"no assistant tokens remain within seq_len={seq_len} in the {len(rows)} conversations; "
-                        f"raise seq_len (output sensitivity is measured on assistant tokens only)")
+        raise UserError(
+            f"no assistant tokens remain within seq_len={seq_len} in the {len(rows)} conversations; "
+            f"raise seq_len (output sensitivity is measured on assistant tokens only)"
+        )
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     batches = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+        chunk = rows[start : start + batch_size]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         real = torch.zeros((len(chunk), width), dtype=torch.long)

@@ -101,7 +101,7 @@ def token_windows(
             f"the dataset yields {found} windows of {seq_len} tokens, "
             f"but {wanted} {num_samples if minimum is None else minimum}; lower that or seq_len, or use more data"
         )
-    return torch.tensor(stream[:found * seq_len], dtype=torch.long).view(found, seq_len)
+    return torch.tensor(stream[: found * seq_len], dtype=torch.long).view(found, seq_len)
 
 
 def batches_of(windows: torch.Tensor, batch_size: int) -> list[Batch]:

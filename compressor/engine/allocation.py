@@ -32,15 +32,21 @@ RESOLUTION = 1 << 17
 about that many parameters (bounded time on deep models); the budget itself is never exceeded."""
 
 
-def loss_curve(C: torch.Tensor, H: torch.Tensor, widths: Sequence[int], taus: Sequence[float] = DEFAULT_TAUS,
-               pooled: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[float]:
+def loss_curve(
+    C: torch.Tensor,
+    H: torch.Tensor,
+    widths: Sequence[int],
+    taus: Sequence[float] = DEFAULT_TAUS,
+    pooled: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> list[float]:
     """Predicted KL ½·Tr(UᵀCU·UᵀHU) (per token, so comparable across sites) of keeping each of
     `widths`, U being the removed directions of the best candidate basis for that width. Made
     non-increasing in the width (keeping more never predicts more loss than keeping less).
     `pooled`: the (C, H) of later sites that keep the same basis; candidates then come from the
     sums (as the walk chooses a shared basis) and each member's loss is added."""
-    members = [(C.to(torch.float64), H.to(torch.float64))] + [(c.to(torch.float64), h.to(torch.float64))
-                                                            for c, h in pooled]
+    members = [(C.to(torch.float64), H.to(torch.float64))] + [
+        (c.to(torch.float64), h.to(torch.float64)) for c, h in pooled
+    ]
     C_all, H_all = sum(c for c, _ in members), sum(h for _, h in members)
     d = C_all.shape[0]
     Cn, Hn = frobenius_normalised(C_all), frobenius_normalised(H_all)
@@ -77,8 +83,9 @@ def groups_of(params: ParamModel, shared: Collection[str]) -> list[list[str]]:
     return groups
 
 
-def solve(params: ParamModel, choices: Sequence[Choice], budget: int, tie_ends: bool = False
-          ) -> tuple[dict[str, int], str]:
+def solve(
+    params: ParamModel, choices: Sequence[Choice], budget: int, tie_ends: bool = False
+) -> tuple[dict[str, int], str]:
     """The widths (one per choice, for all its sites) of least summed loss whose parameter count
     is at most `budget` (`tie_ends`: the first and last choices keep the same width), and the
     solver that found them: "exact" (the Pareto dynamic program, exact up to its cost buckets) or,
@@ -105,8 +112,9 @@ WORK_LIMIT = 2_000_000
 """Frontier points the exact program may combine at one site before the Lagrangian solver takes over."""
 
 
-def _over_ends(params: ParamModel, choices: Sequence[Choice], budget: int, tie_ends: bool,
-               chain: Any) -> tuple[float, list[int]] | None:
+def _over_ends(
+    params: ParamModel, choices: Sequence[Choice], budget: int, tie_ends: bool, chain: Any
+) -> tuple[float, list[int]] | None:
     if not tie_ends:
         return chain(params, choices, budget)
     found = None
@@ -183,7 +191,7 @@ def _lagrangian_chain(params: ParamModel, choices: Sequence[Choice], budget: int
         options = []
         for g, c in enumerate(choices):
             if path[g] + 1 < len(c.widths):
-                wider = path[:g] + [path[g] + 1] + path[g + 1:]
+                wider = path[:g] + [path[g] + 1] + path[g + 1 :]
                 cost = count(wider)
                 if cost <= budget:
                     options.append(((c.losses[path[g]] - c.losses[path[g] + 1]) / max(cost - spent, 1), wider, cost))
@@ -267,9 +275,15 @@ class CurveAllocator:
 
     requires = ("C", "H")
 
-    def __init__(self, params: ParamModel, budget: int, choices: Mapping[str, Sequence[int]],
-                 shared: Collection[str] = (), tie_ends: bool = False,
-                 taus: Sequence[float] = DEFAULT_TAUS) -> None:
+    def __init__(
+        self,
+        params: ParamModel,
+        budget: int,
+        choices: Mapping[str, Sequence[int]],
+        shared: Collection[str] = (),
+        tie_ends: bool = False,
+        taus: Sequence[float] = DEFAULT_TAUS,
+    ) -> None:
         self.params, self.budget, self.tie_ends, self.taus = params, budget, tie_ends, tuple(taus)
         self.groups = groups_of(params, shared)
         self.choices = {tuple(g): sorted(set.intersection(*(set(choices[s]) for s in g))) for g in self.groups}
@@ -300,6 +314,11 @@ class CurveAllocator:
         return sum(curve[self.choices[g].index(widths[g[0]])] for g, curve in self.curves.items())
 
     def to_json(self, widths: Mapping[str, int]) -> dict[str, Any]:
-        return {"method": "curves", "solver": self.solver, "budget": self.budget, "params": self.params.count(widths),
-                "predicted_kl": self.predicted(widths),
-                "curves": {"+".join(g): dict(zip(map(str, self.choices[g]), curve)) for g, curve in self.curves.items()}}
+        return {
+            "method": "curves",
+            "solver": self.solver,
+            "budget": self.budget,
+            "params": self.params.count(widths),
+            "predicted_kl": self.predicted(widths),
+            "curves": {"+".join(g): dict(zip(map(str, self.choices[g]), curve)) for g, curve in self.curves.items()},
+        }

@@ -74,8 +74,14 @@ def open_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previo
     setattr(layer, site.shortcut, transition(previous, identity, _like(layer, family)))
 
 
-def close_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor,
-               chosen: torch.Tensor, shared: bool = False) -> None:
+def close_site(
+    layer: SlicedDecoderLayer,
+    family: ModelFamily,
+    site: Site,
+    previous: torch.Tensor,
+    chosen: torch.Tensor,
+    shared: bool = False,
+) -> None:
     """The block writes the stream in the chosen basis; the residual path carries V_newᵀ·V_prev,
     or the stream as it is when the site reuses the previous site's basis (`shared`)."""
     for linear in site.writers:
@@ -103,8 +109,9 @@ def apply_tied_head(model: PreTrainedModel, family: ModelFamily, reader: torch.T
         target = torch.cat([target, head.bias.data.to(torch.float64)[:, None]], 1)
     solution = torch.linalg.lstsq(A, target).solution  # k_0 × k (and the bias column)
     width = reader.shape[1]
-    mixer = nn.Linear(width, A.shape[1], bias=head.bias is not None, dtype=head.weight.dtype,
-                      device=head.weight.device).requires_grad_(False)
+    mixer = nn.Linear(
+        width, A.shape[1], bias=head.bias is not None, dtype=head.weight.dtype, device=head.weight.device
+    ).requires_grad_(False)
     mixer.weight.data = solution[:, :width].to(mixer.weight.dtype).contiguous()
     if head.bias is not None:
         mixer.bias.data = solution[:, width].to(mixer.weight.dtype).contiguous()
@@ -117,12 +124,20 @@ def tied_head(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, t
     kept the embedding's basis (`slicing.tie_head`), keeps its head tied."""
     last = site_ids(family, model.config.num_hidden_layers)[-1]
     head, embedding = model.get_submodule(family.head), model.get_submodule(family.embedding)
-    return (head.weight is embedding.weight
-            and bases[last].shape == bases[EMBEDDING].shape and torch.equal(bases[last], bases[EMBEDDING]))
+    return (
+        head.weight is embedding.weight
+        and bases[last].shape == bases[EMBEDDING].shape
+        and torch.equal(bases[last], bases[EMBEDDING])
+    )
 
 
-def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int],
-                   shared: Collection[str] = (), tied: bool = False) -> dict[str, Any]:
+def slicing_config(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    widths: Mapping[str, int],
+    shared: Collection[str] = (),
+    tied: bool = False,
+) -> dict[str, Any]:
     """The `slicing` entry of a sliced model's config (how `apply_slicing_layout` rebuilds it);
     `shared` names the sites that reuse the previous site's basis (no transition into them)."""
     shape = layout(family, model.config.num_hidden_layers, widths, shared)
@@ -144,15 +159,22 @@ def slicing_config(model: PreTrainedModel, family: ModelFamily, widths: Mapping[
 def shared_sites(ids: list[str], bases: Mapping[str, torch.Tensor]) -> list[str]:
     """Sites whose kept directions are exactly the previous site's (`slicing.shared_bases`): the
     stream passes them unchanged, so no transition matrix leads into them."""
-    return [site for previous, site in zip(ids, ids[1:])
-            if bases[site].shape == bases[previous].shape and torch.equal(bases[site], bases[previous])]
+    return [
+        site
+        for previous, site in zip(ids, ids[1:])
+        if bases[site].shape == bases[previous].shape and torch.equal(bases[site], bases[previous])
+    ]
 
 
 @torch.no_grad()
-def apply_bases(model: PreTrainedModel, family: ModelFamily, bases: Mapping[str, torch.Tensor],
-                device: torch.device | str = "cpu",
-                readers: Mapping[str, torch.Tensor] | None = None,
-                keep_tied: bool | None = None) -> PreTrainedModel:
+def apply_bases(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    bases: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    readers: Mapping[str, torch.Tensor] | None = None,
+    keep_tied: bool | None = None,
+) -> PreTrainedModel:
     """The sliced model that `bases` define, from the *original* `model` (which it consumes:
     weights are transformed in place, so a 70B model is never held twice). `readers` gives the
     maps R_s that read each site's stream where they are not its basis (`reader_map`).
@@ -227,8 +249,10 @@ def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[s
 
 def save_bases(bases: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
     """One safetensors file keyed by site id (float64, d × k_s each)."""
-    tensors = {site: basis.detach().to("cpu", torch.float64).clone(memory_format=torch.contiguous_format)
-               for site, basis in bases.items()}  # each its own storage, even where sites share one basis
+    tensors = {
+        site: basis.detach().to("cpu", torch.float64).clone(memory_format=torch.contiguous_format)
+        for site, basis in bases.items()
+    }  # each its own storage, even where sites share one basis
     save_file(tensors, str(path), metadata=dict(metadata or {}))
 
 

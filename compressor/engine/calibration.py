@@ -60,7 +60,10 @@ _DROPPED_KWARGS = ("cache", "past_key_values", "use_cache")
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], device: torch.device,
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    device: torch.device,
     store: ActivationStore | None = None,
 ) -> LayerInputs:
     """Run the model's own forward with every layer replaced by a recorder.
@@ -76,8 +79,12 @@ def capture_layer_inputs(
     originals = list(layers)
     sink: list[tuple[torch.Tensor, dict[str, Any]]] = []
     host = torch.device("cpu")
-    captured = LayerInputs(hidden=store if store is not None else ActivationStore(device), layer_kwargs=[],
-                           token_masks=[], sensitivity_masks=[])
+    captured = LayerInputs(
+        hidden=store if store is not None else ActivationStore(device),
+        layer_kwargs=[],
+        token_masks=[],
+        sensitivity_masks=[],
+    )
     try:
         for index in range(len(originals)):
             layers[index] = _Recorder(sink, family.positional_args)
@@ -89,8 +96,10 @@ def capture_layer_inputs(
                 captured.hidden.append(sink[0][0])
                 memo: dict[int, Any] = {}  # layers share their masks and position embeddings: one host copy each
                 captured.layer_kwargs.append(
-                    [to_device({k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}, host, memo)
-                     for _, kwargs in sink]
+                    [
+                        to_device({k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}, host, memo)
+                        for _, kwargs in sink
+                    ]
                 )
                 real = batch.attention_mask.bool()
                 captured.token_masks.append(real)
@@ -124,7 +133,7 @@ class SecondMoment:
         self.total.addmm_(x.T, x)
         self.tokens += x.shape[0]
 
-    def sum_over(self, ranks: Ranks) -> "SecondMoment":
+    def sum_over(self, ranks: Ranks) -> SecondMoment:
         """The sum and count over every rank's batches (data-parallel calibration), in place."""
         ranks.sum_(self.total)
         self.tokens = ranks.sum_count(self.tokens, self.total.device)

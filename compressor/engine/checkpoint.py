@@ -124,8 +124,10 @@ class Checkpoint:
             if not changed:
                 return
             if self.has_progress():
-                raise UserError(f"an interrupted run in {self.folder.parent} was started with a different "
-                                f"{' and '.join(changed)}; rerun with --restart to discard it")
+                raise UserError(
+                    f"an interrupted run in {self.folder.parent} was started with a different "
+                    f"{' and '.join(changed)}; rerun with --restart to discard it"
+                )
         self.discard()  # no fingerprint: whatever is left cannot be trusted
         self.sites_folder.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda p: p.write_text(json.dumps(dict(fingerprint), indent=2) + "\n"))
@@ -136,8 +138,12 @@ class Checkpoint:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def has_progress(self) -> bool:
-        return ((self.folder / FISHER_FILE).is_file() or (self.folder / ALLOCATION_FILE).is_file()
-                or any(self.sites_folder.glob("[0-9]*.safetensors")) or self.has_distillation_progress())
+        return (
+            (self.folder / FISHER_FILE).is_file()
+            or (self.folder / ALLOCATION_FILE).is_file()
+            or any(self.sites_folder.glob("[0-9]*.safetensors"))
+            or self.has_distillation_progress()
+        )
 
     def has_distillation_progress(self) -> bool:
         """A Trainer checkpoint of the distillation stage (its state file is written last)."""
@@ -167,16 +173,18 @@ class Checkpoint:
             return
         write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
 
-    def save_site(self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any],
-                  reader: torch.Tensor | None = None) -> None:
+    def save_site(
+        self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any], reader: torch.Tensor | None = None
+    ) -> None:
         if not self.writable:
             return
         tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
         if reader is not None:
             tensors["reader"] = reader.detach().to("cpu", torch.float64).contiguous()
         metadata = {"site": site, "record": json.dumps(record)}
-        write_atomic(self.sites_folder / f"{position:05d}.safetensors",
-                      lambda p: save_file(tensors, str(p), metadata=metadata))
+        write_atomic(
+            self.sites_folder / f"{position:05d}.safetensors", lambda p: save_file(tensors, str(p), metadata=metadata)
+        )
 
     def finished_sites(self) -> dict[str, SavedSite]:
         """Finished sites in the order they were chosen."""
@@ -185,7 +193,9 @@ class Checkpoint:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata()
                 saved[metadata["site"]] = SavedSite(
-                    basis=handle.get_tensor("basis"), record=json.loads(metadata["record"]),
+                    basis=handle.get_tensor("basis"),
+                    record=json.loads(metadata["record"]),
                     rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")},
-                    reader=handle.get_tensor("reader") if "reader" in handle.keys() else None)
+                    reader=handle.get_tensor("reader") if "reader" in handle.keys() else None,
+                )
         return saved

@@ -32,15 +32,25 @@ from compressor.models.families import ModelFamily
 from compressor.models.sites import layer_site_ids, site_ids
 from compressor.recipe.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 
-__all__ = ["ACCUMULATION_DTYPES", "AUTOCAST_DTYPES", "REDUCTIONS", "SensitivityOptions", "estimate_fisher",
-           "site_activations"]
+__all__ = [
+    "ACCUMULATION_DTYPES",
+    "AUTOCAST_DTYPES",
+    "REDUCTIONS",
+    "SensitivityOptions",
+    "estimate_fisher",
+    "site_activations",
+]
 
 SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
 """(site index, residual stream) → the stream the rest of the model sees (for diagnostics)."""
 
 
 def site_activations(
-    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int, edit: SiteEdit | None = None,
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    batch: int,
+    edit: SiteEdit | None = None,
     before_cap: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -96,7 +106,10 @@ def sample_labels(probs: torch.Tensor, generator: torch.Generator, block: int = 
 
 
 def sampled_score(
-    logits: torch.Tensor, mask: torch.Tensor, generator: torch.Generator, reduction: str,
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    generator: torch.Generator,
+    reduction: str,
     skipped: Sequence[int] = (),
 ) -> torch.Tensor:
     """∂/∂logits of Σ (or mean) over counted positions of log p(y_t), y_t ~ p(· | prefix).
@@ -224,8 +237,7 @@ def estimate_fisher(
                 x = stream[-1][k].to(device).detach().requires_grad_()
                 with torch.enable_grad(), precision():
                     logits = family.logits(model, x)
-                    score = sampled_score(logits, mask, generator, options.reduction,
-                                          skipped[batch] if skipped else ())
+                    score = sampled_score(logits, mask, generator, options.reduction, skipped[batch] if skipped else ())
                     (grad,) = torch.autograd.grad(logits, [x], score)
                 count = inputs.sensitivity_counts[batch]
                 acc.add(ids[-1], grad, mask, count)
@@ -248,8 +260,9 @@ def estimate_fisher(
                             x, sites = graphs[index][k]  # type: ignore[misc]
                             graphs[index][k] = None  # the graph is freed once used
                         # only the stream's gradients: never the weights', whatever their requires_grad
-                        *inner, grad = torch.autograd.grad(sites[-1], [*sites[:-1], x],
-                                                           grads[k].to(device, non_blocking=True))
+                        *inner, grad = torch.autograd.grad(
+                            sites[-1], [*sites[:-1], x], grads[k].to(device, non_blocking=True)
+                        )
                     count = inputs.sensitivity_counts[batch]
                     for site, tensor in zip(own[:-1], inner):
                         acc.add(site, tensor, mask, count)

@@ -23,7 +23,7 @@ class Ranks:
     world: int = 1
 
     @classmethod
-    def current(cls) -> "Ranks":
+    def current(cls) -> Ranks:
         """The initialised default process group, or a single rank."""
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size())
@@ -38,7 +38,7 @@ class Ranks:
         """For each of this rank's batches (`mine`), the rows of the other ranks' batches just
         before it, given every batch's rows: the label draws this rank skips."""
         mine = self.mine(len(rows))
-        return [rows[before + 1:index] for before, index in zip([-1, *mine], mine)]
+        return [rows[before + 1 : index] for before, index in zip([-1, *mine], mine)]
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks, in place (the backend's device: NCCL needs it on the

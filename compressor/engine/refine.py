@@ -93,8 +93,10 @@ def rebatch(batches: list[Batch], size: int, windows: int | None = None) -> list
     if windows is not None and windows < ids.shape[0]:
         chosen = torch.linspace(0, ids.shape[0] - 1, windows).round().long()
         ids, mask, counted = ids[chosen], mask[chosen], None if counted is None else counted[chosen]
-    return [Batch(ids[i:i + size], mask[i:i + size], None if counted is None else counted[i:i + size])
-            for i in range(0, ids.shape[0], size)]
+    return [
+        Batch(ids[i : i + size], mask[i : i + size], None if counted is None else counted[i : i + size])
+        for i in range(0, ids.shape[0], size)
+    ]
 
 
 @dataclass
@@ -107,8 +109,9 @@ class TeacherTarget:
     tail: torch.Tensor | None
 
     @staticmethod
-    def cat(parts: list["TeacherTarget"], device: torch.device | None = None) -> "TeacherTarget":
+    def cat(parts: list[TeacherTarget], device: torch.device | None = None) -> TeacherTarget:
         """Several batches' (or rows') targets as one, in order, on `device`."""
+
         def joined(name: str) -> torch.Tensor | None:
             tensors = [getattr(part, name) for part in parts]
             return None if tensors[0] is None else torch.cat(tensors).to(device)
@@ -199,11 +202,18 @@ class Refined(NamedTuple):
     head_scale: torch.Tensor | None = None
 
 
-def _student_logits(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, batch: int,
-                    bases: list[torch.Tensor], tied: TiedHead | StockTiedHead | None = None) -> torch.Tensor:
+def _student_logits(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    batch: int,
+    bases: list[torch.Tensor],
+    tied: TiedHead | StockTiedHead | None = None,
+) -> torch.Tensor:
     """Logits of the pruned model that `bases` (in `site_ids` order) define: the fused original
     with the stream projected on each site's kept directions, and its head as it is saved (a
     tied head's projection, or a stock tied head)."""
+
     def project(site: int, stream: torch.Tensor) -> torch.Tensor:
         """In float32 at least: V rounded to bfloat16 is no longer orthonormal, V Vᵀ no projector."""
         dtype = torch.promote_types(stream.dtype, torch.float32)
@@ -255,22 +265,32 @@ def refine_bases(
         inputs.hidden.close()
 
 
-def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, bases: Mapping[str, torch.Tensor],
-            options: RefinementSpec, device: torch.device, seed: int, report: Progress,
-            started: float, tied: TiedHead | StockTiedHead | None) -> Refined:
+def _refine(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    bases: Mapping[str, torch.Tensor],
+    options: RefinementSpec,
+    device: torch.device,
+    seed: int,
+    report: Progress,
+    started: float,
+    tied: TiedHead | StockTiedHead | None,
+) -> Refined:
     ids = site_ids(family, model.config.num_hidden_layers)
     masks = [m.to(device) for m in inputs.sensitivity_masks]
     counted = sum(inputs.sensitivity_counts)
     if counted == 0:
-        raise UserError("refinement: its calibration windows have no counted tokens (e.g. no assistant tokens); "
-                        "raise refinement.windows or leave it unset")
+        raise UserError(
+            "refinement: its calibration windows have no counted tokens (e.g. no assistant tokens); "
+            "raise refinement.windows or leave it unset"
+        )
     received = [bases[site].to(device, torch.float64) for site in ids]
 
     def objective(current: list[torch.Tensor], targets: list[TeacherTarget], phase: str) -> float:
         total = 0.0
         for b in range(len(inputs)):
-            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current, tied),
-                                        masks[b]))
+            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current, tied), masks[b]))
             report(phase, b + 1, len(inputs))
         return total / counted
 
@@ -315,9 +335,17 @@ def _refine(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, ba
     if scale is not None and not keep:
         with torch.no_grad():
             scale.copy_(received_scale)
-    record = RefinementRecord(steps=steps, calibration_kl_before=before,
-                              calibration_kl_refined=after, calibration_kl_after=after if keep else before,
-                              kept="refined" if keep else "received", seconds=time.perf_counter() - started,
-                              options=asdict(options))
-    return Refined({site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)}, record,
-                   None if scale is None else scale.detach().to("cpu", torch.float64))
+    record = RefinementRecord(
+        steps=steps,
+        calibration_kl_before=before,
+        calibration_kl_refined=after,
+        calibration_kl_after=after if keep else before,
+        kept="refined" if keep else "received",
+        seconds=time.perf_counter() - started,
+        options=asdict(options),
+    )
+    return Refined(
+        {site: v.to("cpu", torch.float64).contiguous() for site, v in zip(ids, chosen)},
+        record,
+        None if scale is None else scale.detach().to("cpu", torch.float64),
+    )

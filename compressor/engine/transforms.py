@@ -108,8 +108,10 @@ def _fold_shift(norm: nn.Module, linears: list[nn.Module]) -> None:
         w = linear.weight.data.to(torch.float64)
         shift = w @ beta.data.to(device=w.device, dtype=torch.float64)
         if linear.bias is None:
-            linear.bias = nn.Parameter(torch.zeros(linear.out_features, dtype=linear.weight.dtype,
-                                                   device=linear.weight.device), requires_grad=False)
+            linear.bias = nn.Parameter(
+                torch.zeros(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device),
+                requires_grad=False,
+            )
         _assign(linear.bias, linear.bias.data.to(torch.float64) + shift)
 
 

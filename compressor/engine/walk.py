@@ -36,7 +36,6 @@ from compressor.engine.bases import (
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint, SavedSite, restore_rng
 from compressor.engine.fisher import estimate_fisher
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
@@ -44,6 +43,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import kept_width
 from compressor.models.sites import EMBEDDING, layer_site_ids, site_ids, site_widths
 from compressor.models.sliced import SlicedDecoderLayer
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.contract import Basis, SiteProblem, SiteStatistics, Strategy
 
 __all__ = ["PipelineStep", "PruneResult", "SiteRecord", "kept_width", "prune", "site_widths"]
@@ -86,17 +86,29 @@ class SiteRecord:
     """Later sites that keep this site's basis, whose statistics were added to its own to choose it."""
 
     def to_json(self) -> dict[str, Any]:
-        value = {"name": self.name, "width": self.width, "kept": self.kept, "tokens": self.tokens,
-                 "strategy": "+".join(s["strategy"] for s in self.steps), "steps": self.steps}
+        value = {
+            "name": self.name,
+            "width": self.width,
+            "kept": self.kept,
+            "tokens": self.tokens,
+            "strategy": "+".join(s["strategy"] for s in self.steps),
+            "steps": self.steps,
+        }
         if self.pooled_with:
             value["pooled_with"] = self.pooled_with
         return value if self.correction is None else {**value, "correction": self.correction}
 
     @classmethod
-    def from_json(cls, value: Mapping[str, Any]) -> "SiteRecord":
-        return cls(name=value["name"], width=value["width"], kept=value["kept"], tokens=value["tokens"],
-                   steps=list(value["steps"]), correction=value.get("correction"),
-                   pooled_with=list(value.get("pooled_with", [])))
+    def from_json(cls, value: Mapping[str, Any]) -> SiteRecord:
+        return cls(
+            name=value["name"],
+            width=value["width"],
+            kept=value["kept"],
+            tokens=value["tokens"],
+            steps=list(value["steps"]),
+            correction=value.get("correction"),
+            pooled_with=list(value.get("pooled_with", [])),
+        )
 
 
 @dataclass
@@ -140,8 +152,10 @@ def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
     needed = {r for step in pipeline for r in step.strategy.requires}
     unknown = sorted(needed - set(STATISTICS))
     if unknown:
-        raise UserError(f"the pipeline needs statistics this engine cannot compute: {', '.join(unknown)} "
-                        f"(available: {', '.join(STATISTICS)})")
+        raise UserError(
+            f"the pipeline needs statistics this engine cannot compute: {', '.join(unknown)} "
+            f"(available: {', '.join(STATISTICS)})"
+        )
     return needed
 
 
@@ -196,9 +210,13 @@ class GlobalPool:
 class SiteChooser:
     """Runs the strategy pipeline at a site and checks what comes back."""
 
-    def __init__(self, pipeline: Sequence[PipelineStep], sites: Sequence[str],
-                 fisher: Mapping[str, torch.Tensor] | None = None,
-                 report: ProgressCallback | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Sequence[PipelineStep],
+        sites: Sequence[str],
+        fisher: Mapping[str, torch.Tensor] | None = None,
+        report: ProgressCallback | None = None,
+    ) -> None:
         self.pipeline = list(pipeline)
         self.sites = list(sites)
         self.fisher = fisher
@@ -228,7 +246,9 @@ class SiteChooser:
         basis: Basis | None = None
         where = f"site {problem.index + 1}/{len(self.sites)} ({site})"
         for step in self.pipeline:
-            problem.progress = lambda done, total, phase=f"{where}: {step.strategy.name}": self.report(phase, done, total)
+            problem.progress = lambda done, total, phase=f"{where}: {step.strategy.name}": self.report(
+                phase, done, total
+            )
             basis = step.strategy.select(problem, basis, step.options)
             _check_basis(basis, width, step.strategy.name, site)
             record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
@@ -238,9 +258,9 @@ class SiteChooser:
 
 FIXES = {
     "C": "the activations overflow or the weights hold NaN or Inf: load the model in float32 (model.dtype) "
-         "or check its weights",
+    "or check its weights",
     "H": "the output gradients overflow: set sensitivity.dtype: float64 and leave sensitivity.autocast off, "
-         "or load the model in float32",
+    "or load the model in float32",
 }
 
 
@@ -265,18 +285,29 @@ def _check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
         if error > 1e-6:
             fault = f"a non-orthogonal basis (|QᵀQ − I| = {error:.2e})"
     if fault is not None:
-        raise UserError(f"strategy '{strategy}' returned {fault} at site {site}: a bug in the strategy; report it "
-                        f"to its plugin's authors, or leave it out of the pipeline")
+        raise UserError(
+            f"strategy '{strategy}' returned {fault} at site {site}: a bug in the strategy; report it "
+            f"to its plugin's authors, or leave it out of the pipeline"
+        )
 
 
 class _Walk:
     """The state of one walk down the model: the activation store, the basis the stored
     activations still have to be projected on, and the sites chosen or loaded so far."""
 
-    def __init__(self, inputs: LayerInputs, device: torch.device, chooser: SiteChooser | None,
-                 widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
-                 correct_readers: bool = False, shared: Collection[str] = (),
-                 copies: Mapping[str, str] | None = None, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self,
+        inputs: LayerInputs,
+        device: torch.device,
+        chooser: SiteChooser | None,
+        widths: Mapping[str, int],
+        saved: Mapping[str, SavedSite],
+        checkpoint: Checkpoint | None,
+        correct_readers: bool = False,
+        shared: Collection[str] = (),
+        copies: Mapping[str, str] | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
         self.ranks = ranks or Ranks()
         """Data-parallel: each site's C is summed over the ranks' batches before anything reads it."""
@@ -291,8 +322,9 @@ class _Walk:
         self.bases: dict[str, torch.Tensor] = {}
         self.resumed_from: str | None = None
 
-    def advance(self, site: str, block: Callable[..., torch.Tensor] | None, layer: int,
-                measure: bool = False) -> SecondMoment | None:
+    def advance(
+        self, site: str, block: Callable[..., torch.Tensor] | None, layer: int, measure: bool = False
+    ) -> SecondMoment | None:
         """Push every batch through `block` (None: just read the stream); return C of the result
         unless the site is already finished (a replay needs the activations, not their
         statistics) and not to be `measure`d all the same."""
@@ -321,9 +353,13 @@ class _Walk:
             moment.add(hidden, self.inputs.token_masks[b], self.inputs.token_counts[b])
         return moment.sum_over(self.ranks)
 
-    def settle(self, site: str, moment: SecondMoment | None,
-               pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None,
-               given: Callable[[], Pooled] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def settle(
+        self,
+        site: str,
+        moment: SecondMoment | None,
+        pooled: Callable[[], list[tuple[str, SecondMoment]]] | None = None,
+        given: Callable[[], Pooled] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's kept basis and what reads its stream (the basis, or with `correct_readers`
         its reader map): loaded from the checkpoint, or chosen now and checkpointed. `pooled`
         gives (only if the basis is chosen now) the C of later sites that will keep this basis;
@@ -332,8 +368,10 @@ class _Walk:
         if site in self.saved:
             entry = self.saved[site]
             if tuple(entry.basis.shape) != (self.width, self.widths[site]):
-                raise UserError(f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
-                                f"run's widths do not allow; rerun with --restart to discard the checkpoint")
+                raise UserError(
+                    f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
+                    f"run's widths do not allow; rerun with --restart to discard the checkpoint"
+                )
             if self.correct_readers and entry.reader is None:
                 raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
             self.records.append(SiteRecord.from_json(entry.record))
@@ -352,8 +390,13 @@ class _Walk:
             assert self.pending is not None and self.records
             source = self.copies.get(site, self.records[-1].name)
             basis = self.bases[source].to(self.device) if site in self.copies else self.pending
-            record = SiteRecord(name=site, width=self.width, kept=self.widths[site], tokens=moment.tokens,
-                                steps=[{"strategy": "shared", "objectives": {"with": source}}])
+            record = SiteRecord(
+                name=site,
+                width=self.width,
+                kept=self.widths[site],
+                tokens=moment.tokens,
+                steps=[{"strategy": "shared", "objectives": {"with": source}}],
+            )
         else:
             assert self.chooser is not None
             problem = given() if given is not None else self.chooser.pool(site, moment, pooled() if pooled else ())
@@ -362,13 +405,16 @@ class _Walk:
         if self.correct_readers:
             C = moment.value()
             reader = reader_map(C, basis)
-            record.correction = {"error_basis": prediction_error(C, basis, basis),
-                                 "error_reader": prediction_error(C, basis, reader)}
+            record.correction = {
+                "error_basis": prediction_error(C, basis, basis),
+                "error_reader": prediction_error(C, basis, reader),
+            }
             self.readers[site] = reader.to("cpu")
         self.records.append(record)
         if self.checkpoint is not None:
-            self.checkpoint.save_site(len(self.records) - 1, site, basis, record.to_json(),
-                                      reader if self.correct_readers else None)
+            self.checkpoint.save_site(
+                len(self.records) - 1, site, basis, record.to_json(), reader if self.correct_readers else None
+            )
         faults.reached(f"site:{site}")
         self.bases[site] = basis.to("cpu")
         self.pending = basis
@@ -438,8 +484,10 @@ def prune(
     ranks = ranks or Ranks.current()
     mine = ranks.mine(len(batches))
     if ranks.world > 1 and not mine:
-        raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
-                        f"give at least one batch per process")
+        raise UserError(
+            f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
+            f"give at least one batch per process"
+        )
     local = [batches[i] for i in mine]
     skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
     report = progress or (lambda *_: None)
@@ -453,7 +501,8 @@ def prune(
     one_basis = layout == "global"
     shared = _checked_layout(model, family, ids, widths, allocator, shared, tie_head, layout)
     needed = required_statistics(pipeline) | (
-        set(allocator.requires) if widths is None and allocator is not None else set())
+        set(allocator.requires) if widths is None and allocator is not None else set()
+    )
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
 
     report("fusing norms", 0, num_layers)
@@ -466,38 +515,74 @@ def prune(
         faults.reached("capture")
         h = _Sensitivity(device)
         if "H" in needed and (len(saved) < len(ids) or widths is None):
-            h = _estimate_sensitivity(model, family, inputs, fisher, checkpoint, sensitivity, device, seed, report,
-                                      ranks, skipped)
+            h = _estimate_sensitivity(
+                model, family, inputs, fisher, checkpoint, sensitivity, device, seed, report, ranks, skipped
+            )
         survey = _Survey(GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None)
         if widths is None or (tie_head and EMBEDDING not in saved) or survey.pool is not None:
-            widths, chosen = _survey_original(model, family, inputs, device, report, ranks, h, survey, widths,
-                                              allocator, checkpoint, shared, tie_head)
+            widths, chosen = _survey_original(
+                model, family, inputs, device, report, ranks, h, survey, widths, allocator, checkpoint, shared, tie_head
+            )
             allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)
-        walked = _walk_sites(model, family, inputs, device, report, ranks, h,
-                             SiteChooser(pipeline, ids, h.values, report), widths, saved, checkpoint, correct_readers,
-                             shared, tie_head, one_basis, pooling, survey)
+        walked = _walk_sites(
+            model,
+            family,
+            inputs,
+            device,
+            report,
+            ranks,
+            h,
+            SiteChooser(pipeline, ids, h.values, report),
+            widths,
+            saved,
+            checkpoint,
+            correct_readers,
+            shared,
+            tie_head,
+            one_basis,
+            pooling,
+            survey,
+        )
     finally:
         store.close()
     slicing = _attach_head(model, family, widths, shared, tie_head, walked.reader)
     walk = walked.walk
-    return PruneResult(model=as_sliced_model(model, family, slicing), sites=walk.records, slicing=slicing,
-                       bases=walk.bases, readers=walk.readers if correct_readers else None,
-                       resumed_from=walk.resumed_from, loaded_sites=len(saved),
-                       fisher_loaded=h.loaded, fisher=h.values, fisher_source=h.source,
-                       widths=dict(widths), allocation=allocation, tokens_by_rank=tokens_by_rank,
-                       head_moment=walked.head_moment, fisher_seconds=h.seconds,
-                       walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None)
+    return PruneResult(
+        model=as_sliced_model(model, family, slicing),
+        sites=walk.records,
+        slicing=slicing,
+        bases=walk.bases,
+        readers=walk.readers if correct_readers else None,
+        resumed_from=walk.resumed_from,
+        loaded_sites=len(saved),
+        fisher_loaded=h.loaded,
+        fisher=h.values,
+        fisher_source=h.source,
+        widths=dict(widths),
+        allocation=allocation,
+        tokens_by_rank=tokens_by_rank,
+        head_moment=walked.head_moment,
+        fisher_seconds=h.seconds,
+        walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None,
+    )
 
 
 # The phases of `prune`, in order; each is named as the progress line that announces it.
 
 
-def _checked_layout(model: PreTrainedModel, family: ModelFamily, ids: list[str], widths: Mapping[str, int] | None,
-                    allocator: WidthAllocator | None, shared: Collection[str], tie_head: bool,
-                    layout: str) -> Collection[str]:
+def _checked_layout(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    ids: list[str],
+    widths: Mapping[str, int] | None,
+    allocator: WidthAllocator | None,
+    shared: Collection[str],
+    tie_head: bool,
+    layout: str,
+) -> Collection[str]:
     """The walk's layout arguments agree with each other and the model; returns the shared sites
     (every site after the embedding in a global layout)."""
     if layout not in ("per_site", "global"):
@@ -505,8 +590,10 @@ def _checked_layout(model: PreTrainedModel, family: ModelFamily, ids: list[str],
     one_basis = layout == "global"
     if one_basis:
         if allocator is not None or tie_head or shared or widths is None or len(set(widths.values())) != 1:
-            raise ValueError("a global layout takes one width for every site, and no allocator, tied head or "
-                             "shared sites (every site keeps one basis)")
+            raise ValueError(
+                "a global layout takes one width for every site, and no allocator, tied head or "
+                "shared sites (every site keeps one basis)"
+            )
         shared = ids[1:]
     if widths is not None:
         _check_widths(family, ids, widths, shared, tie_head, one_basis)
@@ -533,11 +620,20 @@ class _Sensitivity:
         return None if self.values is None else self.values[site].to(self.device, torch.float64)
 
 
-def _estimate_sensitivity(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs,
-                          given: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint | None,
-                          options: SensitivityOptions | None, device: torch.device, seed: int,
-                          report: ProgressCallback, ranks: Ranks, skipped: Any) -> _Sensitivity:
-    """"estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
+def _estimate_sensitivity(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    given: Mapping[str, torch.Tensor] | None,
+    checkpoint: Checkpoint | None,
+    options: SensitivityOptions | None,
+    device: torch.device,
+    seed: int,
+    report: ProgressCallback,
+    ranks: Ranks,
+    skipped: Any,
+) -> _Sensitivity:
+    """ "estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
     else computed on the fused, unsliced model (and checkpointed)."""
     h = _Sensitivity(device)
     h.values = checkpoint.load_fisher() if checkpoint is not None else None
@@ -557,8 +653,9 @@ def _estimate_sensitivity(model: PreTrainedModel, family: ModelFamily, inputs: L
                 faults.reached("fisher")
 
         tick = time.perf_counter()
-        h.values = estimate_fisher(model, family, inputs, options or SensitivityOptions(), device, seed,
-                                   h_progress, ranks, skipped)
+        h.values = estimate_fisher(
+            model, family, inputs, options or SensitivityOptions(), device, seed, h_progress, ranks, skipped
+        )
         h.seconds = time.perf_counter() - tick
         for name, value in h.values.items():
             check_finite("H", name, value)
@@ -576,12 +673,22 @@ class _Survey:
     last: list[tuple[str, SecondMoment]] = field(default_factory=list)
 
 
-def _survey_original(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
-                     report: ProgressCallback, ranks: Ranks, h: _Sensitivity, survey: _Survey,
-                     widths: Mapping[str, int] | None, allocator: WidthAllocator | None,
-                     checkpoint: Checkpoint | None, shared: Collection[str],
-                     tie_head: bool) -> tuple[Mapping[str, int], dict[str, Any] | None]:
-    """"surveying the original model": every site's C (and H) of the fused, unsliced model goes to
+def _survey_original(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    device: torch.device,
+    report: ProgressCallback,
+    ranks: Ranks,
+    h: _Sensitivity,
+    survey: _Survey,
+    widths: Mapping[str, int] | None,
+    allocator: WidthAllocator | None,
+    checkpoint: Checkpoint | None,
+    shared: Collection[str],
+    tie_head: bool,
+) -> tuple[Mapping[str, int], dict[str, Any] | None]:
+    """ "surveying the original model": every site's C (and H) of the fused, unsliced model goes to
     the global pool, the allocator (which then chooses the widths, checkpointed) and a tied head's
     choice. Returns the widths and the allocation's record (None when the widths were given)."""
     ids = site_ids(family, model.config.num_hidden_layers)
@@ -618,22 +725,47 @@ class _Walked:
     """Global layout, nothing loaded: every site's statistics as the sliced model made them."""
 
 
-def _walk_sites(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
-                report: ProgressCallback, ranks: Ranks, h: _Sensitivity, chooser: SiteChooser,
-                widths: Mapping[str, int], saved: Mapping[str, SavedSite], checkpoint: Checkpoint | None,
-                correct_readers: bool, shared: Collection[str], tie_head: bool, one_basis: bool, pooling: str,
-                survey: _Survey) -> _Walked:
-    """"layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
+def _walk_sites(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    device: torch.device,
+    report: ProgressCallback,
+    ranks: Ranks,
+    h: _Sensitivity,
+    chooser: SiteChooser,
+    widths: Mapping[str, int],
+    saved: Mapping[str, SavedSite],
+    checkpoint: Checkpoint | None,
+    correct_readers: bool,
+    shared: Collection[str],
+    tie_head: bool,
+    one_basis: bool,
+    pooling: str,
+    survey: _Survey,
+) -> _Walked:
+    """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
     (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
     num_layers = model.config.num_hidden_layers
     ids = site_ids(family, num_layers)
-    walk = _Walk(inputs, device, chooser, widths, saved, checkpoint, correct_readers,
-                 shared, {ids[-1]: EMBEDDING} if tie_head else {}, ranks)
+    walk = _Walk(
+        inputs,
+        device,
+        chooser,
+        widths,
+        saved,
+        checkpoint,
+        correct_readers,
+        shared,
+        {ids[-1]: EMBEDDING} if tie_head else {},
+        ranks,
+    )
     report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
     first = walk.advance(EMBEDDING, None, 0)
     last = survey.last
-    basis, previous = walk.settle(EMBEDDING, first, (lambda: last) if last else None,
-                                  survey.pool.pooled if survey.pool is not None else None)
+    basis, previous = walk.settle(
+        EMBEDDING, first, (lambda: last) if last else None, survey.pool.pooled if survey.pool is not None else None
+    )
     head_moment: torch.Tensor | None = None
     walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
     if walked is not None and first is not None:
@@ -646,9 +778,12 @@ def _walk_sites(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs
             sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
             for position, (site, name) in enumerate(sites):
                 open_site(layer, family, site, previous)
-                ahead = next(((n, s.block) for s, n in sites[position + 1:position + 2] if n in walk.shared), None)
-                pooled = None if ahead is None else (
-                    lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+                ahead = next(((n, s.block) for s, n in sites[position + 1 : position + 2] if n in walk.shared), None)
+                pooled = (
+                    None
+                    if ahead is None
+                    else (lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+                )
                 moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
                 if walked is not None and moment is not None:
                     walked.add(name, moment.value(), moment.tokens, h.at(name))
@@ -662,8 +797,14 @@ def _walk_sites(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs
     return _Walked(walk, previous, head_moment, walked)
 
 
-def _attach_head(model: PreTrainedModel, family: ModelFamily, widths: Mapping[str, int], shared: Collection[str],
-                 tie_head: bool, reader: torch.Tensor) -> dict[str, Any]:
+def _attach_head(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    widths: Mapping[str, int],
+    shared: Collection[str],
+    tie_head: bool,
+    reader: torch.Tensor,
+) -> dict[str, Any]:
     """The head reads the last site's kept coordinates (or stays tied to the sliced embedding);
     returns the sliced model's `slicing` config, taken before the head changes (its bias)."""
     slicing = slicing_config(model, family, widths, shared, tie_head)
@@ -674,8 +815,14 @@ def _attach_head(model: PreTrainedModel, family: ModelFamily, widths: Mapping[st
     return slicing
 
 
-def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int], shared: Collection[str],
-                  tie_head: bool = False, one_basis: bool = False) -> None:
+def _check_widths(
+    family: ModelFamily,
+    ids: list[str],
+    widths: Mapping[str, int],
+    shared: Collection[str],
+    tie_head: bool = False,
+    one_basis: bool = False,
+) -> None:
     if sorted(widths) != sorted(ids):
         raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
     if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
@@ -690,8 +837,15 @@ def _check_widths(family: ModelFamily, ids: list[str], widths: Mapping[str, int]
             raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
 
 
-def _survey(model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, device: torch.device,
-            report: ProgressCallback, observe: Callable[[str, SecondMoment], None], ranks: Ranks | None = None) -> None:
+def _survey(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    device: torch.device,
+    report: ProgressCallback,
+    observe: Callable[[str, SecondMoment], None],
+    ranks: Ranks | None = None,
+) -> None:
     """Run the fused, unsliced model over the calibration windows, handing each site's C to
     `observe` (the allocator's curves; a tied head's last site). The stored activations end at
     the last layer."""

@@ -67,12 +67,16 @@ def check_tasks(spec: LmEvalSpec) -> None:
                 continue
             if task not in index:
                 where = f" or in {spec.include_path}" if spec.include_path else ""
-                raise UserError(f"unknown lm-eval task '{task}'{did_you_mean(task, index)}: not in lm-eval's "
-                                f"registry{where} "
-                                f"(list them with `lm_eval ls tasks`, or give a task YAML file)")
+                raise UserError(
+                    f"unknown lm-eval task '{task}'{did_you_mean(task, index)}: not in lm-eval's "
+                    f"registry{where} "
+                    f"(list them with `lm_eval ls tasks`, or give a task YAML file)"
+                )
             if index[task].kind.name == "TAG":
-                raise UserError(f"lm-eval name '{task}' is a tag, which has no score of its own: name its tasks "
-                                f"(`lm_eval ls tasks` lists them)")
+                raise UserError(
+                    f"lm-eval name '{task}' is a tag, which has no score of its own: name its tasks "
+                    f"(`lm_eval ls tasks` lists them)"
+                )
         _task_specs(spec, manager)
 
 
@@ -149,9 +153,13 @@ def _task_specs(spec: LmEvalSpec, manager: Any) -> tuple[list[str | dict[str, An
         entry = manager.task_index.get(task)
         if task.endswith(TASK_FILE_SUFFIXES):
             config = _local_config(Path(task))
-        elif entry is not None and entry.yaml_path is not None and spec.include_path is not None \
-                and Path(entry.yaml_path).resolve().is_relative_to(Path(spec.include_path).resolve()) \
-                and entry.kind.name == "TASK":
+        elif (
+            entry is not None
+            and entry.yaml_path is not None
+            and spec.include_path is not None
+            and Path(entry.yaml_path).resolve().is_relative_to(Path(spec.include_path).resolve())
+            and entry.kind.name == "TASK"
+        ):
             config = _local_config(Path(entry.yaml_path))
         else:
             specs.append(task)
@@ -192,8 +200,10 @@ def _quiet() -> Iterator[None]:
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with mock.patch.object(evaluator, "get_git_commit_hash", lambda: None), \
-                mock.patch.object(evaluator, "add_env_info", lambda results: None):
+        with (
+            mock.patch.object(evaluator, "get_git_commit_hash", lambda: None),
+            mock.patch.object(evaluator, "add_env_info", lambda results: None),
+        ):
             yield
     finally:
         logger.setLevel(level)
@@ -236,6 +246,7 @@ def _watch_requests(wrapper: Any, report: Progress, what: str, seconds: float = 
             answers = method(requests, *args, **kwargs)
             report(counter.phase, counter.total, counter.total)
             return answers
+
         return run
 
     for kind in REQUEST_KINDS:  # the evaluator looks them up on the instance: getattr(lm, kind)
@@ -246,8 +257,14 @@ def _task_list(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def run_tasks(model: PreTrainedModel, tokenizer: Any, spec: LmEvalSpec, device: torch.device,
-              seed: int = 0, progress: Progress | None = None) -> dict[str, dict[str, float | int | None]]:
+def run_tasks(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    spec: LmEvalSpec,
+    device: torch.device,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> dict[str, dict[str, float | int | None]]:
     """Evaluate `model` (already on `device`) on the spec's tasks; `{task: {metric: value}}`.
     `progress(phase, done, total)` hears the suite's tasks being prepared, then its requests
     being answered (per request type, as batches finish)."""
@@ -261,18 +278,30 @@ def run_tasks(model: PreTrainedModel, tokenizer: Any, spec: LmEvalSpec, device: 
         what = _task_list(names)
         report(f"{what}: preparing the tasks", 0, 1)
         # lm-eval may give the tokenizer a pad token: a copy keeps the caller's (saved with the model) as it was
-        wrapper = HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size,
-                       device=str(device))
+        wrapper = HFLM(
+            pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size, device=str(device)
+        )
         _watch_requests(wrapper, report, what)
         limit = spec.limit if spec.limit is None or spec.limit < 1 else int(spec.limit)
         try:
-            results = simple_evaluate(model=wrapper, tasks=specs, task_manager=manager, num_fewshot=spec.num_fewshot,
-                                      limit=limit, apply_chat_template=spec.apply_chat_template, log_samples=False,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+            results = simple_evaluate(
+                model=wrapper,
+                tasks=specs,
+                task_manager=manager,
+                num_fewshot=spec.num_fewshot,
+                limit=limit,
+                apply_chat_template=spec.apply_chat_template,
+                log_samples=False,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
         except (OSError, ConnectionError) as error:
-            raise UserError(f"lm-eval could not load a task's data: {first_line(error)}"
-                            f"{' (offline mode is on; use local task files)' if os.environ.get('HF_DATASETS_OFFLINE') == '1' else ''}") from None
+            raise UserError(
+                f"lm-eval could not load a task's data: {first_line(error)}"
+                f"{' (offline mode is on; use local task files)' if os.environ.get('HF_DATASETS_OFFLINE') == '1' else ''}"
+            ) from None
     if results is None:  # only a non-zero rank in a distributed run gets None
         return {}
     scores: dict[str, dict[str, float | int | None]] = {}

@@ -92,13 +92,17 @@ class _MetaAccelerator(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _aten._to_copy.default and args[0].device.type == "meta" \
-                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+        if (
+            func is _aten._to_copy.default
+            and args[0].device.type == "meta"
+            and torch.device(kwargs.get("device") or "meta").type == "cpu"
+        ):
             source = args[0]
             dtype = kwargs.get("dtype") or source.dtype
             small = source.numel() * dtype.itemsize < 2**20
-            return (torch.zeros if small else torch.empty)(source.shape, dtype=dtype, device="cpu",
-                                                           pin_memory=bool(kwargs.get("pin_memory")))
+            return (torch.zeros if small else torch.empty)(
+                source.shape, dtype=dtype, device="cpu", pin_memory=bool(kwargs.get("pin_memory"))
+            )
         if func is _aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type == "meta":
             return args[0]
         if func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
@@ -110,7 +114,7 @@ class _MetaAccelerator(TorchDispatchMode):
 class _HostGenerator(torch.Generator):
     """A generator asked for on any device is made on the host (still a `torch.Generator`)."""
 
-    def __new__(cls, device: Any = "cpu") -> "_HostGenerator":
+    def __new__(cls, device: Any = "cpu") -> _HostGenerator:
         return super().__new__(cls, "cpu")
 
     def __init__(self, device: Any = "cpu") -> None:
@@ -124,23 +128,39 @@ def _fused_attention(original: Any) -> Any:
     the math path. Grouped key/value heads are broadcast as views (no bytes); a boolean mask
     becomes the additive bias that kernel takes, as torch makes it on a GPU."""
 
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    def attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         if query.device.type != "meta":
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         if key.shape[-3] != query.shape[-3]:
             groups = query.shape[-3] // key.shape[-3]
-            key, value = (t.unsqueeze(-3).expand(*t.shape[:-2], groups, *t.shape[-2:])
-                          .flatten(-4, -3) for t in (key, value))
+            key, value = (
+                t.unsqueeze(-3).expand(*t.shape[:-2], groups, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
+            )
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-        bias = None if attn_mask is None else attn_mask.expand(
-            *query.shape[:-2], query.shape[-2], key.shape[-2])
+        bias = None if attn_mask is None else attn_mask.expand(*query.shape[:-2], query.shape[-2], key.shape[-2])
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return _aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale
+        )[0]
 
     return attention
 

@@ -56,8 +56,11 @@ def compare(
 
     if original is None:
         return {"pruned": summary("pruned"), "tokens": {"count": count}}
-    return {"baseline": summary("baseline"), "pruned": {**summary("pruned"), "kl": kl_sum / count},
-            "tokens": {"count": count}}
+    return {
+        "baseline": summary("baseline"),
+        "pruned": {**summary("pruned"), "kl": kl_sum / count},
+        "tokens": {"count": count},
+    }
 
 
 def evaluate_models(
@@ -77,27 +80,44 @@ def evaluate_models(
     the original's scores when they are known already (a sweep scores the dense model once)."""
     report = progress or (lambda *_: None)
     if batches is not None:
-        metrics: dict[str, Any] = compare(original, pruned, batches, device,
-                                          lambda done, total: report("evaluating", done, total))
+        metrics: dict[str, Any] = compare(
+            original, pruned, batches, device, lambda done, total: report("evaluating", done, total)
+        )
     else:
         metrics = {**({"baseline": {}} if original is not None else {}), "pruned": {}}
     if tasks:
         if original is not None:
             if baseline_tasks is None:
                 report("lm-eval: original model", 0, 1)
-                baseline_tasks = task_scores(original, tokenizer, tasks, device, seed,
-                                             lambda phase, done, total: report(f"lm-eval, original model: {phase}",
-                                                                               done, total))
+                baseline_tasks = task_scores(
+                    original,
+                    tokenizer,
+                    tasks,
+                    device,
+                    seed,
+                    lambda phase, done, total: report(f"lm-eval, original model: {phase}", done, total),
+                )
             metrics["baseline"]["tasks"] = baseline_tasks
         report("lm-eval: pruned model", 0, 1)
-        metrics["pruned"]["tasks"] = task_scores(pruned, tokenizer, tasks, device, seed,
-                                                 lambda phase, done, total: report(f"lm-eval, pruned model: {phase}",
-                                                                                   done, total))
+        metrics["pruned"]["tasks"] = task_scores(
+            pruned,
+            tokenizer,
+            tasks,
+            device,
+            seed,
+            lambda phase, done, total: report(f"lm-eval, pruned model: {phase}", done, total),
+        )
     return metrics
 
 
-def task_scores(model: PreTrainedModel, tokenizer: Any, suites: list[LmEvalSpec], device: torch.device,
-                seed: int = 0, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+def task_scores(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    suites: list[LmEvalSpec],
+    device: torch.device,
+    seed: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
     """Every suite's lm-eval scores, `{task: {metric: value}}` (imports lm-eval only when asked).
     `progress(phase, done, total)` hears each suite's tasks and requests (`harness.run_tasks`)."""
     from compressor.evaluation.harness import run_tasks
@@ -106,8 +126,16 @@ def task_scores(model: PreTrainedModel, tokenizer: Any, suites: list[LmEvalSpec]
     scores: dict[str, Any] = {}
     for number, suite in enumerate(suites, 1):
         where = f"suite {number}/{len(suites)}, " if len(suites) > 1 else ""
-        scores.update(run_tasks(model, tokenizer, suite, device, seed,
-                                lambda phase, done, total, where=where: report(f"{where}{phase}", done, total)))
+        scores.update(
+            run_tasks(
+                model,
+                tokenizer,
+                suite,
+                device,
+                seed,
+                lambda phase, done, total, where=where: report(f"{where}{phase}", done, total),
+            )
+        )
     return scores
 
 

@@ -161,8 +161,10 @@ def _lines(table: list[dict[str, Any]], grid_keys: list[str], column: str) -> di
         value = row.get(column)
         if isinstance(value, (int, float)) and math.isfinite(value):
             values[_series(row, grid_keys)][_x(row, by_sparsity)].append(float(value))
-    return {series: [(s, statistics.fmean(v), min(v), max(v)) for s, v in sorted(points.items())]
-            for series, points in values.items()}
+    return {
+        series: [(s, statistics.fmean(v), min(v), max(v)) for s, v in sorted(points.items())]
+        for series, points in values.items()
+    }
 
 
 def merge_identical(lines: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str, Any]]:
@@ -207,10 +209,16 @@ def _styles(table: list[dict[str, Any]], grid_keys: list[str]) -> dict[str, dict
     """Per series, a colour, line style, marker and width of its own (later series thinner and
     dashed), so lines that nearly coincide still show each other's colour and marks."""
     colours = _colours(table, grid_keys)
-    return {name: {"color": colour, "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
-                   "marker": MARKERS[index % len(MARKERS)], "linewidth": 2.5 - 0.5 * (index % 3),
-                   "markersize": 7 - 1.5 * (index % 3)}
-            for index, (name, colour) in enumerate(colours.items())}
+    return {
+        name: {
+            "color": colour,
+            "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+            "marker": MARKERS[index % len(MARKERS)],
+            "linewidth": 2.5 - 0.5 * (index % 3),
+            "markersize": 7 - 1.5 * (index % 3),
+        }
+        for index, (name, colour) in enumerate(colours.items())
+    }
 
 
 def _single_x(table: list[dict[str, Any]]) -> bool:
@@ -219,8 +227,9 @@ def _single_x(table: list[dict[str, Any]]) -> bool:
     return len({_x(row, by_sparsity) for row in table}) == 1
 
 
-def _plot_against_sparsity(axes: Any, table: list[dict[str, Any]], grid_keys: list[str], column: str,
-                           dense: float | None = None) -> None:
+def _plot_against_sparsity(
+    axes: Any, table: list[dict[str, Any]], grid_keys: list[str], column: str, dense: float | None = None
+) -> None:
     styles, labels = _styles(table, grid_keys), series_labels(table, grid_keys)
     lines = _lines(table, grid_keys, column)
     if _single_x(table):
@@ -228,18 +237,27 @@ def _plot_against_sparsity(axes: Any, table: list[dict[str, Any]], grid_keys: li
     else:
         for series, label, points in merge_identical(lines, labels):
             xs, means, lows, highs = zip(*points)
-            axes.errorbar(xs, means, yerr=[[m - lo for m, lo in zip(means, lows)],
-                                           [hi - m for m, hi in zip(means, highs)]],
-                          capsize=3, label=label, **styles[series])
-        axes.set_xlabel("sparsity (fraction of the hidden width removed)" if _by_sparsity(table)
-                        else "parameters kept (fraction of the original's)")
+            axes.errorbar(
+                xs,
+                means,
+                yerr=[[m - lo for m, lo in zip(means, lows)], [hi - m for m, hi in zip(means, highs)]],
+                capsize=3,
+                label=label,
+                **styles[series],
+            )
+        axes.set_xlabel(
+            "sparsity (fraction of the hidden width removed)"
+            if _by_sparsity(table)
+            else "parameters kept (fraction of the original's)"
+        )
     if dense is not None:
         axes.axhline(dense, color="grey", linestyle="--", label="dense")
     axes.grid(alpha=0.3)
 
 
-def _bars(axes: Any, table: list[dict[str, Any]], lines: dict[str, Points], colours: dict[str, Any],
-          labels: dict[str, str]) -> None:
+def _bars(
+    axes: Any, table: list[dict[str, Any]], lines: dict[str, Points], colours: dict[str, Any], labels: dict[str, str]
+) -> None:
     """One bar per series (its mean, the seeds' range as an error bar) at the grid's only x."""
     for position, (series, points) in enumerate(lines.items()):
         _, mean, low, high = points[0]
@@ -278,8 +296,9 @@ def add_legend(figure: Any) -> Any:
         return None
     canvas = figure.canvas if isinstance(figure.canvas, FigureCanvasAgg) else FigureCanvasAgg(figure)
     for columns in range(min(3, len(handles)), 0, -1):
-        legend = figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=columns,
-                               fontsize=8, frameon=False)
+        legend = figure.legend(
+            list(handles.values()), list(handles), loc="outside lower center", ncol=columns, fontsize=8, frameon=False
+        )
         canvas.draw()
         if legend.get_window_extent().width <= figure.bbox.width or columns == 1:
             return legend
@@ -311,8 +330,9 @@ def _save(figure: Any, path: Path) -> Path:
     return path
 
 
-def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str],
-                folder: Path) -> list[Path]:
+def sweep_plots(
+    table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str], folder: Path
+) -> list[Path]:
     """Write the sweep's plots into `folder`; return their paths."""
     written: list[Path] = []
     model = table[0]["model"] if table else ""
@@ -336,8 +356,11 @@ def sweep_plots(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid
 
     labels = series_labels(table, grid_keys)
     by_sparsity = _by_sparsity(table)
-    curves = {f"{labels[_series(row, grid_keys)]} @ {_x(row, by_sparsity):g}": report["distillation"]["curve"]
-              for row, report in zip(table, reports) if (report.get("distillation") or {}).get("curve")}
+    curves = {
+        f"{labels[_series(row, grid_keys)]} @ {_x(row, by_sparsity):g}": report["distillation"]["curve"]
+        for row, report in zip(table, reports)
+        if (report.get("distillation") or {}).get("curve")
+    }
     if curves:
         written.append(_save(distillation_figure(curves, model), folder / "distillation_heldout_kl.png"))
     return written
@@ -362,8 +385,9 @@ def distillation_figure(curves: dict[str, list[dict[str, float]]], model: str = 
     return figure
 
 
-def _objectives_figure(table: list[dict[str, Any]], grid_keys: list[str],
-                       objectives: dict[str, dict[str, tuple[list[str], list[float]]]]) -> Any:
+def _objectives_figure(
+    table: list[dict[str, Any]], grid_keys: list[str], objectives: dict[str, dict[str, tuple[list[str], list[float]]]]
+) -> Any:
     """One panel per strategy objective, a line per series over the sites (equal lines once, `A = B`)."""
     keys = sorted(objectives)
     columns = min(3, len(keys))
@@ -379,7 +403,7 @@ def _objectives_figure(table: list[dict[str, Any]], grid_keys: list[str],
         if all(v > 0 for _, values in objectives[key].values() for v in values):
             axes.set_yscale("log")
         axes.grid(alpha=0.3)
-    for axes in list(grid.flat)[len(keys):]:
+    for axes in list(grid.flat)[len(keys) :]:
         axes.axis("off")
     x = _objective_x(table)
     where = f"sparsity {x}" if _by_sparsity(table) else f"{x:.3f} of the parameters kept"
@@ -395,8 +419,9 @@ def _objective_x(table: list[dict[str, Any]]) -> float:
     return values[len(values) // 2]
 
 
-def _objectives(table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str]
-                ) -> dict[str, dict[str, tuple[list[str], list[float]]]]:
+def _objectives(
+    table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str]
+) -> dict[str, dict[str, tuple[list[str], list[float]]]]:
     """objective → series → (site ids, values) at one sparsity, for the first seed of each series;
     sites where nothing is removed are left out."""
     if not table:

@@ -117,13 +117,20 @@ def report_settings(models: list[PreTrainedModel]) -> dict[str, Any]:
 
 def cost_note(settings: Mapping[str, Any], batch_sizes: int = 2) -> str:
     """What the measurement will cost, for its progress line."""
-    return (f"one warm-up and up to {settings['repeats']} timed rounds per batch size, "
-            f"about {settings['budget_s'] * batch_sizes:.0f} s at most after warm-up")
+    return (
+        f"one warm-up and up to {settings['repeats']} timed rounds per batch size, "
+        f"about {settings['budget_s'] * batch_sizes:.0f} s at most after warm-up"
+    )
 
 
 def _timings(
-    models: list[PreTrainedModel], device: torch.device, ids: torch.Tensor, new: torch.Tensor, warmup: int,
-    repeats: int, budget_s: float | None,
+    models: list[PreTrainedModel],
+    device: torch.device,
+    ids: torch.Tensor,
+    new: torch.Tensor,
+    warmup: int,
+    repeats: int,
+    budget_s: float | None,
 ) -> list[tuple[list[float], list[float]]]:
     """(prefill seconds, decode seconds) of each run of each model. The models take turns run by
     run, so a load that comes and goes on a shared machine falls on all of them alike. With
@@ -167,9 +174,14 @@ def _rates(phase: str, tokens: int, seconds: list[float]) -> dict[str, Any]:
     """A phase's median rate and time, every run's time, and the slowest and fastest run's rate:
     the spread that tells a real speedup from the noise of a busy machine."""
     median = statistics.median(seconds)
-    return {f"{phase}_tok_s": tokens / median, f"{phase}_s": median, f"{phase}_runs_s": seconds,
-            f"{phase}_tok_s_min": tokens / max(seconds), f"{phase}_tok_s_max": tokens / min(seconds),
-            f"{phase}_spread": (max(seconds) - min(seconds)) / median}
+    return {
+        f"{phase}_tok_s": tokens / median,
+        f"{phase}_s": median,
+        f"{phase}_runs_s": seconds,
+        f"{phase}_tok_s_min": tokens / max(seconds),
+        f"{phase}_tok_s_max": tokens / min(seconds),
+        f"{phase}_spread": (max(seconds) - min(seconds)) / median,
+    }
 
 
 def rate_range(numbers: Mapping[str, Any], phase: str) -> tuple[float, float] | None:
@@ -214,8 +226,9 @@ def _throughput(
     for model in models:
         limit = _max_positions(model)
         if limit is not None and prompt_len + decode_tokens > limit:
-            raise ValueError(f"prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the "
-                             f"model's {limit} positions")
+            raise ValueError(
+                f"prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the model's {limit} positions"
+            )
     vocab = vocab_size or min(model.config.vocab_size for model in models)
     generator = torch.Generator().manual_seed(seed)
     per_batch: list[dict[str, dict[str, Any]]] = [{} for _ in models]
@@ -229,15 +242,26 @@ def _throughput(
                 new = torch.randint(vocab, (batch, decode_tokens), generator=generator).to(device)
                 timed = _timings(models, device, ids, new, warmup, repeats, budget_s)
                 for into, (prefill_s, decode_s) in zip(per_batch, timed):
-                    into[str(batch)] = {**_rates("prefill", batch * prompt_len, prefill_s),
-                                        **_rates("decode", batch * decode_tokens, decode_s)}
+                    into[str(batch)] = {
+                        **_rates("prefill", batch * prompt_len, prefill_s),
+                        **_rates("decode", batch * decode_tokens, decode_s),
+                    }
     finally:
         for model, training in zip(models, modes):
             model.train(training)
-    settings = {"device": str(device), "torch_threads": torch.get_num_threads(), "prompt_len": prompt_len,
-                "decode_tokens": decode_tokens, "warmup": warmup, "repeats": repeats, "budget_s": budget_s}
-    return [{**settings, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "batch": batch}
-            for model, batch in zip(models, per_batch)]
+    settings = {
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "warmup": warmup,
+        "repeats": repeats,
+        "budget_s": budget_s,
+    }
+    return [
+        {**settings, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "batch": batch}
+        for model, batch in zip(models, per_batch)
+    ]
 
 
 def measure_throughput(
@@ -265,9 +289,18 @@ def measure_throughput(
     device is synchronised around each timing. The model runs in eval mode and is given back in
     the mode it came in.
     """
-    return _throughput([model], device, prompt_len=prompt_len, decode_tokens=decode_tokens,
-                       batch_sizes=batch_sizes, warmup=warmup, repeats=repeats, budget_s=budget_s,
-                       vocab_size=vocab_size, seed=seed)[0]
+    return _throughput(
+        [model],
+        device,
+        prompt_len=prompt_len,
+        decode_tokens=decode_tokens,
+        batch_sizes=batch_sizes,
+        warmup=warmup,
+        repeats=repeats,
+        budget_s=budget_s,
+        vocab_size=vocab_size,
+        seed=seed,
+    )[0]
 
 
 def measure(model: PreTrainedModel, device: torch.device | str, **options: Any) -> dict[str, Any]:
@@ -275,8 +308,9 @@ def measure(model: PreTrainedModel, device: torch.device | str, **options: Any) 
     return {**model_size(model), "throughput": measure_throughput(model, device, **options)}
 
 
-def measure_side_by_side(models: Mapping[str, PreTrainedModel], device: torch.device | str,
-                         **options: Any) -> dict[str, dict[str, Any]]:
+def measure_side_by_side(
+    models: Mapping[str, PreTrainedModel], device: torch.device | str, **options: Any
+) -> dict[str, dict[str, Any]]:
     """Every model measured as `measure` does, on the same inputs, their runs taken in turn (so a
     load that comes and goes falls on all of them alike)."""
     speeds = _throughput(list(models.values()), device, **options)
@@ -291,12 +325,18 @@ def relative(side: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]
         ours = side["throughput"]["batch"][batch]
         speedup[batch] = {phase: ours[f"{phase}_tok_s"] / numbers[f"{phase}_tok_s"] for phase in ("prefill", "decode")}
         spans[batch] = {phase: speedup_bounds(ours, numbers, phase) for phase in ("prefill", "decode")}
-    return {"ratio": {key: side[key] / base[key] for key in ("params", "weight_bytes")}, "speedup": speedup,
-            "speedup_range": spans}
+    return {
+        "ratio": {key: side[key] / base[key] for key in ("params", "weight_bytes")},
+        "speedup": speedup,
+        "speedup_range": spans,
+    }
 
 
 def compare_speed(
-    baseline: PreTrainedModel, pruned: PreTrainedModel, device: torch.device | str, **options: Any,
+    baseline: PreTrainedModel,
+    pruned: PreTrainedModel,
+    device: torch.device | str,
+    **options: Any,
 ) -> dict[str, Any]:
     """Both models measured as `measure` does (`options` are `measure_throughput`'s keywords), on
     the same inputs, their runs taken in turn; `ratio` is pruned / baseline for the sizes,

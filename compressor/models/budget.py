@@ -44,8 +44,11 @@ class ParamModel:
     hidden_size: int
 
     def count(self, widths: Mapping[str, int]) -> int:
-        return (self.constant + sum(self.linear[s] * widths[s] for s in self.sites)
-                + sum(widths[s] * widths[t] for s, t in self.transitions))
+        return (
+            self.constant
+            + sum(self.linear[s] * widths[s] for s in self.sites)
+            + sum(widths[s] * widths[t] for s, t in self.transitions)
+        )
 
     def transition_params(self, widths: Mapping[str, int]) -> int:
         return sum(widths[s] * widths[t] for s, t in self.transitions)
@@ -60,14 +63,24 @@ def _count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
 
 
-def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[str, int],
-                  shared: Collection[str] = (), tied: bool = False) -> dict:
+def layout_config(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    widths: Mapping[str, int],
+    shared: Collection[str] = (),
+    tied: bool = False,
+) -> dict:
     """The `slicing` entry `apply_slicing_layout` builds `widths` from, for an original model."""
     final_norm = model.get_submodule(family.final_norm)
     shape = layout(family, model.config.num_hidden_layers, widths, shared)
-    value = {"hidden_size": model.config.hidden_size, "embedding": shape.embedding, "attn": shape.attn,
-             "mlp": shape.mlp, "norm_eps": 1e-6,
-             "reader_bias": stream_reader(model, family).bias is not None or getattr(final_norm, "bias", None) is not None}
+    value = {
+        "hidden_size": model.config.hidden_size,
+        "embedding": shape.embedding,
+        "attn": shape.attn,
+        "mlp": shape.mlp,
+        "norm_eps": 1e-6,
+        "reader_bias": stream_reader(model, family).bias is not None or getattr(final_norm, "bias", None) is not None,
+    }
     if any(shape.attn_shared) or any(shape.mlp_shared):
         value.update(attn_shared=shape.attn_shared, mlp_shared=shape.mlp_shared)
     if tied:
@@ -75,8 +88,9 @@ def layout_config(model: torch.nn.Module, family: ModelFamily, widths: Mapping[s
     return value
 
 
-def param_model(config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = (),
-                tied: bool = False) -> ParamModel:
+def param_model(
+    config: PretrainedConfig, family: ModelFamily, shared: Collection[str] = (), tied: bool = False
+) -> ParamModel:
     """The exact parameter polynomial of `config`'s sliced variants; `shared` names the sites that
     reuse the previous site's basis (no transition into them); `tied`: the head stays tied to the
     embedding (a map from the last site's width to the embedding's replaces it)."""
@@ -112,13 +126,19 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
             if len(marked) != 2 or rest != 1 or not (consecutive or (tied and pair == (ids[0], ids[-1]))):
                 raise RuntimeError(f"{name} {tuple(parameter.shape)}: not a transition between consecutive sites")
             transitions.append(pair)  # a pair twice is two matrices (a one-layer model's shortcut and tied map)
-    return ParamModel(sites=tuple(ids), constant=constant, linear=linear,
-                      transitions=tuple(sorted(transitions, key=lambda p: ids.index(p[0]))),
-                      original=original, hidden_size=config.hidden_size)
+    return ParamModel(
+        sites=tuple(ids),
+        constant=constant,
+        linear=linear,
+        transitions=tuple(sorted(transitions, key=lambda p: ids.index(p[0]))),
+        original=original,
+        hidden_size=config.hidden_size,
+    )
 
 
-def widest_uniform(params: ParamModel, budget: int, round_to: int,
-                   uniform: Callable[[int], dict[str, int]]) -> dict[str, int]:
+def widest_uniform(
+    params: ParamModel, budget: int, round_to: int, uniform: Callable[[int], dict[str, int]]
+) -> dict[str, int]:
     """The widest uniform widths, `uniform(kept)` for a multiple `kept` of `round_to`, whose sliced
     model has at most `budget` parameters; a UserError if even the narrowest has more."""
     kept = params.hidden_size - params.hidden_size % round_to
@@ -128,6 +148,8 @@ def widest_uniform(params: ParamModel, budget: int, round_to: int,
             return widths
         kept -= round_to
     smallest = params.count(uniform(round_to))
-    raise UserError(f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
-                    f"original): the narrowest model (width {round_to}) has {smallest:,}; raise target_params, or "
-                    f"set slicing.slice_head: true if the head's input is kept whole")
+    raise UserError(
+        f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
+        f"original): the narrowest model (width {round_to}) has {smallest:,}; raise target_params, or "
+        f"set slicing.slice_head: true if the head's input is kept whole"
+    )

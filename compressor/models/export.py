@@ -42,15 +42,18 @@ def _body(module: object) -> str:
     tree = ast.parse(source)
     first = tree.body[0]
     skip = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else 0
-    kept = [line for line in source.splitlines()[skip:]
-            if not line.startswith(("from __future__", "from compressor", "import compressor"))]
+    kept = [
+        line
+        for line in source.splitlines()[skip:]
+        if not line.startswith(("from __future__", "from compressor", "import compressor"))
+    ]
     return "\n".join(kept).strip("\n") + "\n"
 
 
 def remote_code(model_type: str) -> str:
     """The source of `modeling_sliced.py` for a sliced model of the original `model_type`."""
-    footer = (f"\n\n{CONFIG_CLASS}, {MODEL_CLASS} = _make_sliced_classes(family_for({model_type!r}), {model_type!r})\n")
-    return (_HEADER.format(version=compressor.__version__) + _body(families) + "\n\n" + _body(modeling) + footer)
+    footer = f"\n\n{CONFIG_CLASS}, {MODEL_CLASS} = _make_sliced_classes(family_for({model_type!r}), {model_type!r})\n"
+    return _HEADER.format(version=compressor.__version__) + _body(families) + "\n\n" + _body(modeling) + footer
 
 
 def write_remote_code(folder: Path, family: ModelFamily, model_type: str) -> bool:
@@ -61,7 +64,9 @@ def write_remote_code(folder: Path, family: ModelFamily, model_type: str) -> boo
     (folder / f"{REMOTE_MODULE}.py").write_text(remote_code(model_type))
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
-    config["auto_map"] = {"AutoConfig": f"{REMOTE_MODULE}.{CONFIG_CLASS}",
-                          "AutoModelForCausalLM": f"{REMOTE_MODULE}.{MODEL_CLASS}"}
+    config["auto_map"] = {
+        "AutoConfig": f"{REMOTE_MODULE}.{CONFIG_CLASS}",
+        "AutoModelForCausalLM": f"{REMOTE_MODULE}.{MODEL_CLASS}",
+    }
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return True

@@ -16,8 +16,9 @@ from torch import nn
 
 from compressor.errors import UserError
 
-STOCK_UNKNOWN = ("its description does not say that its own class can hold one residual basis "
-                 "(ModelFamily.stock_refusal)")
+STOCK_UNKNOWN = (
+    "its description does not say that its own class can hold one residual basis (ModelFamily.stock_refusal)"
+)
 LAYER_NORM = "its LayerNorm subtracts the mean over the kept width, which a rotated, sliced stream does not keep"
 
 
@@ -90,8 +91,11 @@ class ModelFamily:
         """What turns the last site's stream into logits, in order: final norm, output projection
         (where the model has one), head."""
         projection = optional_module(model, self.output_projection)
-        return [model.get_submodule(self.final_norm), *([projection] if projection is not None else []),
-                model.get_submodule(self.head)]
+        return [
+            model.get_submodule(self.final_norm),
+            *([projection] if projection is not None else []),
+            model.get_submodule(self.head),
+        ]
 
     def logits(self, model: nn.Module, hidden: Any, before_cap: Callable[[Any], Any] | None = None) -> Any:
         """The model's logits from the stream after the last layer: the head modules, then the
@@ -137,7 +141,7 @@ def optional_module(model: nn.Module, path: str | None) -> nn.Module | None:
         return None
 
 
-def stream_writers(model: nn.Module, family: "ModelFamily") -> tuple[nn.Module | None, list[nn.Module]]:
+def stream_writers(model: nn.Module, family: ModelFamily) -> tuple[nn.Module | None, list[nn.Module]]:
     """What writes the stream before the first layer: the input projection (None without one) and
     the embeddings added to the stream directly (the token embedding, unless a projection carries
     it, and learned positions)."""
@@ -146,7 +150,7 @@ def stream_writers(model: nn.Module, family: "ModelFamily") -> tuple[nn.Module |
     return projection, [model.get_submodule(path) for path in paths]
 
 
-def stream_reader(model: nn.Module, family: "ModelFamily") -> nn.Module:
+def stream_reader(model: nn.Module, family: ModelFamily) -> nn.Module:
     """What reads the stream after the final norm: the output projection, or the head."""
     return optional_module(model, family.output_projection) or model.get_submodule(family.head)
 
@@ -158,8 +162,9 @@ def _conv1d_to_linear(model: nn.Module) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, Conv1D):
             weight = module.weight
-            linear = nn.Linear(weight.shape[0], weight.shape[1], bias=module.bias is not None,
-                               device=weight.device, dtype=weight.dtype)
+            linear = nn.Linear(
+                weight.shape[0], weight.shape[1], bias=module.bias is not None, device=weight.device, dtype=weight.dtype
+            )
             linear.weight.data = weight.data.T.contiguous() if weight.device.type != "meta" else linear.weight.data
             if module.bias is not None:
                 linear.bias.data = module.bias.data
@@ -173,36 +178,79 @@ def _gpt2_refusal(config: Any) -> str | None:
 
 
 LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), stock_refusal=None)
-PHI3 = ModelFamily(name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",),
-                   stock_refusal=None)
+PHI3 = ModelFamily(
+    name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",), stock_refusal=None
+)
 GEMMA = ModelFamily(name="gemma", model_types=("gemma",), norm_offset=1.0, scaled_embedding=True, stock_refusal=None)
-GEMMA2 = ModelFamily(name="gemma2", model_types=("gemma2",), norm_offset=1.0, mlp_norm="pre_feedforward_layernorm",
-                     logit_softcapping="final_logit_softcapping",
-                     attn_post_norm="post_attention_layernorm", mlp_post_norm="post_feedforward_layernorm",
-                     scaled_embedding=True,
-                     stock_refusal="its norms after each block's output take the RMS over the full width")
+GEMMA2 = ModelFamily(
+    name="gemma2",
+    model_types=("gemma2",),
+    norm_offset=1.0,
+    mlp_norm="pre_feedforward_layernorm",
+    logit_softcapping="final_logit_softcapping",
+    attn_post_norm="post_attention_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+    scaled_embedding=True,
+    stock_refusal="its norms after each block's output take the RMS over the full width",
+)
 
 OPT = ModelFamily(
-    name="opt", model_types=("opt",), base_model="model.decoder", embedding="model.decoder.embed_tokens",
-    layers="model.decoder.layers", final_norm="model.decoder.final_layer_norm", attn_norm="self_attn_layer_norm",
-    attn_output="out_proj", mlp_norm="final_layer_norm", mlp_inputs=("fc1",), mlp_output="fc2",
-    layer_norm=True, extra_embeddings=("model.decoder.embed_positions",), build_mlp=_opt_mlp, refuse=_opt_refusal,
-    stock_refusal=LAYER_NORM, input_projection="model.decoder.project_in", output_projection="model.decoder.project_out",
+    name="opt",
+    model_types=("opt",),
+    base_model="model.decoder",
+    embedding="model.decoder.embed_tokens",
+    layers="model.decoder.layers",
+    final_norm="model.decoder.final_layer_norm",
+    attn_norm="self_attn_layer_norm",
+    attn_output="out_proj",
+    mlp_norm="final_layer_norm",
+    mlp_inputs=("fc1",),
+    mlp_output="fc2",
+    layer_norm=True,
+    extra_embeddings=("model.decoder.embed_positions",),
+    build_mlp=_opt_mlp,
+    refuse=_opt_refusal,
+    stock_refusal=LAYER_NORM,
+    input_projection="model.decoder.project_in",
+    output_projection="model.decoder.project_out",
 )
 
 GPT2 = ModelFamily(
-    name="gpt2", model_types=("gpt2",), base_model="transformer", embedding="transformer.wte",
-    layers="transformer.h", final_norm="transformer.ln_f", attention="attn", attn_norm="ln_1",
-    attn_inputs=("c_attn",), attn_output="c_proj", mlp_norm="ln_2", mlp_inputs=("c_fc",), mlp_output="c_proj",
-    norm_eps="layer_norm_epsilon", layer_norm=True, extra_embeddings=("transformer.wpe",), prepare=_conv1d_to_linear,
-    positional_args=("cache", "attention_mask", "encoder_hidden_states"), refuse=_gpt2_refusal,
-    head_width_is_embedding_width=True, stock_refusal=LAYER_NORM,
+    name="gpt2",
+    model_types=("gpt2",),
+    base_model="transformer",
+    embedding="transformer.wte",
+    layers="transformer.h",
+    final_norm="transformer.ln_f",
+    attention="attn",
+    attn_norm="ln_1",
+    attn_inputs=("c_attn",),
+    attn_output="c_proj",
+    mlp_norm="ln_2",
+    mlp_inputs=("c_fc",),
+    mlp_output="c_proj",
+    norm_eps="layer_norm_epsilon",
+    layer_norm=True,
+    extra_embeddings=("transformer.wpe",),
+    prepare=_conv1d_to_linear,
+    positional_args=("cache", "attention_mask", "encoder_hidden_states"),
+    refuse=_gpt2_refusal,
+    head_width_is_embedding_width=True,
+    stock_refusal=LAYER_NORM,
 )
 
 PHI = ModelFamily(
-    name="phi", model_types=("phi",), final_norm="model.final_layernorm", attn_output="dense",
-    mlp_norm="input_layernorm", mlp_inputs=("fc1",), mlp_output="fc2", norm_eps="layer_norm_eps",
-    layer_norm=True, parallel=True, stock_refusal=LAYER_NORM,
+    name="phi",
+    model_types=("phi",),
+    final_norm="model.final_layernorm",
+    attn_output="dense",
+    mlp_norm="input_layernorm",
+    mlp_inputs=("fc1",),
+    mlp_output="fc2",
+    norm_eps="layer_norm_eps",
+    layer_norm=True,
+    parallel=True,
+    stock_refusal=LAYER_NORM,
 )
 
 BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2, PHI)

@@ -55,8 +55,13 @@ class SlicedLayout:
 
     def uniform(self, kept: int) -> dict[str, int]:
         """Every site at `kept` (the head's input whole unless it is sliced, tied or global)."""
-        return site_widths(self.family, self.config.num_hidden_layers, self.config.hidden_size, kept,
-                           self.one_basis or self.slice_head or self.tie_head)
+        return site_widths(
+            self.family,
+            self.config.num_hidden_layers,
+            self.config.hidden_size,
+            kept,
+            self.one_basis or self.slice_head or self.tie_head,
+        )
 
     def slicing_config(self, model: torch.nn.Module, widths: dict[str, int] | None = None) -> dict[str, Any]:
         """The `slicing` entry of the sliced class's config for `widths` (default: this layout's, or
@@ -77,21 +82,34 @@ def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
     return kept
 
 
-def sliced_layout(config: PretrainedConfig, family: ModelFamily, families: Iterable[ModelFamily], *,
-                  layout: str = "per_site", slice_head: bool = False, tie_head: bool | None = None,
-                  shared_bases: bool = False, round_to: int = 1, sparsity: float | None = None,
-                  target_params: float | None = None, allocated: bool = False) -> SlicedLayout:
+def sliced_layout(
+    config: PretrainedConfig,
+    family: ModelFamily,
+    families: Iterable[ModelFamily],
+    *,
+    layout: str = "per_site",
+    slice_head: bool = False,
+    tie_head: bool | None = None,
+    shared_bases: bool = False,
+    round_to: int = 1,
+    sparsity: float | None = None,
+    target_params: float | None = None,
+    allocated: bool = False,
+) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
     widths within it (or none, `allocated`: an allocator chooses). Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
-        raise UserError(f"{config.model_type} models keep the embedding's width up to the head; "
-                        f"set slicing.slice_head: true")
+        raise UserError(
+            f"{config.model_type} models keep the embedding's width up to the head; set slicing.slice_head: true"
+        )
     if shared_bases and family.parallel:
-        raise UserError(f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
-                        f"layers have one site (attention and MLP in parallel); turn it off")
+        raise UserError(
+            f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
+            f"layers have one site (attention and MLP in parallel); turn it off"
+        )
     one_basis = layout == "global"
     tied = tie_head if tie_head is not None else (one_basis and bool(getattr(config, "tie_word_embeddings", False)))
     if tied:
@@ -111,9 +129,15 @@ def sliced_layout(config: PretrainedConfig, family: ModelFamily, families: Itera
         step = math.lcm(round_to, required)
         widths = widest_uniform(params, budget, step, uniform)
         exact = widest_uniform(params, budget, required, uniform)
-        return widths, {"round_to": round_to, "class_multiple": required, "step": step,
-                        "width": widths[EMBEDDING], "params": params.count(widths),
-                        "unrounded_width": exact[EMBEDDING], "unrounded_params": params.count(exact)}
+        return widths, {
+            "round_to": round_to,
+            "class_multiple": required,
+            "step": step,
+            "width": widths[EMBEDDING],
+            "params": params.count(widths),
+            "unrounded_width": exact[EMBEDDING],
+            "unrounded_params": params.count(exact),
+        }
 
     rounding = None
     if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
@@ -126,18 +150,34 @@ def sliced_layout(config: PretrainedConfig, family: ModelFamily, families: Itera
             raise ValueError("give a sparsity or a target_params")
         budget = int(target_params * params.original)
         widths, rounding = widest(budget)
-    return SlicedLayout(family=family, config=config, one_basis=one_basis, sites=tuple(site_ids(family, layers)),
-                        widths=None if allocated else widths, shared=tuple(shared), tie_head=tied,
-                        slice_head=slice_head, params=params, budget=budget, rounding=rounding)
+    return SlicedLayout(
+        family=family,
+        config=config,
+        one_basis=one_basis,
+        sites=tuple(site_ids(family, layers)),
+        widths=None if allocated else widths,
+        shared=tuple(shared),
+        tie_head=tied,
+        slice_head=slice_head,
+        params=params,
+        budget=budget,
+        rounding=rounding,
+    )
 
 
 def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:
     """`slicing.tie_head` needs a tied model whose embedding writes the stream and whose head reads it."""
     if not getattr(config, "tie_word_embeddings", False):
-        raise UserError("slicing.tie_head keeps a tied head tied, but this model's head is untied "
-                        "(tie_word_embeddings: false); turn slicing.tie_head off")
+        raise UserError(
+            "slicing.tie_head keeps a tied head tied, but this model's head is untied "
+            "(tie_word_embeddings: false); turn slicing.tie_head off"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    if stream_writers(model, family)[0] is not None or stream_reader(model, family) is not model.get_submodule(family.head):
-        raise UserError(f"slicing.tie_head: this {config.model_type} model projects between its embedding and the "
-                        f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off")
+    if stream_writers(model, family)[0] is not None or stream_reader(model, family) is not model.get_submodule(
+        family.head
+    ):
+        raise UserError(
+            f"slicing.tie_head: this {config.model_type} model projects between its embedding and the "
+            f"stream, so its head cannot share the sliced embedding; turn slicing.tie_head off"
+        )

@@ -123,8 +123,10 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         attn_writer, mlp_writer = self.writer("attn", family), self.writer("mlp", family)
         if self.parallel:
             return [Site(self.parallel_block, attn_readers + mlp_readers, [attn_writer, mlp_writer], "attn_shortcut")]
-        return [Site(self.attention_block, attn_readers, [attn_writer], "attn_shortcut"),
-                Site(self.mlp_block, mlp_readers, [mlp_writer], "mlp_shortcut")]
+        return [
+            Site(self.attention_block, attn_readers, [attn_writer], "attn_shortcut"),
+            Site(self.mlp_block, mlp_readers, [mlp_writer], "mlp_shortcut"),
+        ]
 
     def writer(self, block: str, family: ModelFamily) -> nn.Linear:
         """The linear that writes `block`'s ("attn" or "mlp") output into the residual stream."""
@@ -139,8 +141,11 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         residual = self._shortcut(self.attn_shortcut, hidden_states)
         normed = self.input_layernorm(hidden_states)
         attn_out, _ = self.self_attn(hidden_states=normed, **kwargs)
-        return (residual + self._write(self.attn_output_norm, self.attn_writer, attn_out)
-                + self._write(self.mlp_output_norm, self.mlp_writer, self.mlp(normed)))
+        return (
+            residual
+            + self._write(self.attn_output_norm, self.attn_writer, attn_out)
+            + self._write(self.mlp_output_norm, self.mlp_writer, self.mlp(normed))
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         kwargs.update(zip(self.positional_args, args))  # families that pass layer arguments by position
@@ -156,13 +161,17 @@ def _resize(module: nn.Module, **features: int) -> None:
     for name, value in features.items():
         setattr(module, name, value)
     weight = module.weight
-    shape = ((module.out_features, module.in_features) if isinstance(module, nn.Linear)
-             else (module.num_embeddings, module.embedding_dim))
+    shape = (
+        (module.out_features, module.in_features)
+        if isinstance(module, nn.Linear)
+        else (module.num_embeddings, module.embedding_dim)
+    )
     module.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device), requires_grad=False)
     bias = getattr(module, "bias", None)
     if bias is not None and bias.shape[0] != module.out_features:
-        module.bias = nn.Parameter(torch.empty(module.out_features, dtype=bias.dtype, device=bias.device),
-                                   requires_grad=False)
+        module.bias = nn.Parameter(
+            torch.empty(module.out_features, dtype=bias.dtype, device=bias.device), requires_grad=False
+        )
 
 
 def family_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
@@ -171,7 +180,11 @@ def family_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
 
 
 def wrap_layer(
-    family: ModelFamily, layer: nn.Module, reference_width: int, attn_eps: float, mlp_eps: float,
+    family: ModelFamily,
+    layer: nn.Module,
+    reference_width: int,
+    attn_eps: float,
+    mlp_eps: float,
     writers: dict[str, tuple[nn.Module, nn.Linear]] | None = None,
 ) -> SlicedDecoderLayer:
     """Turn a family's decoder layer into a `SlicedDecoderLayer` sharing its modules.
@@ -246,8 +259,9 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     reader = stream_reader(model, family)
     if slicing.get("tied_head"):  # the head is the embedding; a small map after the norm feeds it
         dtype, device = embedding.weight.dtype, embedding.weight.device
-        mixer = nn.Linear(width_in, slicing["embedding"], bias=bool(slicing.get("reader_bias")), device=device,
-                          dtype=dtype)
+        mixer = nn.Linear(
+            width_in, slicing["embedding"], bias=bool(slicing.get("reader_bias")), device=device, dtype=dtype
+        )
         model.set_submodule(family.final_norm, nn.Sequential(WeightlessRMSNorm(d, eps), mixer))
         reader.in_features, reader.bias = slicing["embedding"], None
         reader.weight = embedding.weight
@@ -255,8 +269,10 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, eps))
     _resize(reader, in_features=width_in)
     if slicing.get("reader_bias") and reader.bias is None:  # LayerNorm families fold the final norm's bias here
-        reader.bias = nn.Parameter(torch.empty(reader.out_features, dtype=reader.weight.dtype,
-                                               device=reader.weight.device), requires_grad=False)
+        reader.bias = nn.Parameter(
+            torch.empty(reader.out_features, dtype=reader.weight.dtype, device=reader.weight.device),
+            requires_grad=False,
+        )
 
 
 def sliced_model_type(model_type: str) -> str:

@@ -46,9 +46,11 @@ def check_stock(family: ModelFamily, families: Iterable[ModelFamily]) -> None:
     if family.stock_refusal is None:
         return
     able = sorted({t for f in families if f.stock_refusal is None for t in f.model_types})
-    raise UserError(f"slicing.layout: global saves the original architecture, which {family.name} models cannot "
-                    f"hold: {family.stock_refusal}; model types that can: {', '.join(able)} "
-                    f"(or use slicing.layout: per_site)")
+    raise UserError(
+        f"slicing.layout: global saves the original architecture, which {family.name} models cannot "
+        f"hold: {family.stock_refusal}; model types that can: {', '.join(able)} "
+        f"(or use slicing.layout: per_site)"
+    )
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -91,21 +93,30 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
     exact and there are no transitions."""
     d = config.hidden_size
     low = max(1, d // 2)
-    high_count, low_count = _meta_params(stock_config(config, family, d, tied)), _meta_params(
-        stock_config(config, family, low, tied))
+    high_count, low_count = (
+        _meta_params(stock_config(config, family, d, tied)),
+        _meta_params(stock_config(config, family, low, tied)),
+    )
     slope, rest = divmod(high_count - low_count, d - low) if d != low else (high_count, 0)
     if rest:
         raise RuntimeError(f"{config.model_type}: the stock model's parameters are not linear in its width")
     ids = site_ids(family, config.num_hidden_layers)
     linear = {site: 0 for site in ids}
     linear[EMBEDDING] = slope
-    return ParamModel(sites=tuple(ids), constant=high_count - slope * d, linear=linear, transitions=(),
-                      original=_meta_params(config), hidden_size=d)
+    return ParamModel(
+        sites=tuple(ids),
+        constant=high_count - slope * d,
+        linear=linear,
+        transitions=(),
+        original=_meta_params(config),
+        hidden_size=d,
+    )
 
 
 @torch.no_grad()
-def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
-               rows: int = 16384) -> torch.Tensor:
+def tied_scale(
+    embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None, rows: int = 16384
+) -> torch.Tensor:
     """The diagonal D (k) that makes A·diag(D) closest to B on the final stream: A = E·V, the sliced
     embedding, B = W·diag(g)·V, the untied head; it minimises E_n‖(A·diag(D) − B)·n‖² =
     Tr((AD − B)·N·(AD − B)ᵀ) with N = E[n nᵀ] of the stream the head reads (`stream`, k × k; the
@@ -114,8 +125,9 @@ def tied_scale(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor
     return torch.linalg.solve(gram * N, torch.diagonal(cross @ N))
 
 
-def _head_products(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
-                   rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _head_products(
+    embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AᵀA and AᵀB (A the sliced embedding, B the untied head; float64, k × k) and N (the
     stream's second moment, or the identity), with the vocabulary read in chunks of `rows`: no
     vocabulary × k float64 copies."""
@@ -123,16 +135,17 @@ def _head_products(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Te
     gram = torch.zeros(k, k, dtype=torch.float64)
     cross = torch.zeros(k, k, dtype=torch.float64)
     for start in range(0, embedding.shape[0], rows):
-        a = embedding[start:start + rows].to("cpu", torch.float64)
+        a = embedding[start : start + rows].to("cpu", torch.float64)
         gram += a.T @ a
-        cross += a.T @ head[start:start + rows].to("cpu", torch.float64)
+        cross += a.T @ head[start : start + rows].to("cpu", torch.float64)
     N = torch.eye(k, dtype=torch.float64) if stream is None else stream.to("cpu", torch.float64)
     return gram, cross, N
 
 
 @torch.no_grad()
-def tied_rotation(embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None,
-                  rows: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+def tied_rotation(
+    embedding: torch.Tensor, head: torch.Tensor, stream: torch.Tensor | None, rows: int = 16384
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A rotation R (k × k) of the kept basis and the diagonal D for it that make the tied head
     E·V·R·diag(D)·Rᵀ the least-squares fit of the untied head W·diag(g)·V on the final stream.
 
@@ -161,15 +174,21 @@ def fitted_tied_scale(sliced: PreTrainedModel, family: ModelFamily, stream: torc
     return tied_scale(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight, stream)
 
 
-def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool, stream: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def stock_state(
+    sliced: PreTrainedModel,
+    family: ModelFamily,
+    tie: bool,
+    stream: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The stock model's state dict from a sliced model with one basis (no transitions), and what
     the conversion chose (norm scale, embedding factor, tied-head fit). A tied head's diagonal is
     `scale` where given (refinement learned it with the basis), else fitted (`tied_scale`)."""
     slicing = sliced.config.slicing
     d, k = slicing["hidden_size"], slicing["embedding"]
     if any(name.endswith("_shortcut.weight") for name, _ in sliced.named_parameters()) or set(
-            slicing["attn"] + slicing["mlp"]) != {k}:
+        slicing["attn"] + slicing["mlp"]
+    ) != {k}:
         raise ValueError("a stock model needs one basis at every site (no transition matrices)")
     state = dict(sliced.state_dict())
     dtype = sliced.get_submodule(family.embedding).weight.dtype
@@ -183,21 +202,36 @@ def stock_state(sliced: PreTrainedModel, family: ModelFamily, tie: bool, stream:
     if tie:
         D = fitted_tied_scale(sliced, family, stream) if scale is None else scale.to("cpu", torch.float64)
         final = norm_scale * D / factor
-        record.update(head="tied", tied_scale={"min": float(D.min()), "max": float(D.max()),
-                                               "weighted_by_stream": stream is not None,
-                                               "fit": "diagonal" if scale is None else "given"})
+        record.update(
+            head="tied",
+            tied_scale={
+                "min": float(D.min()),
+                "max": float(D.max()),
+                "weighted_by_stream": stream is not None,
+                "fit": "diagonal" if scale is None else "given",
+            },
+        )
         del state[head_key]
-    norms = [f"{family.layers}.{i}.{name}.weight" for i in range(len(slicing["attn"]))
-             for name in (family.attn_norm, family.mlp_norm)]
+    norms = [
+        f"{family.layers}.{i}.{name}.weight"
+        for i in range(len(slicing["attn"]))
+        for name in (family.attn_norm, family.mlp_norm)
+    ]
     for key in norms:
         state[key] = torch.full((k,), norm_scale - family.norm_offset, dtype=torch.float64).to(dtype)
     state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
     return state, record
 
 
-def save_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path,
-               tie: bool = False, stream: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None) -> dict[str, Any]:
+def save_stock(
+    sliced: PreTrainedModel,
+    family: ModelFamily,
+    original: PretrainedConfig,
+    folder: Path,
+    tie: bool = False,
+    stream: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> dict[str, Any]:
     """Write the stock checkpoint of a sliced model with one basis into `folder` (config.json,
     generation config, safetensors), after proving that the original's class takes its state dict
     whole; return the conversion's record. `original` is the unpruned model's config."""
@@ -210,27 +244,40 @@ def save_stock(sliced: PreTrainedModel, family: ModelFamily, original: Pretraine
     missing, unexpected = stock.load_state_dict(state, strict=False, assign=True)
     tied_away = {f"{family.head}.weight"} if tie else set()
     if set(missing) - tied_away or unexpected:
-        raise RuntimeError(f"the stock {config.model_type} class does not take the sliced state dict: "
-                           f"missing {sorted(set(missing) - tied_away)}, unexpected {sorted(unexpected)}")
+        raise RuntimeError(
+            f"the stock {config.model_type} class does not take the sliced state dict: "
+            f"missing {sorted(set(missing) - tied_away)}, unexpected {sorted(unexpected)}"
+        )
     if tie:
         stock.tie_weights()
     stock.generation_config = sliced.generation_config
     stock.save_pretrained(folder)
-    return {**record, "hidden_size": k, "config": {key: getattr(config, key) for key in STOCK_KEYS} | {
-        family.norm_eps: getattr(config, family.norm_eps)}}
+    return {
+        **record,
+        "hidden_size": k,
+        "config": {key: getattr(config, key) for key in STOCK_KEYS}
+        | {family.norm_eps: getattr(config, family.norm_eps)},
+    }
 
 
 def load_stock(folder: Path, like: PreTrainedModel) -> PreTrainedModel:
     """A saved stock model, in the dtype and attention implementation of `like`."""
     dtype = next(like.parameters()).dtype
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                 attn_implementation=like.config._attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=like.config._attn_implementation
+    )
     return model.eval().requires_grad_(False)
 
 
-def to_stock(sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, folder: Path | None = None,
-             tie: bool = False, stream: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> tuple[PreTrainedModel, dict[str, Any]]:
+def to_stock(
+    sliced: PreTrainedModel,
+    family: ModelFamily,
+    original: PretrainedConfig,
+    folder: Path | None = None,
+    tie: bool = False,
+    stream: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[PreTrainedModel, dict[str, Any]]:
     """`save_stock` into `folder` (a temporary one, removed after, when None), then `load_stock`
     back: the stock model as its users will load it, and the conversion's record."""
     if folder is not None:

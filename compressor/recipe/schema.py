@@ -24,8 +24,7 @@ from compressor.strategies.contract import Strategy, StrategyOptionError
 from compressor.strategies.registry import PluginRegistry
 from compressor.validation import FORBID, Number, check, described, options
 
-__all__ = ["ACCUMULATION_DTYPES", "AUTOCAST_DTYPES", "REDUCTIONS", "Recipe", "load_recipe", "recipe_schema",
-           "validate"]
+__all__ = ["ACCUMULATION_DTYPES", "AUTOCAST_DTYPES", "REDUCTIONS", "Recipe", "load_recipe", "recipe_schema", "validate"]
 
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 Attention = Literal["sdpa", "eager"]
@@ -42,6 +41,7 @@ TeacherPlacement = Literal["model", "cached"]
 DTYPES = get_args(Dtype)
 FORMATS = get_args(Format)
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
 
 @options(frozen=True, config=FORBID)
 class ModelSpec:
@@ -146,8 +146,9 @@ class RefinementSpec:
     """Calibration windows per step."""
     top_k: Annotated[StrictInt, described("0 keeps the whole distribution", ge=0)] = 64
     """Teacher probabilities kept per token (the rest is one bin); 0 keeps the whole distribution."""
-    heldout_windows: Annotated[StrictInt, described(
-        "calibration-dataset windows after the calibration set, for the held-out guard", ge=1)] = 16
+    heldout_windows: Annotated[
+        StrictInt, described("calibration-dataset windows after the calibration set, for the held-out guard", ge=1)
+    ] = 16
     """The guard's windows: read from the calibration dataset after the `num_samples` windows the
     walk and refinement use. The refined model is kept only when its KL to the original on them,
     saved as it will be, is not above the received model's."""
@@ -231,12 +232,13 @@ class Recipe:
     calibration: DataSpec
     pipeline: list[StepSpec]
     output: StrictStr
-    sparsity: Annotated[Number, described("the fraction of the hidden width removed", ge=0, lt=1)
-                        ] | None = None
+    sparsity: Annotated[Number, described("the fraction of the hidden width removed", ge=0, lt=1)] | None = None
     """The fraction of the hidden width removed; with shared bases, a tied head or allocation by
     curves, the budget: the parameter count of SliceGPT's model (one basis per site, untied
     head) at that sparsity."""
-    target_params: Annotated[Number, described("the fraction of the original's parameters kept", gt=0, le=1)] | None = None
+    target_params: Annotated[Number, described("the fraction of the original's parameters kept", gt=0, le=1)] | None = (
+        None
+    )
     """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
     transitions and the (untied) head counted."""
     allocation: AllocationSpec = field(default_factory=AllocationSpec)
@@ -270,14 +272,23 @@ class RecipeLoader(yaml.SafeLoader):
 
 
 RecipeLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers
-            if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 for _tag, _pattern, _first in (
-        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
-        ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
-        ("tag:yaml.org,2002:float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-                                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+0123456789.")):
+    ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "tag:yaml.org,2002:float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+):
     RecipeLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
 
 
@@ -304,7 +315,6 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (a SafeLoader)
 
 
-
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `--set dotted.key=value` (value parsed as YAML) to the raw recipe."""
     key, sep, text = assignment.partition("=")
@@ -313,7 +323,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     try:
         value = parse_yaml(text) if text else None
     except yaml.YAMLError as error:
-        raise UserError(f"--set {key}: the value is not valid YAML ({getattr(error, 'problem', None) or error})") from None
+        raise UserError(
+            f"--set {key}: the value is not valid YAML ({getattr(error, 'problem', None) or error})"
+        ) from None
     assign(raw, key, value, "--set ")
 
 
@@ -367,17 +379,21 @@ def _reference_hint(missing: Path) -> str:
     checkout: say so, and where the demo's own copies are, instead of a bare "not found"."""
     if "shared" not in missing.parts:
         return ""
-    return ("; the ref_llama_* recipes expect the reference data (models/ref-llama, corpus/) in a shared/ folder "
-            "beside the checkout; without it, recipes/demo.yaml runs on the copies in examples/ref-llama and "
-            "examples/data")
+    return (
+        "; the ref_llama_* recipes expect the reference data (models/ref-llama, corpus/) in a shared/ folder "
+        "beside the checkout; without it, recipes/demo.yaml runs on the copies in examples/ref-llama and "
+        "examples/data"
+    )
 
 
 def _resolve_data_files(files: Any, base: Path, where: str) -> Any:
     if isinstance(files, str):
         resolved = resolve_path(files, base)
         if not _is_remote(resolved) and not any(ch in resolved for ch in "*?[") and not Path(resolved).exists():
-            raise UserError(f"data file not found: {resolved} ({where}, relative to the recipe's folder)"
-                            f"{_reference_hint(Path(resolved))}")
+            raise UserError(
+                f"data file not found: {resolved} ({where}, relative to the recipe's folder)"
+                f"{_reference_hint(Path(resolved))}"
+            )
         return resolved
     if isinstance(files, list):
         return [_resolve_data_files(f, base, where) for f in files]
@@ -413,21 +429,26 @@ def check_lm_eval(spec: LmEvalSpec, where: str, base: Path) -> LmEvalSpec:
     checked against lm-eval's registry later (`compressor.evaluation.harness.check_tasks`), as that
     index takes seconds to build."""
     if spec.limit is not None and (spec.limit <= 0 or (spec.limit >= 1 and spec.limit != int(spec.limit))):
-        raise UserError(f"{where}.limit must be a whole number of documents per task, or a fraction below 1, "
-                        f"got {spec.limit}")
+        raise UserError(
+            f"{where}.limit must be a whole number of documents per task, or a fraction below 1, got {spec.limit}"
+        )
     tasks = []
     for index, task in enumerate(spec.tasks):
         if task.endswith(TASK_FILE_SUFFIXES):
             task = resolve_path(task, base)
             if not Path(task).is_file():
-                raise UserError(f"lm-eval task file not found: {task} ({where}.tasks.{index}, relative to the recipe's folder)")
+                raise UserError(
+                    f"lm-eval task file not found: {task} ({where}.tasks.{index}, relative to the recipe's folder)"
+                )
         tasks.append(task)
     include_path = spec.include_path
     if include_path is not None:
         include_path = resolve_path(include_path, base)
         if not Path(include_path).is_dir():
-            raise UserError(f"lm-eval include_path is not a folder: {include_path} "
-                            f"({where}.include_path, relative to the recipe's folder)")
+            raise UserError(
+                f"lm-eval include_path is not a folder: {include_path} "
+                f"({where}.include_path, relative to the recipe's folder)"
+            )
     return dataclasses.replace(spec, tasks=tasks, include_path=include_path)
 
 
@@ -439,20 +460,28 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
         if not spec.lm_eval:
             raise UserError(f"{where}.lm_eval must hold at least one suite (a mapping with tasks), or be left out")
         suites = spec.lm_eval
-        spec = dataclasses.replace(spec, lm_eval=[
-            check_lm_eval(suite, f"{where}.lm_eval" + (f".{i}" if len(suites) > 1 else ""), base)
-            for i, suite in enumerate(suites)])
+        spec = dataclasses.replace(
+            spec,
+            lm_eval=[
+                check_lm_eval(suite, f"{where}.lm_eval" + (f".{i}" if len(suites) > 1 else ""), base)
+                for i, suite in enumerate(suites)
+            ],
+        )
         named = [task for suite in spec.lm_eval for task in suite.tasks]
         twice = sorted({task for task in named if named.count(task) > 1})
         if twice:
-            raise UserError(f"lm-eval task '{twice[0]}' is named twice in {where}.lm_eval; its scores share one key "
-                            f"in the report, so name each task once")
+            raise UserError(
+                f"lm-eval task '{twice[0]}' is named twice in {where}.lm_eval; its scores share one key "
+                f"in the report, so name each task once"
+            )
     return spec
 
 
 def check_allocation(spec: AllocationSpec, round_to: int) -> None:
     if spec.step is not None and spec.step % round_to:
-        raise UserError(f"allocation.step must be a positive multiple of slicing.round_to ({round_to}), got {spec.step}")
+        raise UserError(
+            f"allocation.step must be a positive multiple of slicing.round_to ({round_to}), got {spec.step}"
+        )
 
 
 def _plain(value: Any) -> Any:
@@ -497,19 +526,24 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         evaluation["lm_eval"] = [evaluation["lm_eval"]]  # one suite may be written without the list
     recipe = check(Recipe, raw)
     if (recipe.sparsity is None) == (recipe.target_params is None):
-        raise UserError("give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
-                        "target_params (the fraction of the original's parameters kept, e.g. 0.75)")
+        raise UserError(
+            "give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
+            "target_params (the fraction of the original's parameters kept, e.g. 0.75)"
+        )
     check_allocation(recipe.allocation, recipe.slicing.round_to)
     if recipe.refinement is not None and recipe.slicing.correct_readers:
-        raise UserError("refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
-                        "whose readers are its bases; turn one of them off")
+        raise UserError(
+            "refinement cannot follow slicing.correct_readers: it optimises the bases of a model "
+            "whose readers are its bases; turn one of them off"
+        )
     check_layout(recipe)
     calibration = check_data(recipe.calibration, "calibration", base)
     evaluation = check_evaluation(recipe.evaluation, "evaluation", base) if recipe.evaluation else None
     return dataclasses.replace(
         recipe,
-        distillation=(check_distillation(recipe.distillation, calibration, evaluation, base)
-                      if recipe.distillation else None),
+        distillation=(
+            check_distillation(recipe.distillation, calibration, evaluation, base) if recipe.distillation else None
+        ),
         pipeline=steps,
         model=dataclasses.replace(recipe.model, path=resolve_model_path(recipe.model.path, base)),
         calibration=calibration,
@@ -518,41 +552,81 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     )
 
 
-TRAINER_OWNED = ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
-                 "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
-                 "warmup_steps", "weight_decay", "max_grad_norm", "bf16", "fp16", "gradient_checkpointing",
-                 "eval_strategy", "eval_steps", "save_strategy", "save_steps", "load_best_model_at_end",
-                 "metric_for_best_model", "greater_is_better", "seed", "use_cpu", "resume_from_checkpoint",
-                 "remove_unused_columns", "activation_checkpointing", "activation_checkpointing_kwargs",
-                 "gradient_checkpointing_kwargs", "save_total_limit", "data_seed", "logging_steps",
-                 "include_num_input_tokens_seen", "restore_callback_states_from_checkpoint", "disable_tqdm",
-                 "log_level", "dataloader_pin_memory")
+TRAINER_OWNED = (
+    "output_dir",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "bf16",
+    "fp16",
+    "gradient_checkpointing",
+    "eval_strategy",
+    "eval_steps",
+    "save_strategy",
+    "save_steps",
+    "load_best_model_at_end",
+    "metric_for_best_model",
+    "greater_is_better",
+    "seed",
+    "use_cpu",
+    "resume_from_checkpoint",
+    "remove_unused_columns",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
+    "gradient_checkpointing_kwargs",
+    "save_total_limit",
+    "data_seed",
+    "logging_steps",
+    "include_num_input_tokens_seen",
+    "restore_callback_states_from_checkpoint",
+    "disable_tqdm",
+    "log_level",
+    "dataloader_pin_memory",
+)
 """TrainingArguments the distillation section sets itself (under its own names, or from the run)."""
 
 
-def check_distillation(spec: DistillationSpec, calibration: DataSpec, evaluation: EvaluationSpec | None,
-                       base: Path) -> DistillationSpec:
+def check_distillation(
+    spec: DistillationSpec, calibration: DataSpec, evaluation: EvaluationSpec | None, base: Path
+) -> DistillationSpec:
     """Its data completed from the calibration's (dataset, format, fields, seq_len) and not the
     evaluation's; no trainer key that the section sets itself. (Target modules and the other
     trainer keys are checked against the model and transformers in `run.checks.plan`.)"""
     dataset = check_dataset(spec.dataset, "distillation", base) if spec.dataset is not None else None
     if evaluation is not None and (dataset or calibration.dataset) == evaluation.dataset:
         where = "distillation.dataset" if dataset is not None else "the calibration dataset (distillation's default)"
-        raise UserError(f"{where} is the evaluation's dataset: distillation would train on the text it is scored on; "
-                        f"give distillation.dataset other text")
+        raise UserError(
+            f"{where} is the evaluation's dataset: distillation would train on the text it is scored on; "
+            f"give distillation.dataset other text"
+        )
     sharded = sorted(set(spec.trainer) & {"fsdp", "fsdp_config", "deepspeed"})
     if sharded:
-        raise UserError(f"distillation.trainer.{sharded[0]}: sharded training is not supported yet (merging LoRA and "
-                        f"saving need the whole student in each process); train with DDP under torchrun, or "
-                        f"lower batch_size, use gradient_checkpointing or teacher: cached")
+        raise UserError(
+            f"distillation.trainer.{sharded[0]}: sharded training is not supported yet (merging LoRA and "
+            f"saving need the whole student in each process); train with DDP under torchrun, or "
+            f"lower batch_size, use gradient_checkpointing or teacher: cached"
+        )
     owned = sorted(set(spec.trainer) & set(TRAINER_OWNED))
     if owned:
-        raise UserError(f"distillation.trainer.{owned[0]} is set by the distillation section itself or by the run; "
-                        f"remove it from distillation.trainer (see `compress schema` for the section's keys)")
+        raise UserError(
+            f"distillation.trainer.{owned[0]} is set by the distillation section itself or by the run; "
+            f"remove it from distillation.trainer (see `compress schema` for the section's keys)"
+        )
     return dataclasses.replace(
-        spec, dataset=dataset or calibration.dataset, format=spec.format or calibration.format,
-        text_field=spec.text_field or calibration.text_field, seq_len=spec.seq_len or calibration.seq_len,
-        messages_field=spec.messages_field or calibration.messages_field)
+        spec,
+        dataset=dataset or calibration.dataset,
+        format=spec.format or calibration.format,
+        text_field=spec.text_field or calibration.text_field,
+        seq_len=spec.seq_len or calibration.seq_len,
+        messages_field=spec.messages_field or calibration.messages_field,
+    )
 
 
 def check_layout(recipe: Recipe) -> None:
@@ -561,11 +635,15 @@ def check_layout(recipe: Recipe) -> None:
     if slicing.layout != "global":
         return
     if slicing.shared_bases:
-        raise UserError("slicing.shared_bases shares a basis within each layer, and slicing.layout: global already "
-                        "keeps one basis everywhere; remove slicing.shared_bases")
+        raise UserError(
+            "slicing.shared_bases shares a basis within each layer, and slicing.layout: global already "
+            "keeps one basis everywhere; remove slicing.shared_bases"
+        )
     if recipe.allocation.method != "uniform":
-        raise UserError("slicing.layout: global keeps one width everywhere, so allocation.method must be uniform "
-                        f"(got {recipe.allocation.method}); use slicing.layout: per_site for per-site widths")
+        raise UserError(
+            "slicing.layout: global keeps one width everywhere, so allocation.method must be uniform "
+            f"(got {recipe.allocation.method}); use slicing.layout: per_site for per-site widths"
+        )
 
 
 def read_yaml(path: Path, what: str) -> Any:
@@ -583,7 +661,9 @@ def read_yaml(path: Path, what: str) -> Any:
         raise UserError(f"{what} {path} is not valid YAML{where}: {problem}") from None
 
 
-def load_recipe(path: str | Path, registry: PluginRegistry, overrides: list[str] = (), output: str | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path, registry: PluginRegistry, overrides: list[str] = (), output: str | None = None
+) -> Recipe:
     """Read, override (`--set`), and validate a recipe file. `output` (from the CLI)
     replaces the recipe's output and resolves against the current folder."""
     path = Path(path)
@@ -606,9 +686,14 @@ def recipe_schema(registry: PluginRegistry) -> dict[str, Any]:
     steps = []
     for name, entry in registry.strategies().items():
         strategy = entry.strategy
-        step: dict[str, Any] = {"type": "object", "title": name, "description": strategy.description,
-                                "properties": {"strategy": {"const": name}}, "required": ["strategy"],
-                                "additionalProperties": False}
+        step: dict[str, Any] = {
+            "type": "object",
+            "title": name,
+            "description": strategy.description,
+            "properties": {"strategy": {"const": name}},
+            "required": ["strategy"],
+            "additionalProperties": False,
+        }
         if strategy.option_class is not None:
             found = TypeAdapter(strategy.option_class).json_schema()
             definitions.update(found.pop("$defs", {}))
@@ -616,8 +701,12 @@ def recipe_schema(registry: PluginRegistry) -> dict[str, Any]:
         elif type(strategy).parse_options is not Strategy.parse_options:
             step["additionalProperties"] = True
         steps.append(step)
-    schema["properties"]["pipeline"] = {"type": "array", "minItems": 1, "items": {"oneOf": steps},
-                                        "description": "selection strategies, applied in order at every site"}
+    schema["properties"]["pipeline"] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"oneOf": steps},
+        "description": "selection strategies, applied in order at every site",
+    }
     suites = definitions["EvaluationSpec"]["properties"]["lm_eval"]  # one suite may be written without the list
     suites["anyOf"].insert(1, {"$ref": "#/$defs/LmEvalSpec"})
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "compressor recipe", **schema}

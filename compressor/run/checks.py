@@ -43,10 +43,19 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         raise UserError(reason)
     check_positions(recipe, config)
     slicing = recipe.slicing
-    layout = sliced_layout(config, family, families.values(), layout=slicing.layout, slice_head=slicing.slice_head,
-                           tie_head=slicing.tie_head, shared_bases=slicing.shared_bases, round_to=slicing.round_to,
-                           sparsity=recipe.sparsity, target_params=recipe.target_params,
-                           allocated=recipe.allocation.method == "curves")
+    layout = sliced_layout(
+        config,
+        family,
+        families.values(),
+        layout=slicing.layout,
+        slice_head=slicing.slice_head,
+        tie_head=slicing.tie_head,
+        shared_bases=slicing.shared_bases,
+        round_to=slicing.round_to,
+        sparsity=recipe.sparsity,
+        target_params=recipe.target_params,
+        allocated=recipe.allocation.method == "curves",
+    )
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []
     for step in recipe.pipeline:
@@ -75,8 +84,10 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     else:
         return []
     budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
-    return [f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
-            f"consider removing less"]
+    return [
+        f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
+        f"consider removing less"
+    ]
 
 
 def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
@@ -85,8 +96,10 @@ def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
     positions = getattr(config, "max_position_embeddings", None)
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None and isinstance(positions, int) and spec.seq_len > positions:
-            raise UserError(f"{where}.seq_len is {spec.seq_len}, beyond the model's {positions} positions "
-                            f"(max_position_embeddings); set {where}.seq_len to {positions} or less")
+            raise UserError(
+                f"{where}.seq_len is {spec.seq_len}, beyond the model's {positions} positions "
+                f"(max_position_embeddings); set {where}.seq_len to {positions} or less"
+            )
 
 
 def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
@@ -102,11 +115,18 @@ def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
         choices[params.sites[-1]] = [hidden_size]
     narrowest = params.count({site: min(widths) for site, widths in choices.items()})
     if narrowest > budget:
-        raise UserError(f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
-                        f"below the narrowest allocation allowed ({narrowest:,}, every site at "
-                        f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept")
-    return CurveAllocator(params, budget, choices, list(layout.shared),
-                          tie_ends=layout.family.head_width_is_embedding_width or layout.tie_head)
+        raise UserError(
+            f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
+            f"below the narrowest allocation allowed ({narrowest:,}, every site at "
+            f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept"
+        )
+    return CurveAllocator(
+        params,
+        budget,
+        choices,
+        list(layout.shared),
+        tie_ends=layout.family.head_width_is_embedding_width or layout.tie_head,
+    )
 
 
 def check_distillation(recipe: Recipe, layout: SlicedLayout) -> None:
@@ -128,8 +148,10 @@ def check_distillation(recipe: Recipe, layout: SlicedLayout) -> None:
     check_target_modules(spec, linear_names(student))
     index = torch.device(recipe.device).index if recipe.device.startswith("cuda:") else None
     if index not in (None, 0) and "LOCAL_RANK" not in os.environ:
-        raise UserError(f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "
-                        f"device: {recipe.device}, set device: cuda and CUDA_VISIBLE_DEVICES={index}")
+        raise UserError(
+            f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "
+            f"device: {recipe.device}, set device: cuda and CUDA_VISIBLE_DEVICES={index}"
+        )
 
 
 def check_evaluation_tasks(recipe: Recipe) -> None:

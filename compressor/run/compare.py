@@ -25,8 +25,20 @@ from compressor.errors import UserError
 from compressor.recipe.schema import parse_yaml
 from compressor.run.staging import RUN_MARKER
 
-COLUMNS = ("run", "model", "pipeline", "sparsity", "kept", "params", "baseline ppl", "pruned ppl", "KL",
-           "prune s", "shared s", "seed")
+COLUMNS = (
+    "run",
+    "model",
+    "pipeline",
+    "sparsity",
+    "kept",
+    "params",
+    "baseline ppl",
+    "pruned ppl",
+    "KL",
+    "prune s",
+    "shared s",
+    "seed",
+)
 FORMATS = (".md", ".csv", ".json")
 REQUIRED = ("model", "pipeline", "sparsity", "kept_width", "params", "timings")
 SHARED_TIMINGS = ("data_s", "load_s", "fisher_s")
@@ -66,8 +78,11 @@ def _labels(reports: list[dict[str, Any]]) -> list[str]:
     for steps in pipelines:
         parts = []
         for position, step in enumerate(steps):
-            others = [p[position]["options"] for p in pipelines
-                      if len(p) > position and p[position]["strategy"] == step["strategy"]]
+            others = [
+                p[position]["options"]
+                for p in pipelines
+                if len(p) > position and p[position]["strategy"] == step["strategy"]
+            ]
             parts.append(step["strategy"] + _differing(step["options"], others))
         labels.append(" + ".join(parts))
     return [label + _extras(report, reports) for label, report in zip(labels, reports)]
@@ -75,8 +90,9 @@ def _labels(reports: list[dict[str, Any]]) -> list[str]:
 
 def _differing(own: dict[str, Any], others: list[dict[str, Any]]) -> str:
     """`key=value` for the entries of `own` that some of `others` lack or set differently."""
-    varying = [f"{key}={json.dumps(value)}" for key, value in own.items()
-               if any(other.get(key) != value for other in others)]
+    varying = [
+        f"{key}={json.dumps(value)}" for key, value in own.items() if any(other.get(key) != value for other in others)
+    ]
     return f"({', '.join(varying)})" if varying else ""
 
 
@@ -88,14 +104,20 @@ def _extras(report: dict[str, Any], reports: list[dict[str, Any]]) -> str:
     if refinement:
         others = [(r.get("refinement") or {}).get("options", {}) for r in reports if r.get("refinement")]
         settings = _differing(refinement.get("options", {}), others)
-        text += (f" → refined on KL{settings}" if refinement.get("kept") == "refined"
-                 else f" → refinement{settings} rejected")
+        text += (
+            f" → refined on KL{settings}"
+            if refinement.get("kept") == "refined"
+            else f" → refinement{settings} rejected"
+        )
     distillation = report.get("distillation")
     if distillation:
         others = [(r.get("distillation") or {}).get("options", {}) for r in reports if r.get("distillation")]
         settings = _differing({k: v for k, v in distillation.get("options", {}).items() if k != "dataset"}, others)
-        text += (f" → distilled ({distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens){settings}"
-                 if distillation.get("kept") == "distilled" else f" → distillation{settings} rejected")
+        text += (
+            f" → distilled ({distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens){settings}"
+            if distillation.get("kept") == "distilled"
+            else f" → distillation{settings} rejected"
+        )
     return text
 
 
@@ -170,20 +192,26 @@ def differing_settings(recipes: list[dict[str, Any] | None], shown: Iterable[str
     saved recipe get no settings."""
     flats = [_flatten(recipe) if recipe is not None else None for recipe in recipes]
     known = [flat for flat in flats if flat is not None]
-    keys = [key for key in dict.fromkeys(key for flat in known for key in flat)
-            if not _covered(key, (*SHOWN_SETTINGS, *shown))]
+    keys = [
+        key
+        for key in dict.fromkeys(key for flat in known for key in flat)
+        if not _covered(key, (*SHOWN_SETTINGS, *shown))
+    ]
     sections = [key for key in keys if _toggled(key, known)]
-    varying = [key for key in keys if key not in sections
-               and len(_distinct([flat[key] for flat in known if key in flat])) > 1]
+    varying = [
+        key for key in keys if key not in sections and len(_distinct([flat[key] for flat in known if key in flat])) > 1
+    ]
     columns = list(dict.fromkeys(sections + varying))
-    return [{} if flat is None else {key: _setting_cell(key, flat, key in sections) for key in columns}
-            for flat in flats]
+    return [
+        {} if flat is None else {key: _setting_cell(key, flat, key in sections) for key in columns} for flat in flats
+    ]
 
 
 def _toggled(key: str, flats: list[dict[str, Any]]) -> bool:
     """Whether `key` is a section that some runs set and others leave null."""
-    return (any(flat.get(key, 0) is None for flat in flats)
-            and any(other.startswith(f"{key}.") for flat in flats for other in flat))
+    return any(flat.get(key, 0) is None for flat in flats) and any(
+        other.startswith(f"{key}.") for flat in flats for other in flat
+    )
 
 
 def _setting_cell(key: str, flat: dict[str, Any], section: bool) -> Any:
@@ -217,10 +245,14 @@ def _baseline_ppls(reports: list[dict[str, Any]]) -> list[float]:
 def evaluation_differences(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None]) -> list[str]:
     """What sets the evaluated runs' KL and perplexity apart besides the pruning: differing
     evaluation data settings, and a differing baseline perplexity of the same original model."""
-    evaluated = [(report, recipe) for report, recipe in zip(reports, recipes)
-                 if (report.get("metrics") or {}).get("baseline")]
-    saved = [_flatten({key: recipe["evaluation"].get(key) for key in EVALUATION_DATA}, "evaluation.")
-             for _, recipe in evaluated if recipe is not None and isinstance(recipe.get("evaluation"), dict)]
+    evaluated = [
+        (report, recipe) for report, recipe in zip(reports, recipes) if (report.get("metrics") or {}).get("baseline")
+    ]
+    saved = [
+        _flatten({key: recipe["evaluation"].get(key) for key in EVALUATION_DATA}, "evaluation.")
+        for _, recipe in evaluated
+        if recipe is not None and isinstance(recipe.get("evaluation"), dict)
+    ]
     found = []
     for key in dict.fromkeys(key for flat in saved for key in flat):
         values = _distinct([flat[key] for flat in saved if key in flat])  # a key older recipes lack is no difference
@@ -236,8 +268,11 @@ def evaluation_differences(reports: list[dict[str, Any]], recipes: list[dict[str
 def task_differences(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None]) -> list[str]:
     """Settings that change lm-eval scores (the task suites, the seed of few-shot sampling) where
     they differ between runs that have task scores."""
-    scored = [recipe for report, recipe in zip(reports, recipes)
-              if recipe is not None and ((report.get("metrics") or {}).get("pruned") or {}).get("tasks")]
+    scored = [
+        recipe
+        for report, recipe in zip(reports, recipes)
+        if recipe is not None and ((report.get("metrics") or {}).get("pruned") or {}).get("tasks")
+    ]
     found = []
     suites = _distinct([(recipe.get("evaluation") or {}).get("lm_eval") for recipe in scored])
     if len(suites) > 1:
@@ -253,12 +288,16 @@ def warnings_for(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | N
     lines = []
     data = evaluation_differences(reports, recipes)
     if data:
-        lines.append(f"these runs were evaluated on different data: {'; '.join(data)}; "
-                     f"their KL and perplexity are not comparable")
+        lines.append(
+            f"these runs were evaluated on different data: {'; '.join(data)}; "
+            f"their KL and perplexity are not comparable"
+        )
     tasks = task_differences(reports, recipes)
     if tasks:
-        lines.append(f"these runs' task scores were computed with different settings: {'; '.join(tasks)}; "
-                     f"their task scores are not comparable")
+        lines.append(
+            f"these runs' task scores were computed with different settings: {'; '.join(tasks)}; "
+            f"their task scores are not comparable"
+        )
     return lines
 
 
@@ -288,19 +327,31 @@ def compare_runs(folders: list[Path], shown: Iterable[str] = ()) -> tuple[list[d
     return _rows(folders, reports, recipes, shown), warnings_for(reports, recipes)
 
 
-def _rows(folders: list[Path], reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None],
-          shown: Iterable[str]) -> list[dict[str, Any]]:
+def _rows(
+    folders: list[Path], reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None], shown: Iterable[str]
+) -> list[dict[str, Any]]:
     settings = differing_settings(recipes, list(shown))
     table = []
     for folder, report, label, differing in zip(folders, reports, _labels(reports), settings):
         metrics = report.get("metrics") or {}
         baseline, pruned = metrics.get("baseline", {}), metrics.get("pruned", {})
-        table.append({
-            "run": folder.name, "model": Path(report["model"]["path"]).name, "pipeline": label,
-            "sparsity": report["sparsity"], "kept": report["kept_width"], "params": report["params"]["ratio"],
-            "baseline ppl": baseline.get("ppl"), "pruned ppl": pruned.get("ppl"), "KL": pruned.get("kl"),
-            **_timing_cells(report["timings"]), "seed": report.get("seed"), **task_cells(metrics), **differing,
-        })
+        table.append(
+            {
+                "run": folder.name,
+                "model": Path(report["model"]["path"]).name,
+                "pipeline": label,
+                "sparsity": report["sparsity"],
+                "kept": report["kept_width"],
+                "params": report["params"]["ratio"],
+                "baseline ppl": baseline.get("ppl"),
+                "pruned ppl": pruned.get("ppl"),
+                "KL": pruned.get("kl"),
+                **_timing_cells(report["timings"]),
+                "seed": report.get("seed"),
+                **task_cells(metrics),
+                **differing,
+            }
+        )
     return table
 
 

@@ -84,10 +84,14 @@ def _not_a_target(folder: Path) -> str:
     """What a folder that is neither a run nor a model is, and what `compress eval` would take."""
     runs = sorted(child.name for child in folder.iterdir() if (child / RUN_MARKER).is_file())
     if runs:
-        return (f"{folder} is not a run folder (no {RUN_MARKER}) but holds {len(runs)} run(s): evaluate one "
-                f"(compress eval {folder / runs[0]}) or tabulate them (compress compare {folder}/*)")
-    return (f"{folder} is neither a run folder (no {RUN_MARKER}) nor a model folder (no config.json): give a run's "
-            f"output folder, a saved model's folder or a hub id")
+        return (
+            f"{folder} is not a run folder (no {RUN_MARKER}) but holds {len(runs)} run(s): evaluate one "
+            f"(compress eval {folder / runs[0]}) or tabulate them (compress compare {folder}/*)"
+        )
+    return (
+        f"{folder} is neither a run folder (no {RUN_MARKER}) nor a model folder (no config.json): give a run's "
+        f"output folder, a saved model's folder or a hub id"
+    )
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,14 @@ class EvalPlan:
 def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> list[LmEvalSpec]:
     if not request.tasks:
         return list(recipe_suites or [])
-    spec = LmEvalSpec(tasks=list(request.tasks), include_path=request.include_path, num_fewshot=request.num_fewshot,
-                      limit=request.limit, batch_size=request.task_batch_size,
-                      apply_chat_template=request.apply_chat_template)
+    spec = LmEvalSpec(
+        tasks=list(request.tasks),
+        include_path=request.include_path,
+        num_fewshot=request.num_fewshot,
+        limit=request.limit,
+        batch_size=request.task_batch_size,
+        apply_chat_template=request.apply_chat_template,
+    )
     return [check_lm_eval(spec, "--tasks", Path.cwd())]
 
 
@@ -127,21 +136,25 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     if (folder / RUN_MARKER).is_file():
         has_model, has_bases = (folder / "model").is_dir(), (folder / BASES_FILE).is_file()
         if not (folder / "recipe.yaml").is_file() or not (has_model or has_bases):
-            raise UserError(f"{folder} holds a report but no recipe.yaml and model/ (or {BASES_FILE}): "
-                            f"not a complete run folder")
+            raise UserError(
+                f"{folder} holds a report but no recipe.yaml and model/ (or {BASES_FILE}): not a complete run folder"
+            )
         recipe = load_recipe(folder / "recipe.yaml", registry)
         dtype = request.dtype or recipe.model.dtype
         if has_model:
-            target = dataclasses.replace(recipe.model, path=str((folder / "model").resolve()), revision=None,
-                                         dtype=dtype)
+            target = dataclasses.replace(
+                recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype
+            )
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype)
             checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
             rebuild = (folder / BASES_FILE, checked.layout.family)
             if checked.layout.one_basis:
                 if checked.layout.tie_head:
-                    raise UserError(f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
-                                    f"statistics, which only model/ holds; rerun it with the sweep's save_models: true")
+                    raise UserError(
+                        f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
+                        f"statistics, which only model/ holds; rerun it with the sweep's save_models: true"
+                    )
                 stock = checked.layout.config
         reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
         data = recipe.evaluation
@@ -154,15 +167,21 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     if request.reference is not None:
         reference = _model_spec(request.reference, dtype)
     if request.data is not None:
-        data = dataclasses.replace(data or DEFAULT_WINDOWS, dataset={"path": "json", "data_files": request.data},
-                                  format="text")
+        data = dataclasses.replace(
+            data or DEFAULT_WINDOWS, dataset={"path": "json", "data_files": request.data}, format="text"
+        )
     suites = _suites(request, recipe_suites)
     if data is None and not suites:
-        raise UserError(f"nothing to evaluate for {request.target}: pass --data FILE.jsonl (one JSON object per line, "
-                        f"with a text field) and/or --tasks")
+        raise UserError(
+            f"nothing to evaluate for {request.target}: pass --data FILE.jsonl (one JSON object per line, "
+            f"with a text field) and/or --tasks"
+        )
     if data is not None:
-        overrides = {key: getattr(request, key) for key in ("text_field", "num_samples", "seq_len", "batch_size")
-                     if getattr(request, key) is not None}
+        overrides = {
+            key: getattr(request, key)
+            for key in ("text_field", "num_samples", "seq_len", "batch_size")
+            if getattr(request, key) is not None
+        }
         data = check_data(replaced(data, "evaluation.", **overrides), "evaluation", Path.cwd())
     if request.throughput is not None:
         throughput = request.throughput
@@ -184,15 +203,21 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     if plan.rebuild is not None:
         report_progress("rebuilding the pruned model from its bases", 0, 1)
         readers = plan.rebuild[0].with_name(READERS_FILE)
-        target = apply_bases(target, plan.rebuild[1], load_bases(plan.rebuild[0]), device,
-                             load_bases(readers) if readers.is_file() else None,
-                             keep_tied=False if plan.stock is not None else None)
+        target = apply_bases(
+            target,
+            plan.rebuild[1],
+            load_bases(plan.rebuild[0]),
+            device,
+            load_bases(readers) if readers.is_file() else None,
+            keep_tied=False if plan.stock is not None else None,
+        )
         if plan.stock is not None:  # a global layout's model is the original class (its head untied)
             target = to_stock(target, plan.rebuild[1], plan.stock)[0]
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
-    metrics = evaluate_models(reference, target, batches, device, report_progress, tasks=plan.suites,
-                              tokenizer=tokenizer, seed=plan.seed)
+    metrics = evaluate_models(
+        reference, target, batches, device, report_progress, tasks=plan.suites, tokenizer=tokenizer, seed=plan.seed
+    )
     sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
     speed = None
     if plan.throughput:
@@ -211,6 +236,10 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
         "evaluation": dataclasses.asdict(plan.data) if plan.data is not None else None,
         "metrics": metrics,
         "timings": {"eval_s": time.perf_counter() - started},
-        "environment": {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version()},
+        "environment": {
+            "device": str(device),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
     }

@@ -27,14 +27,16 @@ class GuardRecord:
     """Whether the step's result was kept (its held-out KL is not above the received model's)."""
 
     @staticmethod
-    def judge(step: str, windows: int, before: float, after: float) -> "GuardRecord":
+    def judge(step: str, windows: int, before: float, after: float) -> GuardRecord:
         return GuardRecord(step, windows, before, after, after <= before)
 
     def line(self) -> str:
         """What the run says about the step, in one line."""
         verdict = "kept" if self.kept else f"made it worse, so the model from before {self.step} is kept"
-        return (f"{self.step}: held-out KL of the saved model {self.kl_before:.4f} -> {self.kl_after:.4f} "
-                f"on {self.windows} windows it did not train on: {verdict}")
+        return (
+            f"{self.step}: held-out KL of the saved model {self.kl_before:.4f} -> {self.kl_after:.4f} "
+            f"on {self.windows} windows it did not train on: {verdict}"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -34,33 +34,48 @@ def _load(what: str, spec: ModelSpec, loader: Callable[[], T]) -> T:
         return loader()
     except (OSError, ValueError) as error:
         if "contains custom code" in str(error) and not spec.trust_remote_code:
-            raise UserError(f"model '{spec.path}' ships its own Python code (auto_map in its config), which is not run "
-                            f"unless the recipe sets model.trust_remote_code: true (read that code first)") from None
+            raise UserError(
+                f"model '{spec.path}' ships its own Python code (auto_map in its config), which is not run "
+                f"unless the recipe sets model.trust_remote_code: true (read that code first)"
+            ) from None
         hint = model_advice(error) if on_hub else ""
         raise UserError(f"cannot load {what}: {first_line(error)}{hint}") from None
 
 
 def load_config(spec: ModelSpec) -> PretrainedConfig:
-    return _load(f"the config of model '{spec.path}'", spec,
-                 lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision,
-                                                    trust_remote_code=spec.trust_remote_code))
+    return _load(
+        f"the config of model '{spec.path}'",
+        spec,
+        lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code),
+    )
 
 
 def load_model(spec: ModelSpec) -> PreTrainedModel:
     """The model `spec` names; a run folder's model only from safetensors (nothing in a run
     folder is ever unpickled)."""
     from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
-    return _load(f"model '{spec.path}'", spec, lambda: AutoModelForCausalLM.from_pretrained(
-        spec.path, revision=spec.revision, dtype=getattr(torch, spec.dtype),
-        attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code,
-        **({"use_safetensors": True} if from_run else {}),
-    )).eval()
+    return _load(
+        f"model '{spec.path}'",
+        spec,
+        lambda: AutoModelForCausalLM.from_pretrained(
+            spec.path,
+            revision=spec.revision,
+            dtype=getattr(torch, spec.dtype),
+            attn_implementation=spec.attn_implementation,
+            trust_remote_code=spec.trust_remote_code,
+            **({"use_safetensors": True} if from_run else {}),
+        ),
+    ).eval()
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
-    return _load(f"the tokenizer of '{spec.path}'", spec,
-                 lambda: AutoTokenizer.from_pretrained(spec.path, revision=spec.revision,
-                                                       trust_remote_code=spec.trust_remote_code))
+    return _load(
+        f"the tokenizer of '{spec.path}'",
+        spec,
+        lambda: AutoTokenizer.from_pretrained(
+            spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+        ),
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,8 +93,9 @@ def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     try:
         records = load_records(spec.dataset)
         if spec.format == "chat":
-            return chat_batches(records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size,
-                                spec.messages_field)
+            return chat_batches(
+                records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size, spec.messages_field
+            )
         windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
@@ -93,15 +109,22 @@ def heldout_batches(spec: DataSpec, tokenizer: Any, count: int, where: str) -> l
     try:
         rows = token_batches(replaced(spec, num_samples=spec.num_samples + count), tokenizer, where)
     except UserError:
-        raise UserError(f"{where}.heldout_windows: {count} windows after the {spec.num_samples} calibration windows "
-                        f"need {spec.num_samples + count} windows of {spec.seq_len} tokens, more than the calibration "
-                        f"dataset holds; lower {where}.heldout_windows or calibration.num_samples, or give more "
-                        f"text") from None
+        raise UserError(
+            f"{where}.heldout_windows: {count} windows after the {spec.num_samples} calibration windows "
+            f"need {spec.num_samples + count} windows of {spec.seq_len} tokens, more than the calibration "
+            f"dataset holds; lower {where}.heldout_windows or calibration.num_samples, or give more "
+            f"text"
+        ) from None
     joined = rebatch(rows, sum(len(b.input_ids) for b in rows))[0]
     counted = joined.sensitivity_mask
-    return [Batch(joined.input_ids[start:start + spec.batch_size], joined.attention_mask[start:start + spec.batch_size],
-                  None if counted is None else counted[start:start + spec.batch_size])
-            for start in range(spec.num_samples, spec.num_samples + count, spec.batch_size)]
+    return [
+        Batch(
+            joined.input_ids[start : start + spec.batch_size],
+            joined.attention_mask[start : start + spec.batch_size],
+            None if counted is None else counted[start : start + spec.batch_size],
+        )
+        for start in range(spec.num_samples, spec.num_samples + count, spec.batch_size)
+    ]
 
 
 def check_fields(spec: DataSpec, where: str) -> None:
@@ -115,8 +138,10 @@ def check_fields(spec: DataSpec, where: str) -> None:
     if record is None:
         raise UserError(f"{where}: the dataset has no records")
     if name not in record:
-        raise UserError(f"{where}: the dataset's records have no field '{name}' (fields: {', '.join(record)}); "
-                        f"set {where}.{key} in the recipe")
+        raise UserError(
+            f"{where}: the dataset's records have no field '{name}' (fields: {', '.join(record)}); "
+            f"set {where}.{key} in the recipe"
+        )
 
 
 class Resources:

@@ -26,8 +26,9 @@ from compressor.strategies.registry import PluginRegistry
 
 NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
 """A hub dataset error with these words was the network's, not the dataset's: not checked, not refused."""
-ALWAYS_UNCHECKED = ("the weights (not loaded: a missing or corrupt shard, NaN or Inf, device memory show only "
-                    "in the run)")
+ALWAYS_UNCHECKED = (
+    "the weights (not loaded: a missing or corrupt shard, NaN or Inf, device memory show only in the run)"
+)
 
 
 @dataclass
@@ -43,8 +44,12 @@ class DryRun:
     lacks, an output it may not replace): the dry run shows what it checked, then fails with it."""
 
     def lines(self) -> list[str]:
-        return ([f"checked: {line}" for line in self.checked] + [f"note: {line}" for line in self.notes]
-                + [f"warning: {line}" for line in self.warnings] + [f"not checked: {line}" for line in self.unchecked])
+        return (
+            [f"checked: {line}" for line in self.checked]
+            + [f"note: {line}" for line in self.notes]
+            + [f"warning: {line}" for line in self.warnings]
+            + [f"not checked: {line}" for line in self.unchecked]
+        )
 
 
 def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, restart: bool = False) -> DryRun:
@@ -56,8 +61,10 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
     except UserError as error:
         device, missing = None, str(error)
     if device is not None and device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-                        "it is for CPU runs: leave it unset (or true) on a GPU")
+        raise UserError(
+            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+            "it is for CPU runs: leave it unset (or true) on a GPU"
+        )
     if device is not None:
         found.checked.append(f"device {recipe.device} (here: {device})")
     checked = _model(recipe, registry, found)
@@ -95,19 +102,25 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         why = unreachable()
         if why and not cached(path, "config.json", recipe.model.revision):
             check_evaluation_tasks(recipe)
-            found.unchecked.append(f"the model's config, family, budget and widths, and the data's window counts "
-                                   f"(hub model '{path}' is not in the cache; {why})")
+            found.unchecked.append(
+                f"the model's config, family, budget and widths, and the data's window counts "
+                f"(hub model '{path}' is not in the cache; {why})"
+            )
             found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
     checked = plan(recipe, registry)
     original = checked.layout.params.original
     kept = checked.layout.kept if checked.layout.kept is not None else "chosen per site after a survey"
-    found.checked.append(f"model config ({checked.layout.config.model_type}, {checked.layout.config.num_hidden_layers} layers, "
-                         f"hidden {checked.layout.config.hidden_size}): budget {checked.layout.budget:,} of {original:,} parameters "
-                         f"({checked.layout.budget / original:.1%}), kept width {kept}")
+    found.checked.append(
+        f"model config ({checked.layout.config.model_type}, {checked.layout.config.num_hidden_layers} layers, "
+        f"hidden {checked.layout.config.hidden_size}): budget {checked.layout.budget:,} of {original:,} parameters "
+        f"({checked.layout.budget / original:.1%}), kept width {kept}"
+    )
     if checked.layout.one_basis:
-        found.checked.append(f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
-                             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)")
+        found.checked.append(
+            f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
+            f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
+        )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
 
@@ -118,17 +131,21 @@ def _distillation(recipe: Recipe, tokenizer: Any, found: DryRun) -> None:
 
     spec = recipe.distillation
     assert spec is not None and spec.dataset is not None
-    found.checked.append(f"distillation: {spec.method}"
-                         + (f" on {spec.lora.target_modules}" if spec.method == "lora" else "")
-                         + (f", trainer settings {', '.join(spec.trainer)}" if spec.trainer else ""))
+    found.checked.append(
+        f"distillation: {spec.method}"
+        + (f" on {spec.lora.target_modules}" if spec.method == "lora" else "")
+        + (f", trainer settings {', '.join(spec.trainer)}" if spec.trainer else "")
+    )
     if not is_local(spec.dataset):
         found.unchecked.append("distillation data's window count (a hub dataset, read only by the run)")
         return
     data = distillation_data(spec, tokenizer)
     steps, per_step = steps_for(spec, 1)
-    found.checked.append(f"distillation data: {len(data.train)} training windows of {spec.seq_len} tokens "
-                         f"({steps * per_step / len(data.train):.2g} passes for {spec.tokens:,} tokens in {steps} "
-                         f"steps on one process), {len(data.heldout)} held-out windows")
+    found.checked.append(
+        f"distillation data: {len(data.train)} training windows of {spec.seq_len} tokens "
+        f"({steps * per_step / len(data.train):.2g} passes for {spec.tokens:,} tokens in {steps} "
+        f"steps on one process), {len(data.heldout)} held-out windows"
+    )
 
 
 def _data(where: str, spec: DataSpec, tokenizer: Any, found: DryRun) -> None:
@@ -149,8 +166,7 @@ def _data(where: str, spec: DataSpec, tokenizer: Any, found: DryRun) -> None:
         return
     if tokenizer is not None and local:
         batches = token_batches(spec, tokenizer, where)
-        found.checked.append(f"{where} data: {sum(len(b.input_ids) for b in batches)} windows of "
-                             f"{spec.seq_len} tokens")
+        found.checked.append(f"{where} data: {sum(len(b.input_ids) for b in batches)} windows of {spec.seq_len} tokens")
     else:
         found.checked.append(f"{where} data: its first record has the field the recipe names")
         found.unchecked.append(f"{where} data's window count (read only by the run)")

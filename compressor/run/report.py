@@ -14,9 +14,11 @@ from compressor.evaluation.throughput import rate_range, speedup_bounds
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(quantity, baseline, pruned) rows shared by the Markdown and terminal tables."""
     params = report["params"]
-    rows = [("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
-            *transition_rows(report),
-            ("hidden width", str(report["model"]["hidden_size"]), kept_label(report))]
+    rows = [
+        ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
+        *transition_rows(report),
+        ("hidden width", str(report["model"]["hidden_size"]), kept_label(report)),
+    ]
     rows += speed_rows(report.get("size"), report.get("speed"))
     metrics = report.get("metrics") or {}
     if metrics:
@@ -51,8 +53,10 @@ def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, s
     if not refinement:
         return []
     objective = f"calibration KL (refinement objective, top_k {refinement['options']['top_k']})"
-    return [(f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
-            (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})")]
+    return [
+        (f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
+        (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})"),
+    ]
 
 
 def guard_rows(guards: list[dict[str, Any]] | None, step: str) -> list[tuple[str, str, str]]:
@@ -62,8 +66,13 @@ def guard_rows(guards: list[dict[str, Any]] | None, step: str) -> list[tuple[str
     for guard in guards or []:
         if guard["step"] == step:
             verdict = "kept" if guard["kept"] else f"undone: the model from before {step} is saved"
-            rows.append((f"held-out KL before/after {step} ({guard['windows']} windows, guard)", "",
-                         f"{guard['kl_before']:.5f} -> {guard['kl_after']:.5f} ({verdict})"))
+            rows.append(
+                (
+                    f"held-out KL before/after {step} ({guard['windows']} windows, guard)",
+                    "",
+                    f"{guard['kl_before']:.5f} -> {guard['kl_after']:.5f} ({verdict})",
+                )
+            )
     return rows
 
 
@@ -74,11 +83,20 @@ def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, st
     top_k = distillation["options"]["top_k"]
     objective = f"distillation held-out KL ({distillation['heldout_windows']} windows, top_k {top_k})"
     stopped = ", stopped early" if distillation["stopped_early"] else ""
-    return [(f"{objective} before", "", f"{distillation['heldout_kl_before']:.5f}"),
-            (f"{objective} kept", "", f"{distillation['heldout_kl_best']:.5f} ({distillation['kept']}, step "
-                                      f"{distillation['best_step']})"),
-            ("distillation", "", f"{distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens, "
-                                 f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)")]
+    return [
+        (f"{objective} before", "", f"{distillation['heldout_kl_before']:.5f}"),
+        (
+            f"{objective} kept",
+            "",
+            f"{distillation['heldout_kl_best']:.5f} ({distillation['kept']}, step {distillation['best_step']})",
+        ),
+        (
+            "distillation",
+            "",
+            f"{distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens, "
+            f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)",
+        ),
+    ]
 
 
 def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tuple[str, str, str]]:
@@ -102,8 +120,15 @@ def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> lis
     """Weight bytes, and prefill and decode tokens/s per batch size, of the baseline and pruned model."""
     rows = []
     if size:
-        rows.append(("weights (MB)", *(f"{size[side]['weight_bytes'] / 1e6:,.2f}" if side in size else ""
-                                        for side in ("baseline", "pruned"))))
+        rows.append(
+            (
+                "weights (MB)",
+                *(
+                    f"{size[side]['weight_bytes'] / 1e6:,.2f}" if side in size else ""
+                    for side in ("baseline", "pruned")
+                ),
+            )
+        )
     if speed:
         any_side = speed.get("pruned") or speed.get("baseline")
         for phase in ("prefill", "decode"):
@@ -178,8 +203,10 @@ def title(report: dict[str, Any]) -> str:
     widths = "" if method == "uniform" else f", {method} widths"
     if report.get("layout") == "global":
         widths += ", one basis (stock architecture)"
-    return (f"{Path(report['model']['path']).name}: {chain} at "
-            f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}")
+    return (
+        f"{Path(report['model']['path']).name}: {chain} at "
+        f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}"
+    )
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:

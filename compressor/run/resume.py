@@ -12,8 +12,15 @@ import torch
 
 import compressor
 from compressor.data.batches import Batch
-from compressor.engine.checkpoint import (DISTILLATION_FOLDER, FINGERPRINT_FILE, FISHER_FILE, TRAINER_CHECKPOINT_PREFIX,
-                                          Checkpoint, json_digest, tensor_digest)
+from compressor.engine.checkpoint import (
+    DISTILLATION_FOLDER,
+    FINGERPRINT_FILE,
+    FISHER_FILE,
+    TRAINER_CHECKPOINT_PREFIX,
+    Checkpoint,
+    json_digest,
+    tensor_digest,
+)
 from compressor.errors import UserError
 from compressor.recipe.schema import Recipe
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
@@ -33,8 +40,11 @@ def interrupted_with_another_recipe(output: Path, recipe: Recipe) -> bool:
         trained = json.loads((checkpoint.folder / DISTILLATION_FOLDER / FINGERPRINT_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (recipe.distillation is not None and trained.get("settings") != distillation_fingerprint(recipe)
-            and checkpoint.has_distillation_progress())
+    return (
+        recipe.distillation is not None
+        and trained.get("settings") != distillation_fingerprint(recipe)
+        and checkpoint.has_distillation_progress()
+    )
 
 
 RECIPE_VALUES_FILE = "recipe.json"
@@ -48,8 +58,10 @@ def check_interrupted(output: Path, recipe: Recipe, restart: bool) -> None:
     if not restart and interrupted_with_another_recipe(output, recipe):
         changed = changed_keys(output, recipe)
         which = f" ({', '.join(changed)} changed)" if changed else ""
-        raise UserError(f"an interrupted run in {staging_folder(output)} was started with a different recipe{which}; "
-                        f"rerun with --restart to discard its progress, or choose another --output")
+        raise UserError(
+            f"an interrupted run in {staging_folder(output)} was started with a different recipe{which}; "
+            f"rerun with --restart to discard its progress, or choose another --output"
+        )
 
 
 def save_recipe_values(checkpoint: Checkpoint, recipe: Recipe) -> None:
@@ -85,9 +97,11 @@ def progress_summary(output: Path) -> str | None:
     parts = [f"{len(list(checkpoint.sites_folder.glob('[0-9]*.safetensors')))} finished site(s)"]
     if (checkpoint.folder / FISHER_FILE).is_file():
         parts.append("H")
-    steps = [int(p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX))
-             for p in (checkpoint.folder / DISTILLATION_FOLDER).glob(f"{TRAINER_CHECKPOINT_PREFIX}*")
-             if p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX).isdigit()]
+    steps = [
+        int(p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX))
+        for p in (checkpoint.folder / DISTILLATION_FOLDER).glob(f"{TRAINER_CHECKPOINT_PREFIX}*")
+        if p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX).isdigit()
+    ]
     if steps:
         parts.append(f"distillation at step {max(steps)}")
     return f"{checkpoint.folder} holds {', '.join(parts)}"
@@ -130,8 +144,14 @@ def distillation_fingerprint(recipe: Recipe) -> str:
     values = {k: v for k, v in dataclasses.asdict(recipe.distillation).items() if k not in DISTILLATION_MEMORY_KEYS}
     values["dataset"] = None  # its contents are fingerprinted instead
     refinement = dataclasses.asdict(recipe.refinement) if recipe.refinement is not None else None
-    return json_digest({"distillation": values, "walk": recipe_fingerprint(recipe), "refinement": refinement,
-                        "compressor": compressor.__version__})
+    return json_digest(
+        {
+            "distillation": values,
+            "walk": recipe_fingerprint(recipe),
+            "refinement": refinement,
+            "compressor": compressor.__version__,
+        }
+    )
 
 
 def data_fingerprint(batches: list[Batch]) -> str:
@@ -147,13 +167,22 @@ def fisher_key(recipe: Recipe, model_fingerprint: str, data_fingerprint: str, de
     """What H depends on: the model (and how it computes: attention kernel, device type), the
     calibration tokens, the H pass's result-deciding options and the seed of its label sampling."""
     options = {k: v for k, v in dataclasses.asdict(recipe.sensitivity).items() if k not in ("chunk", "recompute")}
-    return json_digest({"model": model_fingerprint, "data": data_fingerprint, "sensitivity": options,
-                        "seed": recipe.seed, "attention": recipe.model.attn_implementation,
-                        "device": device.type, "compressor": compressor.__version__})
+    return json_digest(
+        {
+            "model": model_fingerprint,
+            "data": data_fingerprint,
+            "sensitivity": options,
+            "seed": recipe.seed,
+            "attention": recipe.model.attn_implementation,
+            "device": device.type,
+            "compressor": compressor.__version__,
+        }
+    )
 
 
-def baseline_tasks_key(suites: list[Any], model_fingerprint: str, recipe: Recipe, tokenizer: Any,
-                       device: torch.device) -> str:
+def baseline_tasks_key(
+    suites: list[Any], model_fingerprint: str, recipe: Recipe, tokenizer: Any, device: torch.device
+) -> str:
     """What the original model's lm-eval scores depend on: the model, its tokenizer's chat
     template, the device type, the seed and each suite (settings, lm-eval version, local task
     and data files' bytes)."""
@@ -161,7 +190,13 @@ def baseline_tasks_key(suites: list[Any], model_fingerprint: str, recipe: Recipe
         return ""
     from compressor.evaluation.harness import suite_digest
 
-    return json_digest({"model": model_fingerprint, "seed": recipe.seed, "device": device.type,
-                        "chat_template": str(getattr(tokenizer, "chat_template", None)),
-                        "attention": recipe.model.attn_implementation,
-                        "suites": [suite_digest(suite) for suite in suites]})
+    return json_digest(
+        {
+            "model": model_fingerprint,
+            "seed": recipe.seed,
+            "device": device.type,
+            "chat_template": str(getattr(tokenizer, "chat_template", None)),
+            "attention": recipe.model.attn_implementation,
+            "suites": [suite_digest(suite) for suite in suites],
+        }
+    )

@@ -101,15 +101,20 @@ def run(
         warn(warning)
     device = resolve_device(recipe.device)
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-                        "it is for CPU runs: leave it unset (or true) on a GPU")
+        raise UserError(
+            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+            "it is for CPU runs: leave it unset (or true) on a GPU"
+        )
     if recipe.distillation is not None:
         if not save_model:
-            raise UserError("distillation changes the weights, which bases alone cannot rebuild: save the models "
-                            "(a sweep's save_models: true), or remove distillation")
+            raise UserError(
+                "distillation changes the weights, which bases alone cannot rebuild: save the models "
+                "(a sweep's save_models: true), or remove distillation"
+            )
         if device.type == "cpu" and recipe.distillation.precision == "float16":
-            raise UserError("distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 "
-                            "(or auto)")
+            raise UserError(
+                "distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 (or auto)"
+            )
     ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:
@@ -131,8 +136,19 @@ def run(
         fresh = not checkpoint.has_progress()  # else this run resumes progress made before it
         try:
             with full_disk_is_a_user_error(output):
-                report = _run_in(staging, recipe, checked, device, checkpoint, started, report_progress,
-                                 resources or Resources(), save_model, ranks, warn)
+                report = _run_in(
+                    staging,
+                    recipe,
+                    checked,
+                    device,
+                    checkpoint,
+                    started,
+                    report_progress,
+                    resources or Resources(),
+                    save_model,
+                    ranks,
+                    warn,
+                )
             faults.reached("publish")
             publish(staging, output)
         except UserError as error:  # bad input found on the way: what this run created goes
@@ -146,21 +162,47 @@ def run(
     return report
 
 
-def _prune(model: PreTrainedModel, recipe: Recipe, checked: Plan, calibration: list[Batch], device: torch.device,
-           report_progress: Progress, checkpoint: Checkpoint, scratch: Path,
-           fisher: dict[str, torch.Tensor] | None, ranks: Ranks) -> PruneResult:
+def _prune(
+    model: PreTrainedModel,
+    recipe: Recipe,
+    checked: Plan,
+    calibration: list[Batch],
+    device: torch.device,
+    report_progress: Progress,
+    checkpoint: Checkpoint,
+    scratch: Path,
+    fisher: dict[str, torch.Tensor] | None,
+    ranks: Ranks,
+) -> PruneResult:
     """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
     layout = checked.layout
-    return prune(model, layout.family, calibration, layout.widths, checked.pipeline, device, report_progress,
-                 recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint, offload=recipe.activations,
-                 scratch=scratch, fisher=fisher, correct_readers=recipe.slicing.correct_readers,
-                 shared=list(layout.shared), allocator=checked.allocator, ranks=ranks,
-                 layout="global" if layout.one_basis else "per_site", pooling=recipe.slicing.pooling,
-                 tie_head=layout.tie_head and not layout.one_basis)
+    return prune(
+        model,
+        layout.family,
+        calibration,
+        layout.widths,
+        checked.pipeline,
+        device,
+        report_progress,
+        recipe.sensitivity,
+        seed=recipe.seed,
+        checkpoint=checkpoint,
+        offload=recipe.activations,
+        scratch=scratch,
+        fisher=fisher,
+        correct_readers=recipe.slicing.correct_readers,
+        shared=list(layout.shared),
+        allocator=checked.allocator,
+        ranks=ranks,
+        layout="global" if layout.one_basis else "per_site",
+        pooling=recipe.slicing.pooling,
+        tie_head=layout.tie_head and not layout.one_basis,
+    )
 
 
-def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources,
-            report_progress: Progress) -> dict[str, Any]:
+def _follow(
+    recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources, report_progress: Progress
+) -> dict[str, Any]:
     """A data-parallel run's rank above 0: the walk on its share of the calibration batches, its
     statistics summed with the others'; rank 0 writes the run folder and the checkpoint, which
     this rank only reads (to resume where rank 0 does)."""
@@ -172,18 +214,36 @@ def _follow(recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, r
     ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
     checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
-        result = _prune(model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch),
-                        None, ranks)
+        result = _prune(
+            model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch), None, ranks
+        )
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
         pruned, bases, scale = result.model, result.bases, None
         if _rotates_for_a_tied_head(recipe, checked):  # as rank 0 does, so every rank trains one student
-            pruned, bases, scale = _rotated_for_a_tied_head(result, resources.model(recipe.model), checked.layout.family,
-                                                            device)
+            pruned, bases, scale = _rotated_for_a_tied_head(
+                result, resources.model(recipe.model), checked.layout.family, device
+            )
         if checked.layout.one_basis:
-            pruned, _ = to_stock(pruned, checked.layout.family, checked.layout.config, tie=checked.layout.tie_head,
-                                 stream=head_stream(result.head_moment, bases[EMBEDDING]), scale=scale)
-        _distil(recipe, checked.layout.family, pruned, rows, staging_folder(Path(recipe.output)), device, None, Resources(),
-                report_progress, ranks)
+            pruned, _ = to_stock(
+                pruned,
+                checked.layout.family,
+                checked.layout.config,
+                tie=checked.layout.tie_head,
+                stream=head_stream(result.head_moment, bases[EMBEDDING]),
+                scale=scale,
+            )
+        _distil(
+            recipe,
+            checked.layout.family,
+            pruned,
+            rows,
+            staging_folder(Path(recipe.output)),
+            device,
+            None,
+            Resources(),
+            report_progress,
+            ranks,
+        )
     return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
 
 
@@ -196,14 +256,18 @@ def _rotates_for_a_tied_head(recipe: Recipe, checked: Plan) -> bool:
     return _stock_tied(checked) and recipe.slicing.tied_fit == "symmetric"
 
 
-def _rotated_for_a_tied_head(result: PruneResult, original: PreTrainedModel, family: ModelFamily,
-                             device: torch.device) -> tuple[PreTrainedModel, dict[str, torch.Tensor], torch.Tensor]:
+def _rotated_for_a_tied_head(
+    result: PruneResult, original: PreTrainedModel, family: ModelFamily, device: torch.device
+) -> tuple[PreTrainedModel, dict[str, torch.Tensor], torch.Tensor]:
     """A stock tied head (`slicing.tied_fit: symmetric`): the walk's basis V becomes V·R, R the
     rotation whose final-norm diagonal D fits the untied head best (`stock.tied_rotation`); the
     sliced model rebuilt from `original` with it, the rotated bases, and D."""
     sliced = result.model
-    R, scale = tied_rotation(sliced.get_submodule(family.embedding).weight, sliced.get_submodule(family.head).weight,
-                             head_stream(result.head_moment, result.bases[EMBEDDING]))
+    R, scale = tied_rotation(
+        sliced.get_submodule(family.embedding).weight,
+        sliced.get_submodule(family.head).weight,
+        head_stream(result.head_moment, result.bases[EMBEDDING]),
+    )
     # One basis: every site the same tensor, so sites stay shared bit for bit. A fresh copy: a resumed
     # walk's basis is read from a file, and BLAS may round a product of differently aligned memory differently.
     rotated = result.bases[EMBEDDING].clone(memory_format=torch.contiguous_format) @ R
@@ -211,9 +275,19 @@ def _rotated_for_a_tied_head(result: PruneResult, original: PreTrainedModel, fam
     return apply_bases(original, family, bases, device, keep_tied=False), bases, scale
 
 
-def _run_in(staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
-            started: float, report_progress: Progress, resources: Resources, save_model: bool,
-            ranks: Ranks, warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+def _run_in(
+    staging: Path,
+    recipe: Recipe,
+    checked: Plan,
+    device: torch.device,
+    checkpoint: Checkpoint,
+    started: float,
+    report_progress: Progress,
+    resources: Resources,
+    save_model: bool,
+    ranks: Ranks,
+    warn: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
     stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
@@ -242,9 +316,18 @@ class _Stages:
     """One run's stages in its staging folder, and what each hands to the next (the pruned model,
     its bases, the records the report is made of)."""
 
-    def __init__(self, staging: Path, recipe: Recipe, checked: Plan, device: torch.device, checkpoint: Checkpoint,
-                 progress: Progress, resources: Resources, ranks: Ranks,
-                 warn: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        staging: Path,
+        recipe: Recipe,
+        checked: Plan,
+        device: torch.device,
+        checkpoint: Checkpoint,
+        progress: Progress,
+        resources: Resources,
+        ranks: Ranks,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         self.staging, self.recipe, self.checked, self.device = staging, recipe, checked, device
         self.checkpoint, self.progress, self.resources, self.ranks = checkpoint, progress, resources, ranks
         self.warn = warn or (lambda _: None)
@@ -276,21 +359,23 @@ class _Stages:
         self.timings[key] = time.perf_counter() - tick
 
     def read_data(self) -> None:
-        """"tokenising data": every window the run reads, the distillation's too (a data problem found
+        """ "tokenising data": every window the run reads, the distillation's too (a data problem found
         before the walk costs nothing)."""
         recipe = self.recipe
         self.progress("tokenising data", 0, 1)
         self.tokenizer = self.resources.tokenizer(recipe.model)
         self.calibration = self.resources.batches(recipe.calibration, self.tokenizer, "calibration")
-        self.evaluation = (self.resources.batches(recipe.evaluation, self.tokenizer, "evaluation")
-                           if recipe.evaluation else None)
+        self.evaluation = (
+            self.resources.batches(recipe.evaluation, self.tokenizer, "evaluation") if recipe.evaluation else None
+        )
         self.distillation_rows = _distillation_data(recipe, self.tokenizer)
         if recipe.refinement is not None:
-            self.heldout = heldout_batches(recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows,
-                                           "refinement")
+            self.heldout = heldout_batches(
+                recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows, "refinement"
+            )
 
     def load_model(self) -> None:
-        """"loading model", and its size before pruning."""
+        """ "loading model", and its size before pruning."""
         self.progress("loading model", 0, 1)
         self.model = self.resources.model(self.recipe.model)
         self.baseline_params = parameter_count(self.model)
@@ -299,22 +384,36 @@ class _Stages:
     def walk(self) -> None:
         """The checkpoint's fingerprint checked (or written), then `engine.prune`; H kept for a sweep."""
         recipe, device = self.recipe, self.device
-        self.fingerprint = {"recipe": recipe_fingerprint(recipe), "model": model_digest(self.model),
-                            "data": data_fingerprint(self.calibration)}
+        self.fingerprint = {
+            "recipe": recipe_fingerprint(recipe),
+            "model": model_digest(self.model),
+            "data": data_fingerprint(self.calibration),
+        }
         self.checkpoint.start(self.fingerprint)
         save_recipe_values(self.checkpoint, recipe)
         h_key = fisher_key(recipe, self.fingerprint["model"], self.fingerprint["data"], device)
         self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
         tick = time.perf_counter()
-        self.result = _prune(self.model, recipe, self.checked, self.calibration, device, self.progress,
-                             self.checkpoint, self.staging / SCRATCH_FOLDER, self.resources.fisher(h_key), self.ranks)
+        self.result = _prune(
+            self.model,
+            recipe,
+            self.checked,
+            self.calibration,
+            device,
+            self.progress,
+            self.checkpoint,
+            self.staging / SCRATCH_FOLDER,
+            self.resources.fisher(h_key),
+            self.ranks,
+        )
         if self.result.fisher is not None:
             self.resources.keep_fisher(h_key, self.result.fisher)
         self.pruned, self.bases = self.result.model, self.result.bases
         if _rotates_for_a_tied_head(recipe, self.checked):
             self.progress("fitting the tied head", 0, 1)
             self.pruned, self.bases, self.head_scale = _rotated_for_a_tied_head(
-                self.result, self.resources.model(recipe.model), self.family, device)
+                self.result, self.resources.model(recipe.model), self.family, device
+            )
             self.head_fit = "symmetric"
         self.timings["fisher_s"] = self.result.fisher_seconds  # shared work in a sweep: reported apart
         self.timings["prune_s"] = time.perf_counter() - tick - self.result.fisher_seconds
@@ -332,15 +431,25 @@ class _Stages:
         received_scale = self.head_scale
         if _stock_tied(self.checked) and received_scale is None:
             received_scale = fitted_tied_scale(self.pruned, self.family, self._head_stream())
-        refined = refine_bases(self.resources.model(recipe.model), self.family, self.calibration, self.bases,
-                               recipe.refinement, self.device, recipe.seed, self.progress, self.keep_tied,
-                               received_scale)
+        refined = refine_bases(
+            self.resources.model(recipe.model),
+            self.family,
+            self.calibration,
+            self.bases,
+            recipe.refinement,
+            self.device,
+            recipe.seed,
+            self.progress,
+            self.keep_tied,
+            received_scale,
+        )
         self.refinement = refined.record
         if refined.record.kept != "refined":
             return
         self.progress("applying refined bases", 0, 1)
-        candidate = apply_bases(self.resources.model(recipe.model), self.family, refined.bases, self.device,
-                                keep_tied=self.keep_tied)
+        candidate = apply_bases(
+            self.resources.model(recipe.model), self.family, refined.bases, self.device, keep_tied=self.keep_tied
+        )
         original = self.resources.model(recipe.model).to(self.device)
         self.progress("refinement: the guard, on held-out windows", 0, 2)
         before = self._heldout_kl(original, self.pruned, received_scale)
@@ -358,8 +467,9 @@ class _Stages:
         the diagonal `scale`, or fitted), a per-site layout's sliced model itself."""
         if not self.one_basis:
             return sliced
-        return to_stock(sliced, self.family, self.config, tie=self.checked.layout.tie_head, stream=self._head_stream(),
-                        scale=scale)[0]
+        return to_stock(
+            sliced, self.family, self.config, tie=self.checked.layout.tie_head, stream=self._head_stream(), scale=scale
+        )[0]
 
     def _heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
         """KL(original ‖ the model as it would be saved) on the guard's held-out windows."""
@@ -380,27 +490,56 @@ class _Stages:
         """A global layout's student is what users load: the original class at the kept width."""
         if self.one_basis:
             self.progress("converting to the original architecture", 0, 1)
-            self.pruned, self.stock = to_stock(self.pruned, self.family, self.config, tie=self.checked.layout.tie_head,
-                                               stream=self._head_stream(), scale=self.head_scale)
+            self.pruned, self.stock = to_stock(
+                self.pruned,
+                self.family,
+                self.config,
+                tie=self.checked.layout.tie_head,
+                stream=self._head_stream(),
+                scale=self.head_scale,
+            )
 
     def distil(self) -> None:
         """`distillation`: the student trained on the original's distribution."""
         self.pruned, self.distillation, self.undistilled, self.original = _distil(
-            self.recipe, self.family, self.pruned, self.distillation_rows, self.staging, self.device,
-            self.evaluation, self.resources, self.progress, self.ranks)
+            self.recipe,
+            self.family,
+            self.pruned,
+            self.distillation_rows,
+            self.staging,
+            self.device,
+            self.evaluation,
+            self.resources,
+            self.progress,
+            self.ranks,
+        )
         record = self.distillation  # guarded by the stage: its best held-out checkpoint, or the student as received
         trained = [point["kl"] for point in record.curve if point["step"] > 0]
-        self._guarded(GuardRecord("distillation", record.heldout_windows, record.heldout_kl_before,
-                                  min(trained, default=record.heldout_kl_before), record.kept == "distilled"))
+        self._guarded(
+            GuardRecord(
+                "distillation",
+                record.heldout_windows,
+                record.heldout_kl_before,
+                min(trained, default=record.heldout_kl_before),
+                record.kept == "distilled",
+            )
+        )
 
     def save(self, save_model: bool) -> None:
-        """"saving model": the folder users load (a global layout's saved as the original class and
+        """ "saving model": the folder users load (a global layout's saved as the original class and
         loaded back, so what is evaluated is what users load), the tokenizer and the bases."""
         staging, pruned = self.staging, self.pruned
         self.progress("saving model" if save_model else "saving bases", 0, 1)
         if self.one_basis and self.distillation is None:
-            pruned, self.stock = to_stock(pruned, self.family, self.config, staging / "model" if save_model else None,
-                                          tie=self.checked.layout.tie_head, stream=self._head_stream(), scale=self.head_scale)
+            pruned, self.stock = to_stock(
+                pruned,
+                self.family,
+                self.config,
+                staging / "model" if save_model else None,
+                tie=self.checked.layout.tie_head,
+                stream=self._head_stream(),
+                scale=self.head_scale,
+            )
         elif self.one_basis and save_model:  # already the original class (distilled): saved and loaded back
             pruned.save_pretrained(staging / "model")
             pruned = load_stock(staging / "model", pruned)
@@ -419,7 +558,7 @@ class _Stages:
             save_bases(self.result.readers, staging / READERS_FILE)
 
     def evaluate(self) -> None:
-        """"evaluating": perplexity, KL and lm-eval suites of both models; the unrefined model's KL;
+        """ "evaluating": perplexity, KL and lm-eval suites of both models; the unrefined model's KL;
         throughput."""
         recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
         assert evaluation is not None and recipe.evaluation is not None
@@ -428,9 +567,17 @@ class _Stages:
         self.original = None
         suites = recipe.evaluation.lm_eval
         tasks_key = baseline_tasks_key(suites or [], self.fingerprint["model"], recipe, self.tokenizer, device)
-        metrics = evaluate_models(original, self.pruned.to(device), evaluation, device, self.progress,
-                                  tasks=suites, tokenizer=self.tokenizer, seed=recipe.seed,
-                                  baseline_tasks=resources.baseline_tasks(tasks_key))
+        metrics = evaluate_models(
+            original,
+            self.pruned.to(device),
+            evaluation,
+            device,
+            self.progress,
+            tasks=suites,
+            tokenizer=self.tokenizer,
+            seed=recipe.seed,
+            baseline_tasks=resources.baseline_tasks(tasks_key),
+        )
         if suites:
             resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
         if self.undistilled is not None:  # measured before the distillation stage, on the same windows
@@ -452,22 +599,34 @@ class _Stages:
         pruned_params = parameter_count(self.pruned)
         report = {
             "compressor": compressor.__version__,
-            "model": {"path": recipe.model.path, "model_type": config.model_type, "family": self.family.name,
-                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-                      "dtype": recipe.model.dtype},
+            "model": {
+                "path": recipe.model.path,
+                "model_type": config.model_type,
+                "family": self.family.name,
+                "hidden_size": config.hidden_size,
+                "num_layers": config.num_hidden_layers,
+                "dtype": recipe.model.dtype,
+            },
             "sparsity": recipe.sparsity,
             "target_params": recipe.target_params,
             "kept_width": checked.layout.kept,
             "layout": recipe.slicing.layout,
-            "stock": self.stock if self.stock is None or self.stock["head"] != "tied" else {
-                **self.stock, "tied_fit": self.head_fit},
+            "stock": self.stock
+            if self.stock is None or self.stock["head"] != "tied"
+            else {**self.stock, "tied_fit": self.head_fit},
             "rounding": checked.layout.rounding,
-            "allocation": {"method": recipe.allocation.method, "budget": checked.layout.budget,
-                           "predicted_params": checked.layout.params.count(result.widths),
-                           "transition_params": checked.layout.params.transition_params(result.widths),
-                           "shared_sites": list(checked.layout.shared),
-                           **({k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
-                              if result.allocation else {})},
+            "allocation": {
+                "method": recipe.allocation.method,
+                "budget": checked.layout.budget,
+                "predicted_params": checked.layout.params.count(result.widths),
+                "transition_params": checked.layout.params.transition_params(result.widths),
+                "shared_sites": list(checked.layout.shared),
+                **(
+                    {k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
+                    if result.allocation
+                    else {}
+                ),
+            },
             "seed": recipe.seed,
             "parallel": {"world_size": self.ranks.world, "tokens_by_rank": result.tokens_by_rank},
             "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
@@ -481,22 +640,30 @@ class _Stages:
             "guards": [guard.to_json() for guard in self.guards],
             "distillation": self.distillation.to_json() if self.distillation is not None else None,
             "metrics": self.metrics,
-            "params": {"baseline": self.baseline_params, "pruned": pruned_params,
-                       "ratio": pruned_params / self.baseline_params},
+            "params": {
+                "baseline": self.baseline_params,
+                "pruned": pruned_params,
+                "ratio": pruned_params / self.baseline_params,
+            },
             "size": {"baseline": self.baseline_size, "pruned": model_size(self.pruned)},
             "speed": self.speed,
             "warnings": list(checked.warnings) + self.warnings,
             "sites": [site.to_json() for site in result.sites],
             "timings": self.timings,
-            "environment": {"device": str(self.device), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "python": platform.python_version()},
+            "environment": {
+                "device": str(self.device),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
         }
         (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         write_markdown(report, staging / "report.md")
         if self.distillation is not None:
             distillation_figure({"held-out KL": self.distillation.curve}).savefig(
-                staging / "distillation.png", dpi=120, bbox_inches="tight")
+                staging / "distillation.png", dpi=120, bbox_inches="tight"
+            )
         return report
 
 
@@ -516,9 +683,18 @@ def _distillation_data(recipe: Recipe, tokenizer: Any) -> Any:
     return distillation_data(recipe.distillation, tokenizer)
 
 
-def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, data: Any, staging: Path,
-            device: torch.device, evaluation: list[Batch] | None, resources: Resources, report_progress: Progress,
-            ranks: Ranks) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
+def _distil(
+    recipe: Recipe,
+    family: ModelFamily,
+    student: PreTrainedModel,
+    data: Any,
+    staging: Path,
+    device: torch.device,
+    evaluation: list[Batch] | None,
+    resources: Resources,
+    report_progress: Progress,
+    ranks: Ranks,
+) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
     """The distillation stage on every rank: the original as teacher (beside the student, or its
     targets cached layer by layer), the student's evaluation-window KL before (rank 0, when the
     recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
@@ -537,20 +713,27 @@ def _distil(recipe: Recipe, family: ModelFamily, student: PreTrainedModel, data:
         original.to("cpu")
         student.to("cpu")
         store = ActivationStore(device, recipe.activations, staging / SCRATCH_FOLDER)  # `activations: disk` spills
-        teacher: Any = CachedTeacher(cached_targets(original, family, data.train + data.heldout, spec.top_k, device,
-                                                    spec.batch_size, report_progress, store))
+        teacher: Any = CachedTeacher(
+            cached_targets(
+                original, family, data.train + data.heldout, spec.top_k, device, spec.batch_size, report_progress, store
+            )
+        )
     else:
         teacher = LiveTeacher(original, spec.top_k)
-    fingerprint = {"settings": distillation_fingerprint(recipe),
-                   "data": tensor_digest([row["input_ids"] for row in data.train + data.heldout]),
-                   "world": str(ranks.world)}
+    fingerprint = {
+        "settings": distillation_fingerprint(recipe),
+        "data": tensor_digest([row["input_ids"] for row in data.train + data.heldout]),
+        "world": str(ranks.world),
+    }
     folder = staging / CHECKPOINT_FOLDER / DISTILLATION_FOLDER
     try:
-        student, record = distill(student, teacher, data, spec, folder, device, fingerprint, recipe.seed,
-                                  report_progress, ranks.world)
+        student, record = distill(
+            student, teacher, data, spec, folder, device, fingerprint, recipe.seed, report_progress, ranks.world
+        )
     except UserError as error:
         if isinstance(error, ProgressKept):
             raise
-        raise ProgressKept(f"{error} (the walk's progress is kept in {staging}: fix that and run the same command "
-                           f"to continue)") from None
+        raise ProgressKept(
+            f"{error} (the walk's progress is kept in {staging}: fix that and run the same command to continue)"
+        ) from None
     return student, record, undistilled, original

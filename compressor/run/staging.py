@@ -39,11 +39,25 @@ def list_run_files(folder: Path) -> list[str]:
     return found
 
 
-LEGACY_RUN_FILES = ("report.json", "report.md", "recipe.yaml", "bases.safetensors", "readers.safetensors",
-                    "model/config.json", "model/generation_config.json", "model/*.safetensors",
-                    "model/model.safetensors.index.json", "model/tokenizer*", "model/special_tokens_map.json",
-                    "model/added_tokens.json", "model/chat_template.jinja", "model/vocab.*", "model/merges.txt",
-                    "model/modeling_sliced.py", "model/configuration_sliced.py")
+LEGACY_RUN_FILES = (
+    "report.json",
+    "report.md",
+    "recipe.yaml",
+    "bases.safetensors",
+    "readers.safetensors",
+    "model/config.json",
+    "model/generation_config.json",
+    "model/*.safetensors",
+    "model/model.safetensors.index.json",
+    "model/tokenizer*",
+    "model/special_tokens_map.json",
+    "model/added_tokens.json",
+    "model/chat_template.jinja",
+    "model/vocab.*",
+    "model/merges.txt",
+    "model/modeling_sliced.py",
+    "model/configuration_sliced.py",
+)
 """What a run wrote before runs listed their files: a folder from then is judged by these names."""
 
 
@@ -55,8 +69,11 @@ def foreign_files(output: Path) -> list[str]:
         written = set((output / RUN_FILES).read_text().splitlines())
         return [name for name in list_run_files(output) if name not in written]
     except OSError:
-        return [name for name in list_run_files(output)
-                if not any(fnmatch.fnmatchcase(name, pattern) for pattern in LEGACY_RUN_FILES)]
+        return [
+            name
+            for name in list_run_files(output)
+            if not any(fnmatch.fnmatchcase(name, pattern) for pattern in LEGACY_RUN_FILES)
+        ]
 
 
 def check_output(output: Path, overwrite: bool) -> None:
@@ -74,15 +91,18 @@ def check_output(output: Path, overwrite: bool) -> None:
     if not any(output.iterdir()):
         return
     if not (output / RUN_MARKER).is_file():
-        raise UserError(f"output folder {output} is not empty and holds no previous run ({RUN_MARKER}); "
-                        f"choose another --output")
+        raise UserError(
+            f"output folder {output} is not empty and holds no previous run ({RUN_MARKER}); choose another --output"
+        )
     if not overwrite:
         raise UserError(f"output folder {output} already holds a run; pass --overwrite or choose another --output")
     foreign = foreign_files(output)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise UserError(f"output folder {output} holds files the previous run did not write ({shown}); --overwrite "
-                        f"replaces only a run's own files: move them out of the folder, or choose another --output")
+        raise UserError(
+            f"output folder {output} holds files the previous run did not write ({shown}); --overwrite "
+            f"replaces only a run's own files: move them out of the folder, or choose another --output"
+        )
 
 
 def check_writable(output: Path) -> None:
@@ -91,8 +111,10 @@ def check_writable(output: Path) -> None:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the output folder {output}: {parent} is not a folder this user can write in; "
-                        f"choose another --output")
+        raise UserError(
+            f"cannot write the output folder {output}: {parent} is not a folder this user can write in; "
+            f"choose another --output"
+        )
 
 
 CHECKPOINT_FOLDER = "checkpoint"
@@ -131,15 +153,16 @@ def locked(staging: Path, output: Path) -> Iterator[None]:
     try:
         handle = open(staging / LOCK_FILE, "w")
     except FileNotFoundError:  # another run removed its staging folder just now
-        raise UserError(f"another run to {output} has just ended; "
-                        f"run the command again") from None
+        raise UserError(f"another run to {output} has just ended; run the command again") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
         handle.close()
         if error.errno in (errno.EAGAIN, errno.EACCES):
-            raise UserError(f"another run is writing to {output} "
-                            f"(its staging folder {staging} is locked); wait for it or choose another --output") from None
+            raise UserError(
+                f"another run is writing to {output} "
+                f"(its staging folder {staging} is locked); wait for it or choose another --output"
+            ) from None
         raise
     try:
         yield
@@ -193,8 +216,10 @@ def publish(staging: Path, output: Path) -> None:
             if (previous / output.name).exists() and not output.exists():
                 (previous / output.name).rename(output)
             shutil.rmtree(previous, ignore_errors=True)
-        raise ProgressKept(f"cannot put the finished run in place at {output}: {error.strerror or error}; progress is "
-                        f"kept in {staging}: fix that and run the same command to continue") from None
+        raise ProgressKept(
+            f"cannot put the finished run in place at {output}: {error.strerror or error}; progress is "
+            f"kept in {staging}: fix that and run the same command to continue"
+        ) from None
     Checkpoint(output / CHECKPOINT_FOLDER).discard()
     (output / LOCK_FILE).unlink(missing_ok=True)
     if previous is not None:
@@ -215,5 +240,6 @@ def full_disk_is_a_user_error(output: Path) -> Iterator[None]:
         if code not in FULL_DISK and "os error 28" not in str(error) and "No space left" not in str(error):
             raise
         where = getattr(error, "filename", None) or output.parent
-        raise UserError(f"no space left on the device while writing {where}: free some space there, or choose "
-                        f"another --output") from None
+        raise UserError(
+            f"no space left on the device while writing {where}: free some space there, or choose another --output"
+        ) from None

@@ -51,13 +51,13 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
-from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.sites import site_ids
 from compressor.models.sliced import SlicedDecoderLayer
 from compressor.recipe.schema import Recipe
+from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.run.checks import plan
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.contract import coupled_loss, eigh_descending, frobenius_normalised
@@ -121,13 +121,13 @@ def _ranks(values: Sequence[float]) -> torch.Tensor:
 def predicted_kl(C: torch.Tensor, H: torch.Tensor, U: torch.Tensor, alpha: float) -> float:
     """½·α²·Tr(UᵀCU·UᵀHU): the local model's mean per-token KL of x ← x − α·UUᵀx
     (token-separable second order, one H shared by all tokens). For a unit u: ½α²(uᵀHu)(uᵀCu)."""
-    return 0.5 * alpha ** 2 * coupled_loss(C, H, U)
+    return 0.5 * alpha**2 * coupled_loss(C, H, U)
 
 
 def pca_energy(C: torch.Tensor, remove: int) -> float:
     """Tr of C's `remove` smallest eigenvalues: the activation energy PCA discards removing that many."""
     values, _ = eigh_descending(C)
-    return float(values[values.shape[0] - remove:].clamp_min(0).sum())
+    return float(values[values.shape[0] - remove :].clamp_min(0).sum())
 
 
 def ensure_fused(model: PreTrainedModel, family: ModelFamily) -> None:
@@ -139,20 +139,30 @@ def ensure_fused(model: PreTrainedModel, family: ModelFamily) -> None:
 
 def _blocks(model: PreTrainedModel, family: ModelFamily) -> list[tuple[int, Callable[..., torch.Tensor]]]:
     """(layer index, block) in stream order: the stream at site s is the output of blocks[:s]."""
-    return [(index, site.block) for index, layer in enumerate(model.get_submodule(family.layers))
-            for site in layer.sites(family)]
+    return [
+        (index, site.block)
+        for index, layer in enumerate(model.get_submodule(family.layers))
+        for site in layer.sites(family)
+    ]
 
 
-def _through(blocks: Sequence[tuple[int, Callable[..., torch.Tensor]]], hidden: torch.Tensor,
-             kwargs: Sequence[dict[str, Any]]) -> torch.Tensor:
+def _through(
+    blocks: Sequence[tuple[int, Callable[..., torch.Tensor]]], hidden: torch.Tensor, kwargs: Sequence[dict[str, Any]]
+) -> torch.Tensor:
     for layer, block in blocks:
         hidden = block(hidden, **kwargs[layer])
     return hidden
 
 
 def site_statistics(
-    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, site: str, device: torch.device,
-    sensitivity: SensitivityOptions, seed: int = 0, progress: Progress | None = None,
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    site: str,
+    device: torch.device,
+    sensitivity: SensitivityOptions,
+    seed: int = 0,
+    progress: Progress | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C = E[x xᵀ] (real tokens) and H (the recipe's estimator) at `site`, float64 on the host,
     from the captured inputs of the fused model. H goes through `estimate_fisher` (layers visit
@@ -160,8 +170,9 @@ def site_statistics(
     index = check_site(family, model.config.num_hidden_layers, site)
     report = progress or (lambda *_: None)
     phase = "estimating output sensitivity (H)"
-    H = estimate_fisher(model, family, inputs, sensitivity, device, seed,
-                        lambda done, total: report(phase, done, total))[site].to(torch.float64)
+    H = estimate_fisher(
+        model, family, inputs, sensitivity, device, seed, lambda done, total: report(phase, done, total)
+    )[site].to(torch.float64)
     blocks = _blocks(model, family)[:index]
     moment = SecondMoment(model.config.hidden_size, device)
     with torch.no_grad(), held_on([model], device):
@@ -176,8 +187,13 @@ def site_statistics(
 
 @torch.no_grad()
 def measure_kl(
-    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, site: str,
-    perturbations: Sequence[tuple[torch.Tensor, float]], device: torch.device, progress: Progress | None = None,
+    model: PreTrainedModel,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    site: str,
+    perturbations: Sequence[tuple[torch.Tensor, float]],
+    device: torch.device,
+    progress: Progress | None = None,
 ) -> tuple[list[float], int]:
     """Mean per-token KL(original ‖ perturbed), in nats over real tokens, for each (U, α): the
     stream at `site` replaced by x − α·UUᵀx at every token (U: d × k orthonormal). Also the token
@@ -260,11 +276,19 @@ class SurrogateResult:
 
     def to_json(self) -> dict[str, Any]:
         kinds = {kind: len(self._column("kind", kind)) for kind in KINDS if self._column("kind", kind)}
-        return {"site": self.site, "directions": len(self.rows), "kinds": kinds,
-                "spearman": self.spearman, "spearman_random": self.spearman_random,
-                "spearman_variance": self.spearman_variance, "spearman_variance_random": self.spearman_variance_random,
-                "ratio_median": self.ratio_median,
-                "settings": self.settings, "timings": self.timings, "rows": self.rows}
+        return {
+            "site": self.site,
+            "directions": len(self.rows),
+            "kinds": kinds,
+            "spearman": self.spearman,
+            "spearman_random": self.spearman_random,
+            "spearman_variance": self.spearman_variance,
+            "spearman_variance_random": self.spearman_variance_random,
+            "ratio_median": self.ratio_median,
+            "settings": self.settings,
+            "timings": self.timings,
+            "rows": self.rows,
+        }
 
     def plot(self, path: str | Path) -> None:
         """A PNG scatter, log–log, predicted vs measured KL coloured by kind, with the line where
@@ -279,8 +303,14 @@ class SurrogateResult:
         for kind, label in KINDS.items():
             points = [r for r in shown if r["kind"] == kind]
             if points:
-                axes.scatter([r["predicted"] for r in points], [r["measured"] for r in points], s=22,
-                             alpha=0.8, label=f"{label} ({len(points)})", edgecolors="none")
+                axes.scatter(
+                    [r["predicted"] for r in points],
+                    [r["measured"] for r in points],
+                    s=22,
+                    alpha=0.8,
+                    label=f"{label} ({len(points)})",
+                    edgecolors="none",
+                )
         if shown:
             values = [v for r in shown for v in (r["predicted"], r["measured"])]
             low, high = min(values) / 1.5, max(values) * 1.5
@@ -291,10 +321,12 @@ class SurrogateResult:
         axes.set_ylabel("measured KL (nats per token)")
         hidden = len(self.rows) - len(shown)
         note = f"; {hidden} non-positive not shown" if hidden else ""
-        axes.set_title(f"{self.site}: Spearman ρ = {_fmt(self.spearman)} (random only: {_fmt(self.spearman_random)}; "
-                       f"their variance uᵀCu alone: {_fmt(self.spearman_variance_random)})\n"
-                       f"removed energy α²uᵀCu fixed at {self.settings.get('energy', float('nan')):.3g}{note}",
-                       fontsize=9)
+        axes.set_title(
+            f"{self.site}: Spearman ρ = {_fmt(self.spearman)} (random only: {_fmt(self.spearman_random)}; "
+            f"their variance uᵀCu alone: {_fmt(self.spearman_variance_random)})\n"
+            f"removed energy α²uᵀCu fixed at {self.settings.get('energy', float('nan')):.3g}{note}",
+            fontsize=9,
+        )
         axes.legend(fontsize=8)
         axes.grid(True, which="major", alpha=0.3)
         figure.savefig(path, format="png", dpi=150)
@@ -304,8 +336,9 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def probe_directions(C: torch.Tensor, H: torch.Tensor, random: int, eigenvectors: int,
-                     seed: int) -> list[tuple[str, str, torch.Tensor]]:
+def probe_directions(
+    C: torch.Tensor, H: torch.Tensor, random: int, eigenvectors: int, seed: int
+) -> list[tuple[str, str, torch.Tensor]]:
     """(kind, detail, unit vector) for every direction of the check (see the module docstring)."""
     d = C.shape[0]
     generator = torch.Generator().manual_seed(seed)
@@ -384,8 +417,17 @@ def surrogate_check(
             continue
         alpha = math.sqrt(energy / uCu)
         U = u.unsqueeze(1)
-        rows.append({"kind": kind, "detail": detail, "predicted": predicted_kl(C, H, U, alpha), "measured": None,
-                     "alpha": alpha, "uCu": uCu, "uHu": uHu})
+        rows.append(
+            {
+                "kind": kind,
+                "detail": detail,
+                "predicted": predicted_kl(C, H, U, alpha),
+                "measured": None,
+                "alpha": alpha,
+                "uCu": uCu,
+                "uHu": uHu,
+            }
+        )
         perturbations.append((U, alpha))
     tick = time.perf_counter()
     report("capturing evaluation inputs", 0, 1)
@@ -393,20 +435,33 @@ def surrogate_check(
     measured, tokens = measure_kl(model, family, eval_inputs, site, perturbations, device, progress)
     for row, value in zip(rows, measured):
         row["measured"] = value
-    settings = {"energy": energy, "remove": remove, "width": d, "random": directions, "eigenvectors": eigenvectors,
-                "taus": list(TAUS), "seed": seed, "skipped": skipped,
-                "calibration_tokens": sum(int(b.attention_mask.sum()) for b in calibration),
-                "evaluation_tokens": tokens, "sensitivity": dataclasses.asdict(sensitivity)}
-    timings = {"statistics_s": statistics_s, "measure_s": time.perf_counter() - tick,
-               "total_s": time.perf_counter() - started}
+    settings = {
+        "energy": energy,
+        "remove": remove,
+        "width": d,
+        "random": directions,
+        "eigenvectors": eigenvectors,
+        "taus": list(TAUS),
+        "seed": seed,
+        "skipped": skipped,
+        "calibration_tokens": sum(int(b.attention_mask.sum()) for b in calibration),
+        "evaluation_tokens": tokens,
+        "sensitivity": dataclasses.asdict(sensitivity),
+    }
+    timings = {
+        "statistics_s": statistics_s,
+        "measure_s": time.perf_counter() - tick,
+        "total_s": time.perf_counter() - started,
+    }
     return SurrogateResult(site=site, rows=rows, settings=settings, timings=timings)
 
 
 # --- the command ---------------------------------------------------------------------------
 
 
-def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions: int, output: Path,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def check_recipe(
+    recipe: Recipe, registry: PluginRegistry, site: str, directions: int, output: Path, progress: Progress | None = None
+) -> dict[str, Any]:
     """`compress surrogate`: the check at `site` with `directions` random directions (plus the
     structured ones), the model, calibration data (C, H), evaluation data (measured KL), device,
     seed and H options all from the recipe, and the removed energy PCA's at the recipe's
@@ -423,16 +478,22 @@ def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions
     check_site(checked.layout.family, checked.layout.config.num_hidden_layers, site)
     width = checked.layout.config.hidden_size
     if checked.layout.kept is None:
-        raise UserError("the surrogate check fixes the removed energy at PCA's for one uniform width: give the "
-                        "recipe a sparsity (and no per-site allocation) instead of target_params")
+        raise UserError(
+            "the surrogate check fixes the removed energy at PCA's for one uniform width: give the "
+            "recipe a sparsity (and no per-site allocation) instead of target_params"
+        )
     remove = width - checked.layout.kept
     if remove < 1:
-        raise UserError(f"sparsity {recipe.sparsity} removes no direction at width {width}; the check fixes the "
-                        f"removed energy at PCA's for the recipe's sparsity: set a sparsity above 0")
+        raise UserError(
+            f"sparsity {recipe.sparsity} removes no direction at width {width}; the check fixes the "
+            f"removed energy at PCA's for the recipe's sparsity: set a sparsity above 0"
+        )
     device = resolve_device(recipe.device)
     if device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError("sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-                        "it is for CPU runs: leave it unset (or true) on a GPU")
+        raise UserError(
+            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+            "it is for CPU runs: leave it unset (or true) on a GPU"
+        )
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise UserError(f"output {output} exists and is not a folder; choose another --output")
@@ -452,8 +513,17 @@ def check_recipe(recipe: Recipe, registry: PluginRegistry, site: str, directions
         raise
 
 
-def _check_into(output: Path, recipe: Recipe, family: ModelFamily, site: str, directions: int, remove: int,
-                device: torch.device, started: float, progress: Progress | None) -> dict[str, Any]:
+def _check_into(
+    output: Path,
+    recipe: Recipe,
+    family: ModelFamily,
+    site: str,
+    directions: int,
+    remove: int,
+    device: torch.device,
+    started: float,
+    progress: Progress | None,
+) -> dict[str, Any]:
     """Load, check and write the two files (each under a temporary name, then renamed)."""
     report = progress or (lambda *_: None)
     torch.manual_seed(recipe.seed)
@@ -463,11 +533,27 @@ def _check_into(output: Path, recipe: Recipe, family: ModelFamily, site: str, di
     evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation")
     report("loading model", 0, 1)
     model = load_model(recipe.model)
-    result = surrogate_check(model, family, calibration, evaluation, site, directions=directions,
-                             remove=remove, seed=recipe.seed, device=device, sensitivity=recipe.sensitivity,
-                             progress=progress)
-    result.settings.update({"model": recipe.model.path, "model_dtype": recipe.model.dtype,
-                            "sparsity": recipe.sparsity, "device": str(device)})
+    result = surrogate_check(
+        model,
+        family,
+        calibration,
+        evaluation,
+        site,
+        directions=directions,
+        remove=remove,
+        seed=recipe.seed,
+        device=device,
+        sensitivity=recipe.sensitivity,
+        progress=progress,
+    )
+    result.settings.update(
+        {
+            "model": recipe.model.path,
+            "model_dtype": recipe.model.dtype,
+            "sparsity": recipe.sparsity,
+            "device": str(device),
+        }
+    )
     result.timings["total_s"] = time.perf_counter() - started
     values = result.to_json()
 

@@ -194,8 +194,9 @@ _MEMORY_ONLY = ("output", "activations")
 def _comparable(recipe: dict[str, Any]) -> dict[str, Any]:
     """A recipe as saved, without what does not change a run's results (output, memory settings)."""
     values = {k: v for k, v in recipe.items() if k not in _MEMORY_ONLY}
-    values["sensitivity"] = {k: v for k, v in (values.get("sensitivity") or {}).items()
-                             if k not in ("chunk", "recompute")}
+    values["sensitivity"] = {
+        k: v for k, v in (values.get("sensitivity") or {}).items() if k not in ("chunk", "recompute")
+    }
     return values
 
 
@@ -228,9 +229,14 @@ def _rearrange(sweep: Sweep, registry: PluginRegistry) -> list[str]:
     if not runs.is_dir():
         return []
     wanted = {p.name: p for p in sweep.points}
-    misplaced = [f for f in sorted(runs.iterdir()) if f.is_dir() and not f.name.startswith(".")
-                 and (f / RUN_MARKER).is_file()
-                 and not (f.name in wanted and _finished(wanted[f.name], sweep.save_models, registry))]
+    misplaced = [
+        f
+        for f in sorted(runs.iterdir())
+        if f.is_dir()
+        and not f.name.startswith(".")
+        and (f / RUN_MARKER).is_file()
+        and not (f.name in wanted and _finished(wanted[f.name], sweep.save_models, registry))
+    ]
     if not misplaced:
         return []
     holding = runs / ".rearranging"
@@ -276,8 +282,9 @@ def warnings(finished: list[Point]) -> list[str]:
 
 def results_and_warnings(finished: list[Point]) -> tuple[list[dict[str, Any]], list[str]]:
     """`results` and `warnings`, each run's report and recipe read once."""
-    table, notes = compare_runs([Path(p.recipe.output) for p in finished],
-                                shown=list(finished[0].values) if finished else ())
+    table, notes = compare_runs(
+        [Path(p.recipe.output) for p in finished], shown=list(finished[0].values) if finished else ()
+    )
     for row, point in zip(table, finished):
         for key, value in point.values.items():
             row.setdefault(key, value if not isinstance(value, (list, dict)) else json.dumps(value))
@@ -291,8 +298,9 @@ def write_results(sweep: Sweep, table: list[dict[str, Any]], notes: list[str] | 
         write_atomic(sweep.output / name, lambda p, text=text: p.write_text(text))
 
 
-def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None = None,
-              restart: bool = False) -> dict[str, Any]:
+def run_sweep(
+    sweep: Sweep, registry: PluginRegistry, progress: Progress | None = None, restart: bool = False
+) -> dict[str, Any]:
     """Run every point not finished yet; write the results and plots; return a summary. If a
     point fails, the tables still list every finished point before the error goes up."""
     report = progress or (lambda *_: None)
@@ -320,9 +328,15 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
             # the point's interrupted run was started with another recipe (the grid was edited since):
             # its checkpoint is discarded for this point only, instead of refusing the whole sweep
             stale = interrupted_with_another_recipe(Path(point.recipe.output), point.recipe)
-            result = run(point.recipe, registry, lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
-                         overwrite=True, restart=restart or stale, resources=shared,
-                         save_model=sweep.save_models)
+            result = run(
+                point.recipe,
+                registry,
+                lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
+                overwrite=True,
+                restart=restart or stale,
+                resources=shared,
+                save_model=sweep.save_models,
+            )
             ran.append(point.name)
             finished.add(point.name)
             computed += result["fisher_source"] == "computed"
@@ -336,10 +350,16 @@ def run_sweep(sweep: Sweep, registry: PluginRegistry, progress: Progress | None 
     report("plotting", 0, 1)
     from compressor.evaluation.plots import sweep_plots
 
-    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done()], list(sweep.grid),
-                        sweep.output)
-    return {"output": str(sweep.output), "runs": len(table), "ran": ran, "fisher_computed": computed,
-            "plots": [str(p) for p in plots], "table": table, "warnings": notes}
+    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done()], list(sweep.grid), sweep.output)
+    return {
+        "output": str(sweep.output),
+        "runs": len(table),
+        "ran": ran,
+        "fisher_computed": computed,
+        "plots": [str(p) for p in plots],
+        "table": table,
+        "warnings": notes,
+    }
 
 
 def check(sweep: Sweep, registry: PluginRegistry) -> None:
@@ -355,5 +375,6 @@ def check(sweep: Sweep, registry: PluginRegistry) -> None:
 
 def dump(sweep: Sweep) -> str:
     """One line per run: its folder name and grid values, for the dry-run listing."""
-    return "".join(f"  {p.name}: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in p.values.items()) + "\n"
-                   for p in sweep.points)
+    return "".join(
+        f"  {p.name}: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in p.values.items()) + "\n" for p in sweep.points
+    )

@@ -79,8 +79,10 @@ def allowed_plugins(installed: list[str]) -> list[str] | None:
     names = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in installed]
     if unknown:
-        raise UserError(f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
-                        f"{', '.join(installed) or 'none'}")
+        raise UserError(
+            f"{ALLOW_VARIABLE} names '{unknown[0]}', which is not an installed plugin; installed: "
+            f"{', '.join(installed) or 'none'}"
+        )
     return names
 
 
@@ -154,7 +156,11 @@ class PluginRegistry:
     def strategy(self, name: str) -> Strategy:
         if name not in self._strategies:
             known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
-            restricted = "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
-            raise UserError(f"unknown strategy '{name}'{did_you_mean(name, self._strategies)}; "
-                            f"registered strategies: {known}{restricted}")
+            restricted = (
+                "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
+            )
+            raise UserError(
+                f"unknown strategy '{name}'{did_you_mean(name, self._strategies)}; "
+                f"registered strategies: {known}{restricted}"
+            )
         return self._strategies[name].strategy

@@ -47,8 +47,7 @@ from compressor.data.chat import chat_batches
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.activations import ActivationStore, held_on
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.checkpoint import (FINGERPRINT_FILE, TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE,
-                                          write_atomic)
+from compressor.engine.checkpoint import FINGERPRINT_FILE, TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, write_atomic
 from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
@@ -80,9 +79,14 @@ def _rows(batches: list[Batch], first: int = 0) -> list[Row]:
     for batch in batches:
         counted = batch.attention_mask if batch.sensitivity_mask is None else batch.sensitivity_mask
         for i in range(batch.input_ids.shape[0]):
-            rows.append({"input_ids": batch.input_ids[i], "attention_mask": batch.attention_mask[i],
-                         "loss_mask": (counted[i].bool() & batch.attention_mask[i].bool()).long(),
-                         "row": torch.tensor(first + len(rows))})
+            rows.append(
+                {
+                    "input_ids": batch.input_ids[i],
+                    "attention_mask": batch.attention_mask[i],
+                    "loss_mask": (counted[i].bool() & batch.attention_mask[i].bool()).long(),
+                    "row": torch.tensor(first + len(rows)),
+                }
+            )
     return rows
 
 
@@ -95,15 +99,16 @@ def distillation_data(spec: DistillationSpec, tokenizer: PreTrainedTokenizerBase
     try:
         records = load_records(spec.dataset)
         if spec.format == "chat":
-            batches = chat_batches(records, tokenizer, spec.seq_len, wanted, 1, spec.messages_field or "messages",
-                                   minimum=least)
+            batches = chat_batches(
+                records, tokenizer, spec.seq_len, wanted, 1, spec.messages_field or "messages", minimum=least
+            )
         else:
             windows = token_windows(records, tokenizer, spec.seq_len, wanted, spec.text_field or "text", minimum=least)
             batches = batches_of(windows, 1)
     except UserError as error:
         raise UserError(f"distillation: {error} (held-out windows included)") from None
     rows = _rows(batches)
-    return DistillationData(rows[:-spec.heldout_windows], rows[-spec.heldout_windows:], spec.seq_len)
+    return DistillationData(rows[: -spec.heldout_windows], rows[-spec.heldout_windows :], spec.seq_len)
 
 
 def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
@@ -132,8 +137,9 @@ class LiveTeacher:
 
     @torch.no_grad()
     def target(self, inputs: dict[str, torch.Tensor], counted: torch.Tensor) -> TeacherTarget:
-        logits = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                            use_cache=False).logits
+        logits = self.model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
+        ).logits
         return teacher_target(logits, counted, self.top_k, host=False)
 
 
@@ -148,14 +154,22 @@ class CachedTeacher:
 
 
 @torch.no_grad()
-def cached_targets(model: PreTrainedModel, family: ModelFamily, rows: list[Row], top_k: int, device: torch.device,
-                   batch_size: int, progress: Progress, store: ActivationStore | None = None
-                   ) -> dict[int, TeacherTarget]:
+def cached_targets(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    rows: list[Row],
+    top_k: int,
+    device: torch.device,
+    batch_size: int,
+    progress: Progress,
+    store: ActivationStore | None = None,
+) -> dict[int, TeacherTarget]:
     """Every row's teacher target (by its `row` id), computed as the H pass runs the model: one layer on the device
     at a time over all rows (their activations on the host, or in `store`), then the head."""
-    batches = [collate(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
-    inputs = capture_layer_inputs(model, family, [Batch(b["input_ids"], b["attention_mask"]) for b in batches],
-                                  device, store)
+    batches = [collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+    inputs = capture_layer_inputs(
+        model, family, [Batch(b["input_ids"], b["attention_mask"]) for b in batches], device, store
+    )
     try:
         layers = model.get_submodule(family.layers)
         for index, layer in enumerate(layers):
@@ -173,8 +187,11 @@ def cached_targets(model: PreTrainedModel, family: ModelFamily, rows: list[Row],
                 parts = [whole.values.split(sizes)]
                 parts += [None if t is None else t.split(sizes) for t in (whole.indices, whole.tail)]
                 for i, row in enumerate(batch["row"].tolist()):
-                    targets[row] = TeacherTarget(parts[0][i], None if parts[1] is None else parts[1][i],
-                                                 None if parts[2] is None else parts[2][i])
+                    targets[row] = TeacherTarget(
+                        parts[0][i],
+                        None if parts[1] is None else parts[1][i],
+                        None if parts[2] is None else parts[2][i],
+                    )
         progress("distillation: teacher targets", len(layers) + 1, len(layers) + 1)
         return targets
     finally:
@@ -187,8 +204,11 @@ def cached_targets(model: PreTrainedModel, family: ModelFamily, rows: list[Row],
 def linear_names(model: nn.Module) -> set[str]:
     """The last name of every linear layer of `model` but its head: what LoRA may target."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and module is not head}
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head
+    }
 
 
 def check_target_modules(spec: DistillationSpec, names: set[str]) -> None:
@@ -198,9 +218,11 @@ def check_target_modules(spec: DistillationSpec, names: set[str]) -> None:
         return
     for name in [targets] if isinstance(targets, str) else targets:
         if name not in names:
-            raise UserError(f"distillation.lora.target_modules: '{name}' is not a linear layer of this model"
-                            f"{did_you_mean(name, names)}; its linear layers: {', '.join(sorted(names))} "
-                            f"(or all-linear)")
+            raise UserError(
+                f"distillation.lora.target_modules: '{name}' is not a linear layer of this model"
+                f"{did_you_mean(name, names)}; its linear layers: {', '.join(sorted(names))} "
+                f"(or all-linear)"
+            )
 
 
 def trainer_keys(spec: DistillationSpec) -> None:
@@ -208,8 +230,9 @@ def trainer_keys(spec: DistillationSpec) -> None:
     known = {f.name for f in fields(TrainingArguments)}
     for key in spec.trainer:
         if key not in known:
-            raise UserError(f"distillation.trainer.{key} is not a transformers TrainingArguments field"
-                            f"{did_you_mean(key, known)}")
+            raise UserError(
+                f"distillation.trainer.{key} is not a transformers TrainingArguments field{did_you_mean(key, known)}"
+            )
 
 
 def _with_adapters(model: PreTrainedModel, spec: DistillationSpec, seed: int) -> nn.Module:
@@ -217,9 +240,16 @@ def _with_adapters(model: PreTrainedModel, spec: DistillationSpec, seed: int) ->
 
     lora = spec.lora
     targets = lora.target_modules
-    targets = targets if targets == "all-linear" or not isinstance(targets, str) else [targets]  # peft: a string is a regex
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, lora_dropout=lora.dropout,
-                        target_modules=targets, bias="none")
+    targets = (
+        targets if targets == "all-linear" or not isinstance(targets, str) else [targets]
+    )  # peft: a string is a regex
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha or 2 * lora.rank,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+    )
     torch.manual_seed(seed)  # the adapters' random half starts the same in a fresh and a resumed run
     try:
         adapted = get_peft_model(model, config)
@@ -243,14 +273,20 @@ class _Distiller(Trainer):
         self.spec = spec
         self.heldout = heldout
 
-    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
         kl, ce, count = self._losses(model, inputs)
         loss = kl / count + (self.spec.ce_weight * ce if ce is not None else 0.0)
         return (loss, None) if return_outputs else loss
 
-    def _losses(self, model: nn.Module, inputs: dict[str, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _losses(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Summed KL over the counted positions, mean cross-entropy (when weighted), count."""
         mask = inputs["attention_mask"]
         counted = inputs["loss_mask"].bool() & mask.bool()
@@ -259,8 +295,11 @@ class _Distiller(Trainer):
         ce = None
         if self.spec.ce_weight > 0:
             predicts = counted[:, :-1] & mask[:, 1:].bool()
-            ce = (F.cross_entropy(logits[:, :-1][predicts].float(), inputs["input_ids"][:, 1:][predicts])
-                  if predicts.any() else logits.sum() * 0.0)  # no next token to predict: nothing, not NaN
+            ce = (
+                F.cross_entropy(logits[:, :-1][predicts].float(), inputs["input_ids"][:, 1:][predicts])
+                if predicts.any()
+                else logits.sum() * 0.0
+            )  # no next token to predict: nothing, not NaN
         return kl, ce, counted.sum().clamp(min=1)
 
     @torch.no_grad()
@@ -273,7 +312,7 @@ class _Distiller(Trainer):
         total = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         size = self.args.per_device_eval_batch_size
         for start in range(0, len(self.heldout), size):
-            inputs = {k: v.to(self.args.device) for k, v in collate(self.heldout[start:start + size]).items()}
+            inputs = {k: v.to(self.args.device) for k, v in collate(self.heldout[start : start + size]).items()}
             with self.accelerator.autocast():  # as in training (accelerate patches the trained forward alone)
                 kl, _, counted = self._losses(model, inputs)
             total += torch.stack([kl.double(), counted.double()])
@@ -282,8 +321,9 @@ class _Distiller(Trainer):
             torch.distributed.broadcast(total, src=0)
         return float(total[0] / total[1].clamp(min=1))
 
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
-                 ) -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         metrics = {f"{metric_key_prefix}_kl": self.heldout_kl()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -317,8 +357,11 @@ def last_checkpoint(folder: Path) -> Path | None:
     """The newest complete Trainer checkpoint in `folder` (its state file, written last, reads
     back); newer incomplete ones (a kill while saving) are removed."""
     step = len(TRAINER_CHECKPOINT_PREFIX)
-    found = sorted((p for p in folder.glob(f"{TRAINER_CHECKPOINT_PREFIX}*") if p.name[step:].isdigit()),
-                   key=lambda p: int(p.name[step:]), reverse=True)
+    found = sorted(
+        (p for p in folder.glob(f"{TRAINER_CHECKPOINT_PREFIX}*") if p.name[step:].isdigit()),
+        key=lambda p: int(p.name[step:]),
+        reverse=True,
+    )
     for path in found:
         try:
             json.loads((path / TRAINER_STATE_FILE).read_text())
@@ -342,8 +385,10 @@ def check_fingerprint(folder: Path, fingerprint: dict[str, str], write: bool) ->
         saved = None
     if saved is not None and saved != fingerprint and has_progress(folder):
         changed = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
-        raise UserError(f"an interrupted run's distillation in {folder} was started with a different "
-                        f"{' and '.join(changed)}; rerun with --restart to discard its progress")
+        raise UserError(
+            f"an interrupted run's distillation in {folder} was started with a different "
+            f"{' and '.join(changed)}; rerun with --restart to discard its progress"
+        )
     if write and saved != fingerprint:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
@@ -403,23 +448,46 @@ def _precision(spec: DistillationSpec, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
 
 
-def _arguments(spec: DistillationSpec, folder: Path, device: torch.device, seed: int, max_steps: int,
-               precision: str) -> TrainingArguments:
+def _arguments(
+    spec: DistillationSpec, folder: Path, device: torch.device, seed: int, max_steps: int, precision: str
+) -> TrainingArguments:
     options: dict[str, Any] = {"report_to": [], **spec.trainer}
     try:
         return TrainingArguments(
-            output_dir=str(folder), max_steps=max_steps, per_device_train_batch_size=spec.batch_size,
-            per_device_eval_batch_size=spec.batch_size, gradient_accumulation_steps=spec.gradient_accumulation,
-            learning_rate=spec.lr or DEFAULT_LR[spec.method], lr_scheduler_type=spec.schedule,
-            warmup_steps=math.ceil(spec.warmup * max_steps), weight_decay=spec.weight_decay,
-            max_grad_norm=spec.max_grad_norm, bf16=precision == "bfloat16", fp16=precision == "float16",
+            output_dir=str(folder),
+            max_steps=max_steps,
+            per_device_train_batch_size=spec.batch_size,
+            per_device_eval_batch_size=spec.batch_size,
+            gradient_accumulation_steps=spec.gradient_accumulation,
+            learning_rate=spec.lr or DEFAULT_LR[spec.method],
+            lr_scheduler_type=spec.schedule,
+            warmup_steps=math.ceil(spec.warmup * max_steps),
+            weight_decay=spec.weight_decay,
+            max_grad_norm=spec.max_grad_norm,
+            bf16=precision == "bfloat16",
+            fp16=precision == "float16",
             activation_checkpointing=spec.gradient_checkpointing,
             activation_checkpointing_kwargs={"use_reentrant": False} if spec.gradient_checkpointing else None,
-            eval_strategy="steps", eval_steps=spec.eval_every, save_strategy="steps", save_steps=spec.eval_every,
-            save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="kl", greater_is_better=False,
-            logging_steps=spec.eval_every, seed=seed, data_seed=seed, use_cpu=device.type == "cpu",
-            remove_unused_columns=False, disable_tqdm=True, log_level="warning", dataloader_pin_memory=False,
-            include_num_input_tokens_seen="non_padding", restore_callback_states_from_checkpoint=True, **options)
+            eval_strategy="steps",
+            eval_steps=spec.eval_every,
+            save_strategy="steps",
+            save_steps=spec.eval_every,
+            save_total_limit=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="kl",
+            greater_is_better=False,
+            logging_steps=spec.eval_every,
+            seed=seed,
+            data_seed=seed,
+            use_cpu=device.type == "cpu",
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            log_level="warning",
+            dataloader_pin_memory=False,
+            include_num_input_tokens_seen="non_padding",
+            restore_callback_states_from_checkpoint=True,
+            **options,
+        )
     except (TypeError, ValueError) as error:
         raise UserError(f"distillation: transformers refused the training settings: {first_line(error)}") from None
 
@@ -438,10 +506,19 @@ def steps_for(spec: DistillationSpec, world: int) -> tuple[int, int]:
     return max(1, math.ceil(spec.tokens / (per_step * spec.seq_len))), per_step
 
 
-def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, spec: DistillationSpec,
-            folder: Path, device: torch.device, fingerprint: dict[str, str], seed: int = 0,
-            progress: Progress | None = None, world: int = 1, callbacks: list[TrainerCallback] = ()
-            ) -> tuple[PreTrainedModel, DistillationRecord]:
+def distill(
+    student: PreTrainedModel,
+    teacher: Teacher,
+    data: DistillationData,
+    spec: DistillationSpec,
+    folder: Path,
+    device: torch.device,
+    fingerprint: dict[str, str],
+    seed: int = 0,
+    progress: Progress | None = None,
+    world: int = 1,
+    callbacks: list[TrainerCallback] = (),
+) -> tuple[PreTrainedModel, DistillationRecord]:
     """Train `student` from `teacher` on `data`; return it (adapters merged, same class and
     parameter count, in its own dtype) and the record. Checkpoints go to `folder`, which a killed
     run's same call continues from when `fingerprint` matches. `callbacks` are more Trainer
@@ -471,9 +548,17 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
     try:
-        trainer = _Distiller(model=model, args=args, train_dataset=data.train, eval_dataset=data.heldout,
-                             data_collator=collate, teacher=teacher, spec=spec, heldout=data.heldout,
-                             callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks])
+        trainer = _Distiller(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=data.heldout,
+            data_collator=collate,
+            teacher=teacher,
+            spec=spec,
+            heldout=data.heldout,
+            callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks],
+        )
     except ValueError as error:
         raise UserError(f"distillation: transformers' Trainer refused the settings: {first_line(error)}") from None
     for noisy in (PrinterCallback, ProgressCallback):
@@ -489,9 +574,15 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
     train_seconds = time.perf_counter() - tick
     state = trainer.state
     curve = [{"step": 0, "tokens": 0, "kl": before}]
-    curve += [{"step": entry["step"], "kl": entry["eval_kl"],
-               "tokens": entry.get("num_input_tokens_seen") or entry["step"] * per_step * data.seq_len}
-              for entry in state.log_history if "eval_kl" in entry]
+    curve += [
+        {
+            "step": entry["step"],
+            "kl": entry["eval_kl"],
+            "tokens": entry.get("num_input_tokens_seen") or entry["step"] * per_step * data.seq_len,
+        }
+        for entry in state.log_history
+        if "eval_kl" in entry
+    ]
     best = state.best_metric if state.best_metric is not None else math.inf
     kept = "distilled" if best < before else "received"
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast patch
@@ -509,22 +600,41 @@ def distill(student: PreTrainedModel, teacher: Teacher, data: DistillationData, 
         model.load_state_dict(received)
     seconds = time.perf_counter() - started
     tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
-    resumed_at = int(resume.name[len(TRAINER_CHECKPOINT_PREFIX):]) if resume else None
+    resumed_at = int(resume.name[len(TRAINER_CHECKPOINT_PREFIX) :]) if resume else None
     tokens_here = tokens * (state.global_step - (resumed_at or 0)) / max(state.global_step, 1)
-    peak, of = ((torch.cuda.max_memory_allocated(args.device), str(args.device)) if args.device.type == "cuda"
-                else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)"))
+    peak, of = (
+        (torch.cuda.max_memory_allocated(args.device), str(args.device))
+        if args.device.type == "cuda"
+        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)")
+    )
     record = DistillationRecord(
-        method=spec.method, steps=state.global_step, max_steps=max_steps, tokens=tokens, windows_per_step=per_step,
-        train_windows=len(data.train), heldout_windows=len(data.heldout),
-        epochs=state.global_step * per_step / max(len(data.train), 1), world_size=args.world_size, seconds=seconds,
-        train_seconds=train_seconds, seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6,
-        peak_memory_bytes=int(peak), peak_memory_of=of,
-        heldout_kl_before=before, heldout_kl_best=min(best, before),
+        method=spec.method,
+        steps=state.global_step,
+        max_steps=max_steps,
+        tokens=tokens,
+        windows_per_step=per_step,
+        train_windows=len(data.train),
+        heldout_windows=len(data.heldout),
+        epochs=state.global_step * per_step / max(len(data.train), 1),
+        world_size=args.world_size,
+        seconds=seconds,
+        train_seconds=train_seconds,
+        seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6,
+        peak_memory_bytes=int(peak),
+        peak_memory_of=of,
+        heldout_kl_before=before,
+        heldout_kl_best=min(best, before),
         best_step=int(state.best_global_step or 0) if kept == "distilled" else 0,
-        stopped_early=state.global_step < max_steps, kept=kept,
-        resumed_from_step=resumed_at, curve=curve,
-        trainable_params=trainable, merge_max_abs_diff=merge_diff, lr=args.learning_rate, precision=precision,
-        options=asdict(spec))
+        stopped_early=state.global_step < max_steps,
+        kept=kept,
+        resumed_from_step=resumed_at,
+        curve=curve,
+        trainable_params=trainable,
+        merge_max_abs_diff=merge_diff,
+        lr=args.learning_rate,
+        precision=precision,
+        options=asdict(spec),
+    )
     for name, parameter in model.named_parameters():
         parameter.data = parameter.data.to(dtypes.get(name, parameter.dtype))
     student = model.eval().requires_grad_(False)  # type: ignore[assignment]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from compressor_rerank import Rerank
 
 from compressor.plugin import SiteProblem, SiteStatistics, StrategyOptionError
-from compressor_rerank import Rerank
 
 
 def problem(width: int = 16, keep: int = 12) -> SiteProblem:
@@ -12,8 +12,9 @@ def problem(width: int = 16, keep: int = 12) -> SiteProblem:
     x, g = torch.randn(1000, width, dtype=torch.float64), torch.randn(1000, width, dtype=torch.float64)
     C = x.T @ x / 1000  # E[x xᵀ], as the engine gives it
     H = (g * torch.linspace(0.1, 3, width, dtype=torch.float64)).T @ g / 1000  # some E[g gᵀ]
-    return SiteProblem(name="layers.0.attn", index=1, width=width, keep=keep,
-                       stats=SiteStatistics(C=C, tokens=1000, extra={"H": H}))
+    return SiteProblem(
+        name="layers.0.attn", index=1, width=width, keep=keep, stats=SiteStatistics(C=C, tokens=1000, extra={"H": H})
+    )
 
 
 def test_basis_is_what_the_engine_accepts_and_no_worse_than_pca() -> None:

@@ -56,10 +56,12 @@ class KeepCoordinates(Strategy):
         else:
             columns = torch.arange(problem.width, device=C.device)
         Q = base[:, columns]
-        removed = removed_energy(C, Q[:, problem.keep:])
+        removed = removed_energy(C, Q[:, problem.keep :])
         total = float(torch.trace(C))
-        return Basis(Q=Q, objectives={"removed_energy": removed,
-                                      "removed_energy_fraction": removed / total if total > 0 else 0.0})
+        return Basis(
+            Q=Q,
+            objectives={"removed_energy": removed, "removed_energy_fraction": removed / total if total > 0 else 0.0},
+        )
 
 
 @hookimpl

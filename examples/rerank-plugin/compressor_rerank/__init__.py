@@ -34,8 +34,9 @@ from compressor.plugin import (
 class RerankOptions:
     """A pipeline step's options: every key but `strategy`, checked before anything loads."""
 
-    power: Annotated[Number, described("the exponent of vᵀHv in each direction's score λ·(vᵀHv)ᵖ; 0 is pca",
-                                       ge=0)] = 1.0
+    power: Annotated[Number, described("the exponent of vᵀHv in each direction's score λ·(vᵀHv)ᵖ; 0 is pca", ge=0)] = (
+        1.0
+    )
 
 
 class Rerank(Strategy):
@@ -52,18 +53,22 @@ class Rerank(Strategy):
         sensitivity = torch.einsum("ij,ik,kj->j", vectors, H, vectors)  # hᵢ = vᵢᵀHvᵢ, one per column
         score = energy.clamp(min=0) * sensitivity.clamp(min=0) ** options.power
         order = torch.argsort(score, descending=True, stable=True)  # power 0: PCA's own order
-        removed = vectors[:, order[problem.keep:]]  # d × (width − keep)
+        removed = vectors[:, order[problem.keep :]]  # d × (width − keep)
         Q = complete_basis(removed)  # any removed U → an orthogonal Q with U's span last
-        loss, loss_pca = coupled_loss(C, H, removed), coupled_loss(C, H, vectors[:, problem.keep:])
+        loss, loss_pca = coupled_loss(C, H, removed), coupled_loss(C, H, vectors[:, problem.keep :])
         total = float(torch.trace(problem.stats.C))
-        return Basis(Q=Q, objectives={
-            "loss": loss,
-            "loss_pca": loss_pca,
-            "loss_ratio_to_pca": loss / loss_pca if loss_pca > 0 else 1.0,
-            "swapped": int((order[problem.keep:] < problem.keep).sum()),  # removed directions PCA keeps
-            "removed_energy_fraction": removed_energy(problem.stats.C, Q[:, problem.keep:]) / total
-            if total > 0 else 0.0,
-        })
+        return Basis(
+            Q=Q,
+            objectives={
+                "loss": loss,
+                "loss_pca": loss_pca,
+                "loss_ratio_to_pca": loss / loss_pca if loss_pca > 0 else 1.0,
+                "swapped": int((order[problem.keep :] < problem.keep).sum()),  # removed directions PCA keeps
+                "removed_energy_fraction": removed_energy(problem.stats.C, Q[:, problem.keep :]) / total
+                if total > 0
+                else 0.0,
+            },
+        )
 
 
 @hookimpl
