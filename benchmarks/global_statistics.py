@@ -30,7 +30,8 @@ from rich.table import Table  # noqa: E402
 from transformers import PreTrainedModel  # noqa: E402
 
 from compressor.engine.bases import apply_bases  # noqa: E402
-from compressor.engine.walk import SiteChooser, prune  # noqa: E402
+from compressor.engine.pooling import SiteChooser  # noqa: E402
+from compressor.engine.walk import prune  # noqa: E402
 from compressor.evaluation.metrics import compare  # noqa: E402
 from compressor.models.sites import EMBEDDING  # noqa: E402
 from compressor.models.stock import head_stream, to_stock  # noqa: E402

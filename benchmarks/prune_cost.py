@@ -45,7 +45,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # no
 
 import compressor  # noqa: E402,F401
 from compressor.data.batches import Batch  # noqa: E402
-from compressor.engine.walk import PipelineStep, prune  # noqa: E402
+from compressor.engine.pooling import PipelineStep  # noqa: E402
+from compressor.engine.walk import prune  # noqa: E402
 from compressor.models.families import family_for  # noqa: E402
 from compressor.models.layout import kept_width  # noqa: E402
 from compressor.models.sites import site_widths  # noqa: E402

@@ -19,7 +19,8 @@ from compressor.cli import main
 from compressor.engine.allocation import Choice, CurveAllocator, groups_of, loss_curve, solve
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
 from compressor.models.families import family_for

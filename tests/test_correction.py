@@ -11,7 +11,8 @@ import torch
 
 from compressor.engine.bases import apply_bases, prediction_error, reader_map
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA

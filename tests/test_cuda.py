@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from compressor.cli import main
 from compressor.data.batches import Batch
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from compressor_plugins.pca import PCA

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.export import write_remote_code
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

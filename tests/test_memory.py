@@ -13,8 +13,9 @@ from torch.utils._pytree import tree_leaves
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
+from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.walk import prune
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA

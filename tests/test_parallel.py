@@ -18,8 +18,9 @@ from compressor.engine.bases import load_bases
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.parallel import Ranks
+from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PipelineStep, PruneResult, prune
+from compressor.engine.walk import PruneResult, prune
 from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.recipe.sensitivity_options import SensitivityOptions

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compressor.data.text import batches_of, load_records, token_windows
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.evaluation.metrics import compare
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM
 from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.calibration import capture_layer_inputs
+from compressor.engine.pooling import PipelineStep
 from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width
 from compressor.models.sites import site_ids

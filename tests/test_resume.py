@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

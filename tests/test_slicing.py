@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.families import family_for

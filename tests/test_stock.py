@@ -18,7 +18,8 @@ from transformers import AutoConfig
 
 from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
-from compressor.engine.walk import GlobalPool, PipelineStep, prune
+from compressor.engine.pooling import GlobalPool, PipelineStep
+from compressor.engine.walk import prune
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.sites import site_ids
 from compressor.models.stock import load_stock, save_stock, stock_param_model, tied_scale

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

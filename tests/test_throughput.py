@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.engine.walk import PipelineStep, prune
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import prune
 from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
 from compressor.models.families import family_for
 from compressor.models.layout import kept_width

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from compressor.engine.allocation import CurveAllocator
-from compressor.engine.walk import PipelineStep, required_statistics
+from compressor.engine.pooling import PipelineStep, required_statistics
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
