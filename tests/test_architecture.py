@@ -144,3 +144,18 @@ def test_the_public_face_is_cheap_to_import() -> None:
         check=True,
     )
     assert loaded.stdout.strip() == "False"
+
+
+def test_every_layer_by_layer_pass_goes_through_visit_layers() -> None:
+    """A decoder layer reaches the device in one place (`engine/layerwise.py`), where streaming
+    weights from disk attaches; a pass that moves layers itself would bypass it."""
+    import re
+
+    moving = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "layerwise.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"held_on\(\[\s*layers?\b", line):
+                moving.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not moving, "\n".join(moving)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.engine.activations import held_on
+from compressor.engine.layerwise import visit_layers
 from compressor.engine.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
 from compressor.models.sites import EMBEDDING, layer_site_ids, layout, site_ids
@@ -201,13 +201,12 @@ def apply_bases(
     shared = shared_sites(ids, bases)
     apply_embedding_basis(model, family, bases[EMBEDDING].to(device, torch.float64))
     previous = reader(EMBEDDING)
-    for index, layer in enumerate(model.get_submodule(family.layers)):
-        with held_on([layer], device):
-            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
-                chosen = bases[name].to(device, torch.float64)
-                open_site(layer, family, site, previous)
-                close_site(layer, family, site, previous, chosen, name in shared)
-                previous = reader(name)
+    for index, layer in visit_layers(model, family, device):
+        for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+            chosen = bases[name].to(device, torch.float64)
+            open_site(layer, family, site, previous)
+            close_site(layer, family, site, previous, chosen, name in shared)
+            previous = reader(name)
     widths = {site: bases[site].shape[1] for site in ids}
     slicing = slicing_config(model, family, widths, shared, tied)  # before the head changes (its bias)
     if tied:

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from compressor.engine.activations import held_on, to_host
 from compressor.engine.calibration import LayerInputs, counted_rows
+from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
 from compressor.models.families import ModelFamily
 from compressor.models.sites import layer_site_ids, site_ids
@@ -188,74 +189,123 @@ def estimate_fisher(
     all real tokens otherwise). Their outputs make up the sampled objective, and their gradients
     are accumulated. With `reduction: mean` each batch's objective is divided by its own count.
     """
-    dtype = getattr(torch, options.dtype)
-    lowered = autocast_dtype(options.autocast, device)
     recompute = options.recompute if options.recompute is not None else device.type != "cpu"
-    layers = list(model.get_submodule(family.layers))
-    generator = torch.Generator(device=device).manual_seed(seed)
-    d = model.config.hidden_size
-    ids = site_ids(family, len(layers))
-    totals = {site: torch.zeros(d, d, dtype=dtype) for site in ids}
-    tokens = 0
-
-    def precision() -> AbstractContextManager[Any]:
-        return torch.autocast(device.type, dtype=lowered) if lowered is not None else nullcontext()
-
-    def run_layer(index: int, hidden: torch.Tensor, batch: int) -> list[torch.Tensor]:
-        """The stream after each of the layer's sites."""
-        outputs, kwargs = [], inputs.kwargs(batch, index, device)
-        for block in layers[index].sites(family):
-            hidden = block.block(hidden, **kwargs)
-            outputs.append(hidden)
-        return outputs
-
+    h = _HPass(model, family, inputs, device, options, seed, recompute, skipped)
     # Chunks exist to make layer moves rare; where the device is the host there are none to save,
     # and one batch at a time keeps the kept graphs (and memory traffic) small.
     chunks = _chunks(inputs, options.chunk if recompute else 1)
     if progress is not None:
         progress(0, len(chunks))
     for done, chunk in enumerate(chunks):
-        # Forward: every layer's input, for every batch of the chunk, stays on the host.
-        stream = [[inputs.hidden.host(b) for b in chunk]]
-        graphs: list[list[tuple[torch.Tensor, list[torch.Tensor]] | None]] = []  # kept when not recomputing
-        for index, layer in enumerate(layers):
+        stream, graphs = h.down(chunk)
+        grads = h.at_the_head(chunk, stream.pop())
+        h.up(chunk, stream, graphs, grads)
+        if progress is not None:
+            progress(done + 1, len(chunks))
+    ranks = ranks or Ranks()
+    if ranks.world > 1:
+        for total in h.totals.values():  # one site at a time: NCCL sums on the device
+            total.copy_(ranks.sum_(total.to(device)))
+        h.tokens = ranks.sum_count(h.tokens, device)
+    if h.tokens == 0:
+        raise ValueError("no tokens were counted for the sensitivity statistics (empty sensitivity mask)")
+    return {site: total / h.tokens for site, total in h.totals.items()}
+
+
+Graphs = list[list[tuple[torch.Tensor, list[torch.Tensor]] | None]]
+"""Per layer, per batch of a chunk: the layer's input and its sites' outputs with their autograd
+graph (kept when layers are not recomputed going back up)."""
+
+
+class _HPass:
+    """The H pass's state over one call: the model, the captured inputs, the label generator, the
+    running Σ g·gᵀ by site and the counted tokens. Each chunk of batches goes `down` the layers,
+    gets its labels sampled `at_the_head`, and comes back `up` carrying ∂/∂stream."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        family: ModelFamily,
+        inputs: LayerInputs,
+        device: torch.device,
+        options: SensitivityOptions,
+        seed: int,
+        recompute: bool,
+        skipped: Sequence[Sequence[int]],
+    ) -> None:
+        self.model, self.family, self.inputs, self.device = model, family, inputs, device
+        self.options, self.recompute, self.skipped = options, recompute, skipped
+        self.lowered = autocast_dtype(options.autocast, device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        d = model.config.hidden_size
+        self.ids = site_ids(family, len(decoder_layers(model, family)))
+        dtype = getattr(torch, options.dtype)
+        self.totals = {site: torch.zeros(d, d, dtype=dtype) for site in self.ids}
+        self.tokens = 0
+
+    def precision(self) -> AbstractContextManager[Any]:
+        return torch.autocast(self.device.type, dtype=self.lowered) if self.lowered is not None else nullcontext()
+
+    def run_layer(self, layer: Any, index: int, hidden: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """The stream after each of the layer's sites."""
+        outputs, kwargs = [], self.inputs.kwargs(batch, index, self.device)
+        for block in layer.sites(self.family):
+            hidden = block.block(hidden, **kwargs)
+            outputs.append(hidden)
+        return outputs
+
+    def down(self, chunk: range) -> tuple[list[list[torch.Tensor]], Graphs]:
+        """Forward: every layer's input, for every batch of the chunk, kept on the host (and the
+        graphs, when layers are not recomputed); the last entry is the final stream."""
+        stream = [[self.inputs.hidden.host(b) for b in chunk]]
+        graphs: Graphs = []
+        for index, layer in visit_layers(self.model, self.family, self.device, read_only=True):
             outputs, kept = [], []
-            with held_on([layer], device, read_only=True), torch.set_grad_enabled(not recompute), precision():
+            with torch.set_grad_enabled(not self.recompute), self.precision():
                 for k, batch in enumerate(chunk):
-                    x = stream[index][k].to(device, non_blocking=True).detach().requires_grad_(not recompute)
-                    sites = run_layer(index, x, batch)
-                    kept.append(None if recompute else (x, sites))
+                    x = stream[index][k].to(self.device, non_blocking=True).detach().requires_grad_(not self.recompute)
+                    sites = self.run_layer(layer, index, x, batch)
+                    kept.append(None if self.recompute else (x, sites))
                     outputs.append(to_host(sites[-1]))
             stream.append(outputs)
             graphs.append(kept)
-        # Head: sample labels, form the score, and take the gradient at the last site.
+        return stream, graphs
+
+    def at_the_head(self, chunk: range, final: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sample labels from the model's own logits, form the score, and take its gradient with
+        respect to the last site's stream (accumulated there); returns it per batch, on the host."""
+        inputs, device, last = self.inputs, self.device, self.ids[-1]
         grads = []
-        visiting = held_on(family.head_modules(model), device, read_only=True)
-        with visiting, _accumulators(totals, [ids[-1]], device) as acc:
+        visiting = held_on(self.family.head_modules(self.model), device, read_only=True)
+        with visiting, _accumulators(self.totals, [last], device) as acc:
             for k, batch in enumerate(chunk):
                 mask = inputs.sensitivity_masks[batch].to(device)
-                x = stream[-1][k].to(device).detach().requires_grad_()
-                with torch.enable_grad(), precision():
-                    logits = family.logits(model, x)
-                    score = sampled_score(logits, mask, generator, options.reduction, skipped[batch] if skipped else ())
+                x = final[k].to(device).detach().requires_grad_()
+                with torch.enable_grad(), self.precision():
+                    logits = self.family.logits(self.model, x)
+                    skipped = self.skipped[batch] if self.skipped else ()
+                    score = sampled_score(logits, mask, self.generator, self.options.reduction, skipped)
                     (grad,) = torch.autograd.grad(logits, [x], score)
                 count = inputs.sensitivity_counts[batch]
-                acc.add(ids[-1], grad, mask, count)
+                acc.add(last, grad, mask, count)
                 grads.append(to_host(grad))
-                tokens += count
-        stream.pop()
-        # Backward, one layer at a time, carrying the gradient with respect to the stream down.
-        for index in reversed(range(len(layers))):
-            own = layer_site_ids(family, index)
+                self.tokens += count
+        return grads
+
+    def up(self, chunk: range, stream: list[list[torch.Tensor]], graphs: Graphs, grads: list[torch.Tensor]) -> None:
+        """Backward, one layer at a time, carrying the gradient with respect to the stream down
+        and accumulating it at every site the layer writes and the one it reads."""
+        inputs, device, ids = self.inputs, self.device, self.ids
+        for index, layer in visit_layers(self.model, self.family, device, read_only=True, reverse=True):
+            own = layer_site_ids(self.family, index)
             below = ids[ids.index(own[0]) - 1]  # the site this layer reads
-            visiting = held_on([layers[index]], device, read_only=True)
-            with visiting, _accumulators(totals, [*own[:-1], below], device) as acc:
+            with _accumulators(self.totals, [*own[:-1], below], device) as acc:
                 for k, batch in enumerate(chunk):
                     mask = inputs.sensitivity_masks[batch].to(device)
-                    with torch.enable_grad(), precision():
-                        if recompute:
+                    with torch.enable_grad(), self.precision():
+                        if self.recompute:
                             x = stream[index][k].to(device, non_blocking=True).detach().requires_grad_()
-                            sites = run_layer(index, x, batch)
+                            sites = self.run_layer(layer, index, x, batch)
                         else:
                             x, sites = graphs[index][k]  # type: ignore[misc]
                             graphs[index][k] = None  # the graph is freed once used
@@ -269,16 +319,6 @@ def estimate_fisher(
                     acc.add(below, grad, mask, count)
                     grads[k] = to_host(grad)
             stream.pop()
-        if progress is not None:
-            progress(done + 1, len(chunks))
-    ranks = ranks or Ranks()
-    if ranks.world > 1:
-        for total in totals.values():  # one site at a time: NCCL sums on the device
-            total.copy_(ranks.sum_(total.to(device)))
-        tokens = ranks.sum_count(tokens, device)
-    if tokens == 0:
-        raise ValueError("no tokens were counted for the sensitivity statistics (empty sensitivity mask)")
-    return {site: total / tokens for site, total in totals.items()}
 
 
 class _Accumulator:

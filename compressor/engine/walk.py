@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from compressor import faults
 from compressor.data.batches import Batch
-from compressor.engine.activations import ActivationStore, held_on
+from compressor.engine.activations import ActivationStore
 from compressor.engine.bases import (
     apply_embedding_basis,
     apply_head_basis,
@@ -36,6 +36,7 @@ from compressor.engine.bases import (
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint, SavedSite, restore_rng
 from compressor.engine.fisher import estimate_fisher
+from compressor.engine.layerwise import visit_layers
 from compressor.engine.parallel import Ranks
 from compressor.engine.pooling import (
     GlobalPool,
@@ -580,28 +581,27 @@ def _walk_sites(
     if walked is not None and first is not None:
         walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
     apply_embedding_basis(model, family, basis)
-    for index, layer in enumerate(model.get_submodule(family.layers)):
+    for index, layer in visit_layers(model, family, device):
         report(f"layer {index + 1}/{num_layers}", index, num_layers)
         assert isinstance(layer, SlicedDecoderLayer)
-        with held_on([layer], device):
-            sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
-            for position, (site, name) in enumerate(sites):
-                open_site(layer, family, site, previous)
-                ahead = next(((n, s.block) for s, n in sites[position + 1 : position + 2] if n in walk.shared), None)
-                pooled = (
-                    None
-                    if ahead is None
-                    else (lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
-                )
-                moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
-                if walked is not None and moment is not None:
-                    walked.add(name, moment.value(), moment.tokens, h.at(name))
-                if one_basis and name == ids[-1]:
-                    assert moment is not None
-                    head_moment = moment.value().to("cpu")
-                chosen, reader = walk.settle(name, moment, pooled)
-                close_site(layer, family, site, previous, chosen, name in walk.shared)
-                previous = reader
+        sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
+        for position, (site, name) in enumerate(sites):
+            open_site(layer, family, site, previous)
+            ahead = next(((n, s.block) for s, n in sites[position + 1 : position + 2] if n in walk.shared), None)
+            pooled = (
+                None
+                if ahead is None
+                else (lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+            )
+            moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
+            if walked is not None and moment is not None:
+                walked.add(name, moment.value(), moment.tokens, h.at(name))
+            if one_basis and name == ids[-1]:
+                assert moment is not None
+                head_moment = moment.value().to("cpu")
+            chosen, reader = walk.settle(name, moment, pooled)
+            close_site(layer, family, site, previous, chosen, name in walk.shared)
+            previous = reader
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     return _Walked(walk, previous, head_moment, walked)
 
@@ -666,8 +666,7 @@ def _survey(
         observe(site, moment)
 
     seen(EMBEDDING, survey.advance(EMBEDDING, None, 0))
-    for index, layer in enumerate(model.get_submodule(family.layers)):
+    for index, layer in visit_layers(model, family, device, read_only=True):
         report(f"surveying the original model: layer {index + 1}/{num_layers}", index, num_layers)
-        with held_on([layer], device, read_only=True):
-            for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
-                seen(name, survey.advance(name, site.block, index))
+        for site, name in zip(layer.sites(family), layer_site_ids(family, index)):
+            seen(name, survey.advance(name, site.block, index))

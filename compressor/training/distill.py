@@ -48,6 +48,7 @@ from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.activations import ActivationStore, held_on
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import FINGERPRINT_FILE, TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, write_atomic
+from compressor.engine.layerwise import decoder_layers, run_stored, visit_layers
 from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
@@ -171,13 +172,15 @@ def cached_targets(
         model, family, [Batch(b["input_ids"], b["attention_mask"]) for b in batches], device, store
     )
     try:
-        layers = model.get_submodule(family.layers)
-        for index, layer in enumerate(layers):
-            progress(f"distillation: teacher targets, layer {index + 1}/{len(layers)}", index, len(layers) + 1)
-            with held_on([layer], device, read_only=True):
-                for b in range(len(batches)):
-                    out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
-                    inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+        layers = len(decoder_layers(model, family))
+        for index, layer in visit_layers(model, family, device, read_only=True):
+            progress(f"distillation: teacher targets, layer {index + 1}/{layers}", index, layers + 1)
+
+            def step(b: int, hidden: torch.Tensor, layer: nn.Module = layer, index: int = index) -> torch.Tensor:
+                out = layer(hidden, **inputs.kwargs(b, index, device))
+                return out[0] if isinstance(out, tuple) else out
+
+            run_stored(inputs.hidden, device, step)
         targets: dict[int, TeacherTarget] = {}
         with held_on(family.head_modules(model), device, read_only=True):
             for b, batch in enumerate(batches):
@@ -192,7 +195,7 @@ def cached_targets(
                         None if parts[1] is None else parts[1][i],
                         None if parts[2] is None else parts[2][i],
                     )
-        progress("distillation: teacher targets", len(layers) + 1, len(layers) + 1)
+        progress("distillation: teacher targets", layers + 1, layers + 1)
         return targets
     finally:
         inputs.hidden.close()
