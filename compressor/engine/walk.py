@@ -231,6 +231,25 @@ class _Walk:
         return basis, reader
 
 
+@dataclass
+class _Prune:
+    """What the phases of one `prune` call share: the model and the device it visits, how
+    progress is said, the ranks, the checkpoint, and the layout's choices."""
+
+    model: PreTrainedModel
+    family: ModelFamily
+    device: torch.device
+    report: ProgressCallback
+    ranks: Ranks
+    checkpoint: Checkpoint | None
+    ids: list[str]
+    shared: Collection[str]
+    tie_head: bool
+    one_basis: bool
+    pooling: str
+    correct_readers: bool
+
+
 @torch.no_grad()
 def prune(
     model: PreTrainedModel,
@@ -314,6 +333,9 @@ def prune(
         set(allocator.requires) if widths is None and allocator is not None else set()
     )
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
+    run = _Prune(
+        model, family, device, report, ranks, checkpoint, ids, shared, tie_head, one_basis, pooling, correct_readers
+    )
 
     report("fusing norms", 0, num_layers)
     fuse_norms(model, family)
@@ -325,40 +347,18 @@ def prune(
         faults.reached("capture")
         h = _Sensitivity(device)
         if "H" in needed and (len(saved) < len(ids) or widths is None):
-            h = _estimate_sensitivity(
-                model, family, inputs, fisher, checkpoint, sensitivity, device, seed, report, ranks, skipped
-            )
+            h = _estimate_sensitivity(run, inputs, fisher, sensitivity, seed, skipped)
         survey = _Survey(GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None)
         if widths is None or (tie_head and EMBEDDING not in saved) or survey.pool is not None:
-            widths, chosen = _survey_original(
-                model, family, inputs, device, report, ranks, h, survey, widths, allocator, checkpoint, shared, tie_head
-            )
+            widths, chosen = _survey_original(run, inputs, h, survey, widths, allocator)
             allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, offload, scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)
-        walked = _walk_sites(
-            model,
-            family,
-            inputs,
-            device,
-            report,
-            ranks,
-            h,
-            SiteChooser(pipeline, ids, h.values, report),
-            widths,
-            saved,
-            checkpoint,
-            correct_readers,
-            shared,
-            tie_head,
-            one_basis,
-            pooling,
-            survey,
-        )
+        walked = _walk_sites(run, inputs, h, SiteChooser(pipeline, ids, h.values, report), widths, saved, survey)
     finally:
         store.close()
-    slicing = _attach_head(model, family, widths, shared, tie_head, walked.reader)
+    slicing = _attach_head(run, widths, walked.reader)
     walk = walked.walk
     return PruneResult(
         model=as_sliced_model(model, family, slicing),
@@ -431,20 +431,16 @@ class _Sensitivity:
 
 
 def _estimate_sensitivity(
-    model: PreTrainedModel,
-    family: ModelFamily,
+    run: _Prune,
     inputs: LayerInputs,
     given: Mapping[str, torch.Tensor] | None,
-    checkpoint: Checkpoint | None,
     options: SensitivityOptions | None,
-    device: torch.device,
     seed: int,
-    report: ProgressCallback,
-    ranks: Ranks,
     skipped: Any,
 ) -> _Sensitivity:
     """ "estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
     else computed on the fused, unsliced model (and checkpointed)."""
+    model, family, device, checkpoint, report = run.model, run.family, run.device, run.checkpoint, run.report
     h = _Sensitivity(device)
     h.values = checkpoint.load_fisher() if checkpoint is not None else None
     h.loaded = h.values is not None
@@ -464,7 +460,7 @@ def _estimate_sensitivity(
 
         tick = time.perf_counter()
         h.values = estimate_fisher(
-            model, family, inputs, options or SensitivityOptions(), device, seed, h_progress, ranks, skipped
+            model, family, inputs, options or SensitivityOptions(), device, seed, h_progress, run.ranks, skipped
         )
         h.seconds = time.perf_counter() - tick
         for name, value in h.values.items():
@@ -484,24 +480,17 @@ class _Survey:
 
 
 def _survey_original(
-    model: PreTrainedModel,
-    family: ModelFamily,
+    run: _Prune,
     inputs: LayerInputs,
-    device: torch.device,
-    report: ProgressCallback,
-    ranks: Ranks,
     h: _Sensitivity,
     survey: _Survey,
     widths: Mapping[str, int] | None,
     allocator: WidthAllocator | None,
-    checkpoint: Checkpoint | None,
-    shared: Collection[str],
-    tie_head: bool,
 ) -> tuple[Mapping[str, int], dict[str, Any] | None]:
     """ "surveying the original model": every site's C (and H) of the fused, unsliced model goes to
     the global pool, the allocator (which then chooses the widths, checkpointed) and a tied head's
     choice. Returns the widths and the allocation's record (None when the widths were given)."""
-    ids = site_ids(family, model.config.num_hidden_layers)
+    ids, tie_head, checkpoint = run.ids, run.tie_head, run.checkpoint
 
     def observe(site: str, moment: SecondMoment) -> None:
         if survey.pool is not None:
@@ -512,12 +501,12 @@ def _survey_original(
         if tie_head and site == ids[-1]:
             survey.last.append((site, moment))
 
-    _survey(model, family, inputs, device, report, observe, ranks)
+    _survey(run, inputs, observe)
     if widths is not None:
         return widths, None
     assert allocator is not None
     widths = allocator.widths()
-    _check_widths(family, ids, widths, shared, tie_head)
+    _check_widths(run.family, ids, widths, run.shared, tie_head)
     allocation = {"widths": widths, **allocator.to_json(widths)}
     if checkpoint is not None:
         checkpoint.save_allocation(allocation)
@@ -536,39 +525,36 @@ class _Walked:
 
 
 def _walk_sites(
-    model: PreTrainedModel,
-    family: ModelFamily,
+    run: _Prune,
     inputs: LayerInputs,
-    device: torch.device,
-    report: ProgressCallback,
-    ranks: Ranks,
     h: _Sensitivity,
     chooser: SiteChooser,
     widths: Mapping[str, int],
     saved: Mapping[str, SavedSite],
-    checkpoint: Checkpoint | None,
-    correct_readers: bool,
-    shared: Collection[str],
-    tie_head: bool,
-    one_basis: bool,
-    pooling: str,
     survey: _Survey,
 ) -> _Walked:
     """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
     (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
+    model, family, device, report, ids, one_basis = (
+        run.model,
+        run.family,
+        run.device,
+        run.report,
+        run.ids,
+        run.one_basis,
+    )
     num_layers = model.config.num_hidden_layers
-    ids = site_ids(family, num_layers)
     walk = _Walk(
         inputs,
         device,
         chooser,
         widths,
         saved,
-        checkpoint,
-        correct_readers,
-        shared,
-        {ids[-1]: EMBEDDING} if tie_head else {},
-        ranks,
+        run.checkpoint,
+        run.correct_readers,
+        run.shared,
+        {ids[-1]: EMBEDDING} if run.tie_head else {},
+        run.ranks,
     )
     report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
     first = walk.advance(EMBEDDING, None, 0)
@@ -577,7 +563,7 @@ def _walk_sites(
         EMBEDDING, first, (lambda: last) if last else None, survey.pool.pooled if survey.pool is not None else None
     )
     head_moment: torch.Tensor | None = None
-    walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
+    walked = GlobalPool(run.pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
     if walked is not None and first is not None:
         walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
     apply_embedding_basis(model, family, basis)
@@ -606,18 +592,12 @@ def _walk_sites(
     return _Walked(walk, previous, head_moment, walked)
 
 
-def _attach_head(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    widths: Mapping[str, int],
-    shared: Collection[str],
-    tie_head: bool,
-    reader: torch.Tensor,
-) -> dict[str, Any]:
+def _attach_head(run: _Prune, widths: Mapping[str, int], reader: torch.Tensor) -> dict[str, Any]:
     """The head reads the last site's kept coordinates (or stays tied to the sliced embedding);
     returns the sliced model's `slicing` config, taken before the head changes (its bias)."""
-    slicing = slicing_config(model, family, widths, shared, tie_head)
-    if tie_head:
+    model, family = run.model, run.family
+    slicing = slicing_config(model, family, widths, run.shared, run.tie_head)
+    if run.tie_head:
         apply_tied_head(model, family, reader)
     else:
         apply_head_basis(model, family, reader)
@@ -646,19 +626,12 @@ def _check_widths(
             raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
 
 
-def _survey(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    device: torch.device,
-    report: ProgressCallback,
-    observe: Callable[[str, SecondMoment], None],
-    ranks: Ranks | None = None,
-) -> None:
+def _survey(run: _Prune, inputs: LayerInputs, observe: Callable[[str, SecondMoment], None]) -> None:
     """Run the fused, unsliced model over the calibration windows, handing each site's C to
     `observe` (the allocator's curves; a tied head's last site). The stored activations end at
     the last layer."""
-    survey = _Walk(inputs, device, None, {}, {}, None, ranks=ranks)
+    model, family, device, report = run.model, run.family, run.device, run.report
+    survey = _Walk(inputs, device, None, {}, {}, None, ranks=run.ranks)
     num_layers = model.config.num_hidden_layers
 
     def seen(site: str, moment: SecondMoment | None) -> None:
