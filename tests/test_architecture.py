@@ -159,3 +159,12 @@ def test_every_layer_by_layer_pass_goes_through_visit_layers() -> None:
             if re.search(r"held_on\(\[\s*layers?\b", line):
                 moving.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert not moving, "\n".join(moving)
+
+
+def test_the_tests_are_arranged_like_the_package() -> None:
+    """tests/<room>/ holds the tests of compressor/<room>/; only whole-package checks sit at the top."""
+    tests = PACKAGE.parent / "tests"
+    folders = {path.name for path in tests.iterdir() if path.is_dir() and (path / "__init__.py").is_file()}
+    assert folders <= set(BELOW), f"test folders that are not rooms: {sorted(folders - set(BELOW))}"
+    loose = {path.name for path in tests.glob("test_*.py")} - {"test_architecture.py", "test_docs.py"}
+    assert not loose, f"tests outside the rooms' folders: {sorted(loose)}"

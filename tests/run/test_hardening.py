@@ -16,7 +16,7 @@ import torch
 
 from compressor.cli import main
 from tests.conftest import ROOT, save_tiny_checkpoint
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 ENTRY = [sys.executable, "-c", "import sys; from compressor.entry import main; sys.exit(main())"]
 """What the `compress` console script runs (pyproject's [project.scripts])."""

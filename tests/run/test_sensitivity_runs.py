@@ -9,8 +9,8 @@ import pytest
 
 import compressor.engine.walk
 from compressor.cli import main
-from tests.test_chat import CONVERSATION
-from tests.test_cli import write_recipe
+from tests.data.test_chat import CONVERSATION
+from tests.run.test_cli import write_recipe
 
 
 def test_sensitivity_then_stiefel_reports_every_site(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ from compressor.cli import main
 from compressor.engine.checkpoint import FINGERPRINT_FILE, FISHER_FILE
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
 from tests.conftest import save_tiny_checkpoint
-from tests.test_cli import write_recipe
-from tests.test_hub import no_network  # noqa: F401  (a fixture)
-from tests.test_lm_eval import _write_task
+from tests.evaluation.test_lm_eval import _write_task
+from tests.run.test_cli import write_recipe
+from tests.run.test_hub import no_network  # noqa: F401  (a fixture)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

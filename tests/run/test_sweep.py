@@ -15,7 +15,7 @@ import yaml
 
 import compressor.engine.walk
 from compressor.cli import main
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

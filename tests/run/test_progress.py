@@ -11,7 +11,7 @@ import torch
 from compressor.strategies.contract import SiteProblem, SiteStatistics
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from compressor_plugins.stiefel import Schedule, Stiefel
-from tests.test_sensitivity import random_psd
+from tests.engine.test_sensitivity import random_psd
 
 DOCUMENTED_DEFAULT_STEPS = 1_000
 """`stiefel`'s default steps, as measured and documented in docs/benchmarks.md (issue 24)."""
@@ -86,7 +86,7 @@ def test_stiefel_default_steps_are_the_measured_ones() -> None:
     assert (
         f"{DOCUMENTED_DEFAULT_STEPS:,} steps"
         in Path(__file__)
-        .parent.parent.joinpath("docs", "benchmarks.md")
+        .parent.parent.parent.joinpath("docs", "benchmarks.md")
         .read_text()
         .split("## Stiefel steps: what the default buys (issue 24)")[1]
     )
@@ -139,7 +139,7 @@ def test_refinement_reports_every_step() -> None:
     from compressor.engine.refine import refine_bases
     from compressor.recipe.schema import RefinementSpec
     from tests.conftest import copy_model, random_batches, tiny_model
-    from tests.test_refine import _pca_bases
+    from tests.engine.test_refine import _pca_bases
 
     batches = random_batches(tiny_model("llama").config.vocab_size, padded=True)
     original, family, result = _pca_bases("llama", batches, sparsity=0.5)
@@ -167,7 +167,7 @@ def test_lm_eval_reports_its_tasks_and_each_answered_request(
     import compressor.evaluation.harness as harness
     from compressor.evaluation.metrics import task_scores
     from compressor.recipe.schema import LmEvalSpec
-    from tests.test_lm_eval import RECORDS, _write_task
+    from tests.evaluation.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
@@ -199,7 +199,7 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
 
     from compressor.evaluation.metrics import evaluate_models
     from compressor.recipe.schema import LmEvalSpec
-    from tests.test_lm_eval import RECORDS, _write_task
+    from tests.evaluation.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)

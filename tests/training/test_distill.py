@@ -35,8 +35,8 @@ from compressor.training.distill import (
 )
 from compressor_plugins.pca import PCA
 from tests.conftest import EXAMPLES, copy_model, random_batches, save_tiny_checkpoint, tiny_model, widths_for
-from tests.test_cli import write_recipe
-from tests.test_parallel import TORCHRUN, _compress
+from tests.engine.test_parallel import TORCHRUN, _compress
+from tests.run.test_cli import write_recipe
 
 DISTILLATION = {
     "tokens": 2048,

@@ -24,7 +24,7 @@ from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from tests.conftest import EXAMPLES, FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 SITES = ["embedding", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
 

@@ -21,7 +21,7 @@ import yaml
 import compressor
 from tests.conftest import BUILTIN_PLUGINS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "keep-coordinates-plugin"
 REF_LLAMA = ROOT / "examples" / "ref-llama"
 DATA = ROOT / "examples" / "data"
@@ -292,8 +292,8 @@ def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path
     that list strategies see only the plugins they mean (conftest pins COMPRESS_PLUGINS)."""
     env = {key: value for key, value in _env(site).items() if key != "COMPRESS_PLUGINS"}  # as in a user's shell
     chosen = [
-        "tests/test_hardening.py::test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes",
-        "tests/test_cli.py::test_strategies_lists_builtin_pca_with_its_source",
+        "tests/run/test_hardening.py::test_the_recipe_schema_is_current_and_accepts_the_shipped_recipes",
+        "tests/run/test_cli.py::test_strategies_lists_builtin_pca_with_its_source",
     ]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *chosen],

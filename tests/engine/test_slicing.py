@@ -116,7 +116,7 @@ def _expected_parameters(config, widths: list[int]) -> int:
 @pytest.mark.parametrize("slice_head", [False, True])
 def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: bool) -> None:
     if family_for(family_name).head_width_is_embedding_width and not slice_head:
-        pytest.skip("this family slices the head input like the embedding (refused otherwise: tests/test_cli.py)")
+        pytest.skip("this family slices the head input like the embedding (refused otherwise: tests/run/test_cli.py)")
     original = tiny_model(family_name)
     config = original.config
     d = config.hidden_size

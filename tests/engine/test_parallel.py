@@ -26,7 +26,7 @@ from compressor.models.families import family_for
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import ROOT, copy_model, random_batches, tiny_model, widths_for
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 STRATEGIES = ("pca", "sensitivity")
 FAMILY = "llama"

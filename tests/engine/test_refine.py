@@ -24,7 +24,7 @@ from compressor.models.sites import site_ids
 from compressor.recipe.schema import RefinementSpec
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
-from tests.test_cli import _DELETE, write_recipe
+from tests.run.test_cli import _DELETE, write_recipe
 
 
 def _pca_bases(name: str, batches, sparsity: float = 0.25):

@@ -10,7 +10,7 @@ import yaml
 
 from compressor.cli import main
 from compressor.evaluation.harness import _flatten
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 # With a random model every token costs about log(vocab) nats, so the summed log-likelihood
 # (lm-eval's `acc`) always prefers the one-word choice over the six-word one. Labels point at

@@ -11,7 +11,7 @@ import pytest
 
 from compressor import hub
 from compressor.cli import main
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from compressor.models.families import family_for
 from compressor.models.layout import kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
-from tests.test_slicing import _expected_parameters
+from tests.engine.test_slicing import _expected_parameters
 
 FAST = dict(prompt_len=8, decode_tokens=4, batch_sizes=(1, 3), warmup=1, repeats=2)
 
@@ -187,7 +187,7 @@ def test_a_run_reports_size_and_speed_of_both_models(tiny_checkpoint, tmp_path) 
     import json
 
     from compressor.cli import main
-    from tests.test_cli import write_recipe
+    from tests.run.test_cli import write_recipe
 
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation__throughput=True)
     assert main(["run", str(recipe)]) == 0

@@ -32,8 +32,8 @@ from tests.conftest import (
     save_tiny_checkpoint,
     tiny_model,
 )
-from tests.test_cli import write_recipe
-from tests.test_resume import compress, tensors
+from tests.run.test_cli import write_recipe
+from tests.run.test_resume import compress, tensors
 
 STOCK_FAMILIES = sorted(t for f in BUILTIN_FAMILIES if f.stock_refusal is None for t in f.model_types)
 OTHERS = sorted(set(FAMILY_CONFIGS) - set(STOCK_FAMILIES))

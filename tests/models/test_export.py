@@ -87,11 +87,11 @@ def test_the_readme_snippet_for_a_folder_without_compressor_asks_nothing(tmp_pat
     and its tokenizer load, and transformers never stops to ask about custom code."""
     from compressor.cli import main
     from tests.conftest import save_tiny_checkpoint
-    from tests.test_cli import write_recipe
+    from tests.run.test_cli import write_recipe
 
     recipe = write_recipe(tmp_path, save_tiny_checkpoint(tmp_path / "tiny"), evaluation=None)
     assert main(["run", str(recipe)]) == 0
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [block.split("```")[0] for block in readme.split("```python\n")[1:]]
     snippet = next(block for block in blocks if "AutoTokenizer" in block and "trust_remote_code=True" in block)
     folder = str(tmp_path / "out" / "model")

@@ -29,7 +29,7 @@ from compressor.run.surrogate import (
 )
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import random_batches, tiny_model
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 LLAMA = family_for("llama")
 FLOAT64 = SensitivityOptions(dtype="float64")

@@ -39,7 +39,7 @@ from tests.conftest import (
     save_tiny_checkpoint,
     tiny_model,
 )
-from tests.test_cli import write_recipe
+from tests.run.test_cli import write_recipe
 
 # Shapes of real models (random weights are never built: counting happens on the meta device).
 LARGE = {
