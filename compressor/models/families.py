@@ -3,6 +3,12 @@
 The engine and the sliced model classes only ever reach a model's parts through a
 `ModelFamily`, so supporting a new architecture means adding a description here, not
 touching the engine.
+
+This module's source travels with every saved per-site model (`models.export` writes it into
+`modeling_sliced.py` beside `models.sliced`), so from `compressor` it imports only
+`compressor.errors.UserError` (the generated file defines its own), in one-line imports at the
+top; everything else comes from the standard library, torch and transformers
+(`tests/models/test_export.py` checks it).
 """
 
 from __future__ import annotations

@@ -6,6 +6,12 @@ linears) and wraps them in `SlicedDecoderLayer`, which adds the transition matri
 into the following linears). Each family gets a `sliced_<model_type>` config and model
 class, registered with the transformers Auto classes on `import compressor`, so a saved
 pruned model reloads with `AutoModelForCausalLM.from_pretrained`.
+
+This module's source travels with every saved per-site model (`models.export` writes it, after
+`models.families`, into `modeling_sliced.py`), so from `compressor` it imports only names
+defined in `compressor.models.families`, in one-line imports at the top; everything else comes
+from the standard library, torch, transformers and huggingface_hub
+(`tests/models/test_export.py` checks it).
 """
 
 from __future__ import annotations

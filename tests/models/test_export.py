@@ -113,3 +113,31 @@ def test_the_readme_snippet_for_a_folder_without_compressor_asks_nothing(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Do you wish" not in done.stdout + done.stderr
     assert done.stdout.startswith("SlicedLlamaForCausalLM")
+
+
+def test_the_modules_copied_into_modeling_sliced_import_only_what_the_copy_has() -> None:
+    """`modeling_sliced.py` inlines `models.families` then `models.sliced`, dropping their
+    `compressor` imports line by line: families may import only `UserError` (the copy defines it),
+    sliced only what families defines, and each such import must be one line at the top."""
+    import ast
+
+    from compressor.models import families, sliced
+
+    body = ast.parse(Path(families.__file__).read_text()).body
+    defined = {node.name for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    for node in body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        defined |= {target.id for target in targets if isinstance(target, ast.Name)}
+    allowed = {families: {"compressor.errors": {"UserError"}}, sliced: {"compressor.models.families": defined}}
+    for module, permitted in allowed.items():
+        tree = ast.parse(Path(module.__file__).read_text())
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names]
+                source = node.module if isinstance(node, ast.ImportFrom) else names[0]
+                if source and source.split(".")[0] == "compressor":
+                    assert id(node) in top and node.lineno == node.end_lineno, (module.__name__, node.lineno)
+                    assert set(names) <= permitted.get(source, set()), (module.__name__, source, names)
