@@ -67,6 +67,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "per-site-pca": {"slicing": {"layout": "per_site"}, "pipeline": [{"strategy": "pca"}]},
     "global-pca-tied": {"slicing": {"layout": "global", "tie_head": True}, "pipeline": [{"strategy": "pca"}]},
     "global-pca-untied": {"slicing": {"layout": "global", "tie_head": False}, "pipeline": [{"strategy": "pca"}]},
+    "global-beyond-tied-distilled": {
+        "slicing": {"layout": "global", "tie_head": True},
+        **STOCK,
+        "distillation": {
+            "tokens": 131072,
+            "seq_len": 512,
+            "batch_size": 4,
+            "method": "full",
+            "lr": 1e-4,
+            "top_k": 64,
+            "heldout_windows": 16,
+            "eval_every": 16,
+            "patience": 3,
+        },
+    },
 }
 """The table's runs. A `beyond` run's unrefined model is global sensitivity (its walk) and is
 measured by the run itself (`metrics.unrefined`), so its row gives both."""
@@ -169,7 +184,7 @@ def diagnose(args: argparse.Namespace) -> None:
     raw.update(CONFIGS["global-beyond-tied"])
     recipe = validate(raw, ROOT, registry)
     checked = plan(recipe, registry)
-    family, config, device = checked.family, checked.config, resolve_device("cpu")
+    family, config, device = checked.layout.family, checked.layout.config, resolve_device("cpu")
     resources = Resources()
     progress = phase_logger(Console(stderr=True), "diagnose")
     tokenizer = resources.tokenizer(recipe.model)
@@ -306,7 +321,7 @@ def table(args: argparse.Namespace) -> None:
             phase_logger(console, name),
             overwrite=True,
             resources=resources,
-            save_model=False,
+            save_model=recipe.distillation is not None,
             warn=lambda line: console.print(f"warning: {line}"),
         )
         metrics, guards = report["metrics"], report.get("guards") or []
@@ -325,6 +340,8 @@ def table(args: argparse.Namespace) -> None:
                 "baseline_ppl": metrics["baseline"]["ppl"],
                 "kl_before": before["kl"],
                 "ppl_before": before["ppl"],
+                "kl_undistilled": metrics.get("undistilled", {}).get("kl"),
+                "ppl_undistilled": metrics.get("undistilled", {}).get("ppl"),
                 "kl": metrics["pruned"]["kl"],
                 "ppl": metrics["pruned"]["ppl"],
                 "refinement": report["refinement"],
@@ -349,6 +366,7 @@ def table(args: argparse.Namespace) -> None:
         "parameters",
         "KL before refinement",
         "ppl before refinement",
+        "KL before distillation",
         "KL saved",
         "ppl saved",
         "guard",
@@ -374,6 +392,7 @@ def table(args: argparse.Namespace) -> None:
                 f"{r['params_ratio']:.1%}",
                 f"{r['kl_before']:.3f}" if refined else "",
                 f"{r['ppl_before']:.1f}" if refined else "",
+                f"{r['kl_undistilled']:.3f}" if r["kl_undistilled"] is not None else "",
                 f"{r['kl']:.3f}",
                 f"{r['ppl']:.1f}",
                 verdict,
