@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -37,7 +37,7 @@ from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, save_
 from compressor.engine.checkpoint import DISTILLATION_FOLDER, Checkpoint, model_digest, tensor_digest
 from compressor.engine.fisher import autocast_dtype
 from compressor.engine.parallel import Ranks
-from compressor.engine.refine import refine_bases
+from compressor.engine.refine import RefinementRecord, refine_bases
 from compressor.engine.walk import PruneResult, prune
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
@@ -72,6 +72,9 @@ from compressor.run.staging import (
     staging_folder,
 )
 from compressor.strategies.registry import PluginRegistry
+
+if TYPE_CHECKING:  # the distillation stack is imported only by a run that distils
+    from compressor.training.distill import DistillationData, DistillationRecord
 
 Progress = Callable[[str, int, int], None]
 
@@ -343,12 +346,27 @@ class _Stages:
         self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
         self.timings: dict[str, float] = {}
-        self.refinement: Any = None
+        # read_data
+        self.tokenizer: Any = None
+        self.calibration: list[Batch] = []
+        self.evaluation: list[Batch] | None = None
+        self.distillation_rows: DistillationData | None = None
+        # load_model
+        self.model: PreTrainedModel | None = None
+        self.baseline_params = 0
+        self.baseline_size: dict[str, int] = {}
+        # walk, then refine, to_student, distil and save, each handing the model on
+        self.fingerprint: dict[str, str] = {}
+        self.result: PruneResult | None = None
+        self.pruned: PreTrainedModel | None = None
+        self.bases: dict[str, torch.Tensor] = {}
+        self.refinement: RefinementRecord | None = None
         self.unrefined: PreTrainedModel | None = None
         self.stock: dict[str, Any] | None = None
-        self.distillation: Any = None
+        self.distillation: DistillationRecord | None = None
         self.undistilled: dict[str, float] | None = None
         self.original: PreTrainedModel | None = None
+        # evaluate
         self.metrics: dict[str, Any] = {}
         self.speed: dict[str, Any] | None = None
 
