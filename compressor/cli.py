@@ -209,11 +209,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.engine import parallel
     from compressor.run.resume import progress_summary
 
-    resumable = None if args.restart else progress_summary(Path(recipe.output))
-    if resumable is not None and int(os.environ.get("RANK", "0")) == 0:  # said before the work, not after it
+    rank = int(os.environ.get("RANK", "0"))
+    resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
+    if resumable is not None:  # said before the work, not after it
         console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
     try:
-        if int(os.environ.get("RANK", "0")) > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
+        if rank > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
             run(recipe, registry, None, overwrite=args.overwrite, restart=args.restart)
             return
 

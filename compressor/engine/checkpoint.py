@@ -105,6 +105,13 @@ def restore_rng(states: Mapping[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def trainer_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """The Trainer's checkpoint folders in `folder` (`checkpoint-<step>`), newest first."""
+    start = len(TRAINER_CHECKPOINT_PREFIX)
+    found = [(int(p.name[start:]), p) for p in folder.glob(f"{TRAINER_CHECKPOINT_PREFIX}*") if p.name[start:].isdigit()]
+    return sorted(found, reverse=True)
+
+
 class Checkpoint:
     """A run's resumable state in `folder` (inside the run's staging folder). A data-parallel
     run's other ranks read it (`writable=False`: their saves are skipped; rank 0 writes)."""
@@ -139,16 +146,31 @@ class Checkpoint:
 
     def has_progress(self) -> bool:
         return (
-            (self.folder / FISHER_FILE).is_file()
+            self.has_fisher()
             or (self.folder / ALLOCATION_FILE).is_file()
-            or any(self.sites_folder.glob("[0-9]*.safetensors"))
+            or bool(self.site_files())
             or self.has_distillation_progress()
         )
 
+    def has_fisher(self) -> bool:
+        return (self.folder / FISHER_FILE).is_file()
+
+    def site_files(self) -> list[Path]:
+        """The finished sites' files, in the order they were chosen."""
+        return sorted(self.sites_folder.glob("[0-9]*.safetensors"))
+
+    def distillation_step(self) -> int | None:
+        """The step of the newest Trainer checkpoint of the distillation stage whose state file
+        (written last) is there; None without one."""
+        complete = [
+            step
+            for step, path in trainer_checkpoints(self.folder / DISTILLATION_FOLDER)
+            if (path / TRAINER_STATE_FILE).is_file()
+        ]
+        return complete[0] if complete else None
+
     def has_distillation_progress(self) -> bool:
-        """A Trainer checkpoint of the distillation stage (its state file is written last)."""
-        pattern = f"{TRAINER_CHECKPOINT_PREFIX}*/{TRAINER_STATE_FILE}"
-        return any((self.folder / DISTILLATION_FOLDER).glob(pattern))
+        return self.distillation_step() is not None
 
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE
@@ -189,7 +211,7 @@ class Checkpoint:
     def finished_sites(self) -> dict[str, SavedSite]:
         """Finished sites in the order they were chosen."""
         saved = {}
-        for path in sorted(self.sites_folder.glob("[0-9]*.safetensors")):
+        for path in self.site_files():
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata()
                 saved[metadata["site"]] = SavedSite(

@@ -315,6 +315,17 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (a SafeLoader)
 
 
+def dotted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys (lists stay values), as `--set` and sweep grids name them."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `--set dotted.key=value` (value parsed as YAML) to the raw recipe."""
     key, sep, text = assignment.partition("=")

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from compressor.errors import UserError
-from compressor.recipe.schema import parse_yaml
+from compressor.recipe.schema import dotted, parse_yaml
 from compressor.run.staging import RUN_MARKER
 
 COLUMNS = (
@@ -161,17 +161,6 @@ def read_recipe(folder: Path) -> dict[str, Any] | None:
     return recipe if isinstance(recipe, dict) else None
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys (lists stay values), as `--set` and sweep grids name them."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _compact(value: Any) -> Any:
     """A setting as a table cell: scalars as they are, lists, mappings and null as compact JSON."""
     if value is None or isinstance(value, (list, dict)):
@@ -190,7 +179,7 @@ def differing_settings(recipes: list[dict[str, Any] | None], shown: Iterable[str
     null, a key older recipes did not have) differs only where the runs that have it disagree.
     Keys with their own column (`SHOWN_SETTINGS`) or under `shown` are skipped; runs without a
     saved recipe get no settings."""
-    flats = [_flatten(recipe) if recipe is not None else None for recipe in recipes]
+    flats = [dotted(recipe) if recipe is not None else None for recipe in recipes]
     known = [flat for flat in flats if flat is not None]
     keys = [
         key
@@ -249,7 +238,7 @@ def evaluation_differences(reports: list[dict[str, Any]], recipes: list[dict[str
         (report, recipe) for report, recipe in zip(reports, recipes) if (report.get("metrics") or {}).get("baseline")
     ]
     saved = [
-        _flatten({key: recipe["evaluation"].get(key) for key in EVALUATION_DATA}, "evaluation.")
+        dotted({key: recipe["evaluation"].get(key) for key in EVALUATION_DATA}, "evaluation.")
         for _, recipe in evaluated
         if recipe is not None and isinstance(recipe.get("evaluation"), dict)
     ]

@@ -15,14 +15,12 @@ from compressor.data.batches import Batch
 from compressor.engine.checkpoint import (
     DISTILLATION_FOLDER,
     FINGERPRINT_FILE,
-    FISHER_FILE,
-    TRAINER_CHECKPOINT_PREFIX,
     Checkpoint,
     json_digest,
     tensor_digest,
 )
 from compressor.errors import UserError
-from compressor.recipe.schema import Recipe
+from compressor.recipe.schema import Recipe, dotted
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
 
 
@@ -77,14 +75,7 @@ def changed_keys(output: Path, recipe: Recipe) -> list[str]:
         saved = json.loads((staging_folder(output) / CHECKPOINT_FOLDER / RECIPE_VALUES_FILE).read_text())
     except (OSError, ValueError):
         return []
-    now = json.loads(json.dumps(fingerprinted(recipe)))
-
-    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(value, dict):
-            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): value}
-
-    before, after = flat(saved), flat(now)
+    before, after = dotted(saved), dotted(json.loads(json.dumps(fingerprinted(recipe))))
     return sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
 
 
@@ -94,16 +85,12 @@ def progress_summary(output: Path) -> str | None:
     checkpoint = Checkpoint(staging_folder(output) / CHECKPOINT_FOLDER)
     if not (checkpoint.folder / FINGERPRINT_FILE).is_file() or not checkpoint.has_progress():
         return None
-    parts = [f"{len(list(checkpoint.sites_folder.glob('[0-9]*.safetensors')))} finished site(s)"]
-    if (checkpoint.folder / FISHER_FILE).is_file():
+    parts = [f"{len(checkpoint.site_files())} finished site(s)"]
+    if checkpoint.has_fisher():
         parts.append("H")
-    steps = [
-        int(p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX))
-        for p in (checkpoint.folder / DISTILLATION_FOLDER).glob(f"{TRAINER_CHECKPOINT_PREFIX}*")
-        if p.name.removeprefix(TRAINER_CHECKPOINT_PREFIX).isdigit()
-    ]
-    if steps:
-        parts.append(f"distillation at step {max(steps)}")
+    step = checkpoint.distillation_step()
+    if step is not None:
+        parts.append(f"distillation at step {step}")
     return f"{checkpoint.folder} holds {', '.join(parts)}"
 
 

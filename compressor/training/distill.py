@@ -47,8 +47,8 @@ from compressor.data.chat import chat_batches
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.activations import ActivationStore, held_on
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.checkpoint import FINGERPRINT_FILE, TRAINER_CHECKPOINT_PREFIX, TRAINER_STATE_FILE, write_atomic
-from compressor.engine.layerwise import decoder_layers, run_stored, visit_layers
+from compressor.engine.checkpoint import FINGERPRINT_FILE, TRAINER_STATE_FILE, trainer_checkpoints, write_atomic
+from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
@@ -175,12 +175,9 @@ def cached_targets(
         layers = len(decoder_layers(model, family))
         for index, layer in visit_layers(model, family, device, read_only=True):
             progress(f"distillation: teacher targets, layer {index + 1}/{layers}", index, layers + 1)
-
-            def step(b: int, hidden: torch.Tensor, layer: nn.Module = layer, index: int = index) -> torch.Tensor:
-                out = layer(hidden, **inputs.kwargs(b, index, device))
-                return out[0] if isinstance(out, tuple) else out
-
-            run_stored(inputs.hidden, device, step)
+            for b in range(len(batches)):
+                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
         targets: dict[int, TeacherTarget] = {}
         with held_on(family.head_modules(model), device, read_only=True):
             for b, batch in enumerate(batches):
@@ -356,19 +353,13 @@ class _Steps(TrainerCallback):
 # --- checkpoints --------------------------------------------------------------------------
 
 
-def last_checkpoint(folder: Path) -> Path | None:
-    """The newest complete Trainer checkpoint in `folder` (its state file, written last, reads
-    back); newer incomplete ones (a kill while saving) are removed."""
-    step = len(TRAINER_CHECKPOINT_PREFIX)
-    found = sorted(
-        (p for p in folder.glob(f"{TRAINER_CHECKPOINT_PREFIX}*") if p.name[step:].isdigit()),
-        key=lambda p: int(p.name[step:]),
-        reverse=True,
-    )
-    for path in found:
+def last_checkpoint(folder: Path) -> tuple[int, Path] | None:
+    """The step and folder of the newest complete Trainer checkpoint in `folder` (its state file,
+    written last, reads back); newer incomplete ones (a kill while saving) are removed."""
+    for step, path in trainer_checkpoints(folder):
         try:
             json.loads((path / TRAINER_STATE_FILE).read_text())
-            return path
+            return step, path
         except (OSError, ValueError):
             shutil.rmtree(path, ignore_errors=True)
     return None
@@ -573,7 +564,7 @@ def distill(
     report("distillation: held-out KL of the student as received", 0, 1)
     before = trainer.heldout_kl()
     tick = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
     train_seconds = time.perf_counter() - tick
     state = trainer.state
     curve = [{"step": 0, "tokens": 0, "kl": before}]
@@ -603,7 +594,7 @@ def distill(
         model.load_state_dict(received)
     seconds = time.perf_counter() - started
     tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
-    resumed_at = int(resume.name[len(TRAINER_CHECKPOINT_PREFIX) :]) if resume else None
+    resumed_at = resume[0] if resume else None
     tokens_here = tokens * (state.global_step - (resumed_at or 0)) / max(state.global_step, 1)
     peak, of = (
         (torch.cuda.max_memory_allocated(args.device), str(args.device))
