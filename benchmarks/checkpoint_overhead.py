@@ -22,16 +22,19 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from compressor.engine.checkpoint import Checkpoint  # noqa: E402
-from compressor.engine.walk import prune  # noqa: E402
-from compressor.recipe.schema import load_recipe  # noqa: E402
-from compressor.run.checks import plan  # noqa: E402
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.walk import (
+    WalkOptions,
+    prune,
+)
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,13 +66,10 @@ def main() -> None:
             tick = time.perf_counter()
             prune(
                 model,
-                checked.layout.family,
+                checked.layout,
                 batches,
-                checked.layout.widths,
                 checked.pipeline,
-                device,
-                sensitivity=recipe.sensitivity,
-                seed=recipe.seed,
+                WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed),
                 checkpoint=checkpoint,
             )
             elapsed = time.perf_counter() - tick

@@ -28,26 +28,32 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import Progress  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+import torch
+import transformers
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-import compressor  # noqa: E402,F401
-from compressor.data.batches import Batch  # noqa: E402
-from compressor.engine.pooling import PipelineStep  # noqa: E402
-from compressor.engine.walk import prune  # noqa: E402
-from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator  # noqa: E402
-from compressor.models.families import family_for  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
-from compressor.models.sites import site_widths  # noqa: E402
-from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+import compressor  # noqa: F401
+from compressor.data.batches import Batch
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import (
+    WalkOptions,
+    prune,
+)
+from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
+from compressor.models.families import family_for
+from compressor.models.layout import (
+    fixed_layout,
+    kept_width,
+)
+from compressor.models.sites import site_widths
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.strategies.registry import PluginRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prune_cost import CONFIGS  # noqa: E402
+from prune_cost import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -143,14 +149,11 @@ def measure(args: argparse.Namespace, pipeline: str, samples: int, registry: Plu
         tracker.adopt(*model.parameters(), *model.buffers())
         prune(
             model,
-            family,
+            fixed_layout(model.config, family, widths),
             _batches(config.vocab_size, samples, args),
-            widths,
             [PipelineStep(strategy, strategy.parse_options({}))],
-            device,
-            phases,
-            options,
-            seed=args.seed,
+            WalkOptions(device=device, sensitivity=options, seed=args.seed),
+            progress=phases,
         )
     return phases.close()
 

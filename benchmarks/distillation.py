@@ -27,31 +27,31 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-import compressor  # noqa: E402,F401  (registers the sliced classes)
-from compressor.cli import phase_logger  # noqa: E402
-from compressor.evaluation.metrics import compare, parameter_count  # noqa: E402
-from compressor.recipe.schema import load_recipe  # noqa: E402
-from compressor.run.loading import load_model, load_tokenizer, token_batches  # noqa: E402
-from compressor.run.runner import run  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
-from compressor.training.distill import LiveTeacher, distill, distillation_data  # noqa: E402
+import compressor  # noqa: F401  (registers the sliced classes)
+from compressor.cli import phase_logger
+from compressor.evaluation.metrics import compare, parameter_count
+from compressor.recipe.schema import load_recipe
+from compressor.run.loading import load_model, load_tokenizer, token_batches
+from compressor.run.runner import run
+from compressor.strategies.registry import PluginRegistry
+from compressor.training.distill import LiveTeacher, distill, distillation_data
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE = Console()

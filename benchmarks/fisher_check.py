@@ -19,19 +19,19 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+from pathlib import Path
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from compressor.engine.calibration import capture_layer_inputs  # noqa: E402
-from compressor.recipe.schema import load_recipe  # noqa: E402
-from compressor.run.checks import plan  # noqa: E402
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
-from compressor.run.surrogate import (  # noqa: E402
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.run.surrogate import (
     check_site,
     ensure_fused,
     measure_kl,
@@ -40,8 +40,8 @@ from compressor.run.surrogate import (  # noqa: E402
     rank_correlation,
     site_statistics,
 )
-from compressor.strategies.contract import eigh_descending, frobenius_normalised  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+from compressor.strategies.contract import eigh_descending, frobenius_normalised
+from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 

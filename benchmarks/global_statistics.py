@@ -18,27 +18,30 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import PreTrainedModel  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import PreTrainedModel
 
-from compressor.engine.bases import apply_bases  # noqa: E402
-from compressor.engine.pooling import SiteChooser  # noqa: E402
-from compressor.engine.walk import prune  # noqa: E402
-from compressor.evaluation.metrics import compare  # noqa: E402
-from compressor.models.sites import EMBEDDING  # noqa: E402
-from compressor.models.stock import head_stream, to_stock  # noqa: E402
-from compressor.recipe.schema import load_recipe  # noqa: E402
-from compressor.run.checks import plan  # noqa: E402
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+from compressor.engine.bases import apply_bases
+from compressor.engine.pooling import SiteChooser
+from compressor.engine.walk import (
+    WalkOptions,
+    prune,
+)
+from compressor.evaluation.metrics import compare
+from compressor.models.sites import EMBEDDING
+from compressor.models.stock import head_stream, to_stock
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,15 +66,10 @@ def main() -> None:
     tick = time.perf_counter()
     result = prune(
         load_model(recipe.model),
-        checked.layout.family,
+        checked.layout,
         calibration,
-        checked.layout.widths,
         checked.pipeline,
-        device,
-        sensitivity=recipe.sensitivity,
-        seed=recipe.seed,
-        layout="global",
-        pooling=recipe.slicing.pooling,
+        WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, pooling=recipe.slicing.pooling),
     )
     walk_s = time.perf_counter() - tick
     assert result.walked is not None

@@ -29,25 +29,25 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import compressor  # noqa: E402,F401
-from compressor.engine.activations import ActivationStore  # noqa: E402
-from compressor.engine.bases import close_site, open_site  # noqa: E402
-from compressor.engine.calibration import LayerInputs  # noqa: E402
-from compressor.engine.fisher import estimate_fisher  # noqa: E402
-from compressor.engine.transforms import fuse_norms  # noqa: E402
-from compressor.engine.walk import _Walk  # noqa: E402
-from compressor.evaluation.memtrack import LiveBytes  # noqa: E402
-from compressor.models.families import family_for  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
-from compressor.models.sites import layer_site_ids  # noqa: E402
-from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
-from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates  # noqa: E402
+import compressor  # noqa: F401
+from compressor.engine.activations import ActivationStore
+from compressor.engine.bases import close_site, open_site
+from compressor.engine.calibration import LayerInputs
+from compressor.engine.fisher import estimate_fisher
+from compressor.engine.transforms import fuse_norms
+from compressor.engine.walk import _Walk
+from compressor.evaluation.memtrack import LiveBytes
+from compressor.models.families import family_for
+from compressor.models.layout import kept_width
+from compressor.models.sites import layer_site_ids
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30

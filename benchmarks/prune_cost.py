@@ -21,40 +21,46 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import copy  # noqa: E402
-import ctypes  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import resource  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import contextlib
+import copy
+import ctypes
+import json
+import platform
+import re
+import resource
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+import torch
+import torch.nn.functional as F
+import transformers
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-import compressor  # noqa: E402,F401
-from compressor.data.batches import Batch  # noqa: E402
-from compressor.engine.pooling import PipelineStep  # noqa: E402
-from compressor.engine.walk import prune  # noqa: E402
-from compressor.models.families import family_for  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
-from compressor.models.sites import site_widths  # noqa: E402
-from compressor.recipe.sensitivity_options import SensitivityOptions  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+import compressor  # noqa: F401
+from compressor.data.batches import Batch
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import (
+    WalkOptions,
+    prune,
+)
+from compressor.models.families import family_for
+from compressor.models.layout import (
+    fixed_layout,
+    kept_width,
+)
+from compressor.models.sites import site_widths
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.strategies.registry import PluginRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_plan import CONFIGS  # noqa: E402
+from memory_plan import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -364,7 +370,14 @@ def main() -> None:
         profiler = _profiler(args.profile, device)
         tick = meter.start()
         with profiler:
-            prune(model, family, batches, widths, _pipeline(name, registry), device, progress, options, seed=args.seed)
+            prune(
+                model,
+                fixed_layout(model.config, family, widths),
+                batches,
+                _pipeline(name, registry),
+                WalkOptions(device=device, sensitivity=options, seed=args.seed),
+                progress=progress,
+            )
         progress.close()
         floor = floors.get(name, forward + backward)
         row = meter.stop(f"prune: {name}", tick, floor_s=floor)

@@ -32,22 +32,22 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import zipfile  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -169,7 +169,7 @@ def diagnose(args: argparse.Namespace) -> None:
     from compressor.cli import phase_logger
     from compressor.engine.bases import apply_bases
     from compressor.engine.refine import rebatch, refine_bases
-    from compressor.engine.walk import prune
+    from compressor.engine.walk import WalkOptions, prune
     from compressor.evaluation.metrics import compare
     from compressor.models.sites import EMBEDDING
     from compressor.models.stock import fitted_tied_scale, head_stream, to_stock
@@ -195,16 +195,11 @@ def diagnose(args: argparse.Namespace) -> None:
     tick = time.perf_counter()
     walked = prune(
         resources.model(recipe.model),
-        family,
+        layout,
         calibration,
-        layout.widths,
         checked.pipeline,
-        device,
-        progress,
-        recipe.sensitivity,
-        seed=recipe.seed,
-        layout="global",
-        pooling=recipe.slicing.pooling,
+        WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, pooling=recipe.slicing.pooling),
+        progress=progress,
     )
     walk_s = time.perf_counter() - tick
     stream = head_stream(walked.head_moment, walked.bases[EMBEDDING])

@@ -31,28 +31,28 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import datasets
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
 
-from compressor.cli import phase_logger  # noqa: E402
-from compressor.recipe.schema import load_recipe  # noqa: E402
-from compressor.run.report import kept_label  # noqa: E402
-from compressor.run.runner import run  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+from compressor.cli import phase_logger
+from compressor.recipe.schema import load_recipe
+from compressor.run.report import kept_label
+from compressor.run.runner import run
+from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 

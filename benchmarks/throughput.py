@@ -27,36 +27,41 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import copy
+import json
+import math
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-import compressor  # noqa: E402,F401  (registers the sliced architectures)
-from compressor.engine.bases import apply_bases  # noqa: E402
-from compressor.engine.walk import prune  # noqa: E402
-from compressor.evaluation.throughput import measure_side_by_side, relative  # noqa: E402
-from compressor.models.budget import param_model, widest_uniform  # noqa: E402
-from compressor.models.families import family_for  # noqa: E402
-from compressor.models.layout import kept_width  # noqa: E402
-from compressor.models.sites import EMBEDDING, site_ids, site_widths  # noqa: E402
-from compressor.models.stock import stock_param_model, to_stock, width_multiple  # noqa: E402
-from compressor.recipe.schema import Recipe, load_recipe  # noqa: E402
-from compressor.run.checks import plan  # noqa: E402
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches  # noqa: E402
-from compressor.strategies.registry import PluginRegistry  # noqa: E402
+import compressor  # noqa: F401  (registers the sliced architectures)
+from compressor.engine.bases import apply_bases
+from compressor.engine.walk import (
+    WalkOptions,
+    prune,
+)
+from compressor.evaluation.throughput import measure_side_by_side, relative
+from compressor.models.budget import param_model, widest_uniform
+from compressor.models.families import family_for
+from compressor.models.layout import (
+    kept_width,
+)
+from compressor.models.sites import EMBEDDING, site_ids, site_widths
+from compressor.models.stock import stock_param_model, to_stock, width_multiple
+from compressor.recipe.schema import Recipe, load_recipe
+from compressor.run.checks import plan
+from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 10**6
@@ -171,15 +176,10 @@ def _pruned_model(
     torch.manual_seed(recipe.seed)
     result = prune(
         load_model(recipe.model),
-        checked.layout.family,
+        checked.layout,
         batches,
-        checked.layout.widths,
         checked.pipeline,
-        device,
-        sensitivity=recipe.sensitivity,
-        seed=recipe.seed,
-        layout=recipe.slicing.layout,
-        pooling=recipe.slicing.pooling,
+        WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, pooling=recipe.slicing.pooling),
     )
     console.log(
         f"pruned to {checked.layout.kept}/{checked.layout.config.hidden_size} in {time.perf_counter() - tick:.1f} s"

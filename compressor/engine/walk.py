@@ -51,7 +51,8 @@ from compressor.engine.pooling import (
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
-from compressor.models.sites import EMBEDDING, layer_site_ids, site_ids
+from compressor.models.layout import SlicedLayout, check_widths
+from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.sliced import SlicedDecoderLayer
 from compressor.recipe.sensitivity_options import SensitivityOptions
 
@@ -233,83 +234,101 @@ class _Walk:
 
 @dataclass
 class _Prune:
-    """What the phases of one `prune` call share: the model and the device it visits, how
-    progress is said, the ranks, the checkpoint, and the layout's choices."""
+    """What the phases of one `prune` call share: the model, its layout and the device it visits,
+    how progress is said, the ranks and the checkpoint."""
 
     model: PreTrainedModel
-    family: ModelFamily
+    layout: SlicedLayout
     device: torch.device
     report: ProgressCallback
     ranks: Ranks
     checkpoint: Checkpoint | None
-    ids: list[str]
-    shared: Collection[str]
     tie_head: bool
-    one_basis: bool
-    pooling: str
+    """The walk keeps the head tied (a per-site layout's tie; a global one ties at export)."""
     correct_readers: bool
+
+    @property
+    def family(self) -> ModelFamily:
+        return self.layout.family
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.layout.sites)
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        return self.layout.reused
+
+    @property
+    def one_basis(self) -> bool:
+        return self.layout.one_basis
+
+
+@dataclass(frozen=True)
+class WalkOptions:
+    """How the walk runs, beside the layout it makes: where, what it does with the activations,
+    how it estimates H, and two choices of the recipe's `slicing` that change no shape."""
+
+    device: torch.device | str = "cpu"
+    sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
+    seed: int = 0
+    offload: str = "host"
+    """"host": calibration activations in memory; "disk": memory-mapped files under `scratch`."""
+    scratch: Path | None = None
+    correct_readers: bool = False
+    """What reads each site's stream reads it through the least-squares reader map (`bases.reader_map`)."""
+    pooling: str = "trace"
+    """How a global layout sums the sites' statistics (`GlobalPool`)."""
 
 
 @torch.no_grad()
 def prune(
     model: PreTrainedModel,
-    family: ModelFamily,
+    layout: SlicedLayout,
     batches: list[Batch],
-    widths: Mapping[str, int] | None,
     pipeline: Sequence[PipelineStep],
-    device: torch.device | str = "cpu",
-    progress: ProgressCallback | None = None,
-    sensitivity: SensitivityOptions | None = None,
+    options: WalkOptions = WalkOptions(),
     *,
-    seed: int = 0,
-    checkpoint: Checkpoint | None = None,
-    offload: str = "host",
-    scratch: Path | None = None,
-    fisher: Mapping[str, torch.Tensor] | None = None,
-    correct_readers: bool = False,
-    shared: Collection[str] = (),
     allocator: WidthAllocator | None = None,
-    tie_head: bool = False,
+    checkpoint: Checkpoint | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None,
     ranks: Ranks | None = None,
-    layout: str = "per_site",
-    pooling: str = "trace",
+    progress: ProgressCallback | None = None,
 ) -> PruneResult:
-    """Rotate and slice `model` in place, then return it as a `sliced_*` model.
+    """Rotate and slice `model` in place into `layout` (built by `models.layout.sliced_layout` from
+    a recipe, or `fixed_layout` from widths), then return it as a `sliced_*` model.
 
-    `widths` gives the kept width of each site (by site id). Layers are moved to `device` one
-    at a time and back, and calibration activations stay on the host (`offload="disk"`:
-    memory-mapped files under `scratch`), so neither model nor activations need fit on the
-    accelerator. H is estimated (with `sensitivity` options and `seed`) only when a strategy of
-    the pipeline requires it, on the fused model before anything is sliced, unless the caller
-    gives it (`fisher`: H of this model, data, options and seed, e.g. from an earlier run of a
-    sweep). With a `checkpoint`, H and every finished site are saved there, and those already
-    saved are reused. With `correct_readers`, what reads each site's stream (the next block's
-    input linears, the residual transition, the head) reads it through the least-squares reader
-    map R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s (`bases.reader_map`). The sites in `shared`
-    keep the previous site's basis, chosen there from both sites' statistics (the next block
-    looked ahead), with no transition matrix into them. With `tie_head`
-    (a model with tied embeddings), the last site keeps the embedding's basis and the head stays
-    tied to the embedding (`bases.apply_tied_head`); that basis is chosen from both sites'
-    statistics, the last site's C from a survey pass (below).
+    Layers are moved to `options.device` one at a time and back, and calibration activations stay
+    on the host (or on disk), so neither model nor activations need fit on the accelerator. H is
+    estimated only when a strategy of the pipeline requires it, on the fused model before
+    anything is sliced, unless the caller gives it (`fisher`: H of this model, data, options and
+    seed, e.g. from an earlier run of a sweep). With a `checkpoint`, H and every finished site
+    are saved there, and those already saved are reused. With `correct_readers`, what reads each
+    site's stream (the next block's input linears, the residual transition, the head) reads it
+    through R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s. The layout's shared sites keep the
+    previous site's basis, chosen there from both sites' statistics (the next block looked
+    ahead), with no transition matrix into them. A tied head (per-site layout) keeps the
+    embedding's basis and stays tied to the embedding (`bases.apply_tied_head`); that basis is
+    chosen from both sites' statistics, the last site's C from a survey pass (below).
 
-    With `layout="global"`, every site keeps one basis (`widths` the same everywhere, no
-    transitions: the sliced model is the original architecture at a smaller width, see
-    `compressor.models.stock`). It is chosen at the embedding, before the walk, from every site's C
-    and H on the unsliced model (a survey pass), summed as `pooling` says (`GlobalPool`); the
-    walk then applies it site by site (and checkpoints it like any site), and measures the
-    last site's C for the head (`PruneResult.head_moment`). The head is left untied.
+    A global layout keeps one basis everywhere (no transitions: the sliced model is the
+    original architecture at a smaller width, see `compressor.models.stock`). It is chosen at the
+    embedding, before the walk, from every site's C and H on the unsliced model (a survey pass),
+    summed as `options.pooling` says; the walk then applies it site by site (and checkpoints it
+    like any site), and measures the last site's C for the head (`PruneResult.head_moment`). The
+    head is left untied (the stock export ties it).
 
-    With an `allocator` (and `widths` None), a survey pass first runs the fused, unsliced model
-    over the calibration windows and hands every site's C (and H) to it; its widths, saved in
-    the checkpoint, then drive the walk. The survey costs one forward pass (run once for both
-    uses).
+    A layout without widths needs an `allocator`: a survey pass first runs the fused, unsliced
+    model over the calibration windows and hands every site's C (and H) to it; its widths, saved
+    in the checkpoint, then drive the walk. The survey costs one forward pass (run once for all
+    its uses).
 
     Data-parallel (`ranks`, by default the initialised `torch.distributed` group, if any): each
     rank takes its share of `batches` (`Ranks.mine`), sums every site's C and H with the other
     ranks before choosing, draws the labels a single process would draw for its batches, and so
     returns the same bases as one process over all batches (up to the order of the sums).
     """
-    device = torch.device(device)
+    device = torch.device(options.device)
     ranks = ranks or Ranks.current()
     mine = ranks.mine(len(batches))
     if ranks.world > 1 and not mine:
@@ -320,42 +339,52 @@ def prune(
     local = [batches[i] for i in mine]
     skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
     report = progress or (lambda *_: None)
+    run = _Prune(
+        model,
+        layout,
+        device,
+        report,
+        ranks,
+        checkpoint,
+        tie_head=layout.tie_head and not layout.one_basis,  # a global layout's tie is the stock export's
+        correct_readers=options.correct_readers,
+    )
+    _check_model(run)
     model.eval()
     model.requires_grad_(False)
     num_layers = model.config.num_hidden_layers
-    ids = site_ids(family, num_layers)
-    allocation = checkpoint.load_allocation() if checkpoint is not None and allocator is not None else None
+    family, ids = layout.family, list(layout.sites)
+    widths = layout.widths
+    if widths is None and allocator is None:
+        raise ValueError("a layout without widths needs an allocator to choose them")
+    allocation = checkpoint.load_allocation() if checkpoint is not None and widths is None else None
     if allocation is not None:
         widths = allocation["widths"]
-    one_basis = layout == "global"
-    shared = _checked_layout(model, family, ids, widths, allocator, shared, tie_head, layout)
     needed = required_statistics(pipeline) | (
         set(allocator.requires) if widths is None and allocator is not None else set()
     )
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
-    run = _Prune(
-        model, family, device, report, ranks, checkpoint, ids, shared, tie_head, one_basis, pooling, correct_readers
-    )
 
     report("fusing norms", 0, num_layers)
     fuse_norms(model, family)
     report("capturing layer inputs", 0, num_layers)
-    store = ActivationStore(device, offload, scratch)
+    store = ActivationStore(device, options.offload, options.scratch)
     try:
         inputs = capture_layer_inputs(model, family, local, device, store)
         tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
         faults.reached("capture")
         h = _Sensitivity(device)
         if "H" in needed and (len(saved) < len(ids) or widths is None):
-            h = _estimate_sensitivity(run, inputs, fisher, sensitivity, seed, skipped)
-        survey = _Survey(GlobalPool(pooling) if one_basis and EMBEDDING not in saved else None)
-        if widths is None or (tie_head and EMBEDDING not in saved) or survey.pool is not None:
+            h = _estimate_sensitivity(run, inputs, fisher, options.sensitivity, options.seed, skipped)
+        survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
+        if widths is None or (run.tie_head and EMBEDDING not in saved) or survey.pool is not None:
             widths, chosen = _survey_original(run, inputs, h, survey, widths, allocator)
             allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
-            store = ActivationStore(device, offload, scratch)
+            store = ActivationStore(device, options.offload, options.scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)
-        walked = _walk_sites(run, inputs, h, SiteChooser(pipeline, ids, h.values, report), widths, saved, survey)
+        chooser = SiteChooser(pipeline, ids, h.values, report)
+        walked = _walk_sites(run, inputs, h, chooser, widths, saved, survey, options.pooling)
     finally:
         store.close()
     slicing = _attach_head(run, widths, walked.reader)
@@ -365,7 +394,7 @@ def prune(
         sites=walk.records,
         slicing=slicing,
         bases=walk.bases,
-        readers=walk.readers if correct_readers else None,
+        readers=walk.readers if options.correct_readers else None,
         resumed_from=walk.resumed_from,
         loaded_sites=len(saved),
         fisher_loaded=h.loaded,
@@ -383,37 +412,20 @@ def prune(
 # The phases of `prune`, in order; each is named as the progress line that announces it.
 
 
-def _checked_layout(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    ids: list[str],
-    widths: Mapping[str, int] | None,
-    allocator: WidthAllocator | None,
-    shared: Collection[str],
-    tie_head: bool,
-    layout: str,
-) -> Collection[str]:
-    """The walk's layout arguments agree with each other and the model; returns the shared sites
-    (every site after the embedding in a global layout)."""
-    if layout not in ("per_site", "global"):
-        raise ValueError(f"unknown layout {layout!r}")
-    one_basis = layout == "global"
-    if one_basis:
-        if allocator is not None or tie_head or shared or widths is None or len(set(widths.values())) != 1:
-            raise ValueError(
-                "a global layout takes one width for every site, and no allocator, tied head or "
-                "shared sites (every site keeps one basis)"
-            )
-        shared = ids[1:]
-    if widths is not None:
-        _check_widths(family, ids, widths, shared, tie_head, one_basis)
-    elif allocator is None:
-        raise ValueError("give the widths, or an allocator to choose them")
-    if tie_head:
-        head, embedding = model.get_submodule(family.head), model.get_submodule(family.embedding)
+def _check_model(run: _Prune) -> None:
+    """The layout was made for this model (its widths checked when it was made); a tied head
+    needs a model whose head weight is its embedding weight."""
+    model, layout = run.model, run.layout
+    shape = (model.config.num_hidden_layers, model.config.hidden_size)
+    if shape != (layout.config.num_hidden_layers, layout.config.hidden_size):
+        raise ValueError(
+            f"the layout is for {layout.config.num_hidden_layers} layers of width "
+            f"{layout.config.hidden_size}, the model has {shape[0]} of width {shape[1]}"
+        )
+    if run.tie_head:
+        head, embedding = model.get_submodule(layout.family.head), model.get_submodule(layout.family.embedding)
         if head.weight is not embedding.weight:
             raise ValueError("tie_head needs a model whose head weight is its embedding weight")
-    return shared
 
 
 @dataclass
@@ -506,7 +518,7 @@ def _survey_original(
         return widths, None
     assert allocator is not None
     widths = allocator.widths()
-    _check_widths(run.family, ids, widths, run.shared, tie_head)
+    check_widths(run.family, ids, widths, run.shared, tie_head)
     allocation = {"widths": widths, **allocator.to_json(widths)}
     if checkpoint is not None:
         checkpoint.save_allocation(allocation)
@@ -532,6 +544,7 @@ def _walk_sites(
     widths: Mapping[str, int],
     saved: Mapping[str, SavedSite],
     survey: _Survey,
+    pooling: str,
 ) -> _Walked:
     """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
     (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
@@ -563,7 +576,7 @@ def _walk_sites(
         EMBEDDING, first, (lambda: last) if last else None, survey.pool.pooled if survey.pool is not None else None
     )
     head_moment: torch.Tensor | None = None
-    walked = GlobalPool(run.pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
+    walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
     if walked is not None and first is not None:
         walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
     apply_embedding_basis(model, family, basis)
@@ -602,28 +615,6 @@ def _attach_head(run: _Prune, widths: Mapping[str, int], reader: torch.Tensor) -
     else:
         apply_head_basis(model, family, reader)
     return slicing
-
-
-def _check_widths(
-    family: ModelFamily,
-    ids: list[str],
-    widths: Mapping[str, int],
-    shared: Collection[str],
-    tie_head: bool = False,
-    one_basis: bool = False,
-) -> None:
-    if sorted(widths) != sorted(ids):
-        raise ValueError(f"expected widths for the sites {', '.join(ids)}; got {', '.join(widths)}")
-    if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[ids[-1]]:
-        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
-    layer_of = {site: i for i in range(len(ids)) for site in layer_site_ids(family, i) if site in ids}
-    for site in shared:
-        if site not in ids[1:]:
-            raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
-        if not one_basis and (layer_of.get(site) is None or layer_of.get(ids[ids.index(site) - 1]) != layer_of[site]):
-            raise ValueError(f"{site} can reuse only the basis of an earlier site of its own layer")
-        if widths[site] != widths[ids[ids.index(site) - 1]]:
-            raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
 
 
 def _survey(run: _Prune, inputs: LayerInputs, observe: Callable[[str, SecondMoment], None]) -> None:

@@ -7,7 +7,7 @@ allocator, the distillation check and the report all read this one object."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from compressor.errors import UserError
 from compressor.models.budget import ParamModel, layout_config, param_model, widest_uniform
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
-from compressor.models.sites import EMBEDDING, shared_site_ids, site_ids, site_widths
+from compressor.models.sites import EMBEDDING, layer_site_ids, shared_site_ids, site_ids, site_widths
 from compressor.models.stock import check_stock, stock_param_model, width_multiple
 
 LAYOUTS = ("per_site", "global")
@@ -47,6 +47,12 @@ class SlicedLayout:
     """The most parameters the pruned model may have."""
     rounding: dict[str, int] | None = None
     """When a budget decides a uniform width: what rounding it to `round_to` gave up."""
+
+    @property
+    def reused(self) -> tuple[str, ...]:
+        """Every site that keeps the previous site's basis: the shared sites, or in a global layout
+        every site after the embedding."""
+        return self.sites[1:] if self.one_basis else self.shared
 
     @property
     def kept(self) -> int | None:
@@ -163,6 +169,72 @@ def sliced_layout(
         budget=budget,
         rounding=rounding,
     )
+
+
+def fixed_layout(
+    config: PretrainedConfig,
+    family: ModelFamily,
+    widths: Mapping[str, int] | None,
+    *,
+    shared: Collection[str] = (),
+    tie_head: bool = False,
+    layout: str = "per_site",
+) -> SlicedLayout:
+    """The layout of widths chosen by hand (None: an allocator chooses them), for a caller of
+    `engine.prune` without a recipe (tests, benchmarks, a notebook); checked here, so the walk
+    takes it as it is. The budget is what these widths cost (or the original model when none)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}")
+    one_basis = layout == "global"
+    sites = site_ids(family, config.num_hidden_layers)
+    if one_basis:
+        if shared or widths is None or len(set(widths.values())) != 1:
+            raise ValueError(
+                "a global layout takes one width for every site and no shared sites (every site keeps one basis)"
+            )
+    if tie_head:
+        check_tie_head(config, family)
+    if widths is not None:
+        check_widths(family, sites, widths, sites[1:] if one_basis else shared, tie_head, one_basis)
+    params = stock_param_model(config, family, tie_head) if one_basis else param_model(config, family, shared, tie_head)
+    return SlicedLayout(
+        family=family,
+        config=config,
+        one_basis=one_basis,
+        sites=tuple(sites),
+        widths=None if widths is None else dict(widths),
+        shared=tuple(shared),
+        tie_head=tie_head,
+        slice_head=widths is not None and widths[sites[-1]] < config.hidden_size,
+        params=params,
+        budget=params.original if widths is None else params.count(dict(widths)),
+    )
+
+
+def check_widths(
+    family: ModelFamily,
+    sites: list[str],
+    widths: Mapping[str, int],
+    shared: Collection[str],
+    tie_head: bool = False,
+    one_basis: bool = False,
+) -> None:
+    """Every site has a width, the head's input is sliced like the embedding where it must be, and a
+    site that keeps the previous site's basis follows it in its own layer (any site, one basis)
+    at its width. A ValueError: widths come from code (a layout, an allocator), not from a user."""
+    if sorted(widths) != sorted(sites):
+        raise ValueError(f"expected widths for the sites {', '.join(sites)}; got {', '.join(widths)}")
+    if (family.head_width_is_embedding_width or tie_head) and widths[EMBEDDING] != widths[sites[-1]]:
+        raise ValueError(f"{family.name}: the head input must be sliced like the embedding (slice_head)")
+    layer_of = {site: i for i in range(len(sites)) for site in layer_site_ids(family, i) if site in sites}
+    for site in shared:
+        if site not in sites[1:]:
+            raise ValueError(f"{site} cannot reuse the previous site's basis: it is not a site after the first")
+        previous = sites[sites.index(site) - 1]
+        if not one_basis and (layer_of.get(site) is None or layer_of.get(previous) != layer_of[site]):
+            raise ValueError(f"{site} can reuse only the basis of an earlier site of its own layer")
+        if widths[site] != widths[previous]:
+            raise ValueError(f"{site} reuses the previous site's basis, so it must keep the same width")
 
 
 def check_tie_head(config: PretrainedConfig, family: ModelFamily) -> None:

@@ -38,7 +38,7 @@ from compressor.engine.checkpoint import DISTILLATION_FOLDER, Checkpoint, model_
 from compressor.engine.fisher import autocast_dtype
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord, refine_bases
-from compressor.engine.walk import PruneResult, prune
+from compressor.engine.walk import PruneResult, WalkOptions, prune
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
 from compressor.evaluation.plots import distillation_figure
@@ -178,28 +178,26 @@ def _prune(
     ranks: Ranks,
 ) -> PruneResult:
     """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
-    layout = checked.layout
-    return prune(
-        model,
-        layout.family,
-        calibration,
-        layout.widths,
-        checked.pipeline,
-        device,
-        report_progress,
-        recipe.sensitivity,
+    options = WalkOptions(
+        device=device,
+        sensitivity=recipe.sensitivity,
         seed=recipe.seed,
-        checkpoint=checkpoint,
         offload=recipe.activations,
         scratch=scratch,
-        fisher=fisher,
         correct_readers=recipe.slicing.correct_readers,
-        shared=list(layout.shared),
-        allocator=checked.allocator,
-        ranks=ranks,
-        layout="global" if layout.one_basis else "per_site",
         pooling=recipe.slicing.pooling,
-        tie_head=layout.tie_head and not layout.one_basis,
+    )
+    return prune(
+        model,
+        checked.layout,
+        calibration,
+        checked.pipeline,
+        options,
+        allocator=checked.allocator,
+        checkpoint=checkpoint,
+        fisher=fisher,
+        ranks=ranks,
+        progress=report_progress,
     )
 
 

@@ -21,10 +21,11 @@ from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
+from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import layer_site_ids, site_ids, site_widths
 from compressor.models.sliced import apply_slicing_layout
 from compressor.strategies.contract import DEFAULT_TAUS, coupled_loss, eigh_descending, frobenius_normalised
@@ -255,7 +256,12 @@ def test_a_pruned_model_with_per_site_widths_has_the_predicted_parameters(name: 
     widths = {site: rng.choice([24, 40, 56]) for site in ids}
     if family.head_width_is_embedding_width:
         widths[ids[-1]] = widths["embedding"]
-    result = prune(copy_model(original), family, random_batches(config.vocab_size), widths, [PipelineStep(PCA())])
+    result = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, widths),
+        random_batches(config.vocab_size),
+        [PipelineStep(PCA())],
+    )
     assert parameter_count(result.model) == param_model(config, family).count(widths)
 
 
@@ -283,11 +289,13 @@ def test_shared_bases_drop_the_transition_and_rebuild_exactly(name: str) -> None
     shared = [layer_site_ids(family, i)[-1] for i in range(config.num_hidden_layers)]
     batches = random_batches(config.vocab_size, padded=True)
     full = site_widths(family, config.num_hidden_layers, config.hidden_size, config.hidden_size, True)
-    rotated = prune(copy_model(original), family, batches, full, [PipelineStep(PCA())], shared=shared)
+    rotated = prune(
+        copy_model(original), fixed_layout(original.config, family, full, shared=shared), batches, [PipelineStep(PCA())]
+    )
     assert max_relative_logit_error(original, rotated.model, batches) < 1e-5  # exact without slicing
     widths = site_widths(family, config.num_hidden_layers, config.hidden_size, 48, True)
     steps = [PipelineStep(Sensitivity(), Sensitivity().parse_options({}))]
-    result = prune(copy_model(original), family, batches, widths, steps, shared=shared)
+    result = prune(copy_model(original), fixed_layout(original.config, family, widths, shared=shared), batches, steps)
     for layer in result.model.get_submodule(family.layers):
         assert layer.mlp_shortcut is None and layer.attn_shortcut is not None
     assert parameter_count(result.model) == param_model(config, family, shared).count(widths)
@@ -326,9 +334,17 @@ def test_a_shared_basis_is_chosen_from_every_member_s_statistics() -> None:
         A = torch.randn(config.hidden_size, config.hidden_size, generator=generator, dtype=torch.float64)
         fisher[site] = A @ A.T
     alone, pooled = _Seen(), _Seen()
-    prune(copy_model(original), family, batches, full, [PipelineStep(alone)], fisher=fisher)
+    prune(
+        copy_model(original), fixed_layout(original.config, family, full), batches, [PipelineStep(alone)], fisher=fisher
+    )
     shared = [layer_site_ids(family, i)[-1] for i in range(layers)]
-    result = prune(copy_model(original), family, batches, full, [PipelineStep(pooled)], fisher=fisher, shared=shared)
+    result = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, full, shared=shared),
+        batches,
+        [PipelineStep(pooled)],
+        fisher=fisher,
+    )
     assert sorted(pooled.seen) == sorted(set(ids) - set(shared))
     for i in range(layers):
         attn, mlp = layer_site_ids(family, i)
@@ -351,8 +367,14 @@ def test_a_tied_head_s_basis_is_chosen_from_the_embedding_and_the_last_site() ->
     ids = site_ids(family, config.num_hidden_layers)
     fisher = {site: torch.eye(config.hidden_size, dtype=torch.float64) * (i + 1) for i, site in enumerate(ids)}
     alone, tied = _Seen(), _Seen()
-    prune(tiny_model("qwen2"), family, batches, full, [PipelineStep(alone)], fisher=fisher)
-    result = prune(tiny_model("qwen2"), family, batches, full, [PipelineStep(tied)], fisher=fisher, tie_head=True)
+    prune(tiny_model("qwen2"), fixed_layout(config, family, full), batches, [PipelineStep(alone)], fisher=fisher)
+    result = prune(
+        tiny_model("qwen2"),
+        fixed_layout(config, family, full, tie_head=True),
+        batches,
+        [PipelineStep(tied)],
+        fisher=fisher,
+    )
     assert sorted(tied.seen) == sorted(ids[:-1])
     C, H = tied.seen["embedding"]
     expected = alone.seen["embedding"][0] + alone.seen[ids[-1]][0]
@@ -398,14 +420,28 @@ def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(t
     checkpoint = Checkpoint(tmp_path / "checkpoint")
     checkpoint.start({"test": "1"})
     first_allocator = _Counting(params, budget, choices)
-    first = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint, allocator=first_allocator)
+    first = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, None),
+        batches,
+        steps,
+        checkpoint=checkpoint,
+        allocator=first_allocator,
+    )
     assert first_allocator.observed == len(params.sites)
     assert first.widths == first_allocator.widths()  # the walk kept what the allocator chose
     assert [r.kept for r in first.sites] == [first.widths[s] for s in params.sites]
     assert parameter_count(first.model) == params.count(first.widths) <= budget
     assert first.allocation["widths"] == first.widths and first.allocation["budget"] == budget
     again_allocator = _Counting(params, budget, choices)
-    again = prune(copy_model(original), family, batches, None, steps, checkpoint=checkpoint, allocator=again_allocator)
+    again = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, None),
+        batches,
+        steps,
+        checkpoint=checkpoint,
+        allocator=again_allocator,
+    )
     assert not hasattr(again_allocator, "observed") and again.loaded_sites == len(params.sites)
     assert max_relative_logit_error(first.model, again.model, batches) == 0.0
 
@@ -422,29 +458,26 @@ def test_a_resumed_tied_allocation_that_surveys_again_keeps_the_saved_allocation
         return CurveAllocator(params, int(0.8 * params.original), dict.fromkeys(params.sites, grid), tie_ends=True)
 
     batches = random_batches(original.config.vocab_size)
+    layout = fixed_layout(original.config, family, None, tie_head=True)
     checkpoint = Checkpoint(tmp_path / "checkpoint")
     checkpoint.start({"test": "1"})
     first = prune(
         original,
-        family,
+        layout,
         batches,
-        None,
         [PipelineStep(PCA())],
         checkpoint=checkpoint,
         allocator=allocator(),
-        tie_head=True,
     )
     for site in checkpoint.sites_folder.glob("*.safetensors"):
         site.unlink()
     again = prune(
         tiny_model("qwen2"),
-        family,
+        layout,
         batches,
-        None,
         [PipelineStep(PCA())],
         checkpoint=checkpoint,
         allocator=allocator(),
-        tie_head=True,
     )
     assert again.loaded_sites == 0 and again.widths == first.widths
     assert again.allocation == json.loads(json.dumps(first.allocation))
@@ -483,10 +516,12 @@ def test_a_tied_head_stays_tied_exactly_without_slicing_and_rebuilds(name: str, 
     config = original.config
     batches = random_batches(config.vocab_size, padded=True)
     full = site_widths(family, config.num_hidden_layers, config.hidden_size, config.hidden_size, True)
-    rotated = prune(tiny_model(name), family, batches, full, [PipelineStep(PCA())], tie_head=True)
+    rotated = prune(tiny_model(name), fixed_layout(config, family, full, tie_head=True), batches, [PipelineStep(PCA())])
     assert max_relative_logit_error(original, rotated.model, batches) < 1e-5  # the least-squares map is exact
     widths = site_widths(family, config.num_hidden_layers, config.hidden_size, 48, True)
-    result = prune(tiny_model(name), family, batches, widths, [PipelineStep(PCA())], tie_head=True)
+    result = prune(
+        tiny_model(name), fixed_layout(config, family, widths, tie_head=True), batches, [PipelineStep(PCA())]
+    )
     model = result.model
     assert model.get_submodule(family.head).weight is model.get_submodule(family.embedding).weight
     assert torch.equal(result.bases[site_ids(family, config.num_hidden_layers)[-1]], result.bases["embedding"])
@@ -502,12 +537,22 @@ def test_a_tied_head_stays_tied_exactly_without_slicing_and_rebuilds(name: str, 
 
 
 def test_tie_head_refuses_an_untied_model_before_changing_it() -> None:
-    family = family_for("llama")
-    model = tiny_model("llama")  # tie_word_embeddings: false
-    before = {name: p.clone() for name, p in model.named_parameters()}
+    """The layout refuses a tie on an untied config; the walk refuses a tied layout for a model
+    instance whose head was untied since (before touching a weight)."""
+    family = family_for("qwen2")
+    model = tiny_model("qwen2")  # tie_word_embeddings: true
     widths = site_widths(family, model.config.num_hidden_layers, model.config.hidden_size, 48, True)
+    untied = tiny_model("llama")  # tie_word_embeddings: false
+    llama_widths = site_widths(
+        family_for("llama"), untied.config.num_hidden_layers, untied.config.hidden_size, 48, True
+    )
+    with pytest.raises(UserError, match="head is untied"):
+        fixed_layout(untied.config, family_for("llama"), llama_widths, tie_head=True)
+    layout = fixed_layout(model.config, family, widths, tie_head=True)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    before = {name: p.clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match="tie_head needs"):
-        prune(model, family, random_batches(model.config.vocab_size), widths, [PipelineStep(PCA())], tie_head=True)
+        prune(model, layout, random_batches(model.config.vocab_size), [PipelineStep(PCA())])
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 

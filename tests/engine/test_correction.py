@@ -12,9 +12,9 @@ import torch
 from compressor.engine.bases import apply_bases, prediction_error, reader_map
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
@@ -53,7 +53,12 @@ def _prune(original, name: str, pipeline, correct: bool, checkpoint: Checkpoint 
     )
     batches = random_batches(original.config.vocab_size, padded=True)
     return prune(
-        copy_model(original), family, batches, widths, pipeline, checkpoint=checkpoint, correct_readers=correct
+        copy_model(original),
+        fixed_layout(original.config, family, widths),
+        batches,
+        pipeline,
+        WalkOptions(correct_readers=correct),
+        checkpoint=checkpoint,
     ), batches
 
 

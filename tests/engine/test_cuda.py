@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.models.families import family_for
+from compressor.models.layout import fixed_layout
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
@@ -34,11 +35,12 @@ def test_rotation_on_the_gpu_reproduces_logits(family_name: str) -> None:
     d = original.config.hidden_size
     result = prune(
         copy_model(original),
-        family_for(family_name),
+        fixed_layout(
+            original.config, family_for(family_name), widths_for(family_name, original.config, d, slice_head=True)
+        ),
         batches,
-        widths_for(family_name, original.config, d, slice_head=True),
         _steps("pca"),
-        CUDA,
+        WalkOptions(device=CUDA),
     )
     assert next(result.model.parameters()).device.type == "cpu"  # layers go back to the host
     assert max_relative_logit_error(original, result.model, batches) <= 1e-4
@@ -51,8 +53,15 @@ def test_a_gpu_walk_chooses_what_the_cpu_walk_chooses(family_name: str, strategy
     batches = random_batches(original.config.vocab_size, count=3)
     family = family_for(family_name)
     widths = widths_for(family_name, original.config, 48, slice_head=True)
-    on_cpu = prune(copy_model(original), family, batches, widths, _steps(strategy))
-    on_gpu = prune(copy_model(original), family, batches, widths, _steps(strategy), CUDA, fisher=on_cpu.fisher)
+    on_cpu = prune(copy_model(original), fixed_layout(original.config, family, widths), batches, _steps(strategy))
+    on_gpu = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, widths),
+        batches,
+        _steps(strategy),
+        WalkOptions(device=CUDA),
+        fisher=on_cpu.fisher,
+    )
     for site, cpu in on_cpu.bases.items():  # V_s, d × k_s: the same kept subspace
         gpu = on_gpu.bases[site]
         assert torch.dist(cpu @ cpu.T, gpu @ gpu.T) <= 1e-6 * cpu.shape[1], site
@@ -67,12 +76,10 @@ def test_h_on_the_gpu_does_not_depend_on_recomputation() -> None:
     kept, recomputed = (
         prune(
             copy_model(original),
-            family,
+            fixed_layout(original.config, family, widths),
             batches,
-            widths,
             _steps("sensitivity"),
-            CUDA,
-            sensitivity=SensitivityOptions(recompute=flag, chunk=2),
+            WalkOptions(device=CUDA, sensitivity=SensitivityOptions(recompute=flag, chunk=2)),
         ).fisher
         for flag in (False, True)
     )

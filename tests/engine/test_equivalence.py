@@ -8,6 +8,7 @@ import torch
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.models.families import family_for
+from compressor.models.layout import fixed_layout
 from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
@@ -33,9 +34,10 @@ def test_rotation_without_slicing_reproduces_logits(family_name: str, padded: bo
     d = original.config.hidden_size
     result = prune(
         copy_model(original),
-        family_for(family_name),
+        fixed_layout(
+            original.config, family_for(family_name), widths_for(family_name, original.config, d, slice_head=True)
+        ),
         batches,
-        widths_for(family_name, original.config, d, slice_head=True),
         [PipelineStep(strategy)],
     )
     assert max_relative_logit_error(original, result.model, batches) <= 1e-4
@@ -47,9 +49,8 @@ def test_rotation_is_not_the_identity() -> None:
     d = original.config.hidden_size
     result = prune(
         copy_model(original),
-        family_for("llama"),
+        fixed_layout(original.config, family_for("llama"), widths_for("llama", original.config, d, slice_head=True)),
         random_batches(128),
-        widths_for("llama", original.config, d, slice_head=True),
         [PipelineStep(PCA())],
     )
     before = original.model.embed_tokens.weight
@@ -64,9 +65,8 @@ def test_fusion_does_not_centre_rmsnorm_models() -> None:
     d = original.config.hidden_size
     result = prune(
         copy_model(original),
-        family_for("llama"),
+        fixed_layout(original.config, family_for("llama"), widths_for("llama", original.config, d, slice_head=True)),
         random_batches(128),
-        widths_for("llama", original.config, d, slice_head=True),
         [PipelineStep(RandomRotation())],
     )
     rotated_back = result.model.model.embed_tokens.weight.double()

@@ -20,9 +20,10 @@ from compressor.engine.fisher import estimate_fisher
 from compressor.engine.parallel import Ranks
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PruneResult, prune
+from compressor.engine.walk import PruneResult, WalkOptions, prune
 from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
 from compressor.models.families import family_for
+from compressor.models.layout import fixed_layout
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import ROOT, copy_model, random_batches, tiny_model, widths_for
@@ -43,11 +44,10 @@ def _prune(strategy: str) -> PruneResult:
     step = registry.strategy(strategy)
     return prune(
         copy_model(original),
-        family_for(FAMILY),
+        fixed_layout(original.config, family_for(FAMILY), widths_for(FAMILY, original.config, 40, slice_head=True)),
         _batches(),
-        widths_for(FAMILY, original.config, 40, slice_head=True),
         [PipelineStep(step, step.parse_options({}))],
-        sensitivity=SensitivityOptions(dtype="float64"),
+        WalkOptions(sensitivity=SensitivityOptions(dtype="float64")),
     )
 
 
@@ -139,9 +139,8 @@ def test_a_rank_without_a_batch_is_refused() -> None:
     with pytest.raises(Exception, match="at least one batch per process"):
         prune(
             copy_model(original),
-            family_for(FAMILY),
+            fixed_layout(original.config, family_for(FAMILY), widths_for(FAMILY, original.config, 40, slice_head=True)),
             random_batches(128, count=1),
-            widths_for(FAMILY, original.config, 40, slice_head=True),
             [PipelineStep(PluginRegistry().strategy("pca"))],
             ranks=Ranks(1, 2),
         )

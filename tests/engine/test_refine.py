@@ -19,7 +19,7 @@ from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, re
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import prune
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import site_ids
 from compressor.recipe.schema import RefinementSpec
 from compressor_plugins.pca import PCA
@@ -36,7 +36,7 @@ def _pca_bases(name: str, batches, sparsity: float = 0.25):
         kept_width(original.config.hidden_size, sparsity, 8),
         slice_head=family.head_width_is_embedding_width,
     )
-    result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())])
+    result = prune(copy_model(original), fixed_layout(original.config, family, widths), batches, [PipelineStep(PCA())])
     return original, family, result
 
 
@@ -95,7 +95,9 @@ def test_refinement_of_a_tied_head_is_the_tied_model_and_keeps_it_tied(name: str
     batches = random_batches(original.config.vocab_size, padded=True)
     ids = site_ids(family, original.config.num_hidden_layers)
     widths = widths_for(name, original.config, 40, slice_head=True)
-    result = prune(tiny_model(name), family, batches, widths, [PipelineStep(PCA())], tie_head=True)
+    result = prune(
+        tiny_model(name), fixed_layout(original.config, family, widths, tie_head=True), batches, [PipelineStep(PCA())]
+    )
     generator = torch.Generator().manual_seed(5)
     scrambled = {
         site: torch.linalg.qr(torch.randn(v.shape, generator=generator, dtype=torch.float64))[0]
@@ -242,7 +244,12 @@ def test_refinement_optimises_the_stock_tied_head_that_is_saved() -> None:
     batches = random_batches(original.config.vocab_size, padded=True)
     k = kept_width(original.config.hidden_size, 0.25, 8)
     widths = {site: k for site in site_ids(family, original.config.num_hidden_layers)}
-    result = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())], layout="global")
+    result = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, widths, layout="global"),
+        batches,
+        [PipelineStep(PCA())],
+    )
     scale = fitted_tied_scale(result.model, family, head_stream(result.head_moment, result.bases["embedding"]))
     options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
     refined = refine_bases(

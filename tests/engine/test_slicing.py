@@ -10,7 +10,7 @@ from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import site_ids, site_widths
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
@@ -123,7 +123,10 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
     kept = kept_width(d, 0.25, 8)
     by_site = widths_for(family_name, config, kept, slice_head)
     result = prune(
-        copy_model(original), family_for(family_name), random_batches(config.vocab_size), by_site, [PipelineStep(PCA())]
+        copy_model(original),
+        fixed_layout(original.config, family_for(family_name), by_site),
+        random_batches(config.vocab_size),
+        [PipelineStep(PCA())],
     )
     widths = list(by_site.values())
     model = result.model
@@ -161,9 +164,12 @@ def test_sliced_model_stays_close_on_its_calibration_data() -> None:
     batches = random_batches(128)
     result = prune(
         copy_model(original),
-        family_for("llama"),
+        fixed_layout(
+            original.config,
+            family_for("llama"),
+            site_widths(family_for("llama"), layers, d, kept_width(d, 0.25, 8), False),
+        ),
         batches,
-        site_widths(family_for("llama"), layers, d, kept_width(d, 0.25, 8), False),
         [PipelineStep(PCA())],
     )
     with torch.no_grad():

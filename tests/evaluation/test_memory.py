@@ -15,10 +15,10 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
@@ -37,9 +37,8 @@ def _walk_peak(model, batches: int) -> int:
     with tracker:
         prune(
             copy_model(model),
-            family_for("llama"),
+            fixed_layout(model.config, family_for("llama"), widths),
             random_batches(128, count=batches, batch=BATCH, length=LENGTH),
-            widths,
             [PipelineStep(PCA())],
         )
     return tracker.peak["cpu"]
@@ -173,12 +172,10 @@ def _emulated_peaks(strategy, batches: int) -> dict[str, int]:
         tracker.adopt(*model.parameters(), *model.buffers())
         prune(
             model,
-            family_for("llama"),
+            fixed_layout(model.config, family_for("llama"), widths),
             random_batches(128, count=batches, batch=BATCH, length=LENGTH),
-            widths,
             [PipelineStep(strategy, strategy.parse_options({}))],
-            device,
-            sensitivity=SensitivityOptions(chunk=2 * BATCH),
+            WalkOptions(device=device, sensitivity=SensitivityOptions(chunk=2 * BATCH)),
         )
     return dict(tracker.peak)
 

@@ -16,7 +16,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 from tests.engine.test_slicing import _expected_parameters
@@ -31,7 +31,10 @@ def _pruned(family_name: str) -> tuple[PreTrainedModel, PreTrainedModel, list[in
     slice_head = family_for(family_name).head_width_is_embedding_width
     by_site = widths_for(family_name, config, kept_width(config.hidden_size, 0.25, 8), slice_head)
     pruned = prune(
-        copy_model(dense), family_for(family_name), random_batches(config.vocab_size), by_site, [PipelineStep(PCA())]
+        copy_model(dense),
+        fixed_layout(dense.config, family_for(family_name), by_site),
+        random_batches(config.vocab_size),
+        [PipelineStep(PCA())],
     ).model
     return dense, pruned, list(by_site.values())
 

@@ -15,7 +15,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.models.export import write_remote_code
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -47,7 +47,12 @@ def test_pruned_folders_load_with_remote_code_and_without_compressor(tmp_path: P
         family = family_for(name)
         d = original.config.hidden_size
         widths = widths_for(name, original.config, kept_width(d, 0.25, 8), family.head_width_is_embedding_width)
-        pruned = prune(copy_model(original), family, random_batches(128), widths, [PipelineStep(PCA())]).model
+        pruned = prune(
+            copy_model(original),
+            fixed_layout(original.config, family, widths),
+            random_batches(128),
+            [PipelineStep(PCA())],
+        ).model
         folder = tmp_path / name
         pruned.save_pretrained(folder)
         assert write_remote_code(folder, family, name)
@@ -71,7 +76,12 @@ def test_pruned_folders_load_with_remote_code_and_without_compressor(tmp_path: P
 def test_with_compressor_imported_the_folder_loads_without_remote_code(tmp_path: Path) -> None:
     original = tiny_model("llama")
     widths = widths_for("llama", original.config, kept_width(64, 0.25, 8), False)
-    pruned = prune(copy_model(original), family_for("llama"), random_batches(128), widths, [PipelineStep(PCA())]).model
+    pruned = prune(
+        copy_model(original),
+        fixed_layout(original.config, family_for("llama"), widths),
+        random_batches(128),
+        [PipelineStep(PCA())],
+    ).model
     pruned.save_pretrained(tmp_path)
     write_remote_code(tmp_path, family_for("llama"), "llama")
     assert (

@@ -17,7 +17,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import site_widths
 from compressor.strategies.registry import PluginRegistry
 from compressor_plugins.pca import PCA
@@ -71,12 +71,17 @@ def test_a_registered_family_prunes_exactly_and_reloads(arcee_plugin, tmp_path: 
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(original.config.vocab_size, padded=True)
     rotated = prune(
-        copy_model(original), family, batches, site_widths(family, layers, d, d, True), [PipelineStep(PCA())]
+        copy_model(original),
+        fixed_layout(original.config, family, site_widths(family, layers, d, d, True)),
+        batches,
+        [PipelineStep(PCA())],
     )
     assert max_relative_logit_error(original, rotated.model, batches) <= 1e-4
 
     widths = site_widths(family, layers, d, kept_width(d, 0.25, 8), False)
-    pruned = prune(copy_model(original), family, batches, widths, [PipelineStep(PCA())]).model
+    pruned = prune(
+        copy_model(original), fixed_layout(original.config, family, widths), batches, [PipelineStep(PCA())]
+    ).model
     assert pruned.model.layers[0].mlp.up_proj.in_features == 48
     pruned.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()

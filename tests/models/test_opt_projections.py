@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
 
@@ -26,14 +26,18 @@ def test_opt_projections_rotate_exactly_slice_and_reload(padded: bool, tmp_path:
     batches = random_batches(config.vocab_size, padded=padded)
     d = config.hidden_size
 
-    rotated = prune(copy_model(original), family, batches, widths_for("opt", config, d, True), [PipelineStep(PCA())])
+    rotated = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, widths_for("opt", config, d, True)),
+        batches,
+        [PipelineStep(PCA())],
+    )
     assert max_relative_logit_error(original, rotated.model, batches) <= 1e-4
 
     pruned = prune(
         copy_model(original),
-        family,
+        fixed_layout(original.config, family, widths_for("opt", config, kept_width(d, 0.25, 8), True)),
         batches,
-        widths_for("opt", config, kept_width(d, 0.25, 8), True),
         [PipelineStep(PCA())],
     ).model
     sliced = pruned.model.decoder

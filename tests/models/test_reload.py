@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from tests.conftest import FAMILY_CONFIGS, copy_model, random_batches, tiny_model, widths_for
 
@@ -24,7 +24,10 @@ def test_saved_model_reloads_and_generates_identically(family_name: str, tmp_pat
     slice_head = family_for(family_name).head_width_is_embedding_width  # GPT-2 needs it; others test without
     widths = widths_for(family_name, config, kept_width(d, 0.25, 8), slice_head=slice_head)
     pruned = prune(
-        copy_model(original), family_for(family_name), random_batches(config.vocab_size), widths, [PipelineStep(PCA())]
+        copy_model(original),
+        fixed_layout(original.config, family_for(family_name), widths),
+        random_batches(config.vocab_size),
+        [PipelineStep(PCA())],
     ).model
     pruned.save_pretrained(tmp_path)
     # Same attention kernel as the in-memory model, so "identical" can mean bit-identical.

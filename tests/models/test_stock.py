@@ -21,6 +21,7 @@ from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.pooling import GlobalPool, PipelineStep
 from compressor.engine.walk import prune
 from compressor.models.families import BUILTIN_FAMILIES, family_for
+from compressor.models.layout import fixed_layout
 from compressor.models.sites import site_ids
 from compressor.models.stock import load_stock, save_stock, stock_param_model, tied_scale
 from compressor_plugins.pca import PCA
@@ -285,7 +286,9 @@ def test_the_global_basis_is_chosen_from_every_site(tmp_path: Path) -> None:
     family = family_for("llama")
     ids = site_ids(family, 2)
     batches = random_batches(128)
-    result = prune(model, family, batches, {s: 40 for s in ids}, [PipelineStep(PCA())], layout="global")
+    result = prune(
+        model, fixed_layout(model.config, family, {s: 40 for s in ids}, layout="global"), batches, [PipelineStep(PCA())]
+    )
     assert result.sites[0].pooled_with == ids[1:]
     assert [r.steps[0]["strategy"] for r in result.sites[1:]] == ["shared"] * 4
     # The same basis from the survey's statistics, computed here by hand.

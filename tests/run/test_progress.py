@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from compressor.models.layout import fixed_layout
 from compressor.strategies.contract import SiteProblem, SiteStatistics
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from compressor_plugins.stiefel import Schedule, Stiefel
@@ -124,9 +125,8 @@ def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
     seen: list[tuple[str, int, int]] = []
     prune(
         model,
-        family,
+        fixed_layout(model.config, family, widths),
         batches,
-        widths,
         [PipelineStep(Stiefel(), Schedule(steps=50, patience=10_000, tolerance=0.0))],
         progress=lambda phase, done, total: seen.append((phase, done, total)),
     )

@@ -12,7 +12,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.evaluation.metrics import compare
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import site_widths
 from compressor_plugins.pca import PCA
 
@@ -36,7 +36,7 @@ def _setup(shared: Path, sparsity: float):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     d, layers = model.config.hidden_size, model.config.num_hidden_layers
     widths = site_widths(family_for("llama"), layers, d, kept_width(d, sparsity, 8), slice_head=False)
-    pruned = prune(model, family_for("llama"), calib, widths, [PipelineStep(PCA())]).model
+    pruned = prune(model, fixed_layout(model.config, family_for("llama"), widths), calib, [PipelineStep(PCA())]).model
     return compare(original, pruned, valid, torch.device("cpu"))
 
 

@@ -17,10 +17,10 @@ from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity, TauGrid
 from tests.conftest import EXAMPLES, FAMILY_CONFIGS, ROOT, copy_model, random_batches, tiny_model, widths_for
@@ -205,7 +205,10 @@ def test_saved_bases_applied_to_the_original_model_reproduce_the_pruned_model(fa
     d = original.config.hidden_size
     widths = widths_for(family_name, original.config, kept_width(d, 0.25, 8), family.head_width_is_embedding_width)
     result = prune(
-        copy_model(original), family, random_batches(original.config.vocab_size), widths, [PipelineStep(PCA())]
+        copy_model(original),
+        fixed_layout(original.config, family, widths),
+        random_batches(original.config.vocab_size),
+        [PipelineStep(PCA())],
     )
     assert {site: v.shape[1] for site, v in result.bases.items()} == widths
     rebuilt = apply_bases(copy_model(original), family, result.bases)
@@ -221,9 +224,15 @@ def test_activations_spilled_to_disk_give_the_same_model(tmp_path: Path) -> None
     widths = widths_for("llama", original.config, kept_width(d, 0.25, 8), False)
     batches = random_batches(original.config.vocab_size, count=3)
     pipeline = [PipelineStep(Sensitivity(), TauGrid())]
-    in_memory = prune(copy_model(original), family_for("llama"), batches, widths, pipeline)
+    in_memory = prune(
+        copy_model(original), fixed_layout(original.config, family_for("llama"), widths), batches, pipeline
+    )
     spilled = prune(
-        copy_model(original), family_for("llama"), batches, widths, pipeline, offload="disk", scratch=tmp_path
+        copy_model(original),
+        fixed_layout(original.config, family_for("llama"), widths),
+        batches,
+        pipeline,
+        WalkOptions(offload="disk", scratch=tmp_path),
     )
     assert not list(tmp_path.iterdir())  # the spill files are gone
     for name, value in in_memory.model.state_dict().items():

@@ -14,7 +14,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.models.families import family_for
-from compressor.models.layout import kept_width
+from compressor.models.layout import fixed_layout, kept_width
 from compressor.strategies.contract import Basis, SiteProblem, Strategy
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 
@@ -42,5 +42,10 @@ def test_a_bad_basis_stops_the_walk_naming_the_strategy(make: Callable[[int], to
     widths = widths_for("llama", model.config, kept_width(model.config.hidden_size, 0.25, 8), False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(UserError, match=f"strategy 'broken' returned {message}.*at site embedding: a bug"):
-        prune(copy_model(model), family, random_batches(128), widths, [PipelineStep(_strategy(make))])
+        prune(
+            copy_model(model),
+            fixed_layout(model.config, family, widths),
+            random_batches(128),
+            [PipelineStep(_strategy(make))],
+        )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -22,6 +22,7 @@ from compressor.engine.walk import prune
 from compressor.errors import UserError
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
+from compressor.models.layout import fixed_layout
 from compressor.recipe.schema import DistillationSpec, load_recipe
 from compressor.strategies.registry import PluginRegistry
 from compressor.training.distill import (
@@ -117,7 +118,12 @@ def _student_and_data(top_k: int = 16) -> tuple[Any, Any, Any, DistillationSpec]
     original = tiny_model("llama", vocab_size=8192)
     family = family_for("llama")
     widths = widths_for("llama", original.config, 48, slice_head=False)
-    student = prune(copy_model(original), family, random_batches(8192, length=16), widths, [PipelineStep(PCA())]).model
+    student = prune(
+        copy_model(original),
+        fixed_layout(original.config, family, widths),
+        random_batches(8192, length=16),
+        [PipelineStep(PCA())],
+    ).model
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLES / "ref-llama")
     spec = DistillationSpec(
         tokens=1024,

@@ -1,0 +1,218 @@
+"""The reports as typed models: `report.json` of a run (`RunReport`) and of `compress eval`
+(`EvalReport`). The runner and the eval command build them field by field, and every reader (the
+run's tables, `compress compare`, a sweep's plots and results) loads them back through them, so a
+renamed or misspelt field fails where it is written or read instead of as a `KeyError` later.
+
+Sections a step owns stay that step's type: the refinement, guard and distillation records are
+their dataclasses, `slicing` is the recipe's `SlicingSpec`. Two are free-form on purpose: `speed`
+(the nested measurement of `evaluation.throughput`, read only by `run.report.speed_rows`) and
+what an allocator adds to `allocation` (its own record: solver, predicted loss, curves).
+
+A field that a report leaves out (a metric not measured, a site without reader correction) is
+left out of the JSON too (`exclude_unset`), so the files read as they did when they were dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from compressor.engine.refine import RefinementRecord
+from compressor.errors import UserError
+from compressor.recipe.schema import SlicingSpec
+from compressor.run.guard import GuardRecord
+from compressor.training.distill import DistillationRecord
+
+
+class _Section(BaseModel):
+    """Every section refuses a field it does not declare; NaN and infinities stay as JSON writes them."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class ModelInfo(_Section):
+    path: str
+    model_type: str
+    family: str
+    hidden_size: int
+    num_layers: int
+    dtype: str
+
+
+class Allocation(_Section):
+    """How the widths were chosen; an allocator's own record (solver, predicted loss, curves) is kept beside."""
+
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
+    method: str
+    budget: int
+    predicted_params: int
+    transition_params: int
+    shared_sites: list[str]
+
+
+class Parallel(_Section):
+    world_size: int
+    tokens_by_rank: list[int]
+
+
+class Step(_Section):
+    strategy: str
+    options: dict[str, Any]
+
+
+class Resume(_Section):
+    sites_loaded: int
+    fisher_loaded: bool
+
+
+class Figures(_Section):
+    """One model's figures on the evaluation windows (`evaluation.metrics.compare`) and lm-eval suites."""
+
+    ppl: float | None = None
+    nll: float | None = None
+    kl: float | None = None
+    """KL(reference ‖ this model), nats per token (the pruned side only)."""
+    tasks: dict[str, dict[str, Any]] | None = None
+    """lm-eval scores, `{task: {metric: value}}`."""
+
+
+class Tokens(_Section):
+    count: int
+
+
+class Metrics(_Section):
+    """The original (`baseline`) and the saved model (`pruned`), and the pruned model before a guarded step."""
+
+    baseline: Figures | None = None
+    pruned: Figures | None = None
+    unrefined: Figures | None = None
+    undistilled: Figures | None = None
+    tokens: Tokens | None = None
+
+    def measured(self) -> bool:
+        return self.pruned is not None
+
+
+class ModelSize(_Section):
+    """`evaluation.throughput.model_size`."""
+
+    params: int
+    weight_bytes: int
+    transition_params: int
+
+
+class Sizes(_Section):
+    baseline: ModelSize | None = None
+    pruned: ModelSize
+
+
+class Params(_Section):
+    baseline: int
+    pruned: int
+    ratio: float
+
+
+class Site(_Section):
+    """`engine.pooling.SiteRecord.to_json`: one site's width, what it kept, and each step's objectives."""
+
+    name: str
+    width: int
+    kept: int
+    tokens: int
+    strategy: str
+    steps: list[dict[str, Any]]
+    pooled_with: list[str] | None = None
+    correction: dict[str, float] | None = None
+
+
+class Environment(_Section):
+    device: str
+    torch: str
+    transformers: str
+    python: str
+
+
+class RunReport(_Section):
+    """`report.json` of `compress run`."""
+
+    compressor: str
+    model: ModelInfo
+    sparsity: float | None
+    target_params: float | None
+    kept_width: int | None
+    layout: str
+    stock: dict[str, Any] | None
+    """The stock export of a global layout (`models.stock.to_stock`): its head, tied scale and fit."""
+    rounding: dict[str, int] | None
+    allocation: Allocation
+    seed: int
+    parallel: Parallel
+    pipeline: list[Step]
+    slicing: SlicingSpec
+    fingerprint: dict[str, str]
+    resumed_from: str | None
+    resume: Resume
+    fisher_source: str | None
+    fisher_autocast: str | None
+    refinement: RefinementRecord | None
+    guards: list[GuardRecord]
+    distillation: DistillationRecord | None
+    metrics: Metrics
+    params: Params
+    size: Sizes
+    speed: dict[str, Any] | None
+    warnings: list[str]
+    sites: list[Site]
+    timings: dict[str, float]
+    environment: Environment
+
+    def write(self, path: Path) -> None:
+        path.write_text(to_json(self))
+
+    @classmethod
+    def read(cls, path: Path) -> RunReport:
+        """The report in `path`, or one line saying why it is not a run report of this version."""
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise UserError(f"cannot read {path}: {error}") from None
+        try:
+            return cls.model_validate(json.loads(text))
+        except ValueError as error:  # JSONDecodeError and ValidationError
+            detail = _first_error(error) if isinstance(error, ValidationError) else str(error)
+            raise UserError(f"{path} is not a run report of compressor {_version()} ({detail})") from None
+
+
+class EvalReport(_Section):
+    """`compress eval --output`."""
+
+    compressor: str
+    target: str
+    size: Sizes
+    speed: dict[str, Any] | None
+    reference: str | None
+    evaluation: dict[str, Any] | None
+    """The evaluation windows' settings (`recipe.schema.DataSpec`), None with tasks only."""
+    metrics: Metrics
+    timings: dict[str, float]
+    environment: Environment
+
+
+def to_json(report: BaseModel) -> str:
+    """The report as `json.dumps(indent=2)` wrote its dict: the fields set, in order, NaN as NaN."""
+    return json.dumps(report.model_dump(exclude_unset=True), indent=2) + "\n"
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def _version() -> str:
+    import compressor
+
+    return compressor.__version__
