@@ -229,8 +229,9 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         raise
     finally:
         parallel.stop()
-    if report["resumed_from"] or report["resume"]["sites_loaded"]:
-        console.print(f"resumed: {report['resume']['sites_loaded']} finished site(s) loaded from the checkpoint")
+    assert report is not None  # rank 0 writes the report
+    if report.resumed_from or report.resume.sites_loaded:
+        console.print(f"resumed: {report.resume.sites_loaded} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
     console.print(f"wrote {recipe.output}")
 
@@ -316,10 +317,10 @@ def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: l
 
 
 def _eval(args: argparse.Namespace, console: Console) -> None:
-    import json
 
     from compressor.run.eval_command import EvalRequest, evaluate_target
     from compressor.run.report import speed_rows, task_rows
+    from compressor.run.report_model import to_json
 
     _quiet_libraries()
     output = Path(args.output) if args.output else None
@@ -345,25 +346,26 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     )
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)
-    metrics = report["metrics"]
-    rows = speed_rows(report["size"], report["speed"])
-    if "ppl" in metrics["pruned"]:
+    metrics, pruned = report.metrics, report.metrics.pruned
+    rows = speed_rows(report.size, report.speed)
+    if pruned is not None and pruned.ppl is not None:
+        baseline = metrics.baseline
         rows.append(
             (
                 "perplexity",
-                f"{metrics['baseline']['ppl']:.3f}" if "baseline" in metrics else "",
-                f"{metrics['pruned']['ppl']:.3f}",
+                f"{baseline.ppl:.3f}" if baseline is not None and baseline.ppl is not None else "",
+                f"{pruned.ppl:.3f}",
             )
         )
-    if "kl" in metrics["pruned"]:
-        rows.append(("KL to reference (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
+    if pruned is not None and pruned.kl is not None:
+        rows.append(("KL to reference (nats/token)", "0", f"{pruned.kl:.5f}"))
     rows += task_rows(metrics)
-    if "tokens" in metrics:
-        rows.append(("tokens", "", f"{metrics['tokens']['count']:,}"))
-    windows = f" on {report['evaluation']['num_samples']} windows" if report["evaluation"] else ""
-    _print_table(console, f"{report['target']}{windows}", ("", "reference", "target"), rows)
+    if metrics.tokens is not None:
+        rows.append(("tokens", "", f"{metrics.tokens.count:,}"))
+    windows = f" on {report.evaluation['num_samples']} windows" if report.evaluation else ""
+    _print_table(console, f"{report.target}{windows}", ("", "reference", "target"), rows)
     if output is not None:
-        _write_output(console, output, json.dumps(report, indent=2) + "\n")
+        _write_output(console, output, to_json(report))
 
 
 def _sweep(args: argparse.Namespace, console: Console) -> None:

@@ -331,9 +331,14 @@ def _save(figure: Any, path: Path) -> Path:
 
 
 def sweep_plots(
-    table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str], folder: Path
+    table: list[dict[str, Any]],
+    sites: list[list[dict[str, Any]]],
+    curves: list[list[dict[str, int | float]]],
+    grid_keys: list[str],
+    folder: Path,
 ) -> list[Path]:
-    """Write the sweep's plots into `folder`; return their paths."""
+    """Write the sweep's plots into `folder`; return their paths. Per row of `table`: its run's site
+    records (as the report writes them) and distillation curve (empty without distillation)."""
     written: list[Path] = []
     model = table[0]["model"] if table else ""
     if any(isinstance(row.get("KL"), float) for row in table):
@@ -350,23 +355,23 @@ def sweep_plots(
         add_legend(figure)
         written.append(_save(figure, folder / "tasks_vs_sparsity.png"))
 
-    objectives = _objectives(table, reports, grid_keys)
+    objectives = _objectives(table, sites, grid_keys)
     if objectives:
         written.append(_save(_objectives_figure(table, grid_keys, objectives), folder / "objectives_by_site.png"))
 
     labels = series_labels(table, grid_keys)
     by_sparsity = _by_sparsity(table)
-    curves = {
-        f"{labels[_series(row, grid_keys)]} @ {_x(row, by_sparsity):g}": report["distillation"]["curve"]
-        for row, report in zip(table, reports)
-        if (report.get("distillation") or {}).get("curve")
+    labelled = {
+        f"{labels[_series(row, grid_keys)]} @ {_x(row, by_sparsity):g}": curve
+        for row, curve in zip(table, curves)
+        if curve
     }
-    if curves:
-        written.append(_save(distillation_figure(curves, model), folder / "distillation_heldout_kl.png"))
+    if labelled:
+        written.append(_save(distillation_figure(labelled, model), folder / "distillation_heldout_kl.png"))
     return written
 
 
-def distillation_figure(curves: dict[str, list[dict[str, float]]], model: str = "") -> Any:
+def distillation_figure(curves: dict[str, list[dict[str, int | float]]], model: str = "") -> Any:
     """Held-out KL against distillation tokens, one line per run (a run folder's
     `distillation.png`, a sweep's `distillation_heldout_kl.png`); the best point of each marked."""
     figure, grid = _figure(1, 1, (7, 4.5))
@@ -420,7 +425,7 @@ def _objective_x(table: list[dict[str, Any]]) -> float:
 
 
 def _objectives(
-    table: list[dict[str, Any]], reports: list[dict[str, Any]], grid_keys: list[str]
+    table: list[dict[str, Any]], sites: list[list[dict[str, Any]]], grid_keys: list[str]
 ) -> dict[str, dict[str, tuple[list[str], list[float]]]]:
     """objective → series → (site ids, values) at one sparsity, for the first seed of each series;
     sites where nothing is removed are left out."""
@@ -429,13 +434,13 @@ def _objectives(
     by_sparsity, x = _by_sparsity(table), _objective_x(table)
     out: dict[str, dict[str, tuple[list[str], list[float]]]] = defaultdict(dict)
     seen: set[str] = set()
-    for row, report in zip(table, reports):
+    for row, records in zip(table, sites):
         series = _series(row, grid_keys)
         if _x(row, by_sparsity) != x or series in seen:
             continue
         seen.add(series)
         collected: dict[str, tuple[list[str], list[float]]] = {}
-        for site in report["sites"]:
+        for site in records:
             if site["kept"] == site["width"]:
                 continue  # nothing removed here (the head's input unless slice_head): no objective to show
             for step in site["steps"]:

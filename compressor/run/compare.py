@@ -23,6 +23,7 @@ import yaml
 
 from compressor.errors import UserError
 from compressor.recipe.schema import dotted, parse_yaml
+from compressor.run.report_model import Metrics, RunReport
 from compressor.run.staging import RUN_MARKER
 
 COLUMNS = (
@@ -40,7 +41,6 @@ COLUMNS = (
     "seed",
 )
 FORMATS = (".md", ".csv", ".json")
-REQUIRED = ("model", "pipeline", "sparsity", "kept_width", "params", "timings")
 SHARED_TIMINGS = ("data_s", "load_s", "fisher_s")
 """Work a sweep's runs share (done by whichever run needs it first): tokenising, loading, H."""
 SHOWN_SETTINGS = ("output", "sparsity", "seed", "pipeline")
@@ -51,39 +51,25 @@ PPL_TOLERANCE = 1e-4
 """Relative difference of baseline perplexities beyond float noise (same model, same windows)."""
 
 
-def read_report(folder: Path) -> dict[str, Any]:
+def read_report(folder: Path) -> RunReport:
     path = folder / RUN_MARKER
     if not path.is_file():
         raise UserError(f"{folder} is not a finished run (no {RUN_MARKER}); give run folders written by compress run")
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot read {path}: {error}") from None
-    missing = [key for key in REQUIRED if not isinstance(report, dict) or key not in report]
-    if missing:
-        raise UserError(f"{path} is not a run report (no {', '.join(missing)})")
-    return report
+    return RunReport.read(path)
 
 
-def _steps(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Pipeline steps as {strategy, options} (reports before per-step options listed names only)."""
-    return [step if isinstance(step, dict) else {"strategy": step, "options": {}} for step in report["pipeline"]]
-
-
-def _labels(reports: list[dict[str, Any]]) -> list[str]:
+def _labels(reports: list[RunReport]) -> list[str]:
     """Each run's chain of strategies with the options that differ between the runs that use the
     same strategy at that step."""
-    pipelines = [_steps(r) for r in reports]
+    pipelines = [r.pipeline for r in reports]
     labels = []
     for steps in pipelines:
         parts = []
         for position, step in enumerate(steps):
             others = [
-                p[position]["options"]
-                for p in pipelines
-                if len(p) > position and p[position]["strategy"] == step["strategy"]
+                p[position].options for p in pipelines if len(p) > position and p[position].strategy == step.strategy
             ]
-            parts.append(step["strategy"] + _differing(step["options"], others))
+            parts.append(step.strategy + _differing(step.options, others))
         labels.append(" + ".join(parts))
     return [label + _extras(report, reports) for label, report in zip(labels, reports)]
 
@@ -96,26 +82,22 @@ def _differing(own: dict[str, Any], others: list[dict[str, Any]]) -> str:
     return f"({', '.join(varying)})" if varying else ""
 
 
-def _extras(report: dict[str, Any], reports: list[dict[str, Any]]) -> str:
+def _extras(report: RunReport, reports: list[RunReport]) -> str:
     """What a run did besides its strategies: corrected readers, refinement on the KL and
     distillation (each with the settings that differ between runs that did it), or either rejected."""
-    text = " + corrected readers" if (report.get("slicing") or {}).get("correct_readers") else ""
-    refinement = report.get("refinement")
-    if refinement:
-        others = [(r.get("refinement") or {}).get("options", {}) for r in reports if r.get("refinement")]
-        settings = _differing(refinement.get("options", {}), others)
+    text = " + corrected readers" if report.slicing.correct_readers else ""
+    refinement = report.refinement
+    if refinement is not None:
+        others = [r.refinement.options for r in reports if r.refinement is not None]
+        settings = _differing(refinement.options, others)
+        text += f" → refined on KL{settings}" if refinement.kept == "refined" else f" → refinement{settings} rejected"
+    distillation = report.distillation
+    if distillation is not None:
+        others = [r.distillation.options for r in reports if r.distillation is not None]
+        settings = _differing({k: v for k, v in distillation.options.items() if k != "dataset"}, others)
         text += (
-            f" → refined on KL{settings}"
-            if refinement.get("kept") == "refined"
-            else f" → refinement{settings} rejected"
-        )
-    distillation = report.get("distillation")
-    if distillation:
-        others = [(r.get("distillation") or {}).get("options", {}) for r in reports if r.get("distillation")]
-        settings = _differing({k: v for k, v in distillation.get("options", {}).items() if k != "dataset"}, others)
-        text += (
-            f" → distilled ({distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens){settings}"
-            if distillation.get("kept") == "distilled"
+            f" → distilled ({distillation.method}, {distillation.tokens / 1e6:.3g}M tokens){settings}"
+            if distillation.kept == "distilled"
             else f" → distillation{settings} rejected"
         )
     return text
@@ -131,11 +113,12 @@ def primary_metric(scores: dict[str, Any]) -> str | None:
     return metrics[0] if metrics else None
 
 
-def task_cells(metrics: dict[str, Any]) -> dict[str, Any]:
+def task_cells(metrics: Metrics) -> dict[str, Any]:
     """`<task> <metric>` (pruned) and `dense <task> <metric>` columns, one metric per task."""
     cells: dict[str, Any] = {}
-    baseline = metrics.get("baseline", {}).get("tasks", {})
-    for task, scores in metrics.get("pruned", {}).get("tasks", {}).items():
+    baseline = (metrics.baseline.tasks if metrics.baseline is not None else None) or {}
+    pruned = (metrics.pruned.tasks if metrics.pruned is not None else None) or {}
+    for task, scores in pruned.items():
         metric = primary_metric(scores)
         if metric is not None:
             cells[f"{task} {metric}"] = scores.get(metric)
@@ -221,22 +204,21 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
-def _baseline_ppls(reports: list[dict[str, Any]]) -> list[float]:
+def _baseline_ppls(reports: list[RunReport]) -> list[float]:
     """The distinct baseline perplexities of the runs that were evaluated, beyond float noise."""
     distinct: list[float] = []
     for report in reports:
-        ppl = ((report.get("metrics") or {}).get("baseline") or {}).get("ppl")
-        if isinstance(ppl, (int, float)) and not any(math.isclose(ppl, p, rel_tol=PPL_TOLERANCE) for p in distinct):
+        baseline = report.metrics.baseline
+        ppl = baseline.ppl if baseline is not None else None
+        if ppl is not None and not any(math.isclose(ppl, p, rel_tol=PPL_TOLERANCE) for p in distinct):
             distinct.append(float(ppl))
     return distinct
 
 
-def evaluation_differences(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None]) -> list[str]:
+def evaluation_differences(reports: list[RunReport], recipes: list[dict[str, Any] | None]) -> list[str]:
     """What sets the evaluated runs' KL and perplexity apart besides the pruning: differing
     evaluation data settings, and a differing baseline perplexity of the same original model."""
-    evaluated = [
-        (report, recipe) for report, recipe in zip(reports, recipes) if (report.get("metrics") or {}).get("baseline")
-    ]
+    evaluated = [(report, recipe) for report, recipe in zip(reports, recipes) if report.metrics.baseline is not None]
     saved = [
         dotted({key: recipe["evaluation"].get(key) for key in EVALUATION_DATA}, "evaluation.")
         for _, recipe in evaluated
@@ -247,20 +229,20 @@ def evaluation_differences(reports: list[dict[str, Any]], recipes: list[dict[str
         values = _distinct([flat[key] for flat in saved if key in flat])  # a key older recipes lack is no difference
         if len(values) > 1:
             found.append(f"{key} " + " vs ".join(_shown(v) for v in values))
-    models = {report["model"]["path"] for report, _ in evaluated}
+    models = {report.model.path for report, _ in evaluated}
     ppls = _baseline_ppls([report for report, _ in evaluated])
     if len(models) == 1 and len(ppls) > 1:
         found.append("baseline perplexity " + " vs ".join(f"{p:.3f}" for p in ppls))
     return found
 
 
-def task_differences(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None]) -> list[str]:
+def task_differences(reports: list[RunReport], recipes: list[dict[str, Any] | None]) -> list[str]:
     """Settings that change lm-eval scores (the task suites, the seed of few-shot sampling) where
     they differ between runs that have task scores."""
     scored = [
         recipe
         for report, recipe in zip(reports, recipes)
-        if recipe is not None and ((report.get("metrics") or {}).get("pruned") or {}).get("tasks")
+        if recipe is not None and report.metrics.pruned is not None and report.metrics.pruned.tasks
     ]
     found = []
     suites = _distinct([(recipe.get("evaluation") or {}).get("lm_eval") for recipe in scored])
@@ -272,7 +254,7 @@ def task_differences(reports: list[dict[str, Any]], recipes: list[dict[str, Any]
     return found
 
 
-def warnings_for(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None]) -> list[str]:
+def warnings_for(reports: list[RunReport], recipes: list[dict[str, Any] | None]) -> list[str]:
     """One line per kind of incomparability among the runs (empty when they were evaluated alike)."""
     lines = []
     data = evaluation_differences(reports, recipes)
@@ -290,7 +272,7 @@ def warnings_for(reports: list[dict[str, Any]], recipes: list[dict[str, Any] | N
     return lines
 
 
-def _timing_cells(timings: dict[str, Any]) -> dict[str, Any]:
+def _timing_cells(timings: dict[str, float]) -> dict[str, Any]:
     """The run's own prune time, and apart from it what runs can share (tokenising, loading, H):
     in a sweep the first run pays the shared part, which would otherwise look like slower
     pruning. Reports from before `fisher_s` existed count H in `prune_s`: no `H s` cell then."""
@@ -317,26 +299,26 @@ def compare_runs(folders: list[Path], shown: Iterable[str] = ()) -> tuple[list[d
 
 
 def _rows(
-    folders: list[Path], reports: list[dict[str, Any]], recipes: list[dict[str, Any] | None], shown: Iterable[str]
+    folders: list[Path], reports: list[RunReport], recipes: list[dict[str, Any] | None], shown: Iterable[str]
 ) -> list[dict[str, Any]]:
     settings = differing_settings(recipes, list(shown))
     table = []
     for folder, report, label, differing in zip(folders, reports, _labels(reports), settings):
-        metrics = report.get("metrics") or {}
-        baseline, pruned = metrics.get("baseline", {}), metrics.get("pruned", {})
+        metrics = report.metrics
+        baseline, pruned = metrics.baseline, metrics.pruned
         table.append(
             {
                 "run": folder.name,
-                "model": Path(report["model"]["path"]).name,
+                "model": Path(report.model.path).name,
                 "pipeline": label,
-                "sparsity": report["sparsity"],
-                "kept": report["kept_width"],
-                "params": report["params"]["ratio"],
-                "baseline ppl": baseline.get("ppl"),
-                "pruned ppl": pruned.get("ppl"),
-                "KL": pruned.get("kl"),
-                **_timing_cells(report["timings"]),
-                "seed": report.get("seed"),
+                "sparsity": report.sparsity,
+                "kept": report.kept_width,
+                "params": report.params.ratio,
+                "baseline ppl": baseline.ppl if baseline is not None else None,
+                "pruned ppl": pruned.ppl if pruned is not None else None,
+                "KL": pruned.kl if pruned is not None else None,
+                **_timing_cells(report.timings),
+                "seed": report.seed,
                 **task_cells(metrics),
                 **differing,
             }

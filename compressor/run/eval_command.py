@@ -4,7 +4,7 @@ run or any model.
 For a run folder the defaults come from the run itself: the pruned model in `model/`, the
 original model of its recipe as the reference, and its recipe's evaluation windows and lm-eval
 suites. Any model (a local folder or a hub id) can be evaluated too, alone or against
-`--reference`. The figures use the keys of a run's report: `metrics.baseline` (the reference)
+`--reference`. The figures are those of a run's report (`EvalReport`): `metrics.baseline` (the reference)
 and `metrics.pruned` (the evaluated model; `kl` when there is a reference; `tasks` for lm-eval).
 """
 
@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -42,6 +41,7 @@ from compressor.recipe.schema import (
 )
 from compressor.run.checks import plan as plan_run
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.run.report_model import Environment, EvalReport, Metrics, Sizes
 from compressor.run.staging import RUN_MARKER
 from compressor.strategies.registry import PluginRegistry
 from compressor.validation import replaced
@@ -188,7 +188,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     return EvalPlan(target, reference, data, suites, rebuild, seed, throughput, stock)
 
 
-def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> EvalReport:
     """Evaluate as `request` says; return the report (the CLI prints it and may write it)."""
     report_progress = progress or (lambda *_: None)
     started = time.perf_counter()
@@ -227,19 +227,19 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
             speed = {"pruned": measure(target, device, **settings)}
         else:
             speed = compare_speed(reference, target, device, **settings)
-    return {
-        "compressor": compressor.__version__,
-        "target": plan.target.path if plan.rebuild is None else f"{request.target} (rebuilt from {BASES_FILE})",
-        "size": sizes,
-        "speed": speed,
-        "reference": plan.reference.path if plan.reference is not None else None,
-        "evaluation": dataclasses.asdict(plan.data) if plan.data is not None else None,
-        "metrics": metrics,
-        "timings": {"eval_s": time.perf_counter() - started},
-        "environment": {
-            "device": str(device),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-    }
+    return EvalReport(
+        compressor=compressor.__version__,
+        target=plan.target.path if plan.rebuild is None else f"{request.target} (rebuilt from {BASES_FILE})",
+        size=Sizes.model_validate(sizes),
+        speed=speed,
+        reference=plan.reference.path if plan.reference is not None else None,
+        evaluation=dataclasses.asdict(plan.data) if plan.data is not None else None,
+        metrics=Metrics.model_validate(metrics),
+        timings={"eval_s": time.perf_counter() - started},
+        environment=Environment(
+            device=str(device),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+        ),
+    )

@@ -8,93 +8,97 @@ from typing import Any
 
 from rich.table import Table
 
+from compressor.engine.refine import RefinementRecord
 from compressor.evaluation.throughput import rate_range, speedup_bounds
+from compressor.run.guard import GuardRecord
+from compressor.run.report_model import Metrics, RunReport, Sizes
+from compressor.training.distill import DistillationRecord
 
 
-def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
     """(quantity, baseline, pruned) rows shared by the Markdown and terminal tables."""
-    params = report["params"]
+    params = report.params
     rows = [
-        ("parameters", f"{params['baseline']:,}", f"{params['pruned']:,} ({params['ratio']:.1%})"),
+        ("parameters", f"{params.baseline:,}", f"{params.pruned:,} ({params.ratio:.1%})"),
         *transition_rows(report),
-        ("hidden width", str(report["model"]["hidden_size"]), kept_label(report)),
+        ("hidden width", str(report.model.hidden_size), kept_label(report)),
     ]
-    rows += speed_rows(report.get("size"), report.get("speed"))
-    metrics = report.get("metrics") or {}
-    if metrics:
-        rows.append(("perplexity", f"{metrics['baseline']['ppl']:.3f}", f"{metrics['pruned']['ppl']:.3f}"))
-        rows.append(("KL to original (nats/token)", "0", f"{metrics['pruned']['kl']:.5f}"))
-        if "unrefined" in metrics:
-            rows.append(("KL before refinement", "", f"{metrics['unrefined']['kl']:.5f}"))
-        if "undistilled" in metrics:
-            rows.append(("perplexity before distillation", "", f"{metrics['undistilled']['ppl']:.3f}"))
-            rows.append(("KL before distillation", "", f"{metrics['undistilled']['kl']:.5f}"))
-        rows += task_rows(metrics)
-    rows += refinement_rows(report.get("refinement"))
-    rows += guard_rows(report.get("guards"), "refinement")
-    rows += distillation_rows(report.get("distillation"))
-    return rows + timing_rows(report["timings"], report.get("fisher_autocast"))
+    rows += speed_rows(report.size, report.speed)
+    metrics = report.metrics
+    if metrics.baseline is not None and metrics.pruned is not None and metrics.pruned.kl is not None:
+        rows.append(("perplexity", f"{metrics.baseline.ppl:.3f}", f"{metrics.pruned.ppl:.3f}"))
+        rows.append(("KL to original (nats/token)", "0", f"{metrics.pruned.kl:.5f}"))
+        if metrics.unrefined is not None:
+            rows.append(("KL before refinement", "", f"{metrics.unrefined.kl:.5f}"))
+        if metrics.undistilled is not None:
+            rows.append(("perplexity before distillation", "", f"{metrics.undistilled.ppl:.3f}"))
+            rows.append(("KL before distillation", "", f"{metrics.undistilled.kl:.5f}"))
+    rows += task_rows(metrics)
+    rows += refinement_rows(report.refinement)
+    rows += guard_rows(report.guards, "refinement")
+    rows += distillation_rows(report.distillation)
+    return rows + timing_rows(report.timings, report.fisher_autocast)
 
 
-def transition_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+def transition_rows(report: RunReport) -> list[tuple[str, str, str]]:
     """The residual transitions' share of the pruned parameter count, labelled as parameters and
     placed under them (not under the hidden width, which it is no part of)."""
-    transitions = (report.get("allocation") or {}).get("transition_params")
+    transitions = report.allocation.transition_params
     if not transitions:
         return []
-    tied = (report.get("slicing") or {}).get("tie_head")
+    tied = report.slicing.tie_head
     label = "  of which residual transitions" + (" and the tied head's map" if tied else "") + " (parameters)"
     return [(label, "", f"{transitions:,}")]
 
 
-def refinement_rows(refinement: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+def refinement_rows(refinement: RefinementRecord | None) -> list[tuple[str, str, str]]:
     """The refinement objective before and after, both in the pruned column: the baseline column
     holds only the original model's figures, and the unrefined model is already a pruned one."""
-    if not refinement:
+    if refinement is None:
         return []
-    objective = f"calibration KL (refinement objective, top_k {refinement['options']['top_k']})"
+    objective = f"calibration KL (refinement objective, top_k {refinement.options['top_k']})"
     return [
-        (f"{objective} before refinement", "", f"{refinement['calibration_kl_before']:.5f}"),
-        (f"{objective} after refinement", "", f"{refinement['calibration_kl_after']:.5f} ({refinement['kept']})"),
+        (f"{objective} before refinement", "", f"{refinement.calibration_kl_before:.5f}"),
+        (f"{objective} after refinement", "", f"{refinement.calibration_kl_after:.5f} ({refinement.kept})"),
     ]
 
 
-def guard_rows(guards: list[dict[str, Any]] | None, step: str) -> list[tuple[str, str, str]]:
+def guard_rows(guards: list[GuardRecord], step: str) -> list[tuple[str, str, str]]:
     """The held-out guard of `step` (`run.guard`): the saved model's KL on windows the step did not
     train on, before and after it, and whether its result was kept."""
     rows = []
-    for guard in guards or []:
-        if guard["step"] == step:
-            verdict = "kept" if guard["kept"] else f"undone: the model from before {step} is saved"
+    for guard in guards:
+        if guard.step == step:
+            verdict = "kept" if guard.kept else f"undone: the model from before {step} is saved"
             rows.append(
                 (
-                    f"held-out KL before/after {step} ({guard['windows']} windows, guard)",
+                    f"held-out KL before/after {step} ({guard.windows} windows, guard)",
                     "",
-                    f"{guard['kl_before']:.5f} -> {guard['kl_after']:.5f} ({verdict})",
+                    f"{guard.kl_before:.5f} -> {guard.kl_after:.5f} ({verdict})",
                 )
             )
     return rows
 
 
-def distillation_rows(distillation: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+def distillation_rows(distillation: DistillationRecord | None) -> list[tuple[str, str, str]]:
     """The held-out KL before and at the kept checkpoint, and what the stage trained on."""
-    if not distillation:
+    if distillation is None:
         return []
-    top_k = distillation["options"]["top_k"]
-    objective = f"distillation held-out KL ({distillation['heldout_windows']} windows, top_k {top_k})"
-    stopped = ", stopped early" if distillation["stopped_early"] else ""
+    top_k = distillation.options["top_k"]
+    objective = f"distillation held-out KL ({distillation.heldout_windows} windows, top_k {top_k})"
+    stopped = ", stopped early" if distillation.stopped_early else ""
     return [
-        (f"{objective} before", "", f"{distillation['heldout_kl_before']:.5f}"),
+        (f"{objective} before", "", f"{distillation.heldout_kl_before:.5f}"),
         (
             f"{objective} kept",
             "",
-            f"{distillation['heldout_kl_best']:.5f} ({distillation['kept']}, step {distillation['best_step']})",
+            f"{distillation.heldout_kl_best:.5f} ({distillation.kept}, step {distillation.best_step})",
         ),
         (
             "distillation",
             "",
-            f"{distillation['method']}, {distillation['tokens'] / 1e6:.3g}M tokens, "
-            f"{distillation['steps']} steps{stopped}, {distillation['world_size']} process(es)",
+            f"{distillation.method}, {distillation.tokens / 1e6:.3g}M tokens, "
+            f"{distillation.steps} steps{stopped}, {distillation.world_size} process(es)",
         ),
     ]
 
@@ -116,19 +120,12 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     return rows
 
 
-def speed_rows(size: dict[str, Any] | None, speed: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+def speed_rows(size: Sizes | None, speed: dict[str, Any] | None) -> list[tuple[str, str, str]]:
     """Weight bytes, and prefill and decode tokens/s per batch size, of the baseline and pruned model."""
     rows = []
-    if size:
-        rows.append(
-            (
-                "weights (MB)",
-                *(
-                    f"{size[side]['weight_bytes'] / 1e6:,.2f}" if side in size else ""
-                    for side in ("baseline", "pruned")
-                ),
-            )
-        )
+    if size is not None:
+        sides = (size.baseline, size.pruned)
+        rows.append(("weights (MB)", *(f"{s.weight_bytes / 1e6:,.2f}" if s is not None else "" for s in sides)))
     if speed:
         any_side = speed.get("pruned") or speed.get("baseline")
         for phase in ("prefill", "decode"):
@@ -171,10 +168,10 @@ def _score(values: dict[str, Any], metric: str) -> str:
     return f"{value:.3f} ± {stderr:.3f}" if stderr is not None else f"{value:.3f}"
 
 
-def task_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
+def task_rows(metrics: Metrics) -> list[tuple[str, str, str]]:
     """One (task metric, baseline, pruned) row per lm-eval score, with its standard error."""
-    pruned = metrics.get("pruned", {}).get("tasks", {})
-    baseline = metrics.get("baseline", {}).get("tasks", {})
+    pruned = (metrics.pruned.tasks if metrics.pruned is not None else None) or {}
+    baseline = (metrics.baseline.tasks if metrics.baseline is not None else None) or {}
     rows = []
     for task, values in pruned.items():
         for metric in values:
@@ -185,11 +182,11 @@ def task_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def kept_label(report: dict[str, Any]) -> str:
+def kept_label(report: RunReport) -> str:
     """The kept width, or the range of per-site widths when an allocation chose them."""
-    if report.get("kept_width") is not None:
-        return str(report["kept_width"])
-    kept = [site["kept"] for site in report.get("sites", [])]
+    if report.kept_width is not None:
+        return str(report.kept_width)
+    kept = [site.kept for site in report.sites]
     return f"{min(kept)}–{max(kept)} by site" if kept else "by site"
 
 
@@ -197,25 +194,22 @@ def budget_label(sparsity: float | None, target_params: float | None) -> str:
     return f"sparsity {sparsity}" if sparsity is not None else f"target_params {target_params}"
 
 
-def title(report: dict[str, Any]) -> str:
-    chain = " + ".join(step["strategy"] for step in report["pipeline"])
-    method = (report.get("allocation") or {}).get("method", "uniform")
+def title(report: RunReport) -> str:
+    chain = " + ".join(step.strategy for step in report.pipeline)
+    method = report.allocation.method
     widths = "" if method == "uniform" else f", {method} widths"
-    if report.get("layout") == "global":
+    if report.layout == "global":
         widths += ", one basis (stock architecture)"
-    return (
-        f"{Path(report['model']['path']).name}: {chain} at "
-        f"{budget_label(report['sparsity'], report.get('target_params'))}{widths}"
-    )
+    return f"{Path(report.model.path).name}: {chain} at {budget_label(report.sparsity, report.target_params)}{widths}"
 
 
-def write_markdown(report: dict[str, Any], path: Path) -> None:
+def write_markdown(report: RunReport, path: Path) -> None:
     lines = [f"# {title(report)}", "", "| | baseline | pruned |", "|---|---:|---:|"]
     lines += [f"| {name} | {before} | {after} |" for name, before, after in summary_rows(report)]
     path.write_text("\n".join(lines) + "\n")
 
 
-def rich_table(report: dict[str, Any]) -> Table:
+def rich_table(report: RunReport) -> Table:
     table = Table(title=title(report))
     table.add_column("")
     table.add_column("baseline", justify="right")

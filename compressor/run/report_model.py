@@ -4,9 +4,9 @@ run's tables, `compress compare`, a sweep's plots and results) loads them back t
 renamed or misspelt field fails where it is written or read instead of as a `KeyError` later.
 
 Sections a step owns stay that step's type: the refinement, guard and distillation records are
-their dataclasses, `slicing` is the recipe's `SlicingSpec`. Two are free-form on purpose: `speed`
-(the nested measurement of `evaluation.throughput`, read only by `run.report.speed_rows`) and
-what an allocator adds to `allocation` (its own record: solver, predicted loss, curves).
+their dataclasses, `slicing` is the recipe's `SlicingSpec`. Free-form on purpose: `speed` (the
+nested measurement of `evaluation.throughput`, read only by `run.report.speed_rows`), `stock`
+(`models.stock.to_stock`'s record), a strategy's options and objectives, and lm-eval's scores.
 
 A field that a report leaves out (a metric not measured, a site without reader correction) is
 left out of the JSON too (`exclude_unset`), so the files read as they did when they were dicts.
@@ -43,14 +43,17 @@ class ModelInfo(_Section):
 
 
 class Allocation(_Section):
-    """How the widths were chosen; an allocator's own record (solver, predicted loss, curves) is kept beside."""
+    """How the widths were chosen; with an allocator, its record (`CurveAllocator.to_json`) too."""
 
-    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
     method: str
     budget: int
     predicted_params: int
     transition_params: int
     shared_sites: list[str]
+    solver: str | None = None
+    predicted_kl: float | None = None
+    curves: dict[str, dict[str, float]] | None = None
+    """Per site group: predicted KL at each candidate width."""
 
 
 class Parallel(_Section):
@@ -173,8 +176,9 @@ class RunReport(_Section):
         path.write_text(to_json(self))
 
     @classmethod
-    def read(cls, path: Path) -> RunReport:
+    def read(cls, path: Path | str) -> RunReport:
         """The report in `path`, or one line saying why it is not a run report of this version."""
+        path = Path(path)
         try:
             text = path.read_text()
         except OSError as error:
@@ -207,9 +211,12 @@ def to_json(report: BaseModel) -> str:
 
 
 def _first_error(error: ValidationError) -> str:
+    """The fields a report lacks (the first few), else its first wrong field."""
+    missing = [".".join(map(str, e["loc"])) for e in error.errors() if e["type"] == "missing"]
+    if missing:
+        return "no " + ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {first['msg']}" if where else first["msg"]
+    return f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
 
 
 def _version() -> str:

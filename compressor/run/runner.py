@@ -12,7 +12,6 @@ continues from there (`restart=True` discards it). Folders, lock and publishing 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 import shutil
@@ -52,6 +51,20 @@ from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources, heldout_batches, resolve_device
 from compressor.run.report import write_markdown
+from compressor.run.report_model import (
+    Allocation,
+    Environment,
+    Metrics,
+    ModelInfo,
+    ModelSize,
+    Parallel,
+    Params,
+    Resume,
+    RunReport,
+    Site,
+    Sizes,
+    Step,
+)
 from compressor.run.resume import (
     baseline_tasks_key,
     check_interrupted,
@@ -88,8 +101,9 @@ def run(
     resources: Resources | None = None,
     save_model: bool = True,
     warn: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Run a validated recipe; return the report (also written to `<output>/report.json`).
+) -> RunReport | None:
+    """Run a validated recipe; return the report (also written to `<output>/report.json`; None on
+    a data-parallel run's ranks above 0, which write nothing).
 
     A run to the same output that was killed or interrupted continues from its checkpoint
     when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
@@ -203,7 +217,7 @@ def _prune(
 
 def _follow(
     recipe: Recipe, checked: Plan, device: torch.device, ranks: Ranks, resources: Resources, report_progress: Progress
-) -> dict[str, Any]:
+) -> None:
     """A data-parallel run's rank above 0: the walk on its share of the calibration batches, its
     statistics summed with the others'; rank 0 writes the run folder and the checkpoint, which
     this rank only reads (to resume where rank 0 does)."""
@@ -245,7 +259,7 @@ def _follow(
             report_progress,
             ranks,
         )
-    return {"rank": ranks.rank, "world_size": ranks.world, "tokens_by_rank": result.tokens_by_rank}
+    return None
 
 
 def _stock_tied(checked: Plan) -> bool:
@@ -288,7 +302,7 @@ def _run_in(
     save_model: bool,
     ranks: Ranks,
     warn: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> RunReport:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
     stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
@@ -609,71 +623,69 @@ class _Stages:
         self.metrics = metrics
         del original
 
-    def write_report(self) -> dict[str, Any]:
+    def write_report(self) -> RunReport:
         """report.json, report.md, the recipe as run, and the distillation curve's plot."""
         recipe, checked, result, config, staging = self.recipe, self.checked, self.result, self.config, self.staging
+        layout = checked.layout
         pruned_params = parameter_count(self.pruned)
-        report = {
-            "compressor": compressor.__version__,
-            "model": {
-                "path": recipe.model.path,
-                "model_type": config.model_type,
-                "family": self.family.name,
-                "hidden_size": config.hidden_size,
-                "num_layers": config.num_hidden_layers,
-                "dtype": recipe.model.dtype,
-            },
-            "sparsity": recipe.sparsity,
-            "target_params": recipe.target_params,
-            "kept_width": checked.layout.kept,
-            "layout": recipe.slicing.layout,
-            "stock": self.stock
+        report = RunReport(
+            compressor=compressor.__version__,
+            model=ModelInfo(
+                path=recipe.model.path,
+                model_type=config.model_type,
+                family=self.family.name,
+                hidden_size=config.hidden_size,
+                num_layers=config.num_hidden_layers,
+                dtype=recipe.model.dtype,
+            ),
+            sparsity=recipe.sparsity,
+            target_params=recipe.target_params,
+            kept_width=layout.kept,
+            layout=recipe.slicing.layout,
+            stock=self.stock
             if self.stock is None or self.stock["head"] != "tied"
             else {**self.stock, "tied_fit": self.head_fit},
-            "rounding": checked.layout.rounding,
-            "allocation": {
-                "method": recipe.allocation.method,
-                "budget": checked.layout.budget,
-                "predicted_params": checked.layout.params.count(result.widths),
-                "transition_params": checked.layout.params.transition_params(result.widths),
-                "shared_sites": list(checked.layout.shared),
-                **(
-                    {k: v for k, v in result.allocation.items() if k not in ("widths", "budget", "params")}
-                    if result.allocation
-                    else {}
-                ),
-            },
-            "seed": recipe.seed,
-            "parallel": {"world_size": self.ranks.world, "tokens_by_rank": result.tokens_by_rank},
-            "pipeline": [{"strategy": s.strategy, "options": s.options} for s in recipe.pipeline],
-            "slicing": dataclasses.asdict(recipe.slicing),
-            "fingerprint": self.fingerprint,
-            "resumed_from": result.resumed_from,
-            "resume": {"sites_loaded": result.loaded_sites, "fisher_loaded": result.fisher_loaded},
-            "fisher_source": result.fisher_source,
-            "fisher_autocast": _autocast_name(recipe, self.device) if result.fisher_source is not None else None,
-            "refinement": self.refinement.to_json() if self.refinement is not None else None,
-            "guards": [guard.to_json() for guard in self.guards],
-            "distillation": self.distillation.to_json() if self.distillation is not None else None,
-            "metrics": self.metrics,
-            "params": {
-                "baseline": self.baseline_params,
-                "pruned": pruned_params,
-                "ratio": pruned_params / self.baseline_params,
-            },
-            "size": {"baseline": self.baseline_size, "pruned": model_size(self.pruned)},
-            "speed": self.speed,
-            "warnings": list(checked.warnings) + self.warnings,
-            "sites": [site.to_json() for site in result.sites],
-            "timings": self.timings,
-            "environment": {
-                "device": str(self.device),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "python": platform.python_version(),
-            },
-        }
-        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            rounding=layout.rounding,
+            allocation=Allocation.model_validate(
+                {
+                    "method": recipe.allocation.method,
+                    "budget": layout.budget,
+                    "predicted_params": layout.params.count(result.widths),
+                    "transition_params": layout.params.transition_params(result.widths),
+                    "shared_sites": list(layout.shared),
+                    # the allocator's record: its method ("curves"), solver, predicted KL and curves
+                    **{k: v for k, v in (result.allocation or {}).items() if k not in ("widths", "budget", "params")},
+                }
+            ),
+            seed=recipe.seed,
+            parallel=Parallel(world_size=self.ranks.world, tokens_by_rank=result.tokens_by_rank),
+            pipeline=[Step(strategy=s.strategy, options=s.options) for s in recipe.pipeline],
+            slicing=recipe.slicing,
+            fingerprint=self.fingerprint,
+            resumed_from=result.resumed_from,
+            resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=result.fisher_loaded),
+            fisher_source=result.fisher_source,
+            fisher_autocast=_autocast_name(recipe, self.device) if result.fisher_source is not None else None,
+            refinement=self.refinement,
+            guards=list(self.guards),
+            distillation=self.distillation,
+            metrics=Metrics.model_validate(self.metrics),
+            params=Params(
+                baseline=self.baseline_params, pruned=pruned_params, ratio=pruned_params / self.baseline_params
+            ),
+            size=Sizes(baseline=ModelSize(**self.baseline_size), pruned=ModelSize(**model_size(self.pruned))),
+            speed=self.speed,
+            warnings=list(checked.warnings) + self.warnings,
+            sites=[Site.model_validate(site.to_json()) for site in result.sites],
+            timings=self.timings,
+            environment=Environment(
+                device=str(self.device),
+                torch=torch.__version__,
+                transformers=transformers.__version__,
+                python=platform.python_version(),
+            ),
+        )
+        report.write(staging / "report.json")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         write_markdown(report, staging / "report.md")
         if self.distillation is not None:

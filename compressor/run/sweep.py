@@ -339,7 +339,7 @@ def run_sweep(
             )
             ran.append(point.name)
             finished.add(point.name)
-            computed += result["fisher_source"] == "computed"
+            computed += result is not None and result.fisher_source == "computed"
             write_results(sweep, *results_and_warnings(done()))
     except BaseException:
         if done():
@@ -350,7 +350,14 @@ def run_sweep(
     report("plotting", 0, 1)
     from compressor.evaluation.plots import sweep_plots
 
-    plots = sweep_plots(table, [read_report(Path(p.recipe.output)) for p in done()], list(sweep.grid), sweep.output)
+    reports = [read_report(Path(p.recipe.output)) for p in done()]
+    plots = sweep_plots(
+        table,
+        [[site.model_dump(exclude_unset=True) for site in r.sites] for r in reports],
+        [r.distillation.curve if r.distillation is not None else [] for r in reports],
+        list(sweep.grid),
+        sweep.output,
+    )
     return {
         "output": str(sweep.output),
         "runs": len(table),

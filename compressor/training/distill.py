@@ -423,7 +423,7 @@ class DistillationRecord:
     kept: str
     """"distilled", or "received" when no checkpoint beat the student as it came."""
     resumed_from_step: int | None
-    curve: list[dict[str, float]]
+    curve: list[dict[str, int | float]]
     """Held-out KL against step and tokens, from step 0 (the student as received)."""
     trainable_params: int
     merge_max_abs_diff: float | None

@@ -534,7 +534,10 @@ def test_compare_tabulates_runs_and_shows_the_options_that_differ(
     ("args", "message"),
     [
         (["compare", "{tmp}/nothing"], "is not a finished run"),
-        (["compare", "{run}"], "report.json is not a run report (no model, pipeline"),
+        (
+            ["compare", "{run}"],
+            f"report.json is not a run report of compressor {compressor.__version__} (no compressor, model",
+        ),
         (["compare", "{run}", "--output", "{tmp}/table.txt"], "--output must end in .md, .csv, .json"),
     ],
 )

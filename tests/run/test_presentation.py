@@ -14,6 +14,7 @@ import yaml
 from compressor.run import compare
 from compressor.run.compare import render, rows
 from compressor.run.report import summary_rows
+from tests.reports import report_dict, run_report
 
 RECIPE: dict[str, Any] = {
     "model": {"path": "/models/ref-llama", "dtype": "float32"},
@@ -29,21 +30,6 @@ RECIPE: dict[str, Any] = {
     "refinement": None,
     "seed": 0,
 }
-
-
-def _report(**changes: Any) -> dict[str, Any]:
-    report: dict[str, Any] = {
-        "model": {"path": "/models/ref-llama", "hidden_size": 256},
-        "pipeline": [{"strategy": "pca", "options": {}}],
-        "sparsity": 0.25,
-        "kept_width": 192,
-        "seed": 0,
-        "params": {"baseline": 1000, "pruned": 800, "ratio": 0.8},
-        "metrics": {"baseline": {"ppl": 30.167}, "pruned": {"ppl": 31.0, "kl": 0.02}},
-        "timings": {"data_s": 1.5, "load_s": 2.0, "fisher_s": 20.0, "prune_s": 7.0, "eval_s": 3.0},
-    }
-    report.update(changes)
-    return report
 
 
 def _run(folder: Path, report: dict[str, Any], recipe: dict[str, Any] | None = None) -> Path:
@@ -69,9 +55,9 @@ def _recipe(**dotted: Any) -> dict[str, Any]:
 
 
 def test_the_table_reports_shared_work_apart_from_the_prune_time(tmp_path: Path) -> None:
-    first = _run(tmp_path / "000", _report(), _recipe())
+    first = _run(tmp_path / "000", report_dict(), _recipe())
     shared = {"data_s": 0.0, "load_s": 0.1, "fisher_s": 0.0, "prune_s": 7.1}
-    second = _run(tmp_path / "001", _report(timings=shared), _recipe())
+    second = _run(tmp_path / "001", report_dict(timings=shared), _recipe())
     table = rows([first, second])
     assert [row["prune s"] for row in table] == [7.0, 7.1]
     assert table[0]["shared s"] == pytest.approx(1.5 + 2.0 + 20.0)  # the first run paid for the rest
@@ -82,17 +68,17 @@ def test_the_table_reports_shared_work_apart_from_the_prune_time(tmp_path: Path)
 
 
 def test_an_old_report_without_fisher_s_has_no_h_cell(tmp_path: Path) -> None:
-    old = _report(timings={"data_s": 1.0, "load_s": 2.0, "prune_s": 29.6})
+    old = report_dict(timings={"data_s": 1.0, "load_s": 2.0, "prune_s": 29.6})
     table = rows([_run(tmp_path / "old", old)])
     assert table[0]["shared s"] == pytest.approx(3.0)
     assert "H s" not in table[0]  # unknown, not zero: its prune_s still holds H
 
 
 def test_the_run_report_gives_h_its_own_row_when_the_run_computed_it() -> None:
-    rows_by_name = {name: (before, after) for name, before, after in summary_rows(_report())}
+    rows_by_name = {name: (before, after) for name, before, after in summary_rows(run_report())}
     assert rows_by_name["output sensitivity H (s)"] == ("", "20.0")
     assert rows_by_name["prune time (s)"] == ("", "7.0")
-    names = [name for name, _, _ in summary_rows(_report(timings={"fisher_s": 0.0, "prune_s": 7.0}))]
+    names = [name for name, _, _ in summary_rows(run_report(timings={"fisher_s": 0.0, "prune_s": 7.0}))]
     assert "output sensitivity H (s)" not in names  # H shared from an earlier run: nothing spent on it
 
 
@@ -100,10 +86,10 @@ def test_the_run_report_gives_h_its_own_row_when_the_run_computed_it() -> None:
 
 
 def test_compare_warns_when_runs_were_evaluated_on_different_windows(tmp_path: Path) -> None:
-    a = _run(tmp_path / "a", _report(), _recipe())
+    a = _run(tmp_path / "a", report_dict(), _recipe())
     b = _run(
         tmp_path / "b",
-        _report(metrics={"baseline": {"ppl": 20.314}, "pruned": {"ppl": 21.0, "kl": 0.01}}),
+        report_dict(metrics={"baseline": {"ppl": 20.314}, "pruned": {"ppl": 21.0, "kl": 0.01}}),
         _recipe(evaluation__num_samples=256),
     )
     warnings = compare.compare_runs([a, b])[1]
@@ -117,15 +103,17 @@ def test_compare_warns_when_runs_were_evaluated_on_different_windows(tmp_path: P
 
 def test_a_differing_baseline_perplexity_alone_is_warned_about(tmp_path: Path) -> None:
     """An old run without its recipe, or a data file edited between runs: the baseline shows it."""
-    a = _run(tmp_path / "a", _report())
-    b = _run(tmp_path / "b", _report(metrics={"baseline": {"ppl": 15.687}, "pruned": {"ppl": 16.0, "kl": 0.01}}))
+    a = _run(tmp_path / "a", report_dict())
+    b = _run(tmp_path / "b", report_dict(metrics={"baseline": {"ppl": 15.687}, "pruned": {"ppl": 16.0, "kl": 0.01}}))
     assert "baseline perplexity 30.167 vs 15.687" in " ".join(compare.compare_runs([a, b])[1])
 
 
 def test_runs_evaluated_alike_get_no_warning(tmp_path: Path) -> None:
     noise = {"baseline": {"ppl": 30.167 * (1 + 1e-7)}, "pruned": {"ppl": 40.0, "kl": 0.1}}
-    a = _run(tmp_path / "a", _report(), _recipe())
-    b = _run(tmp_path / "b", _report(metrics=noise, seed=1), _recipe(sparsity=0.5, seed=1, calibration__num_samples=64))
+    a = _run(tmp_path / "a", report_dict(), _recipe())
+    b = _run(
+        tmp_path / "b", report_dict(metrics=noise, seed=1), _recipe(sparsity=0.5, seed=1, calibration__num_samples=64)
+    )
     assert compare.compare_runs([a, b])[1] == []  # the seed changes no perplexity window
 
 
@@ -134,16 +122,18 @@ def test_a_seed_that_differs_is_warned_about_for_task_scores(tmp_path: Path) -> 
         "baseline": {"ppl": 30.167, "tasks": {"arc_easy": {"acc": 0.7}}},
         "pruned": {"ppl": 31.0, "kl": 0.02, "tasks": {"arc_easy": {"acc": 0.6}}},
     }
-    a = _run(tmp_path / "a", _report(metrics=tasks), _recipe())
-    b = _run(tmp_path / "b", _report(metrics=tasks, seed=1), _recipe(seed=1))
+    a = _run(tmp_path / "a", report_dict(metrics=tasks), _recipe())
+    b = _run(tmp_path / "b", report_dict(metrics=tasks, seed=1), _recipe(seed=1))
     (warning,) = compare.compare_runs([a, b])[1]
     assert "task scores" in warning and "seed 0 vs 1" in warning
 
 
 def test_the_table_shows_every_setting_that_differs(tmp_path: Path) -> None:
-    a = _run(tmp_path / "a", _report(), _recipe())
-    b = _run(tmp_path / "b", _report(), _recipe(calibration__num_samples=64, refinement={"windows": 8, "top_k": 64}))
-    c = _run(tmp_path / "c", _report(), _recipe(refinement={"windows": 16, "top_k": 64}))
+    a = _run(tmp_path / "a", report_dict(), _recipe())
+    b = _run(
+        tmp_path / "b", report_dict(), _recipe(calibration__num_samples=64, refinement={"windows": 8, "top_k": 64})
+    )
+    c = _run(tmp_path / "c", report_dict(), _recipe(refinement={"windows": 16, "top_k": 64}))
     table = rows([a, b, c])
     assert [row["calibration.num_samples"] for row in table] == [128, 64, 128]
     assert [row["refinement"] for row in table] == ["null", "set", "set"]  # one column for a section set or not
@@ -159,12 +149,15 @@ def test_the_table_shows_every_setting_that_differs(tmp_path: Path) -> None:
 
 def test_the_baseline_column_holds_no_pruned_figure() -> None:
     refinement = {
+        "steps": 10,
         "options": {"top_k": 64},
         "calibration_kl_before": 0.0123,
+        "calibration_kl_refined": 0.0045,
         "calibration_kl_after": 0.0045,
         "kept": "refined",
+        "seconds": 1.0,
     }
-    table = summary_rows(_report(refinement=refinement))
+    table = summary_rows(run_report(refinement=refinement))
     refined = [(name, before, after) for name, before, after in table if "calibration KL" in name]
     assert [before for _, before, _ in refined] == ["", ""]
     assert ["0.01230" in after for _, _, after in refined] == [True, False]
@@ -173,7 +166,7 @@ def test_the_baseline_column_holds_no_pruned_figure() -> None:
 
 
 def test_the_transitions_row_is_part_of_the_parameters() -> None:
-    report = _report(allocation={"transition_params": 4096}, slicing={"tie_head": None})
+    report = run_report(allocation={"transition_params": 4096}, slicing={"tie_head": None})
     names = [name for name, _, _ in summary_rows(report)]
     at = names.index("parameters")
     assert "residual transitions" in names[at + 1] and "(parameters)" in names[at + 1]

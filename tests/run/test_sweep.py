@@ -15,6 +15,7 @@ import yaml
 
 import compressor.engine.walk
 from compressor.cli import main
+from tests.reports import report_dict
 from tests.run.test_cli import write_recipe
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -240,8 +241,7 @@ def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_pa
         for t, kept, kl in ((0.75, 0.748, 0.02), (0.9, 0.897, 0.005))
     ]
     assert _lines(table, ["target_params"], "KL") == {"pca": [(0.748, 0.02, 0.02, 0.02), (0.897, 0.005, 0.005, 0.005)]}
-    reports = [{"sites": []}, {"sites": []}]
-    written = sweep_plots(table, reports, ["target_params"], tmp_path)
+    written = sweep_plots(table, [[], []], [[], []], ["target_params"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
     assert written[0].read_bytes().startswith(PNG)
 
@@ -249,16 +249,12 @@ def test_plots_of_runs_with_a_parameter_target_use_the_parameter_fraction(tmp_pa
 def _fake_run(folder: Path, num_samples: int, ppl: float, refinement: dict | None) -> None:
     """A finished run folder as compare reads it: its report and its saved recipe."""
     folder.mkdir(parents=True)
-    report = {
-        "model": {"path": "/m/ref-llama", "hidden_size": 64},
-        "pipeline": [{"strategy": "pca", "options": {}}],
-        "sparsity": 0.25,
-        "kept_width": 48,
-        "seed": 0,
-        "params": {"baseline": 10, "pruned": 8, "ratio": 0.8},
-        "metrics": {"baseline": {"ppl": ppl}, "pruned": {"ppl": ppl + 1, "kl": 0.01}},
-        "timings": {"data_s": 1.0, "load_s": 1.0, "fisher_s": 0.0, "prune_s": 2.0},
-    }
+    report = report_dict(
+        model={"path": "/m/ref-llama", "hidden_size": 64},
+        kept_width=48,
+        metrics={"baseline": {"ppl": ppl}, "pruned": {"ppl": ppl + 1, "kl": 0.01}},
+        timings={"data_s": 1.0, "load_s": 1.0, "fisher_s": 0.0, "prune_s": 2.0},
+    )
     (folder / "report.json").write_text(json.dumps(report))
     recipe = {
         "model": {"path": "/m/ref-llama"},
@@ -311,7 +307,7 @@ def test_a_grid_with_one_sparsity_plots_bars(tmp_path: Path) -> None:
         }
         for p, kl in (("pca", 0.02), ("sensitivity", 0.01))
     ]
-    written = sweep_plots(table, [{"sites": []}] * 2, ["sparsity", "pipeline"], tmp_path)
+    written = sweep_plots(table, [[], []], [[], []], ["sparsity", "pipeline"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png"]
     assert written[0].read_bytes().startswith(PNG)
 
@@ -335,12 +331,7 @@ def test_a_grid_of_distilled_runs_plots_their_heldout_curves(tmp_path: Path) -> 
         for method, kl in (("lora", 0.02), ("full", 0.01), (None, 0.03))
     ]
     curve = [{"step": 0, "tokens": 0, "kl": 0.03}, {"step": 10, "tokens": 40960, "kl": 0.02}]
-    reports = [
-        {"sites": [], "distillation": {"curve": curve}},
-        {"sites": [], "distillation": {"curve": curve[:1]}},
-        {"sites": [], "distillation": None},
-    ]
-    written = sweep_plots(table, reports, ["distillation.method"], tmp_path)
+    written = sweep_plots(table, [[], [], []], [curve, curve[:1], []], ["distillation.method"], tmp_path)
     assert [p.name for p in written] == ["kl_ppl_vs_sparsity.png", "distillation_heldout_kl.png"]
     assert written[1].read_bytes().startswith(PNG)
     figure = distillation_figure({"a": curve, "b": curve[:1]})
