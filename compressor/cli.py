@@ -485,6 +485,9 @@ def _strategies(console: Console) -> None:
     registry = PluginRegistry()
     rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in registry.strategies().items()]
     _print_table(console, "registered strategies", ("name", "plugin", "from", "description"), rows)
+    selectors = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.selectors().items()]
+    if selectors:
+        _print_table(console, "MLP neuron selectors", ("name", "plugin", "from", "description"), selectors)
     _note_skipped(console, registry)
 
 

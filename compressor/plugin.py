@@ -2,7 +2,9 @@
 
 This module is the stable API. A strategy plugin subclasses `Strategy`, receives a `SiteProblem`
 (its `SiteStatistics`) and the previous step's `Basis`, returns a `Basis`, declares its options as
-an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. A family
+an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. An MLP
+neuron selector subclasses `NeuronSelector`: a `NeuronProblem` in, a `NeuronChoice` out
+(`compressor_neuron_selectors` hook). A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
 models of that family load through the transformers Auto classes. The helpers are the linear
 algebra the built-in strategies share.
@@ -33,6 +35,7 @@ from compressor.strategies.contract import (
     removed_energy,
     tau_candidates,
 )
+from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
 from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
 
@@ -54,6 +57,9 @@ __all__ = [
     "FORBID",
     "Basis",
     "ModelFamily",
+    "NeuronChoice",
+    "NeuronProblem",
+    "NeuronSelector",
     "Number",
     "SiteProblem",
     "SiteStatistics",
@@ -71,4 +77,5 @@ __all__ = [
     "register_family",
     "removed_energy",
     "tau_candidates",
+    "top_k",
 ]

@@ -17,6 +17,7 @@ import pluggy
 from compressor.errors import UserError, did_you_mean
 from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
 from compressor.strategies.contract import Strategy
+from compressor.strategies.neuron_contract import NeuronSelector
 
 PROJECT = "compressor"
 ENTRY_POINT_GROUP = "compressor"
@@ -37,10 +38,21 @@ class CompressorHookSpecs:
     def compressor_model_families(self) -> list[ModelFamily]:
         """Return descriptions of model families (by `model_type`) this plugin supports."""
 
+    @hookspec
+    def compressor_neuron_selectors(self) -> list[NeuronSelector]:
+        """Return the MLP neuron selectors this plugin provides."""
+
 
 @dataclass(frozen=True)
 class RegisteredStrategy:
     strategy: Strategy
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredSelector:
+    selector: NeuronSelector
     plugin: str
     source: str
 
@@ -105,6 +117,7 @@ class PluginRegistry:
         for plugin in extra_plugins:
             self.manager.register(plugin)
         self._strategies = self._collect()
+        self._selectors = self._collect_selectors()
         self._families = self._collect_families()
 
     def _source(self, plugin: object) -> str:
@@ -123,6 +136,18 @@ class PluginRegistry:
                         f"'{found[strategy.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
                     )
                 found[strategy.name] = RegisteredStrategy(strategy, impl.plugin_name, self._source(impl.plugin))
+        return found
+
+    def _collect_selectors(self) -> dict[str, RegisteredSelector]:
+        found: dict[str, RegisteredSelector] = {}
+        for impl in self.manager.hook.compressor_neuron_selectors.get_hookimpls():
+            for selector in impl.function() or []:
+                if selector.name in found:
+                    raise UserError(
+                        f"neuron selector '{selector.name}' is provided twice, by plugins "
+                        f"'{found[selector.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
+                    )
+                found[selector.name] = RegisteredSelector(selector, impl.plugin_name, self._source(impl.plugin))
         return found
 
     def _collect_families(self) -> dict[str, RegisteredFamily]:
@@ -149,6 +174,18 @@ class PluginRegistry:
     def families(self) -> dict[str, RegisteredFamily]:
         """Every supported model_type and the family that describes it."""
         return dict(sorted(self._families.items()))
+
+    def selectors(self) -> dict[str, RegisteredSelector]:
+        """Every MLP neuron selector, by name."""
+        return dict(sorted(self._selectors.items()))
+
+    def selector(self, name: str) -> NeuronSelector:
+        if name not in self._selectors:
+            known = ", ".join(sorted(self._selectors)) or "none (is compressor installed?)"
+            raise UserError(
+                f"unknown neuron selector '{name}'{did_you_mean(name, self._selectors)}; registered selectors: {known}"
+            )
+        return self._selectors[name].selector
 
     def strategies(self) -> dict[str, RegisteredStrategy]:
         return dict(sorted(self._strategies.items()))

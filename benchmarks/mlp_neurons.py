@@ -1,0 +1,185 @@
+"""The MLP's width as the pruning axis (issue 34), measured alone: for each neuron selector, with
+and without the down projection's refit, at each kept fraction of the MLP's neurons, the pruned
+model's parameters, KL to the original and perplexity on held-out windows, and the prune time.
+`obs+H` is the output-aware selector given the output sensitivity H of each MLP's stream (from the
+H pass on the unpruned model); `obs` without it weighs the stream's coordinates alike.
+
+    python benchmarks/mlp_neurons.py                                  # ref-llama, ../shared data
+    python benchmarks/mlp_neurons.py --model benchmarks/results/smollm2-135m --fractions 0.5 0.75
+
+Writes benchmarks/results/mlp_neurons_<model>.json and .md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from compressor.engine.neurons import mlp_linears, prune_mlp
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.walk import WalkOptions, prune
+from compressor.evaluation.metrics import compare, parameter_count
+from compressor.models.families import family_for
+from compressor.models.layout import fixed_layout
+from compressor.models.sites import layer_site_ids, site_ids
+from compressor.recipe.schema import validate
+from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.run.loading import Resources
+from compressor.strategies.registry import PluginRegistry
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SHARED = ROOT.parent / "shared"
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=SHARED / "models" / "ref-llama")
+    parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
+    parser.add_argument("--heldout", type=int, default=32, help="held-out windows of 512 tokens (valid.jsonl)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.75], help="kept share of neurons")
+    parser.add_argument("--selectors", nargs="+", default=["magnitude", "leverage", "obs", "obs+H"])
+    parser.add_argument("--damping", type=float, default=1e-2)
+    parser.add_argument("--no-plain", action="store_true", help="only the refitted variants")
+    return parser.parse_args()
+
+
+def _mlp_sensitivity(resources: Resources, recipe: Any, calibration: list[Any], registry: PluginRegistry) -> dict:
+    """H of each layer's MLP stream (by layer index), from the H pass of a full-width walk."""
+    model = resources.model(recipe.model)
+    family = family_for(model.config.model_type)
+    layers, d = model.config.num_hidden_layers, model.config.hidden_size
+    layout = fixed_layout(model.config, family, dict.fromkeys(site_ids(family, layers), d))
+    step = registry.strategy("sensitivity")
+    result = prune(
+        model,
+        layout,
+        calibration,
+        [PipelineStep(step, step.parse_options({}))],
+        WalkOptions(sensitivity=SensitivityOptions(dtype="float32"), seed=recipe.seed),
+    )
+    assert result.fisher is not None
+    return {i: result.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}
+
+
+def main() -> None:
+    args = _args()
+    console = Console()
+    registry = PluginRegistry()
+    raw = {
+        "model": {"path": str(args.model.resolve()), "dtype": "float32"},
+        "calibration": {
+            "dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "calib.jsonl")},
+            "num_samples": args.calibration,
+            "seq_len": 512,
+        },
+        "pipeline": [{"strategy": "pca"}],  # unused: the recipe only carries the data and model settings here
+        "target_params": 0.75,
+        "evaluation": {
+            "dataset": {"path": "json", "data_files": str(SHARED / "corpus" / "valid.jsonl")},
+            "num_samples": args.heldout,
+            "seq_len": 512,
+            "throughput": False,
+        },
+        "output": str(RESULTS / "unused"),
+    }
+    recipe = validate(raw, ROOT, registry)
+    resources = Resources()
+    tokenizer = resources.tokenizer(recipe.model)
+    calibration = resources.batches(recipe.calibration, tokenizer, "calibration")
+    assert recipe.evaluation is not None
+    heldout = resources.batches(recipe.evaluation, tokenizer, "evaluation")
+    original = resources.model(recipe.model)
+    family = family_for(original.config.model_type)
+    width = mlp_linears(original.get_submodule(family.layers)[0], family)[1].in_features
+    device = torch.device("cpu")
+    sensitivity = None
+    if any(s.endswith("+H") for s in args.selectors):
+        console.log("H pass (full-width walk)")
+        sensitivity = _mlp_sensitivity(resources, recipe, calibration, registry)
+    rows: list[dict[str, Any]] = []
+    for fraction in args.fractions:
+        keep = int(round(fraction * width))
+        for name in args.selectors:
+            for refit in (True,) if args.no_plain else (True, False):
+                model = resources.model(recipe.model)
+                tick = time.perf_counter()
+                records = prune_mlp(
+                    model,
+                    family,
+                    calibration,
+                    keep,
+                    registry.selector(name.removesuffix("+H")),
+                    device,
+                    refit=refit,
+                    damping=args.damping,
+                    sensitivity=sensitivity if name.endswith("+H") else None,
+                )
+                seconds = time.perf_counter() - tick
+                figures = compare(original, model, heldout, device)["pruned"]
+                row = {
+                    "selector": name,
+                    "refit": refit,
+                    "kept": keep,
+                    "of": width,
+                    "params": parameter_count(model) / parameter_count(original),
+                    "kl": figures["kl"],
+                    "ppl": figures["ppl"],
+                    "prune_s": seconds,
+                    "output_error": sum(r.error_refit if refit else r.error_dropped for r in records) / len(records),
+                }
+                rows.append(row)
+                console.log(
+                    f"{name} refit={refit} kept {keep}/{width}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} "
+                    f"({seconds:.1f} s)"
+                )
+    baseline = compare(original, resources.model(recipe.model), heldout, device)["baseline"]["ppl"]
+    table = Table(title=f"{args.model.name}: MLP neurons only (original perplexity {baseline:.3f})")
+    columns = ("selector", "refit", "kept", "params", "KL", "ppl", "output error", "prune s")
+    for column in columns:
+        table.add_column(column, justify="right")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        cells = (
+            r["selector"],
+            "yes" if r["refit"] else "no",
+            f"{r['kept']}/{r['of']}",
+            f"{r['params']:.1%}",
+            f"{r['kl']:.5f}",
+            f"{r['ppl']:.3f}",
+            f"{r['output_error']:.4f}",
+            f"{r['prune_s']:.1f}",
+        )
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    console.print(table)
+    stem = RESULTS / f"mlp_neurons_{args.model.name}"
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "model": str(args.model),
+                "baseline_ppl": baseline,
+                "args": vars(args) | {"model": str(args.model)},
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

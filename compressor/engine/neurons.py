@@ -1,0 +1,218 @@
+"""The MLP's width as a pruning axis: per layer, keep `keep` of the `f` intermediate neurons and
+refit the down projection to what the dropped ones wrote.
+
+Layers are visited in stream order (`visit_layers`), on the model as already pruned before each
+one, as the walk visits residual sites. At a layer, the down projection's input h is measured over
+the calibration tokens (a pre-hook on that linear while the whole layer runs): C = E[h hᵀ] in
+float64, and each neuron's activation (Minitron's importance). A selector (a plugin,
+`strategies.neuron_contract.NeuronSelector`) chooses the kept set S. The input linears keep their
+rows in S (a fused gate_up projection the rows of S in each half), and the down projection W
+becomes W' = (W·C[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹: the least-squares map from the kept neurons to
+what all f wrote, on the calibration tokens, damped towards the kept weights (δ = `damping`·mean
+diag C; damped towards zero instead, as W·C[:,S]·(C[S,S] + δI)⁻¹, keeping every neuron would not
+give the model back). The layer then runs again, pruned, to
+give the next layer its input. C is f × f per layer, built on the run's device and dropped after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
+from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
+from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.models.sliced import SlicedDecoderLayer, family_mlp
+from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class NeuronRecord:
+    """What happened at one layer's MLP, for the report."""
+
+    layer: int
+    width: int
+    kept: int
+    tokens: int
+    selector: str
+    refit: bool
+    error_dropped: float
+    """Relative least-squares error of the MLP output with the kept neurons' weights as they were:
+    E‖W h − W[:,S] h_S‖² / E‖W h‖² on the calibration tokens."""
+    error_refit: float | None
+    """The same with the refitted weights W' (None without the refit)."""
+    objectives: dict[str, Any] = field(default_factory=dict)
+
+
+def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear], nn.Linear]:
+    """The layer's MLP input linears (they compute h) and its output linear (it reads h)."""
+    mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+    inputs = [mlp.get_submodule(path) for path in family.mlp_inputs]
+    output = mlp.get_submodule(family.mlp_output)
+    if not all(isinstance(m, nn.Linear) for m in (*inputs, output)):
+        raise UserError(f"{family.name}: the MLP's linears are not nn.Linear, so its neurons cannot be pruned")
+    return inputs, output  # type: ignore[return-value]
+
+
+class _MlpMoment:
+    """Running C = E[h hᵀ] and per-window mean |h| of the down projection's input."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.moment = SecondMoment(width, device)
+        self.window_means = torch.zeros(width, dtype=torch.float64, device=device)
+
+    def add(self, h: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        if h.dim() == 2:  # an MLP that flattens the batch's positions (OPT): back to (B, T, f)
+            h = h.reshape(*mask.shape, h.shape[-1])
+        self.moment.add(h, mask, count)
+        real = mask.to(h.device, torch.float64).unsqueeze(-1)  # (B, T, 1)
+        means = (h.abs().to(torch.float64) * real).sum(1) / real.sum(1).clamp_min(1.0)  # (B, f)
+        self.window_means += (means**2).sum(0)
+
+
+def refit_down(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, damping: float) -> torch.Tensor:
+    """W' = (W·C[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹ (float64): the down projection that best
+    reproduces, from the kept neurons alone, what every neuron wrote on the calibration tokens,
+    with a ridge δ towards the kept neurons' own weights (so keeping every neuron changes nothing,
+    and it is the refit the `obs` selector's downdates make)."""
+    C_SS = C[kept][:, kept] + damping * torch.eye(len(kept), dtype=C.dtype, device=C.device)
+    rhs = down @ C[:, kept] + damping * down[:, kept]  # d × m
+    return torch.linalg.solve(C_SS, rhs.T).T  # C_SS is symmetric: (C_SS⁻¹ rhsᵀ)ᵀ = rhs C_SS⁻¹
+
+
+def output_error(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, kept_down: torch.Tensor) -> float:
+    """E‖W h − W' h_S‖² / E‖W h‖² from C alone (W' reads the kept neurons)."""
+    full = torch.trace(down @ C @ down.T)
+    cross = torch.trace(down @ C[:, kept] @ kept_down.T)
+    own = torch.trace(kept_down @ C[kept][:, kept] @ kept_down.T)
+    return float((full - 2 * cross + own) / full) if full > 0 else 0.0
+
+
+def drop_neurons(inputs: list[nn.Linear], output: nn.Linear, kept: torch.Tensor, down: torch.Tensor) -> None:
+    """Keep rows `kept` of each input linear (of each f-row block of a fused one) and set the
+    output linear's weight to `down` (d × m), in place, in each module's dtype and device."""
+    width = output.in_features
+    for linear in inputs:
+        blocks = linear.out_features // width
+        rows = torch.cat([kept + block * width for block in range(blocks)]).to(linear.weight.device)
+        linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+        linear.out_features = len(rows)
+    output.weight = nn.Parameter(down.to(output.weight.device, output.weight.dtype).contiguous(), requires_grad=False)
+    output.in_features = len(kept)
+
+
+def _checked(choice: NeuronChoice, selector: NeuronSelector, problem: NeuronProblem) -> torch.Tensor:
+    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
+    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
+        raise UserError(
+            f"neuron selector '{selector.name}' returned {len(torch.unique(kept))} distinct neurons at layer "
+            f"{problem.layer}; it must return {problem.keep}"
+        )
+    if int(kept.min()) < 0 or int(kept.max()) >= problem.width:
+        raise UserError(f"neuron selector '{selector.name}' returned a neuron outside 0..{problem.width - 1}")
+    return torch.sort(kept).values
+
+
+@torch.no_grad()
+def prune_mlp(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    keep: int,
+    selector: NeuronSelector,
+    device: torch.device | str = "cpu",
+    *,
+    refit: bool = True,
+    damping: float = 1e-2,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    progress: Progress | None = None,
+    store: ActivationStore | None = None,
+) -> list[NeuronRecord]:
+    """Keep `keep` intermediate neurons in every layer's MLP of `model`, in place (see the module
+    docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
+    model's current coordinates) for selectors that use it. Returns one record per layer. The
+    model's config is not changed: the caller sets its MLP width where the saved class reads it."""
+    device = torch.device(device)
+    report = progress or (lambda *_: None)
+    if "H" in selector.requires and sensitivity is None:
+        raise UserError(f"neuron selector '{selector.name}' needs the output sensitivity H, which this run has not")
+    model.eval()
+    layers = len(decoder_layers(model, family))
+    inputs = capture_layer_inputs(model, family, batches, device, store or ActivationStore(device))
+    records: list[NeuronRecord] = []
+    try:
+        for index, layer in visit_layers(model, family, device):
+            report(f"MLP neurons: layer {index + 1}/{layers}", index, layers)
+            linears, output = mlp_linears(layer, family)
+            width = output.in_features
+            if not 0 < keep <= width:
+                raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
+            stats = _measure(layer, output, inputs, index, device)
+            C = stats.moment.value()
+            W = output.weight.detach().to(device, torch.float64)
+            problem = NeuronProblem(
+                layer=index,
+                keep=keep,
+                C=C,
+                activation=stats.window_means.sqrt(),
+                down=W,
+                damping=damping * float(torch.diagonal(C).mean()),
+                G=None if sensitivity is None else sensitivity[index].to(device, torch.float64),
+                tokens=stats.moment.tokens,
+            )
+            choice = selector.select(problem)
+            kept = _checked(choice, selector, problem).to(device)
+            plain = W[:, kept]
+            refitted = refit_down(W, C, kept, problem.damping) if refit else None
+            records.append(
+                NeuronRecord(
+                    layer=index,
+                    width=width,
+                    kept=keep,
+                    tokens=problem.tokens,
+                    selector=selector.name,
+                    refit=refit,
+                    error_dropped=output_error(W, C, kept, plain),
+                    error_refit=None if refitted is None else output_error(W, C, kept, refitted),
+                    objectives=dict(choice.objectives),
+                )
+            )
+            drop_neurons(linears, output, kept, refitted if refitted is not None else plain)
+            del C, W, problem, stats
+            for b in range(len(inputs)):  # the pruned layer gives the next one its input
+                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+        report(f"MLP neurons: layer {layers}/{layers}", layers, layers)
+    finally:
+        inputs.hidden.close()
+    return records
+
+
+def _measure(layer: nn.Module, output: nn.Linear, inputs: LayerInputs, index: int, device: torch.device) -> _MlpMoment:
+    """Run the layer on every stored batch (its output discarded), measuring the down projection's input."""
+    stats = _MlpMoment(output.in_features, device)
+    current: dict[str, Any] = {}
+
+    def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        stats.add(args[0], current["mask"], current["count"])
+
+    handle = output.register_forward_pre_hook(record)
+    try:
+        for b in range(len(inputs)):
+            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+    finally:
+        handle.remove()
+    return stats

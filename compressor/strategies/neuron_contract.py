@@ -1,0 +1,70 @@
+"""What an MLP neuron selector sees and returns: the contract of the second pruning axis.
+
+The engine (`engine.neurons`) hands a selector one `NeuronProblem` per decoder layer: statistics
+of the MLP's intermediate activation h (the f neurons the down projection reads) over the
+calibration tokens, the down projection's weight (what each neuron writes to the stream), and,
+when the run has it, the output sensitivity H of the stream the MLP writes to. The selector
+returns which `keep` neurons stay. Selectors register through the `compressor_neuron_selectors`
+hook, as strategies do, and know nothing about model families or weights beyond the problem.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class NeuronProblem:
+    """One layer's MLP: keep `keep` of its `width` intermediate neurons.
+
+    `C` is E[h hᵀ] (f × f, float64) over the counted calibration tokens, measured with the earlier
+    layers already pruned. `activation` is Minitron's importance of each neuron: the L2 norm over
+    windows of the mean |h| over a window's positions (f, float64). `down` is the down projection's
+    weight W (d × f, float64): neuron j writes W[:, j]·h_j. `G` is E[g gᵀ] (d × d, float64) of the
+    output KL's gradient at the stream the MLP writes to, in the stream's current coordinates, when
+    the run estimated it (None otherwise). `damping` is the absolute δ of the refit that follows
+    the choice, W' = (W·C[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹ (`engine.neurons.refit_down`).
+    """
+
+    layer: int
+    keep: int
+    C: torch.Tensor
+    activation: torch.Tensor
+    down: torch.Tensor
+    damping: float
+    G: torch.Tensor | None = None
+    tokens: int = 0
+
+    @property
+    def width(self) -> int:
+        return int(self.C.shape[0])
+
+
+@dataclass
+class NeuronChoice:
+    """The kept neurons (indices into the layer's f, any order) and the selector's own figures."""
+
+    kept: torch.Tensor
+    objectives: dict[str, Any] = field(default_factory=dict)
+
+
+class NeuronSelector(ABC):
+    """Chooses which of an MLP's neurons stay. `requires` names the statistics it cannot do
+    without ("H": the problem's `G`); a selector that can use G but does without leaves it empty."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def select(self, problem: NeuronProblem) -> NeuronChoice: ...
+
+
+def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The indices of the `keep` largest scores, ascending (ties broken by the lower index)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return torch.sort(order[:keep]).values

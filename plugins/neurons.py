@@ -1,0 +1,82 @@
+"""Built-in MLP neuron selectors (issue 34): which of a layer's intermediate neurons stay.
+
+- `magnitude` (Minitron): the neurons with the largest activation, the L2 norm over windows of
+  the mean |h| over a window's positions.
+- `leverage` (MoDeGPT): the largest ridge leverage scores [C(C + δI)⁻¹]_jj, how much of the span
+  of the calibration activations each neuron carries.
+- `obs` (output-aware, the paper's idea applied to neurons): greedy optimal-brain-surgeon removal.
+  Removing neuron j and refitting the rest costs ΔE_j = w_jᵀ G w_j / [(C_SS + δI)⁻¹]_jj, w_j its
+  down-projection column as refitted so far and G the output sensitivity H of the stream the MLP
+  writes to (the identity when the run has no H: then it is the least-squares output error).
+  Neurons go in blocks (1/32 of those to remove at a time), each followed by the exact refit of
+  the others and the downdate of the inverse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compressor.plugin import NeuronChoice, NeuronProblem, NeuronSelector, hookimpl, top_k
+
+BLOCKS = 32
+"""`obs` removes the neurons in this many blocks (fewer when fewer go)."""
+
+
+class Magnitude(NeuronSelector):
+    name = "magnitude"
+    description = "Minitron: keep the neurons with the largest activation (L2 over windows of mean |h|)"
+
+    def select(self, problem: NeuronProblem) -> NeuronChoice:
+        return NeuronChoice(top_k(problem.activation, problem.keep))
+
+
+class Leverage(NeuronSelector):
+    name = "leverage"
+    description = "MoDeGPT: keep the neurons with the largest ridge leverage [C(C + δI)⁻¹]_jj"
+
+    def select(self, problem: NeuronProblem) -> NeuronChoice:
+        C = problem.C
+        ridge = C + problem.damping * torch.eye(problem.width, dtype=C.dtype, device=C.device)
+        scores = torch.diagonal(torch.linalg.solve(ridge, C))
+        kept = top_k(scores, problem.keep)
+        total = float(scores.sum())
+        return NeuronChoice(kept, {"kept_leverage_share": float(scores[kept].sum()) / total if total > 0 else 0.0})
+
+
+class OptimalBrainSurgeon(NeuronSelector):
+    name = "obs"
+    description = "output-aware: greedy OBS removal, cost w_jᵀ H w_j / [(C_SS + δI)⁻¹]_jj with the refit"
+
+    def select(self, problem: NeuronProblem) -> NeuronChoice:
+        C, W, f = problem.C, problem.down.clone(), problem.width
+        eye = torch.eye(f, dtype=C.dtype, device=C.device)
+        P = torch.linalg.inv(C + problem.damping * eye)
+        alive = torch.ones(f, dtype=torch.bool, device=C.device)
+        remove = f - problem.keep
+        block = max(1, math.ceil(remove / BLOCKS))
+        predicted = 0.0
+        while remove > 0:
+            GW = W if problem.G is None else problem.G @ W
+            scores = (W * GW).sum(0) / torch.diagonal(P).clamp_min(1e-300)
+            scores[~alive] = math.inf
+            size = min(block, remove)
+            R = torch.topk(scores, size, largest=False).indices
+            P_RR = P[R][:, R]
+            W_R = W[:, R]
+            predicted += float(torch.trace(torch.linalg.solve(P_RR, W_R.T) @ (GW[:, R])))
+            step = torch.linalg.solve(P_RR, P[R])  # P_RR⁻¹ P_R,: (b × f)
+            W = W - W_R @ step  # the others refitted to what R wrote; W[:, R] becomes 0
+            P = P - P[:, R] @ step  # the inverse of the damped C over the neurons left
+            alive[R] = False
+            remove -= size
+        kept = torch.nonzero(alive).flatten()
+        return NeuronChoice(
+            kept, {"predicted_loss": predicted, "sensitivity": "H" if problem.G is not None else "none"}
+        )
+
+
+@hookimpl
+def compressor_neuron_selectors() -> list[NeuronSelector]:
+    return [Magnitude(), Leverage(), OptimalBrainSurgeon()]
