@@ -53,6 +53,9 @@ class ModelFamily:
     mlp: str = "mlp"
     mlp_inputs: tuple[str, ...] = ("gate_proj", "up_proj")
     mlp_output: str = "down_proj"
+    mlp_width: str | None = "intermediate_size"
+    """Config attribute of the MLP's intermediate width (the neurons `mlp:` prunes); None: not
+    described, so the family's MLP width is not pruned."""
     norm_eps: str = "rms_norm_eps"
     norm_offset: float = 0.0
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
@@ -212,6 +215,7 @@ OPT = ModelFamily(
     mlp_norm="final_layer_norm",
     mlp_inputs=("fc1",),
     mlp_output="fc2",
+    mlp_width="ffn_dim",
     layer_norm=True,
     extra_embeddings=("model.decoder.embed_positions",),
     build_mlp=_opt_mlp,
@@ -235,6 +239,7 @@ GPT2 = ModelFamily(
     mlp_norm="ln_2",
     mlp_inputs=("c_fc",),
     mlp_output="c_proj",
+    mlp_width=None,  # n_inner, usually null (4 × n_embd)
     norm_eps="layer_norm_epsilon",
     layer_norm=True,
     extra_embeddings=("transformer.wpe",),

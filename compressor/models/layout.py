@@ -6,6 +6,8 @@ allocator, the distillation check and the report all read this one object."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -47,6 +49,9 @@ class SlicedLayout:
     """The most parameters the pruned model may have."""
     rounding: dict[str, int] | None = None
     """When a budget decides a uniform width: what rounding it to `round_to` gave up."""
+    mlp_width: int | None = None
+    """The intermediate neurons every layer's MLP keeps (`mlp:`); None: the MLP is not pruned.
+    `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
 
     @property
     def reused(self) -> tuple[str, ...]:
@@ -101,10 +106,14 @@ def sliced_layout(
     sparsity: float | None = None,
     target_params: float | None = None,
     allocated: bool = False,
+    mlp_kept: float | None = None,
+    mlp_round_to: int = 1,
 ) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
-    widths within it (or none, `allocated`: an allocator chooses). Loads no weights."""
+    widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
+    fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
+    and the residual widths take what the budget leaves. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
@@ -124,7 +133,16 @@ def sliced_layout(
     if one_basis:
         check_stock(family, families)
     shared = shared_site_ids(family, layers, slice_head, tied) if shared_bases else []
-    params = stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
+    mlp_width = None if mlp_kept is None else kept_neurons(config, family, mlp_kept, mlp_round_to)
+
+    def param_model_of(config: PretrainedConfig) -> ParamModel:
+        return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
+
+    params = param_model_of(config)
+    if mlp_width is not None:  # every variant's MLP at the kept width; `original` stays the original's
+        params = dataclasses.replace(
+            param_model_of(with_mlp_width(config, family, mlp_width)), original=params.original
+        )
 
     def uniform(kept: int) -> dict[str, int]:
         return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
@@ -149,7 +167,7 @@ def sliced_layout(
     if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
         widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
         budget = param_model(config, family).count(widths)
-        if shared or tied or one_basis:  # fewer parameters to carry: the same budget keeps more width
+        if shared or tied or one_basis or mlp_width is not None:  # fewer parameters: the budget keeps more width
             widths, rounding = widest(budget)
     else:
         if target_params is None:
@@ -168,7 +186,35 @@ def sliced_layout(
         params=params,
         budget=budget,
         rounding=rounding,
+        mlp_width=mlp_width,
     )
+
+
+def kept_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, round_to: int = 1) -> int:
+    """The neurons every MLP keeps: `kept` itself, or (below 1) that fraction of the MLP's width
+    rounded down to a multiple of `round_to`; checked against the width."""
+    if family.mlp_width is None or getattr(config, family.mlp_width, None) is None:
+        raise UserError(
+            f"{config.model_type} models: this family does not describe its MLP's width "
+            f"(ModelFamily.mlp_width), so mlp: cannot prune it; remove mlp from the recipe"
+        )
+    width = int(getattr(config, family.mlp_width))
+    neurons = int(kept) if kept >= 1 else int(kept * width) // round_to * round_to
+    if not 0 < neurons <= width:
+        raise UserError(
+            f"mlp.kept {kept:g} keeps {neurons} of the MLP's {width} neurons; keep between 1 and {width}"
+            + (f" (a fraction is rounded down to a multiple of mlp.round_to={round_to})" if kept < 1 else "")
+        )
+    return neurons
+
+
+def with_mlp_width(config: PretrainedConfig, family: ModelFamily, neurons: int) -> PretrainedConfig:
+    """A copy of `config` whose MLPs have `neurons` intermediate neurons (what the saved model's
+    config says, and what its parameter count is counted from)."""
+    assert family.mlp_width is not None
+    changed = copy.deepcopy(config)
+    setattr(changed, family.mlp_width, neurons)
+    return changed
 
 
 def fixed_layout(

@@ -155,6 +155,28 @@ class RefinementSpec:
 
 
 @options(frozen=True, config=FORBID)
+class MlpSpec:
+    """The MLP's width as a second axis (`compressor.engine.neurons`): every layer keeps `kept` of
+    its intermediate neurons, chosen by `selector`, the down projection refitted to what the
+    dropped ones wrote; the residual width then takes what the budget leaves."""
+
+    kept: (
+        Annotated[Number, described("neurons kept per layer (a whole number), or a fraction of them below 1", gt=0)]
+        | None
+    ) = None
+    """Neurons every layer's MLP keeps (an integer), or that fraction of its width, rounded down
+    to a multiple of `round_to`."""
+    selector: StrictStr = "obs"
+    """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
+    surgeon weighed by H where the run estimated it), magnitude (Minitron), leverage (MoDeGPT)."""
+    refit: StrictBool = True
+    """Refit the down projection to what the dropped neurons wrote (least squares on the
+    calibration tokens); off: the kept neurons' weights as they were."""
+    damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", ge=0)] = 0.01
+    round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8
+
+
+@options(frozen=True, config=FORBID)
 class LoraSpec:
     """LoRA adapters (peft) on the student's linear layers, merged into its weights at the end."""
 
@@ -254,6 +276,9 @@ class Recipe:
     distillation: DistillationSpec | None = None
     """After slicing and refinement, train the pruned model's weights on the original's output
     distribution (off when absent); the saved architecture is unchanged."""
+    mlp: MlpSpec | None = None
+    """Prune the MLP's intermediate width too, under the same budget (off when absent: the residual
+    width alone, as SliceGPT)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe, in the same shape as the YAML it came from."""
@@ -548,6 +573,8 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
             "whose readers are its bases; turn one of them off"
         )
     check_layout(recipe)
+    if recipe.mlp is not None:
+        check_mlp(recipe.mlp, registry)
     calibration = check_data(recipe.calibration, "calibration", base)
     evaluation = check_evaluation(recipe.evaluation, "evaluation", base) if recipe.evaluation else None
     return dataclasses.replace(
@@ -561,6 +588,18 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         evaluation=evaluation,
         output=resolve_path(recipe.output, base),
     )
+
+
+def check_mlp(spec: MlpSpec, registry: PluginRegistry) -> None:
+    """`mlp.kept` is a whole number or a fraction below 1, and the selector is registered."""
+    if spec.kept is None:
+        raise UserError(
+            "mlp.kept: give the neurons every layer's MLP keeps (e.g. 1024) or a fraction of them (e.g. 0.75); "
+            "choosing the split between the residual and the MLP width is not built yet"
+        )
+    if spec.kept >= 1 and spec.kept != int(spec.kept):
+        raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
+    registry.selector(spec.selector)
 
 
 TRAINER_OWNED = (

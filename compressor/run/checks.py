@@ -18,6 +18,7 @@ from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
+from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
 
 
@@ -29,6 +30,8 @@ class Plan:
     layout: SlicedLayout
     pipeline: list[PipelineStep]
     allocator: CurveAllocator | None = None
+    selector: NeuronSelector | None = None
+    """`mlp`'s neuron selector (None without `mlp`)."""
     warnings: tuple[str, ...] = ()
     """What a run goes on with but its user should know (`budget_warnings`)."""
 
@@ -55,17 +58,25 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         allocated=recipe.allocation.method == "curves",
+        mlp_kept=recipe.mlp.kept if recipe.mlp is not None else None,
+        mlp_round_to=recipe.mlp.round_to if recipe.mlp is not None else 1,
     )
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
-    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here, not after loading
+    computed = required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
+    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
+    if selector is not None and "H" in selector.requires and "H" not in computed:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
+            f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
+        )
     check_evaluation_tasks(recipe)
     if recipe.distillation is not None:
         check_distillation(recipe, layout)
-    checked = Plan(layout, pipeline, allocator)
+    checked = Plan(layout, pipeline, allocator, selector)
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 

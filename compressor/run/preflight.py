@@ -121,6 +121,13 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
         )
+    if checked.layout.mlp_width is not None and checked.selector is not None:
+        family = checked.layout.family
+        assert family.mlp_width is not None
+        found.checked.append(
+            f"mlp: every MLP keeps {checked.layout.mlp_width} of its "
+            f"{getattr(checked.layout.config, family.mlp_width)} neurons ({checked.selector.name})"
+        )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
 

@@ -22,6 +22,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
         ("parameters", f"{params.baseline:,}", f"{params.pruned:,} ({params.ratio:.1%})"),
         *transition_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
+        *mlp_rows(report),
     ]
     rows += speed_rows(report.size, report.speed)
     metrics = report.metrics
@@ -49,6 +50,19 @@ def transition_rows(report: RunReport) -> list[tuple[str, str, str]]:
     tied = report.slicing.tie_head
     label = "  of which residual transitions" + (" and the tied head's map" if tied else "") + " (parameters)"
     return [(label, "", f"{transitions:,}")]
+
+
+def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """The MLP's width (`mlp`), with the selector and the mean output error it left per layer."""
+    if report.mlp is None:
+        return []
+    mlp = report.mlp
+    errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in mlp.layers]
+    how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {'refitted' if mlp.refit else 'not refitted'}"
+    return [
+        ("MLP width", str(mlp.of), f"{mlp.kept} ({how})"),
+        ("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"),
+    ]
 
 
 def refinement_rows(refinement: RefinementRecord | None) -> list[tuple[str, str, str]]:
@@ -113,6 +127,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
+    if "mlp_s" in timings:
+        rows.append(("MLP neurons time (s)", "", f"{timings['mlp_s']:.1f}"))
     if "distill_s" in timings:
         rows.append(("distillation time (s)", "", f"{timings['distill_s']:.1f}"))
     if "eval_s" in timings:

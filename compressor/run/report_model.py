@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from compressor.engine.neurons import NeuronRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.errors import UserError
 from compressor.recipe.schema import SlicingSpec
@@ -131,6 +132,19 @@ class Site(_Section):
     correction: dict[str, float] | None = None
 
 
+class MlpReport(_Section):
+    """`mlp`: the MLP's width, the second axis (`engine.neurons`)."""
+
+    kept: int
+    of: int
+    selector: str
+    refit: bool
+    damping: float
+    weighed_by_h: bool
+    """Whether the selector was given H of each MLP's stream (the walk estimated it)."""
+    layers: list[NeuronRecord]
+
+
 class Environment(_Section):
     device: str
     torch: str
@@ -163,6 +177,7 @@ class RunReport(_Section):
     refinement: RefinementRecord | None
     guards: list[GuardRecord]
     distillation: DistillationRecord | None
+    mlp: MlpReport | None = None
     metrics: Metrics
     params: Params
     size: Sizes

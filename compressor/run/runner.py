@@ -35,6 +35,7 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, save_bases
 from compressor.engine.checkpoint import DISTILLATION_FOLDER, Checkpoint, model_digest, tensor_digest
 from compressor.engine.fisher import autocast_dtype
+from compressor.engine.neurons import NeuronRecord, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord, refine_bases
 from compressor.engine.walk import PruneResult, WalkOptions, prune
@@ -44,9 +45,10 @@ from compressor.evaluation.plots import distillation_figure
 from compressor.evaluation.throughput import compare_speed, cost_note, model_size, report_settings
 from compressor.models.export import write_remote_code
 from compressor.models.families import ModelFamily
-from compressor.models.sites import EMBEDDING
+from compressor.models.layout import with_mlp_width
+from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
-from compressor.recipe.schema import Recipe
+from compressor.recipe.schema import MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources, heldout_batches, resolve_device
@@ -55,6 +57,7 @@ from compressor.run.report_model import (
     Allocation,
     Environment,
     Metrics,
+    MlpReport,
     ModelInfo,
     ModelSize,
     Parallel,
@@ -132,10 +135,17 @@ def run(
             raise UserError(
                 "distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 (or auto)"
             )
+    if recipe.mlp is not None and not save_model:
+        raise UserError(
+            "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
+            "set save_models: true, or remove mlp"
+        )
     ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:
             raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
+        if recipe.mlp is not None:
+            raise UserError("mlp runs in one process: remove mlp from the recipe, or launch one process")
         if resources is not None:
             raise UserError("a sweep's runs share their data and H in one process: launch it without torchrun")
         if ranks.rank > 0:
@@ -314,6 +324,9 @@ def _run_in(
     if recipe.refinement is not None:
         with stages.timed("refine_s"):
             stages.refine()
+    if recipe.mlp is not None:
+        with stages.timed("mlp_s"):
+            stages.prune_mlp()
     if recipe.distillation is not None:
         stages.to_student()
         with stages.timed("distill_s"):
@@ -375,6 +388,9 @@ class _Stages:
         self.refinement: RefinementRecord | None = None
         self.unrefined: PreTrainedModel | None = None
         self.stock: dict[str, Any] | None = None
+        self.neurons: list[NeuronRecord] = []
+        """`mlp`: what each layer's MLP kept."""
+        self.mlp_weighed_by_h = False
         self.distillation: DistillationRecord | None = None
         self.undistilled: dict[str, float] | None = None
         self.original: PreTrainedModel | None = None
@@ -515,6 +531,55 @@ class _Stages:
 
     def _head_stream(self) -> torch.Tensor | None:
         return head_stream(self.result.head_moment, self.bases[EMBEDDING])
+
+    def prune_mlp(self) -> None:
+        """ "MLP neurons": every MLP keeps the layout's neurons (`engine.neurons.prune_mlp`), chosen on
+        the model as the walk and refinement left it, weighed by H in each MLP's stream coordinates
+        where the walk estimated it; the model's config, and every later conversion, says the new width."""
+        spec, layout, selector = self.recipe.mlp, self.checked.layout, self.checked.selector
+        assert spec is not None and layout.mlp_width is not None and selector is not None and self.pruned is not None
+        sensitivity = self._mlp_sensitivity()
+        self.neurons = prune_mlp(
+            self.pruned,
+            self.family,
+            self.calibration,
+            layout.mlp_width,
+            selector,
+            self.device,
+            refit=spec.refit,
+            damping=spec.damping,
+            sensitivity=sensitivity,
+            progress=self.progress,
+        )
+        self.mlp_weighed_by_h = sensitivity is not None
+        self.config = with_mlp_width(self.config, self.family, layout.mlp_width)
+        assert self.family.mlp_width is not None
+        setattr(self.pruned.config, self.family.mlp_width, layout.mlp_width)
+
+    def _mlp_report(self, spec: MlpSpec) -> MlpReport:
+        assert self.checked.layout.mlp_width is not None and self.checked.selector is not None
+        return MlpReport(
+            kept=self.checked.layout.mlp_width,
+            of=self.neurons[0].width,
+            selector=self.checked.selector.name,
+            refit=spec.refit,
+            damping=spec.damping,
+            weighed_by_h=self.mlp_weighed_by_h,
+            layers=self.neurons,
+        )
+
+    def _mlp_sensitivity(self) -> dict[int, torch.Tensor] | None:
+        """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (VᵀHV with
+        V the site's kept basis); None when the walk did not estimate H, or where the MLP's output
+        does not land in the stream directly (a norm after the block)."""
+        fisher = self.result.fisher if self.result is not None else None
+        if fisher is None or self.family.mlp_post_norm is not None:
+            return None
+        layers = self.config.num_hidden_layers
+        sites = [layer_site_ids(self.family, i)[-1] for i in range(layers)]
+        return {
+            i: self.bases[site].T @ fisher[site].to(torch.float64) @ self.bases[site] for i, site in enumerate(sites)
+        }
 
     def to_student(self) -> None:
         """A global layout's student is what users load: the original class at the kept width."""
@@ -669,6 +734,7 @@ class _Stages:
             refinement=self.refinement,
             guards=list(self.guards),
             distillation=self.distillation,
+            **({} if recipe.mlp is None else {"mlp": self._mlp_report(recipe.mlp)}),
             metrics=Metrics.model_validate(self.metrics),
             params=Params(
                 baseline=self.baseline_params, pruned=pruned_params, ratio=pruned_params / self.baseline_params

@@ -1,0 +1,81 @@
+"""`mlp:` in a recipe (issue 34): the MLP's width pruned with the residual width under one budget,
+saved so that plain transformers loads it, reported; bad settings refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.cli import main
+from compressor.evaluation.metrics import parameter_count
+from tests.conftest import save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+
+
+def _report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_a_global_run_with_mlp_saves_the_original_class_at_both_widths(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """target_params 0.75 with half the MLP's neurons: the residual width takes what the budget
+    leaves (no narrower than without mlp; the tiny model's embeddings and the stock width's step of
+    16 leave it at 48 here), the parameter count is the plan's to the parameter, and the folder is a
+    plain Llama with hidden_size k and intermediate_size 64."""
+    common = dict(sparsity=_DELETE, target_params=0.75, slicing={"layout": "global"})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = write_recipe(tmp_path / "a", tiny_checkpoint, output=str(tmp_path / "plain"), **common)
+    assert main(["run", str(plain)]) == 0
+    recipe = write_recipe(tmp_path / "b", tiny_checkpoint, output=str(tmp_path / "mlp"), mlp={"kept": 0.5}, **common)
+    assert main(["run", str(recipe)]) == 0
+    report, without = _report(tmp_path / "mlp"), _report(tmp_path / "plain")
+    assert report["kept_width"] >= without["kept_width"]
+    assert report["params"]["pruned"] < without["params"]["pruned"]
+    assert report["params"]["pruned"] == report["allocation"]["predicted_params"] <= report["allocation"]["budget"]
+    assert report["mlp"]["kept"] == 64 and report["mlp"]["of"] == 128 and len(report["mlp"]["layers"]) == 2
+    assert not report["mlp"]["weighed_by_h"]  # a pca walk estimates no H
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mlp" / "model")
+    assert model.config.model_type == "llama" and model.config.intermediate_size == 64
+    assert model.config.hidden_size == report["kept_width"]
+    assert parameter_count(model) == report["params"]["pruned"]
+    assert "| MLP width | 128 | 64 (obs, refitted) |" in (tmp_path / "mlp" / "report.md").read_text()
+
+
+def test_a_per_site_run_with_mlp_weighs_by_h_and_reloads(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "sensitivity"}], mlp={"kept": 96})
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    assert report["mlp"]["weighed_by_h"] and report["mlp"]["kept"] == 96
+    assert all(layer["error_refit"] <= layer["error_dropped"] for layer in report["mlp"]["layers"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert model.config.intermediate_size == 96
+    assert {m.out_features for name, m in model.named_modules() if name.endswith("up_proj")} == {96}
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    ids = torch.randint(3, 100, (1, 12))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize(
+    ("mlp", "family", "message"),
+    [
+        ({"kept": 1.5}, "llama", "mlp.kept 1.5: give a whole number of neurons, or a fraction below 1"),
+        ({"kept": 200}, "llama", "mlp.kept 200 keeps 200 of the MLP's 128 neurons; keep between 1 and 128"),
+        ({"kept": 0.5, "selector": "obss"}, "llama", "unknown neuron selector 'obss' (did you mean 'obs'?)"),
+        ({}, "llama", "mlp.kept: give the neurons every layer's MLP keeps"),
+        ({"kept": 0.5}, "gpt2", "does not describe its MLP's width (ModelFamily.mlp_width)"),
+    ],
+)
+def test_bad_mlp_settings_are_one_line_and_write_nothing(
+    mlp: dict, family: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / family, family)
+    extra = {"slicing": {"slice_head": True}} if family == "gpt2" else {}
+    recipe = write_recipe(tmp_path, checkpoint, mlp=mlp, **extra)
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
