@@ -120,7 +120,14 @@ def load_sweep(path: Path, registry: PluginRegistry) -> Sweep:
             where = ", ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
             raise UserError(f"sweep run {name} ({where}): {error}") from None
         points.append(Point(name, values, recipe))
-    return Sweep(path, output, dict(grid), points, bool(raw.get("save_models", False)))
+    save_models = bool(raw.get("save_models", False))
+    pruned_mlp = next((p for p in points if p.recipe.mlp is not None), None)
+    if pruned_mlp is not None and not save_models:
+        raise UserError(
+            f"sweep run {pruned_mlp.name} prunes the MLP (mlp), whose pruned MLPs bases.safetensors cannot "
+            f"rebuild; set save_models: true in the sweep"
+        )
+    return Sweep(path, output, dict(grid), points, save_models)
 
 
 def check_output(sweep: Sweep) -> None:

@@ -79,3 +79,18 @@ def test_bad_mlp_settings_are_one_line_and_write_nothing(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_of_mlp_runs_without_saved_models_is_refused_before_work(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run without model/ is rebuilt from its bases, which do not hold the pruned MLPs."""
+    import yaml
+
+    write_recipe(tmp_path, tiny_checkpoint, mlp={"kept": 0.5})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": "recipe.yaml", "output": "sweep-out", "grid": {"sparsity": [0.25]}}))
+    assert main(["sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "prunes the MLP (mlp)" in err and "set save_models: true" in err and err.count("\n") == 1
+    assert not (tmp_path / "sweep-out").exists()
