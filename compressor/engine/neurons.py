@@ -12,6 +12,8 @@ what all f wrote, on the calibration tokens, damped towards the kept weights (δ
 diag C; damped towards zero instead, as W·C[:,S]·(C[S,S] + δI)⁻¹, keeping every neuron would not
 give the model back). The layer then runs again, pruned, to
 give the next layer its input. C is f × f per layer, built on the run's device and dropped after.
+Nothing here is checkpointed: a run killed in this stage reloads the walk's sites from its
+checkpoint and runs the stage again, to the same neurons and weights (it is deterministic).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
@@ -194,6 +197,7 @@ def prune_mlp(
             for b in range(len(inputs)):  # the pruned layer gives the next one its input
                 out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
                 inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+            faults.reached(f"mlp:{index}")
         report(f"MLP neurons: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()

@@ -573,6 +573,8 @@ class _Stages:
         V the site's kept basis); None when the walk did not estimate H, or where the MLP's output
         does not land in the stream directly (a norm after the block)."""
         fisher = self.result.fisher if self.result is not None else None
+        if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
+            fisher = self.checkpoint.load_fisher()
         if fisher is None or self.family.mlp_post_norm is not None:
             return None
         layers = self.config.num_hidden_layers

@@ -94,3 +94,26 @@ def test_a_sweep_of_mlp_runs_without_saved_models_is_refused_before_work(
     err = capsys.readouterr().err
     assert "prunes the MLP (mlp)" in err and "set save_models: true" in err and err.count("\n") == 1
     assert not (tmp_path / "sweep-out").exists()
+
+
+def test_a_run_killed_while_pruning_the_mlp_resumes_to_a_bit_identical_model(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """SIGKILL after the first layer's MLP: the walk's sites come back from the checkpoint and the
+    stage runs again, to the model an uninterrupted run saves, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from tests.run.test_resume import compress
+
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}], mlp={"kept": 0.5}
+    )
+    done = compress(recipe, tmp_path / "whole")
+    assert done.returncode == 0, done.stderr
+    killed = compress(recipe, tmp_path / "run", kill="mlp:0")
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["resume"]["sites_loaded"] == 5
+    whole, again = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("whole", "run"))
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
