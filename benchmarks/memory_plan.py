@@ -214,6 +214,11 @@ def plan(
     bases = sites * d * keep * 8
     capture_device = 2 * m["embedding_params"] + batch * seq_len * d * 2 * 2
     pruned_weights = weights * (1 - sparsity)  # close enough for the evaluation row
+    f = values["intermediate_size"]
+    # `mlp:` (engine.neurons), computed: one layer (bf16), one batch's stream and MLP activation, C, the
+    # obs selector's inverse P and its downdate's product (f x f float64 each), the down projection and
+    # its refit (d x f float64 each).
+    mlp_device = 2 * m["layer_params"] + 2 * batch * seq_len * (d + f) * 2 + 3 * f * f * 8 + 2 * d * f * 8
     return {
         "model": name,
         "params": m["params"],
@@ -224,12 +229,14 @@ def plan(
             "capture": capture_device / GiB,
             "H pass (layer-wise, recompute)": m["fisher_device"] / GiB,
             "walk (one layer, one batch)": m["walk_device"] / GiB,
+            "mlp: neurons (one layer, computed)": mlp_device / GiB,
             "evaluation (both models on the device)": (weights + pruned_weights) / GiB,
         },
         "host_GiB": {
             "capture": (weights + store + position_embeddings) / GiB,
             "H pass (layer-wise, recompute)": (weights + store + position_embeddings + stored + fisher_totals) / GiB,
             "walk (one layer, one batch)": (weights + store + position_embeddings + fisher_totals + bases) / GiB,
+            "mlp: neurons (one layer, computed)": (weights + store + position_embeddings) / GiB,
         },
     }
 
