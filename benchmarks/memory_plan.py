@@ -215,9 +215,9 @@ def plan(
     capture_device = 2 * m["embedding_params"] + batch * seq_len * d * 2 * 2
     pruned_weights = weights * (1 - sparsity)  # close enough for the evaluation row
     f = values["intermediate_size"]
-    # `mlp:` (engine.neurons), computed: one layer (bf16), one batch's stream and MLP activation, C, the
-    # obs selector's inverse P and its downdate's product (f x f float64 each), the down projection and
-    # its refit (d x f float64 each).
+    # `mlp:` (engine.neurons), computed: one layer (bf16), one batch's stream and MLP activation, and at
+    # the peak three f x f float64 matrices (C, C + δI and its inverse P while obs inverts it; C and P
+    # after, P downdated in place), the down projection and its refit (d x f float64 each).
     mlp_device = 2 * m["layer_params"] + 2 * batch * seq_len * (d + f) * 2 + 3 * f * f * 8 + 2 * d * f * 8
     return {
         "model": name,

@@ -1,7 +1,8 @@
 """Built-in MLP neuron selectors (issue 34): which of a layer's intermediate neurons stay.
 
-- `magnitude` (Minitron): the neurons with the largest activation, the L2 norm over windows of
-  the mean |h| over a window's positions.
+- `magnitude` (Minitron-style): the neurons with the largest activation, the L2 norm over windows
+  of the mean |h| over a window's positions (Minitron scores the first linear's output; this
+  scores the down projection's input, the activation the refit reads).
 - `leverage` (MoDeGPT): the largest ridge leverage scores [C(C + δI)⁻¹]_jj, how much of the span
   of the calibration activations each neuron carries.
 - `obs` (output-aware, the paper's idea applied to neurons): greedy optimal-brain-surgeon removal.
@@ -26,7 +27,7 @@ BLOCKS = 32
 
 class Magnitude(NeuronSelector):
     name = "magnitude"
-    description = "Minitron: keep the neurons with the largest activation (L2 over windows of mean |h|)"
+    description = "Minitron-style: keep the neurons with the largest activation (L2 over windows of mean |h|)"
 
     def select(self, problem: NeuronProblem) -> NeuronChoice:
         return NeuronChoice(top_k(problem.activation, problem.keep))
@@ -38,8 +39,7 @@ class Leverage(NeuronSelector):
 
     def select(self, problem: NeuronProblem) -> NeuronChoice:
         C = problem.C
-        ridge = C + problem.damping * torch.eye(problem.width, dtype=C.dtype, device=C.device)
-        scores = torch.diagonal(torch.linalg.solve(ridge, C))
+        scores = torch.diagonal(torch.linalg.solve(_damped(C, problem.damping), C))
         kept = top_k(scores, problem.keep)
         total = float(scores.sum())
         return NeuronChoice(kept, {"kept_leverage_share": float(scores[kept].sum()) / total if total > 0 else 0.0})
@@ -51,8 +51,7 @@ class OptimalBrainSurgeon(NeuronSelector):
 
     def select(self, problem: NeuronProblem) -> NeuronChoice:
         C, W, f = problem.C, problem.down.clone(), problem.width
-        eye = torch.eye(f, dtype=C.dtype, device=C.device)
-        P = torch.linalg.inv(C + problem.damping * eye)
+        P = torch.linalg.inv(_damped(C, problem.damping))
         alive = torch.ones(f, dtype=torch.bool, device=C.device)
         remove = f - problem.keep
         block = max(1, math.ceil(remove / BLOCKS))
@@ -67,14 +66,21 @@ class OptimalBrainSurgeon(NeuronSelector):
             W_R = W[:, R]
             predicted += float(torch.trace(torch.linalg.solve(P_RR, W_R.T) @ (GW[:, R])))
             step = torch.linalg.solve(P_RR, P[R])  # P_RR⁻¹ P_R,: (b × f)
-            W = W - W_R @ step  # the others refitted to what R wrote; W[:, R] becomes 0
-            P = P - P[:, R] @ step  # the inverse of the damped C over the neurons left
+            W.addmm_(W_R, step, alpha=-1)  # the others refitted to what R wrote; W[:, R] becomes 0
+            P.addmm_(P[:, R], step, alpha=-1)  # the inverse of the damped C over the neurons left (in place)
             alive[R] = False
             remove -= size
         kept = torch.nonzero(alive).flatten()
         return NeuronChoice(
             kept, {"predicted_loss": predicted, "sensitivity": "H" if problem.G is not None else "none"}
         )
+
+
+def _damped(C: torch.Tensor, damping: float) -> torch.Tensor:
+    """C + δI, without an f × f identity beside it."""
+    damped = C.clone()
+    damped.diagonal().add_(damping)
+    return damped
 
 
 @hookimpl

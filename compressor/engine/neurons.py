@@ -163,7 +163,9 @@ def prune_mlp(
             if not 0 < keep <= width:
                 raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
             stats = _measure(layer, output, inputs, index, device)
-            C = stats.moment.value()
+            if stats.moment.tokens == 0:
+                raise ValueError("no calibration tokens were counted (all positions masked)")
+            C = stats.moment.total.div_(stats.moment.tokens)  # in place: f × f float64 is large
             W = output.weight.detach().to(device, torch.float64)
             problem = NeuronProblem(
                 layer=index,

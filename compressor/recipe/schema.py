@@ -168,11 +168,13 @@ class MlpSpec:
     to a multiple of `round_to`."""
     selector: StrictStr = "obs"
     """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
-    surgeon weighed by H where the run estimated it), magnitude (Minitron), leverage (MoDeGPT)."""
+    surgeon weighed by H where the walk estimated it, except for families with a norm after the
+    MLP, e.g. Gemma2), magnitude (Minitron-style), leverage (MoDeGPT)."""
     refit: StrictBool = True
     """Refit the down projection to what the dropped neurons wrote (least squares on the
     calibration tokens); off: the kept neurons' weights as they were."""
-    damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", ge=0)] = 0.01
+    damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
+    """Above 0: a neuron that never fires (common after a ReLU) leaves C singular without it."""
     round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8
 
 

@@ -17,7 +17,7 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -270,6 +270,30 @@ def _follow(
             ranks,
         )
     return None
+
+
+class _StreamSensitivity(Mapping[int, torch.Tensor]):
+    """RᵀHR of each layer's MLP stream (d × d H, R d × k), computed on the device when the MLP
+    stage reaches that layer, so no layer's k × k matrix waits in host memory for its turn."""
+
+    def __init__(
+        self,
+        fisher: Mapping[str, torch.Tensor],
+        readers: dict[int, torch.Tensor],
+        sites: list[str],
+        device: torch.device,
+    ) -> None:
+        self.fisher, self.readers, self.sites, self.device = fisher, readers, sites, device
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        R = self.readers[layer].to(self.device, torch.float64)
+        return R.T @ self.fisher[self.sites[layer]].to(self.device, torch.float64) @ R
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.sites)))
+
+    def __len__(self) -> int:
+        return len(self.sites)
 
 
 def _stock_tied(checked: Plan) -> bool:
@@ -550,7 +574,9 @@ class _Stages:
             damping=spec.damping,
             sensitivity=sensitivity,
             progress=self.progress,
+            store=ActivationStore(self.device, self.recipe.activations, self.staging / SCRATCH_FOLDER),
         )
+        self.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
         self.mlp_weighed_by_h = sensitivity is not None
         self.config = with_mlp_width(self.config, self.family, layout.mlp_width)
         assert self.family.mlp_width is not None
@@ -568,20 +594,21 @@ class _Stages:
             layers=self.neurons,
         )
 
-    def _mlp_sensitivity(self) -> dict[int, torch.Tensor] | None:
-        """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (VᵀHV with
-        V the site's kept basis); None when the walk did not estimate H, or where the MLP's output
-        does not land in the stream directly (a norm after the block)."""
+    def _mlp_sensitivity(self) -> _StreamSensitivity | None:
+        """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (RᵀHR with
+        R what reads the site's kept coordinates: its basis, or its reader map with corrected
+        readers); None when the walk did not estimate H, or where the MLP's output does not land
+        in the stream directly (a norm after the block)."""
         fisher = self.result.fisher if self.result is not None else None
         if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
             fisher = self.checkpoint.load_fisher()
         if fisher is None or self.family.mlp_post_norm is not None:
             return None
-        layers = self.config.num_hidden_layers
-        sites = [layer_site_ids(self.family, i)[-1] for i in range(layers)]
-        return {
-            i: self.bases[site].T @ fisher[site].to(torch.float64) @ self.bases[site] for i, site in enumerate(sites)
-        }
+        readers = (self.result.readers if self.result is not None else None) or {}
+        sites = [layer_site_ids(self.family, i)[-1] for i in range(self.config.num_hidden_layers)]
+        return _StreamSensitivity(
+            fisher, {i: readers.get(site, self.bases[site]) for i, site in enumerate(sites)}, sites, self.device
+        )
 
     def to_student(self) -> None:
         """A global layout's student is what users load: the original class at the kept width."""

@@ -24,7 +24,7 @@ def _selector(name: str) -> NeuronSelector:
     return PluginRegistry().selector(name)
 
 
-@pytest.mark.parametrize("family_name", ["llama", "phi3", "opt", "gpt2", "phi"])
+@pytest.mark.parametrize("family_name", ["llama", "phi3", "gemma2", "opt", "gpt2", "phi"])
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_keeping_every_neuron_gives_the_model_back(family_name: str, selector: str) -> None:
     """S = all neurons, refitted with the default damping: the logits to float round-off (gated,
