@@ -8,9 +8,10 @@ never imported); unset, every installed plugin loads. `compress strategies` show
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 import pluggy
 
@@ -127,27 +128,23 @@ class PluginRegistry:
         return getattr(plugin, "__name__", type(plugin).__name__)
 
     def _collect(self) -> dict[str, RegisteredStrategy]:
-        found: dict[str, RegisteredStrategy] = {}
-        for impl in self.manager.hook.compressor_strategies.get_hookimpls():
-            for strategy in impl.function() or []:
-                if strategy.name in found:
-                    raise UserError(
-                        f"strategy '{strategy.name}' is provided twice, by plugins "
-                        f"'{found[strategy.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
-                    )
-                found[strategy.name] = RegisteredStrategy(strategy, impl.plugin_name, self._source(impl.plugin))
-        return found
+        return self._collect_named(self.manager.hook.compressor_strategies, "strategy", RegisteredStrategy)
 
     def _collect_selectors(self) -> dict[str, RegisteredSelector]:
-        found: dict[str, RegisteredSelector] = {}
-        for impl in self.manager.hook.compressor_neuron_selectors.get_hookimpls():
-            for selector in impl.function() or []:
-                if selector.name in found:
+        return self._collect_named(self.manager.hook.compressor_neuron_selectors, "neuron selector", RegisteredSelector)
+
+    def _collect_named(self, hook: Any, kind: str, entry: Callable[[Any, str, str], Any]) -> dict[str, Any]:
+        """What each implementation of `hook` provides, by name, as `entry(item, plugin, source)`;
+        one name from two plugins is refused."""
+        found: dict[str, Any] = {}
+        for impl in hook.get_hookimpls():
+            for item in impl.function() or []:
+                if item.name in found:
                     raise UserError(
-                        f"neuron selector '{selector.name}' is provided twice, by plugins "
-                        f"'{found[selector.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
+                        f"{kind} '{item.name}' is provided twice, by plugins "
+                        f"'{found[item.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
                     )
-                found[selector.name] = RegisteredSelector(selector, impl.plugin_name, self._source(impl.plugin))
+                found[item.name] = entry(item, impl.plugin_name, self._source(impl.plugin))
         return found
 
     def _collect_families(self) -> dict[str, RegisteredFamily]:
