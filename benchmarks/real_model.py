@@ -61,26 +61,36 @@ STOCK = {
 }
 """recipes/ref_llama_stock.yaml's strategy and refinement (its `sensitivity.autocast` left out: float32)."""
 
+DISTILLATION = {
+    "tokens": 131072,
+    "seq_len": 512,
+    "batch_size": 4,
+    "method": "full",
+    "lr": 1e-4,
+    "top_k": 64,
+    "heldout_windows": 16,
+    "eval_every": 16,
+    "patience": 3,
+}
+"""recipes/ref_llama_stock.yaml's recovery distillation."""
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "global-beyond-tied": {"slicing": {"layout": "global", "tie_head": True}, **STOCK},
     "global-beyond-untied": {"slicing": {"layout": "global", "tie_head": False}, **STOCK},
     "per-site-pca": {"slicing": {"layout": "per_site"}, "pipeline": [{"strategy": "pca"}]},
+    "global-beyond-tied-mlp": {"slicing": {"layout": "global", "tie_head": True}, **STOCK, "mlp": {}},
+    "global-beyond-tied-mlp-distilled": {
+        "slicing": {"layout": "global", "tie_head": True},
+        **STOCK,
+        "mlp": {},
+        "distillation": DISTILLATION,
+    },
     "global-pca-tied": {"slicing": {"layout": "global", "tie_head": True}, "pipeline": [{"strategy": "pca"}]},
     "global-pca-untied": {"slicing": {"layout": "global", "tie_head": False}, "pipeline": [{"strategy": "pca"}]},
     "global-beyond-tied-distilled": {
         "slicing": {"layout": "global", "tie_head": True},
         **STOCK,
-        "distillation": {
-            "tokens": 131072,
-            "seq_len": 512,
-            "batch_size": 4,
-            "method": "full",
-            "lr": 1e-4,
-            "top_k": 64,
-            "heldout_windows": 16,
-            "eval_every": 16,
-            "patience": 3,
-        },
+        "distillation": DISTILLATION,
     },
 }
 """The table's runs. A `beyond` run's unrefined model is global sensitivity (its walk) and is
@@ -316,32 +326,34 @@ def table(args: argparse.Namespace) -> None:
             phase_logger(console, name),
             overwrite=True,
             resources=resources,
-            save_model=recipe.distillation is not None,
+            save_model=recipe.distillation is not None or recipe.mlp is not None,
             warn=lambda line: console.print(f"warning: {line}"),
         )
-        metrics, guards = report["metrics"], report.get("guards") or []
-        before = metrics.get("unrefined", metrics["pruned"])
+        assert report is not None
+        metrics = report.metrics
+        assert metrics.pruned is not None and metrics.baseline is not None
+        before = metrics.unrefined or metrics.pruned
+        stock = report.stock
         rows.append(
             {
                 "run": name,
-                "width": report["stock"]["hidden_size"] if report["stock"] else report["kept_width"],
-                "head": (
-                    report["stock"]["head"]
-                    + (f" ({report['stock']['tied_fit']})" if "tied_fit" in report["stock"] else "")
-                )
-                if report["stock"]
+                "width": stock["hidden_size"] if stock else report.kept_width,
+                "mlp_kept": report.mlp.kept if report.mlp else None,
+                "split": report.mlp.split.model_dump() if report.mlp and report.mlp.split else None,
+                "head": (stock["head"] + (f" ({stock['tied_fit']})" if "tied_fit" in stock else ""))
+                if stock
                 else "untied (per site)",
-                "params_ratio": report["params"]["ratio"],
-                "baseline_ppl": metrics["baseline"]["ppl"],
-                "kl_before": before["kl"],
-                "ppl_before": before["ppl"],
-                "kl_undistilled": metrics.get("undistilled", {}).get("kl"),
-                "ppl_undistilled": metrics.get("undistilled", {}).get("ppl"),
-                "kl": metrics["pruned"]["kl"],
-                "ppl": metrics["pruned"]["ppl"],
-                "refinement": report["refinement"],
-                "guards": guards,
-                "timings": report["timings"],
+                "params_ratio": report.params.ratio,
+                "baseline_ppl": metrics.baseline.ppl,
+                "kl_before": before.kl,
+                "ppl_before": before.ppl,
+                "kl_undistilled": metrics.undistilled.kl if metrics.undistilled else None,
+                "ppl_undistilled": metrics.undistilled.ppl if metrics.undistilled else None,
+                "kl": metrics.pruned.kl,
+                "ppl": metrics.pruned.ppl,
+                "refinement": report.refinement.to_json() if report.refinement else None,
+                "guards": [guard.to_json() for guard in report.guards],
+                "timings": report.timings,
             }
         )
     result = {
@@ -357,6 +369,7 @@ def table(args: argparse.Namespace) -> None:
     columns = [
         "run",
         "width",
+        "MLP",
         "head",
         "parameters",
         "KL before refinement",
@@ -383,6 +396,7 @@ def table(args: argparse.Namespace) -> None:
             [
                 r["run"],
                 str(r["width"]),
+                "" if r["mlp_kept"] is None else str(r["mlp_kept"]),
                 r["head"],
                 f"{r['params_ratio']:.1%}",
                 f"{r['kl_before']:.3f}" if refined else "",

@@ -28,6 +28,8 @@ from compressor.errors import UserError
 FINGERPRINT_FILE = "fingerprint.json"
 FISHER_FILE = "fisher.safetensors"
 ALLOCATION_FILE = "allocation.json"
+SPLIT_FILE = "split.json"
+"""The split of the budget between the residual and the MLP width, once a run has chosen it."""
 DISTILLATION_FOLDER = "distillation"
 """The distillation stage's Trainer checkpoints (`compressor.training.distill`)."""
 TRAINER_CHECKPOINT_PREFIX = "checkpoint-"
@@ -148,6 +150,7 @@ class Checkpoint:
         return (
             self.has_fisher()
             or (self.folder / ALLOCATION_FILE).is_file()
+            or (self.folder / SPLIT_FILE).is_file()
             or bool(self.site_files())
             or self.has_distillation_progress()
         )
@@ -194,6 +197,16 @@ class Checkpoint:
         if not self.writable:
             return
         write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
+
+    def load_split(self) -> dict[str, Any] | None:
+        """The split of the budget a run chose between the residual and the MLP's width (`mlp`), once chosen."""
+        path = self.folder / SPLIT_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def save_split(self, split: Mapping[str, Any]) -> None:
+        if not self.writable:
+            return
+        write_atomic(self.folder / SPLIT_FILE, lambda p: p.write_text(json.dumps(dict(split)) + "\n"))
 
     def save_site(
         self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any], reader: torch.Tensor | None = None

@@ -390,6 +390,30 @@ def distillation_figure(curves: dict[str, list[dict[str, int | float]]], model: 
     return figure
 
 
+def split_figure(candidates: list[tuple[int, int, int, float]], chosen: int, of: int, model: str = "") -> Any:
+    """A run's `split.png` (`mlp` without `kept`): held-out KL of each split of one budget against
+    the MLP neurons it keeps, each point labelled with its residual width; the chosen one starred.
+    `candidates`: (residual width, MLP neurons, parameters, KL)."""
+    figure, grid = _figure(1, 1, (7, 4.5))
+    axes = grid[0][0]
+    kept = [mlp / of for _, mlp, _, _ in candidates]
+    kls = [kl for *_, kl in candidates]
+    axes.plot(kept, kls, marker="o", color="tab:blue")
+    axes.plot([kept[chosen]], [kls[chosen]], marker="*", markersize=14, color="tab:orange", linestyle="none")
+    for (width, mlp, params, kl), x in zip(candidates, kept, strict=True):
+        axes.annotate(
+            f"width {width}\nMLP {mlp}\n{params / 1e6:.2f}M",
+            (x, kl),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=7,
+        )
+    axes.set_xlabel("share of the MLP's neurons kept (1: the residual width alone)")
+    axes.set_ylabel("held-out KL(original ‖ model), nats per token")
+    axes.set_title(f"{model + ': ' if model else ''}splits of one budget (★ chosen)")
+    return figure
+
+
 def _objectives_figure(
     table: list[dict[str, Any]], grid_keys: list[str], objectives: dict[str, dict[str, tuple[list[str], list[float]]]]
 ) -> Any:

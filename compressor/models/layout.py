@@ -193,12 +193,7 @@ def sliced_layout(
 def kept_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, round_to: int = 1) -> int:
     """The neurons every MLP keeps: `kept` itself, or (below 1) that fraction of the MLP's width
     rounded down to a multiple of `round_to`; checked against the width."""
-    if family.mlp_width is None or getattr(config, family.mlp_width, None) is None:
-        raise UserError(
-            f"{config.model_type} models: this family does not describe its MLP's width "
-            f"(ModelFamily.mlp_width), so mlp: cannot prune it; remove mlp from the recipe"
-        )
-    width = int(getattr(config, family.mlp_width))
+    width = mlp_neurons(config, family)
     neurons = int(kept) if kept >= 1 else int(kept * width) // round_to * round_to
     if not 0 < neurons <= width:
         raise UserError(
@@ -206,6 +201,17 @@ def kept_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, rou
             + (f" (a fraction is rounded down to a multiple of mlp.round_to={round_to})" if kept < 1 else "")
         )
     return neurons
+
+
+def mlp_neurons(config: PretrainedConfig, family: ModelFamily) -> int:
+    """The intermediate neurons of each of the model's MLPs; refused for a family that does not
+    describe where they are (`ModelFamily.mlp_width`)."""
+    if family.mlp_width is None or getattr(config, family.mlp_width, None) is None:
+        raise UserError(
+            f"{config.model_type} models: this family does not describe its MLP's width "
+            f"(ModelFamily.mlp_width), so mlp: cannot prune it; remove mlp from the recipe"
+        )
+    return int(getattr(config, family.mlp_width))
 
 
 def with_mlp_width(config: PretrainedConfig, family: ModelFamily, neurons: int) -> PretrainedConfig:

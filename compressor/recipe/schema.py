@@ -158,14 +158,16 @@ class RefinementSpec:
 class MlpSpec:
     """The MLP's width as a second axis (`compressor.engine.neurons`): every layer keeps `kept` of
     its intermediate neurons, chosen by `selector`, the down projection refitted to what the
-    dropped ones wrote; the residual width then takes what the budget leaves."""
+    dropped ones wrote; the residual width then takes what the budget leaves. Without `kept` the
+    run measures `candidates` splits of the budget (the residual width alone among them) and keeps
+    the best (`compressor.run.split_choice`)."""
 
     kept: (
         Annotated[Number, described("neurons kept per layer (a whole number), or a fraction of them below 1", gt=0)]
         | None
     ) = None
     """Neurons every layer's MLP keeps (an integer), or that fraction of its width, rounded down
-    to a multiple of `round_to`."""
+    to a multiple of `round_to`; None: the run chooses the split of the budget."""
     selector: StrictStr = "obs"
     """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
     surgeon weighed by H where the walk estimated it, except for families with a norm after the
@@ -176,6 +178,18 @@ class MlpSpec:
     damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
     """Above 0: a neuron that never fires (common after a ReLU) leaves C singular without it."""
     round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8
+    min_kept: Annotated[Number, described("the plan's splits keep at least this share of the neurons", gt=0, lt=1)] = (
+        0.25
+    )
+    """Without `kept`: the fewest neurons (a share of the MLP's width) a candidate split keeps."""
+    candidates: Annotated[StrictInt, described("splits the plan measures, residual width alone among them", ge=2)] = 4
+    """Without `kept`: how many splits of the budget are tried, evenly spaced in MLP width from
+    all neurons (the residual width alone) down to `min_kept`; each is pruned and measured."""
+    heldout_windows: Annotated[
+        StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
+    ] = 16
+    """Without `kept`: the windows each split's KL to the original is measured on, read from the
+    calibration dataset after its `num_samples` windows (text the walk never saw)."""
 
 
 @options(frozen=True, config=FORBID)
@@ -593,14 +607,19 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
 
 
 def check_mlp(spec: MlpSpec, registry: PluginRegistry) -> None:
-    """`mlp.kept` is a whole number or a fraction below 1, and the selector is registered."""
+    """`mlp.kept` is a whole number or a fraction below 1 (or absent: the plan chooses the split, and
+    only then do the split's keys apply), and the selector is registered."""
     if spec.kept is None:
-        raise UserError(
-            "mlp.kept: give the neurons every layer's MLP keeps (e.g. 1024) or a fraction of them (e.g. 0.75); "
-            "choosing the split between the residual and the MLP width is not built yet"
-        )
-    if spec.kept >= 1 and spec.kept != int(spec.kept):
+        pass
+    elif spec.kept >= 1 and spec.kept != int(spec.kept):
         raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
+    else:
+        fixed = MlpSpec(kept=spec.kept)
+        for key in ("min_kept", "candidates", "heldout_windows"):
+            if getattr(spec, key) != getattr(fixed, key):
+                raise UserError(
+                    f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
+                )
     registry.selector(spec.selector)
 
 

@@ -16,6 +16,7 @@ from compressor.engine.pooling import PipelineStep, required_statistics
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
+from compressor.models.split import split_layouts
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
 from compressor.strategies.neuron_contract import NeuronSelector
@@ -34,6 +35,9 @@ class Plan:
     """`mlp`'s neuron selector (None without `mlp`)."""
     warnings: tuple[str, ...] = ()
     """What a run goes on with but its user should know (`budget_warnings`)."""
+    splits: tuple[SlicedLayout, ...] = ()
+    """`mlp` without `kept`: the splits of the budget the run measures (`models.split`), the
+    residual width alone first (`layout`, until the run has chosen)."""
 
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
@@ -46,10 +50,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         raise UserError(reason)
     check_positions(recipe, config)
     slicing = recipe.slicing
-    layout = sliced_layout(
-        config,
-        family,
-        families.values(),
+    options = dict(
         layout=slicing.layout,
         slice_head=slicing.slice_head,
         tie_head=slicing.tie_head,
@@ -58,9 +59,36 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         allocated=recipe.allocation.method == "curves",
-        mlp_kept=recipe.mlp.kept if recipe.mlp is not None else None,
-        mlp_round_to=recipe.mlp.round_to if recipe.mlp is not None else 1,
     )
+    mlp = recipe.mlp
+    splits: tuple[SlicedLayout, ...] = ()
+    if mlp is not None and mlp.kept is None:
+        if recipe.allocation.method == "curves":
+            raise UserError(
+                "mlp without mlp.kept chooses the split of the budget at uniform widths, but allocation.method "
+                "curves chooses widths per site; fix mlp.kept, or remove allocation"
+            )
+        splits = tuple(
+            split_layouts(
+                config,
+                family,
+                families.values(),
+                min_kept=mlp.min_kept,
+                candidates=mlp.candidates,
+                mlp_round_to=mlp.round_to,
+                **options,
+            )
+        )
+        layout = splits[0]
+    else:
+        layout = sliced_layout(
+            config,
+            family,
+            families.values(),
+            mlp_kept=mlp.kept if mlp is not None else None,
+            mlp_round_to=mlp.round_to if mlp is not None else 1,
+            **options,
+        )
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []
     for step in recipe.pipeline:
@@ -76,7 +104,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     check_evaluation_tasks(recipe)
     if recipe.distillation is not None:
         check_distillation(recipe, layout)
-    checked = Plan(layout, pipeline, allocator, selector)
+    checked = Plan(layout, pipeline, allocator, selector, splits=splits)
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 

@@ -128,6 +128,15 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             f"mlp: every MLP keeps {checked.layout.mlp_width} of its "
             f"{getattr(checked.layout.config, family.mlp_width)} neurons ({checked.selector.name})"
         )
+    if checked.splits:
+        splits = ", ".join(
+            f"width {split.kept} with MLP {split.mlp_width or 'whole'} ({split.params.count(split.widths or {}):,})"
+            for split in checked.splits
+        )
+        found.checked.append(
+            f"mlp: the run measures {len(checked.splits)} splits of the budget on held-out windows and keeps the "
+            f"best: {splits}"
+        )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
 

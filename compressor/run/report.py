@@ -59,10 +59,20 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     mlp = report.mlp
     errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in mlp.layers]
     how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {'refitted' if mlp.refit else 'not refitted'}"
-    return [
-        ("MLP width", str(mlp.of), f"{mlp.kept} ({how})"),
-        ("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"),
-    ]
+    rows = [("MLP width", str(mlp.of), f"{mlp.kept} ({how})" if mlp.layers else f"{mlp.kept} (all kept)")]
+    if errors:
+        rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
+    if mlp.split is not None:
+        for index, candidate in enumerate(mlp.split.candidates):
+            mark = " (chosen)" if index == mlp.split.chosen else ""
+            rows.append(
+                (
+                    f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{mark}",
+                    "",
+                    f"held-out KL {candidate.heldout_kl:.4g} ({mlp.split.windows} windows)",
+                )
+            )
+    return rows
 
 
 def refinement_rows(refinement: RefinementRecord | None) -> list[tuple[str, str, str]]:

@@ -132,8 +132,30 @@ class Site(_Section):
     correction: dict[str, float] | None = None
 
 
+class SplitCandidate(_Section):
+    """One split of the budget the run measured: the residual width, the MLP's, and the model's
+    KL to the original on the split's held-out windows (the model as it would be saved, before
+    refinement and distillation)."""
+
+    width: int
+    mlp_kept: int
+    params: int
+    heldout_kl: float
+
+
+class SplitRecord(_Section):
+    """`mlp.split`: how the run chose the split (`mlp` without `kept`, `models.split`)."""
+
+    windows: int
+    """Held-out windows of the calibration dataset each candidate was measured on."""
+    candidates: list[SplitCandidate]
+    chosen: int
+    """The index of the candidate the run kept: the lowest held-out KL."""
+
+
 class MlpReport(_Section):
-    """`mlp`: the MLP's width, the second axis (`engine.neurons`)."""
+    """`mlp`: the MLP's width, the second axis (`engine.neurons`); no layers when the choice kept
+    every neuron (the residual width alone was the best split)."""
 
     kept: int
     of: int
@@ -143,6 +165,7 @@ class MlpReport(_Section):
     weighed_by_h: bool
     """Whether the selector was given H of each MLP's stream (the walk estimated it)."""
     layers: list[NeuronRecord]
+    split: SplitRecord | None = None
 
 
 class Environment(_Section):

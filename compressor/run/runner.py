@@ -12,6 +12,7 @@ continues from there (`restart=True` discards it). Folders, lock and publishing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import shutil
@@ -41,11 +42,11 @@ from compressor.engine.refine import RefinementRecord, refine_bases
 from compressor.engine.walk import PruneResult, WalkOptions, prune
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
-from compressor.evaluation.plots import distillation_figure
+from compressor.evaluation.plots import distillation_figure, split_figure
 from compressor.evaluation.throughput import compare_speed, cost_note, model_size, report_settings
 from compressor.models.export import write_remote_code
 from compressor.models.families import ModelFamily
-from compressor.models.layout import with_mlp_width
+from compressor.models.layout import SlicedLayout, mlp_neurons, with_mlp_width
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
 from compressor.recipe.schema import MlpSpec, Recipe
@@ -66,6 +67,7 @@ from compressor.run.report_model import (
     RunReport,
     Site,
     Sizes,
+    SplitRecord,
     Step,
 )
 from compressor.run.resume import (
@@ -77,6 +79,7 @@ from compressor.run.resume import (
     recipe_fingerprint,
     save_recipe_values,
 )
+from compressor.run.split_choice import KeptFisher, choose, split_label
 from compressor.run.staging import (
     CHECKPOINT_FOLDER,
     SCRATCH_FOLDER,
@@ -338,17 +341,24 @@ def _run_in(
     warn: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
+    if checked.splits:  # the splits' trial walks and the run's walk share one H pass
+        resources = KeptFisher(resources)
     stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
     with stages.timed("data_s"):
         stages.read_data()
     with stages.timed("load_s"):
         stages.load_model()
+    stages.start_checkpoint()
+    if checked.splits:
+        with stages.timed("split_s"):
+            stages.choose_split()
+        torch.manual_seed(recipe.seed)  # the chosen split's walk starts where a run with it fixed would
     stages.walk()
     if recipe.refinement is not None:
         with stages.timed("refine_s"):
             stages.refine()
-    if recipe.mlp is not None:
+    if stages.checked.layout.mlp_width is not None:
         with stages.timed("mlp_s"):
             stages.prune_mlp()
     if recipe.distillation is not None:
@@ -387,6 +397,8 @@ class _Stages:
         """Said during the run (a guarded step handed back), beside the plan's warnings in the report."""
         self.guards: list[GuardRecord] = []
         self.heldout: list[Batch] = []
+        self.split_windows: list[Batch] = []
+        """`mlp` without `kept`: the windows each split is measured on."""
         self.head_scale: torch.Tensor | None = None
         """A stock tied head's final-norm diagonal, from the symmetric fit or refinement (None: the
         diagonal fit at saving, `stock.tied_scale`)."""
@@ -414,6 +426,8 @@ class _Stages:
         self.stock: dict[str, Any] | None = None
         self.neurons: list[NeuronRecord] = []
         """`mlp`: what each layer's MLP kept."""
+        self.split: SplitRecord | None = None
+        """`mlp` without `kept`: the splits measured and the one chosen."""
         self.mlp_weighed_by_h = False
         self.distillation: DistillationRecord | None = None
         self.undistilled: dict[str, float] | None = None
@@ -443,6 +457,8 @@ class _Stages:
             self.heldout = heldout_batches(
                 recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows, "refinement"
             )
+        if self.checked.splits and recipe.mlp is not None:
+            self.split_windows = heldout_batches(recipe.calibration, self.tokenizer, recipe.mlp.heldout_windows, "mlp")
 
     def load_model(self) -> None:
         """ "loading model", and its size before pruning."""
@@ -451,16 +467,72 @@ class _Stages:
         self.baseline_params = parameter_count(self.model)
         self.baseline_size = model_size(self.model)
 
-    def walk(self) -> None:
-        """The checkpoint's fingerprint checked (or written), then `engine.prune`; H kept for a sweep."""
-        recipe, device = self.recipe, self.device
+    def start_checkpoint(self) -> None:
+        """The checkpoint's fingerprint checked (or written): progress of another recipe, model or data is refused."""
         self.fingerprint = {
-            "recipe": recipe_fingerprint(recipe),
+            "recipe": recipe_fingerprint(self.recipe),
             "model": model_digest(self.model),
             "data": data_fingerprint(self.calibration),
         }
         self.checkpoint.start(self.fingerprint)
-        save_recipe_values(self.checkpoint, recipe)
+        save_recipe_values(self.checkpoint, self.recipe)
+
+    def choose_split(self) -> None:
+        """ "choosing the split of the budget" (`mlp` without `kept`): every split of the plan pruned
+        and measured on held-out windows (`run.split_choice`), or the choice a killed run made; the
+        run goes on with the chosen layout."""
+        spec = self.recipe.mlp
+        assert spec is not None
+        saved = self.checkpoint.load_split()
+        if saved is not None:
+            self.split = SplitRecord.model_validate(saved)
+        else:
+            windows = self.split_windows
+            original = self.resources.model(self.recipe.model).to(self.device)
+            self.split = choose(
+                self.checked.splits,
+                lambda index, layout: self._measured_split(index, layout, windows, original),
+                sum(len(batch.input_ids) for batch in windows),
+                self.progress,
+            )
+            del original
+            self.checkpoint.save_split(self.split.model_dump())
+        self.checked = dataclasses.replace(self.checked, layout=self.checked.splits[self.split.chosen])
+
+    def _measured_split(
+        self, index: int, layout: SlicedLayout, windows: list[Batch], original: PreTrainedModel
+    ) -> float:
+        """One split pruned as this run would prune it (walk, tied head, MLP; no refinement or
+        distillation) in a scratch folder, and its KL to `original` on `windows`, saved as it would be."""
+        label = f"split {index + 1}/{len(self.checked.splits)} ({split_label(layout)})"
+        folder = self.staging / SCRATCH_FOLDER / f"split-{index}"
+        trial = _Stages(
+            folder,
+            self.recipe,
+            dataclasses.replace(self.checked, layout=layout),
+            self.device,
+            Checkpoint(folder / CHECKPOINT_FOLDER),
+            lambda phase, done, total: self.progress(f"{label}: {phase}", done, total),
+            self.resources,
+            self.ranks,
+        )
+        trial.tokenizer, trial.calibration, trial.heldout = self.tokenizer, self.calibration, windows
+        trial.model = self.resources.model(self.recipe.model)
+        torch.manual_seed(self.recipe.seed)
+        with faults.scoped(f"split{index}/"):
+            trial.start_checkpoint()
+            trial.walk()
+            if layout.mlp_width is not None:
+                trial.prune_mlp()
+        trial.progress("measuring held-out KL", 0, 1)
+        kl = trial._heldout_kl(original, trial.pruned, trial.head_scale)
+        self.timings["fisher_s"] = max(self.timings.get("fisher_s", 0.0), trial.timings.get("fisher_s", 0.0))
+        shutil.rmtree(folder, ignore_errors=True)
+        return kl
+
+    def walk(self) -> None:
+        """`engine.prune` on the plan's layout; H kept for a sweep (and for the run's other walks)."""
+        recipe, device = self.recipe, self.device
         h_key = fisher_key(recipe, self.fingerprint["model"], self.fingerprint["data"], device)
         self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
         tick = time.perf_counter()
@@ -485,7 +557,7 @@ class _Stages:
                 self.result, self.resources.model(recipe.model), self.family, device
             )
             self.head_fit = "symmetric"
-        self.timings["fisher_s"] = self.result.fisher_seconds  # shared work in a sweep: reported apart
+        self.timings["fisher_s"] = max(self.timings.get("fisher_s", 0.0), self.result.fisher_seconds)  # shared work
         self.timings["prune_s"] = time.perf_counter() - tick - self.result.fisher_seconds
 
     @property
@@ -583,15 +655,17 @@ class _Stages:
         setattr(self.pruned.config, self.family.mlp_width, layout.mlp_width)
 
     def _mlp_report(self, spec: MlpSpec) -> MlpReport:
-        assert self.checked.layout.mlp_width is not None and self.checked.selector is not None
+        assert self.checked.selector is not None
+        width = mlp_neurons(self.checked.layout.config, self.family)
         return MlpReport(
-            kept=self.checked.layout.mlp_width,
-            of=self.neurons[0].width,
+            kept=self.checked.layout.mlp_width or width,
+            of=width,
             selector=self.checked.selector.name,
             refit=spec.refit,
             damping=spec.damping,
             weighed_by_h=self.mlp_weighed_by_h,
             layers=self.neurons,
+            **({} if self.split is None else {"split": self.split}),
         )
 
     def _mlp_sensitivity(self) -> _StreamSensitivity | None:
@@ -786,6 +860,11 @@ class _Stages:
         if self.distillation is not None:
             distillation_figure({"held-out KL": self.distillation.curve}).savefig(
                 staging / "distillation.png", dpi=120, bbox_inches="tight"
+            )
+        if self.split is not None and report.mlp is not None:
+            points = [(c.width, c.mlp_kept, c.params, c.heldout_kl) for c in self.split.candidates]
+            split_figure(points, self.split.chosen, report.mlp.of, report.model.path).savefig(
+                staging / "split.png", dpi=120, bbox_inches="tight"
             )
         return report
 

@@ -65,7 +65,7 @@ def test_a_per_site_run_with_mlp_weighs_by_h_and_reloads(tiny_checkpoint: Path, 
         ({"kept": 1.5}, "llama", "mlp.kept 1.5: give a whole number of neurons, or a fraction below 1"),
         ({"kept": 200}, "llama", "mlp.kept 200 keeps 200 of the MLP's 128 neurons; keep between 1 and 128"),
         ({"kept": 0.5, "selector": "obss"}, "llama", "unknown neuron selector 'obss' (did you mean 'obs'?)"),
-        ({}, "llama", "mlp.kept: give the neurons every layer's MLP keeps"),
+        ({}, "gpt2", "does not describe its MLP's width (ModelFamily.mlp_width)"),
         ({"kept": 0.5}, "gpt2", "does not describe its MLP's width (ModelFamily.mlp_width)"),
     ],
 )

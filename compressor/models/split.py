@@ -1,0 +1,77 @@
+"""One parameter budget, two axes: the splits between the residual width and the MLP's width
+that a run with `mlp:` but no `mlp.kept` chooses from (issue 34).
+
+Each candidate is a `SlicedLayout` that spends the budget: the MLP keeps m neurons and the
+residual stream the widest width k the rest allows, then m is raised back to the most the budget
+allows at that k (the layout's rounding of k would otherwise leave parameters unspent). The
+first candidate is the residual width alone (m = the MLP's width), so a model whose MLP is dear
+is never made worse by the choice. Computed from the config alone (no weights): `--dry-run`
+lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.models.layout import SlicedLayout, mlp_neurons, sliced_layout
+
+
+def split_layouts(
+    config: PretrainedConfig,
+    family: ModelFamily,
+    families: Iterable[ModelFamily],
+    *,
+    min_kept: float,
+    candidates: int,
+    mlp_round_to: int = 1,
+    **slicing: Any,
+) -> list[SlicedLayout]:
+    """Up to `candidates` layouts under `slicing`'s budget (the keyword arguments of
+    `sliced_layout`, without `mlp_kept`): the residual width alone first, then wider residual
+    widths, evenly spaced up to the widest whose MLP still keeps `min_kept` of its neurons, each
+    with the most neurons (a multiple of `mlp_round_to`) the budget leaves it."""
+    families = list(families)
+    alone = sliced_layout(config, family, families, **slicing)
+    assert alone.widths is not None and alone.kept is not None, "splits are uniform widths: no allocator"
+    width = mlp_neurons(config, family)
+    low = min(width, max(mlp_round_to, math.ceil(min_kept * width / mlp_round_to) * mlp_round_to))
+    step = alone.rounding["step"] if alone.rounding else int(slicing.get("round_to", 1))
+    try:
+        narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)
+    except UserError:  # not even the residual width alone fits... nothing to split
+        return [alone]
+    by_neurons: dict[int, int] = {}  # the widest residual width at each MLP width: it dominates
+    for kept in range(alone.kept + step, config.hidden_size + 1, step):
+        neurons = _most_neurons(alone, narrow, alone.uniform(kept), low, width, mlp_round_to)
+        if low <= neurons < width:
+            by_neurons[neurons] = kept
+    frontier = sorted(by_neurons, reverse=True)  # fewer neurons, wider stream
+    if len(frontier) > candidates - 1:
+        last = len(frontier) - 1
+        picks = sorted({round(i * last / max(1, candidates - 2)) for i in range(candidates - 1)})
+        frontier = [frontier[i] for i in picks]
+    splits = [alone]
+    for neurons in frontier:
+        layout = sliced_layout(config, family, families, mlp_kept=neurons, **slicing)
+        assert layout.kept == by_neurons[neurons], "the parameter count is affine in the MLP's width"
+        splits.append(layout)
+    return splits
+
+
+def _most_neurons(
+    alone: SlicedLayout, narrow: SlicedLayout, widths: dict[str, int], low: int, width: int, round_to: int
+) -> int:
+    """The most neurons (a multiple of `round_to`, at most `width`) the budget allows at residual
+    `widths`: a model's parameters are affine in its MLP's width, so the counts with all neurons
+    (`alone`'s polynomial) and with `low` (`narrow`'s) give every other."""
+    at_full, at_low = alone.params.count(widths), narrow.params.count(widths)
+    if at_full == at_low:  # no MLP parameters to give
+        return width if at_full <= alone.budget else -1
+    most = low + (alone.budget - at_low) * (width - low) // (at_full - at_low)
+    return min(width, most // round_to * round_to)

@@ -1,0 +1,88 @@
+"""The run's choice of a split of one budget between the residual width and the MLP's width
+(`mlp` without `kept`): each candidate of the plan (`models.split`) is pruned as the run would
+prune it (walk, then MLP) and measured, KL(original ‖ the model as it would be saved) on held-out
+windows of the calibration dataset; the lowest wins. Measuring, not predicting, because the two
+axes' second-order estimates (the strategies' objectives, OBS's ΔE) are sums over sites that
+ignore how the cuts interact, while the measurement is the quantity users are given (ModelOpt's
+search scores its best candidates the same way). The residual width alone is always a candidate,
+so the choice never makes a model worse on these windows than pruning the residual alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from compressor import faults
+from compressor.models.layout import SlicedLayout, mlp_neurons
+from compressor.run.loading import Resources
+from compressor.run.report_model import SplitCandidate, SplitRecord
+
+
+def choose(
+    splits: Sequence[SlicedLayout],
+    measure: Callable[[int, SlicedLayout], float],
+    windows: int,
+    progress: Callable[[str, int, int], None],
+) -> SplitRecord:
+    """Measure every split (`measure(index, layout)` → held-out KL) and keep the lowest; ties go to
+    the earlier candidate (more of the MLP kept)."""
+    candidates = []
+    for index, layout in enumerate(splits):
+        progress("choosing the split of the budget", index, len(splits))
+        kl = measure(index, layout)
+        assert layout.widths is not None and layout.kept is not None
+        candidates.append(
+            SplitCandidate(
+                width=layout.kept,
+                mlp_kept=layout.mlp_width or mlp_neurons(layout.config, layout.family),
+                params=layout.params.count(layout.widths),
+                heldout_kl=kl,
+            )
+        )
+        faults.reached(f"split:{index}")
+    progress("choosing the split of the budget", len(splits), len(splits))
+    chosen = min(range(len(candidates)), key=lambda i: (candidates[i].heldout_kl, i))
+    return SplitRecord(windows=windows, candidates=candidates, chosen=chosen)
+
+
+def split_label(layout: SlicedLayout) -> str:
+    """`width 504, MLP 1160`: one candidate, in the run's progress."""
+    mlp = "all" if layout.mlp_width is None else str(layout.mlp_width)
+    return f"width {layout.kept}, MLP {mlp}"
+
+
+class KeptFisher(Resources):
+    """A run's resources that keep H once computed, so the splits' trial walks and the run's walk
+    share one H pass; everything else is the given resources'."""
+
+    def __init__(self, inner: Resources) -> None:
+        self.inner = inner
+        self.kept: dict[str, dict[str, torch.Tensor]] = {}
+
+    def tokenizer(self, spec: Any) -> Any:
+        return self.inner.tokenizer(spec)
+
+    def batches(self, spec: Any, tokenizer: Any, where: str) -> Any:
+        return self.inner.batches(spec, tokenizer, where)
+
+    def model(self, spec: Any) -> Any:
+        return self.inner.model(spec)
+
+    def fisher(self, key: str) -> dict[str, torch.Tensor] | None:
+        kept = self.kept.get(key)
+        if kept is None:
+            return self.inner.fisher(key)
+        return {site: h.clone() for site, h in kept.items()}  # a plugin may edit its H
+
+    def keep_fisher(self, key: str, fisher: dict[str, torch.Tensor]) -> None:
+        self.kept.setdefault(key, fisher)
+        self.inner.keep_fisher(key, fisher)
+
+    def baseline_tasks(self, key: str) -> dict[str, Any] | None:
+        return self.inner.baseline_tasks(key)
+
+    def keep_baseline_tasks(self, key: str, scores: dict[str, Any]) -> None:
+        self.inner.keep_baseline_tasks(key, scores)

@@ -1,0 +1,158 @@
+"""`mlp:` without `kept` (issue 34): the run measures every split of its budget between the
+residual width and the MLP's width on held-out windows, keeps the best, and saves exactly the
+model a run with that split fixed saves; the choice survives a kill; bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from compressor.cli import main
+from compressor.evaluation.metrics import parameter_count
+from compressor.run.split_choice import choose
+from tests.conftest import save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+from tests.run.test_resume import compress
+
+SPLIT = {"heldout_windows": 2, "candidates": 3}
+COMMON: dict[str, Any] = dict(sparsity=_DELETE, target_params=0.8, slicing={"layout": "global"}, evaluation=None)
+
+
+@pytest.fixture(scope="module")
+def wide_mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MLPs of 1024 neurons: at 80% of the parameters the budget has three splits (without, the
+    embeddings of the tiny model are most of it and the MLP's width has nothing to give)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("wide-mlp"), intermediate_size=1024)
+
+
+def _report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def _model(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model" / "model.safetensors"))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fixed_run_saves(
+    wide_mlp: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    recipe = write_recipe(tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=SPLIT, **COMMON)
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "chosen")
+    split = report["mlp"]["split"]
+    candidates = split["candidates"]
+    kls = [c["heldout_kl"] for c in candidates]
+    assert len(candidates) == 3 and split["windows"] == 2
+    assert candidates[0]["mlp_kept"] == report["mlp"]["of"] == 1024  # the residual width alone is a candidate
+    assert split["chosen"] == kls.index(min(kls))
+    chosen = candidates[split["chosen"]]
+    assert report["kept_width"] == chosen["width"] and report["mlp"]["kept"] == chosen["mlp_kept"]
+    assert report["params"]["pruned"] == chosen["params"] <= report["allocation"]["budget"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "chosen" / "model")
+    assert model.config.hidden_size == chosen["width"] and model.config.intermediate_size == chosen["mlp_kept"]
+    assert parameter_count(model) == chosen["params"]
+    assert (tmp_path / "chosen" / "split.png").is_file()
+    assert "(chosen)" in (tmp_path / "chosen" / "report.md").read_text()
+    # the run with that split fixed in its recipe saves the same model, tensor for tensor
+    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
+    fixed = write_recipe(tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, **COMMON)
+    assert main(["run", str(fixed)]) == 0
+    assert _report(tmp_path / "fixed")["kept_width"] == chosen["width"]
+    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+
+
+def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
+    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MLP stage does not run and the model keeps its MLPs whole (the measurement is replaced
+    by one that favours the first candidate: which split wins on a random model is chance)."""
+    from compressor.run import runner
+
+    monkeypatch.setattr(runner._Stages, "_measured_split", lambda self, index, layout, windows, original: 1.0 + index)
+    recipe = write_recipe(tmp_path, wide_mlp, mlp=SPLIT, **COMMON)
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    assert report["mlp"]["split"]["chosen"] == 0 and report["mlp"]["kept"] == report["mlp"]["of"]
+    assert report["mlp"]["layers"] == [] and "mlp_s" not in report["timings"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert model.config.intermediate_size == 1024 and model.config.hidden_size == report["kept_width"]
+
+
+def test_choose_keeps_the_lowest_and_the_earlier_of_a_tie() -> None:
+    from transformers import LlamaConfig
+
+    from compressor.models.families import family_for
+    from compressor.models.split import split_layouts
+
+    family = family_for("llama")
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=500
+    )
+    splits = split_layouts(config, family, [family], min_kept=0.25, candidates=4, layout="global", target_params=0.7)
+    assert len(splits) >= 3
+    record = choose(splits, lambda index, _: [0.3, 0.2, 0.2, 0.5][index], 7, lambda *_: None)
+    assert record.chosen == 1 and record.windows == 7
+    assert [c.width for c in record.candidates] == [s.kept for s in splits]
+    assert record.candidates[0].mlp_kept == 256
+
+
+@pytest.mark.parametrize("kill", ["split:1", "mlp:0"])
+def test_a_run_killed_while_or_after_choosing_resumes_to_the_same_model(
+    kill: str, wide_mlp: Path, tmp_path: Path
+) -> None:
+    """Killed after the second split is measured (nothing kept: the choice starts again) or in
+    the chosen split's own MLP stage (the choice comes back from the checkpoint, not measured
+    again): the model and the report's split are an uninterrupted run's."""
+    recipe = write_recipe(
+        tmp_path, wide_mlp, pipeline=[{"strategy": "sensitivity"}], mlp={**SPLIT, "candidates": 2}, **COMMON
+    )
+    whole = compress(recipe, tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    if _report(tmp_path / "whole")["mlp"]["kept"] == 1024 and kill == "mlp:0":
+        pytest.skip("the residual width alone won: no MLP stage to kill")  # chance on a random model
+    killed = compress(recipe, tmp_path / "run", kill=kill)
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert ("split 1/2" in resumed.stderr + resumed.stdout) == (kill == "split:1")  # measured again only then
+    assert _report(tmp_path / "run")["mlp"]["split"] == _report(tmp_path / "whole")["mlp"]["split"]
+    assert _same(_model(tmp_path / "whole"), _model(tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mlp": {"kept": 0.5, "candidates": 3}}, "mlp.candidates applies when the plan chooses the split"),
+        ({"mlp": {}, "allocation": {"method": "curves"}, "slicing": {}}, "fix mlp.kept, or remove allocation"),
+        ({"mlp": {"heldout_windows": 10**6}}, "mlp.heldout_windows: 1000000 windows after the 4 calibration windows"),
+        ({"mlp": {"candidates": 1}}, "mlp.candidates"),
+    ],
+)
+def test_bad_split_settings_are_one_line_and_write_nothing(
+    changes: dict, message: str, wide_mlp: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, wide_mlp, **{**COMMON, **changes})
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_lists_the_splits(wide_mlp: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = write_recipe(tmp_path, wide_mlp, mlp=SPLIT, **COMMON)
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "splits of the budget" in out and "with MLP whole" in out
+    assert not (tmp_path / "out").exists()
