@@ -17,7 +17,6 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, mlp_neurons, sliced_layout
 
@@ -42,10 +41,7 @@ def split_layouts(
     width = mlp_neurons(config, family)
     low = min(width, max(mlp_round_to, math.ceil(min_kept * width / mlp_round_to) * mlp_round_to))
     step = alone.rounding["step"] if alone.rounding else int(slicing.get("round_to", 1))
-    try:
-        narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)
-    except UserError:  # not even the residual width alone fits... nothing to split
-        return [alone]
+    narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)  # fewer parameters: it fits
     by_neurons: dict[int, int] = {}  # the widest residual width at each MLP width: it dominates
     for kept in range(alone.kept + step, config.hidden_size + 1, step):
         neurons = _most_neurons(alone, narrow, alone.uniform(kept), low, width, mlp_round_to)

@@ -114,18 +114,26 @@ pruning the residual stream alone costs a large part of the model's quality."""
 
 
 def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
-    """A budget that keeps under half the width runs, with a warning that names what it keeps."""
+    """A budget that keeps under half the width runs, with a warning that names what it keeps; an
+    `mlp` whose budget leaves no split but the residual width alone, with one that says so."""
+    warnings = []
+    if len(checked.splits) == 1:
+        warnings.append(
+            "mlp: the budget leaves no wider residual stream whose MLPs keep mlp.min_kept of their neurons, "
+            "so the run prunes the residual width alone; lower mlp.min_kept to let the MLP give more"
+        )
     d = checked.layout.config.hidden_size
     if checked.layout.kept is not None and checked.layout.kept < WIDE_LOSS * d:
         what = f"keeps {checked.layout.kept} of {d} dimensions of the residual stream"
     elif checked.layout.kept is None and checked.layout.budget < WIDE_LOSS * checked.layout.params.original:
         what = f"keeps {checked.layout.budget / checked.layout.params.original:.0%} of the parameters"
     else:
-        return []
+        return warnings
     budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
     return [
+        *warnings,
         f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
-        f"consider removing less"
+        f"consider removing less",
     ]
 
 

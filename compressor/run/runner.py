@@ -341,7 +341,7 @@ def _run_in(
     warn: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
-    if checked.splits:  # the splits' trial walks and the run's walk share one H pass
+    if len(checked.splits) > 1:  # the splits' trial walks and the run's walk share one H pass
         resources = KeptFisher(resources)
     stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
@@ -350,7 +350,7 @@ def _run_in(
     with stages.timed("load_s"):
         stages.load_model()
     stages.start_checkpoint()
-    if checked.splits:
+    if len(checked.splits) > 1:  # one split (the residual width alone): nothing to choose (a warning said so)
         with stages.timed("split_s"):
             stages.choose_split()
         torch.manual_seed(recipe.seed)  # the chosen split's walk starts where a run with it fixed would
@@ -457,7 +457,7 @@ class _Stages:
             self.heldout = heldout_batches(
                 recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows, "refinement"
             )
-        if self.checked.splits and recipe.mlp is not None:
+        if len(self.checked.splits) > 1 and recipe.mlp is not None:
             self.split_windows = heldout_batches(recipe.calibration, self.tokenizer, recipe.mlp.heldout_windows, "mlp")
 
     def load_model(self) -> None:

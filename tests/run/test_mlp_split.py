@@ -156,3 +156,18 @@ def test_dry_run_lists_the_splits(wide_mlp: Path, tmp_path: Path, capsys: pytest
     out = capsys.readouterr().out
     assert "splits of the budget" in out and "with MLP whole" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_with_no_split_but_the_residual_width_alone_says_so_and_measures_nothing(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The tiny model's embeddings are most of it: at 70% no wider stream leaves its MLPs a quarter
+    of their 128 neurons, so there is nothing to choose."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, mlp=SPLIT, **{**COMMON, "target_params": 0.7})
+    assert main(["run", str(recipe)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: mlp: the budget leaves no wider residual stream" in captured.out + captured.err
+    assert "choosing the split" not in captured.err + captured.out
+    report = _report(tmp_path / "out")
+    assert report["mlp"]["kept"] == report["mlp"]["of"] == 128 and "split" not in report["mlp"]
+    assert "split_s" not in report["timings"]
