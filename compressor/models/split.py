@@ -48,9 +48,8 @@ def split_layouts(
         if low <= neurons < width:
             by_neurons[neurons] = kept
     frontier = sorted(by_neurons, reverse=True)  # fewer neurons, wider stream
-    if len(frontier) > candidates - 1:
-        last = len(frontier) - 1
-        picks = sorted({round(i * last / max(1, candidates - 2)) for i in range(candidates - 1)})
+    if len(frontier) > candidates - 1:  # evenly spaced, ending at the widest stream (the fewest neurons)
+        picks = sorted({round((i + 1) * len(frontier) / (candidates - 1)) - 1 for i in range(candidates - 1)})
         frontier = [frontier[i] for i in picks]
     splits = [alone]
     for neurons in frontier:

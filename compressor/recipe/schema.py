@@ -183,8 +183,9 @@ class MlpSpec:
     )
     """Without `kept`: the fewest neurons (a share of the MLP's width) a candidate split keeps."""
     candidates: Annotated[StrictInt, described("splits the plan measures, residual width alone among them", ge=2)] = 4
-    """Without `kept`: how many splits of the budget are tried, evenly spaced in MLP width from
-    all neurons (the residual width alone) down to `min_kept`; each is pruned and measured."""
+    """Without `kept`: how many splits of the budget are tried: the residual width alone, then
+    residual widths evenly spaced up to the widest whose MLPs keep `min_kept` of their neurons;
+    each is pruned and measured."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16

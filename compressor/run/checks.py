@@ -117,7 +117,12 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     """A budget that keeps under half the width runs, with a warning that names what it keeps; an
     `mlp` whose budget leaves no split but the residual width alone, with one that says so."""
     warnings = []
-    if len(checked.splits) == 1:
+    if len(checked.splits) == 1 and checked.layout.kept == checked.layout.config.hidden_size:
+        warnings.append(
+            "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "
+            "every neuron; to prune the MLP within this budget, fix mlp.kept"
+        )
+    elif len(checked.splits) == 1:
         warnings.append(
             "mlp: the budget leaves no wider residual stream whose MLPs keep mlp.min_kept of their neurons, "
             "so the run prunes the residual width alone; lower mlp.min_kept to let the MLP give more"

@@ -353,8 +353,9 @@ def _run_in(
     if len(checked.splits) > 1:  # one split (the residual width alone): nothing to choose (a warning said so)
         with stages.timed("split_s"):
             stages.choose_split()
-        torch.manual_seed(recipe.seed)  # the chosen split's walk starts where a run with it fixed would
     stages.walk()
+    if isinstance(resources, KeptFisher):
+        resources.kept.clear()  # the walk's result holds H from here on
     if recipe.refinement is not None:
         with stages.timed("refine_s"):
             stages.refine()
@@ -428,6 +429,8 @@ class _Stages:
         """`mlp`: what each layer's MLP kept."""
         self.split: SplitRecord | None = None
         """`mlp` without `kept`: the splits measured and the one chosen."""
+        self.fisher_computed = False
+        """H was computed by this process's first split and checkpointed before the run's walk read it."""
         self.mlp_weighed_by_h = False
         self.distillation: DistillationRecord | None = None
         self.undistilled: dict[str, float] | None = None
@@ -481,27 +484,35 @@ class _Stages:
         """ "choosing the split of the budget" (`mlp` without `kept`): every split of the plan pruned
         and measured on held-out windows (`run.split_choice`), or the choice a killed run made; the
         run goes on with the chosen layout."""
-        spec = self.recipe.mlp
-        assert spec is not None
-        saved = self.checkpoint.load_split()
+        splits, saved = self.checked.splits, self.checkpoint.load_split()
         if saved is not None:
             self.split = SplitRecord.model_validate(saved)
+            chosen = self.split.candidates[self.split.chosen]
+            layout = splits[self.split.chosen] if self.split.chosen < len(splits) else None
+            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept) != (chosen.width, chosen.mlp_kept):
+                raise ProgressKept(
+                    f"the interrupted run in {self.staging} chose a split (width {chosen.width}, MLP "
+                    f"{chosen.mlp_kept}) that this version's plan does not list; rerun with --restart"
+                )
         else:
-            windows = self.split_windows
-            original = self.resources.model(self.recipe.model).to(self.device)
+            if self.checkpoint.has_fisher():  # a run killed while choosing: its H pass is not repeated
+                loaded = self.checkpoint.load_fisher()
+                assert loaded is not None
+                self.resources.keep_fisher(self._fisher_key(), loaded)
+            original = self.resources.model(self.recipe.model)  # on the device only while it measures
+            rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
             self.split = choose(
-                self.checked.splits,
-                lambda index, layout: self._measured_split(index, layout, windows, original),
-                sum(len(batch.input_ids) for batch in windows),
+                splits,
+                lambda index, layout: self._measured_split(index, layout, original, rng),
+                sum(len(batch.input_ids) for batch in self.split_windows),
                 self.progress,
             )
+            torch.set_rng_state(rng)
             del original
             self.checkpoint.save_split(self.split.model_dump())
-        self.checked = dataclasses.replace(self.checked, layout=self.checked.splits[self.split.chosen])
+        self.checked = dataclasses.replace(self.checked, layout=splits[self.split.chosen])
 
-    def _measured_split(
-        self, index: int, layout: SlicedLayout, windows: list[Batch], original: PreTrainedModel
-    ) -> float:
+    def _measured_split(self, index: int, layout: SlicedLayout, original: PreTrainedModel, rng: torch.Tensor) -> float:
         """One split pruned as this run would prune it (walk, tied head, MLP; no refinement or
         distillation) in a scratch folder, and its KL to `original` on `windows`, saved as it would be."""
         label = f"split {index + 1}/{len(self.checked.splits)} ({split_label(layout)})"
@@ -511,29 +522,37 @@ class _Stages:
             self.recipe,
             dataclasses.replace(self.checked, layout=layout),
             self.device,
-            Checkpoint(folder / CHECKPOINT_FOLDER),
+            Checkpoint(folder / CHECKPOINT_FOLDER, writable=False),  # H goes to the run's checkpoint
             lambda phase, done, total: self.progress(f"{label}: {phase}", done, total),
             self.resources,
             self.ranks,
         )
-        trial.tokenizer, trial.calibration, trial.heldout = self.tokenizer, self.calibration, windows
+        trial.tokenizer, trial.calibration, trial.heldout = self.tokenizer, self.calibration, self.split_windows
         trial.model = self.resources.model(self.recipe.model)
-        torch.manual_seed(self.recipe.seed)
+        torch.set_rng_state(rng)
         with faults.scoped(f"split{index}/"):
             trial.start_checkpoint()
             trial.walk()
             if layout.mlp_width is not None:
                 trial.prune_mlp()
-        trial.progress("measuring held-out KL", 0, 1)
-        kl = trial._heldout_kl(original, trial.pruned, trial.head_scale)
+        assert trial.result is not None
+        if trial.result.fisher is not None and not self.checkpoint.has_fisher():
+            self.checkpoint.save_fisher(trial.result.fisher)
+            self.fisher_computed = trial.result.fisher_source == "computed"
         self.timings["fisher_s"] = max(self.timings.get("fisher_s", 0.0), trial.timings.get("fisher_s", 0.0))
+        trial.progress("measuring held-out KL", 0, 1)
+        kl = trial._heldout_kl(original.to(self.device), trial.pruned, trial.head_scale)
+        original.to("cpu")
         shutil.rmtree(folder, ignore_errors=True)
         return kl
+
+    def _fisher_key(self) -> str:
+        return fisher_key(self.recipe, self.fingerprint["model"], self.fingerprint["data"], self.device)
 
     def walk(self) -> None:
         """`engine.prune` on the plan's layout; H kept for a sweep (and for the run's other walks)."""
         recipe, device = self.recipe, self.device
-        h_key = fisher_key(recipe, self.fingerprint["model"], self.fingerprint["data"], device)
+        h_key = self._fisher_key()
         self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
         tick = time.perf_counter()
         self.result = _prune(
@@ -831,8 +850,10 @@ class _Stages:
             slicing=recipe.slicing,
             fingerprint=self.fingerprint,
             resumed_from=result.resumed_from,
-            resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=result.fisher_loaded),
-            fisher_source=result.fisher_source,
+            resume=Resume(
+                sites_loaded=result.loaded_sites, fisher_loaded=result.fisher_loaded and not self.fisher_computed
+            ),
+            fisher_source="computed" if self.fisher_computed else result.fisher_source,
             fisher_autocast=_autocast_name(recipe, self.device) if result.fisher_source is not None else None,
             refinement=self.refinement,
             guards=list(self.guards),

@@ -10,12 +10,14 @@ so the choice never makes a model worse on these windows than pruning the residu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from compressor import faults
+from compressor.errors import UserError
 from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.run.loading import Resources
 from compressor.run.report_model import SplitCandidate, SplitRecord
@@ -44,7 +46,13 @@ def choose(
         )
         faults.reached(f"split:{index}")
     progress("choosing the split of the budget", len(splits), len(splits))
-    chosen = min(range(len(candidates)), key=lambda i: (candidates[i].heldout_kl, i))
+    finite = [i for i, c in enumerate(candidates) if math.isfinite(c.heldout_kl)]
+    if not finite:
+        raise UserError(
+            "mlp: no split of the budget gave a finite KL on the held-out windows (the model's outputs "
+            "overflow once pruned); lower the cut, or prune the residual width alone (remove mlp)"
+        )
+    chosen = min(finite, key=lambda i: (candidates[i].heldout_kl, i))  # a non-finite KL never wins
     return SplitRecord(windows=windows, candidates=candidates, chosen=chosen)
 
 

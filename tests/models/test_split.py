@@ -24,9 +24,9 @@ CONFIG = LlamaConfig(
 
 
 @pytest.mark.parametrize("layout", ["global", "per_site"])
-@pytest.mark.parametrize("target", [0.75, 0.6])
-def test_every_split_spends_the_budget_with_the_residual_width_alone_first(layout: str, target: float) -> None:
-    slicing = dict(layout=layout, round_to=8, target_params=target, slice_head=layout == "per_site")
+@pytest.mark.parametrize("budget", [{"target_params": 0.75}, {"target_params": 0.6}, {"sparsity": 0.25}])
+def test_every_split_spends_the_budget_with_the_residual_width_alone_first(layout: str, budget: dict) -> None:
+    slicing = dict(layout=layout, round_to=8, slice_head=layout == "per_site", **budget)
     splits = split_layouts(CONFIG, FAMILY, [FAMILY], min_kept=0.25, candidates=4, mlp_round_to=8, **slicing)
     alone = sliced_layout(CONFIG, FAMILY, [FAMILY], **slicing)
     assert splits[0].mlp_width is None and splits[0].widths == alone.widths and splits[0].budget == alone.budget
@@ -41,12 +41,13 @@ def test_every_split_spends_the_budget_with_the_residual_width_alone_first(layou
         assert sliced_layout(CONFIG, FAMILY, [FAMILY], mlp_kept=m + 8, **slicing).kept < split.kept
 
 
-def test_two_candidates_are_the_residual_width_alone_and_the_fewest_neurons() -> None:
-    splits = split_layouts(
-        CONFIG, FAMILY, [FAMILY], min_kept=0.5, candidates=2, mlp_round_to=8, layout="global", target_params=0.7
-    )
+def test_two_candidates_are_the_residual_width_alone_and_the_widest_stream_min_kept_allows() -> None:
+    slicing = dict(layout="global", target_params=0.7)
+    splits = split_layouts(CONFIG, FAMILY, [FAMILY], min_kept=0.5, candidates=2, mlp_round_to=8, **slicing)
     assert len(splits) == 2 and splits[0].mlp_width is None
-    assert splits[1].mlp_width is not None and splits[1].mlp_width >= 256
+    widest = sliced_layout(CONFIG, FAMILY, [FAMILY], mlp_kept=256, **slicing).kept  # the MLP at min_kept
+    assert widest is not None and splits[1].kept == widest > splits[0].kept
+    assert splits[1].mlp_width is not None and 256 <= splits[1].mlp_width < 512
 
 
 def test_a_family_without_an_mlp_width_is_refused() -> None:
