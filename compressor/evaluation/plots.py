@@ -408,6 +408,7 @@ def split_figure(candidates: list[tuple[int, int, int, float]], chosen: int, of:
             xytext=(4, 6),
             fontsize=7,
         )
+    axes.margins(x=0.12, y=0.2)  # room for the labels inside the axes
     axes.set_xlabel("share of the MLP's neurons kept (1: the residual width alone)")
     axes.set_ylabel("held-out KL(original ‖ model), nats per token")
     axes.set_title(f"{model + ': ' if model else ''}splits of one budget (★ chosen)")

@@ -884,7 +884,7 @@ class _Stages:
             )
         if self.split is not None and report.mlp is not None:
             points = [(c.width, c.mlp_kept, c.params, c.heldout_kl) for c in self.split.candidates]
-            split_figure(points, self.split.chosen, report.mlp.of, report.model.path).savefig(
+            split_figure(points, self.split.chosen, report.mlp.of, Path(report.model.path).name).savefig(
                 staging / "split.png", dpi=120, bbox_inches="tight"
             )
         return report
