@@ -117,3 +117,39 @@ def test_a_run_killed_while_pruning_the_mlp_resumes_to_a_bit_identical_model(
     assert json.loads((tmp_path / "run" / "report.json").read_text())["resume"]["sites_loaded"] == 5
     whole, again = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("whole", "run"))
     assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+@pytest.mark.parametrize(("family", "width_key"), [("opt", "ffn_dim"), ("phi3", "intermediate_size")])
+def test_other_families_save_their_mlp_width_and_reload(family: str, width_key: str, tmp_path: Path) -> None:
+    """OPT (fc1/fc2, its width in `ffn_dim`) and Phi-3 (a fused gate_up projection): the saved
+    per-site folder reloads (its remote code) with the MLP's width in the config, every MLP at
+    that width, the run's parameter count and finite logits."""
+    checkpoint = save_tiny_checkpoint(tmp_path / family, family)
+    recipe = write_recipe(tmp_path, checkpoint, mlp={"kept": 40})
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=True)
+    assert getattr(model.config, width_key) == 40 == report["mlp"]["kept"]
+    down = "fc2" if family == "opt" else "down_proj"
+    assert {m.in_features for name, m in model.named_modules() if name.endswith(down)} == {40}
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    assert torch.isfinite(model(input_ids=torch.randint(3, 100, (1, 12))).logits).all()
+
+
+def test_mlp_composes_with_shared_bases_and_distillation(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The MLP's width beside shared bases (the budget's polynomial without some transitions) and
+    before a distillation (the student trained is the pruned one): the saved model has the MLP's
+    width and exactly the plan's parameters."""
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        slicing={"shared_bases": True},
+        mlp={"kept": 0.5},
+        distillation={"tokens": 512, "seq_len": 32, "batch_size": 4, "heldout_windows": 4, "eval_every": 2},
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    assert report["distillation"] is not None and report["mlp"]["kept"] == 64
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=True)
+    assert model.config.intermediate_size == 64
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
