@@ -149,8 +149,7 @@ class Checkpoint:
     def has_progress(self) -> bool:
         return (
             self.has_fisher()
-            or (self.folder / ALLOCATION_FILE).is_file()
-            or (self.folder / SPLIT_FILE).is_file()
+            or any((self.folder / name).is_file() for name in (ALLOCATION_FILE, SPLIT_FILE))
             or bool(self.site_files())
             or self.has_distillation_progress()
         )
@@ -190,23 +189,26 @@ class Checkpoint:
 
     def load_allocation(self) -> dict[str, Any] | None:
         """The widths an allocator chose (and its record), once chosen."""
-        path = self.folder / ALLOCATION_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        return self._load_choice(ALLOCATION_FILE)
 
     def save_allocation(self, allocation: Mapping[str, Any]) -> None:
-        if not self.writable:
-            return
-        write_atomic(self.folder / ALLOCATION_FILE, lambda p: p.write_text(json.dumps(dict(allocation)) + "\n"))
+        self._save_choice(ALLOCATION_FILE, allocation)
 
     def load_split(self) -> dict[str, Any] | None:
         """The split of the budget a run chose between the residual and the MLP's width (`mlp`), once chosen."""
-        path = self.folder / SPLIT_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        return self._load_choice(SPLIT_FILE)
 
     def save_split(self, split: Mapping[str, Any]) -> None:
-        if not self.writable:
-            return
-        write_atomic(self.folder / SPLIT_FILE, lambda p: p.write_text(json.dumps(dict(split)) + "\n"))
+        self._save_choice(SPLIT_FILE, split)
+
+    def _load_choice(self, name: str) -> dict[str, Any] | None:
+        """A choice made once per run (a small JSON file), or None before it is made."""
+        path = self.folder / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _save_choice(self, name: str, value: Mapping[str, Any]) -> None:
+        if self.writable:
+            write_atomic(self.folder / name, lambda p: p.write_text(json.dumps(dict(value)) + "\n"))
 
     def save_site(
         self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any], reader: torch.Tensor | None = None

@@ -610,11 +610,9 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
 def check_mlp(spec: MlpSpec, registry: PluginRegistry) -> None:
     """`mlp.kept` is a whole number or a fraction below 1 (or absent: the plan chooses the split, and
     only then do the split's keys apply), and the selector is registered."""
-    if spec.kept is None:
-        pass
-    elif spec.kept >= 1 and spec.kept != int(spec.kept):
-        raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
-    else:
+    if spec.kept is not None:
+        if spec.kept >= 1 and spec.kept != int(spec.kept):
+            raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
         fixed = MlpSpec(kept=spec.kept)
         for key in ("min_kept", "candidates", "heldout_windows"):
             if getattr(spec, key) != getattr(fixed, key):

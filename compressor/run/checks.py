@@ -39,6 +39,11 @@ class Plan:
     """`mlp` without `kept`: the splits of the budget the run measures (`models.split`), the
     residual width alone first (`layout`, until the run has chosen)."""
 
+    @property
+    def chooses_split(self) -> bool:
+        """The run measures splits and keeps one (a single split, the residual width alone, is no choice)."""
+        return len(self.splits) > 1
+
 
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     """Read the model's config and check family, layout, widths and strategy options; load no weights."""

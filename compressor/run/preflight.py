@@ -128,7 +128,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             f"mlp: every MLP keeps {checked.layout.mlp_width} of its "
             f"{getattr(checked.layout.config, family.mlp_width)} neurons ({checked.selector.name})"
         )
-    if len(checked.splits) > 1:
+    if checked.chooses_split:
         splits = ", ".join(
             f"width {split.kept} with MLP {split.mlp_width or 'whole'} ({split.params.count(split.widths or {}):,})"
             for split in checked.splits

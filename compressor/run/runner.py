@@ -341,7 +341,7 @@ def _run_in(
     warn: Callable[[str], None] | None = None,
 ) -> RunReport:
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
-    if len(checked.splits) > 1:  # the splits' trial walks and the run's walk share one H pass
+    if checked.chooses_split:  # the splits' trial walks and the run's walk share one H pass
         resources = KeptFisher(resources)
     stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
     torch.manual_seed(recipe.seed)
@@ -350,7 +350,7 @@ def _run_in(
     with stages.timed("load_s"):
         stages.load_model()
     stages.start_checkpoint()
-    if len(checked.splits) > 1:  # one split (the residual width alone): nothing to choose (a warning said so)
+    if checked.chooses_split:  # else nothing to choose (a warning said so)
         with stages.timed("split_s"):
             stages.choose_split()
     stages.walk()
@@ -460,7 +460,7 @@ class _Stages:
             self.heldout = heldout_batches(
                 recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows, "refinement"
             )
-        if len(self.checked.splits) > 1 and recipe.mlp is not None:
+        if self.checked.chooses_split and recipe.mlp is not None:
             self.split_windows = heldout_batches(recipe.calibration, self.tokenizer, recipe.mlp.heldout_windows, "mlp")
 
     def load_model(self) -> None:
@@ -529,9 +529,9 @@ class _Stages:
         )
         trial.tokenizer, trial.calibration, trial.heldout = self.tokenizer, self.calibration, self.split_windows
         trial.model = self.resources.model(self.recipe.model)
+        trial.fingerprint = self.fingerprint  # the same recipe, model and data: not hashed again
         torch.set_rng_state(rng)
         with faults.scoped(f"split{index}/"):
-            trial.start_checkpoint()
             trial.walk()
             if layout.mlp_width is not None:
                 trial.prune_mlp()
