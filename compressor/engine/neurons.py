@@ -12,6 +12,9 @@ what all f wrote, on the calibration tokens, damped towards the kept weights (δ
 diag C; damped towards zero instead, as W·C[:,S]·(C[S,S] + δI)⁻¹, keeping every neuron would not
 give the model back). The layer then runs again, pruned, to
 give the next layer its input. C is f × f per layer, built on the run's device and dropped after.
+Data-parallel (`ranks`), each rank measures its share of the batches and C, the activations and
+the token count are summed over the ranks before choosing, so every rank keeps the same neurons and
+refits the same weights (up to the order of the sums).
 Nothing here is checkpointed: a run killed in this stage reloads the walk's sites from its
 checkpoint and runs the stage again, to the same neurons and weights (it is deterministic).
 """
@@ -31,6 +34,7 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.sliced import SlicedDecoderLayer, family_mlp
@@ -73,6 +77,12 @@ class _MlpMoment:
     def __init__(self, width: int, device: torch.device) -> None:
         self.moment = SecondMoment(width, device)
         self.window_means = torch.zeros(width, dtype=torch.float64, device=device)
+
+    def sum_over(self, ranks: Ranks) -> _MlpMoment:
+        """Every rank's statistics summed (data-parallel calibration), in place."""
+        self.moment.sum_over(ranks)
+        ranks.sum_(self.window_means)
+        return self
 
     def add(self, h: torch.Tensor, mask: torch.Tensor, count: int) -> None:
         if h.dim() == 2:  # an MLP that flattens the batch's positions (OPT): back to (B, T, f)
@@ -142,18 +152,24 @@ def prune_mlp(
     sensitivity: Mapping[int, torch.Tensor] | None = None,
     progress: Progress | None = None,
     store: ActivationStore | None = None,
+    ranks: Ranks | None = None,
 ) -> list[NeuronRecord]:
     """Keep `keep` intermediate neurons in every layer's MLP of `model`, in place (see the module
     docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
     model's current coordinates) for selectors that use it. Returns one record per layer. The
-    model's config is not changed: the caller sets its MLP width where the saved class reads it."""
+    model's config is not changed: the caller sets its MLP width where the saved class reads it.
+    `ranks` (default: the initialised process group, if any) share `batches` as the walk does."""
     device = torch.device(device)
+    ranks = ranks or Ranks.current()
+    local = [batches[i] for i in ranks.mine(len(batches))]
+    if not local:
+        raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes")
     report = progress or (lambda *_: None)
     if "H" in selector.requires and sensitivity is None:
         raise UserError(f"neuron selector '{selector.name}' needs the output sensitivity H, which this run has not")
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, batches, device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, local, device, store or ActivationStore(device))
     records: list[NeuronRecord] = []
     try:
         for index, layer in visit_layers(model, family, device):
@@ -162,7 +178,7 @@ def prune_mlp(
             width = output.in_features
             if not 0 < keep <= width:
                 raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-            stats = _measure(layer, output, inputs, index, device)
+            stats = _measure(layer, output, inputs, index, device).sum_over(ranks)
             if stats.moment.tokens == 0:
                 raise ValueError("no calibration tokens were counted (all positions masked)")
             C = stats.moment.total.div_(stats.moment.tokens)  # in place: f × f float64 is large

@@ -147,8 +147,11 @@ def run(
     if ranks.world > 1:
         if recipe.refinement is not None:
             raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
-        if recipe.mlp is not None:
-            raise UserError("mlp runs in one process: remove mlp from the recipe, or launch one process")
+        if checked.chooses_split:
+            raise UserError(
+                "mlp: choosing the split of the budget runs in one process: fix the MLP's width (mlp.kept), "
+                "or launch one process"
+            )
         if resources is not None:
             raise UserError("a sweep's runs share their data and H in one process: launch it without torchrun")
         if ranks.rank > 0:
@@ -241,22 +244,40 @@ def _follow(
     model = resources.model(recipe.model)
     ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
     checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
+    layout, config = checked.layout, checked.layout.config
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
         result = _prune(
             model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch), None, ranks
         )
-    if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
+        if recipe.distillation is None and layout.mlp_width is None:
+            return None
         pruned, bases, scale = result.model, result.bases, None
-        if _rotates_for_a_tied_head(recipe, checked):  # as rank 0 does, so every rank trains one student
+        if _rotates_for_a_tied_head(recipe, checked):  # as rank 0's walk does, so every rank prunes one model
             pruned, bases, scale = _rotated_for_a_tied_head(
-                result, resources.model(recipe.model), checked.layout.family, device
+                result, resources.model(recipe.model), layout.family, device
             )
-        if checked.layout.one_basis:
+        if layout.mlp_width is not None:  # every rank measures its share, C summed: the same neurons everywhere
+            _prune_mlp(
+                recipe,
+                checked,
+                pruned,
+                calibration,
+                result,
+                bases,
+                checkpoint,
+                device,
+                report_progress,
+                Path(scratch),
+                ranks,
+            )
+            config = with_mlp_width(config, layout.family, layout.mlp_width)
+    if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
+        if layout.one_basis:
             pruned, _ = to_stock(
                 pruned,
-                checked.layout.family,
-                checked.layout.config,
-                tie=checked.layout.tie_head,
+                layout.family,
+                config,
+                tie=layout.tie_head,
                 stream=head_stream(result.head_moment, bases[EMBEDDING]),
                 scale=scale,
             )
@@ -273,6 +294,69 @@ def _follow(
             ranks,
         )
     return None
+
+
+def _prune_mlp(
+    recipe: Recipe,
+    checked: Plan,
+    pruned: PreTrainedModel,
+    calibration: list[Batch],
+    result: PruneResult,
+    bases: Mapping[str, torch.Tensor],
+    checkpoint: Checkpoint,
+    device: torch.device,
+    progress: Progress,
+    scratch: Path,
+    ranks: Ranks,
+) -> tuple[list[NeuronRecord], bool]:
+    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons,
+    chosen on the model as the walk (and refinement) left it, weighed by H in each MLP's stream
+    coordinates where the walk estimated it; its config says the new width. Returns the layers'
+    records and whether H weighed the choice."""
+    spec, layout, selector, family = recipe.mlp, checked.layout, checked.selector, checked.layout.family
+    assert spec is not None and layout.mlp_width is not None and selector is not None
+    assert family.mlp_width is not None
+    sensitivity = _stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
+    records = prune_mlp(
+        pruned,
+        family,
+        calibration,
+        layout.mlp_width,
+        selector,
+        device,
+        refit=spec.refit,
+        damping=spec.damping,
+        sensitivity=sensitivity,
+        progress=progress,
+        store=ActivationStore(device, recipe.activations, scratch),
+        ranks=ranks,
+    )
+    setattr(pruned.config, family.mlp_width, layout.mlp_width)
+    return records, sensitivity is not None
+
+
+def _stream_sensitivity(
+    family: ModelFamily,
+    config: Any,
+    result: PruneResult,
+    checkpoint: Checkpoint,
+    bases: Mapping[str, torch.Tensor],
+    device: torch.device,
+) -> _StreamSensitivity | None:
+    """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (RᵀHR with
+    R what reads the site's kept coordinates: its basis, or its reader map with corrected
+    readers); None when the walk did not estimate H, or where the MLP's output does not land
+    in the stream directly (a norm after the block)."""
+    fisher = result.fisher
+    if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
+        fisher = checkpoint.load_fisher()
+    if fisher is None or family.mlp_post_norm is not None:
+        return None
+    readers = result.readers or {}
+    sites = [layer_site_ids(family, i)[-1] for i in range(config.num_hidden_layers)]
+    return _StreamSensitivity(
+        fisher, {i: readers.get(site, bases[site]) for i, site in enumerate(sites)}, sites, device
+    )
 
 
 class _StreamSensitivity(Mapping[int, torch.Tensor]):
@@ -651,27 +735,23 @@ class _Stages:
         """ "MLP neurons": every MLP keeps the layout's neurons (`engine.neurons.prune_mlp`), chosen on
         the model as the walk and refinement left it, weighed by H in each MLP's stream coordinates
         where the walk estimated it; the model's config, and every later conversion, says the new width."""
-        spec, layout, selector = self.recipe.mlp, self.checked.layout, self.checked.selector
-        assert spec is not None and layout.mlp_width is not None and selector is not None and self.pruned is not None
-        sensitivity = self._mlp_sensitivity()
-        self.neurons = prune_mlp(
+        layout = self.checked.layout
+        assert self.pruned is not None and self.result is not None and layout.mlp_width is not None
+        self.neurons, self.mlp_weighed_by_h = _prune_mlp(
+            self.recipe,
+            self.checked,
             self.pruned,
-            self.family,
             self.calibration,
-            layout.mlp_width,
-            selector,
+            self.result,
+            self.bases,
+            self.checkpoint,
             self.device,
-            refit=spec.refit,
-            damping=spec.damping,
-            sensitivity=sensitivity,
-            progress=self.progress,
-            store=ActivationStore(self.device, self.recipe.activations, self.staging / SCRATCH_FOLDER),
+            self.progress,
+            self.staging / SCRATCH_FOLDER,
+            self.ranks,
         )
         self.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
-        self.mlp_weighed_by_h = sensitivity is not None
         self.config = with_mlp_width(self.config, self.family, layout.mlp_width)
-        assert self.family.mlp_width is not None
-        setattr(self.pruned.config, self.family.mlp_width, layout.mlp_width)
 
     def _mlp_report(self, spec: MlpSpec) -> MlpReport:
         assert self.checked.selector is not None
@@ -685,22 +765,6 @@ class _Stages:
             weighed_by_h=self.mlp_weighed_by_h,
             layers=self.neurons,
             **({} if self.split is None else {"split": self.split}),
-        )
-
-    def _mlp_sensitivity(self) -> _StreamSensitivity | None:
-        """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (RᵀHR with
-        R what reads the site's kept coordinates: its basis, or its reader map with corrected
-        readers); None when the walk did not estimate H, or where the MLP's output does not land
-        in the stream directly (a norm after the block)."""
-        fisher = self.result.fisher if self.result is not None else None
-        if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
-            fisher = self.checkpoint.load_fisher()
-        if fisher is None or self.family.mlp_post_norm is not None:
-            return None
-        readers = (self.result.readers if self.result is not None else None) or {}
-        sites = [layer_site_ids(self.family, i)[-1] for i in range(self.config.num_hidden_layers)]
-        return _StreamSensitivity(
-            fisher, {i: readers.get(site, self.bases[site]) for i, site in enumerate(sites)}, sites, self.device
         )
 
     def to_student(self) -> None:

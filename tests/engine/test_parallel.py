@@ -235,3 +235,46 @@ def test_refinement_across_processes_is_refused(tiny_checkpoint: Path, tmp_path:
     assert done.returncode != 0
     assert "refinement runs in one process" in done.stderr
     assert not (tmp_path / "two").exists()
+
+
+@pytest.mark.slow  # two runs and a two-process torchrun job (~40 s); .ci/run runs it
+@pytest.mark.parametrize("layout", ["global", "per_site"])
+def test_the_mlp_stage_under_torchrun_keeps_what_one_process_keeps(
+    layout: str, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`mlp.kept` under torchrun: each rank measures its share of the batches, C is summed, and
+    rank 0 saves the model one process saves (the same neurons, weights up to the sums' order),
+    the MLP records counting every rank's tokens."""
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        calibration__num_samples=6,
+        sensitivity={"dtype": "float64"},
+        slicing={"layout": layout},
+        mlp={"kept": 0.5},
+    )
+    single = _compress([sys.executable], recipe, tmp_path / "single")
+    assert single.returncode == 0, single.stderr
+    shared = _compress(TORCHRUN, recipe, tmp_path / "two")
+    assert shared.returncode == 0, shared.stderr
+    alone, report = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("single", "two"))
+    assert report["parallel"]["world_size"] == 2 and report["mlp"]["weighed_by_h"]
+    assert [r["tokens"] for r in report["mlp"]["layers"]] == [r["tokens"] for r in alone["mlp"]["layers"]]
+    assert [r["error_refit"] for r in report["mlp"]["layers"]] == pytest.approx(
+        [r["error_refit"] for r in alone["mlp"]["layers"]], rel=1e-6
+    )
+    expected, found = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("single", "two"))
+    assert expected.keys() == found.keys()
+    for name, tensor in expected.items():
+        assert found[name].shape == tensor.shape, name
+        assert torch.allclose(found[name], tensor, atol=1e-5, rtol=1e-4), name
+
+
+def test_choosing_the_split_across_processes_is_refused(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, target_params=0.8, sparsity=None, mlp={})
+    done = _compress(TORCHRUN, recipe, tmp_path / "two")
+    assert done.returncode != 0  # torchrun's own code for a failed process
+    assert "choosing the split of the budget runs in one process" in done.stderr
+    assert not (tmp_path / "two").exists()
