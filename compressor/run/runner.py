@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import shutil
 import tempfile
@@ -437,13 +438,14 @@ def _run_in(
     if checked.chooses_split:  # else nothing to choose (a warning said so)
         with stages.timed("split_s"):
             stages.choose_split()
-    stages.walk()
+    if not stages.adopted:
+        stages.walk()
     if isinstance(resources, KeptFisher):
         resources.kept.clear()  # the walk's result holds H from here on
     if recipe.refinement is not None:
         with stages.timed("refine_s"):
             stages.refine()
-    if stages.checked.layout.mlp_width is not None:
+    if stages.checked.layout.mlp_width is not None and not stages.adopted:
         with stages.timed("mlp_s"):
             stages.prune_mlp()
     if recipe.distillation is not None:
@@ -515,6 +517,10 @@ class _Stages:
         """`mlp` without `kept`: the splits measured and the one chosen."""
         self.fisher_computed = False
         """H was computed by this process's first split and checkpointed before the run's walk read it."""
+        self.best_trial: tuple[float, int, _Stages] | None = None
+        """While choosing without refinement: the lowest-KL split measured so far, as pruned (its KL, index, stages)."""
+        self.adopted = False
+        """The chosen split's trial walk and MLP stage are the run's (no refinement between them): not pruned twice."""
         self.mlp_weighed_by_h = False
         self.distillation: DistillationRecord | None = None
         self.undistilled: dict[str, float] | None = None
@@ -584,6 +590,7 @@ class _Stages:
                 assert loaded is not None
                 self.resources.keep_fisher(self._fisher_key(), loaded)
             original = self.resources.model(self.recipe.model)  # on the device only while it measures
+            self.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
             rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
             self.split = choose(
                 splits,
@@ -595,6 +602,23 @@ class _Stages:
             del original
             self.checkpoint.save_split(self.split.model_dump())
         self.checked = dataclasses.replace(self.checked, layout=splits[self.split.chosen])
+        if self.best_trial is not None and self.best_trial[1] == self.split.chosen:
+            self._adopt(self.best_trial[2])
+        self.best_trial = None
+        if not self.adopted and self.model is None:
+            self.model = self.resources.model(self.recipe.model)
+
+    def _adopt(self, trial: _Stages) -> None:
+        """The chosen split's trial becomes the run's walk and MLP stage: the same calls on the same
+        model, data, H and random state as the run's own would make, so the same tensors."""
+        assert trial.result is not None
+        self.result, self.pruned, self.bases = trial.result, trial.pruned, trial.bases
+        self.head_scale, self.head_fit = trial.head_scale, trial.head_fit
+        self.neurons, self.mlp_weighed_by_h, self.config = trial.neurons, trial.mlp_weighed_by_h, trial.config
+        for key in ("prune_s", "mlp_s"):
+            if key in trial.timings:
+                self.timings[key] = trial.timings[key]
+        self.adopted = True
 
     def _measured_split(self, index: int, layout: SlicedLayout, original: PreTrainedModel, rng: torch.Tensor) -> float:
         """One split pruned as this run would prune it (walk, tied head, MLP; no refinement or
@@ -618,7 +642,8 @@ class _Stages:
         with faults.scoped(f"split{index}/"):
             trial.walk()
             if layout.mlp_width is not None:
-                trial.prune_mlp()
+                with trial.timed("mlp_s"):
+                    trial.prune_mlp()
         assert trial.result is not None
         if trial.result.fisher is not None and not self.checkpoint.has_fisher():
             self.checkpoint.save_fisher(trial.result.fisher)
@@ -628,6 +653,14 @@ class _Stages:
         kl = trial._heldout_kl(original.to(self.device), trial.pruned, trial.head_scale)
         original.to("cpu")
         shutil.rmtree(folder, ignore_errors=True)
+        if (
+            self.recipe.refinement is None
+            and math.isfinite(kl)
+            and (self.best_trial is None or kl < self.best_trial[0])
+        ):
+            trial.pruned.to("cpu")  # the best so far waits on the host; the one it replaces is dropped
+            trial.result = dataclasses.replace(trial.result, fisher=None)  # H is the checkpoint's and the resources'
+            self.best_trial = (kl, index, trial)
         return kl
 
     def _fisher_key(self) -> str:

@@ -45,12 +45,20 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fixed_run_saves(
-    wide_mlp: Path, tmp_path: Path
+    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Without refinement the chosen split's trial is the run's own walk and MLP stage: three
+    walks for three candidates, and the model a run with that split fixed saves."""
+    from compressor.run import runner
+
+    walks: list[int] = []
+    real_prune = runner._prune
+    monkeypatch.setattr(runner, "_prune", lambda *args: walks.append(1) or real_prune(*args))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     recipe = write_recipe(tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=SPLIT, **COMMON)
     assert main(["run", str(recipe)]) == 0
+    assert len(walks) == 3  # one per candidate: the chosen one is not pruned again
     report = _report(tmp_path / "chosen")
     split = report["mlp"]["split"]
     candidates = split["candidates"]
@@ -113,15 +121,22 @@ def test_choose_keeps_the_lowest_and_the_earlier_of_a_tie() -> None:
         choose(splits, lambda *_: nan, 7, lambda *_: None)
 
 
-@pytest.mark.parametrize("kill", ["split:1", "mlp:0"])
+@pytest.mark.parametrize(("kill", "refinement"), [("split:1", None), ("publish", None), ("mlp:0", {"epochs": 1})])
 def test_a_run_killed_while_or_after_choosing_resumes_to_the_same_model(
-    kill: str, wide_mlp: Path, tmp_path: Path
+    kill: str, refinement: dict | None, wide_mlp: Path, tmp_path: Path
 ) -> None:
-    """Killed after the second split is measured (nothing kept: the choice starts again) or in
-    the chosen split's own MLP stage (the choice comes back from the checkpoint, not measured
-    again): the model and the report's split are an uninterrupted run's."""
+    """Killed after the second split is measured (nothing kept: the choice starts again), after
+    everything but publishing (the chosen trial was the run's walk; the resumed run walks that
+    split itself), or, with refinement between the walk and the MLP stage, in the run's own MLP
+    stage (the choice comes back from the checkpoint, not measured again): the model and the
+    report's split are an uninterrupted run's."""
     recipe = write_recipe(
-        tmp_path, wide_mlp, pipeline=[{"strategy": "sensitivity"}], mlp={**SPLIT, "candidates": 2}, **COMMON
+        tmp_path,
+        wide_mlp,
+        pipeline=[{"strategy": "sensitivity"}],
+        mlp={**SPLIT, "candidates": 2},
+        refinement=refinement,
+        **COMMON,
     )
     whole = compress(recipe, tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr
