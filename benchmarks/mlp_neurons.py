@@ -50,8 +50,10 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
     parser.add_argument("--heldout", type=int, default=32, help="held-out windows of 512 tokens (valid.jsonl)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.75], help="kept share of neurons")
+    parser.add_argument("--kept", type=int, nargs="+", help="kept neurons per MLP (replaces --fractions)")
     parser.add_argument("--selectors", nargs="+", default=["magnitude", "leverage", "obs", "obs+H"])
-    parser.add_argument("--damping", type=float, default=1e-2)
+    parser.add_argument("--damping", type=float, nargs="+", default=[1e-2], help="the refit's ridge(s), x mean diag C")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--no-plain", action="store_true", help="only the refitted variants")
     return parser.parse_args()
 
@@ -110,10 +112,11 @@ def main() -> None:
         console.log("H pass (full-width walk)")
         sensitivity = _mlp_sensitivity(resources, recipe, calibration, registry)
     rows: list[dict[str, Any]] = []
-    for fraction in args.fractions:
-        keep = int(round(fraction * width))
+    keeps = args.kept or [int(round(fraction * width)) for fraction in args.fractions]
+    variants = [(True, damping) for damping in args.damping] + ([] if args.no_plain else [(False, None)])
+    for keep in keeps:
         for name in args.selectors:
-            for refit in (True,) if args.no_plain else (True, False):
+            for refit, damping in variants:
                 model = resources.model(recipe.model)
                 tick = time.perf_counter()
                 records = prune_mlp(
@@ -124,7 +127,7 @@ def main() -> None:
                     registry.selector(name.removesuffix("+H")),
                     device,
                     refit=refit,
-                    damping=args.damping,
+                    damping=damping or args.damping[0],
                     sensitivity=sensitivity if name.endswith("+H") else None,
                 )
                 seconds = time.perf_counter() - tick
@@ -132,6 +135,7 @@ def main() -> None:
                 row = {
                     "selector": name,
                     "refit": refit,
+                    "damping": damping,
                     "kept": keep,
                     "of": width,
                     "params": parameter_count(model) / parameter_count(original),
@@ -142,12 +146,12 @@ def main() -> None:
                 }
                 rows.append(row)
                 console.log(
-                    f"{name} refit={refit} kept {keep}/{width}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} "
+                    f"{name} refit={refit} damping={damping} kept {keep}/{width}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} "
                     f"({seconds:.1f} s)"
                 )
     baseline = compare(original, resources.model(recipe.model), heldout, device)["baseline"]["ppl"]
     table = Table(title=f"{args.model.name}: MLP neurons only (original perplexity {baseline:.3f})")
-    columns = ("selector", "refit", "kept", "params", "KL", "ppl", "output error", "prune s")
+    columns = ("selector", "refit", "damping", "kept", "params", "KL", "ppl", "output error", "prune s")
     for column in columns:
         table.add_column(column, justify="right")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -155,6 +159,7 @@ def main() -> None:
         cells = (
             r["selector"],
             "yes" if r["refit"] else "no",
+            f"{r['damping']:g}" if r["refit"] else "",
             f"{r['kept']}/{r['of']}",
             f"{r['params']:.1%}",
             f"{r['kl']:.5f}",
@@ -165,7 +170,7 @@ def main() -> None:
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     console.print(table)
-    stem = RESULTS / f"mlp_neurons_{args.model.name}"
+    stem = RESULTS / f"mlp_neurons_{args.model.name}{args.tag}"
     stem.with_suffix(".json").write_text(
         json.dumps(
             {
