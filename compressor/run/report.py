@@ -134,6 +134,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     if timings.get("fisher_s"):
         under = f" (autocast {autocast})" if autocast else ""
         rows.append((f"output sensitivity H (s){under}", "", f"{timings['fisher_s']:.1f}"))
+    if "split_s" in timings:  # without refinement the chosen split's prune and MLP times are within it
+        rows.append(("choosing the split (s)", "", f"{timings['split_s']:.1f}"))
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))

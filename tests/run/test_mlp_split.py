@@ -73,7 +73,10 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     assert model.config.hidden_size == chosen["width"] and model.config.intermediate_size == chosen["mlp_kept"]
     assert parameter_count(model) == chosen["params"]
     assert (tmp_path / "chosen" / "split.png").is_file()
-    assert "(chosen)" in (tmp_path / "chosen" / "report.md").read_text()
+    markdown = (tmp_path / "chosen" / "report.md").read_text()
+    assert "(chosen)" in markdown and "| choosing the split (s) |" in markdown
+    timings = report["timings"]
+    assert timings["prune_s"] + timings.get("mlp_s", 0.0) < timings["split_s"]  # the chosen trial's, adopted
     # the run with that split fixed in its recipe saves the same model, tensor for tensor
     fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
     fixed = write_recipe(tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, **COMMON)
