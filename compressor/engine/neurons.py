@@ -195,6 +195,11 @@ def prune_mlp(
             )
             choice = selector.select(problem)
             kept = _checked(choice, selector, problem).to(device)
+            if not ranks.agree(kept):
+                raise RuntimeError(
+                    f"layer {index}: the processes chose different neurons from the same statistics "
+                    f"(selector '{selector.name}' is not deterministic across devices)"
+                )
             plain = W[:, kept]
             refitted = refit_down(W, C, kept, problem.damping) if refit else None
             records.append(

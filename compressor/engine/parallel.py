@@ -61,6 +61,17 @@ class Ranks:
         dist.all_gather(out, torch.tensor([count], dtype=torch.int64, device=device))
         return [int(t.item()) for t in out]
 
+    def agree(self, values: torch.Tensor) -> bool:
+        """Whether every rank holds the same integer `values` (a checksum compared by all-reduce): a
+        choice each rank makes alone from summed statistics must be the same choice everywhere."""
+        if self.world == 1:
+            return True
+        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+        total = (values.to(torch.float64).flatten() * weights).sum()
+        checksum = torch.stack([total, -total])  # the max of both: the largest and minus the smallest
+        dist.all_reduce(checksum, op=dist.ReduceOp.MAX)
+        return bool(checksum[0] == -checksum[1])
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

@@ -517,6 +517,8 @@ class _Stages:
         """`mlp` without `kept`: the splits measured and the one chosen."""
         self.fisher_computed = False
         """H was computed by this process's first split and checkpointed before the run's walk read it."""
+        self.fisher_from_checkpoint = False
+        """H came from the checkpoint of a run killed while choosing (what an adopted trial's walk was given)."""
         self.best_trial: tuple[float, int, _Stages] | None = None
         """While choosing without refinement: the lowest-KL split measured so far, as pruned (its KL, index, stages)."""
         self.adopted = False
@@ -589,6 +591,7 @@ class _Stages:
                 loaded = self.checkpoint.load_fisher()
                 assert loaded is not None
                 self.resources.keep_fisher(self._fisher_key(), loaded)
+                self.fisher_from_checkpoint = True
             original = self.resources.model(self.recipe.model)  # on the device only while it measures
             self.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
             rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
@@ -659,7 +662,9 @@ class _Stages:
             and (self.best_trial is None or kl < self.best_trial[0])
         ):
             trial.pruned.to("cpu")  # the best so far waits on the host; the one it replaces is dropped
-            trial.result = dataclasses.replace(trial.result, fisher=None)  # H is the checkpoint's and the resources'
+            # H is the checkpoint's and the resources'; the walk's own model (unrotated, before a tied
+            # head's fit) is read by nothing after the walk: one model waits, not two
+            trial.result = dataclasses.replace(trial.result, fisher=None, model=trial.pruned)
             self.best_trial = (kl, index, trial)
         return kl
 
@@ -912,6 +917,11 @@ class _Stages:
         recipe, checked, result, config, staging = self.recipe, self.checked, self.result, self.config, self.staging
         layout = checked.layout
         pruned_params = parameter_count(self.pruned)
+        fisher_source = result.fisher_source  # where the walk's H came from, unless a split's trial says better
+        if self.fisher_computed:
+            fisher_source = "computed"
+        elif self.adopted and self.fisher_from_checkpoint:
+            fisher_source = "checkpoint"
         report = RunReport(
             compressor=compressor.__version__,
             model=ModelInfo(
@@ -947,10 +957,8 @@ class _Stages:
             slicing=recipe.slicing,
             fingerprint=self.fingerprint,
             resumed_from=result.resumed_from,
-            resume=Resume(
-                sites_loaded=result.loaded_sites, fisher_loaded=result.fisher_loaded and not self.fisher_computed
-            ),
-            fisher_source="computed" if self.fisher_computed else result.fisher_source,
+            resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=fisher_source == "checkpoint"),
+            fisher_source=fisher_source,
             fisher_autocast=_autocast_name(recipe, self.device) if result.fisher_source is not None else None,
             refinement=self.refinement,
             guards=list(self.guards),

@@ -278,3 +278,22 @@ def test_choosing_the_split_across_processes_is_refused(tiny_checkpoint: Path, t
     assert done.returncode != 0  # torchrun's own code for a failed process
     assert "choosing the split of the budget runs in one process" in done.stderr
     assert not (tmp_path / "two").exists()
+
+
+def _agreement_worker(rank: int, world: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        ranks = Ranks.current()
+        same = ranks.agree(torch.tensor([3, 1, 4, 1, 5]))
+        other = ranks.agree(torch.tensor([0, 3] if rank == 0 else [1, 2]))  # other neurons, the same plain sum
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps([same, other]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_only_on_the_same_choice(tmp_path: Path) -> None:
+    """The check the MLP stage makes after each rank chooses its neurons: the same sorted indices
+    agree, other indices with the same plain sum do not."""
+    mp.spawn(_agreement_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[True, False]] * 2
+    assert Ranks().agree(torch.tensor([1, 2]))  # one process agrees with itself
