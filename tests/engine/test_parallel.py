@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,11 +165,9 @@ def _compress(command: list[str], recipe: Path, output: Path, **kill: str) -> su
     )
 
 
-def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(
-    tiny_checkpoint: Path, tmp_path: Path
-) -> None:
-    """`torchrun --nproc-per-node 2 -m compressor.cli run`: rank 0 writes the run, with the bases a
-    single process chooses and each rank's share of the tokens in the report."""
+def _alone_and_shared(tmp_path: Path, tiny_checkpoint: Path, **changes: Any) -> tuple[dict, dict]:
+    """The test recipe (sensitivity, six calibration windows, float64 H, plus `changes`) run by one
+    process into tmp_path/single and by two under torchrun into tmp_path/two: both reports."""
     recipe = write_recipe(
         tmp_path,
         tiny_checkpoint,
@@ -176,13 +175,22 @@ def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(
         pipeline=[{"strategy": "sensitivity"}],
         calibration__num_samples=6,
         sensitivity={"dtype": "float64"},
+        **changes,
     )
     single = _compress([sys.executable], recipe, tmp_path / "single")
     assert single.returncode == 0, single.stderr
     shared = _compress(TORCHRUN, recipe, tmp_path / "two")
     assert shared.returncode == 0, shared.stderr
-    report = json.loads((tmp_path / "two" / "report.json").read_text())
-    alone = json.loads((tmp_path / "single" / "report.json").read_text())
+    alone, two = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("single", "two"))
+    return alone, two
+
+
+def test_compress_run_under_torchrun_writes_one_run_with_one_process_bases(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`torchrun --nproc-per-node 2 -m compressor.cli run`: rank 0 writes the run, with the bases a
+    single process chooses and each rank's share of the tokens in the report."""
+    alone, report = _alone_and_shared(tmp_path, tiny_checkpoint)
     assert report["parallel"]["world_size"] == 2 and alone["parallel"]["world_size"] == 1
     assert report["parallel"]["tokens_by_rank"] == [4 * 64, 2 * 64]  # batches 0, 2 and 1 of three batches of 2
     assert sum(report["parallel"]["tokens_by_rank"]) == alone["parallel"]["tokens_by_rank"][0]
@@ -245,21 +253,7 @@ def test_the_mlp_stage_under_torchrun_keeps_what_one_process_keeps(
     """`mlp.kept` under torchrun: each rank measures its share of the batches, C is summed, and
     rank 0 saves the model one process saves (the same neurons, weights up to the sums' order),
     the MLP records counting every rank's tokens."""
-    recipe = write_recipe(
-        tmp_path,
-        tiny_checkpoint,
-        evaluation=None,
-        pipeline=[{"strategy": "sensitivity"}],
-        calibration__num_samples=6,
-        sensitivity={"dtype": "float64"},
-        slicing={"layout": layout},
-        mlp={"kept": 0.5},
-    )
-    single = _compress([sys.executable], recipe, tmp_path / "single")
-    assert single.returncode == 0, single.stderr
-    shared = _compress(TORCHRUN, recipe, tmp_path / "two")
-    assert shared.returncode == 0, shared.stderr
-    alone, report = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("single", "two"))
+    alone, report = _alone_and_shared(tmp_path, tiny_checkpoint, slicing={"layout": layout}, mlp={"kept": 0.5})
     assert report["parallel"]["world_size"] == 2 and report["mlp"]["weighed_by_h"]
     assert [r["tokens"] for r in report["mlp"]["layers"]] == [r["tokens"] for r in alone["mlp"]["layers"]]
     assert [r["error_refit"] for r in report["mlp"]["layers"]] == pytest.approx(
