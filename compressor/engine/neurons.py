@@ -161,9 +161,7 @@ def prune_mlp(
     `ranks` (default: the initialised process group, if any) share `batches` as the walk does."""
     device = torch.device(device)
     ranks = ranks or Ranks.current()
-    local = [batches[i] for i in ranks.mine(len(batches))]
-    if not local:
-        raise UserError(f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes")
+    local = ranks.share(batches)
     report = progress or (lambda *_: None)
     if "H" in selector.requires and sensitivity is None:
         raise UserError(f"neuron selector '{selector.name}' needs the output sensitivity H, which this run has not")

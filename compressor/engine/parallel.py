@@ -9,10 +9,16 @@ With no process group there is one rank and nothing is communicated.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from compressor.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,16 @@ class Ranks:
         """The indices of this rank's batches among `count`: every world-th, from its rank (so
         the shares differ by at most one batch)."""
         return list(range(self.rank, count, self.world))
+
+    def share(self, batches: Sequence[T]) -> list[T]:
+        """This rank's batches (`mine`); refused when a rank of several would have none."""
+        mine = [batches[i] for i in self.mine(len(batches))]
+        if self.world > 1 and not mine:
+            raise UserError(
+                f"{len(batches)} calibration batches cannot be shared by {self.world} processes: "
+                f"give at least one batch per process"
+            )
+        return mine
 
     def skipped_rows(self, rows: list[int]) -> list[list[int]]:
         """For each of this rank's batches (`mine`), the rows of the other ranks' batches just

@@ -324,19 +324,13 @@ def prune(
     its uses).
 
     Data-parallel (`ranks`, by default the initialised `torch.distributed` group, if any): each
-    rank takes its share of `batches` (`Ranks.mine`), sums every site's C and H with the other
+    rank takes its share of `batches` (`Ranks.share`), sums every site's C and H with the other
     ranks before choosing, draws the labels a single process would draw for its batches, and so
     returns the same bases as one process over all batches (up to the order of the sums).
     """
     device = torch.device(options.device)
     ranks = ranks or Ranks.current()
-    mine = ranks.mine(len(batches))
-    if ranks.world > 1 and not mine:
-        raise UserError(
-            f"{len(batches)} calibration batches cannot be shared by {ranks.world} processes: "
-            f"give at least one batch per process"
-        )
-    local = [batches[i] for i in mine]
+    local = ranks.share(batches)
     skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
     report = progress or (lambda *_: None)
     run = _Prune(

@@ -515,10 +515,10 @@ class _Stages:
         """`mlp`: what each layer's MLP kept."""
         self.split: SplitRecord | None = None
         """`mlp` without `kept`: the splits measured and the one chosen."""
-        self.fisher_computed = False
-        """H was computed by this process's first split and checkpointed before the run's walk read it."""
-        self.fisher_from_checkpoint = False
-        """H came from the checkpoint of a run killed while choosing (what an adopted trial's walk was given)."""
+        self.split_fisher_source: str | None = None
+        """Where the splits' H came from: "computed" by the first split (and checkpointed before the
+        run's walk read it), or "checkpoint" of a run killed while choosing; the report says this
+        rather than what the run's walk (or the adopted trial's) was handed."""
         self.best_trial: tuple[float, int, _Stages] | None = None
         """While choosing without refinement: the lowest-KL split measured so far, as pruned (its KL, index, stages)."""
         self.adopted = False
@@ -591,7 +591,7 @@ class _Stages:
                 loaded = self.checkpoint.load_fisher()
                 assert loaded is not None
                 self.resources.keep_fisher(self._fisher_key(), loaded)
-                self.fisher_from_checkpoint = True
+                self.split_fisher_source = "checkpoint"
             original = self.resources.model(self.recipe.model)  # on the device only while it measures
             self.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
             rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
@@ -650,7 +650,8 @@ class _Stages:
         assert trial.result is not None
         if trial.result.fisher is not None and not self.checkpoint.has_fisher():
             self.checkpoint.save_fisher(trial.result.fisher)
-            self.fisher_computed = trial.result.fisher_source == "computed"
+            if trial.result.fisher_source == "computed":
+                self.split_fisher_source = "computed"
         self.timings["fisher_s"] = max(self.timings.get("fisher_s", 0.0), trial.timings.get("fisher_s", 0.0))
         trial.progress("measuring held-out KL", 0, 1)
         kl = trial._heldout_kl(original.to(self.device), trial.pruned, trial.head_scale)
@@ -917,11 +918,7 @@ class _Stages:
         recipe, checked, result, config, staging = self.recipe, self.checked, self.result, self.config, self.staging
         layout = checked.layout
         pruned_params = parameter_count(self.pruned)
-        fisher_source = result.fisher_source  # where the walk's H came from, unless a split's trial says better
-        if self.fisher_computed:
-            fisher_source = "computed"
-        elif self.adopted and self.fisher_from_checkpoint:
-            fisher_source = "checkpoint"
+        fisher_source = self.split_fisher_source or result.fisher_source
         report = RunReport(
             compressor=compressor.__version__,
             model=ModelInfo(
