@@ -53,6 +53,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--kept", type=int, nargs="+", help="kept neurons per MLP (replaces --fractions)")
     parser.add_argument("--selectors", nargs="+", default=["magnitude", "leverage", "obs", "obs+H"])
     parser.add_argument("--damping", type=float, nargs="+", default=[1e-2], help="the refit's ridge(s), x mean diag C")
+    parser.add_argument(
+        "--feedback", type=float, nargs="+", default=[0.0], help="the refit's error feedback share(s) α (mlp.feedback)"
+    )
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--no-plain", action="store_true", help="only the refitted variants")
     return parser.parse_args()
@@ -113,10 +116,11 @@ def main() -> None:
         sensitivity = _mlp_sensitivity(resources, recipe, calibration, registry)
     rows: list[dict[str, Any]] = []
     keeps = args.kept or [int(round(fraction * width)) for fraction in args.fractions]
-    variants = [(True, damping) for damping in args.damping] + ([] if args.no_plain else [(False, None)])
+    variants = [(True, damping, alpha) for damping in args.damping for alpha in args.feedback]
+    variants += [] if args.no_plain else [(False, None, 0.0)]
     for keep in keeps:
         for name in args.selectors:
-            for refit, damping in variants:
+            for refit, damping, alpha in variants:
                 model = resources.model(recipe.model)
                 tick = time.perf_counter()
                 records = prune_mlp(
@@ -128,6 +132,7 @@ def main() -> None:
                     device,
                     refit=refit,
                     damping=damping or args.damping[0],
+                    feedback=alpha,
                     sensitivity=sensitivity if name.endswith("+H") else None,
                 )
                 seconds = time.perf_counter() - tick
@@ -136,6 +141,7 @@ def main() -> None:
                     "selector": name,
                     "refit": refit,
                     "damping": damping,
+                    "feedback": alpha,
                     "kept": keep,
                     "of": width,
                     "params": parameter_count(model) / parameter_count(original),
@@ -146,12 +152,12 @@ def main() -> None:
                 }
                 rows.append(row)
                 console.log(
-                    f"{name} refit={refit} damping={damping} kept {keep}/{width}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} "
+                    f"{name} refit={refit} damping={damping} feedback={alpha} kept {keep}/{width}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} "
                     f"({seconds:.1f} s)"
                 )
     baseline = compare(original, resources.model(recipe.model), heldout, device)["baseline"]["ppl"]
     table = Table(title=f"{args.model.name}: MLP neurons only (original perplexity {baseline:.3f})")
-    columns = ("selector", "refit", "damping", "kept", "params", "KL", "ppl", "output error", "prune s")
+    columns = ("selector", "refit", "damping", "feedback", "kept", "params", "KL", "ppl", "output error", "prune s")
     for column in columns:
         table.add_column(column, justify="right")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -160,6 +166,7 @@ def main() -> None:
             r["selector"],
             "yes" if r["refit"] else "no",
             f"{r['damping']:g}" if r["refit"] else "",
+            f"{r['feedback']:g}" if r["refit"] else "",
             f"{r['kept']}/{r['of']}",
             f"{r['params']:.1%}",
             f"{r['kl']:.5f}",

@@ -106,6 +106,7 @@ class ActivationStore:
             raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
         self.device = device
         self.pin = device.type == "cuda"
+        self._offload, self._parent = offload, folder
         self._folder = None
         if offload == "disk":
             if folder is not None:
@@ -115,6 +116,10 @@ class ActivationStore:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def sibling(self) -> ActivationStore:
+        """An empty store kept the way this one is (host, pinned or spilled beside it on disk)."""
+        return ActivationStore(self.device, self._offload, self._parent)
 
     def append(self, tensor: torch.Tensor) -> None:
         self._slots.append(self._hold(len(self._slots), tensor))

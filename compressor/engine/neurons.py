@@ -1,5 +1,5 @@
 """The MLP's width as a pruning axis: per layer, keep `keep` of the `f` intermediate neurons and
-refit the down projection to what the dropped ones wrote.
+refit the down projection to what the dropped ones wrote, and part of what earlier layers lost.
 
 Layers are visited in stream order (`visit_layers`), on the model as already pruned before each
 one, as the walk visits residual sites. At a layer, the down projection's input h is measured over
@@ -12,6 +12,18 @@ what all f wrote, on the calibration tokens, damped towards the kept weights (δ
 diag C; damped towards zero instead, as W·C[:,S]·(C[S,S] + δI)⁻¹, keeping every neuron would not
 give the model back). The layer then runs again, pruned, to
 give the next layer its input. C is f × f per layer, built on the run's device and dropped after.
+
+Error feedback (`feedback` α, 0 to 1): a reference copy of the stream runs through the layers
+unpruned beside the pruned one, and the down projection is fitted to t = W·h + α·e, e the layer's
+output on the reference stream minus its output on the pruned one. At α = 0 that is the formula
+above (what this layer's neurons wrote); at α = 1 it is the stream the layer wrote before the stage
+began, so each MLP also takes back everything the layers before it lost, as sequential layer-wise
+reconstruction does; in between, a part of it (a full correction fits calibration noise too). With
+X = E[t hᵀ] (d × f; W·C at α = 0) the refit is (X[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹, and selectors
+see as `down` the full-width map W* = (X + δW)(C + δI)⁻¹, which writes what every neuron should, so
+OBS's costs price the new target exactly. Feedback needs the MLP's output added to the stream as
+it is (no norm after the MLP, e.g. Gemma2's): elsewhere the stage runs without it. It costs one more
+pass of each layer and a second copy of the calibration stream.
 Data-parallel (`ranks`), each rank measures its share of the batches and C, the activations and
 the token count are summed over the ranks before choosing, so every rank keeps the same neurons and
 refits the same weights (up to the order of the sums).
@@ -32,7 +44,7 @@ from transformers import PreTrainedModel
 from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
-from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
+from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs, counted_rows
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
@@ -54,11 +66,13 @@ class NeuronRecord:
     selector: str
     refit: bool
     error_dropped: float
-    """Relative least-squares error of the MLP output with the kept neurons' weights as they were:
-    E‖W h − W[:,S] h_S‖² / E‖W h‖² on the calibration tokens."""
+    """Relative least-squares error against the refit's target t with the kept neurons' weights as
+    they were: E‖t − W[:,S] h_S‖² / E‖t‖² on the calibration tokens (t = W h for "output")."""
     error_refit: float | None
     """The same with the refitted weights W' (None without the refit)."""
     objectives: dict[str, Any] = field(default_factory=dict)
+    feedback: float = 0.0
+    """The error feedback α the refit's target carried (0: the layer's own MLP output)."""
 
 
 def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear], nn.Linear]:
@@ -72,17 +86,43 @@ def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear],
 
 
 class _MlpMoment:
-    """Running C = E[h hᵀ] and per-window mean |h| of the down projection's input."""
+    """Running C = E[h hᵀ] and per-window mean |h| of the down projection's input, and, for the
+    error feedback, Σ e hᵀ and Σ ‖e‖² of the layer's output error e against the reference stream."""
 
-    def __init__(self, width: int, device: torch.device) -> None:
+    def __init__(self, width: int, device: torch.device, stream_width: int | None = None) -> None:
         self.moment = SecondMoment(width, device)
         self.window_means = torch.zeros(width, dtype=torch.float64, device=device)
+        self.error_cross = (
+            None if stream_width is None else torch.zeros(stream_width, width, dtype=torch.float64, device=device)
+        )
+        self.error_energy = torch.zeros((), dtype=torch.float64, device=device)
 
     def sum_over(self, ranks: Ranks) -> _MlpMoment:
         """Every rank's statistics summed (data-parallel calibration), in place."""
         self.moment.sum_over(ranks)
         ranks.sum_(self.window_means)
+        if self.error_cross is not None:
+            ranks.sum_(self.error_cross)
+            ranks.sum_(self.error_energy)
         return self
+
+    def add_error(self, h: torch.Tensor, error: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        assert self.error_cross is not None
+        h = counted_rows(h.reshape(*mask.shape, h.shape[-1]), mask, count).to(torch.float64)
+        e = counted_rows(error, mask, count).to(torch.float64)
+        self.error_cross.addmm_(e.T, h)
+        self.error_energy += (e * e).sum()
+
+    def target(self, W: torch.Tensor, C: torch.Tensor, feedback: float) -> RefitTarget:
+        """The moments of t = W h + α e (C already divided by the token count)."""
+        output = RefitTarget.output(W, C)
+        if self.error_cross is None or feedback == 0:
+            return output
+        cross = self.error_cross * (feedback / self.moment.tokens)  # α E[e hᵀ]
+        energy = (
+            output.energy + 2 * float((W * cross).sum()) + feedback**2 * float(self.error_energy) / self.moment.tokens
+        )
+        return RefitTarget(output.cross + cross, energy)
 
     def add(self, h: torch.Tensor, mask: torch.Tensor, count: int) -> None:
         if h.dim() == 2:  # an MLP that flattens the batch's positions (OPT): back to (B, T, f)
@@ -91,6 +131,28 @@ class _MlpMoment:
         real = mask.to(h.device, torch.float64).unsqueeze(-1)  # (B, T, 1)
         means = (h.abs().to(torch.float64) * real).sum(1) / real.sum(1).clamp_min(1.0)  # (B, f)
         self.window_means += (means**2).sum(0)
+
+
+@dataclass
+class RefitTarget:
+    """What the down projection's refit reproduces, by its moments with the activation h:
+    `cross` X = E[t hᵀ] (d × f, float64) and `energy` E‖t‖²."""
+
+    cross: torch.Tensor
+    energy: float
+
+    @classmethod
+    def output(cls, down: torch.Tensor, C: torch.Tensor) -> RefitTarget:
+        """t = W h, what the f neurons wrote."""
+        return cls(down @ C, float(torch.trace(down @ C @ down.T)))
+
+    def full_map(self, down: torch.Tensor, C: torch.Tensor, damping: float) -> torch.Tensor:
+        """W* = (X + δW)(C + δI)⁻¹: the full-width map the damped refit aims at; refitting W* to the
+        kept neurons (`refit_down`) is the damped least-squares fit of the target. W itself when
+        the target is the layer's own output."""
+        damped = C.clone()
+        damped.diagonal().add_(damping)
+        return torch.linalg.solve(damped, (self.cross + damping * down).T).T
 
 
 def refit_down(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, damping: float) -> torch.Tensor:
@@ -103,12 +165,11 @@ def refit_down(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, damping:
     return torch.linalg.solve(C_SS, rhs.T).T  # C_SS is symmetric: (C_SS⁻¹ rhsᵀ)ᵀ = rhs C_SS⁻¹
 
 
-def output_error(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, kept_down: torch.Tensor) -> float:
-    """E‖W h − W' h_S‖² / E‖W h‖² from C alone (W' reads the kept neurons)."""
-    full = torch.trace(down @ C @ down.T)
-    cross = torch.trace(down @ C[:, kept] @ kept_down.T)
-    own = torch.trace(kept_down @ C[kept][:, kept] @ kept_down.T)
-    return float((full - 2 * cross + own) / full) if full > 0 else 0.0
+def output_error(target: RefitTarget, C: torch.Tensor, kept: torch.Tensor, kept_down: torch.Tensor) -> float:
+    """E‖t − W' h_S‖² / E‖t‖² from the moments alone (W' reads the kept neurons)."""
+    cross = float((target.cross[:, kept] * kept_down).sum())
+    own = float(torch.trace(kept_down @ C[kept][:, kept] @ kept_down.T))
+    return (target.energy - 2 * cross + own) / target.energy if target.energy > 0 else 0.0
 
 
 def drop_neurons(inputs: list[nn.Linear], output: nn.Linear, kept: torch.Tensor, down: torch.Tensor) -> None:
@@ -149,6 +210,7 @@ def prune_mlp(
     *,
     refit: bool = True,
     damping: float = 1e-2,
+    feedback: float = 0.5,
     sensitivity: Mapping[int, torch.Tensor] | None = None,
     progress: Progress | None = None,
     store: ActivationStore | None = None,
@@ -158,7 +220,11 @@ def prune_mlp(
     docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
     model's current coordinates) for selectors that use it. Returns one record per layer. The
     model's config is not changed: the caller sets its MLP width where the saved class reads it.
+    `feedback` is the share α of the stream's error the refit takes back (see the module docstring).
     `ranks` (default: the initialised process group, if any) share `batches` as the walk does."""
+    if not 0 <= feedback <= 1:
+        raise UserError(f"mlp.feedback {feedback:g}: give a share of the stream's error from 0 to 1")
+    feedback = feedback if family.mlp_post_norm is None else 0.0
     device = torch.device(device)
     ranks = ranks or Ranks.current()
     local = ranks.share(batches)
@@ -168,6 +234,9 @@ def prune_mlp(
     model.eval()
     layers = len(decoder_layers(model, family))
     inputs = capture_layer_inputs(model, family, local, device, store or ActivationStore(device))
+    reference = inputs.hidden.sibling() if feedback else None  # the stream as it was, run through unpruned layers
+    for b in range(len(inputs) if reference is not None else 0):
+        reference.append(inputs.hidden.host(b))
     records: list[NeuronRecord] = []
     try:
         for index, layer in visit_layers(model, family, device):
@@ -176,18 +245,20 @@ def prune_mlp(
             width = output.in_features
             if not 0 < keep <= width:
                 raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-            stats = _measure(layer, output, inputs, index, device).sum_over(ranks)
+            stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
             if stats.moment.tokens == 0:
                 raise ValueError("no calibration tokens were counted (all positions masked)")
             C = stats.moment.total.div_(stats.moment.tokens)  # in place: f × f float64 is large
             W = output.weight.detach().to(device, torch.float64)
+            delta = damping * float(torch.diagonal(C).mean())
+            goal = stats.target(W, C, feedback)
             problem = NeuronProblem(
                 layer=index,
                 keep=keep,
                 C=C,
                 activation=stats.window_means.sqrt(),
-                down=W,
-                damping=damping * float(torch.diagonal(C).mean()),
+                down=goal.full_map(W, C, delta) if feedback else W,
+                damping=delta,
                 G=None if sensitivity is None else sensitivity[index].to(device, torch.float64),
                 tokens=stats.moment.tokens,
             )
@@ -199,7 +270,7 @@ def prune_mlp(
                     f"(selector '{selector.name}' is not deterministic across devices)"
                 )
             plain = W[:, kept]
-            refitted = refit_down(W, C, kept, problem.damping) if refit else None
+            refitted = refit_down(problem.down, C, kept, delta) if refit else None
             records.append(
                 NeuronRecord(
                     layer=index,
@@ -208,36 +279,63 @@ def prune_mlp(
                     tokens=problem.tokens,
                     selector=selector.name,
                     refit=refit,
-                    error_dropped=output_error(W, C, kept, plain),
-                    error_refit=None if refitted is None else output_error(W, C, kept, refitted),
+                    error_dropped=output_error(goal, C, kept, plain),
+                    error_refit=None if refitted is None else output_error(goal, C, kept, refitted),
                     objectives=dict(choice.objectives),
+                    feedback=feedback,
                 )
             )
             drop_neurons(linears, output, kept, refitted if refitted is not None else plain)
-            del C, W, problem, stats
+            del C, W, problem, stats, goal
             for b in range(len(inputs)):  # the pruned layer gives the next one its input
-                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
-                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+                inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
             faults.reached(f"mlp:{index}")
         report(f"MLP neurons: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()
+        if reference is not None:
+            reference.close()
     return records
 
 
-def _measure(layer: nn.Module, output: nn.Linear, inputs: LayerInputs, index: int, device: torch.device) -> _MlpMoment:
-    """Run the layer on every stored batch (its output discarded), measuring the down projection's input."""
-    stats = _MlpMoment(output.in_features, device)
-    current: dict[str, Any] = {}
+def _measure(
+    layer: nn.Module,
+    output: nn.Linear,
+    inputs: LayerInputs,
+    index: int,
+    device: torch.device,
+    reference: ActivationStore | None = None,
+) -> _MlpMoment:
+    """Run the layer on every stored batch, measuring the down projection's input. With a
+    `reference` stream the layer, not yet pruned, also runs on it: its output there becomes the
+    reference for the next layer, and its difference from the output on the pruned stream is the
+    error e that feedback adds."""
+    stats = _MlpMoment(output.in_features, device, None if reference is None else output.out_features)
+    current: dict[str, Any] = {"measuring": True}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        stats.add(args[0], current["mask"], current["count"])
+        if current["measuring"]:
+            stats.add(args[0], current["mask"], current["count"])
+            if reference is not None:  # kept for the error's cross moment with h
+                current["h"] = args[0]
 
     handle = output.register_forward_pre_hook(record)
     try:
         for b in range(len(inputs)):
-            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+            mask, count = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            current["mask"], current["count"] = mask, count
+            out = _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device)))
+            if reference is None:
+                continue
+            current["measuring"] = False
+            reference_out = _stream(layer(reference.get(b, device), **inputs.kwargs(b, index, device)))
+            current["measuring"] = True
+            stats.add_error(current.pop("h"), reference_out - out, mask, count)
+            reference.put(b, reference_out)
     finally:
         handle.remove()
     return stats
+
+
+def _stream(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out

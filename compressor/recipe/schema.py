@@ -175,6 +175,11 @@ class MlpSpec:
     refit: StrictBool = True
     """Refit the down projection to what the dropped neurons wrote (least squares on the
     calibration tokens); off: the kept neurons' weights as they were."""
+    feedback: Annotated[Number, described("share of the stream's error the refit takes back, 0 to 1", ge=0, le=1)] = 0.5
+    """Error feedback: the refit reproduces what the layer's own neurons wrote plus this share of
+    the difference between the stream the layer wrote before the MLP stage and the one it writes
+    on the pruned stream (0: its own output only; 1: the whole stream as it was). Families with a
+    norm after the MLP (Gemma2) run without it."""
     damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
     """Above 0: a neuron that never fires (common after a ReLU) leaves C singular without it."""
     round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8

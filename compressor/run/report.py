@@ -58,7 +58,7 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
         return []
     mlp = report.mlp
     errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in mlp.layers]
-    how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {'refitted' if mlp.refit else 'not refitted'}"
+    how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {f'refitted, feedback {mlp.feedback:g}' if mlp.refit else 'not refitted'}"
     rows = [("MLP width", str(mlp.of), f"{mlp.kept} ({how})" if mlp.layers else f"{mlp.kept} (all kept)")]
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))

@@ -162,6 +162,8 @@ class MlpReport(_Section):
     selector: str
     refit: bool
     damping: float
+    feedback: float = 0.0
+    """The refit's error feedback (`engine.neurons`; 0 in reports from before it existed)."""
     weighed_by_h: bool
     """Whether the selector was given H of each MLP's stream (the walk estimated it)."""
     layers: list[NeuronRecord]

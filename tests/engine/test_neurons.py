@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.neurons import mlp_linears, output_error, prune_mlp, refit_down
+from compressor.engine.calibration import capture_layer_inputs, counted_rows
+from compressor.engine.neurons import RefitTarget, mlp_linears, output_error, prune_mlp, refit_down
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.plugin import NeuronChoice, NeuronProblem, NeuronSelector, hookimpl
@@ -38,6 +39,7 @@ def test_keeping_every_neuron_gives_the_model_back(family_name: str, selector: s
     batches = random_batches(original.config.vocab_size, padded=True)
     records = prune_mlp(model, family, batches, width, _selector(selector))
     assert [r.kept for r in records] == [width] * original.config.num_hidden_layers
+    assert {r.feedback for r in records} == {0.0 if family.mlp_post_norm else 0.5}
     assert all(r.error_refit is not None and abs(r.error_refit) < 1e-9 for r in records)
     assert max_relative_logit_error(original, model, batches) < 1e-5
 
@@ -57,11 +59,74 @@ def test_the_refit_is_the_least_squares_solution() -> None:
     refit = refit_down(W, C, kept, 0.0)
     expected = torch.linalg.lstsq(h[:, kept], h @ W.T).solution.T
     assert torch.allclose(refit, expected, atol=1e-10)
+    target = RefitTarget.output(W, C)
     measured = ((h @ W.T - h[:, kept] @ refit.T) ** 2).sum() / ((h @ W.T) ** 2).sum()
-    assert output_error(W, C, kept, refit) == pytest.approx(float(measured), rel=1e-9)
-    plain = output_error(W, C, kept, W[:, kept])
-    damped = output_error(W, C, kept, refit_down(W, C, kept, 1e-1))
-    assert output_error(W, C, kept, refit) < damped < plain
+    assert output_error(target, C, kept, refit) == pytest.approx(float(measured), rel=1e-9)
+    plain = output_error(target, C, kept, W[:, kept])
+    damped = output_error(target, C, kept, refit_down(W, C, kept, 1e-1))
+    assert output_error(target, C, kept, refit) < damped < plain
+    assert torch.allclose(target.full_map(W, C, 1e-1), W, atol=1e-10)  # the output target's full map is W
+
+
+def test_the_full_map_refitted_is_the_damped_fit_of_any_target() -> None:
+    """For a target t other than W h, refitting W* = (X + δW)(C + δI)⁻¹ to the kept neurons is
+    the ridge solution min E‖t − W' h_S‖² + δ‖W' − W[:,S]‖², and `output_error` measures it."""
+    generator = torch.Generator().manual_seed(1)
+    tokens, f, d, delta = 500, 10, 4, 0.05
+    h = torch.randn(tokens, f, generator=generator, dtype=torch.float64)
+    W = torch.randn(d, f, generator=generator, dtype=torch.float64)
+    t = h @ W.T + 0.3 * torch.randn(tokens, d, generator=generator, dtype=torch.float64) + h[:, :d] * 0.5
+    C = h.T @ h / tokens
+    target = RefitTarget(t.T @ h / tokens, float((t * t).sum()) / tokens)
+    kept = torch.tensor([1, 2, 4, 6, 9])
+    refit = refit_down(target.full_map(W, C, delta), C, kept, delta)
+    stacked = torch.cat([h[:, kept] / tokens**0.5, delta**0.5 * torch.eye(len(kept), dtype=torch.float64)])
+    goal = torch.cat([t / tokens**0.5, delta**0.5 * W[:, kept].T])
+    assert torch.allclose(refit, torch.linalg.lstsq(stacked, goal).solution.T, atol=1e-10)
+    measured = ((t - h[:, kept] @ refit.T) ** 2).sum() / (t * t).sum()
+    assert output_error(target, C, kept, refit) == pytest.approx(float(measured), rel=1e-9)
+
+
+@pytest.mark.parametrize("feedback", [1.0, 0.5])
+def test_error_feedback_fits_a_share_of_the_stream_the_layer_wrote_before(feedback: float) -> None:
+    """With feedback α, the second layer's down projection is the least-squares map from its kept
+    neurons (on the stream the pruned first layer wrote) to what it wrote plus α times the
+    difference between the unpruned layer's output on the original stream and on the pruned one;
+    without feedback the first layer is the same and the second differs."""
+    family = family_for("llama")
+    original = tiny_model("llama")
+    model = copy_model(original)
+    batches = random_batches(original.config.vocab_size, padded=True)
+    keep = original.config.intermediate_size // 2
+    prune_mlp(model, family, batches, keep, _selector("magnitude"), damping=1e-12, feedback=feedback)
+    first, second = model.model.layers
+    unpruned = original.model.layers[1]
+    inputs = capture_layer_inputs(original, family, batches, torch.device("cpu"))
+    rows_h, rows_t = [], []
+    seen: dict[str, torch.Tensor] = {}
+    handle = unpruned.mlp.down_proj.register_forward_pre_hook(lambda _, args: seen.update(h=args[0]))
+    with torch.no_grad():
+        for b in range(len(inputs)):
+            kwargs = [inputs.kwargs(b, i, torch.device("cpu")) for i in (0, 1)]
+            x = inputs.hidden.get(b)
+            reference = unpruned(original.model.layers[0](x, **kwargs[0]), **kwargs[1])
+            pruned_stream = first(x, **kwargs[0])
+            out = unpruned(pruned_stream, **kwargs[1])
+            h = seen["h"]
+            t = h @ unpruned.mlp.down_proj.weight.T + feedback * (reference - out)
+            mask = inputs.token_masks[b]
+            rows_h.append(counted_rows(h, mask).double())
+            rows_t.append(counted_rows(t, mask).double())
+    handle.remove()
+    h, t = torch.cat(rows_h), torch.cat(rows_t)
+    gate = unpruned.mlp.gate_proj.weight
+    kept = [int(torch.nonzero((gate == row).all(1))[0]) for row in second.mlp.gate_proj.weight]
+    expected = torch.linalg.lstsq(h[:, kept], t).solution.T
+    assert torch.allclose(second.mlp.down_proj.weight.double(), expected, rtol=1e-4, atol=1e-5)
+    output_target = copy_model(original)
+    prune_mlp(output_target, family, batches, keep, _selector("magnitude"), damping=1e-12, feedback=0.0)
+    assert not torch.allclose(output_target.model.layers[1].mlp.down_proj.weight, second.mlp.down_proj.weight)
+    assert torch.allclose(output_target.model.layers[0].mlp.down_proj.weight, first.mlp.down_proj.weight, atol=1e-6)
 
 
 def _problem(h: torch.Tensor, keep: int, W: torch.Tensor | None = None) -> NeuronProblem:
@@ -92,7 +157,10 @@ def test_obs_drops_a_redundant_neuron_at_no_cost_and_weighs_the_output() -> None
     choice = _selector("obs").select(problem)
     kept = choice.kept
     assert len(set(kept.tolist()) & {0, 4}) == 1 and choice.objectives["predicted_loss"] < 1e-6
-    assert output_error(W, problem.C, kept, refit_down(W, problem.C, kept, problem.damping)) < 1e-6
+    assert (
+        output_error(RefitTarget.output(W, problem.C), problem.C, kept, refit_down(W, problem.C, kept, problem.damping))
+        < 1e-6
+    )
     W_local = torch.zeros(3, 4, dtype=torch.float64)
     W_local[:, :3] = torch.randn(3, 3, generator=generator, dtype=torch.float64)
     W_local[2, 3] = 10.0  # neuron 3 writes only to coordinate 2 of the stream...
@@ -168,3 +236,5 @@ def test_bad_input_is_one_line() -> None:
         PluginRegistry().selector("magnitud")
     with pytest.raises(UserError, match="needs the output sensitivity H"):
         prune_mlp(model, family, batches, 8, type("NeedsH", (_Wrong,), {"name": "needs-h", "requires": ("H",)})())
+    with pytest.raises(UserError, match="mlp.feedback 1.5: give a share of the stream's error from 0 to 1"):
+        prune_mlp(model, family, batches, 8, _selector("magnitude"), feedback=1.5)

@@ -42,7 +42,7 @@ def test_a_global_run_with_mlp_saves_the_original_class_at_both_widths(tiny_chec
     assert model.config.model_type == "llama" and model.config.intermediate_size == 64
     assert model.config.hidden_size == report["kept_width"]
     assert parameter_count(model) == report["params"]["pruned"]
-    assert "| MLP width | 128 | 64 (obs, refitted) |" in (tmp_path / "mlp" / "report.md").read_text()
+    assert "| MLP width | 128 | 64 (obs, refitted, feedback 0.5) |" in (tmp_path / "mlp" / "report.md").read_text()
 
 
 def test_a_per_site_run_with_mlp_weighs_by_h_and_reloads(tiny_checkpoint: Path, tmp_path: Path) -> None:
