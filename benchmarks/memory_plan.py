@@ -217,8 +217,8 @@ def plan(
     f = values["intermediate_size"]
     # `mlp:` (engine.neurons), computed: one layer (bf16), one batch's stream and MLP activation, and at
     # the peak three f x f float64 matrices (C, C + δI and its inverse P while obs inverts it; C and P
-    # after, P downdated in place), the down projection and its refit (d x f float64 each); the stream
-    # target (`mlp.refit_target`, the default) adds the reference batch's stream and E[e hᵀ] (d x f
+    # after, P downdated in place), the down projection and its refit (d x f float64 each); the refit's
+    # error feedback (`mlp.feedback`, on by default) adds the reference batch's stream and E[e hᵀ] (d x f
     # float64) on the device and a second copy of the calibration stream on the host.
     mlp_device = 2 * m["layer_params"] + 3 * batch * seq_len * d * 2 + 2 * batch * seq_len * f * 2
     mlp_device += 3 * f * f * 8 + 3 * d * f * 8
