@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
         "refused even then: a run never deletes what it did not write)",
     )
     run.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="run even where the memory plan (printed by --dry-run) is above this machine's memory",
+    )
+    run.add_argument(
         "--restart",
         action="store_true",
         help="discard the checkpoint of an interrupted run to the same output and start afresh",
@@ -185,7 +190,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.dry_run:
         from compressor.run.preflight import dry_run
 
-        found = dry_run(recipe, registry, args.overwrite, args.restart)
+        found = dry_run(recipe, registry, args.overwrite, args.restart, not args.skip_memory_check)
         headline = (
             "recipe checked, but the run would stop here"
             if found.refusal
@@ -215,14 +220,29 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
     try:
         if rank > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
-            run(recipe, registry, None, overwrite=args.overwrite, restart=args.restart)
+            run(
+                recipe,
+                registry,
+                None,
+                overwrite=args.overwrite,
+                restart=args.restart,
+                memory_check=not args.skip_memory_check,
+            )
             return
 
         def warn(text: str) -> None:
             console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
 
         with _progress_display(console) as progress:
-            report = run(recipe, registry, progress, overwrite=args.overwrite, restart=args.restart, warn=warn)
+            report = run(
+                recipe,
+                registry,
+                progress,
+                overwrite=args.overwrite,
+                restart=args.restart,
+                warn=warn,
+                memory_check=not args.skip_memory_check,
+            )
     except KeyboardInterrupt:
         if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
             raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None

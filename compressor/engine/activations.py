@@ -48,8 +48,9 @@ def held_on(parts: list[nn.Module], device: torch.device, *, read_only: bool = F
     homes = [next((t.device for t in (*part.parameters(), *part.buffers())), None) for part in parts]
     kept = [_tensors_of(part) for part in parts] if read_only else []
     try:
-        for part in parts:
-            part.to(device)
+        for part, home in zip(parts, homes):
+            if home is not None and home != device:  # already there: nothing to move (fake tensors cannot be)
+                part.to(device)
         yield
     finally:
         if read_only:

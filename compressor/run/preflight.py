@@ -14,21 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
 from compressor.run.checks import Plan, check_evaluation_tasks, plan
 from compressor.run.loading import check_fields, load_tokenizer, resolve_device, token_batches
+from compressor.run.memory import machine_memory, run_memory_plan, size
 from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.staging import check_output, check_writable
 from compressor.strategies.registry import PluginRegistry
 
 NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
 """A hub dataset error with these words was the network's, not the dataset's: not checked, not refused."""
-ALWAYS_UNCHECKED = (
-    "the weights (not loaded: a missing or corrupt shard, NaN or Inf, device memory show only in the run)"
-)
+ALWAYS_UNCHECKED = "the weights (not loaded: a missing or corrupt shard, NaN or Inf show only in the run)"
 
 
 @dataclass
@@ -52,7 +53,9 @@ class DryRun:
         )
 
 
-def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, restart: bool = False) -> DryRun:
+def dry_run(
+    recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, restart: bool = False, memory_check: bool = True
+) -> DryRun:
     """Check `recipe` as `compress run` would before loading weights; a problem is a UserError."""
     found = DryRun()
     try:  # a recipe for a GPU is still checked on a laptop; the missing device is the last word
@@ -70,6 +73,7 @@ def dry_run(recipe: Recipe, registry: PluginRegistry, overwrite: bool = False, r
     checked = _model(recipe, registry, found)
     if checked is not None:
         found.warnings += checked.warnings
+        _memory(recipe, checked, device, found, memory_check)
     tokenizer = load_tokenizer(recipe.model) if checked is not None else None
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None:
@@ -139,6 +143,27 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
+
+
+def _memory(recipe: Recipe, checked: Plan, device: Any, found: DryRun, check: bool) -> None:
+    """The memory plan, phase by phase, against this machine's memory (the device the recipe names
+    where this machine has it, else its host alone); a peak above it is the dry run's refusal."""
+    on = device if device is not None else torch.device("cpu")
+    memory = run_memory_plan(recipe, checked, on)
+    machine = machine_memory(on)
+    found.notes.append(
+        f"memory plan for {memory.shape}, {machine.describe()}; host figures include this process's "
+        f"{size(memory.base)} before loading weights, not the allocator's overhead:"
+    )
+    found.notes += [f"  {line}" for line in memory.lines()]
+    refusal = memory.refusal(machine)
+    if refusal is not None and check:
+        found.refusal = found.refusal or refusal
+    elif refusal is not None:
+        found.warnings.append(refusal)
+    else:
+        peak = memory.peak_host()
+        found.checked.append(f"memory: the peak ({peak.name}, host {size(peak.host)}) fits this machine")
 
 
 def _distillation(recipe: Recipe, tokenizer: Any, found: DryRun) -> None:

@@ -54,6 +54,7 @@ from compressor.recipe.schema import MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources, heldout_batches, resolve_device
+from compressor.run.memory import check_memory, machine_memory, run_memory_plan
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
     Allocation,
@@ -108,6 +109,7 @@ def run(
     resources: Resources | None = None,
     save_model: bool = True,
     warn: Callable[[str], None] | None = None,
+    memory_check: bool = True,
 ) -> RunReport | None:
     """Run a validated recipe; return the report (also written to `<output>/report.json`; None on
     a data-parallel run's ranks above 0, which write nothing).
@@ -117,6 +119,7 @@ def run(
     `resources` supplies model, data and H (a sweep shares them between its runs);
     `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
     `warn` hears what the run goes on with but a user should know (a very large cut).
+    `memory_check=False` runs a recipe whose memory plan is above this machine's memory.
     """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
@@ -144,6 +147,8 @@ def run(
             "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
             "set save_models: true, or remove mlp"
         )
+    if memory_check:  # before anything is written: a run that cannot fit stops in its first second
+        check_memory(run_memory_plan(recipe, checked, device), machine_memory(device))
     ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:

@@ -1,0 +1,465 @@
+"""The memory plan: peak host and device memory of each phase of a run, from the model's config and
+the recipe alone, against the memory of the machine it would run on.
+
+The device side of the walk and the H pass is *measured*: the engine's own code runs one decoder
+layer of the real config, and the head, on fake tensors (`FakeTensorMode`: shapes and dtypes, no
+data, so a 70B layer costs nothing), and `memtrack.LiveBytes` records the peak of live bytes.
+Every layer has the same shapes, so one stands for all. Host and device are both fake CPU tensors
+there, so the batch the walk hands back to the host is counted on the device too: an upper bound.
+Everything else is *computed* from tensor sizes: the weights, the activation store (one copy of the
+calibration stream, two with the MLP refit's feedback), the H pass's stored inputs and gradients,
+H, the bases, the MLP stage's f×f matrices, evaluation's two models, distillation's student,
+gradients, Adam states and teacher. `compress run --dry-run` prints the plan, and a run refuses,
+before it writes anything, a recipe whose peak is above what the machine has.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compressor.errors import UserError
+from compressor.recipe.schema import Recipe
+
+GiB = 2**30
+_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def size(count: int) -> str:
+    """Bytes as a person reads them: GiB, or MiB below one GiB."""
+    return f"{count / GiB:.1f} GiB" if count >= GiB else f"{count / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase's peak: bytes in host memory and on the device (None: the device is the host)."""
+
+    name: str
+    host: int
+    device: int | None
+    fix: str
+    """What makes this phase smaller, said in the refusal when it is the one that does not fit."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The memory a run can have here: host RAM, and the device's when it is an accelerator."""
+
+    host: int
+    device: int | None
+    device_name: str
+
+    def describe(self) -> str:
+        where = f"{size(self.device)} on {self.device_name}" if self.device is not None else "no accelerator"
+        return f"this machine: {size(self.host)} host memory, {where}"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every phase a recipe runs, its peaks, and the model's shape they come from."""
+
+    phases: tuple[Phase, ...]
+    weights: int
+    shape: str
+    base: int = 0
+    """The process before any weight is loaded (interpreter, libraries), counted in every host figure."""
+
+    def peak_host(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.host)
+
+    def peak_device(self) -> Phase | None:
+        on_device = [phase for phase in self.phases if phase.device is not None]
+        return max(on_device, key=lambda phase: phase.device or 0) if on_device else None
+
+    def lines(self) -> list[str]:
+        """One line per phase, for a dry run."""
+        return [
+            f"{phase.name}: host {size(phase.host)}"
+            + ("" if phase.device is None else f", device {size(phase.device)}")
+            for phase in self.phases
+        ]
+
+    def refusal(self, machine: Machine) -> str | None:
+        """One line naming the phase that does not fit and what to change; None when all fit."""
+        host = self.peak_host()
+        after = "(`compress run --dry-run` prints the plan; --skip-memory-check runs it anyway)"
+        if host.host > machine.host:
+            fix = (
+                host.fix if self.weights < machine.host else "the weights alone do not fit: a machine with more memory"
+            )
+            return (
+                f"this run needs about {size(host.host)} of host memory at its peak ({host.name}; the weights "
+                f"are {size(self.weights)}) and this machine has {size(machine.host)}: {fix} {after}"
+            )
+        device = self.peak_device()
+        if device is not None and machine.device is not None and (device.device or 0) > machine.device:
+            return (
+                f"this run needs about {size(device.device or 0)} on {machine.device_name} at its peak "
+                f"({device.name}) and the device has {size(machine.device)}: {device.fix} {after}"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What of a recipe the plan reads (a benchmark builds one without a recipe)."""
+
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    samples: int = 128
+    seq_len: int = 2048
+    batch: int = 8
+    activations: str = "host"
+    h_dtype: str = "float32"
+    chunk: int = 32
+    recompute: bool | None = None
+    """sensitivity.recompute (None: on an accelerator only)."""
+    mlp_feedback: float | None = None
+    """None: no `mlp` stage."""
+    refinement: bool = False
+    distillation: tuple[str, str] | None = None
+    """(method, teacher placement), or None."""
+    evaluation: bool = True
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> PlanSettings:
+        spec = recipe.distillation
+        return cls(
+            dtype=recipe.model.dtype,
+            attn_implementation=recipe.model.attn_implementation,
+            samples=recipe.calibration.num_samples,
+            seq_len=recipe.calibration.seq_len,
+            batch=recipe.calibration.batch_size,
+            activations=recipe.activations,
+            h_dtype=recipe.sensitivity.dtype,
+            chunk=recipe.sensitivity.chunk,
+            recompute=recipe.sensitivity.recompute,
+            mlp_feedback=recipe.mlp.feedback if recipe.mlp is not None else None,
+            refinement=recipe.refinement is not None,
+            distillation=(spec.method, spec.teacher) if spec is not None else None,
+            evaluation=recipe.evaluation is not None,
+        )
+
+
+def machine_memory(device: torch.device) -> Machine:
+    """Host RAM (`COMPRESS_HOST_MEMORY_GIB` overrides it) and, on CUDA, the device's total memory
+    (`COMPRESS_DEVICE_MEMORY_GIB` overrides it)."""
+    host_override = os.environ.get("COMPRESS_HOST_MEMORY_GIB")
+    host = (
+        int(float(host_override) * GiB) if host_override else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    )
+    device_override = os.environ.get("COMPRESS_DEVICE_MEMORY_GIB")
+    if device.type == "cuda":
+        total = int(float(device_override) * GiB) if device_override else torch.cuda.mem_get_info(device)[1]
+        return Machine(host, total, torch.cuda.get_device_name(device) if not device_override else str(device))
+    return Machine(host, None, "cpu")
+
+
+def _small_model(config: Any, dtype: torch.dtype, attention: str, depth: int) -> Any:
+    """The config's model with `depth` decoder layers, on fake tensors (inside FakeTensorMode)."""
+    from transformers import AutoModelForCausalLM
+
+    single = copy.deepcopy(config)
+    single.num_hidden_layers = depth
+    if isinstance(getattr(single, "layer_types", None), list):
+        single.layer_types = single.layer_types[:depth]
+    model = AutoModelForCausalLM.from_config(single, dtype=dtype, attn_implementation=attention).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _layer_inputs(model: Any, family: Any, batch: int, seq_len: int, dtype: torch.dtype, depth: int = 1) -> Any:
+    """One calibration batch as the first layer receives it (fake): the stream, positions and, for
+    rotary families, the rotary embedding."""
+    from compressor.engine.activations import ActivationStore
+    from compressor.engine.calibration import LayerInputs
+
+    hidden = torch.randn(batch, seq_len, model.config.hidden_size, dtype=dtype)
+    positions = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
+    kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
+    rotary = getattr(model.get_submodule(family.base_model), "rotary_emb", None)
+    if rotary is not None:
+        kwargs["position_embeddings"] = rotary(hidden, positions)
+    store = ActivationStore(torch.device("cpu"))
+    store.append(hidden)
+    mask = torch.ones(batch, seq_len, dtype=torch.bool)
+    return LayerInputs(
+        hidden=store,
+        layer_kwargs=[[kwargs] * depth],
+        token_masks=[mask],
+        sensitivity_masks=[mask],
+        token_counts=[mask.numel()],
+        sensitivity_counts=[mask.numel()],
+    )
+
+
+def _prepared(
+    config: Any, family: Any, dtype: torch.dtype, attention: str, batch: int, seq_len: int, depth: int
+) -> Any:
+    """A fused fake model of `depth` layers and one calibration batch for it (inside FakeTensorMode)."""
+    from compressor.engine.transforms import fuse_norms
+
+    model = _small_model(config, dtype, attention, depth)
+    fuse_norms(model, family)
+    return model, _layer_inputs(model, family, batch, seq_len, dtype, depth)
+
+
+def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, kept: int, attention: str) -> int:
+    """Device peak (bytes) of the walk through one layer: its weights, each site opened, one batch
+    run and its C, the sensitivity strategy's τ candidates and losses, the site closed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compressor.engine.bases import close_site, open_site
+    from compressor.engine.walk import _Walk
+    from compressor.evaluation.memtrack import LiveBytes
+    from compressor.models.sites import layer_site_ids
+    from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates
+
+    cpu, d = torch.device("cpu"), config.hidden_size
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, inputs = _prepared(config, family, dtype, attention, batch, seq_len, 1)
+        layer = model.get_submodule(family.layers)[0]
+        tracker = LiveBytes()
+        with tracker:
+            tracker.adopt(*layer.parameters())
+            previous = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0][:, :kept]
+            walk = _Walk(inputs, cpu, None, {}, {}, None)
+            walk.pending = previous
+            for site, name in zip(layer.sites(family), layer_site_ids(family, 0)):
+                open_site(layer, family, site, previous)
+                moment = walk.advance(name, site.block, 0)
+                C, H = (
+                    frobenius_normalised(moment.value()),
+                    frobenius_normalised(torch.randn(d, d, dtype=torch.float64)),
+                )
+                bases = tau_candidates(C, H, DEFAULT_TAUS)  # every τ candidate: one batched eigendecomposition
+                losses = coupled_losses(C, H, bases[:, :, kept:])
+                chosen = bases[0, :, :kept].contiguous()
+                del C, H, bases, losses, moment
+                close_site(layer, family, site, previous, chosen)
+                previous = walk.pending = chosen
+    return tracker.peak["cpu"]
+
+
+def fisher_peak(
+    config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, attention: str, recompute: bool, depth: int
+) -> int:
+    """Device peak (bytes) of the H pass over a `depth`-layer model, one batch per chunk: the
+    layers on the device (one when recomputing, else all with their graphs) and the head."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compressor.engine.fisher import estimate_fisher
+    from compressor.evaluation.memtrack import LiveBytes
+    from compressor.recipe.sensitivity_options import SensitivityOptions
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, inputs = _prepared(config, family, dtype, attention, batch, seq_len, depth)
+        layers = model.get_submodule(family.layers)
+        tracker = LiveBytes()
+        with tracker:
+            heads = (p for part in family.head_modules(model) for p in part.parameters())
+            tracker.adopt(*(layers[0] if recompute else layers).parameters(), *heads)
+            options = SensitivityOptions(chunk=batch, recompute=recompute)
+            estimate_fisher(model, family, inputs, options, torch.device("cpu"))
+    return tracker.peak["cpu"]
+
+
+def measure_device(
+    config: Any,
+    family: Any,
+    dtype: torch.dtype,
+    batch: int,
+    seq_len: int,
+    kept: int,
+    attention: str = "sdpa",
+    recompute: bool = True,
+) -> dict[str, int]:
+    """Device peaks (bytes) of the walk and the H pass, and one layer's weights (`_measure`),
+    remembered per config and settings: a sweep's runs, or a test suite's, measure once."""
+    key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(config, family, dtype, batch, seq_len, kept, attention, recompute)
+    return dict(_MEASURED[key])
+
+
+_MEASURED: dict[tuple[Any, ...], dict[str, int]] = {}
+
+
+def _measure(
+    config: Any,
+    family: Any,
+    dtype: torch.dtype,
+    batch: int,
+    seq_len: int,
+    kept: int,
+    attention: str = "sdpa",
+    recompute: bool = True,
+) -> dict[str, int]:
+    """Device peaks (bytes) of the walk and the H pass, and one layer's weights. Without
+    `recompute` the H pass keeps every layer's graph: measured at one and two layers and
+    extrapolated to the model's depth (linear: every layer has the same shapes)."""
+    fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
+    if not recompute:
+        deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
+        fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
+    return {
+        "walk": walk_peak(config, family, dtype, batch, seq_len, kept, attention),
+        "fisher": fisher,
+        "layer": _layer_bytes(config, family, dtype, attention),
+    }
+
+
+def _layer_bytes(config: Any, family: Any, dtype: torch.dtype, attention: str) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = _small_model(config, dtype, attention, 1).get_submodule(family.layers)[0]
+        return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def process_rss() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere): the interpreter and libraries a run starts with."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0) -> MemoryPlan:
+    """The plan of `settings` on `layout` (a `SlicedLayout`): its phases' host and device peaks,
+    each host figure on top of `base` (the process as it stands, before any weight is loaded)."""
+    config, family = layout.config, layout.family
+    item = _ITEM[settings.dtype]
+    d, layers = config.hidden_size, config.num_hidden_layers
+    vocab = config.vocab_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    f = getattr(config, family.mlp_width) if family.mlp_width is not None else 0
+    samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
+    kept = layout.kept if layout.kept is not None else d
+    params = layout.params.original
+    pruned = layout.params.count(layout.widths) if layout.widths is not None else layout.budget
+    weights, pruned_weights = params * item, pruned * item
+
+    stream = samples * seq_len * d * item
+    store = 0 if settings.activations == "disk" else stream
+    positions = (samples // batch + 1) * 2 * batch * seq_len * head_dim * item
+    sites = 2 * layers + 1
+    h_item = 8 if settings.h_dtype == "float64" else 4
+    totals = sites * d * d * h_item if needs_h else 0
+    recompute = settings.recompute if settings.recompute is not None else accelerator
+    chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
+    stored = (layers + 1) * chunk * seq_len * d * item + chunk * seq_len * d * item if recompute else 0
+    bases = sites * d * kept * 8
+    dtype = getattr(torch, settings.dtype)
+    measured = measure_device(
+        config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
+    )
+    smaller_batch = "a smaller calibration.batch_size (or seq_len)"
+    disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
+
+    def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
+        """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
+        whole-model phase's device figure already holds the models the host holds."""
+        if accelerator:
+            return Phase(name, base + host, device_bytes, fix)
+        return Phase(name, base + (max(host, device_bytes) if whole_model else host + device_bytes), None, fix)
+
+    capture_device = vocab * d * item + 2 * batch * seq_len * d * item  # the embedding, a batch in and out
+    phases = [phase("capture", weights + store + positions, capture_device, f"{disk}, or {smaller_batch}")]
+    if needs_h:
+        phases.append(
+            phase(
+                "H pass (layer by layer)",
+                weights + store + positions + stored + totals,
+                measured["fisher"],
+                f"a smaller sensitivity.chunk (now {chunk}), {disk}",
+            )
+        )
+    phases.append(
+        phase(
+            "walk (one layer at a time)",
+            weights + store + positions + totals + bases,
+            measured["walk"],
+            f"{disk}, or {smaller_batch}",
+        )
+    )
+    if settings.mlp_feedback is not None and f:
+        copies = 2 if settings.mlp_feedback > 0 else 1
+        # one layer, one batch's stream and MLP activation, and at the peak three f×f float64 matrices
+        # (C, C + δI and its inverse while obs inverts it), the down projection and its refit (d×f float64)
+        mlp_device = (
+            measured["layer"]
+            + 3 * batch * seq_len * d * item
+            + 2 * batch * seq_len * f * item
+            + 3 * f * f * 8
+            + 3 * d * f * 8
+        )
+        phases.append(
+            phase(
+                "mlp (one layer at a time)",
+                weights + copies * store + positions,
+                mlp_device,
+                f"{disk}, or mlp.feedback: 0 (one copy of the stream)",
+            )
+        )
+    if settings.refinement:
+        phases.append(
+            phase(
+                "refinement (the whole model on the device)",
+                2 * weights + bases,
+                weights + bases,
+                "refinement: null, or a device with more memory",
+                whole_model=True,
+            )
+        )
+    if settings.distillation is not None:
+        method, placement = settings.distillation
+        trainable = pruned if method == "full" else 0
+        teacher = weights if placement == "model" else 0
+        student = pruned_weights + trainable * (item + 8)  # weights, gradients, Adam's two float32 moments
+        phases.append(
+            phase(
+                "distillation (student and teacher; activations not counted)",
+                weights + pruned_weights,
+                student + teacher,
+                "distillation.method: lora, or distillation.teacher: cached",
+                whole_model=True,
+            )
+        )
+    if settings.evaluation:
+        phases.append(
+            phase(
+                "evaluation (both models on the device)",
+                weights + pruned_weights,
+                weights + pruned_weights,
+                "evaluation: null (then `compress eval` where both models fit)",
+                whole_model=True,
+            )
+        )
+    shape = (
+        f"{config.model_type}, {layers} layers, hidden {d}, MLP {f or '-'}, vocabulary {vocab}, "
+        f"{params / 1e9:.2f}B parameters ({weights / GiB:.1f} GiB in {settings.dtype})"
+    )
+    return MemoryPlan(tuple(phases), weights, shape, base)
+
+
+def check_memory(plan: MemoryPlan, machine: Machine) -> None:
+    """Refuse (one line, exit 2) a plan whose peak does not fit `machine`."""
+    refusal = plan.refusal(machine)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device) -> MemoryPlan:
+    """The plan of a checked recipe (`run.checks.Plan`): H counted when the pipeline or the
+    allocator needs it."""
+    from compressor.engine.pooling import required_statistics
+
+    needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
+    return memory_plan(PlanSettings.of(recipe), checked.layout, "H" in needed, device.type != "cpu", process_rss())

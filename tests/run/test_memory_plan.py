@@ -1,0 +1,104 @@
+"""The memory plan: its phases follow the recipe's settings, its measured H pass without
+recomputation extrapolates exactly, and a run or dry run whose peak is above the machine's
+memory is refused in one line before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from compressor.cli import main
+from compressor.models.families import family_for
+from compressor.models.layout import sliced_layout
+from compressor.run.memory import GiB, Machine, MemoryPlan, Phase, PlanSettings, fisher_peak, memory_plan
+from tests.conftest import COMMON, FAMILY_CONFIGS
+from tests.run.test_cli import write_recipe
+
+
+def _layout(name: str = "llama", **overrides):
+    config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name], **overrides})
+    family = family_for(config.model_type)
+    return sliced_layout(config, family, [family], sparsity=0.25)
+
+
+def _phases(plan: MemoryPlan) -> dict[str, Phase]:
+    return {phase.name.split(" (")[0]: phase for phase in plan.phases}
+
+
+def test_the_plan_counts_what_the_settings_keep_in_host_memory() -> None:
+    layout = _layout()
+    d = layout.config.hidden_size
+    base = PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4, mlp_feedback=0.5)
+    host = _phases(memory_plan(base, layout, needs_h=True, accelerator=True))
+    stream = 16 * 32 * d * 4
+    disk = _phases(memory_plan(PlanSettings(**{**base.__dict__, "activations": "disk"}), layout, True, True))
+    for name in ("capture", "H pass", "walk"):
+        assert host[name].host - disk[name].host == stream
+    assert host["mlp"].host - disk["mlp"].host == 2 * stream  # the feedback's reference copy
+    plain = _phases(memory_plan(PlanSettings(**{**base.__dict__, "mlp_feedback": 0.0}), layout, True, True))
+    assert host["mlp"].host - plain["mlp"].host == stream
+    without_h = _phases(memory_plan(base, layout, needs_h=False, accelerator=True))
+    assert "H pass" not in without_h and host["walk"].host - without_h["walk"].host == (2 * 2 + 1) * d * d * 4
+    # on CPU the device is the host: a layer-wise phase adds its device bytes, a whole-model one does not
+    cpu = _phases(memory_plan(base, layout, needs_h=True, accelerator=False))
+    assert cpu["walk"].device is None and cpu["walk"].host == host["walk"].host + (host["walk"].device or 0)
+    assert cpu["evaluation"].host == host["evaluation"].host
+
+
+def test_the_h_pass_without_recomputation_grows_linearly_with_depth() -> None:
+    """The plan measures one and two layers and extrapolates; a direct fake measurement of four
+    layers gives the same bytes."""
+    config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
+    family = family_for("llama")
+    peaks = [fisher_peak(config, family, torch.float32, 2, 16, "sdpa", False, depth) for depth in (1, 2, 4)]
+    assert peaks[1] > peaks[0]
+    assert peaks[2] == peaks[0] + 3 * (peaks[1] - peaks[0])
+    assert fisher_peak(config, family, torch.float32, 2, 16, "sdpa", True, 4) < peaks[2]  # one layer at a time
+
+
+def test_the_refusal_names_the_phase_that_does_not_fit_and_what_to_change() -> None:
+    layout = _layout()
+    plan = memory_plan(PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4), layout, True, True)
+    peak = plan.peak_host()
+    assert plan.refusal(Machine(peak.host, None, "cpu")) is None
+    line = plan.refusal(Machine(peak.host - 1, None, "cpu"))
+    assert line is not None and peak.name in line and peak.fix in line and "\n" not in line
+    device = plan.peak_device()
+    assert device is not None and device.device is not None
+    line = plan.refusal(Machine(10 * GiB, device.device - 1, "a small GPU"))
+    assert line is not None and "a small GPU" in line and device.name in line and device.fix in line
+
+
+def test_a_run_that_cannot_fit_stops_before_writing_anything(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, output=str(tmp_path / "out"))
+    monkeypatch.setenv("COMPRESS_HOST_MEMORY_GIB", "0.001")
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of host memory at its peak" in err and "this machine has 1.0 MiB" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no output, no staging folder
+
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("recipe checked, but the run would stop here") and "memory plan for llama" in out
+    assert "host memory" in err and err.count("\n") == 1
+
+    assert main(["run", str(recipe), "--dry-run", "--skip-memory-check"]) == 0
+    assert "warning: this run needs about" in capsys.readouterr().out
+    assert main(["run", str(recipe), "--skip-memory-check"]) == 0
+    assert (tmp_path / "out" / "report.json").is_file()
+
+
+def test_a_dry_run_prints_every_phase_of_the_plan(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, pipeline=[{"strategy": "sensitivity"}], mlp={"kept": 32})
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for phase in ("capture", "H pass", "walk", "mlp", "evaluation"):
+        assert f"note:   {phase}" in out
+    assert "checked: memory: the peak" in out
