@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from compressor.engine.streaming import streamed
 from compressor.errors import UserError
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -64,13 +65,17 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
 
 def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
     """The config (rope, norm eps, soft-caps…) and, for every tensor, its name, shape, dtype and an
-    evenly strided sample of its values: tells two checkpoints apart without hashing tens of GB."""
+    evenly strided sample of its values: tells two checkpoints apart without hashing tens of GB. A
+    streamed model's digest equals the same model's in memory (each unread tensor read once here)."""
     config = getattr(model, "config", None)
     values = {} if config is None else config.to_dict()
     for key in ("_name_or_path", "transformers_version"):
         values.pop(key, None)
     parts = [json.dumps(values, sort_keys=True, default=str).encode()]
+    source = streamed(model)
     for name, tensor in model.state_dict().items():
+        if tensor.is_meta and source is not None:  # a streamed layer not read yet: its values from the shards
+            tensor = source.index.read(name).to(tensor.dtype)
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // sample)
         parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())

@@ -4,9 +4,9 @@ while the pass works on it, then goes home.
 Every layer-by-layer pass uses `visit_layers`: the walk and the survey (`engine.walk`), the H pass
 going down and coming back up (`engine.fisher`), rebuilding a model from its bases
 (`engine.bases.apply_bases`) and a cached teacher's targets (`training.distill`). So a layer's
-weights reach the device in one place, and that is where weights streamed from disk will attach:
-a pass asks for layer i when it gets there, and whatever holds the weights (host memory today)
-provides them.
+weights reach the device in one place, and that is where weights streamed from disk attach: a pass
+asks for layer i when it gets there, and a streamed model (`engine.streaming`) reads it from its
+shards then, and gives it back after a pass that only ran it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.engine.activations import held_on
+from compressor.engine.streaming import streamed
 from compressor.models.families import ModelFamily
 
 
@@ -37,7 +38,13 @@ def visit_layers(
     `device` while the caller holds it and back where it was after (`read_only`: the layer is
     only run, so its own host tensors come back and nothing is copied off the device)."""
     layers = decoder_layers(model, family)
+    source = streamed(model)
     order = range(len(layers) - 1, -1, -1) if reverse else range(len(layers))
     for index in order:
+        read = source is not None and source.materialise(model, index)
         with held_on([layers[index]], device, read_only=read_only):
             yield index, layers[index]
+        if read and read_only:
+            source.give_back(model, index)
+        elif read:
+            source.keep(index)

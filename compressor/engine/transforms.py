@@ -48,33 +48,40 @@ def fuse_norms(model: PreTrainedModel, family: ModelFamily) -> None:
             _centre_rows(embedding)
     layers = model.get_submodule(family.layers)
     for index, layer in enumerate(layers):
-        attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
-        attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
-        attn_readers = [attention.get_submodule(p) for p in family.attn_inputs]
-        mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
-        if family.layer_norm:
-            _centre_output(attention.get_submodule(family.attn_output))
-            _centre_output(mlp.get_submodule(family.mlp_output))
-            _fold_shift(attn_norm, attn_readers)
-            _fold_shift(mlp_norm, mlp_readers)
-        _fold_scale(_scale(attn_norm, family), attn_readers)
-        _fold_scale(_scale(mlp_norm, family), mlp_readers)
-        writers = {}
-        for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
-            if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
-                post_norm = layer.get_submodule(path)
-                like = attention.get_submodule(family.attn_output).weight
-                writer = nn.Linear(d, d, bias=False, device=like.device, dtype=like.dtype)
-                writer.requires_grad_(False)
-                _assign(writer.weight, torch.diag(_scale(post_norm, family)))
-                writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
-        layers[index] = wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
+        layers[index] = fuse_layer(layer, family, d)
     final_norm = model.get_submodule(family.final_norm)
     reader = stream_reader(model, family)
     if family.layer_norm:
         _fold_shift(final_norm, [reader])
     _fold_scale(_scale(final_norm, family), [reader])
     model.set_submodule(family.final_norm, WeightlessRMSNorm(d, _eps(final_norm)))
+
+
+def fuse_layer(layer: nn.Module, family: ModelFamily, d: int) -> nn.Module:
+    """One decoder layer's part of `fuse_norms`: its norms folded into the linears they feed (and,
+    for LayerNorm families, its writers centred), wrapped as a `SlicedDecoderLayer`. A streamed
+    layer goes through this when it is read (`engine.streaming`)."""
+    attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
+    attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
+    attn_readers = [attention.get_submodule(p) for p in family.attn_inputs]
+    mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
+    if family.layer_norm:
+        _centre_output(attention.get_submodule(family.attn_output))
+        _centre_output(mlp.get_submodule(family.mlp_output))
+        _fold_shift(attn_norm, attn_readers)
+        _fold_shift(mlp_norm, mlp_readers)
+    _fold_scale(_scale(attn_norm, family), attn_readers)
+    _fold_scale(_scale(mlp_norm, family), mlp_readers)
+    writers = {}
+    for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
+        if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
+            post_norm = layer.get_submodule(path)
+            like = attention.get_submodule(family.attn_output).weight
+            writer = nn.Linear(d, d, bias=False, device=like.device, dtype=like.dtype)
+            writer.requires_grad_(False)
+            _assign(writer.weight, torch.diag(_scale(post_norm, family)))
+            writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
+    return wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
 
 
 def _scale(norm: nn.Module, family: ModelFamily) -> torch.Tensor:

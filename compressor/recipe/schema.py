@@ -34,6 +34,7 @@ Layout = Literal["per_site", "global"]
 Pooling = Literal["trace", "sum"]
 TiedFit = Literal["symmetric", "diagonal"]
 Offload = Literal["host", "disk"]
+ModelLoad = Literal["memory", "stream"]
 DistillationMethod = Literal["lora", "full"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup", "inverse_sqrt"]
@@ -51,6 +52,11 @@ class ModelSpec:
     attn_implementation: Attention = "sdpa"
     trust_remote_code: StrictBool = False
     """Run the model's own Python code from its folder or hub repository (auto_map); off unless asked."""
+    load: ModelLoad = "memory"
+    """memory: the whole model in host memory; stream: a shell whose decoder layers are read from the
+    safetensors shards when a layer-by-layer pass reaches them (capture, H, survey, walk, MLP stage),
+    the result bit-identical. Whole-model stages (refinement, distillation's teacher, evaluation,
+    measuring splits) still load the original in memory."""
 
 
 @options(frozen=True, config=FORBID)

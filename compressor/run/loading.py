@@ -52,7 +52,10 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
 
 def load_model(spec: ModelSpec) -> PreTrainedModel:
     """The model `spec` names; a run folder's model only from safetensors (nothing in a run
-    folder is ever unpickled)."""
+    folder is ever unpickled). `model.load: stream` gives a shell whose layers are read when a
+    pass reaches them (`engine.streaming`)."""
+    if spec.load == "stream":
+        return _streamed(spec)
     from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
     return _load(
         f"model '{spec.path}'",
@@ -66,6 +69,38 @@ def load_model(spec: ModelSpec) -> PreTrainedModel:
             **({"use_safetensors": True} if from_run else {}),
         ),
     ).eval()
+
+
+def _streamed(spec: ModelSpec) -> PreTrainedModel:
+    """A local folder, or a hub model's files in the cache (fetched there first where the hub can
+    be reached): its safetensors shards streamed."""
+    from compressor.engine.streaming import streamed_model
+    from compressor.models.families import family_for
+
+    folder = Path(spec.path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors"]
+        folder = Path(
+            _load(
+                f"model '{spec.path}'",
+                spec,
+                lambda: snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns),
+            )
+        )
+    config = load_config(spec)
+    try:
+        family = family_for(config.model_type)
+    except UserError as error:
+        raise UserError(f"model.load: stream supports the built-in families: {error}") from None
+    return streamed_model(
+        folder,
+        family,
+        getattr(torch, spec.dtype),
+        attn_implementation=spec.attn_implementation,
+        trust_remote_code=spec.trust_remote_code,
+    )
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
@@ -156,8 +191,12 @@ class Resources:
         return token_batches(spec, tokenizer, where)
 
     def model(self, spec: ModelSpec) -> PreTrainedModel:
-        """A model the caller may change (pruning works in place)."""
+        """A model the caller may change (pruning works in place); a streamed shell with `model.load: stream`."""
         return load_model(spec)
+
+    def whole_model(self, spec: ModelSpec) -> PreTrainedModel:
+        """The original in memory, for a stage that runs it whole (evaluation, refinement, a teacher)."""
+        return self.model(replaced(spec, load="memory"))
 
     def fisher(self, key: str) -> dict[str, torch.Tensor] | None:
         """H computed earlier for `key` (model, data, H options, seed), if kept."""

@@ -109,6 +109,8 @@ class PlanSettings:
     """What of a recipe the plan reads (a benchmark builds one without a recipe)."""
 
     dtype: str = "bfloat16"
+    load: str = "memory"
+    """model.load: memory, or stream (the layer-by-layer passes hold the layers they visit)."""
     attn_implementation: str = "sdpa"
     samples: int = 128
     seq_len: int = 2048
@@ -130,6 +132,7 @@ class PlanSettings:
         spec = recipe.distillation
         return cls(
             dtype=recipe.model.dtype,
+            load=recipe.model.load,
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
@@ -362,6 +365,14 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     )
     smaller_batch = "a smaller calibration.batch_size (or seq_len)"
     disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
+    streaming = settings.load == "stream"
+    if not streaming:
+        disk += ", model.load: stream"
+    # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
+    # layers, plus the layers the walk has sliced, which it keeps)
+    resident = weights - layers * measured["layer"]
+    held = resident if streaming else weights
+    walked = resident + pruned_weights if streaming else weights
 
     def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
         """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
@@ -371,12 +382,12 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         return Phase(name, base + (max(host, device_bytes) if whole_model else host + device_bytes), None, fix)
 
     capture_device = vocab * d * item + 2 * batch * seq_len * d * item  # the embedding, a batch in and out
-    phases = [phase("capture", weights + store + positions, capture_device, f"{disk}, or {smaller_batch}")]
+    phases = [phase("capture", held + store + positions, capture_device, f"{disk}, or {smaller_batch}")]
     if needs_h:
         phases.append(
             phase(
                 "H pass (layer by layer)",
-                weights + store + positions + stored + totals,
+                held + store + positions + stored + totals,
                 measured["fisher"],
                 f"a smaller sensitivity.chunk (now {chunk}), {disk}",
             )
@@ -384,7 +395,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     phases.append(
         phase(
             "walk (one layer at a time)",
-            weights + store + positions + totals + bases,
+            walked + store + positions + totals + bases,
             measured["walk"],
             f"{disk}, or {smaller_batch}",
         )
@@ -403,7 +414,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         phases.append(
             phase(
                 "mlp (one layer at a time)",
-                weights + copies * store + positions,
+                walked + copies * store + positions,
                 mlp_device,
                 f"{disk}, or mlp.feedback: 0 (one copy of the stream)",
             )

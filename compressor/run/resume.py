@@ -112,6 +112,7 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
         values.pop(key, None)
     values["model"].pop("path", None)
     values["model"].pop("revision", None)
+    values["model"].pop("load", None)  # memory or streamed: the same weights, bit for bit
     values["calibration"].pop("dataset", None)
     for key in ("chunk", "recompute"):
         values["sensitivity"].pop(key, None)

@@ -598,7 +598,7 @@ class _Stages:
                 assert loaded is not None
                 self.resources.keep_fisher(self._fisher_key(), loaded)
                 self.split_fisher_source = "checkpoint"
-            original = self.resources.model(self.recipe.model)  # on the device only while it measures
+            original = self.resources.whole_model(self.recipe.model)  # on the device only while it measures
             self.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
             rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
             self.split = choose(
@@ -722,7 +722,7 @@ class _Stages:
         if _stock_tied(self.checked) and received_scale is None:
             received_scale = fitted_tied_scale(self.pruned, self.family, self._head_stream())
         refined = refine_bases(
-            self.resources.model(recipe.model),
+            self.resources.whole_model(recipe.model),
             self.family,
             self.calibration,
             self.bases,
@@ -740,7 +740,7 @@ class _Stages:
         candidate = apply_bases(
             self.resources.model(recipe.model), self.family, refined.bases, self.device, keep_tied=self.keep_tied
         )
-        original = self.resources.model(recipe.model).to(self.device)
+        original = self.resources.whole_model(recipe.model).to(self.device)
         self.progress("refinement: the guard, on held-out windows", 0, 2)
         before = self._heldout_kl(original, self.pruned, received_scale)
         self.progress("refinement: the guard, on held-out windows", 1, 2)
@@ -890,7 +890,7 @@ class _Stages:
         recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
         assert evaluation is not None and recipe.evaluation is not None
         self.progress("evaluating", 0, len(evaluation))
-        original = (self.original if self.original is not None else resources.model(recipe.model)).to(device)
+        original = (self.original if self.original is not None else resources.whole_model(recipe.model)).to(device)
         self.original = None
         suites = recipe.evaluation.lm_eval
         tasks_key = baseline_tasks_key(suites or [], self.fingerprint["model"], recipe, self.tokenizer, device)
@@ -1036,7 +1036,7 @@ def _distil(
 
     spec = recipe.distillation
     assert spec is not None
-    original = resources.model(recipe.model)
+    original = resources.whole_model(recipe.model)
     undistilled = None
     if evaluation is not None and ranks.rank == 0:
         report_progress("evaluating the undistilled model", 0, len(evaluation))

@@ -161,6 +161,8 @@ class SharedResources(Resources):
         return self._batches[key]
 
     def model(self, spec: ModelSpec) -> PreTrainedModel:
+        if spec.load == "stream":  # a shell is cheap to build, and its open shards are not copied
+            return super().model(spec)
         key = json_digest(dataclasses.asdict(spec))
         if key not in self._models:
             self._models[key] = super().model(spec)

@@ -291,3 +291,17 @@ def test_ranks_agree_only_on_the_same_choice(tmp_path: Path) -> None:
     mp.spawn(_agreement_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[True, False]] * 2
     assert Ranks().agree(torch.tensor([1, 2]))  # one process agrees with itself
+
+
+@pytest.mark.slow
+def test_torchrun_streams_the_weights_in_every_process(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`model.load: stream` under torchrun: each process reads the layers it visits from the shards;
+    the bases are those one process chooses (as in memory, above)."""
+    alone, report = _alone_and_shared(tmp_path, tiny_checkpoint, model__load="stream")
+    assert report["parallel"]["world_size"] == 2
+    expected, found = (
+        load_bases(tmp_path / "single" / "bases.safetensors"),
+        load_bases(tmp_path / "two" / "bases.safetensors"),
+    )
+    for site, V in expected.items():
+        assert torch.dist(found[site] @ found[site].T, V @ V.T) <= 1e-10, site

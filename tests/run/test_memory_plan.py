@@ -14,7 +14,7 @@ from compressor.cli import main
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
 from compressor.run.memory import GiB, Machine, MemoryPlan, Phase, PlanSettings, fisher_peak, memory_plan
-from tests.conftest import COMMON, FAMILY_CONFIGS
+from tests.conftest import COMMON, FAMILY_CONFIGS, tiny_model
 from tests.run.test_cli import write_recipe
 
 
@@ -102,3 +102,17 @@ def test_a_dry_run_prints_every_phase_of_the_plan(
     for phase in ("capture", "H pass", "walk", "mlp", "evaluation"):
         assert f"note:   {phase}" in out
     assert "checked: memory: the peak" in out
+
+
+def test_a_streamed_plan_holds_only_what_lies_outside_the_layers_while_passes_read_them() -> None:
+    layout = _layout()
+    base = PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4)
+    memory = _phases(memory_plan(base, layout, needs_h=True, accelerator=True))
+    stream = _phases(memory_plan(PlanSettings(**{**base.__dict__, "load": "stream"}), layout, True, True))
+    model = tiny_model("llama")
+    layers = model.get_submodule(family_for("llama").layers)
+    layer_bytes = sum(p.numel() * 4 for p in layers.parameters())
+    for name in ("capture", "H pass"):
+        assert memory[name].host - stream[name].host == layer_bytes
+    assert stream["evaluation"].host == memory["evaluation"].host  # whole-model stages load the original
+    assert "model.load: stream" in memory["capture"].fix and "model.load: stream" not in stream["capture"].fix

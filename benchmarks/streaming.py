@@ -1,0 +1,172 @@
+"""Streamed weights against the model in memory: peak resident memory and wall time of the same
+prune, each mode in its own process, on a random model with a real model's layer shape.
+
+    python benchmarks/streaming.py [--hidden 4096 --intermediate 14336 --layers 6 --vocab 32000]
+
+The model is written once, in bfloat16 safetensors shards, under benchmarks/results/; each mode
+then runs `engine.prune` (per-site PCA at sparsity 0.25, no H, calibration on random tokens) in a
+fresh process: `memory` loads the whole model with `from_pretrained`, `stream` builds the shell
+of `engine.streaming` and reads each layer when the walk reaches it. Peak RSS is the operating
+system's (each child's own `ru_maxrss`: mapped shard pages that were touched count too); wall time is
+the child's whole life (import, load, prune). The two pruned models are compared bit for bit.
+Prints a table and writes JSON (and Markdown) to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def write_model(folder: Path, args: argparse.Namespace) -> int:
+    """A random Llama of the given shape, saved in bfloat16 shards; its weight bytes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type="llama",
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=max(1, args.hidden // 512),
+        head_dim=128,
+        vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(folder, max_shard_size="2GB")
+        del model
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def child(args: argparse.Namespace) -> None:
+    """One mode's prune, in this process: prints a JSON line with its digest of the pruned model."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import compressor  # noqa: F401
+    from compressor.data.batches import Batch
+    from compressor.engine.pooling import PipelineStep
+    from compressor.engine.streaming import streamed, streamed_model
+    from compressor.engine.walk import prune
+    from compressor.models.families import family_for
+    from compressor.models.layout import fixed_layout, kept_width
+    from compressor.models.sites import site_widths
+    from compressor_plugins.pca import PCA
+
+    torch.set_num_threads(args.threads)
+    family = family_for("llama")
+    started = time.perf_counter()
+    if args.child == "stream":
+        model = streamed_model(args.folder, family, torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
+    loaded = time.perf_counter()
+    config = model.config
+    widths = site_widths(
+        family, config.num_hidden_layers, config.hidden_size, kept_width(config.hidden_size, 0.25, 8), False
+    )
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.batches):
+        ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=generator)
+        batches.append(Batch(ids, torch.ones_like(ids)))
+    result = prune(model, fixed_layout(config, family, widths), batches, [PipelineStep(PCA())])
+    done = time.perf_counter()
+    digest = hashlib.sha256()
+    for name, tensor in sorted(result.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    source = streamed(model)
+    print(
+        json.dumps(
+            {
+                "load_s": loaded - started,
+                "prune_s": done - loaded,
+                "digest": digest.hexdigest(),
+                "layers_resident_at_once": None if source is None else source.peak_resident,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--folder", type=Path)
+    parser.add_argument("--child", choices=["memory", "stream"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS / "streaming.json"))
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    args.folder = args.folder or RESULTS / f"random-llama-{args.hidden}x{args.layers}"
+    weight_bytes = write_model(args.folder, args)
+    rows: list[dict[str, Any]] = []
+    for mode in ("memory", "stream"):
+        started = time.perf_counter()
+        command = [sys.executable, __file__, "--child", mode, "--folder", str(args.folder)]
+        command += ["--batches", str(args.batches), "--batch-size", str(args.batch_size)]
+        command += ["--seq-len", str(args.seq_len), "--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - started
+        rows.append({"mode": mode, "wall_s": wall, **json.loads(done.stdout.splitlines()[-1])})
+    from rich.console import Console
+    from rich.table import Table
+
+    identical = rows[0]["digest"] == rows[1]["digest"]
+    table = Table(
+        title=f"prune of a random Llama {args.hidden}×{args.layers} layers ({weight_bytes / 2**30:.2f} GiB bf16 "
+        f"on disk, float32 in the run), bit-identical: {identical}"
+    )
+    for column in ("mode", "peak RSS (GiB)", "RSS / weights on disk", "wall (s)", "load (s)", "prune (s)"):
+        table.add_column(column)
+    for row in rows:
+        peak = row["peak_rss_bytes"]
+        table.add_row(
+            row["mode"],
+            f"{peak / 2**30:.2f}",
+            f"{peak / weight_bytes:.2f}",
+            f"{row['wall_s']:.0f}",
+            f"{row['load_s']:.1f}",
+            f"{row['prune_s']:.0f}",
+        )
+    Console().print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "weight_bytes": weight_bytes, "rows": rows}
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    lines = ["| mode | peak RSS (GiB) | wall (s) | prune (s) |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {r['mode']} | {r['peak_rss_bytes'] / 2**30:.2f} | {r['wall_s']:.0f} | {r['prune_s']:.0f} |" for r in rows
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

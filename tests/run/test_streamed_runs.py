@@ -1,0 +1,74 @@
+"""`model.load: stream`: a run whose layer-by-layer passes read the layers from the safetensors
+shards gives the model, bases and report metrics of the same run in memory, resumes a run killed
+in memory, and refuses a folder it cannot stream in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from compressor.cli import main
+from tests.conftest import save_tiny_checkpoint
+from tests.run.test_cli import write_recipe
+from tests.run.test_resume import compress, recipe, tensors, uninterrupted  # noqa: F401  (fixtures)
+
+
+def _run(tmp_path: Path, checkpoint: Path, name: str, load: str, **changes) -> Path:
+    folder = tmp_path / f"{name}-{load}"
+    folder.mkdir()
+    output = folder / "out"
+    path = write_recipe(folder, checkpoint, output=str(output), model__load=load, **changes)
+    assert main(["run", str(path)]) == 0
+    return output
+
+
+@pytest.mark.parametrize(
+    ("name", "changes"),
+    [
+        ("pca", {}),
+        ("global-sensitivity", {"pipeline": [{"strategy": "sensitivity"}], "slicing": {"layout": "global"}}),
+    ],
+)
+def test_a_streamed_run_is_bit_identical_to_the_run_in_memory(
+    tiny_checkpoint: Path, tmp_path: Path, name: str, changes: dict
+) -> None:
+    in_memory = _run(tmp_path, tiny_checkpoint, name, "memory", **changes)
+    streamed = _run(tmp_path, tiny_checkpoint, name, "stream", **changes)
+    expected, actual = tensors(in_memory), tensors(streamed)
+    assert actual.keys() == expected.keys()
+    assert not [key for key, value in expected.items() if not torch.equal(actual[key], value)]
+    reports = [json.loads((run / "report.json").read_text()) for run in (in_memory, streamed)]
+    assert reports[0]["metrics"] == reports[1]["metrics"]
+    assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
+    assert reports[0]["sites"] == reports[1]["sites"]
+
+
+def test_a_run_killed_in_memory_resumes_streamed_to_the_same_model(
+    recipe: Path,  # noqa: F811
+    uninterrupted: dict[str, torch.Tensor],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "run"
+    assert compress(recipe, output, kill="site:layers.0.attn").returncode == -9
+    resumed = compress(recipe, output, "--set", "model.load=stream")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
+    produced = tensors(output)
+    assert not [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
+
+
+def test_a_folder_without_safetensors_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = save_tiny_checkpoint(tmp_path / "model")
+    weights = folder / "model.safetensors"
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(weights)), folder / "pytorch_model.bin")
+    weights.unlink()
+    path = write_recipe(tmp_path, folder, output=str(tmp_path / "out"), model__load="stream")
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "has no safetensors weights" in err and "model.load: memory" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
