@@ -34,7 +34,7 @@ Layout = Literal["per_site", "global"]
 Pooling = Literal["trace", "sum"]
 TiedFit = Literal["symmetric", "diagonal"]
 Offload = Literal["host", "disk"]
-ModelLoad = Literal["memory", "stream"]
+ModelLoad = Literal["memory", "stream", "auto"]
 DistillationMethod = Literal["lora", "full"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup", "inverse_sqrt"]
@@ -56,7 +56,8 @@ class ModelSpec:
     """memory: the whole model in host memory; stream: a shell whose decoder layers are read from the
     safetensors shards when a layer-by-layer pass reaches them (capture, H, survey, walk, MLP stage),
     the result bit-identical. Whole-model stages (refinement, distillation's teacher, evaluation,
-    measuring splits) still load the original in memory."""
+    measuring splits) still load the original in memory. auto: memory where the memory plan fits this
+    machine so, else stream."""
 
 
 @options(frozen=True, config=FORBID)

@@ -54,7 +54,7 @@ def load_model(spec: ModelSpec) -> PreTrainedModel:
     """The model `spec` names; a run folder's model only from safetensors (nothing in a run
     folder is ever unpickled). `model.load: stream` gives a shell whose layers are read when a
     pass reaches them (`engine.streaming`)."""
-    if spec.load == "stream":
+    if spec.load == "stream":  # `auto` is decided by the run's memory plan; anywhere else it means memory
         return _streamed(spec)
     from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
     return _load(

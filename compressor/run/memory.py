@@ -132,7 +132,7 @@ class PlanSettings:
         spec = recipe.distillation
         return cls(
             dtype=recipe.model.dtype,
-            load=recipe.model.load,
+            load="stream" if recipe.model.load == "stream" else "memory",
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
@@ -372,7 +372,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     # layers, plus the layers the walk has sliced, which it keeps)
     resident = weights - layers * measured["layer"]
     held = resident if streaming else weights
-    walked = resident + pruned_weights if streaming else weights
+    walked = min(weights, resident + pruned_weights) if streaming else weights
 
     def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
         """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
@@ -474,3 +474,17 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device) -> Memor
 
     needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
     return memory_plan(PlanSettings.of(recipe), checked.layout, "H" in needed, device.type != "cpu", process_rss())
+
+
+def resolved_load(recipe: Recipe, checked: Any, device: torch.device, machine: Machine) -> tuple[Recipe, str | None]:
+    """`model.load: auto` decided by the plan: memory where the run fits this machine so, stream
+    where only streaming fits; the recipe with that choice, and a line saying it (None otherwise)."""
+    from compressor.validation import replaced
+
+    if recipe.model.load != "auto":
+        return recipe, None
+    in_memory = replaced(recipe, model=replaced(recipe.model, load="memory"))
+    if run_memory_plan(in_memory, checked, device).refusal(machine) is None:
+        return in_memory, "model.load: auto chose memory (the whole model fits this machine)"
+    streamed = replaced(recipe, model=replaced(recipe.model, load="stream"))
+    return streamed, "model.load: auto chose stream (the plan with the whole model in memory does not fit this machine)"

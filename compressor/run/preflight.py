@@ -22,7 +22,7 @@ from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
 from compressor.run.checks import Plan, check_evaluation_tasks, plan
 from compressor.run.loading import check_fields, load_tokenizer, resolve_device, token_batches
-from compressor.run.memory import machine_memory, run_memory_plan, size
+from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
 from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.staging import check_output, check_writable
 from compressor.strategies.registry import PluginRegistry
@@ -149,8 +149,11 @@ def _memory(recipe: Recipe, checked: Plan, device: Any, found: DryRun, check: bo
     """The memory plan, phase by phase, against this machine's memory (the device the recipe names
     where this machine has it, else its host alone); a peak above it is the dry run's refusal."""
     on = device if device is not None else torch.device("cpu")
-    memory = run_memory_plan(recipe, checked, on)
     machine = machine_memory(on)
+    recipe, chosen = resolved_load(recipe, checked, on, machine)
+    if chosen is not None:
+        found.notes.append(chosen)
+    memory = run_memory_plan(recipe, checked, on)
     found.notes.append(
         f"memory plan for {memory.shape}, {machine.describe()}; host figures include this process's "
         f"{size(memory.base)} before loading weights, not the allocator's overhead:"

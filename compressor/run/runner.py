@@ -54,7 +54,7 @@ from compressor.recipe.schema import MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources, heldout_batches, resolve_device
-from compressor.run.memory import check_memory, machine_memory, run_memory_plan
+from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
     Allocation,
@@ -147,8 +147,12 @@ def run(
             "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
             "set save_models: true, or remove mlp"
         )
+    machine = machine_memory(device)
+    recipe, chosen = resolved_load(recipe, checked, device, machine)
+    if chosen is not None and warn is not None:
+        warn(chosen)
     if memory_check:  # before anything is written: a run that cannot fit stops in its first second
-        check_memory(run_memory_plan(recipe, checked, device), machine_memory(device))
+        check_memory(run_memory_plan(recipe, checked, device), machine)
     ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:

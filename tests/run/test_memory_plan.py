@@ -116,3 +116,29 @@ def test_a_streamed_plan_holds_only_what_lies_outside_the_layers_while_passes_re
         assert memory[name].host - stream[name].host == layer_bytes
     assert stream["evaluation"].host == memory["evaluation"].host  # whole-model stages load the original
     assert "model.load: stream" in memory["capture"].fix and "model.load: stream" not in stream["capture"].fix
+
+
+def test_auto_streams_only_where_the_whole_model_does_not_fit(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compressor.recipe.schema import load_recipe
+    from compressor.run import memory
+    from compressor.run.checks import plan
+    from compressor.strategies.registry import PluginRegistry
+
+    monkeypatch.setattr(memory, "process_rss", lambda: 0)  # the same base for every plan
+    registry = PluginRegistry()
+    path = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, model__load="auto")
+    recipe = load_recipe(path, registry, [], None)
+    checked, cpu = plan(recipe, registry), torch.device("cpu")
+    peaks = {}
+    for load in ("memory", "stream"):
+        fixed = load_recipe(path, registry, [f"model.load={load}"], None)
+        peaks[load] = memory.run_memory_plan(fixed, checked, cpu).peak_host().host
+    assert peaks["stream"] < peaks["memory"]
+    chosen, line = memory.resolved_load(recipe, checked, cpu, Machine(peaks["memory"], None, "cpu"))
+    assert chosen.model.load == "memory" and line is not None and "chose memory" in line
+    chosen, line = memory.resolved_load(recipe, checked, cpu, Machine(peaks["memory"] - 1, None, "cpu"))
+    assert chosen.model.load == "stream" and line is not None and "chose stream" in line
+    fixed = load_recipe(path, registry, ["model.load=memory"], None)
+    assert memory.resolved_load(fixed, checked, cpu, Machine(1, None, "cpu")) == (fixed, None)
