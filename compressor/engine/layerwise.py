@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.engine.activations import held_on
+from compressor.data.batches import Batch
+from compressor.engine.activations import held_on, to_host
 from compressor.engine.streaming import streamed
 from compressor.models.families import ModelFamily
 
@@ -48,3 +49,22 @@ def visit_layers(
             source.give_back(model, index)
         elif read:
             source.keep(index)
+
+
+@torch.no_grad()
+def final_streams(
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], device: torch.device
+) -> list[torch.Tensor]:
+    """Each batch's stream after the last decoder layer, on the host, computed layer by layer: the
+    model's own layers with the arguments its forward gives them (`capture_layer_inputs`), so a
+    streamed model holds one layer at a time. The head is the caller's (`family.logits`)."""
+    from compressor.engine.activations import ActivationStore
+    from compressor.engine.calibration import capture_layer_inputs
+
+    store = ActivationStore(device)
+    inputs = capture_layer_inputs(model, family, batches, device, store)
+    for index, layer in visit_layers(model, family, device, read_only=True):
+        for batch in range(len(batches)):
+            out = layer(store.get(batch, device), **inputs.kwargs(batch, index, device))
+            store.put(batch, to_host(out[0] if isinstance(out, tuple) else out))
+    return [store.host(batch) for batch in range(len(batches))]

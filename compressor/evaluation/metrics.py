@@ -18,6 +18,43 @@ from compressor.recipe.schema import LmEvalSpec
 def _log_probs(model: PreTrainedModel, batch: Batch, device: torch.device) -> torch.Tensor:
     ids = batch.input_ids.to(device)
     logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), use_cache=False).logits
+    return log_probs_of(logits)
+
+
+class Tally:
+    """Perplexities and mean per-token KL(original ‖ pruned), summed batch by batch from each
+    model's log-probabilities; a token counts when it and the token it predicts are both real."""
+
+    def __init__(self) -> None:
+        self.nll = {"baseline": 0.0, "pruned": 0.0}
+        self.kl_sum, self.count = 0.0, 0
+
+    def add(self, reference: torch.Tensor | None, candidate: torch.Tensor, batch: Batch, device: torch.device) -> None:
+        targets = batch.input_ids[:, 1:].to(device)
+        mask = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).to(device).bool()
+        for name, logp in (("baseline", reference), ("pruned", candidate)):
+            if logp is not None:
+                self.nll[name] -= logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[mask].double().sum().item()
+        if reference is not None:
+            kl = (reference.exp() * (reference - candidate)).sum(-1)
+            self.kl_sum += kl[mask].double().sum().item()
+        self.count += int(mask.sum())
+
+    def result(self, with_original: bool) -> dict[str, dict[str, float]]:
+        def summary(name: str) -> dict[str, float]:
+            return {"ppl": float(torch.tensor(self.nll[name] / self.count).exp()), "nll": self.nll[name] / self.count}
+
+        if not with_original:
+            return {"pruned": summary("pruned"), "tokens": {"count": self.count}}
+        return {
+            "baseline": summary("baseline"),
+            "pruned": {**summary("pruned"), "kl": self.kl_sum / self.count},
+            "tokens": {"count": self.count},
+        }
+
+
+def log_probs_of(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities in float32, the last position dropped."""
     return F.log_softmax(logits[:, :-1].float(), dim=-1)
 
 
@@ -30,37 +67,14 @@ def compare(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Perplexities of both models and the mean per-token KL from original to pruned; with no
-    `original`, the perplexity of `pruned` alone.
-
-    A token counts when it and the token it predicts are both real (unpadded).
-    """
-    nll = {"baseline": 0.0, "pruned": 0.0}
-    kl_sum, count = 0.0, 0
+    `original`, the perplexity of `pruned` alone (`Tally`)."""
+    tally = Tally()
     for index, batch in enumerate(batches):
         reference = _log_probs(original, batch, device) if original is not None else None
-        candidate = _log_probs(pruned, batch, device)
-        targets = batch.input_ids[:, 1:].to(device)
-        mask = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).to(device).bool()
-        for name, logp in (("baseline", reference), ("pruned", candidate)):
-            if logp is not None:
-                nll[name] -= logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[mask].double().sum().item()
-        if reference is not None:
-            kl = (reference.exp() * (reference - candidate)).sum(-1)
-            kl_sum += kl[mask].double().sum().item()
-        count += int(mask.sum())
+        tally.add(reference, _log_probs(pruned, batch, device), batch, device)
         if progress:
             progress(index + 1, len(batches))
-
-    def summary(name: str) -> dict[str, float]:
-        return {"ppl": float(torch.tensor(nll[name] / count).exp()), "nll": nll[name] / count}
-
-    if original is None:
-        return {"pruned": summary("pruned"), "tokens": {"count": count}}
-    return {
-        "baseline": summary("baseline"),
-        "pruned": {**summary("pruned"), "kl": kl_sum / count},
-        "tokens": {"count": count},
-    }
+    return tally.result(original is not None)
 
 
 def evaluate_models(

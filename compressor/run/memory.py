@@ -126,6 +126,9 @@ class PlanSettings:
     distillation: tuple[str, str] | None = None
     """(method, teacher placement), or None."""
     evaluation: bool = True
+    evaluation_layerwise: tuple[int, int, int] | None = None
+    """(windows, tokens per window, windows per batch) where a streamed run evaluates layer by
+    layer (no lm-eval tasks, no throughput: nothing needs the original whole)."""
 
     @classmethod
     def of(cls, recipe: Recipe) -> PlanSettings:
@@ -145,7 +148,15 @@ class PlanSettings:
             refinement=recipe.refinement is not None,
             distillation=(spec.method, spec.teacher) if spec is not None else None,
             evaluation=recipe.evaluation is not None,
+            evaluation_layerwise=_layerwise_evaluation(recipe),
         )
+
+
+def _layerwise_evaluation(recipe: Recipe) -> tuple[int, int, int] | None:
+    spec = recipe.evaluation
+    if recipe.model.load != "stream" or spec is None or spec.lm_eval or spec.throughput:
+        return None
+    return spec.num_samples, spec.seq_len, spec.batch_size
 
 
 def machine_memory(device: torch.device) -> Machine:
@@ -443,7 +454,19 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 whole_model=True,
             )
         )
-    if settings.evaluation:
+    if settings.evaluation and streaming and settings.evaluation_layerwise is not None:
+        windows, tokens, per_batch = settings.evaluation_layerwise
+        streams = 2 * windows * tokens * d * item  # both models' final streams, on the host
+        logits = 3 * per_batch * tokens * vocab * 4  # one batch's logits and log-probabilities, float32
+        phases.append(
+            phase(
+                "evaluation (layer by layer, the original streamed)",
+                resident + pruned_weights + streams,
+                2 * measured["layer"] + logits,
+                "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
+            )
+        )
+    elif settings.evaluation:
         phases.append(
             phase(
                 "evaluation (both models on the device)",

@@ -53,6 +53,7 @@ from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, 
 from compressor.recipe.schema import MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
+from compressor.run.layerwise_eval import layerwise_compare
 from compressor.run.loading import Resources, heldout_batches, resolve_device
 from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan
 from compressor.run.report import write_markdown
@@ -392,6 +393,13 @@ class _StreamSensitivity(Mapping[int, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.sites)
+
+
+def _layer_by_layer(recipe: Recipe) -> bool:
+    """A streamed run evaluates perplexity and KL layer by layer (`run.layerwise_eval`), the original
+    never whole in memory, unless lm-eval tasks or throughput need it whole."""
+    spec = recipe.evaluation
+    return recipe.model.load == "stream" and spec is not None and not spec.lm_eval and not spec.throughput
 
 
 def _stock_tied(checked: Plan) -> bool:
@@ -894,9 +902,21 @@ class _Stages:
         recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
         assert evaluation is not None and recipe.evaluation is not None
         self.progress("evaluating", 0, len(evaluation))
+        suites = recipe.evaluation.lm_eval
+        if _layer_by_layer(recipe) and self.original is None and self.unrefined is None:
+            self.metrics = layerwise_compare(
+                resources.model(recipe.model),
+                self.pruned.to(device),
+                self.family,
+                evaluation,
+                device,
+                lambda done, total: self.progress("evaluating, layer by layer", done, total),
+            )
+            if self.undistilled is not None:
+                self.metrics["undistilled"] = self.undistilled
+            return
         original = (self.original if self.original is not None else resources.whole_model(recipe.model)).to(device)
         self.original = None
-        suites = recipe.evaluation.lm_eval
         tasks_key = baseline_tasks_key(suites or [], self.fingerprint["model"], recipe, self.tokenizer, device)
         metrics = evaluate_models(
             original,

@@ -93,3 +93,35 @@ def test_a_folder_without_safetensors_or_a_shard_without_its_tensor_is_one_line(
     (folder / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(UserError, match="no tensor 'model.embed_tokens.weight'"):
         streamed_model(folder, family, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["per_site", "global"])
+def test_layerwise_evaluation_of_a_streamed_original_gives_the_whole_model_figures(tmp_path: Path, layout: str) -> None:
+    from compressor.evaluation.metrics import compare
+    from compressor.models.stock import to_stock
+    from compressor.run.layerwise_eval import layerwise_compare
+
+    folder = _saved(tmp_path / "model")
+    family = family_for("llama")
+    load = dict(dtype=torch.float32, attn_implementation="eager")
+    original = AutoModelForCausalLM.from_pretrained(folder, **load).eval()
+    config = original.config
+    widths = widths_for("llama", config, kept_width(config.hidden_size, 0.25, 8), layout == "global")
+    pruned = prune(
+        AutoModelForCausalLM.from_pretrained(folder, **load).eval(),
+        fixed_layout(config, family, widths, layout=layout),
+        random_batches(config.vocab_size, count=2),
+        [PipelineStep(PCA())],
+    ).model
+    if layout == "global":
+        pruned = to_stock(pruned, family, config)[0].eval()
+    batches = random_batches(config.vocab_size, count=3, padded=True, seed=7)
+    expected = compare(original, pruned, batches, torch.device("cpu"))
+    shell = streamed_model(folder, family, torch.float32, attn_implementation="eager")
+    found = layerwise_compare(shell, pruned, family, batches, torch.device("cpu"))
+    assert found["tokens"] == expected["tokens"]
+    for model in ("baseline", "pruned"):
+        for key, value in expected[model].items():
+            assert found[model][key] == pytest.approx(value, rel=1e-6, abs=1e-8), (model, key)
+    weights = streamed(shell)
+    assert weights is not None and weights.peak_resident == 1 and weights.resident == 0

@@ -114,7 +114,11 @@ def test_a_streamed_plan_holds_only_what_lies_outside_the_layers_while_passes_re
     layer_bytes = sum(p.numel() * 4 for p in layers.parameters())
     for name in ("capture", "H pass"):
         assert memory[name].host - stream[name].host == layer_bytes
-    assert stream["evaluation"].host == memory["evaluation"].host  # whole-model stages load the original
+    assert stream["evaluation"].host == memory["evaluation"].host  # lm-eval tasks or throughput: the original whole
+    layerwise = PlanSettings(**{**base.__dict__, "load": "stream", "evaluation_layerwise": (4, 32, 2)})
+    by_layer = _phases(memory_plan(layerwise, layout, True, True))["evaluation"]
+    assert by_layer.name.startswith("evaluation (layer by layer")
+    assert by_layer.host < memory["evaluation"].host  # not both models whole
     assert "model.load: stream" in memory["capture"].fix and "model.load: stream" not in stream["capture"].fix
 
 

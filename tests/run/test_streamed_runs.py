@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
 from tests.conftest import save_tiny_checkpoint
@@ -33,17 +34,30 @@ def _run(tmp_path: Path, checkpoint: Path, name: str, load: str, **changes) -> P
     ],
 )
 def test_a_streamed_run_is_bit_identical_to_the_run_in_memory(
-    tiny_checkpoint: Path, tmp_path: Path, name: str, changes: dict
+    tiny_checkpoint: Path, tmp_path: Path, name: str, changes: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     in_memory = _run(tmp_path, tiny_checkpoint, name, "memory", **changes)
+    loaded: list[str] = []
+    whole = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recorded(cls, path, *args, **kwargs):
+        loaded.append(str(path))
+        return whole(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recorded))
     streamed = _run(tmp_path, tiny_checkpoint, name, "stream", **changes)
+    assert str(tiny_checkpoint) not in loaded  # the original never whole in memory, evaluation included
     expected, actual = tensors(in_memory), tensors(streamed)
     assert actual.keys() == expected.keys()
     assert not [key for key, value in expected.items() if not torch.equal(actual[key], value)]
     reports = [json.loads((run / "report.json").read_text()) for run in (in_memory, streamed)]
-    assert reports[0]["metrics"] == reports[1]["metrics"]
     assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
     assert reports[0]["sites"] == reports[1]["sites"]
+    # evaluated layer by layer through the fused original: the same figures to float round-off
+    assert reports[0]["metrics"]["tokens"] == reports[1]["metrics"]["tokens"]
+    for model in ("baseline", "pruned"):
+        for key, value in reports[0]["metrics"][model].items():
+            assert reports[1]["metrics"][model][key] == pytest.approx(value, rel=1e-6, abs=1e-8), (model, key)
 
 
 def test_a_run_killed_in_memory_resumes_streamed_to_the_same_model(
