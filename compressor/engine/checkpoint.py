@@ -76,6 +76,7 @@ def model_digest(model: torch.nn.Module, sample: int = 4096) -> str:
     for name, tensor in model.state_dict().items():
         if tensor.is_meta and source is not None:  # a streamed layer not read yet: its values from the shards
             tensor = source.index.read(name).to(tensor.dtype)
+            source.index.close()  # one shard mapped at a time
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // sample)
         parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())

@@ -52,23 +52,28 @@ class ShardIndex:
         if missing:
             raise UserError(f"model folder '{folder}' lacks the shard(s) its index names: {', '.join(missing)}")
         self.weight_map = weight_map
-        self._handles: dict[str, Any] = {}
-
-    def names(self, prefix: str) -> list[str]:
-        return [name for name in self.weight_map if name.startswith(prefix)]
+        self._handles: dict[str, tuple[Any, set[str]]] = {}
+        """Open shards, each with the names it holds."""
 
     def read(self, name: str) -> torch.Tensor:
+        """One tensor, copied out of its shard. An open shard stays mapped (the pages read count in
+        the resident set) until `close`: a layer is read, then its shards closed."""
         file = self.weight_map.get(name)
         if file is None:
             raise UserError(f"model folder '{self.folder}' has no tensor '{name}' in its safetensors index")
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.folder / file), framework="pt", device="cpu")
-        handle = self._handles[file]
-        if name not in handle.keys():  # noqa: SIM118 (not a dict)
+            handle = safe_open(str(self.folder / file), framework="pt", device="cpu")
+            self._handles[file] = handle, set(handle.keys())
+        handle, names = self._handles[file]
+        if name not in names:
             raise UserError(
                 f"shard '{file}' of model folder '{self.folder}' lacks tensor '{name}' that its index names"
             )
         return handle.get_tensor(name)
+
+    def close(self) -> None:
+        """Unmap every open shard."""
+        self._handles.clear()
 
 
 class StreamedWeights:
@@ -101,6 +106,7 @@ class StreamedWeights:
             tensor = self.index.read(prefix + name).to(self.dtype)
             self.reads[prefix + name] += 1
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        self.index.close()
         layers[index] = fuse_layer(raw, self.family, model.config.hidden_size)
         self.resident += 1
         self.peak_resident = max(self.peak_resident, self.resident)
@@ -148,6 +154,7 @@ def streamed_model(folder: str | Path, family: ModelFamily, dtype: torch.dtype, 
             module._parameters[leaf] = nn.Parameter(index.read(name).to(dtype), requires_grad=False)
         elif not getattr(config, "tie_word_embeddings", False):
             raise UserError(f"model folder '{folder}' has no tensor '{name}' in its safetensors weights")
+    index.close()
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     layers = model.get_submodule(family.layers)

@@ -18,6 +18,14 @@ from compressor.engine.layerwise import final_streams
 from compressor.engine.transforms import fuse_norms
 from compressor.evaluation.metrics import Tally, log_probs_of
 from compressor.models.families import ModelFamily
+from compressor.recipe.schema import Recipe
+
+
+def evaluates_layer_by_layer(recipe: Recipe) -> bool:
+    """A streamed run evaluates perplexity and KL layer by layer, the original never whole in
+    memory, unless lm-eval tasks or throughput need it whole."""
+    spec = recipe.evaluation
+    return recipe.model.load == "stream" and spec is not None and not spec.lm_eval and not spec.throughput
 
 
 @torch.no_grad()

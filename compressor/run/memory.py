@@ -153,8 +153,10 @@ class PlanSettings:
 
 
 def _layerwise_evaluation(recipe: Recipe) -> tuple[int, int, int] | None:
+    from compressor.run.layerwise_eval import evaluates_layer_by_layer
+
     spec = recipe.evaluation
-    if recipe.model.load != "stream" or spec is None or spec.lm_eval or spec.throughput:
+    if spec is None or not evaluates_layer_by_layer(recipe):
         return None
     return spec.num_samples, spec.seq_len, spec.batch_size
 
@@ -292,39 +294,25 @@ def measure_device(
     attention: str = "sdpa",
     recompute: bool = True,
 ) -> dict[str, int]:
-    """Device peaks (bytes) of the walk and the H pass, and one layer's weights (`_measure`),
-    remembered per config and settings: a sweep's runs, or a test suite's, measure once."""
+    """Device peaks (bytes) of the walk and the H pass, and one layer's weights. Without
+    `recompute` the H pass keeps every layer's graph: measured at one and two layers and
+    extrapolated to the model's depth (linear: every layer has the same shapes). Remembered per
+    config and settings: a sweep's runs, or a test suite's, measure once."""
     key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(config, family, dtype, batch, seq_len, kept, attention, recompute)
+        fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
+        if not recompute:
+            deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
+            fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
+        _MEASURED[key] = {
+            "walk": walk_peak(config, family, dtype, batch, seq_len, kept, attention),
+            "fisher": fisher,
+            "layer": _layer_bytes(config, family, dtype, attention),
+        }
     return dict(_MEASURED[key])
 
 
 _MEASURED: dict[tuple[Any, ...], dict[str, int]] = {}
-
-
-def _measure(
-    config: Any,
-    family: Any,
-    dtype: torch.dtype,
-    batch: int,
-    seq_len: int,
-    kept: int,
-    attention: str = "sdpa",
-    recompute: bool = True,
-) -> dict[str, int]:
-    """Device peaks (bytes) of the walk and the H pass, and one layer's weights. Without
-    `recompute` the H pass keeps every layer's graph: measured at one and two layers and
-    extrapolated to the model's depth (linear: every layer has the same shapes)."""
-    fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
-    if not recompute:
-        deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
-        fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
-    return {
-        "walk": walk_peak(config, family, dtype, batch, seq_len, kept, attention),
-        "fisher": fisher,
-        "layer": _layer_bytes(config, family, dtype, attention),
-    }
 
 
 def _layer_bytes(config: Any, family: Any, dtype: torch.dtype, attention: str) -> int:

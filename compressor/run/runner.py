@@ -53,7 +53,7 @@ from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, 
 from compressor.recipe.schema import MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
-from compressor.run.layerwise_eval import layerwise_compare
+from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare
 from compressor.run.loading import Resources, heldout_batches, resolve_device
 from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan
 from compressor.run.report import write_markdown
@@ -393,13 +393,6 @@ class _StreamSensitivity(Mapping[int, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.sites)
-
-
-def _layer_by_layer(recipe: Recipe) -> bool:
-    """A streamed run evaluates perplexity and KL layer by layer (`run.layerwise_eval`), the original
-    never whole in memory, unless lm-eval tasks or throughput need it whole."""
-    spec = recipe.evaluation
-    return recipe.model.load == "stream" and spec is not None and not spec.lm_eval and not spec.throughput
 
 
 def _stock_tied(checked: Plan) -> bool:
@@ -903,7 +896,7 @@ class _Stages:
         assert evaluation is not None and recipe.evaluation is not None
         self.progress("evaluating", 0, len(evaluation))
         suites = recipe.evaluation.lm_eval
-        if _layer_by_layer(recipe) and self.original is None and self.unrefined is None:
+        if evaluates_layer_by_layer(recipe) and self.original is None and self.unrefined is None:
             self.metrics = layerwise_compare(
                 resources.model(recipe.model),
                 self.pruned.to(device),
