@@ -43,12 +43,14 @@ def visit_layers(
     order = range(len(layers) - 1, -1, -1) if reverse else range(len(layers))
     for index in order:
         read = source is not None and source.materialise(model, index)
-        with held_on([layers[index]], device, read_only=read_only):
-            yield index, layers[index]
-        if read and read_only:
-            source.give_back(model, index)
-        elif read:
-            source.keep(index)
+        try:
+            with held_on([layers[index]], device, read_only=read_only):
+                yield index, layers[index]
+        finally:  # also when the pass raises or stops early: a read layer never stays behind
+            if read and read_only:
+                source.give_back(model, index)
+            elif read:
+                source.keep(index)
 
 
 @torch.no_grad()

@@ -91,7 +91,8 @@ class StreamedWeights:
         """Layers read and not yet given back by read-only passes, and the most at once."""
 
     def materialise(self, model: PreTrainedModel, index: int) -> bool:
-        """Put layer `index` in place, read from the shards and fused; False when it already is."""
+        """Put layer `index` in place, read from the shards (and fused, when the model's norms were:
+        `fuse_norms` wrapped its shell); False when it already is."""
         from compressor.engine.transforms import fuse_layer
 
         layers = model.get_submodule(self.family.layers)
@@ -107,7 +108,8 @@ class StreamedWeights:
             self.reads[prefix + name] += 1
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         self.index.close()
-        layers[index] = fuse_layer(raw, self.family, model.config.hidden_size)
+        fused = not isinstance(layers[index], type(raw))  # the shell went through fuse_norms
+        layers[index] = fuse_layer(raw, self.family, model.config.hidden_size) if fused else raw
         self.resident += 1
         self.peak_resident = max(self.peak_resident, self.resident)
         return True

@@ -143,10 +143,10 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         dtype = request.dtype or recipe.model.dtype
         if has_model:
             target = dataclasses.replace(
-                recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype
+                recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype, load="memory"
             )
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
-            target = dataclasses.replace(recipe.model, dtype=dtype)
+            target = dataclasses.replace(recipe.model, dtype=dtype, load="memory")
             checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
             rebuild = (folder / BASES_FILE, checked.layout.family)
             if checked.layout.one_basis:
@@ -156,7 +156,8 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
                         f"statistics, which only model/ holds; rerun it with the sweep's save_models: true"
                     )
                 stock = checked.layout.config
-        reference = dataclasses.replace(recipe.model, dtype=dtype) if request.reference is None else None
+        # `compress eval` runs whole models: a run streamed for its walk is evaluated from memory here
+        reference = dataclasses.replace(recipe.model, dtype=dtype, load="memory") if request.reference is None else None
         data = recipe.evaluation
         recipe_suites = recipe.evaluation.lm_eval if recipe.evaluation else None
         seed, throughput = recipe.seed, recipe.evaluation.throughput if recipe.evaluation else True

@@ -1,10 +1,9 @@
 """Perplexity and KL(original ‖ pruned) computed layer by layer, for a run whose original is
 streamed (`model.load: stream`): the original is never whole in memory. Each model's final
-stream is computed with `engine.layerwise.final_streams` (the original's layers read from the
-shards one at a time, fused as the walk sees them), then each batch's logits from its head,
-and the figures summed as `evaluation.metrics.compare` sums them (`Tally`). The fused original
-computes the original's function to float round-off, so the figures equal the whole-model ones
-to that precision."""
+stream is computed with `engine.layerwise.final_streams` (its own layers, unfused, with the
+arguments its forward gives them; the original's read from the shards one at a time), then each
+batch's logits from its own head, and the figures summed as `evaluation.metrics.compare` sums
+them (`Tally`): the same operations on the same tensors as the whole-model evaluation."""
 
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
+from compressor.engine.activations import held_on
 from compressor.engine.layerwise import final_streams
-from compressor.engine.transforms import fuse_norms
 from compressor.evaluation.metrics import Tally, log_probs_of
 from compressor.models.families import ModelFamily
 from compressor.recipe.schema import Recipe
@@ -37,20 +36,20 @@ def layerwise_compare(
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """`compare`'s figures, with `original` (a streamed shell, or any unfused model: it is fused
-    here, in place) and `pruned` run layer by layer."""
-    fuse_norms(original, family)
+    """`compare`'s figures, with `original` (a streamed shell, or any model) and `pruned` run
+    layer by layer, each head on `device` while its logits are formed."""
     streams = {
         "baseline": final_streams(original, family, batches, device),
         "pruned": final_streams(pruned, family, batches, device),
     }
     tally = Tally()
-    for index, batch in enumerate(batches):
-        reference, candidate = (
-            log_probs_of(family.logits(model, streams[name][index].to(device)))
-            for name, model in (("baseline", original), ("pruned", pruned))
-        )
-        tally.add(reference, candidate, batch, device)
-        if progress:
-            progress(index + 1, len(batches))
+    with held_on(family.head_modules(original) + family.head_modules(pruned), device, read_only=True):
+        for index, batch in enumerate(batches):
+            reference, candidate = (
+                log_probs_of(family.logits(model, streams[name][index].to(device)))
+                for name, model in (("baseline", original), ("pruned", pruned))
+            )
+            tally.add(reference, candidate, batch, device)
+            if progress:
+                progress(index + 1, len(batches))
     return tally.result(True)

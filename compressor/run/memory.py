@@ -16,6 +16,7 @@ before it writes anything, a recipe whose peak is above what the machine has.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,8 @@ class PlanSettings:
     mlp_feedback: float | None = None
     """None: no `mlp` stage."""
     refinement: bool = False
+    split_choice: bool = False
+    """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
     distillation: tuple[str, str] | None = None
     """(method, teacher placement), or None."""
     evaluation: bool = True
@@ -162,12 +165,13 @@ def _layerwise_evaluation(recipe: Recipe) -> tuple[int, int, int] | None:
 
 
 def machine_memory(device: torch.device) -> Machine:
-    """Host RAM (`COMPRESS_HOST_MEMORY_GIB` overrides it) and, on CUDA, the device's total memory
-    (`COMPRESS_DEVICE_MEMORY_GIB` overrides it)."""
+    """Host RAM (`COMPRESS_HOST_MEMORY_GIB` overrides it), this process's share of it under
+    torchrun, and, on CUDA, the device's total memory (`COMPRESS_DEVICE_MEMORY_GIB` overrides it)."""
     host_override = os.environ.get("COMPRESS_HOST_MEMORY_GIB")
     host = (
         int(float(host_override) * GiB) if host_override else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     )
+    host //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # under torchrun each process on this host holds its own
     device_override = os.environ.get("COMPRESS_DEVICE_MEMORY_GIB")
     if device.type == "cuda":
         total = int(float(device_override) * GiB) if device_override else torch.cuda.mem_get_info(device)[1]
@@ -418,6 +422,16 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 f"{disk}, or mlp.feedback: 0 (one copy of the stream)",
             )
         )
+    if settings.split_choice:
+        phases.append(
+            phase(
+                "choosing the split (the whole original beside each trial)",
+                weights + 2 * pruned_weights + store + positions,
+                weights + pruned_weights,
+                "mlp.kept (fix the split), or a machine with more memory",
+                whole_model=True,
+            )
+        )
     if settings.refinement:
         phases.append(
             phase(
@@ -432,7 +446,8 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         method, placement = settings.distillation
         trainable = pruned if method == "full" else 0
         teacher = weights if placement == "model" else 0
-        student = pruned_weights + trainable * (item + 8)  # weights, gradients, Adam's two float32 moments
+        # trained weights are float32 whatever the model's dtype: weights, gradients, Adam's two moments
+        student = pruned_weights if method != "full" else trainable * (4 + 4 + 8)
         phases.append(
             phase(
                 "distillation (student and teacher; activations not counted)",
@@ -450,7 +465,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
             phase(
                 "evaluation (layer by layer, the original streamed)",
                 resident + pruned_weights + streams,
-                2 * measured["layer"] + logits,
+                pruned_weights + measured["layer"] + logits,  # the pruned model, one original layer, one batch
                 "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
             )
         )
@@ -484,7 +499,8 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device) -> Memor
     from compressor.engine.pooling import required_statistics
 
     needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
-    return memory_plan(PlanSettings.of(recipe), checked.layout, "H" in needed, device.type != "cpu", process_rss())
+    settings = dataclasses.replace(PlanSettings.of(recipe), split_choice=checked.chooses_split)
+    return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", process_rss())
 
 
 def resolved_load(recipe: Recipe, checked: Any, device: torch.device, machine: Machine) -> tuple[Recipe, str | None]:

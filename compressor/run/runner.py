@@ -148,13 +148,13 @@ def run(
             "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
             "set save_models: true, or remove mlp"
         )
+    ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
     machine = machine_memory(device)
     recipe, chosen = resolved_load(recipe, checked, device, machine)
     if chosen is not None and warn is not None:
         warn(chosen)
     if memory_check:  # before anything is written: a run that cannot fit stops in its first second
         check_memory(run_memory_plan(recipe, checked, device), machine)
-    ranks, device = parallel.start(device)
     if ranks.world > 1:
         if recipe.refinement is not None:
             raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")

@@ -532,7 +532,7 @@ def _check_into(
     calibration = token_batches(recipe.calibration, tokenizer, "calibration")
     evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation")
     report("loading model", 0, 1)
-    model = load_model(recipe.model)
+    model = load_model(dataclasses.replace(recipe.model, load="memory"))  # it runs the whole model
     result = surrogate_check(
         model,
         family,

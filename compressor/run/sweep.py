@@ -160,6 +160,12 @@ class SharedResources(Resources):
             self._batches[key] = super().batches(spec, tokenizer, where)
         return self._batches[key]
 
+    def whole_model(self, spec: ModelSpec) -> PreTrainedModel:
+        """A streamed sweep keeps no whole original between its runs: loaded each time it is needed."""
+        if spec.load == "stream":
+            return Resources().whole_model(spec)
+        return super().whole_model(spec)
+
     def model(self, spec: ModelSpec) -> PreTrainedModel:
         if spec.load == "stream":  # a shell is cheap to build, and its open shards are not copied
             return super().model(spec)

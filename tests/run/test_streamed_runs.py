@@ -53,11 +53,8 @@ def test_a_streamed_run_is_bit_identical_to_the_run_in_memory(
     reports = [json.loads((run / "report.json").read_text()) for run in (in_memory, streamed)]
     assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
     assert reports[0]["sites"] == reports[1]["sites"]
-    # evaluated layer by layer through the fused original: the same figures to float round-off
-    assert reports[0]["metrics"]["tokens"] == reports[1]["metrics"]["tokens"]
-    for model in ("baseline", "pruned"):
-        for key, value in reports[0]["metrics"][model].items():
-            assert reports[1]["metrics"][model][key] == pytest.approx(value, rel=1e-6, abs=1e-8), (model, key)
+    assert reports[0]["metrics"] == reports[1]["metrics"]  # evaluated layer by layer: the same operations
+    assert main(["eval", str(streamed)]) == 0  # `compress eval` of a streamed run loads whole models
 
 
 def test_a_run_killed_in_memory_resumes_streamed_to_the_same_model(
