@@ -338,3 +338,18 @@ def test_a_grid_of_distilled_runs_plots_their_heldout_curves(tmp_path: Path) -> 
     lines = [line for line in figure.axes[0].get_lines() if not line.get_label().startswith("_")]
     assert [line.get_label() for line in lines] == ["a", "b"]
     assert list(lines[0].get_xdata()) == [0, 0.04096]
+
+
+@pytest.mark.slow
+def test_a_streamed_sweep_gives_the_sweep_in_memory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`model.load: stream` in a sweep's base: every run streams its own shell (none cached) and the
+    table is the one the same sweep gives in memory."""
+    results = {}
+    for load in ("memory", "stream"):
+        folder = tmp_path / load
+        folder.mkdir()
+        base = write_recipe(folder, tiny_checkpoint, model__load=load)
+        assert main(["sweep", str(_write_sweep(folder, base))]) == 0
+        rows = json.loads((folder / "sweep-out" / "results.json").read_text())
+        results[load] = [{k: v for k, v in row.items() if "s" != k.split()[-1] and "time" not in k} for row in rows]
+    assert results["stream"] == results["memory"]
