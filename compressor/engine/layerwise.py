@@ -18,7 +18,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
-from compressor.engine.activations import held_on, to_host
+from compressor.engine.activations import ActivationStore, held_on, to_host
+from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.streaming import streamed
 from compressor.models.families import ModelFamily
 
@@ -60,9 +61,6 @@ def final_streams(
     """Each batch's stream after the last decoder layer, on the host, computed layer by layer: the
     model's own layers with the arguments its forward gives them (`capture_layer_inputs`), so a
     streamed model holds one layer at a time. The head is the caller's (`family.logits`)."""
-    from compressor.engine.activations import ActivationStore
-    from compressor.engine.calibration import capture_layer_inputs
-
     store = ActivationStore(device)
     inputs = capture_layer_inputs(model, family, batches, device, store)
     for index, layer in visit_layers(model, family, device, read_only=True):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
@@ -130,9 +130,16 @@ def streamed(model: nn.Module) -> StreamedWeights | None:
     return getattr(model, _ATTRIBUTE, None)
 
 
-def streamed_model(folder: str | Path, family: ModelFamily, dtype: torch.dtype, **options: Any) -> PreTrainedModel:
+def streamed_model(
+    folder: str | Path,
+    family: ModelFamily,
+    dtype: torch.dtype,
+    config: PretrainedConfig | None = None,
+    **options: Any,
+) -> PreTrainedModel:
     """The model of `folder` (safetensors) as a shell: everything but its decoder layers read now,
-    the layers on the meta device until a pass reaches them. `options` go to `from_config`."""
+    the layers on the meta device until a pass reaches them. `config`: the folder's, when the
+    caller has read it already; `options` go to `from_config`."""
     from accelerate import init_empty_weights
 
     folder = Path(folder)
@@ -142,7 +149,7 @@ def streamed_model(folder: str | Path, family: ModelFamily, dtype: torch.dtype, 
             f"streaming does not do layer by layer yet: set model.load: memory"
         )
     index = ShardIndex(folder)
-    config = AutoConfig.from_pretrained(folder)
+    config = config if config is not None else AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **options)
     model.eval().requires_grad_(False)

@@ -98,6 +98,7 @@ def _streamed(spec: ModelSpec) -> PreTrainedModel:
         folder,
         family,
         getattr(torch, spec.dtype),
+        config,
         attn_implementation=spec.attn_implementation,
         trust_remote_code=spec.trust_remote_code,
     )

@@ -27,7 +27,6 @@ from compressor.errors import UserError
 from compressor.recipe.schema import Recipe
 
 GiB = 2**30
-_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def size(count: int) -> str:
@@ -340,7 +339,8 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     """The plan of `settings` on `layout` (a `SlicedLayout`): its phases' host and device peaks,
     each host figure on top of `base` (the process as it stands, before any weight is loaded)."""
     config, family = layout.config, layout.family
-    item = _ITEM[settings.dtype]
+    dtype = getattr(torch, settings.dtype)
+    item = dtype.itemsize
     d, layers = config.hidden_size, config.num_hidden_layers
     vocab = config.vocab_size
     heads = config.num_attention_heads
@@ -362,7 +362,6 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
     stored = (layers + 1) * chunk * seq_len * d * item + chunk * seq_len * d * item if recompute else 0
     bases = sites * d * kept * 8
-    dtype = getattr(torch, settings.dtype)
     measured = measure_device(
         config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
     )
