@@ -58,8 +58,13 @@ def held_on(parts: list[nn.Module], device: torch.device, *, read_only: bool = F
                 _restore(tensors)
         else:
             for part, home in zip(parts, homes):
-                if home is not None:
+                if home is not None and not _released(part):
                     part.to(home)
+
+
+def _released(part: nn.Module) -> bool:
+    """The pass dropped the part to the meta device (written out as it went): it has no home to go to."""
+    return any(t.is_meta for t in part.parameters())
 
 
 def _tensors_of(part: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor | None]]:

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from compressor.engine.checkpoint import OnDisk
 from compressor.engine.layerwise import visit_layers
+from compressor.engine.shards import ShardWriter
 from compressor.engine.transforms import fuse_norms, rotate_embedding, rotate_inputs, rotate_output, transition
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
 from compressor.models.sites import EMBEDDING, layer_site_ids, layout, site_ids
@@ -216,12 +218,9 @@ def apply_bases(
     return as_sliced_model(model, family, slicing)
 
 
-def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
-    """Re-home the processed weights in the registered `sliced_*` class (no copy).
-
-    Building the class from its config and loading the weights strictly proves that a
-    saved model reloads into exactly this structure.
-    """
+def sliced_shell(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
+    """The registered `sliced_*` model of `model`'s config and `slicing`, on the meta device, in
+    `model`'s dtype: the names, shapes and dtypes a sliced model saves (what a written walk plans)."""
     config_cls, model_cls = sliced_classes(model.config.model_type)
     values = model.config.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
@@ -232,6 +231,16 @@ def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[s
     config._attn_implementation = model.config._attn_implementation
     with torch.device("meta"):
         sliced = model_cls(config)
+    return sliced.to(model.dtype)
+
+
+def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> PreTrainedModel:
+    """Re-home the processed weights in the registered `sliced_*` class (no copy).
+
+    Building the class from its config and loading the weights strictly proves that a
+    saved model reloads into exactly this structure.
+    """
+    sliced = sliced_shell(model, family, slicing)
     sliced.load_state_dict(model.state_dict(), strict=True, assign=True)
     if slicing.get("tied_head"):
         sliced.tie_weights()
@@ -247,12 +256,22 @@ def as_sliced_model(model: PreTrainedModel, family: ModelFamily, slicing: dict[s
 
 
 def save_bases(bases: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
-    """One safetensors file keyed by site id (float64, d × k_s each)."""
-    tensors = {
-        site: basis.detach().to("cpu", torch.float64).clone(memory_format=torch.contiguous_format)
-        for site, basis in bases.items()
-    }  # each its own storage, even where sites share one basis
-    save_file(tensors, str(path), metadata=dict(metadata or {}))
+    """One safetensors file keyed by site id (float64, d × k_s each), written one basis at a time
+    (bases left on disk by the walk are read one by one, never all at once)."""
+    shapes = {
+        site: bases.meta(site) if isinstance(bases, OnDisk) else torch.empty_like(bases[site], device="meta")
+        for site in bases
+    }
+    writer = ShardWriter(
+        path.parent,
+        {site: meta.to(torch.float64) for site, meta in shapes.items()},
+        max_shard_size=1 << 62,
+        filename_pattern=path.stem + "{suffix}" + path.suffix,
+        metadata=dict(metadata or {}),
+    )
+    for site in bases:
+        writer.write({site: bases[site].detach().to("cpu", torch.float64)})  # each its own bytes, even where shared
+    writer.finish()
 
 
 def load_bases(path: Path) -> dict[str, torch.Tensor]:

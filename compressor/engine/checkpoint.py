@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +37,59 @@ TRAINER_CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE_FILE = "trainer_state.json"
 """How transformers' Trainer names its checkpoints there, and the file it writes last in each."""
 SITES_FOLDER = "sites"
+WRITTEN_FILE = "written.json"
+"""The tensors of the output's shards written so far by a walk that writes as it goes (`engine.written`)."""
+
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(name)
 
 
 @dataclass
 class SavedSite:
-    basis: torch.Tensor
+    path: Path
     record: dict[str, Any]
     rng: dict[str, torch.Tensor]
-    reader: torch.Tensor | None = None
-    """The site's reader map, when readers are corrected."""
+    has_reader: bool = False
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """Read from the site's file when asked (a 70B walk resumes without all its bases in memory)."""
+        return _read_tensor(self.path, "basis")
+
+    @property
+    def reader(self) -> torch.Tensor | None:
+        """The site's reader map, when readers are corrected."""
+        return _read_tensor(self.path, "reader") if self.has_reader else None
+
+
+class OnDisk(Mapping[str, torch.Tensor]):
+    """Tensors left in safetensors files and read when asked (key → file and tensor name): what a
+    walk that writes as it goes keeps instead of every site's basis and H in memory."""
+
+    def __init__(self, places: Mapping[str, tuple[Path, str]] | None = None) -> None:
+        self.places: dict[str, tuple[Path, str]] = dict(places or {})
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return _read_tensor(*self.places[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.places)
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+    def meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of the stored shape and dtype (nothing read but the header)."""
+        path, name = self.places[key]
+        with safe_open(str(path), framework="pt") as handle:
+            stored = handle.get_slice(name)
+            shape, dtype = stored.get_shape(), stored.get_dtype()
+        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def digest(parts: Iterable[bytes]) -> str:
@@ -180,6 +224,14 @@ class Checkpoint:
     def has_distillation_progress(self) -> bool:
         return self.distillation_step() is not None
 
+    def fisher_on_disk(self) -> OnDisk | None:
+        """H by site, each read from the checkpoint when asked; None before H is saved."""
+        path = self.folder / FISHER_FILE
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as handle:
+            return OnDisk({site: (path, site) for site in handle.keys()})
+
     def load_fisher(self) -> dict[str, torch.Tensor] | None:
         path = self.folder / FISHER_FILE
         if not path.is_file():
@@ -216,29 +268,35 @@ class Checkpoint:
         if self.writable:
             write_atomic(self.folder / name, lambda p: p.write_text(json.dumps(dict(value)) + "\n"))
 
+    @property
+    def written_record(self) -> Path | None:
+        """Where a walk that writes as it goes records the tensors it wrote (None: another rank writes)."""
+        return self.folder / WRITTEN_FILE if self.writable else None
+
     def save_site(
         self, position: int, site: str, basis: torch.Tensor, record: dict[str, Any], reader: torch.Tensor | None = None
-    ) -> None:
+    ) -> Path | None:
+        """The site's file (None where another rank writes it)."""
         if not self.writable:
-            return
+            return None
         tensors = {"basis": basis.detach().to("cpu", torch.float64).contiguous(), **_rng_states()}
         if reader is not None:
             tensors["reader"] = reader.detach().to("cpu", torch.float64).contiguous()
         metadata = {"site": site, "record": json.dumps(record)}
-        write_atomic(
-            self.sites_folder / f"{position:05d}.safetensors", lambda p: save_file(tensors, str(p), metadata=metadata)
-        )
+        path = self.sites_folder / f"{position:05d}.safetensors"
+        write_atomic(path, lambda p: save_file(tensors, str(p), metadata=metadata))
+        return path
 
     def finished_sites(self) -> dict[str, SavedSite]:
-        """Finished sites in the order they were chosen."""
+        """Finished sites in the order they were chosen (their bases read from disk when asked)."""
         saved = {}
         for path in self.site_files():
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata()
                 saved[metadata["site"]] = SavedSite(
-                    basis=handle.get_tensor("basis"),
+                    path=path,
                     record=json.loads(metadata["record"]),
                     rng={key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng")},
-                    reader=handle.get_tensor("reader") if "reader" in handle.keys() else None,
+                    has_reader="reader" in handle.keys(),
                 )
         return saved

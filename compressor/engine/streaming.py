@@ -57,7 +57,7 @@ class ShardIndex:
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, copied out of its shard. An open shard stays mapped (the pages read count in
-        the resident set) until `close`: a layer is read, then its shards closed."""
+        the resident set) until `close`: a layer's reader closes it after each tensor."""
         file = self.weight_map.get(name)
         if file is None:
             raise UserError(f"model folder '{self.folder}' has no tensor '{name}' in its safetensors index")
@@ -105,9 +105,9 @@ class StreamedWeights:
             owner, _, leaf = name.rpartition(".")
             module = raw.get_submodule(owner) if owner else raw
             tensor = self.index.read(prefix + name).to(self.dtype)
+            self.index.close()  # unmapped after each tensor: the pages read do not add up to a layer
             self.reads[prefix + name] += 1
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-        self.index.close()
         fused = not isinstance(layers[index], type(raw))  # the shell went through fuse_norms
         layers[index] = fuse_layer(raw, self.family, model.config.hidden_size) if fused else raw
         self.resident += 1
@@ -166,7 +166,15 @@ def streamed_model(
     index.close()
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    layers = model.get_submodule(family.layers)
-    weights = StreamedWeights(index, family, [copy.deepcopy(layer) for layer in layers], dtype)
-    setattr(model, _ATTRIBUTE, weights)
+    attach_streamed(model, index, family, dtype)
     return model
+
+
+def attach_streamed(
+    model: PreTrainedModel, source: ShardIndex | str | Path, family: ModelFamily, dtype: torch.dtype
+) -> None:
+    """From now on `model`'s decoder layers (on the meta device) are read from `source`'s shards
+    when a pass reaches them: an original's shell, or a sliced model written as its walk went."""
+    index = source if isinstance(source, ShardIndex) else ShardIndex(Path(source))
+    layers = model.get_submodule(family.layers)
+    setattr(model, _ATTRIBUTE, StreamedWeights(index, family, [copy.deepcopy(layer) for layer in layers], dtype))

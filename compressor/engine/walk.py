@@ -34,7 +34,7 @@ from compressor.engine.bases import (
     slicing_config,
 )
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
-from compressor.engine.checkpoint import Checkpoint, SavedSite, restore_rng
+from compressor.engine.checkpoint import Checkpoint, OnDisk, SavedSite, restore_rng
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import visit_layers
 from compressor.engine.parallel import Ranks
@@ -49,6 +49,7 @@ from compressor.engine.pooling import (
     required_statistics,
 )
 from compressor.engine.transforms import fuse_norms
+from compressor.engine.written import WrittenModel
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, check_widths
@@ -74,16 +75,18 @@ class PruneResult:
     model: PreTrainedModel
     sites: list[SiteRecord]
     slicing: dict[str, Any]
-    bases: dict[str, torch.Tensor]
-    """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id."""
+    bases: Mapping[str, torch.Tensor]
+    """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id (a walk
+    that writes as it goes leaves them in the checkpoint's files: `OnDisk`)."""
     readers: dict[str, torch.Tensor] | None = None
     """With `correct_readers`: each site's reader map R_s (d × k_s, float64, host)."""
     resumed_from: str | None = None
     """The first site this call chose after loading finished sites from a checkpoint."""
     loaded_sites: int = 0
     fisher_loaded: bool = False
-    fisher: dict[str, torch.Tensor] | None = None
-    """H by site (host, accumulation dtype) when the pipeline used it, so a caller can reuse it."""
+    fisher: Mapping[str, torch.Tensor] | None = None
+    """H by site (host, accumulation dtype) when the pipeline used it, so a caller can reuse it
+    (a walk that writes as it goes leaves it in the checkpoint: `OnDisk`)."""
     fisher_source: str | None = None
     """Where H came from: "computed", "checkpoint", "given" (by the caller), or None (not used)."""
     widths: dict[str, int] = field(default_factory=dict)
@@ -97,6 +100,8 @@ class PruneResult:
     fisher_seconds: float = 0.0
     """Time this call spent computing H (0 when H was given, loaded or not needed): work a
     sweep's runs share, reported apart from the prune time."""
+    written_before: int = 0
+    """`write_to`: layers a killed walk had written there, found committed and not written again."""
     walked: Pooled | None = None
     """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
     (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
@@ -118,6 +123,7 @@ class _Walk:
         shared: Collection[str] = (),
         copies: Mapping[str, str] | None = None,
         ranks: Ranks | None = None,
+        bases_on_disk: bool = False,
     ) -> None:
         self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
         self.ranks = ranks or Ranks()
@@ -130,7 +136,11 @@ class _Walk:
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
         self.records: list[SiteRecord] = []
-        self.bases: dict[str, torch.Tensor] = {}
+        self.bases: dict[str, torch.Tensor] | OnDisk = (
+            OnDisk() if bases_on_disk and checkpoint is not None and checkpoint.writable else {}
+        )
+        """Every basis so far: in memory, or (`bases_on_disk`, with a checkpoint this process
+        writes) left in the checkpoint's site files and read when asked."""
         self.resumed_from: str | None = None
 
     def advance(
@@ -178,17 +188,18 @@ class _Walk:
         (a global layout's: every site's statistics, pooled)."""
         if site in self.saved:
             entry = self.saved[site]
-            if tuple(entry.basis.shape) != (self.width, self.widths[site]):
+            saved = entry.basis
+            if tuple(saved.shape) != (self.width, self.widths[site]):
                 raise UserError(
-                    f"the checkpoint's basis for {site} has shape {tuple(entry.basis.shape)}, which this "
+                    f"the checkpoint's basis for {site} has shape {tuple(saved.shape)}, which this "
                     f"run's widths do not allow; rerun with --restart to discard the checkpoint"
                 )
-            if self.correct_readers and entry.reader is None:
+            if self.correct_readers and not entry.has_reader:
                 raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
             self.records.append(SiteRecord.from_json(entry.record))
             restore_rng(entry.rng)
-            self.bases[site] = entry.basis
-            self.pending = basis = entry.basis.to(self.device)
+            self._keep(site, saved, entry.path)
+            self.pending = basis = saved.to(self.device)
             reader = basis
             if self.correct_readers:
                 self.readers[site] = entry.reader
@@ -222,14 +233,21 @@ class _Walk:
             }
             self.readers[site] = reader.to("cpu")
         self.records.append(record)
+        path = None
         if self.checkpoint is not None:
-            self.checkpoint.save_site(
+            path = self.checkpoint.save_site(
                 len(self.records) - 1, site, basis, record.to_json(), reader if self.correct_readers else None
             )
         faults.reached(f"site:{site}")
-        self.bases[site] = basis.to("cpu")
+        self._keep(site, basis, path)
         self.pending = basis
         return basis, reader
+
+    def _keep(self, site: str, basis: torch.Tensor, path: Path | None) -> None:
+        if isinstance(self.bases, OnDisk) and path is not None:
+            self.bases.places[site] = (path, "basis")
+        else:
+            self.bases[site] = basis.to("cpu")
 
 
 @dataclass
@@ -279,6 +297,12 @@ class WalkOptions:
     """What reads each site's stream reads it through the least-squares reader map (`bases.reader_map`)."""
     pooling: str = "trace"
     """How a global layout sums the sites' statistics (`GlobalPool`)."""
+    write_to: Path | None = None
+    """Write the sliced model there as the walk goes (`engine.written`): each layer when finished,
+    then dropped from memory, the bases left in the checkpoint's files; the returned model's
+    layers are read back from that folder when a pass needs them."""
+    max_shard_size: int | str = "50GB"
+    """The written model's shards, split as `save_pretrained` splits them."""
 
 
 @torch.no_grad()
@@ -369,7 +393,9 @@ def prune(
         faults.reached("capture")
         h = _Sensitivity(device)
         if "H" in needed and (len(saved) < len(ids) or widths is None):
-            h = _estimate_sensitivity(run, inputs, fisher, options.sensitivity, options.seed, skipped)
+            h = _estimate_sensitivity(
+                run, inputs, fisher, options.sensitivity, options.seed, skipped, on_disk=options.write_to is not None
+            )
         survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
         if widths is None or (run.tie_head and EMBEDDING not in saved) or survey.pool is not None:
             widths, chosen = _survey_original(run, inputs, h, survey, widths, allocator)
@@ -378,13 +404,16 @@ def prune(
             store = ActivationStore(device, options.offload, options.scratch)
             inputs = capture_layer_inputs(model, family, local, device, store)
         chooser = SiteChooser(pipeline, ids, h.values, report)
-        walked = _walk_sites(run, inputs, h, chooser, widths, saved, survey, options.pooling)
+        output = _output(run, widths, options)
+        walked = _walk_sites(run, inputs, h, chooser, widths, saved, survey, options.pooling, output)
     finally:
         store.close()
     slicing = _attach_head(run, widths, walked.reader)
     walk = walked.walk
+    if output is not None:
+        assert output.slicing == slicing, "the written shards were laid out for another slicing"
     return PruneResult(
-        model=as_sliced_model(model, family, slicing),
+        model=as_sliced_model(model, family, slicing) if output is None else output.finish(model),
         sites=walk.records,
         slicing=slicing,
         bases=walk.bases,
@@ -399,6 +428,7 @@ def prune(
         tokens_by_rank=tokens_by_rank,
         head_moment=walked.head_moment,
         fisher_seconds=h.seconds,
+        written_before=output.written_before if output is not None else 0,
         walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None,
     )
 
@@ -427,7 +457,7 @@ class _Sensitivity:
     """H as the walk uses it, and where it came from."""
 
     device: torch.device
-    values: dict[str, torch.Tensor] | None = None
+    values: Mapping[str, torch.Tensor] | None = None
     loaded: bool = False
     source: str | None = None
     seconds: float = 0.0
@@ -443,12 +473,16 @@ def _estimate_sensitivity(
     options: SensitivityOptions | None,
     seed: int,
     skipped: Any,
+    on_disk: bool = False,
 ) -> _Sensitivity:
     """ "estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
-    else computed on the fused, unsliced model (and checkpointed)."""
+    else computed on the fused, unsliced model (and checkpointed). `on_disk`: once checkpointed,
+    each site's H is read from there when asked, not held (a walk that writes as it goes)."""
     model, family, device, checkpoint, report = run.model, run.family, run.device, run.checkpoint, run.report
     h = _Sensitivity(device)
-    h.values = checkpoint.load_fisher() if checkpoint is not None else None
+    on_disk = on_disk and checkpoint is not None and checkpoint.writable
+    if checkpoint is not None:
+        h.values = checkpoint.fisher_on_disk() if on_disk else checkpoint.load_fisher()
     h.loaded = h.values is not None
     h.source = "checkpoint" if h.loaded else None
     if h.values is None and given is not None:
@@ -473,6 +507,9 @@ def _estimate_sensitivity(
             check_finite("H", name, value)
         if checkpoint is not None:
             checkpoint.save_fisher(h.values)
+    if on_disk:
+        assert checkpoint is not None
+        h.values = checkpoint.fisher_on_disk()
     return h
 
 
@@ -539,6 +576,7 @@ def _walk_sites(
     saved: Mapping[str, SavedSite],
     survey: _Survey,
     pooling: str,
+    output: WrittenModel | None = None,
 ) -> _Walked:
     """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
     (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
@@ -562,6 +600,7 @@ def _walk_sites(
         run.shared,
         {ids[-1]: EMBEDDING} if run.tie_head else {},
         run.ranks,
+        bases_on_disk=output is not None,
     )
     report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
     first = walk.advance(EMBEDDING, None, 0)
@@ -574,6 +613,7 @@ def _walk_sites(
     if walked is not None and first is not None:
         walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
     apply_embedding_basis(model, family, basis)
+    del first, basis  # a d × d float64 sum and the embedding's basis: not held through the walk
     for index, layer in visit_layers(model, family, device):
         report(f"layer {index + 1}/{num_layers}", index, num_layers)
         assert isinstance(layer, SlicedDecoderLayer)
@@ -593,10 +633,30 @@ def _walk_sites(
                 assert moment is not None
                 head_moment = moment.value().to("cpu")
             chosen, reader = walk.settle(name, moment, pooled)
+            del moment  # not held while the next site is measured
             close_site(layer, family, site, previous, chosen, name in walk.shared)
             previous = reader
+        if output is not None:
+            output.write_layer(index, layer)
     report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
     return _Walked(walk, previous, head_moment, walked)
+
+
+def _output(run: _Prune, widths: Mapping[str, int], options: WalkOptions) -> WrittenModel | None:
+    """Where the walk writes the sliced model as it goes (`options.write_to`), laid out now that
+    every width is known."""
+    if options.write_to is None:
+        return None
+    checkpoint = run.checkpoint
+    return WrittenModel(
+        options.write_to,
+        run.model,
+        run.family,
+        slicing_config(run.model, run.family, widths, run.shared, run.tie_head),
+        progress=checkpoint.written_record if checkpoint is not None else None,
+        max_shard_size=options.max_shard_size,
+        writes=run.ranks.rank == 0,
+    )
 
 
 def _attach_head(run: _Prune, widths: Mapping[str, int], reader: torch.Tensor) -> dict[str, Any]:

@@ -67,6 +67,8 @@ class MemoryPlan:
     shape: str
     base: int = 0
     """The process before any weight is loaded (interpreter, libraries), counted in every host figure."""
+    streamed: bool = False
+    """The layers are read from their shards when needed: the weights need not fit the host."""
 
     def peak_host(self) -> Phase:
         return max(self.phases, key=lambda phase: phase.host)
@@ -89,7 +91,9 @@ class MemoryPlan:
         after = "(`compress run --dry-run` prints the plan; --skip-memory-check runs it anyway)"
         if host.host > machine.host:
             fix = (
-                host.fix if self.weights < machine.host else "the weights alone do not fit: a machine with more memory"
+                host.fix
+                if self.weights < machine.host or self.streamed
+                else "the weights alone do not fit: model.load: stream, or a machine with more memory"
             )
             return (
                 f"this run needs about {size(host.host)} of host memory at its peak ({host.name}; the weights "
@@ -111,6 +115,9 @@ class PlanSettings:
     dtype: str = "bfloat16"
     load: str = "memory"
     """model.load: memory, or stream (the layer-by-layer passes hold the layers they visit)."""
+    writes: bool = False
+    """A streamed walk writes the sliced model as it goes (`writes_as_it_goes`): each layer leaves
+    memory once written, and the bases and H are read from the checkpoint when needed."""
     attn_implementation: str = "sdpa"
     samples: int = 128
     seq_len: int = 2048
@@ -138,6 +145,7 @@ class PlanSettings:
         return cls(
             dtype=recipe.model.dtype,
             load="stream" if recipe.model.load == "stream" else "memory",
+            writes=writes_as_it_goes(recipe, one_basis=False),  # the layout's part: `memory_plan`
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
@@ -152,6 +160,19 @@ class PlanSettings:
             evaluation=recipe.evaluation is not None,
             evaluation_layerwise=_layerwise_evaluation(recipe),
         )
+
+
+def writes_as_it_goes(recipe: Recipe, one_basis: bool) -> bool:
+    """A streamed run writes the sliced model as its walk goes, each layer leaving memory when it is
+    written, when nothing after the walk changes the model whole: no refinement, MLP stage or
+    distillation, and a per-site layout (a global one becomes the stock class when it is saved)."""
+    return (
+        recipe.model.load == "stream"
+        and recipe.refinement is None
+        and recipe.mlp is None
+        and recipe.distillation is None
+        and not one_basis
+    )
 
 
 def _layerwise_evaluation(recipe: Recipe) -> tuple[int, int, int] | None:
@@ -368,6 +389,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     smaller_batch = "a smaller calibration.batch_size (or seq_len)"
     disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
     streaming = settings.load == "stream"
+    writes = streaming and settings.writes and not layout.one_basis
     if not streaming:
         disk += ", model.load: stream"
     # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
@@ -375,6 +397,17 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     resident = weights - layers * measured["layer"]
     held = resident if streaming else weights
     walked = min(weights, resident + pruned_weights) if streaming else weights
+    # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
+    # the host first on an accelerator), one site's H and two bases; the rest is on disk
+    read = measured["layer"] if accelerator else 0
+    walk_host = (
+        resident + read + store + positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
+        if writes
+        else walked + store + positions + totals + bases
+    )
+    pruned_resident = min(
+        resident, pruned_weights
+    )  # a written model's parts outside its layers (at most the original's)
 
     def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
         """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
@@ -396,8 +429,8 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         )
     phases.append(
         phase(
-            "walk (one layer at a time)",
-            walked + store + positions + totals + bases,
+            "walk (one layer at a time, each written when sliced)" if writes else "walk (one layer at a time)",
+            walk_host,
             measured["walk"],
             f"{disk}, or {smaller_batch}",
         )
@@ -460,11 +493,16 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         windows, tokens, per_batch = settings.evaluation_layerwise
         streams = 2 * windows * tokens * d * item  # both models' final streams, on the host
         logits = 3 * per_batch * tokens * vocab * 4  # one batch's logits and log-probabilities, float32
+        pruned_held = pruned_resident if writes else pruned_weights  # written: its layers read back one at a time
         phases.append(
             phase(
-                "evaluation (layer by layer, the original streamed)",
-                resident + pruned_weights + streams,
-                pruned_weights + measured["layer"] + logits,  # the pruned model, one original layer, one batch
+                "evaluation (layer by layer, both models streamed)"
+                if writes
+                else "evaluation (layer by layer, the original streamed)",
+                resident + pruned_held + streams,
+                pruned_held
+                + measured["layer"]
+                + logits,  # the pruned model (or its resident part), one layer, one batch
                 "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
             )
         )
@@ -482,7 +520,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         f"{config.model_type}, {layers} layers, hidden {d}, MLP {f or '-'}, vocabulary {vocab}, "
         f"{params / 1e9:.2f}B parameters ({weights / GiB:.1f} GiB in {settings.dtype})"
     )
-    return MemoryPlan(tuple(phases), weights, shape, base)
+    return MemoryPlan(tuple(phases), weights, shape, base, streaming)
 
 
 def check_memory(plan: MemoryPlan, machine: Machine) -> None:

@@ -72,6 +72,16 @@ class Resume(_Section):
     fisher_loaded: bool
 
 
+class Loading(_Section):
+    """How the run held the model (`model.load` as run), and whether its walk wrote the sliced model
+    as it went (`engine.written`): each layer written to model/ when finished, then dropped."""
+
+    load: str
+    written_as_it_goes: bool
+    layers_written_before: int = 0
+    """Layers a killed run had written and committed, which this run did not write again."""
+
+
 class Figures(_Section):
     """One model's figures on the evaluation windows (`evaluation.metrics.compare`) and lm-eval suites."""
 
@@ -197,6 +207,7 @@ class RunReport(_Section):
     fingerprint: dict[str, str]
     resumed_from: str | None
     resume: Resume
+    loading: Loading | None = None
     fisher_source: str | None
     fisher_autocast: str | None
     refinement: RefinementRecord | None

@@ -55,11 +55,12 @@ from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare
 from compressor.run.loading import Resources, heldout_batches, resolve_device
-from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan
+from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
     Allocation,
     Environment,
+    Loading,
     Metrics,
     MlpReport,
     ModelInfo,
@@ -217,8 +218,10 @@ def _prune(
     scratch: Path,
     fisher: dict[str, torch.Tensor] | None,
     ranks: Ranks,
+    write_to: Path | None = None,
 ) -> PruneResult:
-    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
+    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run
+    (`write_to`: the sliced model written there as the walk goes, by rank 0)."""
     options = WalkOptions(
         device=device,
         sensitivity=recipe.sensitivity,
@@ -227,6 +230,7 @@ def _prune(
         scratch=scratch,
         correct_readers=recipe.slicing.correct_readers,
         pooling=recipe.slicing.pooling,
+        write_to=write_to,
     )
     return prune(
         model,
@@ -257,8 +261,19 @@ def _follow(
     checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
     layout, config = checked.layout, checked.layout.config
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
+        written = staging_folder(Path(recipe.output)) / "model" if writes_as_it_goes(recipe, layout.one_basis) else None
         result = _prune(
-            model, recipe, checked, calibration, device, report_progress, checkpoint, Path(scratch), None, ranks
+            model,
+            recipe,
+            checked,
+            calibration,
+            device,
+            report_progress,
+            checkpoint,
+            Path(scratch),
+            None,
+            ranks,
+            written,
         )
         if recipe.distillation is None and layout.mlp_width is None:
             return None
@@ -439,7 +454,7 @@ def _run_in(
     """Everything a run writes, into `staging`, stage by stage; returns the report."""
     if checked.chooses_split:  # the splits' trial walks and the run's walk share one H pass
         resources = KeptFisher(resources)
-    stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn)
+    stages = _Stages(staging, recipe, checked, device, checkpoint, report_progress, resources, ranks, warn, save_model)
     torch.manual_seed(recipe.seed)
     with stages.timed("data_s"):
         stages.read_data()
@@ -487,6 +502,7 @@ class _Stages:
         resources: Resources,
         ranks: Ranks,
         warn: Callable[[str], None] | None = None,
+        save_model: bool = True,
     ) -> None:
         self.staging, self.recipe, self.checked, self.device = staging, recipe, checked, device
         self.checkpoint, self.progress, self.resources, self.ranks = checkpoint, progress, resources, ranks
@@ -504,6 +520,9 @@ class _Stages:
         """How that diagonal was found, for the report: diagonal, symmetric (rotated), refined."""
         self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
+        self.writes = save_model and writes_as_it_goes(recipe, self.one_basis)
+        """The walk writes model/ as it goes (a streamed run with nothing after the walk that
+        changes the model whole); the pruned model's layers are then read back from there."""
         self.timings: dict[str, float] = {}
         # read_data
         self.tokenizer: Any = None
@@ -700,6 +719,7 @@ class _Stages:
             self.staging / SCRATCH_FOLDER,
             self.resources.fisher(h_key),
             self.ranks,
+            self.staging / "model" if self.writes else None,
         )
         if self.result.fisher is not None:
             self.resources.keep_fisher(h_key, self.result.fisher)
@@ -876,7 +896,8 @@ class _Stages:
             pruned.save_pretrained(staging / "model")
             pruned = load_stock(staging / "model", pruned)
         elif save_model:
-            pruned.save_pretrained(staging / "model")
+            if not self.writes:  # else the walk wrote it, layer by layer
+                pruned.save_pretrained(staging / "model")
             write_remote_code(staging / "model", self.family, self.config.model_type)
         self.pruned = pruned
         if save_model:
@@ -899,7 +920,7 @@ class _Stages:
         if evaluates_layer_by_layer(recipe) and self.original is None and self.unrefined is None:
             self.metrics = layerwise_compare(
                 resources.model(recipe.model),
-                self.pruned.to(device),
+                self.pruned if self.writes else self.pruned.to(device),  # written: its layers read when visited
                 self.family,
                 evaluation,
                 device,
@@ -979,6 +1000,11 @@ class _Stages:
             fingerprint=self.fingerprint,
             resumed_from=result.resumed_from,
             resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=fisher_source == "checkpoint"),
+            loading=Loading(
+                load=recipe.model.load,
+                written_as_it_goes=self.writes,
+                layers_written_before=result.written_before,
+            ),
             fisher_source=fisher_source,
             fisher_autocast=_autocast_name(recipe, self.device) if result.fisher_source is not None else None,
             refinement=self.refinement,

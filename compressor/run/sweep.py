@@ -189,9 +189,9 @@ class SharedResources(Resources):
 
         if key in self._fisher:
             return
-        self._fisher[key] = fisher
         self.folder.mkdir(parents=True, exist_ok=True)
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
+        self._fisher[key] = tensors  # read now: H the walk left in its checkpoint goes with that checkpoint
         write_atomic(self.folder / f"fisher-{key[:16]}.safetensors", lambda p: save_file(tensors, str(p)))
 
     def baseline_tasks(self, key: str) -> dict[str, Any] | None:

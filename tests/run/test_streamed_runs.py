@@ -54,6 +54,14 @@ def test_a_streamed_run_is_bit_identical_to_the_run_in_memory(
     assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
     assert reports[0]["sites"] == reports[1]["sites"]
     assert reports[0]["metrics"] == reports[1]["metrics"]  # evaluated layer by layer: the same operations
+    # a per-site layout with nothing after the walk is written as the walk goes; a global one is
+    # converted to the stock class when saved, so its walk keeps the layers
+    assert reports[1]["loading"] == {
+        "load": "stream",
+        "written_as_it_goes": name == "pca",
+        "layers_written_before": 0,
+    }
+    assert reports[0]["loading"]["written_as_it_goes"] is False
     assert main(["eval", str(streamed)]) == 0  # `compress eval` of a streamed run loads whole models
 
 
@@ -68,6 +76,25 @@ def test_a_run_killed_in_memory_resumes_streamed_to_the_same_model(
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((output / "report.json").read_text())["resume"]["sites_loaded"] == 2
     produced = tensors(output)
+    assert not [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
+
+
+@pytest.mark.parametrize(("kill", "committed"), [("writing:1", 1), ("written:0", 1)])
+def test_a_streamed_run_killed_while_writing_resumes_to_the_same_model(
+    recipe: Path,  # noqa: F811
+    uninterrupted: dict[str, torch.Tensor],  # noqa: F811
+    tmp_path: Path,
+    kill: str,
+    committed: int,
+) -> None:
+    output = tmp_path / "run"
+    killed = compress(recipe, output, "--set", "model.load=stream", kill=kill)
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, output, "--set", "model.load=stream")
+    assert resumed.returncode == 0, resumed.stderr
+    loading = json.loads((output / "report.json").read_text())["loading"]
+    assert loading == {"load": "stream", "written_as_it_goes": True, "layers_written_before": committed}
+    produced = tensors(output)  # the run in memory, uninterrupted: the same tensors
     assert not [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
 
 
