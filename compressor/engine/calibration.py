@@ -127,8 +127,11 @@ class SecondMoment:
     def __init__(self, width: int, device: torch.device) -> None:
         self.total = torch.zeros(width, width, dtype=torch.float64, device=device)
         self.tokens = 0
+        self._mean: torch.Tensor | None = None
 
     def add(self, hidden: torch.Tensor, token_mask: torch.Tensor, count: int | None = None) -> None:
+        if self._mean is not None:
+            raise RuntimeError("a second moment cannot grow after its value was taken")
         x = counted_rows(hidden, token_mask, count).to(torch.float64)
         self.total.addmm_(x.T, x)
         self.tokens += x.shape[0]
@@ -140,6 +143,10 @@ class SecondMoment:
         return self
 
     def value(self) -> torch.Tensor:
-        if self.tokens == 0:
-            raise ValueError("no calibration tokens were counted (all positions masked)")
-        return self.total / self.tokens
+        """The sum over the token count, divided in place the first time: a d × d float64 matrix
+        fewer while a basis is chosen from it (callers read it, never change it)."""
+        if self._mean is None:
+            if self.tokens == 0:
+                raise ValueError("no calibration tokens were counted (all positions masked)")
+            self._mean = self.total.div_(self.tokens)
+        return self._mean

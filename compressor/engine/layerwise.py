@@ -11,6 +11,7 @@ shards then, and gives it back after a pass that only ran it.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import torch
@@ -52,6 +53,27 @@ def visit_layers(
                 source.give_back(model, index)
             elif read:
                 source.keep(index)
+            if source is not None:
+                return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the operating system (glibc's `malloc_trim`), so a
+    streamed pass's resident memory is what it holds, not the most it ever held. A no-op where
+    the C library has no such call."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
 
 
 @torch.no_grad()

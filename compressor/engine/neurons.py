@@ -248,7 +248,7 @@ def prune_mlp(
             stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
             if stats.moment.tokens == 0:
                 raise ValueError("no calibration tokens were counted (all positions masked)")
-            C = stats.moment.total.div_(stats.moment.tokens)  # in place: f × f float64 is large
+            C = stats.moment.value()  # divided in place: f × f float64 is large
             W = output.weight.detach().to(device, torch.float64)
             delta = damping * float(torch.diagonal(C).mean())
             goal = stats.target(W, C, feedback)

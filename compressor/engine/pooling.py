@@ -177,7 +177,7 @@ class SiteChooser:
             check_basis(basis, width, step.strategy.name, site)
             record.steps.append({"strategy": step.strategy.name, "objectives": dict(basis.objectives)})
         assert basis is not None
-        return basis.kept(keep).to(C.device), record
+        return basis.kept(keep).to(C.device).contiguous(), record  # not a view holding all d columns
 
 
 FIXES = {
@@ -205,7 +205,10 @@ def check_basis(basis: Basis, width: int, strategy: str, site: str) -> None:
     elif not bool(torch.isfinite(q).all()):
         fault = "a basis holding NaN or Inf"
     else:
-        error = (q.T @ q - torch.eye(width, dtype=q.dtype, device=q.device)).abs().max().item()
+        gram = q.T @ q  # QᵀQ − I formed in place: one d × d temporary, not four
+        gram.diagonal().sub_(1)
+        error = gram.abs_().max().item()
+        del gram
         if error > 1e-6:
             fault = f"a non-orthogonal basis (|QᵀQ − I| = {error:.2e})"
     if fault is not None:
