@@ -121,6 +121,29 @@ def plan(
     }
 
 
+def recipe_plan(path: Path, model_path: str | None, overrides: list[str]) -> None:
+    """A recipe's plan as a run on a GPU makes it (`run.memory.run_memory_plan` with an accelerator),
+    printed phase by phase, without a GPU here."""
+    import torch
+
+    from compressor.recipe.schema import load_recipe
+    from compressor.run.checks import plan as checked_plan
+    from compressor.run.memory import run_memory_plan
+    from compressor.strategies.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    overrides = [*([f"model.path={model_path}"] if model_path is not None else []), *overrides]
+    recipe = load_recipe(path, registry, overrides)
+    checked = checked_plan(recipe, registry)
+    memory = run_memory_plan(recipe, checked, torch.device("cuda"))
+    table = Table(title=f"{path}: {memory.shape} (host figures include this process, {memory.base / GiB:.1f} GiB)")
+    for column in ("phase", "host (GiB)", "device (GiB)"):
+        table.add_column(column)
+    for phase in memory.phases:
+        table.add_row(phase.name, f"{phase.host / GiB:.1f}", f"{(phase.device or 0) / GiB:.1f}")
+    Console(width=160).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
@@ -130,7 +153,30 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, default=0.25)
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_plan.json"))
+    parser.add_argument(
+        "--config-folder",
+        type=Path,
+        help="write each model's config.json (no weights) under FOLDER/<model> and stop: a folder "
+        "`compress run RECIPE --dry-run --set model.path=FOLDER/<model>` plans with, without the hub",
+    )
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        help="print the plan of this recipe on a machine with a GPU (its `model.path` replaced by "
+        "--model-path, e.g. a --config-folder folder), as `--dry-run` prints it on that machine",
+    )
+    parser.add_argument("--model-path", help="with --recipe: the model folder whose config is planned for")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --recipe: as `compress run --set`")
     args = parser.parse_args()
+    if args.recipe is not None:
+        recipe_plan(args.recipe, args.model_path, args.set)
+        return
+    if args.config_folder is not None:
+        for name in args.models:
+            config = AutoConfig.for_model(**{**CONFIGS[name], "max_position_embeddings": 131072})
+            config.save_pretrained(args.config_folder / name)
+            print(args.config_folder / name)
+        return
     rows = [
         plan(name, CONFIGS[name], args.samples, args.seq_len, args.batch_size, args.chunk, args.sparsity)
         for name in args.models

@@ -122,6 +122,35 @@ def test_a_streamed_plan_holds_only_what_lies_outside_the_layers_while_passes_re
     assert "model.load: stream" in memory["capture"].fix and "model.load: stream" not in stream["capture"].fix
 
 
+def test_a_written_walk_holds_one_layer_one_h_and_two_bases_and_its_weights_need_not_fit() -> None:
+    layout = _layout()
+    d, kept = layout.config.hidden_size, layout.kept
+    base = PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4, load="stream")
+    kept_layers = _phases(memory_plan(base, layout, True, True))
+    written_plan = memory_plan(PlanSettings(**{**base.__dict__, "writes": True}), layout, True, True)
+    written = _phases(written_plan)
+    assert written["walk"].name.startswith("walk (one layer at a time, each written")
+    model = tiny_model("llama")
+    layer_bytes = sum(p.numel() * 4 for p in model.get_submodule(family_for("llama").layers)[0].parameters())
+    sites, h_bytes, basis_bytes = 2 * layout.config.num_hidden_layers + 1, d * d * 4, d * kept * 8
+    pruned = layout.params.count(layout.widths) * 4
+    # kept: the sliced layers (the pruned model less what lies outside the layers), every H and basis;
+    # written: the layer on the host (read there before it goes to the device), one H, two bases
+    outside = written_plan.weights - layout.config.num_hidden_layers * layer_bytes
+    assert kept_layers["walk"].host - written["walk"].host == (
+        min(written_plan.weights, outside + pruned)
+        - outside
+        - layer_bytes
+        + (sites - 1) * h_bytes
+        + (sites - 2) * basis_bytes
+    )
+    assert kept_layers["capture"].host == written["capture"].host  # the passes before the walk do not change
+    machine = Machine(host=int(written_plan.weights * 0.9), device=None, device_name="cpu")
+    refusal = memory_plan(PlanSettings(**{**base.__dict__, "writes": True, "samples": 4096}), layout, True, True)
+    line = refusal.refusal(machine)
+    assert line is not None and "the weights alone do not fit" not in line  # streamed: they never need to
+
+
 def test_auto_streams_only_where_the_whole_model_does_not_fit(
     tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
