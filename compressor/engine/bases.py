@@ -109,7 +109,9 @@ def apply_tied_head(model: PreTrainedModel, family: ModelFamily, reader: torch.T
     target = head.weight.data.to(torch.float64) @ reader.to(A.device, torch.float64)
     if head.bias is not None:
         target = torch.cat([target, head.bias.data.to(torch.float64)[:, None]], 1)
-    solution = torch.linalg.lstsq(A, target).solution  # k_0 × k (and the bias column)
+    Q, R = torch.linalg.qr(A)  # least squares by QR: the same bits every time (LAPACK's gelsy is not)
+    solution = torch.linalg.solve_triangular(R, Q.T @ target, upper=True)  # k_0 × k (and the bias column)
+    del Q, R
     width = reader.shape[1]
     mixer = nn.Linear(
         width, A.shape[1], bias=head.bias is not None, dtype=head.weight.dtype, device=head.weight.device

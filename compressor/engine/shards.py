@@ -25,6 +25,11 @@ from compressor.engine.checkpoint import write_atomic
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
     torch.float32: "F32",
     torch.float16: "F16",
     torch.bfloat16: "BF16",
@@ -39,11 +44,12 @@ INDEX_SUFFIX = ".index.json"
 
 
 def _header(tensors: Mapping[str, torch.Tensor], names: list[str], metadata: Mapping[str, str]) -> tuple[bytes, dict]:
-    """The safetensors header of a file holding `names` in that order, and each name's byte range
-    after it. The length is padded with spaces to a multiple of 8, as safetensors writes it."""
+    """The safetensors header of a file holding `names`, and each name's byte range after it. As
+    safetensors lays them out: the widest dtypes first (each tensor aligned to its element size),
+    the header padded with spaces to a multiple of 8."""
     entries: dict[str, dict] = {}
     offset = 0
-    for name in names:
+    for name in sorted(names, key=lambda n: (-tensors[n].element_size(), n)):
         tensor = tensors[name]
         size = tensor.numel() * tensor.element_size()
         entries[name] = {
@@ -95,7 +101,17 @@ class ShardWriter:
         self._pending: set[str] = set()
         self._handles: dict[str, int] = {}
         folder.mkdir(parents=True, exist_ok=True)
+        self._remove_strays(filename_pattern)
         self._open(self._committed())
+
+    def _remove_strays(self, pattern: str) -> None:
+        """Shards and an index of this pattern that this layout does not plan (an earlier run's,
+        with another layout) go, and so does any index: it is written last, by `finish`, so that a
+        reader of the folder never takes an old index for this model's."""
+        stem, _, suffix = pattern.partition("{suffix}")
+        for path in self.folder.glob(f"{stem}*{suffix}*"):
+            if path.name not in self._headers and path.is_file():
+                path.unlink()
 
     def _committed(self) -> set[str]:
         if self.progress is None or not self.progress.is_file():
@@ -160,11 +176,13 @@ class ShardWriter:
 
     def finish(self) -> None:
         """Every planned tensor written: the index (when sharded) is written last, and the shards closed."""
-        self.commit()
-        missing = self.missing()
-        if missing:
-            raise ValueError(f"{len(missing)} planned tensor(s) were never written, e.g. '{missing[0]}'")
-        self.close()
+        try:
+            self.commit()
+            missing = self.missing()
+            if missing:
+                raise ValueError(f"{len(missing)} planned tensor(s) were never written, e.g. '{missing[0]}'")
+        finally:
+            self.close()
         if self.index_name is not None:
             index = {
                 "metadata": {"total_size": self.total_size},

@@ -78,8 +78,8 @@ class PruneResult:
     bases: Mapping[str, torch.Tensor]
     """Each site's kept directions V_s (d × k_s, float64, on the host), keyed by site id (a walk
     that writes as it goes leaves them in the checkpoint's files: `OnDisk`)."""
-    readers: dict[str, torch.Tensor] | None = None
-    """With `correct_readers`: each site's reader map R_s (d × k_s, float64, host)."""
+    readers: Mapping[str, torch.Tensor] | None = None
+    """With `correct_readers`: each site's reader map R_s (d × k_s, float64, host; on disk like the bases)."""
     resumed_from: str | None = None
     """The first site this call chose after loading finished sites from a checkpoint."""
     loaded_sites: int = 0
@@ -132,7 +132,9 @@ class _Walk:
         self.shared = set(shared)
         self.copies = dict(copies or {})
         """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
-        self.readers: dict[str, torch.Tensor] = {}
+        self.readers: dict[str, torch.Tensor] | OnDisk = (
+            OnDisk() if bases_on_disk and checkpoint is not None and checkpoint.writable else {}
+        )
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
         self.records: list[SiteRecord] = []
@@ -140,7 +142,9 @@ class _Walk:
             OnDisk() if bases_on_disk and checkpoint is not None and checkpoint.writable else {}
         )
         """Every basis so far: in memory, or (`bases_on_disk`, with a checkpoint this process
-        writes) left in the checkpoint's site files and read when asked."""
+        writes) left in the checkpoint's site files and read when asked; a data-parallel rank that
+        writes no checkpoint then keeps only the bases a later site copies. Readers alike."""
+        self.drop_bases = bases_on_disk and not isinstance(self.bases, OnDisk)
         self.resumed_from: str | None = None
 
     def advance(
@@ -202,8 +206,10 @@ class _Walk:
             self.pending = basis = saved.to(self.device)
             reader = basis
             if self.correct_readers:
-                self.readers[site] = entry.reader
-                reader = entry.reader.to(self.device)
+                saved_reader = entry.reader
+                assert saved_reader is not None
+                self._keep(site, saved_reader, entry.path, "reader")
+                reader = saved_reader.to(self.device)
             return basis, reader
         assert moment is not None
         if self.saved and self.resumed_from is None:
@@ -231,7 +237,6 @@ class _Walk:
                 "error_basis": prediction_error(C, basis, basis),
                 "error_reader": prediction_error(C, basis, reader),
             }
-            self.readers[site] = reader.to("cpu")
         self.records.append(record)
         path = None
         if self.checkpoint is not None:
@@ -240,14 +245,18 @@ class _Walk:
             )
         faults.reached(f"site:{site}")
         self._keep(site, basis, path)
+        if self.correct_readers:
+            self._keep(site, reader, path, "reader")
         self.pending = basis
         return basis, reader
 
-    def _keep(self, site: str, basis: torch.Tensor, path: Path | None) -> None:
-        if isinstance(self.bases, OnDisk) and path is not None:
-            self.bases.places[site] = (path, "basis")
-        else:
-            self.bases[site] = basis.to("cpu")
+    def _keep(self, site: str, tensor: torch.Tensor, path: Path | None, key: str = "basis") -> None:
+        """Keep the site's basis (or reader map): its place in the checkpoint, or the tensor."""
+        kept = self.bases if key == "basis" else self.readers
+        if isinstance(kept, OnDisk) and path is not None:
+            kept.places[site] = (path, key)
+        elif not self.drop_bases or site in self.copies.values():
+            kept[site] = tensor.to("cpu")
 
 
 @dataclass

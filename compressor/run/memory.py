@@ -140,12 +140,14 @@ class PlanSettings:
     layer (no lm-eval tasks, no throughput: nothing needs the original whole)."""
 
     @classmethod
-    def of(cls, recipe: Recipe) -> PlanSettings:
+    def of(cls, recipe: Recipe, save_model: bool = True) -> PlanSettings:
         spec = recipe.distillation
         return cls(
             dtype=recipe.model.dtype,
             load="stream" if recipe.model.load == "stream" else "memory",
-            writes=writes_as_it_goes(recipe, one_basis=False),  # the layout's part: `memory_plan`
+            writes=writes_as_it_goes(
+                recipe, one_basis=False, save_model=save_model
+            ),  # the layout's part: `memory_plan`
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
@@ -162,16 +164,22 @@ class PlanSettings:
         )
 
 
-def writes_as_it_goes(recipe: Recipe, one_basis: bool) -> bool:
+def writes_as_it_goes(recipe: Recipe, one_basis: bool, save_model: bool = True) -> bool:
     """A streamed run writes the sliced model as its walk goes, each layer leaving memory when it is
-    written, when nothing after the walk changes the model whole: no refinement, MLP stage or
-    distillation, and a per-site layout (a global one becomes the stock class when it is saved)."""
+    written, when it saves the model (a sweep's `save_models`) and nothing after the walk needs it
+    whole: no refinement, MLP stage or distillation, a per-site layout (a global one becomes the
+    stock class when it is saved), and no evaluation beyond the layer-by-layer one (lm-eval tasks
+    and throughput run both models whole)."""
+    from compressor.run.layerwise_eval import evaluates_layer_by_layer
+
     return (
-        recipe.model.load == "stream"
+        save_model
+        and recipe.model.load == "stream"
         and recipe.refinement is None
         and recipe.mlp is None
         and recipe.distillation is None
         and not one_basis
+        and (recipe.evaluation is None or evaluates_layer_by_layer(recipe))
     )
 
 
@@ -530,17 +538,19 @@ def check_memory(plan: MemoryPlan, machine: Machine) -> None:
         raise UserError(refusal)
 
 
-def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device) -> MemoryPlan:
+def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_model: bool = True) -> MemoryPlan:
     """The plan of a checked recipe (`run.checks.Plan`): H counted when the pipeline or the
-    allocator needs it."""
+    allocator needs it; `save_model=False` (a sweep's runs by default) keeps the walked layers."""
     from compressor.engine.pooling import required_statistics
 
     needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
-    settings = dataclasses.replace(PlanSettings.of(recipe), split_choice=checked.chooses_split)
+    settings = dataclasses.replace(PlanSettings.of(recipe, save_model), split_choice=checked.chooses_split)
     return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", process_rss())
 
 
-def resolved_load(recipe: Recipe, checked: Any, device: torch.device, machine: Machine) -> tuple[Recipe, str | None]:
+def resolved_load(
+    recipe: Recipe, checked: Any, device: torch.device, machine: Machine, save_model: bool = True
+) -> tuple[Recipe, str | None]:
     """`model.load: auto` decided by the plan: memory where the run fits this machine so, stream
     where only streaming fits; the recipe with that choice, and a line saying it (None otherwise)."""
     from compressor.validation import replaced
@@ -548,7 +558,7 @@ def resolved_load(recipe: Recipe, checked: Any, device: torch.device, machine: M
     if recipe.model.load != "auto":
         return recipe, None
     in_memory = replaced(recipe, model=replaced(recipe.model, load="memory"))
-    if run_memory_plan(in_memory, checked, device).refusal(machine) is None:
+    if run_memory_plan(in_memory, checked, device, save_model).refusal(machine) is None:
         return in_memory, "model.load: auto chose memory (the whole model fits this machine)"
     streamed = replaced(recipe, model=replaced(recipe.model, load="stream"))
     return streamed, "model.load: auto chose stream (the plan with the whole model in memory does not fit this machine)"

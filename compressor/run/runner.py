@@ -151,11 +151,11 @@ def run(
         )
     ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
     machine = machine_memory(device)
-    recipe, chosen = resolved_load(recipe, checked, device, machine)
+    recipe, chosen = resolved_load(recipe, checked, device, machine, save_model)
     if chosen is not None and warn is not None:
         warn(chosen)
     if memory_check:  # before anything is written: a run that cannot fit stops in its first second
-        check_memory(run_memory_plan(recipe, checked, device), machine)
+        check_memory(run_memory_plan(recipe, checked, device, save_model), machine)
     if ranks.world > 1:
         if recipe.refinement is not None:
             raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
@@ -520,7 +520,7 @@ class _Stages:
         """How that diagonal was found, for the report: diagonal, symmetric (rotated), refined."""
         self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
-        self.writes = save_model and writes_as_it_goes(recipe, self.one_basis)
+        self.writes = writes_as_it_goes(recipe, self.one_basis, save_model)
         """The walk writes model/ as it goes (a streamed run with nothing after the walk that
         changes the model whole); the pruned model's layers are then read back from there."""
         self.timings: dict[str, float] = {}

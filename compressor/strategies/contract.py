@@ -31,7 +31,8 @@ class SiteStatistics:
     E[g gᵀ] of the output KL's gradient), present when a strategy in the pipeline `requires`
     them. Where sites share one basis (`slicing.shared_bases`, `slicing.layout: global`), the
     problem is pooled: C and H are sums over its member sites (each divided by its trace under
-    global trace pooling), and `SiteProblem.name` is the first member's.
+    global trace pooling), and `SiteProblem.name` is the first member's. Read them, never change
+    them in place: the engine reads the same tensors after the strategy (clone one to edit it).
     """
 
     C: torch.Tensor

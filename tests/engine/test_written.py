@@ -80,6 +80,11 @@ def test_a_writer_resumes_only_what_was_committed_and_refuses_what_was_not_plann
     third.finish()
     read = _folder_tensors(tmp_path / "out")
     assert all(torch.equal(read[k], v) for k, v in changed.items())
+    # a layout that fits one file: the sharded layout's files and index go, none is read by mistake
+    whole = ShardWriter(tmp_path / "out", changed, progress=progress)
+    whole.write(changed)
+    whole.finish()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
 
 
 def _walk(model, name: str, strategy, tie: bool, checkpoint: Checkpoint | None = None, **options):
@@ -102,11 +107,15 @@ def _started(folder: Path) -> Checkpoint:
 
 
 @pytest.mark.parametrize(
-    ("name", "strategy", "tie", "stream"),
-    [("llama", PCA(), False, True), ("llama", Sensitivity(), True, False), ("qwen3", Sensitivity(), False, True)],
+    ("name", "strategy", "tie", "stream", "readers"),
+    [
+        ("llama", PCA(), False, True, False),
+        ("llama", Sensitivity(), True, True, False),  # a tied head's fit, least squares: the same bits
+        ("qwen3", Sensitivity(), False, False, True),
+    ],
 )
 def test_a_walk_that_writes_as_it_goes_writes_what_save_pretrained_writes(
-    tmp_path: Path, name: str, strategy, tie: bool, stream: bool
+    tmp_path: Path, name: str, strategy, tie: bool, stream: bool, readers: bool
 ) -> None:
     family = family_for(name)
     original = tmp_path / "original"
@@ -117,12 +126,19 @@ def test_a_walk_that_writes_as_it_goes_writes_what_save_pretrained_writes(
             return streamed_model(original, family, torch.float32, attn_implementation="eager")
         return AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32, attn_implementation="eager")
 
-    expected = _walk(load(), name, strategy, tie)
+    expected = _walk(load(), name, strategy, tie, correct_readers=readers)
     expected.model.save_pretrained(tmp_path / "saved")
     model = load()
     written = tmp_path / "written"
     result = _walk(
-        model, name, strategy, tie, _started(tmp_path / "checkpoint"), write_to=written, max_shard_size="20KB"
+        model,
+        name,
+        strategy,
+        tie,
+        _started(tmp_path / "checkpoint"),
+        write_to=written,
+        max_shard_size="20KB",
+        correct_readers=readers,
     )
     layers = model.get_submodule(family.layers)
     assert all(p.is_meta for p in layers.parameters())  # every layer left memory once written
@@ -134,6 +150,9 @@ def test_a_walk_that_writes_as_it_goes_writes_what_save_pretrained_writes(
     # bases and H stay in the checkpoint's files, read when asked, equal to the walk in memory's
     assert isinstance(result.bases, OnDisk)
     assert all(torch.equal(result.bases[site], basis) for site, basis in expected.bases.items())
+    if readers:
+        assert isinstance(result.readers, OnDisk)
+        assert all(torch.equal(result.readers[site], reader) for site, reader in expected.readers.items())
     if isinstance(strategy, Sensitivity):
         assert isinstance(result.fisher, OnDisk)
         assert all(torch.equal(result.fisher[site], h) for site, h in expected.fisher.items())

@@ -175,3 +175,28 @@ def test_auto_streams_only_where_the_whole_model_does_not_fit(
     assert chosen.model.load == "stream" and line is not None and "chose stream" in line
     fixed = load_recipe(path, registry, ["model.load=memory"], None)
     assert memory.resolved_load(fixed, checked, cpu, Machine(1, None, "cpu")) == (fixed, None)
+
+
+@pytest.mark.parametrize(
+    ("changes", "writes"),
+    [
+        ({"evaluation": None}, True),
+        ({"evaluation__throughput": True}, False),  # both models whole for throughput: the walk keeps its layers
+        ({"evaluation": None, "refinement": {}}, False),
+    ],
+)
+def test_the_plan_writes_as_it_goes_where_the_run_does(
+    tiny_checkpoint: Path, tmp_path: Path, changes: dict, writes: bool
+) -> None:
+    from compressor.recipe.schema import load_recipe
+    from compressor.run import memory
+    from compressor.run.checks import plan
+    from compressor.strategies.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, model__load="stream", **changes), registry, [], None)
+    checked, cpu = plan(recipe, registry), torch.device("cpu")
+    for save_model in (True, False):  # a sweep's runs save no model by default: they keep the layers
+        walk = _phases(memory.run_memory_plan(recipe, checked, cpu, save_model))["walk"]
+        assert ("each written" in walk.name) == (writes and save_model)
+        assert memory.writes_as_it_goes(recipe, checked.layout.one_basis, save_model) == (writes and save_model)

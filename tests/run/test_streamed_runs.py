@@ -79,6 +79,14 @@ def test_a_run_killed_in_memory_resumes_streamed_to_the_same_model(
     assert not [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
 
 
+def test_a_streamed_run_that_measures_throughput_keeps_its_layers_to_run_the_models_whole(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    output = _run(tmp_path, tiny_checkpoint, "throughput", "stream", evaluation__throughput=True)
+    report = json.loads((output / "report.json").read_text())
+    assert report["loading"]["written_as_it_goes"] is False and report["speed"] is not None
+
+
 @pytest.mark.parametrize(("kill", "committed"), [("writing:1", 1), ("written:0", 1)])
 def test_a_streamed_run_killed_while_writing_resumes_to_the_same_model(
     recipe: Path,  # noqa: F811
