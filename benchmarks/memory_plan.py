@@ -166,7 +166,9 @@ def main() -> None:
         "--model-path, e.g. a --config-folder folder), as `--dry-run` prints it on that machine",
     )
     parser.add_argument("--model-path", help="with --recipe: the model folder whose config is planned for")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --recipe: as `compress run --set`")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="with --recipe: as `compress run --set`"
+    )
     args = parser.parse_args()
     if args.recipe is not None:
         recipe_plan(args.recipe, args.model_path, args.set)
