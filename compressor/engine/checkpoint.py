@@ -81,15 +81,12 @@ class OnDisk(Mapping[str, torch.Tensor]):
         return len(self.places)
 
     def meta(self, key: str) -> torch.Tensor:
-        """A meta tensor of the stored shape and dtype (nothing read but the header)."""
+        """A meta tensor of the stored shape and dtype (nothing read but the header and no rows)."""
         path, name = self.places[key]
         with safe_open(str(path), framework="pt") as handle:
             stored = handle.get_slice(name)
-            shape, dtype = stored.get_shape(), stored.get_dtype()
-        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
-
-
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+            shape, dtype = stored.get_shape(), stored[:0].dtype
+        return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def digest(parts: Iterable[bytes]) -> str:

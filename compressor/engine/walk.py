@@ -132,19 +132,16 @@ class _Walk:
         self.shared = set(shared)
         self.copies = dict(copies or {})
         """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
-        self.readers: dict[str, torch.Tensor] | OnDisk = (
-            OnDisk() if bases_on_disk and checkpoint is not None and checkpoint.writable else {}
-        )
+        on_disk = bases_on_disk and checkpoint is not None and checkpoint.writable
+        self.readers: dict[str, torch.Tensor] | OnDisk = OnDisk() if on_disk else {}
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
         self.records: list[SiteRecord] = []
-        self.bases: dict[str, torch.Tensor] | OnDisk = (
-            OnDisk() if bases_on_disk and checkpoint is not None and checkpoint.writable else {}
-        )
+        self.bases: dict[str, torch.Tensor] | OnDisk = OnDisk() if on_disk else {}
         """Every basis so far: in memory, or (`bases_on_disk`, with a checkpoint this process
         writes) left in the checkpoint's site files and read when asked; a data-parallel rank that
         writes no checkpoint then keeps only the bases a later site copies. Readers alike."""
-        self.drop_bases = bases_on_disk and not isinstance(self.bases, OnDisk)
+        self.drop_bases = bases_on_disk and not on_disk
         self.resumed_from: str | None = None
 
     def advance(
@@ -516,7 +513,7 @@ def _estimate_sensitivity(
             check_finite("H", name, value)
         if checkpoint is not None:
             checkpoint.save_fisher(h.values)
-    if on_disk:
+    if on_disk and not h.loaded:  # just checkpointed: read back per site from there
         assert checkpoint is not None
         h.values = checkpoint.fisher_on_disk()
     return h

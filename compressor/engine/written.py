@@ -49,9 +49,9 @@ class WrittenModel:
         writes: bool = True,
     ) -> None:
         self.folder, self.family, self.slicing = folder, family, slicing
-        self.shell = sliced_shell(model, family, slicing)
+        shell = sliced_shell(model, family, slicing)
         self.writer = (
-            ShardWriter(folder, saved_tensors(self.shell), progress=progress, max_shard_size=max_shard_size)
+            ShardWriter(folder, saved_tensors(shell), progress=progress, max_shard_size=max_shard_size)
             if writes
             else None
         )

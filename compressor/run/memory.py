@@ -116,8 +116,9 @@ class PlanSettings:
     load: str = "memory"
     """model.load: memory, or stream (the layer-by-layer passes hold the layers they visit)."""
     writes: bool = False
-    """A streamed walk writes the sliced model as it goes (`writes_as_it_goes`): each layer leaves
-    memory once written, and the bases and H are read from the checkpoint when needed."""
+    """A streamed walk writes the sliced model as it goes (`writes_as_it_goes`, decided by
+    `run_memory_plan`): each layer leaves memory once written, and the bases and H are read from
+    the checkpoint when needed."""
     attn_implementation: str = "sdpa"
     samples: int = 128
     seq_len: int = 2048
@@ -140,14 +141,11 @@ class PlanSettings:
     layer (no lm-eval tasks, no throughput: nothing needs the original whole)."""
 
     @classmethod
-    def of(cls, recipe: Recipe, save_model: bool = True) -> PlanSettings:
+    def of(cls, recipe: Recipe) -> PlanSettings:
         spec = recipe.distillation
         return cls(
             dtype=recipe.model.dtype,
             load="stream" if recipe.model.load == "stream" else "memory",
-            writes=writes_as_it_goes(
-                recipe, one_basis=False, save_model=save_model
-            ),  # the layout's part: `memory_plan`
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
@@ -397,7 +395,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
     smaller_batch = "a smaller calibration.batch_size (or seq_len)"
     disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
     streaming = settings.load == "stream"
-    writes = streaming and settings.writes and not layout.one_basis
+    writes = streaming and settings.writes
     if not streaming:
         disk += ", model.load: stream"
     # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
@@ -413,9 +411,8 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         if writes
         else walked + store + positions + totals + bases
     )
-    pruned_resident = min(
-        resident, pruned_weights
-    )  # a written model's parts outside its layers (at most the original's)
+    # a written model's parts outside its layers (at most the original's)
+    pruned_resident = min(resident, pruned_weights)
 
     def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
         """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
@@ -502,15 +499,13 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         streams = 2 * windows * tokens * d * item  # both models' final streams, on the host
         logits = 3 * per_batch * tokens * vocab * 4  # one batch's logits and log-probabilities, float32
         pruned_held = pruned_resident if writes else pruned_weights  # written: its layers read back one at a time
+        streamed_models = "both models streamed" if writes else "the original streamed"
+        # on the device: the pruned model (or its resident part), one layer, one batch
         phases.append(
             phase(
-                "evaluation (layer by layer, both models streamed)"
-                if writes
-                else "evaluation (layer by layer, the original streamed)",
+                f"evaluation (layer by layer, {streamed_models})",
                 resident + pruned_held + streams,
-                pruned_held
-                + measured["layer"]
-                + logits,  # the pruned model (or its resident part), one layer, one batch
+                pruned_held + measured["layer"] + logits,
                 "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
             )
         )
@@ -544,7 +539,11 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     from compressor.engine.pooling import required_statistics
 
     needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
-    settings = dataclasses.replace(PlanSettings.of(recipe, save_model), split_choice=checked.chooses_split)
+    settings = dataclasses.replace(
+        PlanSettings.of(recipe),
+        split_choice=checked.chooses_split,
+        writes=writes_as_it_goes(recipe, checked.layout.one_basis, save_model),
+    )
     return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", process_rss())
 
 
