@@ -141,7 +141,10 @@ def recipe_plan(path: Path, model_path: str | None, overrides: list[str]) -> Non
         table.add_column(column)
     for phase in memory.phases:
         table.add_row(phase.name, f"{phase.host / GiB:.1f}", f"{(phase.device or 0) / GiB:.1f}")
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    for note in memory.notes:
+        console.print(note)
 
 
 def main() -> None:

@@ -265,7 +265,8 @@ def run_tasks(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> dict[str, dict[str, float | int | None]]:
-    """Evaluate `model` (already on `device`) on the spec's tasks; `{task: {metric: value}}`.
+    """Evaluate `model` (already on `device`, or placed by accelerate with `device` its first) on the
+    spec's tasks; `{task: {metric: value}}`.
     `progress(phase, done, total)` hears the suite's tasks being prepared, then its requests
     being answered (per request type, as batches finish)."""
     from lm_eval import simple_evaluate
@@ -281,6 +282,8 @@ def run_tasks(
         wrapper = HFLM(
             pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size, device=str(device)
         )
+        if getattr(model, "hf_device_map", None):  # placed by accelerate: its first device, not a weight's
+            wrapper._device = device
         _watch_requests(wrapper, report, what)
         limit = spec.limit if spec.limit is None or spec.limit < 1 else int(spec.limit)
         try:

@@ -39,6 +39,7 @@ DistillationMethod = Literal["lora", "full"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
 Schedule = Literal["cosine", "linear", "constant", "constant_with_warmup", "inverse_sqrt"]
 TeacherPlacement = Literal["model", "cached"]
+DeviceMap = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 DTYPES = get_args(Dtype)
 FORMATS = get_args(Format)
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
@@ -55,8 +56,8 @@ class ModelSpec:
     load: ModelLoad = "memory"
     """memory: the whole model in host memory; stream: a shell whose decoder layers are read from the
     safetensors shards when a layer-by-layer pass reaches them (capture, H, survey, walk, MLP stage),
-    the result bit-identical. Whole-model stages (refinement, distillation's teacher, evaluation,
-    measuring splits) still load the original in memory. auto: memory where the memory plan fits this
+    the result bit-identical. Whole-model stages (refinement, distillation's teacher, throughput,
+    lm-eval unless `evaluation.device_map`, measuring splits) still load the original in memory. auto: memory where the memory plan fits this
     machine so, else stream."""
 
 
@@ -95,6 +96,14 @@ class EvaluationSpec(DataSpec):
     lm_eval: list[LmEvalSpec] | None = None
     throughput: StrictBool = True
     """Measure prefill and decode tokens/s of both models (batch 1 and 8) for the report."""
+    device_map: DeviceMap | None = None
+    """lm-eval tasks on each model placed by accelerate's `device_map` (what lm-eval's
+    `parallelize=True` does): over the GPUs, then host memory, then disk (the run's staging
+    folder), one model at a time, for models one device cannot hold; perplexity and KL then run
+    layer by layer. None: each model whole on the run's device."""
+    max_memory: dict[StrictStr, StrictStr | StrictInt] | None = None
+    """With device_map: the most each device may hold, accelerate's `max_memory` ({"0": "70GiB",
+    "1": "70GiB", "cpu": "100GiB"}); None: what each has free when the model is placed."""
 
 
 @options(frozen=True, config=FORBID)
@@ -539,7 +548,38 @@ def check_evaluation(spec: EvaluationSpec, where: str, base: Path) -> Evaluation
                 f"lm-eval task '{twice[0]}' is named twice in {where}.lm_eval; its scores share one key "
                 f"in the report, so name each task once"
             )
+    check_placement(spec, where)
     return spec
+
+
+def check_placement(spec: EvaluationSpec, where: str) -> None:
+    """`device_map` and `max_memory` make sense together, and without whole-model throughput."""
+    if spec.max_memory is not None and spec.device_map is None:
+        raise UserError(f"{where}.max_memory applies to models placed by accelerate: set {where}.device_map: auto")
+    if spec.device_map is not None and spec.throughput:
+        raise UserError(
+            f"{where}.throughput measures both models whole on the run's device, which {where}.device_map "
+            f"is for avoiding: set {where}.throughput: false"
+        )
+    for key, value in (spec.max_memory or {}).items():
+        if key not in ("cpu", "disk") and not key.isdigit():
+            raise UserError(f'{where}.max_memory: \'{key}\' is not a device; use GPU numbers ("0", "1"), cpu or disk')
+        try:
+            memory_bytes(value)
+        except ValueError:
+            raise UserError(
+                f"{where}.max_memory.{key}: '{value}' is not a size; give bytes or a size such as 70GiB"
+            ) from None
+
+
+def memory_bytes(value: str | int) -> int:
+    """A size as accelerate reads it ("70GiB", "500MB", bytes)."""
+    from accelerate.utils import convert_file_size_to_int
+
+    count = convert_file_size_to_int(value)
+    if count < 0:
+        raise ValueError(value)
+    return count
 
 
 def check_allocation(spec: AllocationSpec, round_to: int) -> None:

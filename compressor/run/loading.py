@@ -50,10 +50,11 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
     )
 
 
-def load_model(spec: ModelSpec) -> PreTrainedModel:
+def load_model(spec: ModelSpec, placement: dict[str, Any] | None = None) -> PreTrainedModel:
     """The model `spec` names; a run folder's model only from safetensors (nothing in a run
     folder is ever unpickled). `model.load: stream` gives a shell whose layers are read when a
-    pass reaches them (`engine.streaming`)."""
+    pass reaches them (`engine.streaming`). `placement`: accelerate's `device_map`, `max_memory`
+    and `offload_folder`, handed to `from_pretrained` (the model spread over GPUs, host and disk)."""
     if spec.load == "stream":  # `auto` is decided by the run's memory plan; anywhere else it means memory
         return _streamed(spec)
     from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
@@ -67,6 +68,7 @@ def load_model(spec: ModelSpec) -> PreTrainedModel:
             attn_implementation=spec.attn_implementation,
             trust_remote_code=spec.trust_remote_code,
             **({"use_safetensors": True} if from_run else {}),
+            **(placement or {}),
         ),
     ).eval()
 

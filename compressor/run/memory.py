@@ -69,6 +69,8 @@ class MemoryPlan:
     """The process before any weight is loaded (interpreter, libraries), counted in every host figure."""
     streamed: bool = False
     """The layers are read from their shards when needed: the weights need not fit the host."""
+    notes: tuple[str, ...] = ()
+    """What the plan leaves to others to fit (accelerate's placement), said after the phases."""
 
     def peak_host(self) -> Phase:
         return max(self.phases, key=lambda phase: phase.host)
@@ -83,7 +85,7 @@ class MemoryPlan:
             f"{phase.name}: host {size(phase.host)}"
             + ("" if phase.device is None else f", device {size(phase.device)}")
             for phase in self.phases
-        ]
+        ] + list(self.notes)
 
     def refusal(self, machine: Machine) -> str | None:
         """One line naming the phase that does not fit and what to change; None when all fit."""
@@ -137,8 +139,11 @@ class PlanSettings:
     """(method, teacher placement), or None."""
     evaluation: bool = True
     evaluation_layerwise: tuple[int, int, int] | None = None
-    """(windows, tokens per window, windows per batch) where a streamed run evaluates layer by
-    layer (no lm-eval tasks, no throughput: nothing needs the original whole)."""
+    """(windows, tokens per window, windows per batch) where a run evaluates layer by layer
+    (`layerwise_eval.evaluates_layer_by_layer`: nothing needs the original whole on the device)."""
+    evaluation_placed: bool = False
+    """lm-eval runs each model placed by accelerate (`evaluation.device_map`) within what the
+    devices and the host have free, the rest on disk."""
 
     @classmethod
     def of(cls, recipe: Recipe) -> PlanSettings:
@@ -159,6 +164,9 @@ class PlanSettings:
             distillation=(spec.method, spec.teacher) if spec is not None else None,
             evaluation=recipe.evaluation is not None,
             evaluation_layerwise=_layerwise_evaluation(recipe),
+            evaluation_placed=recipe.evaluation is not None
+            and recipe.evaluation.device_map is not None
+            and bool(recipe.evaluation.lm_eval),
         )
 
 
@@ -166,8 +174,8 @@ def writes_as_it_goes(recipe: Recipe, one_basis: bool, save_model: bool = True) 
     """A streamed run writes the sliced model as its walk goes, each layer leaving memory when it is
     written, when it saves the model (a sweep's `save_models`) and nothing after the walk needs it
     whole: no refinement, MLP stage or distillation, a per-site layout (a global one becomes the
-    stock class when it is saved), and no evaluation beyond the layer-by-layer one (lm-eval tasks
-    and throughput run both models whole)."""
+    stock class when it is saved), and no evaluation beyond the layer-by-layer one (throughput, and
+    lm-eval tasks unless accelerate places their models, run both models whole)."""
     from compressor.run.layerwise_eval import evaluates_layer_by_layer
 
     return (
@@ -494,21 +502,29 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 whole_model=True,
             )
         )
-    if settings.evaluation and streaming and settings.evaluation_layerwise is not None:
+    notes: list[str] = []
+    if settings.evaluation and settings.evaluation_layerwise is not None:
         windows, tokens, per_batch = settings.evaluation_layerwise
         streams = 2 * windows * tokens * d * item  # both models' final streams, on the host
         logits = 3 * per_batch * tokens * vocab * 4  # one batch's logits and log-probabilities, float32
         pruned_held = pruned_resident if writes else pruned_weights  # written: its layers read back one at a time
-        streamed_models = "both models streamed" if writes else "the original streamed"
-        # on the device: the pruned model (or its resident part), one layer, one batch
+        streamed_models = (
+            "both models streamed" if writes else "the original streamed" if streaming else "the original in memory"
+        )
+        # on the device: the pruned model (or its resident part; on CPU the host's copy), one layer, one batch
         phases.append(
             phase(
                 f"evaluation (layer by layer, {streamed_models})",
-                resident + pruned_held + streams,
-                pruned_held + measured["layer"] + logits,
+                held + pruned_held + streams,
+                (pruned_held if accelerator else 0) + measured["layer"] + logits,
                 "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
             )
         )
+        if settings.evaluation_placed:
+            notes.append(
+                f"lm-eval: each model alone, placed by accelerate over the devices, then host memory (what "
+                f"each has free), then disk in the output's staging folder (at most {size(weights)})"
+            )
     elif settings.evaluation:
         phases.append(
             phase(
@@ -523,7 +539,7 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
         f"{config.model_type}, {layers} layers, hidden {d}, MLP {f or '-'}, vocabulary {vocab}, "
         f"{params / 1e9:.2f}B parameters ({weights / GiB:.1f} GiB in {settings.dtype})"
     )
-    return MemoryPlan(tuple(phases), weights, shape, base, streaming)
+    return MemoryPlan(tuple(phases), weights, shape, base, streaming, tuple(notes))
 
 
 def check_memory(plan: MemoryPlan, machine: Machine) -> None:

@@ -91,6 +91,8 @@ class Figures(_Section):
     """KL(reference ‖ this model), nats per token (the pruned side only)."""
     tasks: dict[str, dict[str, Any]] | None = None
     """lm-eval scores, `{task: {metric: value}}`."""
+    placement: dict[str, int] | None = None
+    """Where accelerate placed the model lm-eval ran (`evaluation.device_map`): weight bytes per device."""
 
 
 class Tokens(_Section):

@@ -50,10 +50,10 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, mlp_neurons, with_mlp_width
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
-from compressor.recipe.schema import MlpSpec, Recipe
+from compressor.recipe.schema import LmEvalSpec, MlpSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
-from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare
+from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
 from compressor.run.loading import Resources, heldout_batches, resolve_device
 from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
 from compressor.run.report import write_markdown
@@ -95,6 +95,7 @@ from compressor.run.staging import (
     staging_folder,
 )
 from compressor.strategies.registry import PluginRegistry
+from compressor.validation import replaced
 
 if TYPE_CHECKING:  # the distillation stack is imported only by a run that distils
     from compressor.training.distill import DistillationData, DistillationRecord
@@ -520,6 +521,7 @@ class _Stages:
         """How that diagonal was found, for the report: diagonal, symmetric (rotated), refined."""
         self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
+        self.save_model = save_model
         self.writes = writes_as_it_goes(recipe, self.one_basis, save_model)
         """The walk writes model/ as it goes (a streamed run with nothing after the walk that
         changes the model whole); the pruned model's layers are then read back from there."""
@@ -912,11 +914,13 @@ class _Stages:
 
     def evaluate(self) -> None:
         """ "evaluating": perplexity, KL and lm-eval suites of both models; the unrefined model's KL;
-        throughput."""
+        throughput. lm-eval on models placed by accelerate (`evaluation.device_map`) comes after the
+        rest, each model loaded from its folder alone."""
         recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
         assert evaluation is not None and recipe.evaluation is not None
         self.progress("evaluating", 0, len(evaluation))
-        suites = recipe.evaluation.lm_eval
+        placed = recipe.evaluation.device_map is not None
+        suites = None if placed else recipe.evaluation.lm_eval
         if evaluates_layer_by_layer(recipe) and self.original is None and self.unrefined is None:
             self.metrics = layerwise_compare(
                 resources.model(recipe.model),
@@ -928,7 +932,15 @@ class _Stages:
             )
             if self.undistilled is not None:
                 self.metrics["undistilled"] = self.undistilled
-            return
+        else:
+            self._evaluate_whole(suites)
+        if placed and recipe.evaluation.lm_eval:
+            self._placed_tasks()
+
+    def _evaluate_whole(self, suites: list[LmEvalSpec] | None) -> None:
+        """Both models whole on the run's device: perplexity, KL, lm-eval `suites`, throughput."""
+        recipe, device, evaluation, resources = self.recipe, self.device, self.evaluation, self.resources
+        assert evaluation is not None and recipe.evaluation is not None
         original = (self.original if self.original is not None else resources.whole_model(recipe.model)).to(device)
         self.original = None
         tasks_key = baseline_tasks_key(suites or [], self.fingerprint["model"], recipe, self.tokenizer, device)
@@ -957,6 +969,45 @@ class _Stages:
             self.speed = compare_speed(original, self.pruned, device, **settings)
         self.metrics = metrics
         del original
+
+    def _placed_tasks(self) -> None:
+        """lm-eval on each model in turn, placed by accelerate over the GPUs, host memory and disk
+        (offloaded weights in the staging folder, removed after each model): the original from its
+        folder, the pruned model from the saved `model/` (or a copy saved for it when the run
+        saves no model)."""
+        recipe, staging = self.recipe, self.staging
+        spec = recipe.evaluation
+        assert spec is not None and spec.lm_eval
+        key = baseline_tasks_key(spec.lm_eval, self.fingerprint["model"], recipe, self.tokenizer, self.device)
+        offload = staging / "offload"
+        baseline, placement = self.resources.baseline_tasks(key), None
+        if baseline is None:
+            baseline, placement = placed_task_scores(
+                recipe.model,
+                spec,
+                self.tokenizer,
+                recipe.seed,
+                offload,
+                lambda phase, done, total: self.progress(f"lm-eval, original model (placed): {phase}", done, total),
+            )
+            self.resources.keep_baseline_tasks(key, baseline)
+        self.metrics.setdefault("baseline", {}).update(tasks=baseline, placement=placement)
+        folder = staging / ("model" if self.save_model else "lm-eval-model")
+        if not self.save_model:
+            self.pruned.save_pretrained(folder)
+        try:
+            scores, placement = placed_task_scores(
+                replaced(recipe.model, path=str(folder), revision=None),
+                spec,
+                self.tokenizer,
+                recipe.seed,
+                offload,
+                lambda phase, done, total: self.progress(f"lm-eval, pruned model (placed): {phase}", done, total),
+            )
+        finally:
+            if not self.save_model:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.metrics["pruned"].update(tasks=scores, placement=placement)
 
     def write_report(self) -> RunReport:
         """report.json, report.md, the recipe as run, and the distillation curve's plot."""

@@ -200,3 +200,38 @@ def test_the_plan_writes_as_it_goes_where_the_run_does(
         walk = _phases(memory.run_memory_plan(recipe, checked, cpu, save_model))["walk"]
         assert ("each written" in walk.name) == (writes and save_model)
         assert memory.writes_as_it_goes(recipe, checked.layout.one_basis, save_model) == (writes and save_model)
+
+
+@pytest.mark.parametrize("load", ["stream", "memory"])
+def test_lm_eval_on_placed_models_is_planned_as_a_note_and_the_rest_layer_by_layer(
+    tiny_checkpoint: Path, tmp_path: Path, load: str
+) -> None:
+    from compressor.recipe.schema import load_recipe
+    from compressor.run import memory
+    from compressor.run.checks import plan
+    from compressor.strategies.registry import PluginRegistry
+    from tests.evaluation.test_lm_eval import _write_task
+
+    _write_task(tmp_path / "tasks")
+    registry = PluginRegistry()
+    suite = {"tasks": ["tasks/tiny_choice.yaml"]}
+    placed_path = write_recipe(
+        tmp_path, tiny_checkpoint, model__load=load, evaluation__lm_eval=suite, evaluation__device_map="auto"
+    )
+    placed = load_recipe(placed_path, registry, [], None)
+    whole = load_recipe(placed_path, registry, ["evaluation.device_map=null"], None)
+    checked, cpu = plan(placed, registry), torch.device("cpu")
+    plans = {name: memory.run_memory_plan(r, checked, cpu) for name, r in (("placed", placed), ("whole", whole))}
+    evaluation = {name: _phases(p)["evaluation"] for name, p in plans.items()}
+    assert evaluation["placed"].name.startswith("evaluation (layer by layer")
+    assert evaluation["whole"].name == "evaluation (both models on the device)"
+    assert any("placed by accelerate" in note for note in plans["placed"].notes) and not plans["whole"].notes
+    assert plans["placed"].notes[-1] in plans["placed"].lines()
+    # the walk writes as it goes where it streams: lm-eval reads the written model/ from disk
+    assert ("each written" in _phases(plans["placed"])["walk"].name) == (load == "stream")
+    assert "each written" not in _phases(plans["whole"])["walk"].name
+    if load == "memory":  # the original whole on the host; on CPU the pruned model counted once
+        on_gpu = _phases(memory.run_memory_plan(placed, checked, torch.device("cuda")))["evaluation"]
+        assert evaluation["placed"].host - plans["placed"].base > plans["placed"].weights
+        assert on_gpu.device is not None and on_gpu.device > 0
+        assert evaluation["placed"].host < on_gpu.host + on_gpu.device
