@@ -483,10 +483,11 @@ def _estimate_sensitivity(
 ) -> _Sensitivity:
     """ "estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
     else computed on the fused, unsliced model (and checkpointed). `on_disk`: once checkpointed,
-    each site's H is read from there when asked, not held (a walk that writes as it goes)."""
+    each site's H is read from there when asked, not held (a walk that writes as it goes); a
+    data-parallel rank above 0 reads it from rank 0's file once rank 0 has written it."""
     model, family, device, checkpoint, report = run.model, run.family, run.device, run.checkpoint, run.report
     h = _Sensitivity(device)
-    on_disk = on_disk and checkpoint is not None and checkpoint.writable
+    on_disk = on_disk and checkpoint is not None
     if checkpoint is not None:
         h.values = checkpoint.fisher_on_disk() if on_disk else checkpoint.load_fisher()
     h.loaded = h.values is not None
@@ -513,9 +514,11 @@ def _estimate_sensitivity(
             check_finite("H", name, value)
         if checkpoint is not None:
             checkpoint.save_fisher(h.values)
-    if on_disk and not h.loaded:  # just checkpointed: read back per site from there
+    if on_disk and not h.loaded:  # just checkpointed (by rank 0): read back per site from there
         assert checkpoint is not None
-        h.values = checkpoint.fisher_on_disk()
+        run.ranks.barrier()  # every rank's H is the same sum; rank 0's file is whole once it is here
+        saved = checkpoint.fisher_on_disk()
+        h.values = saved if saved is not None else h.values
     return h
 
 

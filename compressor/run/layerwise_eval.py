@@ -119,6 +119,7 @@ def placed_task_scores(
     """lm-eval scores of the model `spec` names, placed by accelerate, and where its weights went
     (`placed_bytes`); its offloaded weights are removed when it is done."""
     assert evaluation.lm_eval
+    shutil.rmtree(offload, ignore_errors=True)  # what a killed run left there
     model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload))
     try:
         placement = placed_bytes(model)

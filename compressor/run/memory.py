@@ -445,7 +445,13 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
             "walk (one layer at a time, each written when sliced)" if writes else "walk (one layer at a time)",
             walk_host,
             measured["walk"],
-            f"{disk}, or {smaller_batch}",
+            f"{disk}, or {smaller_batch}"
+            + (
+                ", or a walk that writes each sliced layer as it goes (a per_site layout, no refinement, mlp "
+                "or distillation, evaluation.throughput: false)"
+                if streaming and not writes
+                else ""
+            ),
         )
     )
     if settings.mlp_feedback is not None and f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -194,3 +195,34 @@ def test_a_walk_killed_while_writing_writes_only_uncommitted_layers_again(tmp_pa
     assert second.written_before == 2 and second.loaded_sites == len(first.sites)
     again = _folder_tensors(written)
     assert not [key for key, value in expected.items() if not torch.equal(again[key], value)]
+
+
+def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path: Path) -> None:
+    """A data-parallel rank above 0 (its checkpoint not writable) reads each site's H from rank 0's
+    file, as rank 0 does, instead of holding every site's H."""
+    from compressor.engine.parallel import Ranks
+    from compressor.engine.walk import _estimate_sensitivity, _Prune
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    H = {"layers.0.attn": torch.randn(8, 8, dtype=torch.float64), "embedding": torch.eye(8, dtype=torch.float64)}
+    Checkpoint(folder).save_fisher(H)
+
+    def sensitivity(on_disk: bool):
+        run = _Prune(
+            model=None,  # H comes from the checkpoint: the model is never run
+            layout=SimpleNamespace(family=None),
+            device=torch.device("cpu"),
+            report=lambda *_: None,
+            ranks=Ranks(1, 2),
+            checkpoint=Checkpoint(folder, writable=False),
+            tie_head=False,
+            correct_readers=False,
+        )
+        return _estimate_sensitivity(run, None, None, None, 0, None, on_disk=on_disk)
+
+    kept, held = sensitivity(True), sensitivity(False)
+    assert isinstance(kept.values, OnDisk) and not isinstance(held.values, OnDisk)
+    assert kept.loaded and kept.source == "checkpoint"
+    for site, value in H.items():
+        assert torch.equal(kept.at(site), value) and torch.equal(held.at(site), value)

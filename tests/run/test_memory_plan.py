@@ -145,6 +145,9 @@ def test_a_written_walk_holds_one_layer_one_h_and_two_bases_and_its_weights_need
         + (sites - 2) * basis_bytes
     )
     assert kept_layers["capture"].host == written["capture"].host  # the passes before the walk do not change
+    # a streamed walk that keeps its layers is told what would write them as it goes
+    assert "writes each sliced layer as it goes" in kept_layers["walk"].fix
+    assert "writes each sliced layer" not in written["walk"].fix
     machine = Machine(host=int(written_plan.weights * 0.9), device=None, device_name="cpu")
     refusal = memory_plan(PlanSettings(**{**base.__dict__, "writes": True, "samples": 4096}), layout, True, True)
     line = refusal.refusal(machine)
