@@ -243,6 +243,7 @@ def _watch_requests(wrapper: Any, report: Progress, what: str, seconds: float = 
             counter.phase, counter.done, counter.total = f"{what}: {kind} requests", 0, len(requests)
             counter.last = time.perf_counter()
             report(counter.phase, 0, counter.total)
+            kwargs.setdefault("disable_tqdm", True)  # HF's bars pass disable= themselves, past TQDM_DISABLE
             answers = method(requests, *args, **kwargs)
             report(counter.phase, counter.total, counter.total)
             return answers

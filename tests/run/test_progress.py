@@ -158,7 +158,7 @@ def test_refinement_reports_every_step() -> None:
 
 
 def test_lm_eval_reports_its_tasks_and_each_answered_request(
-    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """A local multiple-choice task: 6 documents of 2 choices are 12 loglikelihood requests, answered
     in batches of 4; the bar hears the task prepared, then the requests counted up to 12."""
@@ -191,6 +191,7 @@ def test_lm_eval_reports_its_tasks_and_each_answered_request(
     assert requests[0] == (0, total) and requests[-1] == (total, total)
     assert [done for done, _ in requests] == sorted(done for done, _ in requests)
     assert any(0 < done < total for done, _ in requests)  # counted as batches finish, not only at the end
+    assert "Running loglikelihood requests" not in capsys.readouterr().err  # ours is the only bar
 
 
 def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: Path) -> None:
