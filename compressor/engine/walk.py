@@ -49,12 +49,13 @@ from compressor.engine.pooling import (
     required_statistics,
 )
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.written import WrittenModel
+from compressor.engine.written import StockTarget, WrittenModel
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, check_widths
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.sliced import SlicedDecoderLayer
+from compressor.models.stock import head_stream
 from compressor.recipe.sensitivity_options import SensitivityOptions
 
 
@@ -102,6 +103,9 @@ class PruneResult:
     sweep's runs share, reported apart from the prune time."""
     written_before: int = 0
     """`write_to`: layers a killed walk had written there, found committed and not written again."""
+    stock: dict[str, Any] | None = None
+    """`write_to` with one basis: the stock conversion's record (`models.stock.stock_record`), the
+    model having been written as the original class."""
     walked: Pooled | None = None
     """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
     (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
@@ -306,7 +310,9 @@ class WalkOptions:
     write_to: Path | None = None
     """Write the sliced model there as the walk goes (`engine.written`): each layer when finished,
     then dropped from memory, the bases left in the checkpoint's files; the returned model's
-    layers are read back from that folder when a pass needs them."""
+    layers are read back from that folder when a pass needs them. With one basis (the global
+    layout) the model is written as the original class (`models.stock`; a tied head by the
+    diagonal fit: the symmetric fit rotates every layer after the walk, so it is not written so)."""
     max_shard_size: int | str = "50GB"
     """The written model's shards, split as `save_pretrained` splits them."""
 
@@ -418,8 +424,17 @@ def prune(
     walk = walked.walk
     if output is not None:
         assert output.slicing == slicing, "the written shards were laid out for another slicing"
+    if output is not None:
+        stream = (
+            head_stream(walked.head_moment, walk.bases[EMBEDDING])
+            if output.stock is not None and output.stock.tie
+            else None
+        )
+        pruned = output.finish(model, stream)
+    else:
+        pruned = as_sliced_model(model, family, slicing)
     return PruneResult(
-        model=as_sliced_model(model, family, slicing) if output is None else output.finish(model),
+        model=pruned,
         sites=walk.records,
         slicing=slicing,
         bases=walk.bases,
@@ -435,6 +450,7 @@ def prune(
         head_moment=walked.head_moment,
         fisher_seconds=h.seconds,
         written_before=output.written_before if output is not None else 0,
+        stock=output.record if output is not None else None,
         walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None,
     )
 
@@ -665,6 +681,7 @@ def _output(run: _Prune, widths: Mapping[str, int], options: WalkOptions) -> Wri
         progress=checkpoint.written_record if checkpoint is not None else None,
         max_shard_size=options.max_shard_size,
         writes=run.ranks.rank == 0,
+        stock=StockTarget(run.layout.config, run.layout.tie_head) if run.one_basis else None,
     )
 
 

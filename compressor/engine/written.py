@@ -8,28 +8,44 @@ norm and the head, which stay resident, are written at the end, then the config,
 With a checkpoint, what was written is recorded there: a killed walk replays its finished sites
 (forward only) and writes only the layers not yet committed. The walk returns the sliced model as
 a streamed model over the written folder (`engine.streaming`), so evaluation reads it layer by layer.
+
+A walk with one basis (the global layout) is written as the original class at the kept width
+(`models.stock`): each layer as the sliced walk leaves it, with its norms' stock weights; the
+embedding, the final norm (a tied head's diagonal fitted on the final stream, `stock.tied_scale`)
+and the head at the end, as `stock.save_stock` writes them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from compressor import faults
 from compressor.engine.bases import as_sliced_model, sliced_shell
 from compressor.engine.shards import ShardWriter
-from compressor.engine.streaming import attach_streamed
+from compressor.engine.streaming import attach_streamed, streamed_model
 from compressor.models.families import ModelFamily
+from compressor.models.stock import stock_layer_norms, stock_model_config, stock_record, stock_shell, stock_state
 
 
 def saved_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """What `save_pretrained` writes of `model`: its state, a tied weight once (under its first name)."""
     unique = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     return {name: tensor for name, tensor in model.state_dict().items() if name in unique}
+
+
+@dataclass(frozen=True)
+class StockTarget:
+    """Write the walk's model as the original class (`models.stock`): the original's config, and
+    whether the head stays tied (its final norm's diagonal fitted when the walk ends)."""
+
+    original: PretrainedConfig
+    tie: bool
 
 
 class WrittenModel:
@@ -47,9 +63,16 @@ class WrittenModel:
         progress: Path | None = None,
         max_shard_size: int | str = "50GB",
         writes: bool = True,
+        stock: StockTarget | None = None,
     ) -> None:
-        self.folder, self.family, self.slicing = folder, family, slicing
+        self.folder, self.family, self.slicing, self.stock = folder, family, slicing, stock
+        self.dtype = model.get_submodule(family.embedding).weight.dtype
         shell = sliced_shell(model, family, slicing)
+        self.stock_config = None if stock is None else stock_model_config(shell, family, stock.original, stock.tie)
+        if self.stock_config is not None:
+            shell = stock_shell(self.stock_config).to(self.dtype)
+        self.record: dict[str, Any] | None = None
+        """The stock conversion's record (`stock.stock_record`), once `finish` has written it."""
         self.writer = (
             ShardWriter(folder, saved_tensors(shell), progress=progress, max_shard_size=max_shard_size)
             if writes
@@ -69,6 +92,9 @@ class WrittenModel:
             assert self.writer is not None
             prefix = self._prefix(index)
             state = {prefix + name: tensor for name, tensor in layer.state_dict().items()}
+            if self.stock is not None:
+                d, k = self.slicing["hidden_size"], self.slicing["embedding"]
+                state.update(stock_layer_norms(self.family, index, d, k, self.dtype))
             self.writer.write({name: state[name] for name in missing})
             faults.reached(f"writing:{index}")  # its bytes in the shard, not yet committed
             self.writer.commit()
@@ -82,11 +108,14 @@ class WrittenModel:
         prefix = self._prefix(index)
         return self.writer.missing(name for name in self.writer.planned if name.startswith(prefix))
 
-    def finish(self, model: PreTrainedModel) -> PreTrainedModel:
+    def finish(self, model: PreTrainedModel, stream: torch.Tensor | None = None) -> PreTrainedModel:
         """Write what is left (embedding, final norm, head), the config and the index; return the
-        sliced model, its layers streamed from the written shards."""
+        model, its layers streamed from the written shards. `stream`: the final stream's second
+        moment in kept coordinates, which a stock tied head's diagonal is fitted on."""
         sliced = as_sliced_model(model, self.family, self.slicing)
-        if self.writer is not None:
+        if self.writer is None:
+            return sliced
+        if self.stock is None or self.stock_config is None:
             state = sliced.state_dict()
             self.writer.write({name: state[name] for name in self.writer.missing()})
             self.writer.finish()
@@ -94,4 +123,14 @@ class WrittenModel:
             if sliced.can_generate():
                 sliced.generation_config.save_pretrained(self.folder)
             attach_streamed(sliced, self.folder, self.family, sliced.dtype)
-        return sliced
+            return sliced
+        state, record = stock_state(sliced, self.family, self.stock.tie, stream)
+        self.writer.write({name: state[name] for name in self.writer.missing()})
+        self.writer.finish()
+        self.record = stock_record(record, self.stock_config, self.family)
+        shell = stock_shell(self.stock_config).to(self.dtype)
+        shell.config.save_pretrained(self.folder)
+        if shell.can_generate():
+            sliced.generation_config.save_pretrained(self.folder)
+        attention = model.config._attn_implementation
+        return streamed_model(self.folder, self.family, self.dtype, attn_implementation=attention)

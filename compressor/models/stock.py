@@ -212,15 +212,20 @@ def stock_state(
             },
         )
         del state[head_key]
-    norms = [
-        f"{family.layers}.{i}.{name}.weight"
-        for i in range(len(slicing["attn"]))
-        for name in (family.attn_norm, family.mlp_norm)
-    ]
-    for key in norms:
-        state[key] = torch.full((k,), norm_scale - family.norm_offset, dtype=torch.float64).to(dtype)
+    for index in range(len(slicing["attn"])):
+        state.update(stock_layer_norms(family, index, d, k, dtype))
     state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
     return state, record
+
+
+def stock_layer_norms(family: ModelFamily, index: int, d: int, k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer `index`'s norm weights in the stock model: √(d/k) (the sliced model's norms divide by
+    d, the stock class's by k); the rest of a sliced layer's tensors are the stock layer's as they are."""
+    value = math.sqrt(d / k) - family.norm_offset
+    return {
+        f"{family.layers}.{index}.{name}.weight": torch.full((k,), value, dtype=torch.float64).to(dtype)
+        for name in (family.attn_norm, family.mlp_norm)
+    }
 
 
 def save_stock(
@@ -235,12 +240,9 @@ def save_stock(
     """Write the stock checkpoint of a sliced model with one basis into `folder` (config.json,
     generation config, safetensors), after proving that the original's class takes its state dict
     whole; return the conversion's record. `original` is the unpruned model's config."""
-    k = sliced.config.slicing["embedding"]
-    config = stock_config(original, family, k, tie)
-    config.architectures = list(original.architectures or [type(sliced).__name__.removeprefix("Sliced")])
+    config = stock_model_config(sliced, family, original, tie)
     state, record = stock_state(sliced, family, tie, stream, scale)
-    with torch.device("meta"):
-        stock = AutoModelForCausalLM.from_config(config)
+    stock = stock_shell(config)
     missing, unexpected = stock.load_state_dict(state, strict=False, assign=True)
     tied_away = {f"{family.head}.weight"} if tie else set()
     if set(missing) - tied_away or unexpected:
@@ -252,9 +254,29 @@ def save_stock(
         stock.tie_weights()
     stock.generation_config = sliced.generation_config
     stock.save_pretrained(folder)
+    return stock_record(record, config, family)
+
+
+def stock_model_config(
+    sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, tie: bool
+) -> PretrainedConfig:
+    """The config the stock model of a one-basis sliced model is saved with."""
+    config = stock_config(original, family, sliced.config.slicing["embedding"], tie)
+    config.architectures = list(original.architectures or [type(sliced).__name__.removeprefix("Sliced")])
+    return config
+
+
+def stock_shell(config: PretrainedConfig) -> PreTrainedModel:
+    """The stock class for `config` on the meta device: what its checkpoint holds, without memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def stock_record(record: dict[str, Any], config: PretrainedConfig, family: ModelFamily) -> dict[str, Any]:
+    """The report's record of a stock conversion: `stock_state`'s, the width and the changed config keys."""
     return {
         **record,
-        "hidden_size": k,
+        "hidden_size": config.hidden_size,
         "config": {key: getattr(config, key) for key in STOCK_KEYS}
         | {family.norm_eps: getattr(config, family.norm_eps)},
     }

@@ -170,21 +170,23 @@ class PlanSettings:
         )
 
 
-def writes_as_it_goes(recipe: Recipe, one_basis: bool, save_model: bool = True) -> bool:
-    """A streamed run writes the sliced model as its walk goes, each layer leaving memory when it is
-    written, when it saves the model (a sweep's `save_models`) and nothing after the walk needs it
-    whole: no refinement, MLP stage or distillation, a per-site layout (a global one becomes the
-    stock class when it is saved), and no evaluation beyond the layer-by-layer one (throughput, and
-    lm-eval tasks unless accelerate places their models, run both models whole)."""
+def writes_as_it_goes(recipe: Recipe, layout: Any, save_model: bool = True) -> bool:
+    """A streamed run writes the pruned model as its walk goes, each layer leaving memory when it is
+    written, when it saves the model (a sweep's `save_models`) and nothing after the walk changes it
+    whole: no refinement, MLP stage or distillation, no symmetric fit of a global layout's tied head
+    (it rotates every layer after the walk; `slicing.tied_fit: diagonal` is written as it goes), and
+    no evaluation beyond the layer-by-layer one (throughput, and lm-eval tasks unless accelerate
+    places their models, run both models whole). `layout`: the run's `SlicedLayout`."""
     from compressor.run.layerwise_eval import evaluates_layer_by_layer
 
+    rotates_head = layout.one_basis and layout.tie_head and recipe.slicing.tied_fit == "symmetric"
     return (
         save_model
         and recipe.model.load == "stream"
         and recipe.refinement is None
         and recipe.mlp is None
         and recipe.distillation is None
-        and not one_basis
+        and not rotates_head
         and (recipe.evaluation is None or evaluates_layer_by_layer(recipe))
     )
 
@@ -447,8 +449,8 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
             measured["walk"],
             f"{disk}, or {smaller_batch}"
             + (
-                ", or a walk that writes each sliced layer as it goes (a per_site layout, no refinement, mlp "
-                "or distillation, evaluation.throughput: false)"
+                ", or a walk that writes each sliced layer as it goes (no refinement, mlp or distillation, "
+                "evaluation.throughput: false; a global tied head: slicing.tied_fit: diagonal)"
                 if streaming and not writes
                 else ""
             ),
@@ -564,7 +566,7 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     settings = dataclasses.replace(
         PlanSettings.of(recipe),
         split_choice=checked.chooses_split,
-        writes=writes_as_it_goes(recipe, checked.layout.one_basis, save_model),
+        writes=writes_as_it_goes(recipe, checked.layout, save_model),
     )
     return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", process_rss())
 

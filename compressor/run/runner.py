@@ -262,7 +262,7 @@ def _follow(
     checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
     layout, config = checked.layout, checked.layout.config
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
-        written = staging_folder(Path(recipe.output)) / "model" if writes_as_it_goes(recipe, layout.one_basis) else None
+        written = staging_folder(Path(recipe.output)) / "model" if writes_as_it_goes(recipe, layout) else None
         result = _prune(
             model,
             recipe,
@@ -522,7 +522,7 @@ class _Stages:
         self.family, self.config = checked.layout.family, checked.layout.config
         self.one_basis = checked.layout.one_basis
         self.save_model = save_model
-        self.writes = writes_as_it_goes(recipe, self.one_basis, save_model)
+        self.writes = writes_as_it_goes(recipe, checked.layout, save_model)
         """The walk writes model/ as it goes (a streamed run with nothing after the walk that
         changes the model whole); the pruned model's layers are then read back from there."""
         self.timings: dict[str, float] = {}
@@ -884,7 +884,9 @@ class _Stages:
         loaded back, so what is evaluated is what users load), the tokenizer and the bases."""
         staging, pruned = self.staging, self.pruned
         self.progress("saving model" if save_model else "saving bases", 0, 1)
-        if self.one_basis and self.distillation is None:
+        if self.writes and self.one_basis:  # the walk wrote the stock model as it went
+            self.stock = self.result.stock
+        elif self.one_basis and self.distillation is None:
             pruned, self.stock = to_stock(
                 pruned,
                 self.family,

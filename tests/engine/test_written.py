@@ -226,3 +226,44 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
     assert kept.loaded and kept.source == "checkpoint"
     for site, value in H.items():
         assert torch.equal(kept.at(site), value) and torch.equal(held.at(site), value)
+
+
+@pytest.mark.parametrize(("name", "tie", "dtype"), [("llama", False, torch.float32), ("gemma", True, torch.bfloat16)])
+def test_a_global_walk_is_written_as_the_stock_model_save_stock_writes(
+    tmp_path: Path, name: str, tie: bool, dtype: torch.dtype
+) -> None:
+    """One basis: the walk writes the original class at the kept width, tensor for tensor and config
+    byte for byte what `stock.to_stock` saves after the walk in memory (Gemma: (1 + w) norms, a
+    scaled embedding and a tied head whose final-norm diagonal is fitted on the final stream)."""
+    from compressor.models.sites import EMBEDDING, site_ids
+    from compressor.models.stock import head_stream, to_stock
+
+    family = family_for(name)
+    original = tmp_path / "original"
+    tiny_model(name, num_hidden_layers=3).to(dtype).save_pretrained(original, max_shard_size="40KB")
+    config = AutoModelForCausalLM.from_pretrained(original).config
+    layout = fixed_layout(config, family, {s: 40 for s in site_ids(family, 3)}, tie_head=tie, layout="global")
+
+    def walk(model, checkpoint: str, **options):
+        batches = random_batches(config.vocab_size, count=2)
+        step = [PipelineStep(PCA(), PCA().parse_options({}))]
+        return prune(model, layout, batches, step, WalkOptions(**options), checkpoint=_started(tmp_path / checkpoint))
+
+    expected = walk(AutoModelForCausalLM.from_pretrained(original, dtype=dtype), "in-memory")
+    stream = head_stream(expected.head_moment, expected.bases[EMBEDDING])
+    _, record = to_stock(expected.model, family, config, tmp_path / "saved", tie=tie, stream=stream)
+    written = tmp_path / "written"
+    result = walk(streamed_model(original, family, dtype), "streamed", write_to=written, max_shard_size="20KB")
+    saved, wrote = _folder_tensors(tmp_path / "saved"), _folder_tensors(written)
+    assert wrote.keys() == saved.keys() and (f"{family.head}.weight" in wrote) is not tie
+    assert not [key for key, value in saved.items() if not torch.equal(wrote[key], value)]
+    assert (written / "config.json").read_text() == (tmp_path / "saved" / "config.json").read_text()
+    assert result.stock == record and record["head"] == ("tied" if tie else "untied")
+    # the returned model is the stock class, its layers read back from the written folder
+    assert type(result.model).__name__ == type(AutoModelForCausalLM.from_pretrained(original)).__name__
+    assert streamed(result.model) is not None
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=dtype)
+    batches = [Batch(torch.randint(0, config.vocab_size, (2, 16)), torch.ones(2, 16, dtype=torch.long))]
+    ours = final_streams(result.model, family, batches, torch.device("cpu"))
+    theirs = final_streams(reloaded, family, batches, torch.device("cpu"))
+    assert torch.equal(ours[0], theirs[0])

@@ -202,7 +202,7 @@ def test_the_plan_writes_as_it_goes_where_the_run_does(
     for save_model in (True, False):  # a sweep's runs save no model by default: they keep the layers
         walk = _phases(memory.run_memory_plan(recipe, checked, cpu, save_model))["walk"]
         assert ("each written" in walk.name) == (writes and save_model)
-        assert memory.writes_as_it_goes(recipe, checked.layout.one_basis, save_model) == (writes and save_model)
+        assert memory.writes_as_it_goes(recipe, checked.layout, save_model) == (writes and save_model)
 
 
 @pytest.mark.parametrize("load", ["stream", "memory"])
@@ -238,3 +238,29 @@ def test_lm_eval_on_placed_models_is_planned_as_a_note_and_the_rest_layer_by_lay
         assert evaluation["placed"].host - plans["placed"].base > plans["placed"].weights
         assert on_gpu.device is not None and on_gpu.device > 0
         assert evaluation["placed"].host < on_gpu.host + on_gpu.device
+
+
+@pytest.mark.parametrize(
+    ("tie_head", "tied_fit", "writes"),
+    [(False, "symmetric", True), (True, "diagonal", True), (True, "symmetric", False)],
+)
+def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_layer_after_it(
+    tiny_checkpoint: Path, tmp_path: Path, tie_head: bool, tied_fit: str, writes: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from compressor.recipe.schema import load_recipe
+    from compressor.run import memory
+    from compressor.strategies.registry import PluginRegistry
+
+    path = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        model__load="stream",
+        evaluation=None,
+        slicing={"layout": "global", "tied_fit": tied_fit},
+    )
+    recipe = load_recipe(path, PluginRegistry(), [], None)
+    layout = SimpleNamespace(one_basis=True, tie_head=tie_head)
+    assert memory.writes_as_it_goes(recipe, layout) is writes
+    assert memory.writes_as_it_goes(recipe, SimpleNamespace(one_basis=False, tie_head=tie_head))  # per site

@@ -54,13 +54,9 @@ def test_a_streamed_run_is_bit_identical_to_the_run_in_memory(
     assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
     assert reports[0]["sites"] == reports[1]["sites"]
     assert reports[0]["metrics"] == reports[1]["metrics"]  # evaluated layer by layer: the same operations
-    # a per-site layout with nothing after the walk is written as the walk goes; a global one is
-    # converted to the stock class when saved, so its walk keeps the layers
-    assert reports[1]["loading"] == {
-        "load": "stream",
-        "written_as_it_goes": name == "pca",
-        "layers_written_before": 0,
-    }
+    # nothing after the walk changes the model: written as the walk goes (a global layout as the stock class)
+    assert reports[1]["loading"] == {"load": "stream", "written_as_it_goes": True, "layers_written_before": 0}
+    assert reports[0]["stock"] == reports[1]["stock"]
     assert reports[0]["loading"]["written_as_it_goes"] is False
     assert main(["eval", str(streamed)]) == 0  # `compress eval` of a streamed run loads whole models
 
@@ -104,6 +100,30 @@ def test_a_streamed_run_killed_while_writing_resumes_to_the_same_model(
     assert loading == {"load": "stream", "written_as_it_goes": True, "layers_written_before": committed}
     produced = tensors(output)  # the run in memory, uninterrupted: the same tensors
     assert not [name for name, value in uninterrupted.items() if not torch.equal(produced[name], value)]
+
+
+def test_a_global_streamed_run_killed_while_writing_resumes_to_the_stock_model_of_the_run_in_memory(
+    recipe: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A global layout's walk writes the original class as it goes (each layer with its stock norm
+    weights, the embedding, final norm and head at the end): killed mid-write, it resumes to the
+    files the run in memory saves through `stock.to_stock`."""
+    in_memory, output = tmp_path / "memory", tmp_path / "run"
+    done = compress(recipe, in_memory, "--set", "slicing.layout=global")
+    assert done.returncode == 0, done.stderr
+    streamed = ("--set", "model.load=stream", "--set", "slicing.layout=global")
+    killed = compress(recipe, output, *streamed, kill="writing:1")
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, output, *streamed)
+    assert resumed.returncode == 0, resumed.stderr
+    reports = [json.loads((run / "report.json").read_text()) for run in (in_memory, output)]
+    assert reports[1]["loading"] == {"load": "stream", "written_as_it_goes": True, "layers_written_before": 1}
+    assert reports[0]["stock"] == reports[1]["stock"] and reports[1]["stock"]["head"] == "untied"
+    expected, produced = tensors(in_memory), tensors(output)
+    assert produced.keys() == expected.keys()
+    assert not [name for name, value in expected.items() if not torch.equal(produced[name], value)]
+    assert (output / "model" / "config.json").read_text() == (in_memory / "model" / "config.json").read_text()
 
 
 def test_a_folder_without_safetensors_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
