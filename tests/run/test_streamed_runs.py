@@ -83,7 +83,10 @@ def test_a_streamed_run_that_measures_throughput_keeps_its_layers_to_run_the_mod
     assert report["loading"]["written_as_it_goes"] is False and report["speed"] is not None
 
 
-@pytest.mark.parametrize(("kill", "committed"), [("writing:1", 1), ("written:0", 1)])
+@pytest.mark.parametrize(
+    ("kill", "committed"),
+    [("writing:1", 1), pytest.param("written:0", 1, marks=pytest.mark.slow)],  # the default suite's time
+)
 def test_a_streamed_run_killed_while_writing_resumes_to_the_same_model(
     recipe: Path,  # noqa: F811
     uninterrupted: dict[str, torch.Tensor],  # noqa: F811
