@@ -2,13 +2,14 @@
 prune, each mode in its own process, on a random model with a real model's layer shape.
 
     python benchmarks/streaming.py [--hidden 4096 --intermediate 14336 --layers 6 --vocab 32000]
-                                   [--dtype bfloat16] [--device cpu]
+                                   [--dtype bfloat16] [--device cpu] [--layout per_site|global]
 
 The model is written once, in bfloat16 safetensors shards, under benchmarks/results/; each mode
 then prunes it (per-site PCA at sparsity 0.25, no H, calibration on random tokens) in a fresh
-process and leaves the pruned model on disk, as a run does:
+process and leaves the pruned model on disk, as a run does (`--layout global`: one basis from
+every site's pooled C, saved as the original class at the kept width, `models.stock`):
 - `memory` loads the whole model with `from_pretrained`, walks it (`engine.prune` keeps every
-  sliced layer) and saves it with `save_pretrained`;
+  sliced layer) and saves it with `save_pretrained` (global: `stock.save_stock`);
 - `stream` builds the shell of `engine.streaming`, reads each layer when the walk reaches it and
   writes it to the output's shards as soon as it is sliced (`WalkOptions.write_to`, with a
   checkpoint as a run has, which also keeps the bases and H on disk).
@@ -94,7 +95,8 @@ def child(args: argparse.Namespace) -> None:
     from compressor.engine.walk import WalkOptions, prune
     from compressor.models.families import family_for
     from compressor.models.layout import fixed_layout, kept_width
-    from compressor.models.sites import site_widths
+    from compressor.models.sites import site_ids, site_widths
+    from compressor.models.stock import save_stock
     from compressor_plugins.pca import PCA
 
     torch.set_num_threads(args.threads)
@@ -108,8 +110,11 @@ def child(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype).eval()
     loaded = time.perf_counter()
     config = model.config
-    widths = site_widths(
-        family, config.num_hidden_layers, config.hidden_size, kept_width(config.hidden_size, 0.25, 8), False
+    kept = kept_width(config.hidden_size, 0.25, 8)
+    widths = (
+        dict.fromkeys(site_ids(family, config.num_hidden_layers), kept)  # one basis: one width everywhere
+        if args.layout == "global"
+        else site_widths(family, config.num_hidden_layers, config.hidden_size, kept, False)
     )
     generator = torch.Generator().manual_seed(0)
     batches = []
@@ -121,11 +126,12 @@ def child(args: argparse.Namespace) -> None:
         checkpoint = Checkpoint(Path(scratch) / "checkpoint")
         checkpoint.start({"benchmark": args.child})
         options = WalkOptions(device=device, write_to=output if args.child == "stream" else None)
-        result = prune(
-            model, fixed_layout(config, family, widths), batches, [PipelineStep(PCA())], options, checkpoint=checkpoint
-        )
+        layout = fixed_layout(config, family, widths, layout=args.layout)
+        result = prune(model, layout, batches, [PipelineStep(PCA())], options, checkpoint=checkpoint)
         pruned = time.perf_counter()
-        if args.child == "memory":
+        if args.child == "memory" and args.layout == "global":
+            save_stock(result.model, family, layout.config, output)
+        elif args.child == "memory":
             result.model.save_pretrained(output)
     done = time.perf_counter()
     source = streamed(model)
@@ -156,6 +162,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", help="the run's dtype (the shards are bfloat16)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layout", choices=["per_site", "global"], default="per_site")
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path)
     parser.add_argument("--child", choices=["memory", "stream"], help=argparse.SUPPRESS)
@@ -173,7 +180,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", mode, "--folder", str(args.folder), "--output", output]
             command += ["--batches", str(args.batches), "--batch-size", str(args.batch_size)]
             command += ["--seq-len", str(args.seq_len), "--threads", str(args.threads)]
-            command += ["--dtype", args.dtype, "--device", args.device]
+            command += ["--dtype", args.dtype, "--device", args.device, "--layout", args.layout]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"the {mode} child failed:\n{done.stderr[-3000:]}")
@@ -185,7 +192,8 @@ def main() -> None:
     identical = rows[0]["digest"] == rows[1]["digest"]
     goal = 0.25 * weight_bytes + 1.5e9
     table = Table(
-        title=f"prune and save of a random Llama {args.hidden}×{args.layers} layers ({weight_bytes / 2**30:.2f} GiB "
+        title=f"prune and save ({args.layout}) of a random Llama {args.hidden}×{args.layers} layers "
+        f"({weight_bytes / 2**30:.2f} GiB "
         f"bf16 on disk, {args.dtype} in the run, {args.device}), bit-identical: {identical}; goal: streamed peak "
         f"RSS ≤ 0.25 × weights + 1.5 GB = {goal / 2**30:.2f} GiB, wall ≤ 1.2 × memory"
     )
