@@ -129,6 +129,8 @@ class WrittenModel:
         self.writer.finish()
         self.record = stock_record(record, self.stock_config, self.family)
         shell = stock_shell(self.stock_config).to(self.dtype)
+        shell.config.dtype = str(self.dtype).removeprefix("torch.")  # what `save_pretrained` records of
+        shell.config.architectures = [type(shell).__name__]  # the model it saves, whatever the config said
         shell.config.save_pretrained(self.folder)
         if shell.can_generate():
             sliced.generation_config.save_pretrained(self.folder)

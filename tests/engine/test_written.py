@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint, OnDisk
@@ -228,9 +228,12 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
         assert torch.equal(kept.at(site), value) and torch.equal(held.at(site), value)
 
 
-@pytest.mark.parametrize(("name", "tie", "dtype"), [("llama", False, torch.float32), ("gemma", True, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("name", "tie", "stored", "dtype"),
+    [("llama", False, torch.bfloat16, torch.float32), ("gemma", True, torch.bfloat16, torch.bfloat16)],
+)
 def test_a_global_walk_is_written_as_the_stock_model_save_stock_writes(
-    tmp_path: Path, name: str, tie: bool, dtype: torch.dtype
+    tmp_path: Path, name: str, tie: bool, stored: torch.dtype, dtype: torch.dtype
 ) -> None:
     """One basis: the walk writes the original class at the kept width, tensor for tensor and config
     byte for byte what `stock.to_stock` saves after the walk in memory (Gemma: (1 + w) norms, a
@@ -240,8 +243,8 @@ def test_a_global_walk_is_written_as_the_stock_model_save_stock_writes(
 
     family = family_for(name)
     original = tmp_path / "original"
-    tiny_model(name, num_hidden_layers=3).to(dtype).save_pretrained(original, max_shard_size="40KB")
-    config = AutoModelForCausalLM.from_pretrained(original).config
+    tiny_model(name, num_hidden_layers=3).to(stored).save_pretrained(original, max_shard_size="40KB")
+    config = AutoConfig.from_pretrained(original)  # as a run plans: the folder's config (its dtype, stored's)
     layout = fixed_layout(config, family, {s: 40 for s in site_ids(family, 3)}, tie_head=tie, layout="global")
 
     def walk(model, checkpoint: str, **options):
