@@ -100,10 +100,11 @@ class EvaluationSpec(DataSpec):
     """lm-eval tasks on each model placed by accelerate's `device_map` (what lm-eval's
     `parallelize=True` does): over the GPUs, then host memory, then disk (the run's staging
     folder), one model at a time, for models one device cannot hold; perplexity and KL then run
-    layer by layer. None: each model whole on the run's device."""
-    max_memory: dict[StrictStr, StrictStr | StrictInt] | None = None
-    """With device_map: the most each device may hold, accelerate's `max_memory` ({"0": "70GiB",
-    "1": "70GiB", "cpu": "100GiB"}); None: what each has free when the model is placed."""
+    layer by layer (unless refinement or distillation ran). None: each model whole on the run's device."""
+    max_memory: dict[StrictStr | StrictInt, StrictStr | StrictInt] | None = None
+    """With device_map: the most each device may hold, accelerate's `max_memory` ({0: 70GiB,
+    1: 70GiB, cpu: 100GiB}); None: what each has free when the model is placed. A run on the CPU
+    (`device: cpu`) places its models on the host and disk only."""
 
 
 @options(frozen=True, config=FORBID)
@@ -562,8 +563,13 @@ def check_placement(spec: EvaluationSpec, where: str) -> None:
             f"is for avoiding: set {where}.throughput: false"
         )
     for key, value in (spec.max_memory or {}).items():
-        if key not in ("cpu", "disk") and not key.isdigit():
-            raise UserError(f'{where}.max_memory: \'{key}\' is not a device; use GPU numbers ("0", "1"), cpu or disk')
+        if str(key) not in ("cpu", "disk") and not str(key).isdigit():
+            raise UserError(f"{where}.max_memory: '{key}' is not a device; use GPU numbers (0, 1), cpu or disk")
+        if isinstance(value, str) and value.rstrip().endswith("b"):
+            raise UserError(
+                f"{where}.max_memory.{key}: '{value}' would be read as bits (accelerate reads a lowercase b so); "
+                f"write bytes: GB or GiB"
+            )
         try:
             memory_bytes(value)
         except ValueError:

@@ -39,9 +39,11 @@ from compressor.validation import replaced
 def evaluates_layer_by_layer(recipe: Recipe) -> bool:
     """Perplexity and KL run layer by layer, the original never whole on the device: in a streamed
     run unless lm-eval tasks or throughput need both models whole, and wherever lm-eval's models
-    are placed by accelerate (`evaluation.device_map`, which rules out throughput)."""
+    are placed by accelerate (`evaluation.device_map`, which rules out throughput). Not after
+    refinement or distillation: those stages hold the original whole already (the refined model
+    is evaluated beside the unrefined one, the teacher is reused)."""
     spec = recipe.evaluation
-    if spec is None or spec.throughput:
+    if spec is None or spec.throughput or recipe.refinement is not None or recipe.distillation is not None:
         return False
     return spec.device_map is not None or (recipe.model.load == "stream" and not spec.lm_eval)
 
@@ -74,10 +76,15 @@ def layerwise_compare(
     return tally.result(True)
 
 
-def placement_options(spec: EvaluationSpec, offload: Path) -> dict[str, Any]:
-    """`from_pretrained`'s accelerate arguments for `evaluation.device_map` (GPU numbers as integers)."""
-    limits = spec.max_memory
-    max_memory = None if limits is None else {int(k) if k.isdigit() else k: v for k, v in limits.items()}
+def placement_options(spec: EvaluationSpec, offload: Path, device: torch.device) -> dict[str, Any]:
+    """`from_pretrained`'s accelerate arguments for `evaluation.device_map` (GPU numbers as
+    integers); a run on the CPU keeps its models off any GPU (host memory, then disk)."""
+    from accelerate.utils import get_max_memory
+
+    limits: dict[Any, Any] | None = spec.max_memory
+    if device.type == "cpu":
+        limits = {k: v for k, v in (limits or get_max_memory()).items() if str(k) in ("cpu", "disk")}
+    max_memory = None if limits is None else {int(k) if str(k).isdigit() else k: v for k, v in limits.items()}
     return {"device_map": spec.device_map, "max_memory": max_memory, "offload_folder": str(offload)}
 
 
@@ -114,13 +121,14 @@ def placed_task_scores(
     tokenizer: Any,
     seed: int,
     offload: Path,
+    device: torch.device,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """lm-eval scores of the model `spec` names, placed by accelerate, and where its weights went
     (`placed_bytes`); its offloaded weights are removed when it is done."""
     assert evaluation.lm_eval
     shutil.rmtree(offload, ignore_errors=True)  # what a killed run left there
-    model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload))
+    model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload, device))
     try:
         placement = placed_bytes(model)
         scores = task_scores(model, tokenizer, evaluation.lm_eval, execution_device(model), seed, progress)

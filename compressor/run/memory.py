@@ -442,11 +442,15 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 f"a smaller sensitivity.chunk (now {chunk}), {disk}",
             )
         )
+    # one basis: the survey's pooled C and H and the walked model's stay on the device through the
+    # walk, the final stream's C (for the head) on the host
+    pools = 4 * d * d * 8 if layout.one_basis else 0
+    head_moment = d * d * 8 if layout.one_basis else 0
     phases.append(
         phase(
             "walk (one layer at a time, each written when sliced)" if writes else "walk (one layer at a time)",
-            walk_host,
-            measured["walk"],
+            walk_host + head_moment,
+            measured["walk"] + pools,
             f"{disk}, or {smaller_batch}"
             + (
                 ", or a walk that writes each sliced layer as it goes (no refinement, mlp or distillation, "

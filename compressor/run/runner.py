@@ -937,6 +937,10 @@ class _Stages:
         else:
             self._evaluate_whole(suites)
         if placed and recipe.evaluation.lm_eval:
+            if not self.writes:  # the device's memory is accelerate's to place the models in
+                self.pruned.to("cpu")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             self._placed_tasks()
 
     def _evaluate_whole(self, suites: list[LmEvalSpec] | None) -> None:
@@ -981,7 +985,7 @@ class _Stages:
         spec = recipe.evaluation
         assert spec is not None and spec.lm_eval
         key = baseline_tasks_key(spec.lm_eval, self.fingerprint["model"], recipe, self.tokenizer, self.device)
-        offload = staging / "offload"
+        offload = staging / SCRATCH_FOLDER / "offload"  # cleared at a run's start and at publishing
         baseline, placement = self.resources.baseline_tasks(key), None
         if baseline is None:
             baseline, placement = placed_task_scores(
@@ -990,11 +994,12 @@ class _Stages:
                 self.tokenizer,
                 recipe.seed,
                 offload,
+                self.device,
                 lambda phase, done, total: self.progress(f"lm-eval, original model (placed): {phase}", done, total),
             )
             self.resources.keep_baseline_tasks(key, baseline)
         self.metrics.setdefault("baseline", {}).update(tasks=baseline, placement=placement)
-        folder = staging / ("model" if self.save_model else "lm-eval-model")
+        folder = staging / "model" if self.save_model else staging / SCRATCH_FOLDER / "lm-eval-model"
         if not self.save_model:
             self.pruned.save_pretrained(folder)
         try:
@@ -1004,6 +1009,7 @@ class _Stages:
                 self.tokenizer,
                 recipe.seed,
                 offload,
+                self.device,
                 lambda phase, done, total: self.progress(f"lm-eval, pruned model (placed): {phase}", done, total),
             )
         finally:

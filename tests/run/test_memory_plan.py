@@ -264,3 +264,20 @@ def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_laye
     layout = SimpleNamespace(one_basis=True, tie_head=tie_head)
     assert memory.writes_as_it_goes(recipe, layout) is writes
     assert memory.writes_as_it_goes(recipe, SimpleNamespace(one_basis=False, tie_head=tie_head))  # per site
+
+
+def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_the_host() -> None:
+    from compressor.models.layout import sliced_layout
+    from compressor.run.memory import measure_device
+
+    config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
+    family = family_for("llama")
+    d = config.hidden_size
+    settings = PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4)
+    for layout, extra in (
+        (sliced_layout(config, family, [family], sparsity=0.25), 0),
+        (sliced_layout(config, family, [family], sparsity=0.25, layout="global"), 4 * d * d * 8),
+    ):
+        walk = _phases(memory_plan(settings, layout, True, True))["walk"]
+        measured = measure_device(config, family, torch.float32, 4, 32, layout.kept, "sdpa", True)
+        assert walk.device == measured["walk"] + extra

@@ -48,7 +48,8 @@ def test_tasks_on_placed_models_score_as_on_whole_models(tiny_checkpoint: Path, 
         f"placed-{load}",
         model__load=load,
         evaluation__device_map="auto",
-        evaluation__max_memory={"cpu": "1KiB"},  # nothing fits the host: every weight offloaded to disk
+        # nothing fits the host: every weight offloaded to disk (a GPU's share is dropped on a CPU run)
+        evaluation__max_memory={0: "1GiB", "cpu": "1KiB"},
     )
     reports = [json.loads((run / "report.json").read_text())["metrics"] for run in (whole, placed)]
     for side in ("baseline", "pruned"):
@@ -80,6 +81,10 @@ def test_tasks_on_placed_models_score_as_on_whole_models(tiny_checkpoint: Path, 
             "evaluation.max_memory.0: 'lots' is not a size",
         ),
         ({"evaluation__device_map": "everywhere"}, "evaluation.device_map"),
+        (
+            {"evaluation__device_map": "auto", "evaluation__max_memory": {"cpu": "70gb"}},
+            "'70gb' would be read as bits",
+        ),
     ],
 )
 def test_bad_placement_is_one_line(
