@@ -69,7 +69,13 @@ def main() -> None:
         checked.layout,
         calibration,
         checked.pipeline,
-        WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, pooling=recipe.slicing.pooling),
+        WalkOptions(
+            device=device,
+            sensitivity=recipe.sensitivity,
+            seed=recipe.seed,
+            pooling=recipe.slicing.pooling,
+            pool_walked=True,
+        ),
     )
     walk_s = time.perf_counter() - tick
     assert result.walked is not None

@@ -107,8 +107,9 @@ class PruneResult:
     """`write_to` with one basis: the stock conversion's record (`models.stock.stock_record`), the
     model having been written as the original class."""
     walked: Pooled | None = None
-    """Global layout, a walk that loaded no site: every site's C as the sliced model makes it
-    (SliceGPT's statistics: earlier sites sliced), pooled like the survey's, H as given."""
+    """Global layout with `WalkOptions.pool_walked`, a walk that loaded no site: every site's C as
+    the sliced model makes it (SliceGPT's statistics: earlier sites sliced), pooled like the
+    survey's, H as given."""
 
 
 class _Walk:
@@ -315,6 +316,10 @@ class WalkOptions:
     diagonal fit: the symmetric fit rotates every layer after the walk, so it is not written so)."""
     max_shard_size: int | str = "50GB"
     """The written model's shards, split as `save_pretrained` splits them."""
+    pool_walked: bool = False
+    """Global layout: pool every site's C (and H) as the sliced model makes them, for
+    `PruneResult.walked` (SliceGPT's statistics, `benchmarks/global_statistics.py`); off, the walk
+    holds no d × d sums beyond the site it is on."""
 
 
 @torch.no_grad()
@@ -417,7 +422,9 @@ def prune(
             inputs = capture_layer_inputs(model, family, local, device, store)
         chooser = SiteChooser(pipeline, ids, h.values, report)
         output = _output(run, widths, options)
-        walked = _walk_sites(run, inputs, h, chooser, widths, saved, survey, options.pooling, output)
+        walked = _walk_sites(
+            run, inputs, h, chooser, widths, saved, survey, options.pooling, output, options.pool_walked
+        )
     finally:
         store.close()
     slicing = _attach_head(run, widths, walked.reader)
@@ -602,6 +609,7 @@ def _walk_sites(
     survey: _Survey,
     pooling: str,
     output: WrittenModel | None = None,
+    pool_walked: bool = False,
 ) -> _Walked:
     """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
     (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
@@ -633,8 +641,10 @@ def _walk_sites(
     basis, previous = walk.settle(
         EMBEDDING, first, (lambda: last) if last else None, survey.pool.pooled if survey.pool is not None else None
     )
+    survey.pool, survey.last, last = None, [], []  # chosen: the d × d sums are not held through the walk
     head_moment: torch.Tensor | None = None
-    walked = GlobalPool(pooling) if one_basis and not saved else None  # the sites as the sliced model sees them
+    # the sites as the sliced model sees them (`WalkOptions.pool_walked`)
+    walked = GlobalPool(pooling) if one_basis and not saved and pool_walked else None
     if walked is not None and first is not None:
         walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
     apply_embedding_basis(model, family, basis)

@@ -442,9 +442,9 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 f"a smaller sensitivity.chunk (now {chunk}), {disk}",
             )
         )
-    # one basis: the survey's pooled C and H and the walked model's stay on the device through the
-    # walk, the final stream's C (for the head) on the host
-    pools = 4 * d * d * 8 if layout.one_basis else 0
+    # one basis: the survey's pooled C and H (the basis is chosen from them at the walk's start, on
+    # the device), the final stream's C (for the head) on the host
+    pools = 2 * d * d * 8 if layout.one_basis else 0
     head_moment = d * d * 8 if layout.one_basis else 0
     phases.append(
         phase(

@@ -19,7 +19,7 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.pooling import GlobalPool, PipelineStep
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import site_ids
@@ -312,6 +312,17 @@ def test_the_global_basis_is_chosen_from_every_site(tmp_path: Path) -> None:
     expected = torch.linalg.eigh(pooled).eigenvectors[:, -40:]
     kept = result.bases["embedding"]
     assert torch.allclose(kept @ kept.T, expected @ expected.T, atol=1e-8)
+    # the sites' statistics as the sliced model makes them are pooled only when asked
+    assert result.walked is None
+    asked = prune(
+        tiny_model("llama"),
+        fixed_layout(model.config, family, {s: 40 for s in ids}, layout="global"),
+        batches,
+        [PipelineStep(PCA())],
+        WalkOptions(pool_walked=True),
+    )
+    assert asked.walked is not None and asked.walked.names == ids
+    assert torch.equal(asked.bases["embedding"], kept)
 
 
 def test_the_tied_scale_is_the_least_squares_diagonal() -> None:
