@@ -431,7 +431,6 @@ def prune(
     walk = walked.walk
     if output is not None:
         assert output.slicing == slicing, "the written shards were laid out for another slicing"
-    if output is not None:
         stream = (
             head_stream(walked.head_moment, walk.bases[EMBEDDING])
             if output.stock is not None and output.stock.tie

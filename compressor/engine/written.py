@@ -68,9 +68,10 @@ class WrittenModel:
         self.folder, self.family, self.slicing, self.stock = folder, family, slicing, stock
         self.dtype = model.get_submodule(family.embedding).weight.dtype
         shell = sliced_shell(model, family, slicing)
-        self.stock_config = None if stock is None else stock_model_config(shell, family, stock.original, stock.tie)
-        if self.stock_config is not None:
-            shell = stock_shell(self.stock_config).to(self.dtype)
+        if stock is not None:  # the original class at the kept width, on the meta device
+            shell = stock_shell(stock_model_config(shell, family, stock.original, stock.tie)).to(self.dtype)
+        self.shell = shell
+        """What is written (on the meta device): the `sliced_*` model, or the stock one."""
         self.record: dict[str, Any] | None = None
         """The stock conversion's record (`stock.stock_record`), once `finish` has written it."""
         self.writer = (
@@ -115,7 +116,7 @@ class WrittenModel:
         sliced = as_sliced_model(model, self.family, self.slicing)
         if self.writer is None:
             return sliced
-        if self.stock is None or self.stock_config is None:
+        if self.stock is None:
             state = sliced.state_dict()
             self.writer.write({name: state[name] for name in self.writer.missing()})
             self.writer.finish()
@@ -127,8 +128,8 @@ class WrittenModel:
         state, record = stock_state(sliced, self.family, self.stock.tie, stream)
         self.writer.write({name: state[name] for name in self.writer.missing()})
         self.writer.finish()
-        self.record = stock_record(record, self.stock_config, self.family)
-        shell = stock_shell(self.stock_config).to(self.dtype)
+        shell = self.shell
+        self.record = stock_record(record, shell.config, self.family)
         shell.config.dtype = str(self.dtype).removeprefix("torch.")  # what `save_pretrained` records of
         shell.config.architectures = [type(shell).__name__]  # the model it saves, whatever the config said
         shell.config.save_pretrained(self.folder)

@@ -100,9 +100,8 @@ def placed_bytes(model: PreTrainedModel) -> dict[str, int]:
         module = model.get_submodule(name) if name else model
         fresh = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        placed[_device_name(where)] = placed.get(_device_name(where), 0) + sum(
-            p.numel() * p.element_size() for p in fresh
-        )
+        device = _device_name(where)
+        placed[device] = placed.get(device, 0) + sum(p.numel() * p.element_size() for p in fresh)
     return placed
 
 
@@ -127,7 +126,6 @@ def placed_task_scores(
     """lm-eval scores of the model `spec` names, placed by accelerate, and where its weights went
     (`placed_bytes`); its offloaded weights are removed when it is done."""
     assert evaluation.lm_eval
-    shutil.rmtree(offload, ignore_errors=True)  # what a killed run left there
     model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload, device))
     try:
         placement = placed_bytes(model)

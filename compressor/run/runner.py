@@ -50,7 +50,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, mlp_neurons, with_mlp_width
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
-from compressor.recipe.schema import LmEvalSpec, MlpSpec, Recipe
+from compressor.recipe.schema import LmEvalSpec, MlpSpec, ModelSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
@@ -986,36 +986,32 @@ class _Stages:
         assert spec is not None and spec.lm_eval
         key = baseline_tasks_key(spec.lm_eval, self.fingerprint["model"], recipe, self.tokenizer, self.device)
         offload = staging / SCRATCH_FOLDER / "offload"  # cleared at a run's start and at publishing
-        baseline, placement = self.resources.baseline_tasks(key), None
-        if baseline is None:
-            baseline, placement = placed_task_scores(
-                recipe.model,
+
+        def scores(model: ModelSpec, which: str) -> tuple[dict[str, Any], dict[str, int]]:
+            return placed_task_scores(
+                model,
                 spec,
                 self.tokenizer,
                 recipe.seed,
                 offload,
                 self.device,
-                lambda phase, done, total: self.progress(f"lm-eval, original model (placed): {phase}", done, total),
+                lambda phase, done, total: self.progress(f"lm-eval, {which} model (placed): {phase}", done, total),
             )
+
+        baseline, placement = self.resources.baseline_tasks(key), None
+        if baseline is None:
+            baseline, placement = scores(recipe.model, "original")
             self.resources.keep_baseline_tasks(key, baseline)
         self.metrics.setdefault("baseline", {}).update(tasks=baseline, placement=placement)
         folder = staging / "model" if self.save_model else staging / SCRATCH_FOLDER / "lm-eval-model"
         if not self.save_model:
             self.pruned.save_pretrained(folder)
         try:
-            scores, placement = placed_task_scores(
-                replaced(recipe.model, path=str(folder), revision=None),
-                spec,
-                self.tokenizer,
-                recipe.seed,
-                offload,
-                self.device,
-                lambda phase, done, total: self.progress(f"lm-eval, pruned model (placed): {phase}", done, total),
-            )
+            pruned, placement = scores(replaced(recipe.model, path=str(folder), revision=None), "pruned")
         finally:
             if not self.save_model:
                 shutil.rmtree(folder, ignore_errors=True)
-        self.metrics["pruned"].update(tasks=scores, placement=placement)
+        self.metrics["pruned"].update(tasks=pruned, placement=placement)
 
     def write_report(self) -> RunReport:
         """report.json, report.md, the recipe as run, and the distillation curve's plot."""
