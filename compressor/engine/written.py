@@ -30,7 +30,7 @@ from compressor.engine.bases import as_sliced_model, sliced_shell
 from compressor.engine.shards import ShardWriter
 from compressor.engine.streaming import attach_streamed, streamed_model
 from compressor.models.families import ModelFamily
-from compressor.models.stock import stock_layer_norms, stock_model_config, stock_record, stock_shell, stock_state
+from compressor.models.stock import stock_layer, stock_model_config, stock_record, stock_shell, stock_state
 
 
 def saved_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ class WrittenModel:
             state = {prefix + name: tensor for name, tensor in layer.state_dict().items()}
             if self.stock is not None:
                 d, k = self.slicing["hidden_size"], self.slicing["embedding"]
-                state.update(stock_layer_norms(self.family, index, d, k, self.dtype))
+                state.update(stock_layer(self.family, index, layer, d, k))
             self.writer.write({name: state[name] for name in missing})
             faults.reached(f"writing:{index}")  # its bytes in the shard, not yet committed
             self.writer.commit()

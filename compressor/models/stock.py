@@ -5,12 +5,17 @@ identity: the sliced model is the original architecture with `hidden_size` k, wh
 llama.cpp, TGI and plain transformers load without this package. What changes besides the
 widths:
 
-- the norms. The sliced model's weightless RMSNorm divides by the original width d,
-  x / √(‖x‖²/d + ε). A stock RMSNorm over k with weight s = √(d/k) and ε' = ε·d/k computes
-  s·x / √(‖x‖²/k + ε') = x / √(‖x‖²/d + ε): the same (for a (1 + w) norm, w = s − 1);
+- the norms and the stream's scale. The sliced model's weightless RMSNorm divides by the original
+  width d, x / √(‖x‖²/d + ε). The stock model carries the stream scaled by c = √(k/d) (every
+  writer, the embedding included, times c), so a stock RMSNorm over k with weight s = √(d/k) and
+  the original ε computes s·c·x / √(c²‖x‖²/k + ε) = x / √(‖x‖²/d + ε): the same, with the config's
+  ε unchanged, so norms inside the blocks that read the same ε (QK-norm, Qwen3.5's gated norm)
+  stay exact too (for a (1 + w) norm, w = s − 1);
+- a factor on every block's output (Granite's `residual_multiplier`) is folded into the
+  blocks' writers, so the config says 1;
 - `head_dim` is written explicitly (the heads keep their width; k is rarely heads × head_dim);
-- a family that scales its embeddings by √hidden_size (Gemma) would scale by √k, so the
-  embedding carries √(d/k);
+- a family that scales its embeddings by √hidden_size (Gemma) scales by √k, which is √d·c
+  already: its embedding keeps its weights;
 - a head tied to the embedding (`tie_head`): the final norm's scale g does not commute with the
   rotation, so the saved model either unties the head (vocabulary × k more parameters, exact) or
   keeps it tied and replaces diag(g) by the diagonal D that best maps the sliced embedding E·V
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.errors import UserError
@@ -38,7 +44,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING, site_ids
 
 STOCK_KEYS = ("hidden_size", "head_dim", "tie_word_embeddings")
-"""Config fields a stock model changes (with the family's norm-eps field)."""
+"""Config fields a stock model changes (and a folded `residual_multiplier`, set to 1)."""
 
 
 def check_stock(family: ModelFamily, families: Iterable[ModelFamily]) -> None:
@@ -58,10 +64,11 @@ def head_dim(config: PretrainedConfig) -> int:
 
 
 def stock_config(config: PretrainedConfig, family: ModelFamily, width: int, tied: bool) -> PretrainedConfig:
-    """The original's config at hidden size `width`: explicit head_dim, ε·d/k, the head tied or not."""
+    """The original's config at hidden size `width`: explicit head_dim, the head tied or not."""
     values = config.to_dict()
     values.update(hidden_size=width, head_dim=head_dim(config), tie_word_embeddings=tied)
-    values[family.norm_eps] = float(getattr(config, family.norm_eps)) * config.hidden_size / width
+    if family.residual_multiplier is not None:  # folded into the writers by fusion
+        values[family.residual_multiplier] = 1.0
     for key in ("transformers_version", "_name_or_path"):
         values.pop(key, None)
     return type(config).from_dict(values)
@@ -110,6 +117,7 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
         transitions=(),
         original=_meta_params(config),
         hidden_size=d,
+        embedding=config.vocab_size * d,
     )
 
 
@@ -193,12 +201,17 @@ def stock_state(
     state = dict(sliced.state_dict())
     dtype = sliced.get_submodule(family.embedding).weight.dtype
     norm_scale = math.sqrt(d / k)
-    factor = norm_scale if family.scaled_embedding else 1.0
+    factor = 1.0 if family.scaled_embedding else stream_scale(d, k)  # Gemma's √k is √d·c already
     embedding_key, head_key = f"{family.embedding}.weight", f"{family.head}.weight"
     if factor != 1.0:
         state[embedding_key] = (state[embedding_key].to(torch.float64) * factor).to(dtype)
     final = torch.full((k,), norm_scale, dtype=torch.float64)
-    record: dict[str, Any] = {"norm_scale": norm_scale, "embedding_factor": factor, "head": "untied"}
+    record: dict[str, Any] = {
+        "norm_scale": norm_scale,
+        "stream_scale": stream_scale(d, k),
+        "embedding_factor": factor,
+        "head": "untied",
+    }
     if tie:
         D = fitted_tied_scale(sliced, family, stream) if scale is None else scale.to("cpu", torch.float64)
         final = norm_scale * D / factor
@@ -212,20 +225,39 @@ def stock_state(
             },
         )
         del state[head_key]
-    for index in range(len(slicing["attn"])):
-        state.update(stock_layer_norms(family, index, d, k, dtype))
+    for index, layer in enumerate(sliced.get_submodule(family.layers)):
+        state.update(stock_layer(family, index, layer, d, k))
     state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
     return state, record
 
 
-def stock_layer_norms(family: ModelFamily, index: int, d: int, k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Layer `index`'s norm weights in the stock model: √(d/k) (the sliced model's norms divide by
-    d, the stock class's by k); the rest of a sliced layer's tensors are the stock layer's as they are."""
+def stream_scale(d: int, k: int) -> float:
+    """c = √(k/d): the factor on the stock model's stream that makes its norms over k, with the
+    original ε, compute the sliced model's norms over d."""
+    return math.sqrt(k / d)
+
+
+def stock_layer(family: ModelFamily, index: int, layer: nn.Module, d: int, k: int) -> dict[str, torch.Tensor]:
+    """Sliced layer `index`'s tensors that differ in the stock model: its norm weights, √(d/k) (the
+    sliced model's norms divide by d, the stock class's by k), and its writers to the stream,
+    times c = √(k/d) (`stream_scale`); its other tensors are the stock layer's as they are."""
+    prefix = f"{family.layers}.{index}."
+    dtype = layer.writer("attn", family).weight.dtype
     value = math.sqrt(d / k) - family.norm_offset
-    return {
-        f"{family.layers}.{index}.{name}.weight": torch.full((k,), value, dtype=torch.float64).to(dtype)
+    state = {
+        f"{prefix}{name}.weight": torch.full((k,), value, dtype=torch.float64).to(dtype)
         for name in (family.attn_norm, family.mlp_norm)
+        if name is not None
     }
+    c = stream_scale(d, k)
+    names = {id(module): name for name, module in layer.named_modules()}
+    for block in ("attn", "mlp"):
+        writer = layer.writer(block, family)
+        for kind in ("weight", "bias"):
+            tensor = getattr(writer, kind, None)
+            if tensor is not None:
+                state[f"{prefix}{names[id(writer)]}.{kind}"] = (tensor.detach().to(torch.float64) * c).to(tensor.dtype)
+    return state
 
 
 def save_stock(
@@ -277,8 +309,7 @@ def stock_record(record: dict[str, Any], config: PretrainedConfig, family: Model
     return {
         **record,
         "hidden_size": config.hidden_size,
-        "config": {key: getattr(config, key) for key in STOCK_KEYS}
-        | {family.norm_eps: getattr(config, family.norm_eps)},
+        "config": {key: getattr(config, key) for key in STOCK_KEYS},
     }
 
 
