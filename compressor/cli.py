@@ -515,8 +515,12 @@ def _families(console: Console) -> None:
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
-    rows = [(model_type, e.family.name, e.plugin, e.source) for model_type, e in registry.families().items()]
-    _print_table(console, "supported model families", ("model_type", "family", "plugin", "from"), rows)
+    rows = [
+        (model_type, e.family.name, ", ".join(e.family.layouts()), ", ".join(e.family.axes()), e.plugin, e.source)
+        for model_type, e in registry.families().items()
+    ]
+    columns = ("model_type", "family", "layouts", "axes", "plugin", "from")
+    _print_table(console, "supported model families", columns, rows)
     _note_skipped(console, registry)
 
 

@@ -56,6 +56,48 @@ FAMILY_CONFIGS: dict[str, dict] = {
     ),
     "gpt2": dict(model_type="gpt2", tie_word_embeddings=True),  # Conv1D weights, LayerNorm, learned positions
     "phi": dict(model_type="phi", tie_word_embeddings=False),  # Phi-2: parallel attention and MLP on one LayerNorm
+    # Gemma 3: sandwich norms, QK-norm, sliding and full layers with two RoPE bases, √d embedding scale, tied head
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        tie_word_embeddings=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "smollm3": dict(
+        model_type="smollm3",
+        tie_word_embeddings=True,
+        no_rope_layers=[1, 0],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),  # NoPE on layer 1
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False),  # norms after the blocks, none before
+    "olmo3": dict(
+        model_type="olmo3",
+        tie_word_embeddings=False,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    # multipliers on the embedding, every block's output, the attention scores and the logits
+    "granite": dict(
+        model_type="granite",
+        tie_word_embeddings=True,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.4,
+        attention_multiplier=0.1,
+        logits_scaling=2.5,
+    ),
+    # hybrid: a Gated DeltaNet (linear attention) layer, then a full attention layer
+    "qwen3_5_text": dict(
+        model_type="qwen3_5_text",
+        tie_word_embeddings=True,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    ),
 }
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from compressor.models.families import ModelFamily, stream_reader, stream_writers
+from compressor.models.families import ModelFamily, optional_module, stream_reader, stream_writers
 from compressor.models.sliced import WeightlessRMSNorm, family_mlp, wrap_layer
 
 _BLOCK_BYTES = 1 << 26
@@ -83,27 +83,40 @@ def fuse_layer(layer: nn.Module, family: ModelFamily, d: int) -> nn.Module:
     """One decoder layer's part of `fuse_norms`: its norms folded into the linears they feed (and,
     for LayerNorm families, its writers centred), wrapped as a `SlicedDecoderLayer`. A streamed
     layer goes through this when it is read (`engine.streaming`)."""
-    attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
-    attn_norm, mlp_norm = layer.get_submodule(family.attn_norm), layer.get_submodule(family.mlp_norm)
-    attn_readers = [attention.get_submodule(p) for p in family.attn_inputs]
+    mixer = family.mixer_of(layer)
+    attention, mlp = layer.get_submodule(mixer.path), family_mlp(family, layer)
+    attn_norm, mlp_norm = optional_module(layer, family.attn_norm), optional_module(layer, family.mlp_norm)
+    attn_readers = [attention.get_submodule(p) for p in mixer.inputs]
     mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
+    attn_out, mlp_out = attention.get_submodule(mixer.output), mlp.get_submodule(family.mlp_output)
     if family.layer_norm:
-        _centre_output(attention.get_submodule(family.attn_output))
-        _centre_output(mlp.get_submodule(family.mlp_output))
+        _centre_output(attn_out)
+        _centre_output(mlp_out)
         _fold_shift(attn_norm, attn_readers)
         _fold_shift(mlp_norm, mlp_readers)
-    _fold_scale(_scale(attn_norm, family), attn_readers)
-    _fold_scale(_scale(mlp_norm, family), mlp_readers)
+    for norm, readers in ((attn_norm, attn_readers), (mlp_norm, mlp_readers)):
+        if norm is not None:  # a block without a norm before it reads the stream as it is (OLMo 2)
+            _fold_scale(_scale(norm, family), readers)
     writers = {}
     for block, path in (("attn", family.attn_post_norm), ("mlp", family.mlp_post_norm)):
         if path is not None:  # output norm: weightless, its scale becomes the writer diag(scale)
             post_norm = layer.get_submodule(path)
-            like = attention.get_submodule(family.attn_output).weight
-            writer = nn.Linear(d, d, bias=False, device=like.device, dtype=like.dtype)
+            writer = nn.Linear(d, d, bias=False, device=attn_out.weight.device, dtype=attn_out.weight.dtype)
             writer.requires_grad_(False)
             _assign(writer.weight, torch.diag(_scale(post_norm, family)))
             writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
+    if family.residual_multiplier is not None:  # Granite: x + m·block(x), m folded into what writes
+        factor = float(getattr(layer, family.residual_multiplier))
+        for block, linear in (("attn", attn_out), ("mlp", mlp_out)):
+            _scale_output(writers[block][1] if block in writers else linear, factor)
     return wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
+
+
+def _scale_output(linear: nn.Linear, factor: float) -> None:
+    """`W ← m·W` (and the bias): the linear writes m times what it wrote."""
+    _assign(linear.weight, _by_rows(linear.weight.data, lambda rows: rows * factor))
+    if linear.bias is not None:
+        _assign(linear.bias, linear.bias.data.to(torch.float64) * factor)
 
 
 def _scale(norm: nn.Module, family: ModelFamily) -> torch.Tensor:
@@ -144,7 +157,9 @@ def _fold_shift(norm: nn.Module, linears: list[nn.Module]) -> None:
         _assign(linear.bias, linear.bias.data.to(torch.float64) + shift)
 
 
-def _eps(norm: nn.Module) -> float:
+def _eps(norm: nn.Module | None) -> float | None:
+    if norm is None:
+        return None
     for name in ("variance_epsilon", "eps"):
         if hasattr(norm, name):
             return float(getattr(norm, name))

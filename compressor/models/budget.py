@@ -42,6 +42,9 @@ class ParamModel:
     original: int
     """Parameters of the original model (tied weights once)."""
     hidden_size: int
+    embedding: int = 0
+    """Parameters of the original's token (and position) embeddings: a small model's budget is
+    mostly these (the plan reports their share)."""
 
     def count(self, widths: Mapping[str, int]) -> int:
         return (
@@ -103,6 +106,7 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
     ids = site_ids(family, config.num_hidden_layers)
     model = _meta_model(config)
     original = _count(model)
+    embedding = sum(model.get_submodule(path).weight.numel() for path in (family.embedding, *family.extra_embeddings))
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
     widths = {site: width for width, site in markers.items()}
     apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
@@ -133,6 +137,7 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
         transitions=tuple(sorted(transitions, key=lambda p: ids.index(p[0]))),
         original=original,
         hidden_size=config.hidden_size,
+        embedding=embedding,
     )
 
 
@@ -150,6 +155,7 @@ def widest_uniform(
     smallest = params.count(uniform(round_to))
     raise UserError(
         f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
-        f"original): the narrowest model (width {round_to}) has {smallest:,}; raise target_params, or "
+        f"original): the narrowest model (width {round_to}) has {smallest:,} ({smallest / params.original:.1%}); "
+        f"raise target_params, or "
         f"set slicing.slice_head: true if the head's input is kept whole"
     )

@@ -29,6 +29,16 @@ LAYER_NORM = "its LayerNorm subtracts the mean over the kept width, which a rota
 
 
 @dataclass(frozen=True)
+class TokenMixer:
+    """A decoder layer's attention-like block: its path in the layer, the linears (relative to it)
+    that read the stream through the layer's first norm, and the one that writes its output."""
+
+    path: str
+    inputs: tuple[str, ...]
+    output: str
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """Module paths of a pre-norm decoder with RMSNorm, relative to the causal-LM model.
 
@@ -45,11 +55,12 @@ class ModelFamily:
     layers: str = "model.layers"
     final_norm: str = "model.norm"
     head: str = "lm_head"
-    attn_norm: str = "input_layernorm"
+    attn_norm: str | None = "input_layernorm"
+    """None (with `mlp_norm`): the block reads the raw stream, no norm before it (OLMo 2)."""
     attention: str = "self_attn"
     attn_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     attn_output: str = "o_proj"
-    mlp_norm: str = "post_attention_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
     mlp: str = "mlp"
     mlp_inputs: tuple[str, ...] = ("gate_proj", "up_proj")
     mlp_output: str = "down_proj"
@@ -61,6 +72,15 @@ class ModelFamily:
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
     logit_softcapping: str | None = None
     """Config attribute of a cap c applied as c·tanh(logits / c) after the head (Gemma2)."""
+    logits_divisor: str | None = None
+    """Config attribute of a divisor the model applies to the logits after the head (Granite)."""
+    residual_multiplier: str | None = None
+    """Config attribute of a factor on every block's output before the residual add (Granite):
+    fusion folds it into the blocks' writers, and a stock model is saved with it set to 1."""
+    other_mixers: tuple[TokenMixer, ...] = ()
+    """Blocks a layer may hold in place of `attention` (Qwen3.5's linear attention on its
+    `linear_attention` layers), each found by its path in the layer: a hybrid model's layers
+    differ in what reads and writes the stream."""
     layer_norm: bool = False
     """LayerNorm family (mean and bias): every writer to the stream is centred and the norms'
     affine parts are folded into the next linears, which turns it into the RMSNorm form exactly."""
@@ -96,6 +116,30 @@ class ModelFamily:
     (`slicing.layout: global`, saved as the original architecture by `compressor.models.stock`); None
     when it can: pre-norm RMSNorm blocks whose state-dict keys the sliced model keeps."""
 
+    def layouts(self) -> tuple[str, ...]:
+        """The `slicing.layout` values a run of this family can save: `global` (the original class)
+        only where its class can hold one residual basis."""
+        return ("per_site",) if self.stock_refusal is not None else ("per_site", "global")
+
+    def axes(self) -> tuple[str, ...]:
+        """What a run can prune: the residual width always, the MLP's width where it is described."""
+        return ("residual", "mlp") if self.mlp_width is not None else ("residual",)
+
+    def mixers(self) -> tuple[TokenMixer, ...]:
+        """Every attention-like block a layer of this family may hold; the first is `attention`."""
+        return (TokenMixer(self.attention, self.attn_inputs, self.attn_output), *self.other_mixers)
+
+    def mixer_of(self, layer: nn.Module) -> TokenMixer:
+        """The block this (original) decoder layer holds: the first whose path it has."""
+        for mixer in self.mixers():
+            if optional_module(layer, mixer.path) is not None:
+                return mixer
+        raise ValueError(f"{self.name}: the layer holds none of {', '.join(m.path for m in self.mixers())}")
+
+    def mixer_named(self, path: str) -> TokenMixer:
+        """The block stored at `path` (a sliced layer records it)."""
+        return next(mixer for mixer in self.mixers() if mixer.path == path)
+
     def head_modules(self, model: nn.Module) -> list[nn.Module]:
         """What turns the last site's stream into logits, in order: final norm, output projection
         (where the model has one), head."""
@@ -115,6 +159,9 @@ class ModelFamily:
             hidden = module(hidden)
         if before_cap is not None:
             hidden = before_cap(hidden)
+        divisor = getattr(model.config, self.logits_divisor) if self.logits_divisor else None
+        if divisor is not None:
+            hidden = hidden / divisor
         cap = getattr(model.config, self.logit_softcapping, None) if self.logit_softcapping else None
         return hidden if cap is None else torch.tanh(hidden / cap) * cap
 
@@ -186,7 +233,11 @@ def _gpt2_refusal(config: Any) -> str | None:
     return None
 
 
-LLAMA = ModelFamily(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"), stock_refusal=None)
+LLAMA = ModelFamily(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3"),  # SmolLM3: NoPE on some layers
+    stock_refusal=None,
+)
 PHI3 = ModelFamily(
     name="phi3", model_types=("phi3",), attn_inputs=("qkv_proj",), mlp_inputs=("gate_up_proj",), stock_refusal=None
 )
@@ -201,6 +252,42 @@ GEMMA2 = ModelFamily(
     mlp_post_norm="post_feedforward_layernorm",
     scaled_embedding=True,
     stock_refusal="its norms after each block's output take the RMS over the full width",
+)
+GEMMA3 = ModelFamily(
+    name="gemma3",
+    model_types=("gemma3_text",),  # sliding and full attention layers (their RoPE bases reach each layer)
+    norm_offset=1.0,
+    mlp_norm="pre_feedforward_layernorm",
+    logit_softcapping="final_logit_softcapping",
+    attn_post_norm="post_attention_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+    scaled_embedding=True,
+    stock_refusal=GEMMA2.stock_refusal,
+)
+OLMO2 = ModelFamily(
+    name="olmo2",
+    model_types=("olmo2", "olmo3"),  # no norm before a block, one after it; QK-norm over the whole projection
+    attn_norm=None,
+    mlp_norm=None,
+    attn_post_norm="post_attention_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+    stock_refusal=GEMMA2.stock_refusal,
+)
+GRANITE = ModelFamily(
+    name="granite",
+    model_types=("granite",),  # embedding and attention multipliers stay where the model applies them
+    residual_multiplier="residual_multiplier",
+    logits_divisor="logits_scaling",
+    stock_refusal=None,
+)
+QWEN3_5 = ModelFamily(
+    name="qwen3_5",
+    model_types=("qwen3_5_text",),
+    norm_offset=1.0,  # (1 + w) norms
+    other_mixers=(
+        TokenMixer("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "out_proj"),
+    ),  # Gated DeltaNet on the `linear_attention` layers; full attention (gated q) on the others
+    stock_refusal=None,
 )
 
 OPT = ModelFamily(
@@ -264,7 +351,19 @@ PHI = ModelFamily(
     stock_refusal=LAYER_NORM,
 )
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (LLAMA, PHI3, GEMMA, GEMMA2, OPT, GPT2, PHI)
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
+    LLAMA,
+    PHI3,
+    GEMMA,
+    GEMMA2,
+    GEMMA3,
+    OLMO2,
+    GRANITE,
+    QWEN3_5,
+    OPT,
+    GPT2,
+    PHI,
+)
 
 
 def family_for(model_type: str, families: Mapping[str, ModelFamily] | None = None) -> ModelFamily:

@@ -26,9 +26,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from compressor.models.families import BUILTIN_FAMILIES, ModelFamily, stream_reader, stream_writers
+from compressor.models.families import BUILTIN_FAMILIES, ModelFamily, TokenMixer, stream_reader, stream_writers
 
 SLICED_PREFIX = "sliced_"
+PRIMARY_MIXER = "self_attn"
+"""Where a sliced layer keeps the family's `attention` block (as it always has, e.g. GPT-2's `attn`)."""
 
 
 class WeightlessRMSNorm(nn.Module):
@@ -71,7 +73,9 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
 
     `attn_shortcut` maps the layer input (basis of the previous site) to the basis after
     attention; `mlp_shortcut` maps that to the basis after the MLP. A shortcut of None is
-    the identity (used only while the engine is still working on the layer).
+    the identity (used only while the engine is still working on the layer). The attention-like
+    block is stored as `self_attn`, or under its own name where the family has several kinds
+    (`attention_name`: Qwen3.5's `linear_attn`), so a hybrid layer keeps its original keys.
     """
 
     def __init__(
@@ -87,11 +91,13 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         mlp_writer: tuple[nn.Module, nn.Linear] | None = None,
         positional_args: tuple[str, ...] = (),
         parallel: bool = False,
+        attention_name: str = "self_attn",
     ) -> None:
         super().__init__()
         self.positional_args = positional_args
         self.parallel = parallel
-        self.self_attn = attention
+        self.attention_name = attention_name
+        setattr(self, attention_name, attention)
         self.mlp = mlp
         self.input_layernorm = attn_norm
         self.post_attention_layernorm = mlp_norm
@@ -103,6 +109,20 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         if attention_type is not None:
             self.attention_type = attention_type
 
+    @property
+    def attention(self) -> nn.Module:
+        """The layer's attention-like block, whatever it is called."""
+        return getattr(self, self.attention_name)
+
+    def mixer(self, family: ModelFamily) -> TokenMixer:
+        """The family's description of this layer's attention-like block."""
+        return family.mixers()[0] if self.attention_name == PRIMARY_MIXER else family.mixer_named(self.attention_name)
+
+    def _mix(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The attention-like block's output (attention returns (output, weights); linear attention the output)."""
+        out = self.attention(hidden_states=hidden_states, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
     @staticmethod
     def _shortcut(linear: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
         return x if linear is None else linear(x)
@@ -113,7 +133,7 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
 
     def attention_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         residual = self._shortcut(self.attn_shortcut, hidden_states)
-        attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        attn_out = self._mix(self.input_layernorm(hidden_states), **kwargs)
         return residual + self._write(self.attn_output_norm, self.attn_writer, attn_out)
 
     def mlp_block(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -124,7 +144,7 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
 
     def sites(self, family: ModelFamily) -> list[Site]:
         """The layer's sites in order: after attention and after the MLP, or one for a parallel block."""
-        attn_readers = [self.self_attn.get_submodule(p) for p in family.attn_inputs]
+        attn_readers = [self.attention.get_submodule(p) for p in self.mixer(family).inputs]
         mlp_readers = [self.mlp.get_submodule(p) for p in family.mlp_inputs]
         attn_writer, mlp_writer = self.writer("attn", family), self.writer("mlp", family)
         if self.parallel:
@@ -139,14 +159,14 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         own = self.attn_writer if block == "attn" else self.mlp_writer
         if own is not None:
             return own
-        module, path = (self.self_attn, family.attn_output) if block == "attn" else (self.mlp, family.mlp_output)
+        module, path = (self.attention, self.mixer(family).output) if block == "attn" else (self.mlp, family.mlp_output)
         return module.get_submodule(path)
 
     def parallel_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Phi-2 style: attention and MLP read one norm; both outputs join the residual."""
         residual = self._shortcut(self.attn_shortcut, hidden_states)
         normed = self.input_layernorm(hidden_states)
-        attn_out, _ = self.self_attn(hidden_states=normed, **kwargs)
+        attn_out = self._mix(normed, **kwargs)
         return (
             residual
             + self._write(self.attn_output_norm, self.attn_writer, attn_out)
@@ -189,8 +209,8 @@ def wrap_layer(
     family: ModelFamily,
     layer: nn.Module,
     reference_width: int,
-    attn_eps: float,
-    mlp_eps: float,
+    attn_eps: float | None,
+    mlp_eps: float | None,
     writers: dict[str, tuple[nn.Module, nn.Linear]] | None = None,
 ) -> SlicedDecoderLayer:
     """Turn a family's decoder layer into a `SlicedDecoderLayer` sharing its modules.
@@ -199,17 +219,25 @@ def wrap_layer(
     `writers` holds (output norm, writer linear) per block for families with output norms.
     """
     writers = writers or {}
+    mixer = family.mixer_of(layer)
     return SlicedDecoderLayer(
-        attention=layer.get_submodule(family.attention),
+        attention=layer.get_submodule(mixer.path),
         mlp=family_mlp(family, layer),
-        attn_norm=WeightlessRMSNorm(reference_width, attn_eps),
-        mlp_norm=WeightlessRMSNorm(reference_width, mlp_eps),
+        attn_norm=stream_norm(family.attn_norm, reference_width, attn_eps),
+        mlp_norm=stream_norm(family.mlp_norm, reference_width, mlp_eps),
         attention_type=getattr(layer, "attention_type", None),
         attn_writer=writers.get("attn"),
         mlp_writer=writers.get("mlp"),
         positional_args=family.positional_args,
         parallel=family.parallel,
+        attention_name=PRIMARY_MIXER if mixer.path == family.attention else mixer.path,
     )
+
+
+def stream_norm(path: str | None, reference_width: int, eps: float | None) -> nn.Module:
+    """What a sliced layer reads a block's input through: a weightless RMSNorm, or nothing where
+    the family has no norm there (OLMo 2 normalises block outputs, not inputs)."""
+    return nn.Identity() if path is None else WeightlessRMSNorm(reference_width, float(eps))
 
 
 def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any]) -> None:
@@ -238,15 +266,16 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
     width_in = slicing["embedding"]
     for index, (width_attn, width_mlp) in enumerate(zip(slicing["attn"], slicing["mlp"])):
         layer = layers[index]
-        attention, mlp = layer.get_submodule(family.attention), family_mlp(family, layer)
-        for path in family.attn_inputs:
+        mixer = family.mixer_of(layer)
+        attention, mlp = layer.get_submodule(mixer.path), family_mlp(family, layer)
+        for path in mixer.inputs:
             _resize(attention.get_submodule(path), in_features=width_in)
         mlp_reads = width_in if family.parallel else width_attn  # a parallel MLP reads the layer input
         for path in family.mlp_inputs:
             _resize(mlp.get_submodule(path), in_features=mlp_reads)
         writers = {}
         for block, post_norm, module, path, width in (
-            ("attn", family.attn_post_norm, attention, family.attn_output, width_attn),
+            ("attn", family.attn_post_norm, attention, mixer.output, width_attn),
             ("mlp", family.mlp_post_norm, mlp, family.mlp_output, width_mlp),
         ):
             if post_norm is None:

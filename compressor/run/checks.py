@@ -45,6 +45,19 @@ class Plan:
         return len(self.splits) > 1
 
 
+def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
+    """The recipe's attention kernel is one the model's class has (Gemma 2 has no sdpa attention
+    in transformers 5): refused here, in one line, rather than by transformers at loading."""
+    if recipe.model.attn_implementation != "sdpa":
+        return
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        raise UserError(
+            f"model.attn_implementation: sdpa: {model_class.__name__} has no sdpa attention in this "
+            f"transformers; set model.attn_implementation: eager"
+        )
+
+
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     """Read the model's config and check family, layout, widths and strategy options; load no weights."""
     config = load_config(recipe.model)
@@ -53,6 +66,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     reason = family.refuse(config) if family.refuse is not None else None
     if reason:
         raise UserError(reason)
+    check_attention(recipe, config)
     check_positions(recipe, config)
     slicing = recipe.slicing
     options = dict(

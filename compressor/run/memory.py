@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -239,7 +240,9 @@ def _layer_inputs(model: Any, family: Any, batch: int, seq_len: int, dtype: torc
     kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
     rotary = getattr(model.get_submodule(family.base_model), "rotary_emb", None)
     if rotary is not None:
-        kwargs["position_embeddings"] = rotary(hidden, positions)
+        by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: one RoPE per layer type
+        kind = {"layer_type": model.config.layer_types[0]} if by_type else {}
+        kwargs["position_embeddings"] = rotary(hidden, positions, **kind)
     store = ActivationStore(torch.device("cpu"))
     store.append(hidden)
     mask = torch.ones(batch, seq_len, dtype=torch.bool)

@@ -118,8 +118,11 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     found.checked.append(
         f"model config ({checked.layout.config.model_type}, {checked.layout.config.num_hidden_layers} layers, "
         f"hidden {checked.layout.config.hidden_size}): budget {checked.layout.budget:,} of {original:,} parameters "
-        f"({checked.layout.budget / original:.1%}), kept width {kept}"
+        f"({checked.layout.budget / original:.1%}), kept width {kept}; the embedding is "
+        f"{checked.layout.params.embedding / original:.0%} of the parameters"
     )
+    axes = ["residual width"] + (["MLP width"] if checked.layout.mlp_width is not None or checked.chooses_split else [])
+    found.checked.append(f"axes: {', '.join(axes)} (this family allows {', '.join(checked.layout.family.axes())})")
     if checked.layout.one_basis:
         found.checked.append(
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "

@@ -99,15 +99,30 @@ def _expected_parameters(config, widths: list[int]) -> int:
     inter, vocab = config.intermediate_size, config.vocab_size
     attn_bias = (heads + 2 * kv) * hd if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
     total = vocab * widths[0] + vocab * widths[-1]  # embedding, head (untied)
+    post_norms = config.model_type in ("gemma2", "gemma3_text", "olmo2", "olmo3")  # o and down keep width d;
+    # writers d → kept follow
+    d = config.hidden_size
     for i in range(config.num_hidden_layers):
         w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
-        post_norms = config.model_type == "gemma2"  # o and down keep width d; writers d → kept follow
-        d = config.hidden_size
-        total += w_in * (heads + 2 * kv) * hd + attn_bias  # q, k, v
-        total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
+        if getattr(config, "layer_types", None) and config.layer_types[i] == "linear_attention":  # Gated DeltaNet
+            keys, values, heads_v = (
+                config.linear_num_key_heads * config.linear_key_head_dim,
+                config.linear_num_value_heads * config.linear_value_head_dim,
+                config.linear_num_value_heads,
+            )
+            total += w_in * (2 * keys + values + values + 2 * heads_v)  # in_proj_qkv, _z, _b, _a
+            total += (2 * keys + values) * config.linear_conv_kernel_dim + 2 * heads_v  # conv1d, dt_bias, A_log
+            total += config.linear_value_head_dim + values * w_attn  # gated norm, out_proj
+        else:
+            gated = 2 if config.model_type == "qwen3_5_text" else 1  # Qwen3.5's q_proj also yields a gate
+            total += w_in * (gated * heads + 2 * kv) * hd + attn_bias  # q, k, v
+            total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
+            if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text"):
+                total += 2 * hd  # per-head q and k norms
+            if config.model_type in ("olmo2", "olmo3"):
+                total += (heads + kv) * hd  # q and k norms over the whole projection
         total += 2 * w_attn * inter  # gate, up
         total += inter * d + d * w_mlp if post_norms else inter * w_mlp  # down (+ writer)
-        total += 2 * hd if config.model_type == "qwen3" else 0  # per-head q and k norms
         total += w_in * w_attn + w_attn * w_mlp  # residual transitions
     return total
 
@@ -139,8 +154,8 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
         else:
             w_in, w_attn, w_mlp = widths[2 * i], widths[2 * i + 1], widths[2 * i + 2]
             mlp_reads = w_attn
-        for name in family.attn_inputs:
-            assert layer.self_attn.get_submodule(name).in_features == w_in
+        for name in layer.mixer(family).inputs:
+            assert layer.attention.get_submodule(name).in_features == w_in
         assert layer.writer("attn", family).out_features == w_attn
         for name in family.mlp_inputs:
             assert layer.mlp.get_submodule(name).in_features == mlp_reads

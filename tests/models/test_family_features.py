@@ -1,0 +1,128 @@
+"""What the newer families needed of the engine, each checked on its own: a hybrid layer's own kind
+of attention (readers, writer and keys by the block the layer holds), blocks with no norm before
+them, a folded residual multiplier, a divisor of the logits, a model class without sdpa attention,
+and what `compress families` says each family allows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from compressor.cli import main
+from compressor.engine.pooling import PipelineStep
+from compressor.engine.transforms import fuse_norms
+from compressor.engine.walk import prune
+from compressor.models.families import BUILTIN_FAMILIES, family_for
+from compressor.models.layout import fixed_layout
+from compressor.models.sliced import SlicedDecoderLayer
+from compressor_plugins.pca import PCA
+from tests.conftest import (
+    FAMILY_CONFIGS,
+    copy_model,
+    max_relative_logit_error,
+    random_batches,
+    save_tiny_checkpoint,
+    tiny_model,
+    widths_for,
+)
+from tests.engine.test_equivalence import RandomRotation
+from tests.run.test_cli import write_recipe
+
+
+def test_a_hybrid_layer_is_sliced_through_the_block_it_holds() -> None:
+    original = tiny_model("qwen3_5_text")
+    family = family_for("qwen3_5_text")
+    assert [family.mixer_of(layer).path for layer in original.model.layers] == ["linear_attn", "self_attn"]
+    widths = widths_for("qwen3_5_text", original.config, 40, slice_head=True)
+    model = prune(
+        copy_model(original), fixed_layout(original.config, family, widths), random_batches(128), [PipelineStep(PCA())]
+    ).model
+    linear, full = model.model.layers
+    assert linear.attention_name == "linear_attn" and full.attention_name == "self_attn"
+    readers = [site.readers for site in linear.sites(family)][0]
+    assert readers == [
+        getattr(linear.linear_attn, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    ]
+    assert all(reader.in_features == 40 for reader in readers)
+    assert (
+        linear.writer("attn", family) is linear.linear_attn.out_proj and linear.linear_attn.out_proj.out_features == 40
+    )
+    assert full.writer("attn", family) is full.self_attn.o_proj
+    # the sliced model keeps the original's keys (norm scales are folded away; transitions are new)
+    kept = {k for k in model.state_dict() if "_shortcut" not in k}
+    assert kept == {k for k in original.state_dict() if "layernorm" not in k and k != "model.norm.weight"}
+
+
+def test_blocks_without_a_norm_before_them_read_the_stream_as_it_is() -> None:
+    model = tiny_model("olmo2")
+    fuse_norms(model, family_for("olmo2"))
+    for layer in model.model.layers:
+        assert isinstance(layer, SlicedDecoderLayer)
+        assert isinstance(layer.input_layernorm, nn.Identity) and isinstance(
+            layer.post_attention_layernorm, nn.Identity
+        )
+        assert layer.attn_writer is not None and layer.mlp_writer is not None  # the norms after the blocks
+
+
+@pytest.mark.parametrize("name", ["granite"])
+def test_the_residual_multiplier_is_folded_and_the_logits_divided(name: str) -> None:
+    original = tiny_model(name)
+    assert original.config.residual_multiplier != 1 and original.config.logits_scaling != 1
+    family = family_for(name)
+    d = original.config.hidden_size
+    batches = random_batches(128)
+    widths = widths_for(name, original.config, d, slice_head=True)
+    rotation = [PipelineStep(RandomRotation())]
+    exact = prune(copy_model(original), fixed_layout(original.config, family, widths), batches, rotation).model
+    assert max_relative_logit_error(original, exact, batches) <= 1e-5
+    unfolded = replace(family, residual_multiplier=None)  # the guard: without the fold the model is another
+    wrong = prune(copy_model(original), fixed_layout(original.config, unfolded, widths), batches, rotation).model
+    assert max_relative_logit_error(original, wrong, batches) > 1e-2
+    hidden = torch.randn(2, 3, d)
+    head = original.lm_head(original.model.norm(hidden))
+    assert torch.allclose(family.logits(original, hidden), head / original.config.logits_scaling)
+
+
+def test_a_class_without_sdpa_is_told_to_use_eager_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "model", "gemma2")
+    recipe = write_recipe(tmp_path, checkpoint)
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: model.attn_implementation: sdpa: Gemma2ForCausalLM has no sdpa attention in this transformers; "
+        "set model.attn_implementation: eager\n"
+    )
+    recipe = write_recipe(tmp_path, checkpoint, model__attn_implementation="eager")
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+
+
+def test_compress_families_says_what_each_model_type_can_save_and_prune(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["families"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 4}
+    for family in BUILTIN_FAMILIES:
+        for model_type in family.model_types:
+            cells = [cell.strip() for cell in rows[model_type].split("│")[1:-1]]
+            assert cells[1] == family.name
+            assert cells[2] == ("per_site" if family.stock_refusal else "per_site, global")
+            assert cells[3] == ("residual, mlp" if family.mlp_width else "residual")
+    assert set(FAMILY_CONFIGS) == {t for f in BUILTIN_FAMILIES for t in f.model_types}  # every one in the suite
+
+
+def test_the_dry_run_says_the_axes_and_the_embeddings_share(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "model", "gemma3_text")  # vocabulary 8192 × 64: most of it
+    recipe = write_recipe(tmp_path, checkpoint, mlp={"kept": 96}, model__attn_implementation="eager")
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    model = tiny_model("gemma3_text", vocab_size=8192)
+    share = model.model.embed_tokens.weight.numel() / sum(p.numel() for p in model.parameters())
+    assert f"the embedding is {share:.0%} of the parameters" in out and share > 0.5
+    assert "checked: axes: residual width, MLP width (this family allows residual, mlp)" in out
