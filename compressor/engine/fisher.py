@@ -74,7 +74,7 @@ def site_activations(
             hidden = site.block(hidden, **kwargs)
             sites.append(hidden)
             hidden = visit(hidden)
-    return sites, family.logits(model, hidden, before_cap) if head is None else head(hidden)
+    return sites, family.logits(model, hidden, before_cap, head)
 
 
 def _uniform_draws(rows: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:

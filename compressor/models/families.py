@@ -36,6 +36,9 @@ class TokenMixer:
     path: str
     inputs: tuple[str, ...]
     output: str
+    unused: tuple[str, ...] = ()
+    """Layer arguments the family's own layer does not pass to this block (Qwen3.5's linear
+    attention takes no position embeddings): a sliced layer leaves them out too."""
 
 
 @dataclass(frozen=True)
@@ -150,12 +153,21 @@ class ModelFamily:
             model.get_submodule(self.head),
         ]
 
-    def logits(self, model: nn.Module, hidden: Any, before_cap: Callable[[Any], Any] | None = None) -> Any:
-        """The model's logits from the stream after the last layer: the head modules, then the
-        logit soft-cap c·tanh(logits / c) where the family has one. The H pass and every
-        diagnostic forward go through here, so they compute what the model computes.
-        `before_cap` maps the head's output first (refinement's tied head)."""
-        for module in self.head_modules(model):
+    def logits(
+        self,
+        model: nn.Module,
+        hidden: Any,
+        before_cap: Callable[[Any], Any] | None = None,
+        head: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """The model's logits from the stream after the last layer: the head modules (or `head`,
+        which replaces them: a stock model's tied head), then the family's divisor and logit
+        soft-cap c·tanh(logits / c) where it has them. The H pass and every diagnostic forward go
+        through here, so they compute what the model computes. `before_cap` maps the head's output
+        first (refinement's tied head)."""
+        if head is not None:
+            hidden = head(hidden)
+        for module in self.head_modules(model) if head is None else ():
             hidden = module(hidden)
         if before_cap is not None:
             hidden = before_cap(hidden)
@@ -285,7 +297,12 @@ QWEN3_5 = ModelFamily(
     model_types=("qwen3_5_text",),
     norm_offset=1.0,  # (1 + w) norms
     other_mixers=(
-        TokenMixer("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "out_proj"),
+        TokenMixer(
+            "linear_attn",
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+            "out_proj",
+            unused=("position_embeddings", "position_ids"),
+        ),
     ),  # Gated DeltaNet on the `linear_attention` layers; full attention (gated q) on the others
     stock_refusal=None,
 )

@@ -108,6 +108,8 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         self.mlp_output_norm, self.mlp_writer = mlp_writer or (None, None)
         if attention_type is not None:
             self.attention_type = attention_type
+        self.unused_arguments: tuple[str, ...] = ()
+        """Layer arguments its block does not take (`TokenMixer.unused`), set by `wrap_layer`."""
 
     @property
     def attention(self) -> nn.Module:
@@ -120,7 +122,9 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
 
     def _mix(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The attention-like block's output (attention returns (output, weights); linear attention the output)."""
-        out = self.attention(hidden_states=hidden_states, **kwargs)
+        out = self.attention(
+            hidden_states=hidden_states, **{k: v for k, v in kwargs.items() if k not in self.unused_arguments}
+        )
         return out[0] if isinstance(out, tuple) else out
 
     @staticmethod
@@ -220,7 +224,7 @@ def wrap_layer(
     """
     writers = writers or {}
     mixer = family.mixer_of(layer)
-    return SlicedDecoderLayer(
+    sliced = SlicedDecoderLayer(
         attention=layer.get_submodule(mixer.path),
         mlp=family_mlp(family, layer),
         attn_norm=stream_norm(family.attn_norm, reference_width, attn_eps),
@@ -232,6 +236,8 @@ def wrap_layer(
         parallel=family.parallel,
         attention_name=PRIMARY_MIXER if mixer.path == family.attention else mixer.path,
     )
+    sliced.unused_arguments = mixer.unused
+    return sliced
 
 
 def stream_norm(path: str | None, reference_width: int, eps: float | None) -> nn.Module:

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.errors import UserError
 from compressor.models.budget import ParamModel
-from compressor.models.families import ModelFamily
+from compressor.models.families import ModelFamily, stream_writers
 from compressor.models.sites import EMBEDDING, site_ids
 
 STOCK_KEYS = ("hidden_size", "head_dim", "tie_word_embeddings")
@@ -202,9 +202,15 @@ def stock_state(
     dtype = sliced.get_submodule(family.embedding).weight.dtype
     norm_scale = math.sqrt(d / k)
     factor = 1.0 if family.scaled_embedding else stream_scale(d, k)  # Gemma's √k is √d·c already
-    embedding_key, head_key = f"{family.embedding}.weight", f"{family.head}.weight"
-    if factor != 1.0:
-        state[embedding_key] = (state[embedding_key].to(torch.float64) * factor).to(dtype)
+    head_key = f"{family.head}.weight"
+    names = {id(module): name for name, module in sliced.named_modules()}
+    projection, embeddings = stream_writers(sliced, family)
+    for writer in [m for m in (projection, *embeddings) if m is not None]:  # what writes the stream first
+        times = factor if names[id(writer)] == family.embedding else stream_scale(d, k)
+        for kind in ("weight", "bias") if times != 1.0 else ():
+            tensor = getattr(writer, kind, None)
+            if tensor is not None:
+                state[f"{names[id(writer)]}.{kind}"] = (tensor.detach().to(torch.float64) * times).to(tensor.dtype)
     final = torch.full((k,), norm_scale, dtype=torch.float64)
     record: dict[str, Any] = {
         "norm_scale": norm_scale,

@@ -232,15 +232,16 @@ def test_a_refined_run_reloads_and_reproduces_its_logits(tiny_checkpoint: Path, 
     assert torch.equal(expected, actual)
 
 
-def test_refinement_optimises_the_stock_tied_head_that_is_saved() -> None:
+@pytest.mark.parametrize("name", ["qwen2", "granite"])  # Granite: its logits divided after the tied head too
+def test_refinement_optimises_the_stock_tied_head_that_is_saved(name: str) -> None:
     """A one-basis model saved with its head tied computes E·V·diag(D)·Vᵀn, not the untied head:
     refinement's objective before and after is the KL of that saved model (D fitted, then D as
     refinement learned it), so what it lowers is what users load."""
     from compressor.models.stock import fitted_tied_scale, head_stream, to_stock
 
-    original = tiny_model("qwen2")
+    original = tiny_model(name)
     assert original.config.tie_word_embeddings
-    family = family_for("qwen2")
+    family = family_for(name)
     batches = random_batches(original.config.vocab_size, padded=True)
     k = kept_width(original.config.hidden_size, 0.25, 8)
     widths = {site: k for site in site_ids(family, original.config.num_hidden_layers)}

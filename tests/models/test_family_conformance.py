@@ -37,7 +37,7 @@ from compressor.engine.walk import prune
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import site_ids
-from compressor.models.stock import load_stock, save_stock, stock_param_model
+from compressor.models.stock import load_stock, save_stock, stock_param_model, to_stock
 from compressor.strategies.contract import Strategy
 from compressor_plugins.pca import PCA
 from tests.conftest import (
@@ -256,6 +256,31 @@ def test_with_nothing_sliced_the_stock_model_computes_the_original(name: str, ti
     assert type(stock) is type(original)
     assert stock.config.tie_word_embeddings == tie
     assert max_relative_logit_error(original, stock, random_batches(config.vocab_size, padded=True)) < 2e-6
+
+
+@pytest.mark.parametrize("name", STOCK_FAMILIES)
+def test_a_tied_stock_model_computes_the_sliced_embedding_as_its_head(name: str) -> None:
+    """Below the full width (the stream scaled, the norms' weights √(d/k)) with the head tied through
+    a diagonal D: the stock model computes E·V·diag(D)·n, the sliced model whose head is its own
+    embedding times D (whatever the family does to its embedding or logits)."""
+    original = tiny_model(name, tie_word_embeddings=True)
+    family = family_for(name)
+    config = original.config
+    generator = torch.Generator().manual_seed(3)
+    q, _ = torch.linalg.qr(
+        torch.randn(config.hidden_size, config.hidden_size, generator=generator, dtype=torch.float64)
+    )
+    bases = {site: q[:, :40] for site in site_ids(family, config.num_hidden_layers)}
+    sliced = apply_bases(copy_model(original), family, bases, keep_tied=False)
+    scale = 0.5 + torch.rand(40, generator=generator, dtype=torch.float64)
+    stock, record = to_stock(sliced, family, config, tie=True, scale=scale)
+    assert stock.config.tie_word_embeddings and stock.config.hidden_size == 40
+    assert record["stream_scale"] == pytest.approx((40 / config.hidden_size) ** 0.5)
+    embedding = sliced.get_submodule(family.embedding).weight
+    sliced.get_submodule(family.head).weight = torch.nn.Parameter(
+        embedding * scale.to(embedding.dtype), requires_grad=False
+    )
+    assert max_relative_logit_error(sliced, stock, random_batches(config.vocab_size, padded=True)) < 1e-5
 
 
 def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(

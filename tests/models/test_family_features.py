@@ -126,3 +126,27 @@ def test_the_dry_run_says_the_axes_and_the_embeddings_share(tmp_path: Path, caps
     share = model.model.embed_tokens.weight.numel() / sum(p.numel() for p in model.parameters())
     assert f"the embedding is {share:.0%} of the parameters" in out and share > 0.5
     assert "checked: axes: residual width, MLP width (this family allows residual, mlp)" in out
+
+
+def test_a_hybrid_layers_block_gets_the_arguments_its_own_layer_gives_it() -> None:
+    """Qwen3.5's layer passes its linear attention no position embeddings; fast kernels (fla,
+    causal-conv1d) may refuse arguments they do not know, so the sliced layer leaves them out too."""
+    original = tiny_model("qwen3_5_text")
+    family = family_for("qwen3_5_text")
+    widths = widths_for("qwen3_5_text", original.config, 40, slice_head=True)
+    batches = random_batches(128, count=1)
+    model = prune(copy_model(original), fixed_layout(original.config, family, widths), batches, [PipelineStep(PCA())])
+    seen: dict[str, set[str]] = {}
+
+    def record(label: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen[label] = set(kwargs)
+
+        return hook
+
+    original.model.layers[0].linear_attn.register_forward_pre_hook(record("original"), with_kwargs=True)
+    model.model.model.layers[0].linear_attn.register_forward_pre_hook(record("sliced"), with_kwargs=True)
+    with torch.no_grad():
+        for m in (original, model.model):
+            m(input_ids=batches[0].input_ids, attention_mask=batches[0].attention_mask)
+    assert seen["sliced"] == seen["original"] and "position_embeddings" not in seen["sliced"]
