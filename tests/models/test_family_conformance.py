@@ -323,7 +323,6 @@ def test_a_streamed_run_and_a_killed_run_give_the_run_in_memory(name: str, tmp_p
         tmp_path,
         checkpoint,
         slicing=_slice_head(name),
-        pipeline=[{"strategy": "sensitivity"}],
         evaluation=None,
         output=str(tmp_path / "run"),
         **EAGER,
