@@ -328,6 +328,7 @@ def test_a_streamed_run_and_a_killed_run_give_the_run_in_memory(name: str, tmp_p
         **EAGER,
     )
     runs = {}
+    streams = family_for(name).prepare is None  # GPT-2's Conv1D rewrite is not done layer by layer yet
     for label, extra, kill in (
         ("memory", (), None),
         ("stream", ("--set", "model.load=stream"), None),
@@ -335,11 +336,15 @@ def test_a_streamed_run_and_a_killed_run_give_the_run_in_memory(name: str, tmp_p
     ):
         output = tmp_path / label
         done = compress(recipe, output, *extra, kill=kill)
+        if label == "stream" and not streams:  # refused before work, in one line
+            assert done.returncode == 2 and done.stderr.count("\n") == 1 and "set model.load: memory" in done.stderr
+            assert not output.exists()
+            continue
         if kill is not None:
             assert done.returncode == -9, done.stderr
             done = compress(recipe, output)
         assert done.returncode == 0, done.stderr
         runs[label] = tensors(output)
-    for label in ("stream", "killed"):
+    for label in ("stream", "killed") if streams else ("killed",):
         assert runs[label].keys() == runs["memory"].keys()
         assert not [k for k, v in runs["memory"].items() if not torch.equal(runs[label][k], v)], label
