@@ -24,6 +24,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,21 +126,26 @@ def _slice_head(name: str) -> dict:
     return {"slice_head": True} if family_for(name).head_width_is_embedding_width else {}
 
 
+def _run_each(root: Path, names: list[str], changes: Callable[[str], dict]) -> dict[str, Path]:
+    """`compress run` of the test recipe with `changes(name)` on a tiny checkpoint of each family."""
+    runs = {}
+    for name in names:
+        folder = root / name
+        folder.mkdir()
+        checkpoint = save_tiny_checkpoint(folder / "original", name)
+        recipe = write_recipe(folder, checkpoint, output=str(folder / "run"), **EAGER, **changes(name))
+        assert main(["run", str(recipe)]) == 0
+        runs[name] = folder / "run"
+    return runs
+
+
 @pytest.fixture(scope="module")
 def per_site_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A per-site PCA run at sparsity 0.25 with the MLP's width pruned, on every family, and each
     saved folder's logits from fresh interpreters (`trust_remote_code=True`)."""
-    root = tmp_path_factory.mktemp("per-site")
-    runs = {}
-    for name in FAMILIES:
-        folder = root / name
-        folder.mkdir()
-        checkpoint = save_tiny_checkpoint(folder / "original", name)
-        recipe = write_recipe(
-            folder, checkpoint, slicing=_slice_head(name), output=str(folder / "run"), **_mlp(name), **EAGER
-        )
-        assert main(["run", str(recipe)]) == 0
-        runs[name] = folder / "run"
+    runs = _run_each(
+        tmp_path_factory.mktemp("per-site"), FAMILIES, lambda name: {"slicing": _slice_head(name), **_mlp(name)}
+    )
     _load_in_fresh_interpreters([run / "model" for run in runs.values()], remote=True)
     return runs
 
@@ -172,17 +178,8 @@ def global_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A global-layout PCA run at sparsity 0.25 on every family whose class can hold one basis (heads
     untied, so the saved model computes exactly what the sliced one does), and the logits of each
     saved folder as plain transformers computes them where compressor cannot be imported."""
-    root = tmp_path_factory.mktemp("global")
-    runs = {}
-    for name in STOCK_FAMILIES:
-        folder = root / name
-        folder.mkdir()
-        checkpoint = save_tiny_checkpoint(folder / "original", name)
-        recipe = write_recipe(
-            folder, checkpoint, slicing={"layout": "global", "tie_head": False}, output=str(folder / "run"), **EAGER
-        )
-        assert main(["run", str(recipe)]) == 0
-        runs[name] = folder / "run"
+    global_layout = {"slicing": {"layout": "global", "tie_head": False}}
+    runs = _run_each(tmp_path_factory.mktemp("global"), STOCK_FAMILIES, lambda name: global_layout)
     _load_in_fresh_interpreters([run / "model" for run in runs.values()], remote=False)
     return runs
 
