@@ -165,9 +165,7 @@ class ModelFamily:
         soft-cap c·tanh(logits / c) where it has them. The H pass and every diagnostic forward go
         through here, so they compute what the model computes. `before_cap` maps the head's output
         first (refinement's tied head)."""
-        if head is not None:
-            hidden = head(hidden)
-        for module in self.head_modules(model) if head is None else ():
+        for module in [head] if head is not None else self.head_modules(model):
             hidden = module(hidden)
         if before_cap is not None:
             hidden = before_cap(hidden)

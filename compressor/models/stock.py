@@ -207,10 +207,8 @@ def stock_state(
     projection, embeddings = stream_writers(sliced, family)
     for writer in [m for m in (projection, *embeddings) if m is not None]:  # what writes the stream first
         times = factor if names[id(writer)] == family.embedding else stream_scale(d, k)
-        for kind in ("weight", "bias") if times != 1.0 else ():
-            tensor = getattr(writer, kind, None)
-            if tensor is not None:
-                state[f"{names[id(writer)]}.{kind}"] = (tensor.detach().to(torch.float64) * times).to(tensor.dtype)
+        if times != 1.0:
+            state.update(_scaled(names[id(writer)], writer, times))
     final = torch.full((k,), norm_scale, dtype=torch.float64)
     record: dict[str, Any] = {
         "norm_scale": norm_scale,
@@ -259,11 +257,17 @@ def stock_layer(family: ModelFamily, index: int, layer: nn.Module, d: int, k: in
     names = {id(module): name for name, module in layer.named_modules()}
     for block in ("attn", "mlp"):
         writer = layer.writer(block, family)
-        for kind in ("weight", "bias"):
-            tensor = getattr(writer, kind, None)
-            if tensor is not None:
-                state[f"{prefix}{names[id(writer)]}.{kind}"] = (tensor.detach().to(torch.float64) * c).to(tensor.dtype)
+        state.update(_scaled(prefix + names[id(writer)], writer, c))
     return state
+
+
+def _scaled(name: str, module: nn.Module, times: float) -> dict[str, torch.Tensor]:
+    """`module`'s weight (and bias) times `times`, in float64 and cast back once, keyed under `name`."""
+    return {
+        f"{name}.{kind}": (tensor.detach().to(torch.float64) * times).to(tensor.dtype)
+        for kind in ("weight", "bias")
+        if (tensor := getattr(module, kind, None)) is not None
+    }
 
 
 def save_stock(
