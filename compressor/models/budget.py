@@ -14,9 +14,10 @@ architecture supports, head and transitions included, and no family is described
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -45,6 +46,9 @@ class ParamModel:
     embedding: int = 0
     """Parameters of the original's token (and position) embeddings: a small model's budget is
     mostly these (the plan reports their share)."""
+    embedding_constant: int = 0
+    embedding_linear: Mapping[str, int] = field(default_factory=dict)
+    """The embedding tables' share of `constant` and `linear` (their parameters at any widths)."""
 
     def count(self, widths: Mapping[str, int]) -> int:
         return (
@@ -55,6 +59,20 @@ class ParamModel:
 
     def transition_params(self, widths: Mapping[str, int]) -> int:
         return sum(widths[s] * widths[t] for s, t in self.transitions)
+
+    def without_embedding(self) -> ParamModel:
+        """The polynomial of the non-embedding parameters (`budget: non_embedding`): the same model
+        less its token and position tables, which a small model's budget is mostly made of. A head
+        tied to the embedding is the embedding; an untied head counts."""
+        return dataclasses.replace(
+            self,
+            constant=self.constant - self.embedding_constant,
+            linear={s: self.linear[s] - self.embedding_linear.get(s, 0) for s in self.sites},
+            original=self.original - self.embedding,
+            embedding=0,
+            embedding_constant=0,
+            embedding_linear={},
+        )
 
 
 def _meta_model(config: PretrainedConfig) -> torch.nn.Module:
@@ -106,11 +124,13 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
     ids = site_ids(family, config.num_hidden_layers)
     model = _meta_model(config)
     original = _count(model)
-    embedding = sum(model.get_submodule(path).weight.numel() for path in (family.embedding, *family.extra_embeddings))
+    embedding = sum(table.numel() for table in embedding_tables(model, family))
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
     widths = {site: width for width, site in markers.items()}
     apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
+    tables = {id(table) for table in embedding_tables(model, family)}
     constant, linear, transitions = 0, dict.fromkeys(ids, 0), []
+    embedding_constant, embedding_linear = 0, dict.fromkeys(ids, 0)
     for name, parameter in model.named_parameters():
         dims = [markers.get(int(size), int(size)) for size in parameter.shape]
         marked = [d for d in dims if isinstance(d, str)]
@@ -122,8 +142,10 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
                 rest *= d
         if not marked:
             constant += rest
+            embedding_constant += rest if id(parameter) in tables else 0
         elif len(marked) == 1:
             linear[marked[0]] += rest
+            embedding_linear[marked[0]] += rest if id(parameter) in tables else 0
         else:
             pair = tuple(sorted(marked, key=ids.index))
             consecutive = ids.index(pair[1]) == ids.index(pair[0]) + 1
@@ -138,7 +160,14 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
         original=original,
         hidden_size=config.hidden_size,
         embedding=embedding,
+        embedding_constant=embedding_constant,
+        embedding_linear=embedding_linear,
     )
+
+
+def embedding_tables(model: torch.nn.Module, family: ModelFamily) -> list[torch.nn.Parameter]:
+    """The token (and position) embedding tables of `model`, original or sliced."""
+    return [model.get_submodule(path).weight for path in (family.embedding, *family.extra_embeddings)]
 
 
 def widest_uniform(

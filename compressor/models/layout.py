@@ -52,6 +52,13 @@ class SlicedLayout:
     mlp_width: int | None = None
     """The intermediate neurons every layer's MLP keeps (`mlp:`); None: the MLP is not pruned.
     `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
+    counts: str = "all"
+    """What `budget` counts (the recipe's `budget`): all parameters, or `non_embedding`."""
+
+    @property
+    def counted(self) -> ParamModel:
+        """The parameter polynomial `budget` is in: `params`, or it less the embedding tables."""
+        return self.params.without_embedding() if self.counts == "non_embedding" else self.params
 
     @property
     def reused(self) -> tuple[str, ...]:
@@ -108,12 +115,14 @@ def sliced_layout(
     allocated: bool = False,
     mlp_kept: float | None = None,
     mlp_round_to: int = 1,
+    counts: str = "all",
 ) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
     widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
     fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
-    and the residual widths take what the budget leaves. Loads no weights."""
+    and the residual widths take what the budget leaves. `counts`: `non_embedding` counts
+    `target_params` without the embedding tables. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
@@ -149,22 +158,26 @@ def sliced_layout(
 
     required = width_multiple(config, family) if one_basis else 1  # the stock class's own demand
 
+    counted = params.without_embedding() if counts == "non_embedding" else params
+
     def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
         step = math.lcm(round_to, required)
-        widths = widest_uniform(params, budget, step, uniform)
-        exact = widest_uniform(params, budget, required, uniform)
+        widths = widest_uniform(counted, budget, step, uniform)
+        exact = widest_uniform(counted, budget, required, uniform)
         return widths, {
             "round_to": round_to,
             "class_multiple": required,
             "step": step,
             "width": widths[EMBEDDING],
-            "params": params.count(widths),
+            "params": counted.count(widths),
             "unrounded_width": exact[EMBEDDING],
-            "unrounded_params": params.count(exact),
+            "unrounded_params": counted.count(exact),
         }
 
     rounding = None
     if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
+        if counts != "all":
+            raise ValueError("a sparsity's budget counts every parameter")
         widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
         budget = param_model(config, family).count(widths)
         if shared or tied or one_basis or mlp_width is not None:  # fewer parameters: the budget keeps more width
@@ -172,7 +185,7 @@ def sliced_layout(
     else:
         if target_params is None:
             raise ValueError("give a sparsity or a target_params")
-        budget = int(target_params * params.original)
+        budget = int(target_params * counted.original)
         widths, rounding = widest(budget)
     return SlicedLayout(
         family=family,
@@ -187,6 +200,7 @@ def sliced_layout(
         budget=budget,
         rounding=rounding,
         mlp_width=mlp_width,
+        counts=counts,
     )
 
 

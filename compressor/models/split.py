@@ -65,7 +65,7 @@ def _most_neurons(
     """The most neurons (a multiple of `round_to`, at most `width`) the budget allows at residual
     `widths`: a model's parameters are affine in its MLP's width, so the counts with all neurons
     (`alone`'s polynomial) and with `low` (`narrow`'s) give every other."""
-    at_full, at_low = alone.params.count(widths), narrow.params.count(widths)
+    at_full, at_low = alone.counted.count(widths), narrow.counted.count(widths)
     if at_full == at_low:  # no MLP parameters to give
         return width if at_full <= alone.budget else -1
     most = low + (alone.budget - at_low) * (width - low) // (at_full - at_low)

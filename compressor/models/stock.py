@@ -39,7 +39,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.errors import UserError
-from compressor.models.budget import ParamModel
+from compressor.models.budget import ParamModel, embedding_tables
 from compressor.models.families import ModelFamily, stream_writers
 from compressor.models.sites import EMBEDDING, site_ids
 
@@ -87,10 +87,12 @@ def width_multiple(config: PretrainedConfig, family: ModelFamily) -> int:
     return 1
 
 
-def _meta_params(config: PretrainedConfig) -> int:
+def _meta_params(config: PretrainedConfig, family: ModelFamily | None = None) -> tuple[int, int]:
+    """Parameters of `config`'s model (tied weights once) and of its embedding tables (`family`'s)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())  # tied weights once
+    tables = 0 if family is None else sum(table.numel() for table in embedding_tables(model, family))
+    return sum(p.numel() for p in model.parameters()), tables
 
 
 def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool) -> ParamModel:
@@ -100,24 +102,28 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
     exact and there are no transitions."""
     d = config.hidden_size
     low = max(1, d // 2)
-    high_count, low_count = (
-        _meta_params(stock_config(config, family, d, tied)),
-        _meta_params(stock_config(config, family, low, tied)),
+    (high_count, high_tables), (low_count, low_tables) = (
+        _meta_params(stock_config(config, family, d, tied), family),
+        _meta_params(stock_config(config, family, low, tied), family),
     )
     slope, rest = divmod(high_count - low_count, d - low) if d != low else (high_count, 0)
-    if rest:
+    table_slope, table_rest = divmod(high_tables - low_tables, d - low) if d != low else (high_tables, 0)
+    if rest or table_rest:
         raise RuntimeError(f"{config.model_type}: the stock model's parameters are not linear in its width")
     ids = site_ids(family, config.num_hidden_layers)
     linear = {site: 0 for site in ids}
     linear[EMBEDDING] = slope
+    original, tables = _meta_params(config, family)
     return ParamModel(
         sites=tuple(ids),
         constant=high_count - slope * d,
         linear=linear,
         transitions=(),
-        original=_meta_params(config),
+        original=original,
         hidden_size=d,
-        embedding=config.vocab_size * d,
+        embedding=tables,
+        embedding_constant=high_tables - table_slope * d,
+        embedding_linear={EMBEDDING: table_slope},
     )
 
 

@@ -302,6 +302,10 @@ class Recipe:
     )
     """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
     transitions and the (untied) head counted."""
+    budget: Literal["all", "non_embedding"] = "all"
+    """Which parameters `target_params` counts: all of them, or all but the token and position
+    embedding tables (how small-model users read "25% smaller": Gemma 3 270M is 63% embedding).
+    A head tied to the embedding is the embedding; an untied head counts."""
     allocation: AllocationSpec = field(default_factory=AllocationSpec)
     evaluation: EvaluationSpec | None = None
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
@@ -640,6 +644,11 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         raise UserError(
             "give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
             "target_params (the fraction of the original's parameters kept, e.g. 0.75)"
+        )
+    if recipe.budget != "all" and recipe.target_params is None:
+        raise UserError(
+            f"budget: {recipe.budget} says which parameters target_params counts, but this recipe gives a "
+            f"sparsity; set target_params instead, or remove budget"
         )
     check_allocation(recipe.allocation, recipe.slicing.round_to)
     if recipe.refinement is not None and recipe.slicing.correct_readers:

@@ -78,6 +78,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         allocated=recipe.allocation.method == "curves",
+        counts=recipe.budget,
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
@@ -149,8 +150,8 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     d = checked.layout.config.hidden_size
     if checked.layout.kept is not None and checked.layout.kept < WIDE_LOSS * d:
         what = f"keeps {checked.layout.kept} of {d} dimensions of the residual stream"
-    elif checked.layout.kept is None and checked.layout.budget < WIDE_LOSS * checked.layout.params.original:
-        what = f"keeps {checked.layout.budget / checked.layout.params.original:.0%} of the parameters"
+    elif checked.layout.kept is None and checked.layout.budget < WIDE_LOSS * checked.layout.counted.original:
+        what = f"keeps {checked.layout.budget / checked.layout.counted.original:.0%} of the parameters"
     else:
         return warnings
     budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
@@ -177,7 +178,7 @@ def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
     """The `curves` allocator for this recipe: widths on the allocation grid, from `min_kept` of
     the hidden width up to all of it (the last site stays whole unless `slice_head`)."""
     spec = recipe.allocation
-    params, budget, hidden_size = layout.params, layout.budget, layout.config.hidden_size
+    params, budget, hidden_size = layout.counted, layout.budget, layout.config.hidden_size
     step = spec.step or recipe.slicing.round_to
     low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
     grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})

@@ -113,13 +113,20 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
     checked = plan(recipe, registry)
-    original = checked.layout.params.original
-    kept = checked.layout.kept if checked.layout.kept is not None else "chosen per site after a survey"
+    layout = checked.layout
+    original, counted = layout.params.original, layout.counted.original
+    kept = layout.kept if layout.kept is not None else "chosen per site after a survey"
+    what = "non-embedding parameters" if layout.counts == "non_embedding" else "parameters"
+    saved = (
+        f" ({layout.params.count(layout.widths):,} of {original:,} parameters in all)"
+        if layout.counts == "non_embedding" and layout.widths is not None
+        else ""
+    )
     found.checked.append(
-        f"model config ({checked.layout.config.model_type}, {checked.layout.config.num_hidden_layers} layers, "
-        f"hidden {checked.layout.config.hidden_size}): budget {checked.layout.budget:,} of {original:,} parameters "
-        f"({checked.layout.budget / original:.1%}), kept width {kept}; the embedding is "
-        f"{checked.layout.params.embedding / original:.0%} of the parameters"
+        f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers} layers, "
+        f"hidden {layout.config.hidden_size}): budget {layout.budget:,} of {counted:,} {what} "
+        f"({layout.budget / counted:.1%}), kept width {kept}{saved}; the embedding is "
+        f"{layout.params.embedding / original:.0%} of the parameters"
     )
     axes = ["residual width"] + (["MLP width"] if checked.layout.mlp_width is not None or checked.chooses_split else [])
     found.checked.append(f"axes: {', '.join(axes)} (this family allows {', '.join(checked.layout.family.axes())})")
@@ -137,7 +144,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
     if checked.chooses_split:
         splits = ", ".join(
-            f"width {split.kept} with MLP {split.mlp_width or 'whole'} ({split.params.count(split.widths or {}):,})"
+            f"width {split.kept} with MLP {split.mlp_width or 'whole'} ({split.counted.count(split.widths or {}):,})"
             for split in checked.splits
         )
         found.checked.append(

@@ -1041,7 +1041,7 @@ class _Stages:
                 {
                     "method": recipe.allocation.method,
                     "budget": layout.budget,
-                    "predicted_params": layout.params.count(result.widths),
+                    "predicted_params": layout.counted.count(result.widths),
                     "transition_params": layout.params.transition_params(result.widths),
                     "shared_sites": list(layout.shared),
                     # the allocator's record: its method ("curves"), solver, predicted KL and curves

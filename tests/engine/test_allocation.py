@@ -67,9 +67,15 @@ LARGE = {
 
 def sliced_params(config, family, widths, shared=(), tied=False) -> int:
     """The oracle for ParamModel: a sliced model built on the meta device, its parameters counted."""
+    return sliced_counts(config, family, widths, shared, tied)[0]
+
+
+def sliced_counts(config, family, widths, shared=(), tied=False) -> tuple[int, int]:
+    """All the sliced model's parameters, and those outside its token and position tables."""
     model = _meta_model(config)
     apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
-    return _count(model)
+    tables = sum(model.get_submodule(path).weight.numel() for path in (family.embedding, *family.extra_embeddings))
+    return _count(model), _count(model) - tables
 
 
 def _config(name: str):
@@ -88,8 +94,25 @@ def test_the_parameter_polynomial_counts_every_sliced_model_exactly(name: str) -
         for site in shared:
             widths[site] = widths[ids[ids.index(site) - 1]]
         params = param_model(config, family, shared)
-        assert params.count(widths) == sliced_params(config, family, widths, shared)
+        everything, non_embedding = sliced_counts(config, family, widths, shared)
+        assert params.count(widths) == everything
+        assert params.without_embedding().count(widths) == non_embedding < everything
     assert param_model(config, family).original == sum(p.numel() for p in tiny_model(name).parameters())
+    model = tiny_model(name)
+    tables = sum(model.get_submodule(path).weight.numel() for path in (family.embedding, *family.extra_embeddings))
+    assert param_model(config, family).without_embedding().original == _count(model) - tables
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_tied_head_is_embedding_and_an_untied_one_is_not(name: str) -> None:
+    config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name], "tie_word_embeddings": True})
+    family = family_for(config.model_type)
+    widths = {site: 40 for site in site_ids(family, config.num_hidden_layers)}
+    tied, untied = param_model(config, family, tied=True), param_model(config, family)
+    assert tied.without_embedding().count(widths) == sliced_counts(config, family, widths, tied=True)[1]
+    # The untied head (vocabulary x the last site) is not an embedding table: it counts.
+    head = config.vocab_size * 40
+    assert untied.without_embedding().count(widths) - tied.without_embedding().count(widths) == head - 40 * 40
 
 
 def test_the_8b_shape_counts_as_llama_31_8b() -> None:

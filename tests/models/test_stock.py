@@ -280,3 +280,38 @@ def test_the_symmetric_tied_fit_beats_the_diagonal_and_is_exact_at_full_width(k:
         assert torch.allclose(S, V.T @ torch.diag(g) @ V, atol=1e-8) and loss(S) < 1e-12 * diagonal
     else:
         assert loss(S) < 0.9 * diagonal
+
+
+def test_target_params_can_count_the_non_embedding_parameters(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """`budget: non_embedding`: the saved stock model's parameters outside its embedding tables are
+    the budget's, at the widest width they allow; the plan says what it counts."""
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        sparsity=None,
+        target_params=0.8,
+        evaluation=None,
+        slicing={"layout": "global", "round_to": 16},
+        budget="non_embedding",
+    )
+    recipe.write_text(recipe.read_text().replace("sparsity: null\n", ""))
+    params = stock_param_model(AutoConfig.from_pretrained(tiny_checkpoint), family_for("llama"), tied=False)
+    counted = params.without_embedding()
+    budget = int(0.8 * counted.original)
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert f"budget {budget:,} of {counted.original:,} non-embedding parameters" in capsys.readouterr().out
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    width = report["rounding"]["width"]
+    saved = load_file(tmp_path / "out" / "model" / "model.safetensors")
+    outside = sum(t.numel() for name, t in saved.items() if "embed_tokens" not in name)
+    assert report["allocation"]["budget"] == budget
+    assert outside == report["allocation"]["predicted_params"] == counted.count({s: width for s in params.sites})
+    assert outside <= budget < counted.count({s: width + 16 for s in params.sites})
+
+
+def test_a_non_embedding_budget_needs_target_params(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, budget="non_embedding")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "budget: non_embedding" in error and "set target_params" in error
