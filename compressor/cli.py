@@ -512,6 +512,7 @@ def _strategies(console: Console) -> None:
 
 
 def _families(console: Console) -> None:
+    from compressor.models.towers import BUILTIN_TOWERS
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
@@ -521,6 +522,17 @@ def _families(console: Console) -> None:
     ]
     columns = ("model_type", "family", "layouts", "axes", "plugin", "from")
     _print_table(console, "supported model families", columns, rows)
+    towers = [
+        (
+            ", ".join(t.model_types),
+            t.projector,
+            "no: " + t.refusal.split(",")[0] if t.refusal else "layout: global, where the text family allows it",
+        )
+        for t in BUILTIN_TOWERS
+    ]
+    _print_table(
+        console, "vision-language checkpoints (text tower)", ("model_type", "projector", "saved whole"), towers
+    )
     _note_skipped(console, registry)
 
 

@@ -17,6 +17,7 @@ from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
 from compressor.models.split import split_layouts
+from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
 from compressor.strategies.neuron_contract import NeuronSelector
@@ -38,6 +39,8 @@ class Plan:
     splits: tuple[SlicedLayout, ...] = ()
     """`mlp` without `kept`: the splits of the budget the run measures (`models.split`), the
     residual width alone first (`layout`, until the run has chosen)."""
+    tower: TextTower | None = None
+    """A vision-language checkpoint: the text tower the run prunes (`models.towers`)."""
 
     @property
     def chooses_split(self) -> bool:
@@ -61,6 +64,10 @@ def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
 def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     """Read the model's config and check family, layout, widths and strategy options; load no weights."""
     config = load_config(recipe.model)
+    tower = tower_for(config)
+    if tower is not None:
+        check_tower(recipe, config, tower)
+        config = text_config(config)
     families = {model_type: entry.family for model_type, entry in registry.families().items()}
     family = family_for(config.model_type, families)
     reason = family.refuse(config) if family.refuse is not None else None
@@ -124,7 +131,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     check_evaluation_tasks(recipe)
     if recipe.distillation is not None:
         check_distillation(recipe, layout)
-    checked = Plan(layout, pipeline, allocator, selector, splits=splits)
+    checked = Plan(layout, pipeline, allocator, selector, splits=splits, tower=tower)
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 
@@ -158,8 +165,61 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     return [
         *warnings,
         f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
-        f"consider removing less",
+        f"consider removing less{_tied_head_advice(recipe, checked)}",
     ]
+
+
+def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
+    """A per-site layout unties a tied model's head (a second vocabulary × width matrix), which an
+    embedding-heavy model pays for with most of its width: name the width a tied head keeps."""
+    layout = checked.layout
+    if (
+        recipe.slicing.tie_head is not None
+        or layout.one_basis
+        or layout.kept is None
+        or not getattr(layout.config, "tie_word_embeddings", False)
+    ):
+        return ""
+    try:
+        tied = sliced_layout(
+            layout.config,
+            layout.family,
+            [layout.family],
+            layout=recipe.slicing.layout,
+            tie_head=True,
+            round_to=recipe.slicing.round_to,
+            sparsity=recipe.sparsity,
+            target_params=recipe.target_params,
+            mlp_kept=layout.mlp_width,
+            counts=recipe.budget,
+        )
+    except UserError:  # this family's head cannot stay tied
+        return ""
+    if tied.kept is None or tied.kept <= layout.kept:
+        return ""
+    return (
+        f", or set slicing.tie_head: true (this per-site layout unties the head, a second "
+        f"{layout.config.vocab_size} × width matrix; tied, the budget keeps width {tied.kept})"
+    )
+
+
+def check_tower(recipe: Recipe, config: PretrainedConfig, tower: TextTower) -> None:
+    """A vision-language checkpoint is saved whole as its own class: a global layout, in memory,
+    with no distillation (its student would be the text model alone)."""
+    name = ", ".join(config.architectures or [config.model_type])
+    if tower.refusal is not None:
+        raise UserError(f"{name}: its text tower cannot be saved inside its own class: {tower.refusal}")
+    if recipe.slicing.layout != "global":
+        raise UserError(
+            f"{name} is a vision-language checkpoint, saved whole as its own class, which holds one residual "
+            f"basis only; set slicing.layout: global"
+        )
+    for present, setting in (
+        (recipe.model.load == "stream", "model.load: stream"),
+        (recipe.distillation is not None, "distillation"),
+    ):
+        if present:
+            raise UserError(f"{name}: a vision-language checkpoint is pruned in memory without {setting}; remove it")
 
 
 def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from compressor.data.batches import Batch
 from compressor.data.chat import chat_batches
@@ -16,6 +23,7 @@ from compressor.data.text import batches_of, first_record, load_records, token_w
 from compressor.engine.refine import rebatch
 from compressor.errors import UserError, first_line
 from compressor.hub import cached, model_advice, unreachable
+from compressor.models.towers import text_model, tower_for
 from compressor.recipe.schema import DataSpec, ModelSpec
 from compressor.run.staging import RUN_MARKER
 from compressor.validation import replaced
@@ -57,11 +65,23 @@ def load_model(spec: ModelSpec, placement: dict[str, Any] | None = None) -> PreT
     and `offload_folder`, handed to `from_pretrained` (the model spread over GPUs, host and disk)."""
     if spec.load == "stream":  # `auto` is decided by the run's memory plan; anywhere else it means memory
         return _streamed(spec)
+    tower = tower_for(load_config(spec))
+    if tower is not None:  # a vision-language checkpoint: its text model (`models.towers`)
+        return text_model(load_whole(spec, placement), tower)
+    return _from_pretrained(AutoModelForCausalLM, spec, placement)
+
+
+def load_whole(spec: ModelSpec, placement: dict[str, Any] | None = None) -> PreTrainedModel:
+    """A vision-language checkpoint as its own class, vision encoder included."""
+    return _from_pretrained(AutoModelForImageTextToText, spec, placement)
+
+
+def _from_pretrained(auto: Any, spec: ModelSpec, placement: dict[str, Any] | None) -> PreTrainedModel:
     from_run = (Path(spec.path).parent / RUN_MARKER).is_file()
     return _load(
         f"model '{spec.path}'",
         spec,
-        lambda: AutoModelForCausalLM.from_pretrained(
+        lambda: auto.from_pretrained(
             spec.path,
             revision=spec.revision,
             dtype=getattr(torch, spec.dtype),

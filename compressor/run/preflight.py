@@ -128,6 +128,12 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         f"({layout.budget / counted:.1%}), kept width {kept}{saved}; the embedding is "
         f"{layout.params.embedding / original:.0%} of the parameters"
     )
+    if checked.tower is not None:
+        found.checked.append(
+            f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "
+            f"vision encoder kept, the projector's output ({checked.tower.projector}) mapped with the "
+            f"embedding's basis; saved whole as its own class"
+        )
     axes = ["residual width"] + (["MLP width"] if checked.layout.mlp_width is not None or checked.chooses_split else [])
     found.checked.append(f"axes: {', '.join(axes)} (this family allows {', '.join(checked.layout.family.axes())})")
     if checked.layout.one_basis:

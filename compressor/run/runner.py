@@ -50,11 +50,12 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, mlp_neurons, with_mlp_width
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
+from compressor.models.towers import copy_processor_files, save_tower
 from compressor.recipe.schema import LmEvalSpec, MlpSpec, ModelSpec, Recipe
 from compressor.run.checks import Plan, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
-from compressor.run.loading import Resources, heldout_batches, resolve_device
+from compressor.run.loading import Resources, heldout_batches, load_model, load_whole, resolve_device
 from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
@@ -886,6 +887,17 @@ class _Stages:
         self.progress("saving model" if save_model else "saving bases", 0, 1)
         if self.writes and self.one_basis:  # the walk wrote the stock model as it went
             self.stock = self.result.stock
+        elif self.one_basis and self.distillation is None and self.checked.tower is not None:
+            pruned, self.stock = to_stock(
+                pruned,
+                self.family,
+                self.config,
+                tie=self.checked.layout.tie_head,
+                stream=self._head_stream(),
+                scale=self.head_scale,
+            )
+            if save_model:  # the whole vision-language checkpoint, loaded back as users load it
+                pruned = self._save_tower(pruned, staging / "model")
         elif self.one_basis and self.distillation is None:
             pruned, self.stock = to_stock(
                 pruned,
@@ -913,6 +925,27 @@ class _Stages:
         save_bases(self.bases, staging / BASES_FILE, metadata)
         if self.result.readers is not None:
             save_bases(self.result.readers, staging / READERS_FILE)
+
+    def _save_tower(self, pruned: PreTrainedModel, folder: Path) -> PreTrainedModel:
+        """A vision-language checkpoint saved whole (`models.towers.save_tower`): the original
+        loaded again, its text tower replaced by `pruned`, its projector mapped into the pruned
+        stream; returned as the run's text model, read back from the folder."""
+        tower, spec = self.checked.tower, self.recipe.model
+        assert tower is not None and self.stock is not None
+        save_tower(
+            load_whole(replaced(spec, load="memory")),
+            tower,
+            pruned,
+            self.bases[EMBEDDING],
+            self.stock["stream_scale"],
+            folder,
+        )
+        self.stock["vision_language"] = {
+            "class": type(pruned).__name__,
+            "projector": tower.projector,
+            "copied": copy_processor_files(spec.path, folder),
+        }
+        return load_model(replaced(spec, path=str(folder), revision=None, load="memory"))
 
     def evaluate(self) -> None:
         """ "evaluating": perplexity, KL and lm-eval suites of both models; the unrefined model's KL;

@@ -1,0 +1,188 @@
+"""Vision-language checkpoints pruned through their text tower (`compressor.models.towers`): the
+run prunes the language model, maps the projector's output into the pruned stream, keeps the
+vision encoder, and saves the whole checkpoint as its own class, which plain transformers loads;
+what it cannot save that way is refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, Gemma3Config, LlavaConfig, Mistral3Config, Qwen3_5Config
+
+from compressor.cli import main
+from compressor.models.towers import text_model, tower_for
+from tests.conftest import COMMON, EXAMPLES, FAMILY_CONFIGS, TOKENIZER_FILES
+from tests.run.test_cli import _DELETE, write_recipe
+
+VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2)
+PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch: one row of pixel_values
+
+
+def qwen_vl(tied: bool) -> AutoModelForImageTextToText:
+    text = {**COMMON, **FAMILY_CONFIGS["qwen3_5_text"], "vocab_size": 8192}
+    text.pop("model_type")
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config={**VISION, "out_hidden_size": COMMON["hidden_size"]},
+        tie_word_embeddings=tied,
+        image_token_id=8000,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1 (a fused scale), as in a trained model
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+def save_vl(folder: Path, tied: bool) -> Path:
+    qwen_vl(tied).save_pretrained(folder)
+    for file in TOKENIZER_FILES:
+        shutil.copy(EXAMPLES / "ref-llama" / file, folder / file)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"patch_size": 4}))
+    return folder
+
+
+def image_inputs() -> dict[str, torch.Tensor]:
+    """Eight text tokens around one image of 2 x 2 patches (one merged image token)."""
+    ids = torch.tensor([[5, 17, 8000, 99, 3, 250, 41, 7]])
+    torch.manual_seed(1)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(4, PATCH),
+        "image_grid_thw": torch.tensor([[1, 2, 2]]),
+        "mm_token_type_ids": (ids == 8000).long(),
+    }
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_vl(tmp_path_factory.mktemp("qwen-vl"), request.param)
+
+
+def test_the_text_model_is_the_language_model_and_head_of_the_checkpoint(checkpoint: Path) -> None:
+    whole = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    text = text_model(whole, tower_for(whole.config))
+    ids = image_inputs()["input_ids"].clone()
+    ids[ids == 8000] = 11  # text only
+    with torch.no_grad():
+        expected = whole(input_ids=ids).logits
+        got = text(input_ids=ids).logits
+    assert type(text).__name__ == "Qwen3_5ForCausalLM"
+    assert torch.equal(got, expected)
+    assert text.model is whole.model.language_model  # the same modules: no copy
+
+
+def _run(tmp_path: Path, checkpoint: Path, **changes) -> int:
+    tmp_path.mkdir()
+    recipe = write_recipe(tmp_path, checkpoint, **changes)
+    return main(["run", str(recipe)])
+
+
+def test_a_global_run_saves_the_whole_checkpoint_as_its_own_class(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """Nothing sliced (a rotation only): the saved vision-language model, loaded by plain
+    transformers with compressor blocked, gives the original's logits on an image prompt, so
+    the projector's output went through the embedding's basis and scale; sliced: the vision
+    encoder is kept bit for bit and the text tower has the report's width."""
+    assert _run(tmp_path / "whole", checkpoint, sparsity=0.0, slicing={"layout": "global"}) == 0
+    cut = dict(sparsity=_DELETE, target_params=0.7, slicing={"layout": "global"})
+    (tmp_path / "plan").mkdir()
+    assert main(["run", str(write_recipe(tmp_path / "plan", checkpoint, **cut)), "--dry-run"]) == 0
+    assert "a vision-language checkpoint: its text tower (qwen3_5_text) is pruned" in capsys.readouterr().out
+    assert _run(tmp_path / "cut", checkpoint, **cut) == 0
+    script = (
+        "import sys, torch\n"
+        "sys.modules['compressor'] = None\n"
+        "from transformers import AutoModelForImageTextToText\n"
+        "folder, inputs, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]\n"
+        "model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()\n"
+        "with torch.no_grad():\n"
+        "    logits = model(**inputs).logits\n"
+        "    other = model(**{**inputs, 'pixel_values': inputs['pixel_values'].flip(0)}).logits\n"
+        "torch.save({'class': type(model).__name__, 'logits': logits, 'other_image': other}, out)\n"
+    )
+    torch.save(image_inputs(), tmp_path / "inputs.pt")
+    for run in ("whole", "cut"):
+        folder = tmp_path / run / "out" / "model"
+        subprocess.run(
+            [sys.executable, "-c", script, str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / f"{run}.pt")],
+            check=True,
+        )
+    original = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = original(**image_inputs()).logits
+    whole = torch.load(tmp_path / "whole.pt")
+    assert whole["class"] == "Qwen3_5ForConditionalGeneration"
+    assert ((whole["logits"] - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    # The image token changes what follows it: the projector's output reaches the pruned stream.
+    cut = torch.load(tmp_path / "cut.pt")
+    report = json.loads((tmp_path / "cut" / "out" / "report.json").read_text())
+    width = report["stock"]["hidden_size"]
+    assert width < COMMON["hidden_size"] and cut["logits"].shape == expected.shape
+    assert torch.equal(cut["logits"][:, :2], cut["other_image"][:, :2])  # before the image: causal
+    assert not torch.allclose(cut["logits"][:, 2:], cut["other_image"][:, 2:])
+    saved = load_file(tmp_path / "cut" / "out" / "model" / "model.safetensors")
+    before = load_file(checkpoint / "model.safetensors")
+    vision = [name for name in before if name.startswith("model.visual.") and "merger.linear_fc2" not in name]
+    assert vision and all(torch.equal(saved[name], before[name]) for name in vision)
+    assert saved["model.visual.merger.linear_fc2.weight"].shape == (
+        width,
+        before["model.visual.merger.linear_fc2.weight"].shape[1],
+    )
+    config = json.loads((tmp_path / "cut" / "out" / "model" / "config.json").read_text())
+    assert config["text_config"]["hidden_size"] == config["vision_config"]["out_hidden_size"] == width
+    assert (tmp_path / "cut" / "out" / "model" / "preprocessor_config.json").is_file()
+    assert "preprocessor_config.json" in report["stock"]["vision_language"]["copied"]
+    assert report["metrics"]["pruned"]["kl"] > 0 and report["model"]["model_type"] == "qwen3_5_text"
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"slicing": {"layout": "per_site"}}, "set slicing.layout: global"),
+        ({"slicing": {"layout": "global"}, "model__load": "stream"}, "without model.load: stream"),
+    ],
+)
+def test_what_a_whole_checkpoint_cannot_hold_is_refused_before_work(
+    checkpoint: Path, tmp_path: Path, capsys, changes: dict, names: str
+) -> None:
+    recipe = write_recipe(tmp_path, checkpoint, evaluation=None, **changes)
+    assert main(["run", str(recipe)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and names in error and "Qwen3_5ForConditionalGeneration" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tower_the_stock_class_cannot_hold_or_an_undescribed_one_is_refused(tmp_path: Path, capsys) -> None:
+    mistral = Mistral3Config()
+    mistral.architectures = ["Mistral3ForConditionalGeneration"]
+    mistral.save_pretrained(tmp_path / "mistral3")
+    LlavaConfig(architectures=["LlavaForConditionalGeneration"]).save_pretrained(tmp_path / "other")
+    for folder, expected in (  # noqa: B007
+        ("mistral3", "projector's hidden layer is as wide as the text model"),
+        ("other", "vision-language checkpoint whose multimodal projector compressor does not describe"),
+    ):
+        recipe = write_recipe(tmp_path / folder, tmp_path / folder, evaluation=None, slicing={"layout": "global"})
+        assert main(["run", str(recipe), "--dry-run"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.count("\n") == 0 and expected in error, error
+
+
+def test_gemma3_checkpoints_are_told_why_not(tmp_path: Path, capsys) -> None:
+    """Gemma 3's text tower has norms after its blocks: one basis is not a stock Gemma 3."""
+    config = Gemma3Config(text_config={**COMMON, "model_type": "gemma3_text"})
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    recipe = write_recipe(tmp_path, tmp_path, evaluation=None, slicing={"layout": "global"})
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "norms after each block" in error
