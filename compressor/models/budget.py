@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -182,9 +183,14 @@ def widest_uniform(
             return widths
         kept -= round_to
     smallest = params.count(uniform(round_to))
+    reachable = math.ceil(1000 * smallest / params.original) / 1000
+    fix = (
+        f"raise target_params to at least {reachable:g}, or "
+        if reachable <= 1
+        else "no target_params is reachable while the head's input is kept whole: "
+    )
     raise UserError(
         f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
         f"original): the narrowest model (width {round_to}) has {smallest:,} ({smallest / params.original:.1%}); "
-        f"raise target_params, or "
-        f"set slicing.slice_head: true if the head's input is kept whole"
+        f"{fix}set slicing.slice_head: true (or, for a tied model, slicing.tie_head: true)"
     )

@@ -590,6 +590,7 @@ def test_target_params_with_a_tied_head_and_its_refusals(tmp_path: Path, capsys:
     reloaded = AutoModelForCausalLM.from_pretrained(folder / "out" / "model")
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     untied = save_tiny_checkpoint(tmp_path / "untied", "llama")
+    capsys.readouterr()  # what saving printed (transformers' shard bar, where nothing has quieted it yet)
     for checkpoint, changes, message in [
         (untied, {"slicing": {"tie_head": True}}, "this model's head is untied"),
         (tied, {"sparsity": None, "target_params": 0.01}, "no uniform width reaches"),
@@ -615,3 +616,43 @@ def test_shared_bases_with_the_head_input_kept_whole(tiny_checkpoint: Path, tmp_
     assert kept["layers.1.mlp"] == 64 and kept["layers.0.mlp"] == kept["layers.0.attn"] >= 48
     assert report["allocation"]["shared_sites"] == ["layers.0.mlp"]
     assert report["params"]["pruned"] <= report["allocation"]["budget"]
+
+
+def test_an_unreachable_budget_names_the_fraction_that_is_reachable(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The refusal's "raise target_params to at least f": f plans, a little less is refused again."""
+    tied = save_tiny_checkpoint(tmp_path / "tied", "qwen2")
+    capsys.readouterr()
+
+    def dry_run(target: float) -> tuple[int, str]:
+        folder = tmp_path / f"at-{target}"
+        folder.mkdir()
+        recipe = write_recipe(folder, tied, sparsity=None, target_params=target, slicing={"tie_head": True})
+        code = main(["run", str(recipe), "--dry-run"])
+        captured = capsys.readouterr()
+        return code, captured.err.strip() + captured.out
+
+    code, error = dry_run(0.01)
+    assert code == 2 and len(error.splitlines()) == 1
+    reachable = float(error.split("raise target_params to at least ")[1].split(",")[0])
+    assert dry_run(reachable)[0] == 0
+    assert dry_run(round(reachable - 0.002, 3))[0] == 2
+
+
+def test_a_per_site_budget_that_unties_an_embedding_heavy_head_names_the_tied_width(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    tied = save_tiny_checkpoint(tmp_path / "tied", "qwen2")  # vocabulary 8192 x width 64: most of the model
+
+    def plan_of(folder: str, **slicing) -> str:
+        (tmp_path / folder).mkdir()
+        recipe = write_recipe(tmp_path / folder, tied, sparsity=None, target_params=0.75, slicing=slicing)
+        assert main(["run", str(recipe), "--dry-run"]) == 0
+        return capsys.readouterr().out
+
+    untied, kept_tied = plan_of("default", slice_head=True), plan_of("tied-head", slice_head=True, tie_head=True)
+    width = int(kept_tied.split("kept width ")[1].split(";")[0].split()[0])
+    assert "set slicing.tie_head: true (this per-site layout unties the head" in untied
+    assert f"tied, the budget keeps width {width})" in untied
+    assert "slicing.tie_head" not in kept_tied
