@@ -116,6 +116,8 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
     values["calibration"].pop("dataset", None)
     for key in ("chunk", "recompute"):
         values["sensitivity"].pop(key, None)
+    if values.get("budget") == "all":  # the default, as before the key existed: older checkpoints still resume
+        values.pop("budget")
     values["compressor"] = compressor.__version__
     return values
 

@@ -237,3 +237,20 @@ def test_activations_spilled_to_disk_give_the_same_model(tmp_path: Path) -> None
     assert not list(tmp_path.iterdir())  # the spill files are gone
     for name, value in in_memory.model.state_dict().items():
         assert torch.equal(spilled.model.state_dict()[name], value), name
+
+
+def test_the_default_budget_leaves_the_fingerprint_as_it_was_before_the_key(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A checkpoint written before `budget` existed still resumes: the default is left out of the
+    digest, and a budget that changes the model changes it."""
+    from compressor.recipe.schema import load_recipe
+    from compressor.run.resume import fingerprinted, recipe_fingerprint
+    from compressor.strategies.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    plain = write_recipe(tmp_path, tiny_checkpoint, sparsity=None, target_params=0.8)
+    default = load_recipe(plain, registry)
+    counted = load_recipe(plain, registry, ["budget=non_embedding"])
+    assert "budget" not in fingerprinted(default) and fingerprinted(counted)["budget"] == "non_embedding"
+    assert recipe_fingerprint(default) != recipe_fingerprint(counted)
