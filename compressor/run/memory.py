@@ -139,6 +139,9 @@ class PlanSettings:
     distillation: tuple[str, str] | None = None
     """(method, teacher placement), or None."""
     evaluation: bool = True
+    evaluation_batch: tuple[int, int] = (0, 0)
+    """(tokens per window, windows per batch) of the evaluation: its log-probabilities are
+    vocabulary-wide (Gemma 3's 262,144 entries a token)."""
     evaluation_layerwise: tuple[int, int, int] | None = None
     """(windows, tokens per window, windows per batch) where a run evaluates layer by layer
     (`layerwise_eval.evaluates_layer_by_layer`: nothing needs the original whole on the device)."""
@@ -164,6 +167,7 @@ class PlanSettings:
             refinement=recipe.refinement is not None,
             distillation=(spec.method, spec.teacher) if spec is not None else None,
             evaluation=recipe.evaluation is not None,
+            evaluation_batch=(recipe.evaluation.seq_len, recipe.evaluation.batch_size) if recipe.evaluation else (0, 0),
             evaluation_layerwise=_layerwise_evaluation(recipe),
             evaluation_placed=recipe.evaluation is not None
             and recipe.evaluation.device_map is not None
@@ -541,12 +545,15 @@ def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator:
                 f"each has free), then disk in the output's staging folder (at most {size(weights)})"
             )
     elif settings.evaluation:
+        tokens, per_batch = settings.evaluation_batch
+        # a batch's float32 log-probabilities of both models and the KL's three temporaries of that size
+        log_probs = 5 * per_batch * tokens * vocab * 4
         phases.append(
             phase(
                 "evaluation (both models on the device)",
                 weights + pruned_weights,
-                weights + pruned_weights,
-                "evaluation: null (then `compress eval` where both models fit)",
+                weights + pruned_weights + log_probs,
+                "a smaller evaluation.batch_size, or evaluation: null (then `compress eval` where both models fit)",
                 whole_model=True,
             )
         )

@@ -281,3 +281,33 @@ def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_t
         walk = _phases(memory_plan(settings, layout, True, True))["walk"]
         measured = measure_device(config, family, torch.float32, 4, 32, layout.kept, "sdpa", True)
         assert walk.device == measured["walk"] + extra
+
+
+def test_whole_model_evaluation_counts_a_batch_of_vocabulary_wide_log_probabilities(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Evaluating both models holds a batch's log-probabilities of each and the KL's temporaries,
+    vocabulary-wide (Gemma 3 270M at 8 windows of 256 tokens: 10 GiB beside 2 GiB of weights):
+    the plan's figure grows with the batch by what `compare` is measured to hold."""
+    from compressor.evaluation.memtrack import LiveBytes
+    from compressor.evaluation.metrics import compare
+    from compressor.recipe.schema import load_recipe
+    from compressor.run import memory
+    from compressor.run.checks import plan
+    from compressor.strategies.registry import PluginRegistry
+    from tests.conftest import random_batches
+
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, evaluation__batch_size=2), registry, [], None)
+    checked, cpu = plan(recipe, registry), torch.device("cpu")
+    figures = {}
+    for batch in (2, 4):
+        changed = load_recipe(tmp_path / "recipe.yaml", registry, [f"evaluation.batch_size={batch}"], None)
+        planned = memory.run_memory_plan(changed, checked, cpu)
+        figures[batch] = _phases(planned)["evaluation"].host - planned.base  # base: this process, measured
+    vocab, tokens = checked.layout.config.vocab_size, recipe.evaluation.seq_len
+    assert figures[4] - figures[2] == 5 * 2 * tokens * vocab * 4
+    model = tiny_model("llama", vocab_size=vocab)
+    with LiveBytes() as live:  # the models' weights existed before: only what evaluation allocates
+        compare(model, model, random_batches(vocab, count=2, batch=4, length=tokens), cpu)
+    assert 4 * tokens * vocab * 4 * 4 < live.peak["cpu"] <= 5 * 4 * tokens * vocab * 4 * 1.05
