@@ -19,7 +19,6 @@ import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -174,8 +173,3 @@ def copy_processor_files(source: str, folder: Path) -> list[str]:
                 shutil.copy2(path, folder / path.name)
                 copied.append(path.name)
     return copied
-
-
-def describe(tower: TextTower) -> dict[str, Any]:
-    """The report's record of a tower."""
-    return {"model_types": list(tower.model_types), "projector": tower.projector}
