@@ -14,7 +14,13 @@ stock Gemma 3), and reloads each saved folder in a fresh interpreter with compre
 
     .venv/bin/python benchmarks/new_family_goal.py run --target 0.85
 
-It prints a table and writes benchmarks/results/new_family_goal_<target>.json and .md.
+The stock layout (`--layout global`) keeps Gemma 3's residual stream whole and prunes its MLPs
+alone (`compressor.models.mlp_only`): one run, budgeted on the non-embedding parameters, whose
+folder is reloaded by plain transformers (no remote code, compressor blocked):
+
+    .venv/bin/python benchmarks/new_family_goal.py run --layout global --target 0.75
+
+It prints a table and writes benchmarks/results/new_family_goal_[global_]<target>.json and .md.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ RELOAD = """
 import sys, torch
 sys.modules["compressor"] = None  # the folder's own code only
 from transformers import AutoModelForCausalLM
-folder, windows = sys.argv[1], torch.load(sys.argv[2])
-model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+folder, windows, remote = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3] == "remote"
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
 nll, count = 0.0, 0
 with torch.no_grad():
     for ids, mask in windows:
@@ -88,6 +94,9 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def recipe(strategy: str, target: float, args: argparse.Namespace, output: Path) -> dict[str, Any]:
+    if args.layout == "global":  # the MLP's width alone, on the non-embedding parameters
+        stock = recipe("pca", target, argparse.Namespace(**{**vars(args), "layout": "per_site"}), output)
+        return {**stock, "slicing": {"layout": "global"}, "budget": "non_embedding", "mlp": {}}
     return {
         "model": {"path": str(MODEL), "dtype": "float32"},
         "calibration": {
@@ -116,9 +125,9 @@ def run(args: argparse.Namespace) -> None:
 
     rows, result = [], {"model": "google/gemma-3-270m (Q4_K_M GGUF, dequantised)", "target_params": args.target}
     with tempfile.TemporaryDirectory(prefix="goal-") as scratch:
-        for strategy in ("pca", "sensitivity"):
-            output = Path(scratch) / strategy
-            path = Path(scratch) / f"{strategy}.yaml"
+        for strategy in ("pca", "sensitivity") if args.layout == "per_site" else ("mlp alone",):
+            output = Path(scratch) / strategy.replace(" ", "-")
+            path = Path(scratch) / f"{strategy.replace(' ', '-')}.yaml"
             path.write_text(yaml.safe_dump(recipe(strategy, args.target, args, output)))
             started = time.perf_counter()
             subprocess.run([str(Path(sys.executable).parent / "compress"), "run", str(path)], check=True)
@@ -129,7 +138,14 @@ def run(args: argparse.Namespace) -> None:
             windows = token_batches(spec.evaluation, load_tokenizer(spec.model), "evaluation")
             torch.save([(b.input_ids, b.attention_mask) for b in windows], Path(scratch) / "windows.pt")
             reloaded = subprocess.run(
-                [sys.executable, "-c", RELOAD, str(output / "model"), str(Path(scratch) / "windows.pt")],
+                [
+                    sys.executable,
+                    "-c",
+                    RELOAD,
+                    str(output / "model"),
+                    str(Path(scratch) / "windows.pt"),
+                    "remote" if args.layout == "per_site" else "plain",
+                ],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -143,6 +159,8 @@ def run(args: argparse.Namespace) -> None:
                 "reloaded_ppl_without_compressor": ppl,
                 "params": report["params"],
                 "kept_width": report["kept_width"],
+                "mlp_kept": report["mlp"]["kept"] if report.get("mlp") else None,
+                "saved_class": json.loads((output / "model" / "config.json").read_text())["architectures"],
                 "run_s": seconds,
                 "timings": report["timings"],
             }
@@ -150,14 +168,16 @@ def run(args: argparse.Namespace) -> None:
                 [
                     strategy,
                     f"{report['params']['pruned']:,} ({report['params']['ratio']:.1%})",
-                    str(report["kept_width"]),
+                    str(report["kept_width"]) + (f", MLP {report['mlp']['kept']}" if report.get("mlp") else ""),
                     f"{metrics['pruned']['kl']:.3f}",
                     f"{metrics['baseline']['ppl']:.1f} -> {metrics['pruned']['ppl']:.1f}",
                     f"{ppl:.1f}",
                     f"{seconds:.0f}",
                 ]
             )
-    result["kl_ratio_sensitivity_to_pca"] = result["sensitivity"]["kl"] / result["pca"]["kl"]
+    if args.layout == "per_site":
+        result["kl_ratio_sensitivity_to_pca"] = result["sensitivity"]["kl"] / result["pca"]["kl"]
+    result["layout"] = args.layout
     _write(result, rows)
 
 
@@ -167,19 +187,22 @@ def _write(result: dict[str, Any], rows: list[list[str]]) -> None:
 
     columns = ["strategy", "parameters", "width", "KL", "ppl (report)", "ppl (reloaded, no compressor)", "run (s)"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"new_family_goal_{result['target_params']}.json"
+    prefix = "new_family_goal_" + ("global_" if result["layout"] == "global" else "")
+    out = RESULTS / f"{prefix}{result['target_params']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines.append(f"\nKL ratio, sensitivity / PCA: {result['kl_ratio_sensitivity_to_pca']:.3f}")
+    ratio = result.get("kl_ratio_sensitivity_to_pca")
+    if ratio is not None:
+        lines.append(f"\nKL ratio, sensitivity / PCA: {ratio:.3f}")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    table = Table(title=f"Gemma 3 270M, per-site, target_params {result['target_params']}")
+    table = Table(title=f"Gemma 3 270M, {result['layout']}, target_params {result['target_params']}")
     for column in columns:
         table.add_column(column)
     for row in rows:
         table.add_row(*row)
     Console(width=200).print(table)
-    print(f"KL ratio, sensitivity / PCA: {result['kl_ratio_sensitivity_to_pca']:.3f}; wrote {out}")
+    print((f"KL ratio, sensitivity / PCA: {ratio:.3f}; " if ratio is not None else "") + f"wrote {out}")
 
 
 def main() -> None:
@@ -191,6 +214,7 @@ def main() -> None:
     go.add_argument("--calibration", type=int, default=32, help="calibration windows")
     go.add_argument("--heldout", type=int, default=16, help="evaluation windows")
     go.add_argument("--seq-len", type=int, default=256)
+    go.add_argument("--layout", choices=("per_site", "global"), default="per_site")
     args = parser.parse_args()
     {"prepare": prepare, "run": run}[args.command](args)
 

@@ -517,10 +517,18 @@ def _families(console: Console) -> None:
 
     registry = PluginRegistry()
     rows = [
-        (model_type, e.family.name, ", ".join(e.family.layouts()), ", ".join(e.family.axes()), e.plugin, e.source)
+        (
+            model_type,
+            e.family.name,
+            ", ".join(e.family.layouts()),
+            ", ".join(e.family.axes()),
+            ", ".join(e.family.stock_axes()) or "none",
+            e.plugin,
+            e.source,
+        )
         for model_type, e in registry.families().items()
     ]
-    columns = ("model_type", "family", "layouts", "axes", "plugin", "from")
+    columns = ("model_type", "family", "layouts", "axes", "stock axes", "plugin", "from")
     _print_table(console, "supported model families", columns, rows)
     towers = [
         (

@@ -121,12 +121,19 @@ class ModelFamily:
 
     def layouts(self) -> tuple[str, ...]:
         """The `slicing.layout` values a run of this family can save: `global` (the original class)
-        only where its class can hold one residual basis."""
-        return ("per_site",) if self.stock_refusal is not None else ("per_site", "global")
+        where it can prune some axis stock (`stock_axes`)."""
+        return ("per_site", "global") if self.stock_axes() else ("per_site",)
 
     def axes(self) -> tuple[str, ...]:
         """What a run can prune: the residual width always, the MLP's width where it is described."""
         return ("residual", "mlp") if self.mlp_width is not None else ("residual",)
+
+    def stock_axes(self) -> tuple[str, ...]:
+        """What a global layout (saved as the original class) can prune: the residual width where the
+        class can hold one rotated basis, the MLP's width wherever it is described (a class whose
+        stream cannot be rotated keeps it whole: `models.mlp_only`)."""
+        residual = ("residual",) if self.stock_refusal is None else ()
+        return residual + (("mlp",) if self.mlp_width is not None else ())
 
     def mixers(self) -> tuple[TokenMixer, ...]:
         """Every attention-like block a layer of this family may hold; the first is `attention`."""

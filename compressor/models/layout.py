@@ -54,6 +54,9 @@ class SlicedLayout:
     `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
     counts: str = "all"
     """What `budget` counts (the recipe's `budget`): all parameters, or `non_embedding`."""
+    residual: bool = True
+    """False: the stream keeps its basis and width and only the MLP is pruned, no walk (a global
+    layout of a family whose class cannot hold a rotated stream: `models.mlp_only`)."""
 
     @property
     def counted(self) -> ParamModel:

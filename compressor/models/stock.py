@@ -87,7 +87,7 @@ def width_multiple(config: PretrainedConfig, family: ModelFamily) -> int:
     return 1
 
 
-def _meta_params(config: PretrainedConfig, family: ModelFamily | None = None) -> tuple[int, int]:
+def meta_params(config: PretrainedConfig, family: ModelFamily | None = None) -> tuple[int, int]:
     """Parameters of `config`'s model (tied weights once) and of its embedding tables (`family`'s)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -103,8 +103,8 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
     d = config.hidden_size
     low = max(1, d // 2)
     (high_count, high_tables), (low_count, low_tables) = (
-        _meta_params(stock_config(config, family, d, tied), family),
-        _meta_params(stock_config(config, family, low, tied), family),
+        meta_params(stock_config(config, family, d, tied), family),
+        meta_params(stock_config(config, family, low, tied), family),
     )
     slope, rest = divmod(high_count - low_count, d - low) if d != low else (high_count, 0)
     table_slope, table_rest = divmod(high_tables - low_tables, d - low) if d != low else (high_tables, 0)
@@ -113,7 +113,7 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
     ids = site_ids(family, config.num_hidden_layers)
     linear = {site: 0 for site in ids}
     linear[EMBEDDING] = slope
-    original, tables = _meta_params(config, family)
+    original, tables = meta_params(config, family)
     return ParamModel(
         sites=tuple(ids),
         constant=high_count - slope * d,

@@ -16,6 +16,7 @@ from compressor.engine.pooling import PipelineStep, required_statistics
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
+from compressor.models.mlp_only import mlp_only_layout, prunes_mlp_alone
 from compressor.models.split import split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
@@ -89,7 +90,20 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
-    if mlp is not None and mlp.kept is None:
+    if prunes_mlp_alone(family, slicing.layout):
+        layout = mlp_only_layout(
+            config,
+            family,
+            pruned_mlp=mlp is not None,
+            sparsity=recipe.sparsity,
+            target_params=recipe.target_params,
+            mlp_kept=mlp.kept if mlp is not None else None,
+            mlp_round_to=mlp.round_to if mlp is not None else 1,
+            min_kept=mlp.min_kept if mlp is not None else 0.0,
+            counts=recipe.budget,
+        )
+        check_mlp_alone(recipe, layout)
+    elif mlp is not None and mlp.kept is None:
         if recipe.allocation.method == "curves":
             raise UserError(
                 "mlp without mlp.kept chooses the split of the budget at uniform widths, but allocation.method "
@@ -123,6 +137,11 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
     computed = required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
     selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
+    if selector is not None and "H" in selector.requires and not layout.residual:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
+            f"residual stream (this stock {config.model_type}) does not estimate; choose another selector"
+        )
     if selector is not None and "H" in selector.requires and "H" not in computed:
         raise UserError(
             f"mlp.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
@@ -144,6 +163,12 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     """A budget that keeps under half the width runs, with a warning that names what it keeps; an
     `mlp` whose budget leaves no split but the residual width alone, with one that says so."""
     warnings = []
+    if not checked.layout.residual:
+        warnings.append(
+            f"slicing.layout: global keeps a {checked.layout.config.model_type} model's residual stream whole "
+            f"and prunes its MLPs alone, so the pipeline's strategies "
+            f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
+        )
     if len(checked.splits) == 1 and checked.layout.kept == checked.layout.config.hidden_size:
         warnings.append(
             "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "
@@ -201,6 +226,22 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
         f", or set slicing.tie_head: true (this per-site layout unties the head, a second "
         f"{layout.config.vocab_size} × width matrix; tied, the budget keeps width {tied.kept})"
     )
+
+
+def check_mlp_alone(recipe: Recipe, layout: SlicedLayout) -> None:
+    """A layout that keeps the residual stream (`models.mlp_only`) has no bases to refine, allocate
+    or share: those settings are refused rather than silently unused."""
+    name = layout.config.model_type
+    for present, setting in (
+        (recipe.refinement is not None, "refinement"),
+        (recipe.allocation.method == "curves", "allocation.method: curves"),
+        (recipe.slicing.shared_bases, "slicing.shared_bases"),
+    ):
+        if present:
+            raise UserError(
+                f"{setting} moves residual bases, which a stock {name} does not have (its global layout prunes "
+                f"the MLP's width alone); remove {setting}, or set slicing.layout: per_site"
+            )
 
 
 def check_tower(recipe: Recipe, config: PretrainedConfig, tower: TextTower) -> None:

@@ -131,12 +131,24 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     if checked.tower is not None:
         found.checked.append(
             f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "
-            f"vision encoder kept, the projector's output ({checked.tower.projector}) mapped with the "
-            f"embedding's basis; saved whole as its own class"
+            f"vision encoder kept, the projector's output ({checked.tower.projector}) "
+            + ("mapped with the embedding's basis" if layout.residual else "as it was (the stream is kept whole)")
+            + "; saved whole as its own class"
         )
-    axes = ["residual width"] + (["MLP width"] if checked.layout.mlp_width is not None or checked.chooses_split else [])
-    found.checked.append(f"axes: {', '.join(axes)} (this family allows {', '.join(checked.layout.family.axes())})")
-    if checked.layout.one_basis:
+    layout = checked.layout
+    axes = ["residual width"] if layout.residual else []
+    axes += ["MLP width"] if layout.mlp_width is not None or checked.chooses_split else []
+    found.checked.append(
+        f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}"
+        + (f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")")
+    )
+    if not layout.residual:
+        found.checked.append(
+            f"one basis: saved as {', '.join(layout.config.architectures or ['the original class'])} with its "
+            f"residual stream whole (hidden_size {layout.config.hidden_size}: {layout.family.stock_refusal}) "
+            f"and every MLP narrower ({layout.params.count(layout.widths or {}):,} parameters)"
+        )
+    elif checked.layout.one_basis:
         found.checked.append(
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"

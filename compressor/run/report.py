@@ -224,6 +224,8 @@ def budget_label(sparsity: float | None, target_params: float | None) -> str:
 
 def title(report: RunReport) -> str:
     chain = " + ".join(step.strategy for step in report.pipeline)
+    if report.stock is not None and "residual" in report.stock:  # `models.mlp_only`: no walk, no strategy ran
+        chain = "the MLP's width alone"
     method = report.allocation.method
     widths = "" if method == "uniform" else f", {method} widths"
     if report.layout == "global":

@@ -159,6 +159,11 @@ def run(
     if memory_check:  # before anything is written: a run that cannot fit stops in its first second
         check_memory(run_memory_plan(recipe, checked, device, save_model), machine)
     if ranks.world > 1:
+        if not checked.layout.residual:
+            raise UserError(
+                "a global layout that prunes the MLP alone runs in one process (it has no walk to share); "
+                "launch one process"
+            )
         if recipe.refinement is not None:
             raise UserError("refinement runs in one process: remove refinement from the recipe, or launch one process")
         if checked.chooses_split:
@@ -708,6 +713,9 @@ class _Stages:
     def walk(self) -> None:
         """`engine.prune` on the plan's layout; H kept for a sweep (and for the run's other walks)."""
         recipe, device = self.recipe, self.device
+        if not self.checked.layout.residual:
+            self._keep_stream()
+            return
         h_key = self._fisher_key()
         self.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
         tick = time.perf_counter()
@@ -735,6 +743,23 @@ class _Stages:
             self.head_fit = "symmetric"
         self.timings["fisher_s"] = max(self.timings.get("fisher_s", 0.0), self.result.fisher_seconds)  # shared work
         self.timings["prune_s"] = time.perf_counter() - tick - self.result.fisher_seconds
+
+    def _keep_stream(self) -> None:
+        """A layout that prunes the MLP alone (`models.mlp_only`): no walk; the original model, whole
+        in memory, is what the MLP stage prunes, every site at its full width."""
+        if self.recipe.model.load == "stream":  # a streamed shell's layers are read by a walk only
+            self.model = self.resources.whole_model(self.recipe.model)
+        assert self.model is not None and self.checked.layout.widths is not None
+        self.result = PruneResult(
+            model=self.model,
+            sites=[],
+            slicing={},
+            bases={},
+            widths=dict(self.checked.layout.widths),
+            tokens_by_rank=[sum(int(batch.attention_mask.sum()) for batch in self.calibration)],
+        )
+        self.pruned, self.bases = self.model, {}
+        self.timings["prune_s"] = 0.0
 
     @property
     def keep_tied(self) -> bool | None:
@@ -843,7 +868,7 @@ class _Stages:
 
     def to_student(self) -> None:
         """A global layout's student is what users load: the original class at the kept width."""
-        if self.one_basis:
+        if self.one_basis and self.checked.layout.residual:
             self.progress("converting to the original architecture", 0, 1)
             self.pruned, self.stock = to_stock(
                 self.pruned,
@@ -885,7 +910,9 @@ class _Stages:
         loaded back, so what is evaluated is what users load), the tokenizer and the bases."""
         staging, pruned = self.staging, self.pruned
         self.progress("saving model" if save_model else "saving bases", 0, 1)
-        if self.writes and self.one_basis:  # the walk wrote the stock model as it went
+        if not self.checked.layout.residual:  # the original class with narrower MLPs
+            pruned = self._save_mlp_alone(pruned, save_model)
+        elif self.writes and self.one_basis:  # the walk wrote the stock model as it went
             self.stock = self.result.stock
         elif self.one_basis and self.distillation is None and self.checked.tower is not None:
             pruned, self.stock = to_stock(
@@ -897,7 +924,7 @@ class _Stages:
                 scale=self.head_scale,
             )
             if save_model:  # the whole vision-language checkpoint, loaded back as users load it
-                pruned = self._save_tower(pruned, staging / "model")
+                pruned = self._save_tower(pruned, staging / "model", self.bases[EMBEDDING])
         elif self.one_basis and self.distillation is None:
             pruned, self.stock = to_stock(
                 pruned,
@@ -918,6 +945,8 @@ class _Stages:
         self.pruned = pruned
         if save_model:
             self.tokenizer.save_pretrained(staging / "model")
+        if not self.checked.layout.residual:
+            return  # no bases: the stream kept its own
         objectives = {site.name: site.steps for site in self.result.sites}
         metadata = {"objectives": json.dumps(objectives)}
         if self.refinement is not None:
@@ -926,7 +955,29 @@ class _Stages:
         if self.result.readers is not None:
             save_bases(self.result.readers, staging / READERS_FILE)
 
-    def _save_tower(self, pruned: PreTrainedModel, folder: Path) -> PreTrainedModel:
+    def _save_mlp_alone(self, pruned: PreTrainedModel, save_model: bool) -> PreTrainedModel:
+        """A layout that prunes the MLP alone saves the original class, its config's MLP width the
+        kept one, and loads it back (a vision-language checkpoint whole, its projector as it was)."""
+        family, d = self.family, self.config.hidden_size
+        assert family.mlp_width is not None
+        self.stock = {
+            "norm_scale": 1.0,
+            "stream_scale": 1.0,
+            "embedding_factor": 1.0,
+            "head": "unchanged",
+            "hidden_size": d,
+            "config": {family.mlp_width: getattr(self.config, family.mlp_width)},
+            "residual": f"kept whole: {family.stock_refusal}",
+        }
+        if not save_model:
+            return pruned
+        folder = self.staging / "model"
+        if self.checked.tower is not None:  # the projector writes the stream as it was
+            return self._save_tower(pruned, folder, torch.eye(d, dtype=torch.float64))
+        pruned.save_pretrained(folder)
+        return load_stock(folder, pruned)
+
+    def _save_tower(self, pruned: PreTrainedModel, folder: Path, basis: torch.Tensor) -> PreTrainedModel:
         """A vision-language checkpoint saved whole (`models.towers.save_tower`): the original
         loaded again, its text tower replaced by `pruned`, its projector mapped into the pruned
         stream; returned as the run's text model, read back from the folder."""
@@ -936,7 +987,7 @@ class _Stages:
             load_whole(replaced(spec, load="memory")),
             tower,
             pruned,
-            self.bases[EMBEDDING],
+            basis,
             self.stock["stream_scale"],
             folder,
         )

@@ -8,16 +8,29 @@ pass gives the same H with and without recomputing layers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from compressor.cli import main
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import WalkOptions, prune
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
 from compressor.recipe.sensitivity_options import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
-from tests.conftest import FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model, widths_for
+from tests.conftest import (
+    FAMILY_CONFIGS,
+    copy_model,
+    max_relative_logit_error,
+    random_batches,
+    save_tiny_checkpoint,
+    tiny_model,
+    widths_for,
+)
+from tests.run.test_cli import _DELETE, write_recipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -85,3 +98,36 @@ def test_h_on_the_gpu_does_not_depend_on_recomputation() -> None:
     )
     for site in kept:
         assert torch.allclose(kept[site], recomputed[site], rtol=1e-4, atol=1e-6 * kept[site].abs().max()), site
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo2"])
+def test_a_stock_run_of_the_mlp_alone_on_the_gpu_keeps_what_the_cpu_run_keeps(name: str, tmp_path: Path) -> None:
+    """A global layout that keeps the stream whole (`models.mlp_only`): its MLP stage on the GPU
+    chooses the CPU's neurons and refits the same down projections, the stream's weights untouched."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "original", name)
+    saved = {}
+    for device in ("cpu", "cuda"):
+        (tmp_path / device).mkdir()
+        recipe = write_recipe(
+            tmp_path / device,
+            checkpoint,
+            device=device,
+            sparsity=_DELETE,
+            target_params=0.98,
+            slicing={"layout": "global"},
+            mlp={},
+            evaluation=None,
+            model__attn_implementation="eager",
+            output=str(tmp_path / device / "out"),
+        )
+        assert main(["run", str(recipe)]) == 0
+        saved[device] = load_file(tmp_path / device / "out" / "model" / "model.safetensors")
+    original = load_file(checkpoint / "model.safetensors")
+    assert saved["cpu"].keys() == saved["cuda"].keys()
+    for key, cpu in saved["cpu"].items():
+        gpu = saved["cuda"][key]
+        assert cpu.shape == gpu.shape, key
+        if cpu.shape == original[key].shape:  # everything but the MLPs is the original's
+            assert torch.equal(cpu, original[key]) and torch.equal(gpu, original[key]), key
+        else:
+            assert torch.allclose(cpu, gpu, rtol=1e-4, atol=1e-5 * cpu.abs().max()), key

@@ -12,8 +12,10 @@ pass, throughput), then run on it:
   that reloads with `import compressor`, and in an interpreter where compressor cannot be imported
   with `trust_remote_code=True`, computing the same logits bit for bit;
 - `slicing.layout: global` saves the original class, which plain transformers (no compressor, no
-  remote code) loads and which computes the sliced model's logits, or the family's reason why one
-  basis cannot be its own class is refused in one line, exit 2, before work (dry run or run);
+  remote code) loads and which computes the sliced model's logits; where one basis cannot be the
+  family's own class (norms after the blocks, LayerNorm), a global layout keeps the stream whole
+  and prunes the MLP's width alone (`models.mlp_only`) to the most neurons the budget allows, and
+  without an MLP width to prune the family's reason is refused in one line, exit 2, before work;
 - (slow) a streamed run equals the in-memory run bit for bit, and a run killed with SIGKILL
   resumes to it.
 """
@@ -52,12 +54,13 @@ from tests.conftest import (
     widths_for,
 )
 from tests.engine.test_equivalence import RandomRotation
-from tests.run.test_cli import write_recipe
+from tests.run.test_cli import _DELETE, write_recipe
 from tests.run.test_resume import compress, tensors
 
 FAMILIES = sorted(FAMILY_CONFIGS)
 STOCK_FAMILIES = sorted(t for f in BUILTIN_FAMILIES if f.stock_refusal is None for t in f.model_types)
 NOT_STOCK = sorted(set(FAMILIES) - set(STOCK_FAMILIES))
+MLP_ALONE = [name for name in NOT_STOCK if family_for(name).mlp_width is not None]
 MLP_KEPT = 96  # of COMMON's 128 neurons
 
 IDS = random_batches(8192, count=1, batch=2, length=16, padded=True)[0]
@@ -300,16 +303,75 @@ def test_eval_rebuilds_a_global_run_without_its_model_as_the_stock_class(
 def test_families_the_stock_class_cannot_hold_are_refused_before_work(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """Without an `mlp` section there is nothing a stock model of these families can prune."""
     checkpoint = tmp_path / "model"
     AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name]}).save_pretrained(checkpoint)
     recipe = write_recipe(tmp_path, checkpoint, slicing={"layout": "global", "slice_head": True}, **EAGER)
     for args in (["--dry-run"], []):
         assert main(["run", str(recipe), *args]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: slicing.layout: global saves the original")
-        assert family_for(name).stock_refusal in err
-        assert f"model types that can: {', '.join(STOCK_FAMILIES)} (or use slicing.layout: per_site)" in err
+        assert err.count("\n") == 1 and family_for(name).stock_refusal in err
+        if name in MLP_ALONE:
+            assert err.startswith(f"error: slicing.layout: global: a stock {name} keeps its residual stream whole")
+            assert "so only the MLP's width can be pruned; add mlp: {} (or mlp.kept)" in err
+        else:
+            assert err.startswith("error: slicing.layout: global saves the original")
+            assert f"model types that can: {', '.join(STOCK_FAMILIES)} (or use slicing.layout: per_site)" in err
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+MLP_TARGET = 0.98
+
+
+@pytest.fixture(scope="module")
+def mlp_alone_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A global-layout run at target_params 0.98 with `mlp: {}` on every family whose class cannot
+    hold a rotated stream, and each saved folder's logits as plain transformers computes them where
+    compressor cannot be imported."""
+    changes = {"slicing": {"layout": "global"}, "sparsity": _DELETE, "target_params": MLP_TARGET, "mlp": {}}
+    runs = _run_each(tmp_path_factory.mktemp("mlp-alone"), MLP_ALONE, lambda name: changes)
+    _load_in_fresh_interpreters([run / "model" for run in runs.values()], remote=False)
+    return runs
+
+
+def _params_with_neurons(folder: Path, family_name: str, neurons: int) -> int:
+    """Parameters of the original class with `neurons` in every MLP, counted on a model built from
+    its config on the meta device (independently of compressor's own counts)."""
+    config = AutoConfig.from_pretrained(folder)
+    setattr(config, family_for(family_name).mlp_width, neurons)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", MLP_ALONE)
+def test_a_global_run_of_a_family_whose_stream_stays_whole_prunes_its_mlps_into_a_stock_model(
+    name: str, mlp_alone_runs: dict[str, Path]
+) -> None:
+    run, family = mlp_alone_runs[name], family_for(name)
+    config = json.loads((run / "model" / "config.json").read_text())
+    original = json.loads((run.parent / "original" / "config.json").read_text())
+    assert config["model_type"] == original["model_type"] and "auto_map" not in config
+    assert config["architectures"] == original["architectures"] and not list((run / "model").glob("*.py"))
+    assert config["hidden_size"] == original["hidden_size"]
+    # the most neurons (a multiple of mlp.round_to, 8) whose model fits the budget
+    width = original[family.mlp_width]
+    count = {m: _params_with_neurons(run.parent / "original", name, m) for m in range(8, width + 1, 8)}
+    budget = int(MLP_TARGET * _params_with_neurons(run.parent / "original", name, width))
+    kept = max(m for m, params in count.items() if params <= budget)
+    assert config[family.mlp_width] == kept < width
+    report = json.loads((run / "report.json").read_text())
+    assert report["params"]["pruned"] == count[kept] == report["allocation"]["predicted_params"]
+    assert report["allocation"]["budget"] == budget and report["mlp"]["kept"] == kept
+    assert report["stock"]["residual"] == f"kept whole: {family.stock_refusal}" and report["sites"] == []
+    assert report["metrics"]["pruned"]["kl"] > 0 and not (run / "bases.safetensors").exists()
+    # plain transformers, compressor blocked, computes what the run evaluated (loaded back as users load it)
+    saved = torch.load(run / "logits-blocked.pt")
+    assert saved["class"] == original["architectures"][0]
+    model = AutoModelForCausalLM.from_pretrained(run / "model", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = model(input_ids=IDS.input_ids, attention_mask=IDS.attention_mask).logits
+    assert torch.equal(saved["logits"], expected)
 
 
 @pytest.mark.slow

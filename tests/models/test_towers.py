@@ -177,12 +177,92 @@ def test_a_tower_the_stock_class_cannot_hold_or_an_undescribed_one_is_refused(tm
         assert error.count("\n") == 0 and expected in error, error
 
 
-def test_gemma3_checkpoints_are_told_why_not(tmp_path: Path, capsys) -> None:
-    """Gemma 3's text tower has norms after its blocks: one basis is not a stock Gemma 3."""
+def gemma_vl() -> AutoModelForImageTextToText:
+    """A tiny Gemma 3 vision-language model: a SigLIP encoder of 4 x 4 patches pooled to 4 image tokens."""
+    text = {**COMMON, **FAMILY_CONFIGS["gemma3_text"], "vocab_size": 8192}
+    text.pop("model_type")
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+        ),
+        mm_tokens_per_image=4,
+        image_token_id=8000,
+        boi_token_id=8001,
+        eoi_token_id=8002,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1 and a projector that is not zero, as in a trained model
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("projection_weight"):
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+GEMMA_PROMPT = torch.tensor([[5, 17, 8001, 8000, 8000, 8000, 8000, 8002, 99, 3]])
+
+
+def test_without_mlp_a_gemma3_checkpoint_is_told_what_its_stock_class_can_prune(tmp_path: Path, capsys) -> None:
+    """Gemma 3's text tower has norms after its blocks: one basis is not a stock Gemma 3, its MLPs are."""
     config = Gemma3Config(text_config={**COMMON, "model_type": "gemma3_text"})
     config.architectures = ["Gemma3ForConditionalGeneration"]
     config.save_pretrained(tmp_path)
     recipe = write_recipe(tmp_path, tmp_path, evaluation=None, slicing={"layout": "global"})
     assert main(["run", str(recipe), "--dry-run"]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.count("\n") == 0 and "norms after each block" in error
+    assert error.count("\n") == 0 and "norms after each block" in error and "add mlp: {}" in error
+
+
+def test_a_gemma3_checkpoint_keeps_its_stream_and_saves_narrower_mlps_whole(tmp_path: Path) -> None:
+    """The stock Gemma 3 layout prunes the text tower's MLPs alone: the whole checkpoint is saved as
+    its own class with the vision encoder and the projector bit for bit, plain transformers loads it,
+    an image still changes what follows it, and its text logits are the run's text model's."""
+    source = tmp_path / "gemma-vl"
+    gemma_vl().save_pretrained(source)
+    for file in TOKENIZER_FILES:
+        shutil.copy(EXAMPLES / "ref-llama" / file, source / file)
+    stock = dict(sparsity=_DELETE, target_params=0.98, slicing={"layout": "global"}, mlp={})
+    assert _run(tmp_path / "run", source, **stock) == 0
+    folder = tmp_path / "run" / "out" / "model"
+    report = json.loads((folder.parent / "report.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert config["text_config"]["intermediate_size"] == report["mlp"]["kept"] < COMMON["intermediate_size"]
+    assert config["text_config"]["hidden_size"] == COMMON["hidden_size"] and report["kept_width"] == 64
+    saved, before = load_file(folder / "model.safetensors"), load_file(source / "model.safetensors")
+    kept = [name for name in before if "vision_tower" in name or "multi_modal_projector" in name]
+    assert kept and all(torch.equal(saved[name], before[name]) for name in kept)
+    script = (
+        "import sys, torch\n"
+        "sys.modules['compressor'] = None\n"
+        "from transformers import AutoModelForImageTextToText\n"
+        "folder, ids, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]\n"
+        "model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()\n"
+        "torch.manual_seed(0)\n"
+        "images = [torch.randn(1, 3, 16, 16) for _ in range(2)]\n"
+        "kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=(ids == 8000).long())\n"
+        "with torch.no_grad():\n"
+        "    logits = [model(**kw, pixel_values=image).logits for image in images]\n"
+        "    text = model(input_ids=ids[:, :2]).logits\n"
+        "torch.save({'class': type(model).__name__, 'images': logits, 'text': text}, out)\n"
+    )
+    torch.save(GEMMA_PROMPT, tmp_path / "ids.pt")
+    subprocess.run(
+        [sys.executable, "-c", script, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], check=True
+    )
+    out = torch.load(tmp_path / "out.pt")
+    assert out["class"] == "Gemma3ForConditionalGeneration"
+    first, second = out["images"]
+    assert torch.equal(first[:, :3], second[:, :3]) and not torch.allclose(first[:, 3:], second[:, 3:])
+    whole = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(
+            text_model(whole, tower_for(whole.config))(input_ids=GEMMA_PROMPT[:, :2]).logits, out["text"]
+        )
+    assert report["metrics"]["pruned"]["kl"] > 0 and report["model"]["model_type"] == "gemma3_text"
