@@ -534,7 +534,9 @@ def _families(console: Console) -> None:
         (
             ", ".join(t.model_types),
             t.projector,
-            "no: " + t.refusal.split(",")[0] if t.refusal else "layout: global, where the text family allows it",
+            "layout: global, the text MLPs alone (" + t.keeps_stream.split(",")[0] + ")"
+            if t.keeps_stream
+            else "layout: global, with the axes the text family saves stock",
         )
         for t in BUILTIN_TOWERS
     ]

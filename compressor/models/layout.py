@@ -54,9 +54,14 @@ class SlicedLayout:
     `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
     counts: str = "all"
     """What `budget` counts (the recipe's `budget`): all parameters, or `non_embedding`."""
-    residual: bool = True
-    """False: the stream keeps its basis and width and only the MLP is pruned, no walk (a global
-    layout of a family whose class cannot hold a rotated stream: `models.mlp_only`)."""
+    kept_stream: str | None = None
+    """Why the stream keeps its basis and width and only the MLP is pruned, with no walk (a global
+    layout whose class cannot hold a rotated stream: `models.mlp_only`); None: the walk rotates it."""
+
+    @property
+    def residual(self) -> bool:
+        """The walk rotates and slices the residual stream (else it is kept whole)."""
+        return self.kept_stream is None
 
     @property
     def counted(self) -> ParamModel:

@@ -1,11 +1,12 @@
 """A stock layout that prunes the MLP's width alone: what `slicing.layout: global` means for a
-family whose own class cannot hold a rotated residual stream (`ModelFamily.stock_refusal`: norms
-after each block, or LayerNorm).
+model whose own class cannot hold a rotated residual stream (`ModelFamily.stock_refusal`: norms
+after each block, or LayerNorm; `TextTower.keeps_stream`: a vision-language class that ties
+something else to the text width, Mistral 3's projector).
 
 One residual basis is not a stock model there, but the MLP's width is: the stream keeps its basis
 and width, every MLP keeps m of its f neurons, and the saved folder is the original class with
-`intermediate_size` m, loaded by plain transformers. The layout is a `SlicedLayout` with
-`residual=False`: every site at the full width, no walk (the run's MLP stage prunes the original
+`intermediate_size` m, loaded by plain transformers. The layout is a `SlicedLayout` whose
+`kept_stream` says why: every site at the full width, no walk (the run's MLP stage prunes the original
 model). Its parameters are affine in m, so two meta-device models give every count, and a
 `target_params` budget decides m (the most neurons within it, a multiple of `mlp.round_to`).
 Loads no weights.
@@ -23,16 +24,25 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout, kept_neurons, mlp_neurons, with_mlp_width
 from compressor.models.sites import site_ids, site_widths
 from compressor.models.stock import meta_params
+from compressor.models.towers import TextTower
 
 
-def prunes_mlp_alone(family: ModelFamily, layout: str) -> bool:
-    """A global layout of a family whose class cannot hold a rotated stream but whose MLP width is described."""
-    return layout == "global" and family.stock_refusal is not None and family.mlp_width is not None
+def kept_stream(family: ModelFamily, layout: str, tower: TextTower | None = None) -> str | None:
+    """Why a `layout` run of this model keeps its stream whole and prunes the MLP alone: a global
+    layout whose class cannot hold a rotated stream, where the MLP's width is described; None: it
+    does not (a per-site layout, or a class that holds one basis; without an MLP width to prune,
+    `stock.check_stock` refuses the global layout)."""
+    if layout != "global" or family.mlp_width is None:
+        return None
+    if tower is not None and tower.keeps_stream is not None:
+        return tower.keeps_stream
+    return family.stock_refusal
 
 
 def mlp_only_layout(
     config: PretrainedConfig,
     family: ModelFamily,
+    reason: str,
     *,
     pruned_mlp: bool,
     sparsity: float | None = None,
@@ -42,11 +52,12 @@ def mlp_only_layout(
     min_kept: float = 0.0,
     counts: str = "all",
 ) -> SlicedLayout:
-    """The stock layout of `family` (see the module docstring): every MLP keeps `mlp_kept` neurons,
+    """The stock layout of `family`, whose stream stays whole for `reason` (see the module
+    docstring): every MLP keeps `mlp_kept` neurons,
     or the most the `target_params` budget allows (not fewer than `min_kept` of them). Refused in
     one line where it cannot be: no `mlp` section (`pruned_mlp` false), a `sparsity` (it cuts the
     residual width), or a budget the MLP alone cannot reach (naming the fraction it can)."""
-    name, reason = config.model_type, family.stock_refusal
+    name = config.model_type
     kept_whole = f"a stock {name} keeps its residual stream whole ({reason})"
     if not pruned_mlp:
         raise UserError(
@@ -122,5 +133,5 @@ def mlp_only_layout(
         budget=budget,
         mlp_width=neurons,
         counts=counts,
-        residual=False,
+        kept_stream=reason,
     )

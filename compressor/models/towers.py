@@ -9,8 +9,10 @@ writes the stream as the embedding does, so its output is mapped into the pruned
 embedding's basis and the stock stream scale (y -> c·Vᵀy); the vision encoder is untouched, and the
 folder is the whole checkpoint, which plain transformers loads as its own class.
 
-Only a global layout is saved this way (the original classes at a smaller width); a tower whose
-class ties something else to the text width (Mistral 3's projector runs at it) says why not.
+Only a global layout is saved this way (the original classes at a smaller width). A tower whose
+class ties something else to the text width (Mistral 3's projector runs at it), or whose text
+family cannot hold a rotated stream (Gemma 3), keeps the stream whole and prunes the text MLPs
+alone (`models.mlp_only`); its projector is then saved as it was.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class TextTower:
     width_keys: tuple[str, ...] = ()
     """Config keys (dotted, from the top config) that hold the stream width besides
     text_config.hidden_size: set to the pruned width on saving (Qwen3.5's merger output)."""
-    refusal: str | None = None
-    """Why this checkpoint's pruned text tower cannot be saved in its own class (None: it can)."""
+    keeps_stream: str | None = None
+    """Why this class cannot hold a narrower text stream, so a global layout keeps it whole and
+    prunes the MLPs alone (None: it can, where the text family can)."""
 
 
 BUILTIN_TOWERS: tuple[TextTower, ...] = (
@@ -51,8 +54,8 @@ BUILTIN_TOWERS: tuple[TextTower, ...] = (
     TextTower(
         ("mistral3",),
         "model.multi_modal_projector.linear_2",
-        refusal="its projector's hidden layer is as wide as the text model (text_config.hidden_size), so a "
-        "narrower text model would change the projector's inner width, which no rotation absorbs",
+        keeps_stream="its projector's hidden layer is as wide as the text model (text_config.hidden_size), "
+        "which no rotation of the stream absorbs",
     ),
 )
 
@@ -118,14 +121,15 @@ def save_tower(
     whole: PreTrainedModel,
     tower: TextTower,
     pruned: PreTrainedModel,
-    basis: torch.Tensor,
+    basis: torch.Tensor | None,
     scale: float,
     folder: Path,
 ) -> None:
     """Write the whole checkpoint into `folder`: `whole` (the original vision-language model, changed
     in place) with the pruned text model (the original class at width k) as its language model
     and head, and the projector's output mapped into the pruned stream, W -> c·VᵀW (`basis` V,
-    d × k, the embedding's; `scale` c, the stock stream scale)."""
+    d × k, the embedding's; `scale` c, the stock stream scale; None: the stream was kept whole,
+    and so is the projector)."""
     _set(whole, tower.language_model, pruned.get_submodule(pruned.base_model_prefix))
     _set(whole, tower.head, pruned.get_submodule("lm_head"))
     k = int(pruned.config.hidden_size)
@@ -136,7 +140,8 @@ def save_tower(
     for key in tower.width_keys:
         owner, _, name = key.rpartition(".")
         setattr(getattr(whole.config, owner), name, k)
-    _project(whole, tower, basis, scale)
+    if basis is not None:
+        _project(whole, tower, basis, scale)
     whole.save_pretrained(folder)
 
 

@@ -16,7 +16,7 @@ from compressor.engine.pooling import PipelineStep, required_statistics
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
-from compressor.models.mlp_only import mlp_only_layout, prunes_mlp_alone
+from compressor.models.mlp_only import kept_stream, mlp_only_layout
 from compressor.models.split import split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
@@ -90,10 +90,12 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
-    if prunes_mlp_alone(family, slicing.layout):
+    reason = kept_stream(family, slicing.layout, tower)
+    if reason is not None:
         layout = mlp_only_layout(
             config,
             family,
+            reason,
             pruned_mlp=mlp is not None,
             sparsity=recipe.sparsity,
             target_params=recipe.target_params,
@@ -248,8 +250,6 @@ def check_tower(recipe: Recipe, config: PretrainedConfig, tower: TextTower) -> N
     """A vision-language checkpoint is saved whole as its own class: a global layout, in memory,
     with no distillation (its student would be the text model alone)."""
     name = ", ".join(config.architectures or [config.model_type])
-    if tower.refusal is not None:
-        raise UserError(f"{name}: its text tower cannot be saved inside its own class: {tower.refusal}")
     if recipe.slicing.layout != "global":
         raise UserError(
             f"{name} is a vision-language checkpoint, saved whole as its own class, which holds one residual "

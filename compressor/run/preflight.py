@@ -145,7 +145,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     if not layout.residual:
         found.checked.append(
             f"one basis: saved as {', '.join(layout.config.architectures or ['the original class'])} with its "
-            f"residual stream whole (hidden_size {layout.config.hidden_size}: {layout.family.stock_refusal}) "
+            f"residual stream whole (hidden_size {layout.config.hidden_size}: {layout.kept_stream}) "
             f"and every MLP narrower ({layout.params.count(layout.widths or {}):,} parameters)"
         )
     elif checked.layout.one_basis:

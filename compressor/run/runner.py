@@ -959,7 +959,7 @@ class _Stages:
         """A layout that prunes the MLP alone saves the original class, its config's MLP width the
         kept one, and loads it back (a vision-language checkpoint whole, its projector as it was)."""
         family, d = self.family, self.config.hidden_size
-        assert family.mlp_width is not None
+        assert family.mlp_width is not None and self.checked.layout.kept_stream is not None
         self.stock = {
             "norm_scale": 1.0,
             "stream_scale": 1.0,
@@ -967,17 +967,17 @@ class _Stages:
             "head": "unchanged",
             "hidden_size": d,
             "config": {family.mlp_width: getattr(self.config, family.mlp_width)},
-            "residual": f"kept whole: {family.stock_refusal}",
+            "residual": f"kept whole: {self.checked.layout.kept_stream}",
         }
         if not save_model:
             return pruned
         folder = self.staging / "model"
         if self.checked.tower is not None:  # the projector writes the stream as it was
-            return self._save_tower(pruned, folder, torch.eye(d, dtype=torch.float64))
+            return self._save_tower(pruned, folder, None)
         pruned.save_pretrained(folder)
         return load_stock(folder, pruned)
 
-    def _save_tower(self, pruned: PreTrainedModel, folder: Path, basis: torch.Tensor) -> PreTrainedModel:
+    def _save_tower(self, pruned: PreTrainedModel, folder: Path, basis: torch.Tensor | None) -> PreTrainedModel:
         """A vision-language checkpoint saved whole (`models.towers.save_tower`): the original
         loaded again, its text tower replaced by `pruned`, its projector mapped into the pruned
         stream; returned as the run's text model, read back from the folder."""

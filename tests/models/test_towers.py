@@ -162,19 +162,13 @@ def test_what_a_whole_checkpoint_cannot_hold_is_refused_before_work(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tower_the_stock_class_cannot_hold_or_an_undescribed_one_is_refused(tmp_path: Path, capsys) -> None:
-    mistral = Mistral3Config()
-    mistral.architectures = ["Mistral3ForConditionalGeneration"]
-    mistral.save_pretrained(tmp_path / "mistral3")
-    LlavaConfig(architectures=["LlavaForConditionalGeneration"]).save_pretrained(tmp_path / "other")
-    for folder, expected in (  # noqa: B007
-        ("mistral3", "projector's hidden layer is as wide as the text model"),
-        ("other", "vision-language checkpoint whose multimodal projector compressor does not describe"),
-    ):
-        recipe = write_recipe(tmp_path / folder, tmp_path / folder, evaluation=None, slicing={"layout": "global"})
-        assert main(["run", str(recipe), "--dry-run"]) == 2
-        error = capsys.readouterr().err.strip()
-        assert error.count("\n") == 0 and expected in error, error
+def test_an_undescribed_tower_is_refused(tmp_path: Path, capsys) -> None:
+    LlavaConfig(architectures=["LlavaForConditionalGeneration"]).save_pretrained(tmp_path)
+    recipe = write_recipe(tmp_path, tmp_path, evaluation=None, slicing={"layout": "global"})
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert "vision-language checkpoint whose multimodal projector compressor does not describe" in error
 
 
 def gemma_vl() -> AutoModelForImageTextToText:
@@ -205,7 +199,44 @@ def gemma_vl() -> AutoModelForImageTextToText:
     return model
 
 
-GEMMA_PROMPT = torch.tensor([[5, 17, 8001, 8000, 8000, 8000, 8000, 8002, 99, 3]])
+def mistral_vl() -> AutoModelForImageTextToText:
+    """A tiny Mistral 3 vision-language model: a Pixtral encoder of 4 x 4 patches merged to 4 image
+    tokens, its projector's hidden layer as wide as the text model."""
+    text = {**COMMON, **FAMILY_CONFIGS["mistral"], "vocab_size": 8192}
+    vision = dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2
+    )
+    config = Mistral3Config(
+        text_config=text,
+        vision_config={**vision, "image_size": 16, "patch_size": 4, "head_dim": 16},
+        image_token_index=8000,
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+KEEP_STREAM = {
+    # class: (a tiny model, an image prompt, extra inputs, what keeps the stream whole)
+    "Gemma3ForConditionalGeneration": (
+        gemma_vl,
+        [5, 17, 8001, 8000, 8000, 8000, 8000, 8002, 99, 3],
+        "token_type_ids=(ids == 8000).long()",
+        "norms after each block",
+    ),
+    "Mistral3ForConditionalGeneration": (
+        mistral_vl,
+        [5, 17, 8000, 8000, 8000, 8000, 99, 3],
+        "image_sizes=torch.tensor([[16, 16]])",
+        "projector's hidden layer is as wide as the text model",
+    ),
+}
 
 
 def test_without_mlp_a_gemma3_checkpoint_is_told_what_its_stock_class_can_prune(tmp_path: Path, capsys) -> None:
@@ -219,20 +250,29 @@ def test_without_mlp_a_gemma3_checkpoint_is_told_what_its_stock_class_can_prune(
     assert error.count("\n") == 0 and "norms after each block" in error and "add mlp: {}" in error
 
 
-def test_a_gemma3_checkpoint_keeps_its_stream_and_saves_narrower_mlps_whole(tmp_path: Path) -> None:
-    """The stock Gemma 3 layout prunes the text tower's MLPs alone: the whole checkpoint is saved as
-    its own class with the vision encoder and the projector bit for bit, plain transformers loads it,
-    an image still changes what follows it, and its text logits are the run's text model's."""
-    source = tmp_path / "gemma-vl"
-    gemma_vl().save_pretrained(source)
+@pytest.mark.parametrize("architecture", sorted(KEEP_STREAM))
+def test_a_checkpoint_that_keeps_its_stream_saves_narrower_mlps_whole(
+    architecture: str, tmp_path: Path, capsys
+) -> None:
+    """Gemma 3 (norms after the blocks) and Mistral 3 (a projector as wide as the text model) keep
+    the text stream whole and prune its MLPs alone: the whole checkpoint is saved as its own class
+    with the vision encoder and the projector bit for bit, plain transformers loads it, an image
+    still changes what follows it, and its text logits are the run's text model's."""
+    build, prompt, extra, why = KEEP_STREAM[architecture]
+    source = tmp_path / "source"
+    build().save_pretrained(source)
     for file in TOKENIZER_FILES:
         shutil.copy(EXAMPLES / "ref-llama" / file, source / file)
     stock = dict(sparsity=_DELETE, target_params=0.98, slicing={"layout": "global"}, mlp={})
+    (tmp_path / "plan").mkdir()
+    assert main(["run", str(write_recipe(tmp_path / "plan", source, **stock)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "axes: MLP width" in out and why in out and "as it was (the stream is kept whole)" in out
     assert _run(tmp_path / "run", source, **stock) == 0
     folder = tmp_path / "run" / "out" / "model"
     report = json.loads((folder.parent / "report.json").read_text())
     config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert config["architectures"] == [architecture] and why in report["stock"]["residual"]
     assert config["text_config"]["intermediate_size"] == report["mlp"]["kept"] < COMMON["intermediate_size"]
     assert config["text_config"]["hidden_size"] == COMMON["hidden_size"] and report["kept_width"] == 64
     saved, before = load_file(folder / "model.safetensors"), load_file(source / "model.safetensors")
@@ -246,23 +286,24 @@ def test_a_gemma3_checkpoint_keeps_its_stream_and_saves_narrower_mlps_whole(tmp_
         "model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()\n"
         "torch.manual_seed(0)\n"
         "images = [torch.randn(1, 3, 16, 16) for _ in range(2)]\n"
-        "kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=(ids == 8000).long())\n"
+        f"kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), {extra})\n"
         "with torch.no_grad():\n"
         "    logits = [model(**kw, pixel_values=image).logits for image in images]\n"
         "    text = model(input_ids=ids[:, :2]).logits\n"
         "torch.save({'class': type(model).__name__, 'images': logits, 'text': text}, out)\n"
     )
-    torch.save(GEMMA_PROMPT, tmp_path / "ids.pt")
+    ids = torch.tensor([prompt])
+    torch.save(ids, tmp_path / "ids.pt")
     subprocess.run(
         [sys.executable, "-c", script, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], check=True
     )
     out = torch.load(tmp_path / "out.pt")
-    assert out["class"] == "Gemma3ForConditionalGeneration"
+    assert out["class"] == architecture
     first, second = out["images"]
-    assert torch.equal(first[:, :3], second[:, :3]) and not torch.allclose(first[:, 3:], second[:, 3:])
+    image_at = prompt.index(8000)
+    assert torch.equal(first[:, :image_at], second[:, :image_at])  # before the image: causal
+    assert not torch.allclose(first[:, image_at:], second[:, image_at:])
     whole = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        assert torch.equal(
-            text_model(whole, tower_for(whole.config))(input_ids=GEMMA_PROMPT[:, :2]).logits, out["text"]
-        )
-    assert report["metrics"]["pruned"]["kl"] > 0 and report["model"]["model_type"] == "gemma3_text"
+        assert torch.equal(text_model(whole, tower_for(whole.config))(input_ids=ids[:, :2]).logits, out["text"])
+    assert report["metrics"]["pruned"]["kl"] > 0
