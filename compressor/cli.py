@@ -4,6 +4,7 @@ and exit 2."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -589,6 +590,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             _strategies(console)
     except (UserError, _UsageError) as error:
         sys.stderr.write(f"error: {error}\n")
+        return EXIT_USER_ERROR
+    except OSError as error:
+        if error.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(error.filename or "")
+        sys.stderr.write(
+            f"error: a path is longer than the file system allows ({len(name):,} characters: {name[:60]}…); "
+            f"give a shorter model, output or recipe path\n"
+        )
         return EXIT_USER_ERROR
     except KeyboardInterrupt as interrupt:
         sys.stderr.write(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}\n")

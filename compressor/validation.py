@@ -9,12 +9,13 @@ dotted path, what is expected, the field's meaning (its description) and the val
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
-from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
+from pydantic import AllowInfNan, ConfigDict, Field, Strict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as options  # noqa: F401  (re-exported: `@options(config=FORBID)`)
 from pydantic.fields import FieldInfo
 
@@ -23,8 +24,20 @@ from compressor.errors import UserError, did_you_mean
 FORBID = ConfigDict(extra="forbid")
 """The config of every options class: a key that is not a field is an error."""
 
-Number = Annotated[float, Strict()]
-"""A number: an integer or a float, never a string or a boolean."""
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+"""A finite number: an integer or a float, never a string, a boolean, .inf or .nan (no setting
+means anything at infinity: an unbounded one would run for ever or overflow later)."""
+
+SHOWN = reprlib.Repr()
+"""How a message shows a bad value: a few items and characters of it, whatever its size (a
+YAML alias tree expands to billions of items when printed whole)."""
+SHOWN.maxstring, SHOWN.maxother, SHOWN.maxlong, SHOWN.maxlevel = 60, 60, 40, 3
+
+
+def shown(value: Any) -> str:
+    """`value` as a message quotes it: its repr, cut short."""
+    return SHOWN.repr(value)
+
 
 T = TypeVar("T")
 UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden")
@@ -157,26 +170,26 @@ def message(error: ValidationError, cls: type, prefix: str = "") -> str:
         return f"missing key '{prefix}{key}'"
     if kind == "literal_error":
         expected = str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")
-        return f"{where} must be {'null or ' if _nullable(owner, loc) else ''}one of {expected}, got {value!r}"
+        return f"{where} must be {'null or ' if _nullable(owner, loc) else ''}one of {expected}, got {shown(value)}"
     if kind in _BOUNDS:
         bound, words = _BOUNDS[kind]
         expected = _range(owner, loc) or f"{words} {ctx.get(bound)}"
-        return f"{where} must be {expected}{meaning}, got {value!r}"
+        return f"{where} must be {expected}{meaning}, got {shown(value)}"
     if kind == "too_short":
         return f"{where} must not be empty{meaning}"
     if kind == "string_pattern_mismatch":
-        return f"{where} must be{meaning.replace(' (', ' ', 1).rstrip(')') or ' of the right form'}, got {value!r}"
+        return f"{where} must be{meaning.replace(' (', ' ', 1).rstrip(')') or ' of the right form'}, got {shown(value)}"
     if kind in _EXPECTED:
-        return f"{where} must be {_EXPECTED[kind]}{meaning}, got {value!r}"
+        return f"{where} must be {_EXPECTED[kind]}{meaning}, got {shown(value)}"
     if kind == "value_error":
         return f"{where}: {first['msg'].removeprefix('Value error, ')}"
-    return f"{where}: {first['msg']}, got {value!r}"
+    return f"{where}: {first['msg']}, got {shown(value)}"
 
 
 def check(cls: type[T], raw: Any, prefix: str = "") -> T:
     """`raw` (a mapping from YAML) as an instance of the options class `cls`, or a one-line UserError."""
     if not isinstance(raw, Mapping):
-        raise UserError(f"{prefix.strip() or 'the recipe'} must be a mapping, got {raw!r}")
+        raise UserError(f"{prefix.strip() or 'the recipe'} must be a mapping, got {shown(raw)}")
     try:
         return TypeAdapter(cls).validate_python(dict(raw))
     except ValidationError as error:

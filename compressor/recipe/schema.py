@@ -22,7 +22,7 @@ from compressor.errors import UserError
 from compressor.recipe.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 from compressor.strategies.contract import Strategy, StrategyOptionError
 from compressor.strategies.registry import PluginRegistry
-from compressor.validation import FORBID, Number, check, described, options
+from compressor.validation import FORBID, Number, check, described, options, shown
 
 __all__ = ["ACCUMULATION_DTYPES", "AUTOCAST_DTYPES", "REDUCTIONS", "Recipe", "load_recipe", "recipe_schema", "validate"]
 
@@ -82,7 +82,7 @@ class LmEvalSpec:
     """A folder of local task YAMLs, relative to the recipe's folder."""
     num_fewshot: Annotated[StrictInt, described("or null for each task's default", ge=0)] | None = None
     """None keeps each task's own default (GSM8K chain-of-thought is 8-shot by its definition)."""
-    limit: Number | None = None
+    limit: Annotated[Number, described("documents per task, or a fraction of them below 1", gt=0)] | None = None
     """At most this many documents per task (a number below 1 is a fraction); None: all."""
     batch_size: Annotated[StrictInt, described("documents per batch", ge=1)] = 8
     apply_chat_template: StrictBool = False
@@ -311,7 +311,7 @@ class Recipe:
     slicing: SlicingSpec = field(default_factory=SlicingSpec)
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     device: Annotated[StrictStr, described("auto, cpu, cuda or cuda:N", pattern=DEVICE_PATTERN)] = "auto"
-    seed: StrictInt = 0
+    seed: Annotated[StrictInt, described("the random seed, as torch takes it", ge=0, lt=2**64)] = 0
     activations: Offload = "host"
     """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
     refinement: RefinementSpec | None = None
@@ -360,27 +360,85 @@ for _tag, _pattern, _first in (
     RecipeLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
 
 
+MAX_DIGITS = 40
+"""The longest integer a recipe may write (no setting takes more than 64 bits)."""
+
+MAX_VALUES = 100_000
+"""The most values a recipe may expand to (a recipe holds hundreds; YAML aliases can make billions)."""
+
+
 class _Core12Constructor:
-    """Ints in the 1.2 core forms (decimal, 0o octal, 0x hex); floats with an exponent and no dot."""
+    """Ints in the 1.2 core forms (decimal, 0o octal, 0x hex); floats with an exponent and no dot.
+    A scalar that is not what its tag says (`!!int 1.5`, `!!float abc`), an integer longer than
+    any setting, and a key given twice are YAML errors at their line, not Python exceptions."""
 
     @staticmethod
     def int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
-        text = loader.construct_scalar(node)
-        return int(text, 0) if text.lstrip("+-").startswith(("0o", "0x")) else int(text)
+        text = str(loader.construct_scalar(node))
+        if len(text.lstrip("+-")) > MAX_DIGITS:
+            raise _bad(node, f"an integer of {len(text.lstrip('+-'))} digits, longer than any setting takes")
+        try:
+            return int(text, 0) if text.lstrip("+-").startswith(("0o", "0x")) else int(text)
+        except ValueError:
+            raise _bad(node, f"{text[:40]!r} is tagged as an integer but is not one") from None
 
     @staticmethod
     def float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
         text = str(loader.construct_scalar(node)).lower()
-        return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+        try:
+            return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+        except ValueError:
+            raise _bad(node, f"{text[:40]!r} is tagged as a number but is not one") from None
+
+    @staticmethod
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if isinstance(key, str) and key in seen:
+                line = seen[key].start_mark.line + 1
+                raise _bad(key_node, f"the key '{key}' is given twice (first at line {line}); keep one")
+            seen[key] = key_node
+        return loader.construct_mapping(node)
+
+
+def _bad(node: yaml.Node, problem: str) -> yaml.constructor.ConstructorError:
+    return yaml.constructor.ConstructorError(None, None, problem, node.start_mark)
 
 
 RecipeLoader.add_constructor("tag:yaml.org,2002:int", _Core12Constructor.int)
 RecipeLoader.add_constructor("tag:yaml.org,2002:float", _Core12Constructor.float)
+RecipeLoader.add_constructor("tag:yaml.org,2002:map", _Core12Constructor.mapping)
 
 
 def parse_yaml(text: str) -> Any:
-    """`text` read as YAML with `RecipeLoader` (recipes, sweep files and --set values alike)."""
-    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (a SafeLoader)
+    """`text` read as YAML with `RecipeLoader` (recipes, sweep files and --set values alike): YAML
+    errors as `yaml.YAMLError`, nesting too deep for the parser and values expanded past
+    `MAX_VALUES` (aliases) included."""
+    try:
+        value = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise yaml.YAMLError("it is nested too deeply to read") from None
+    if _values(value) > MAX_VALUES:
+        raise yaml.YAMLError(
+            f"it expands to more than {MAX_VALUES:,} values (YAML aliases?), more than any recipe holds"
+        )
+    return value
+
+
+def _values(value: Any) -> int:
+    """How many values `value` holds, counted as far as `MAX_VALUES` + 1 (an alias counts again
+    wherever it is used, as every reader of the recipe would see it)."""
+    count, pending = 0, [value]
+    while pending and count <= MAX_VALUES:
+        item = pending.pop()
+        count += 1
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return count
 
 
 def dotted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -620,7 +678,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     for index, step in enumerate(pipeline_raw):
         where = f"pipeline.{index}"
         if not isinstance(step, dict) or "strategy" not in step:
-            raise UserError(f"{where} must be a mapping with a 'strategy' key, got {step!r}")
+            raise UserError(f"{where} must be a mapping with a 'strategy' key, got {shown(step)}")
         options = {k: v for k, v in step.items() if k != "strategy"}
         strategy = registry.strategy(str(step["strategy"]))
         try:
@@ -789,8 +847,19 @@ def read_yaml(path: Path, what: str) -> Any:
         raise UserError(f"{path} is a folder; give the {what} file, e.g. {path / 'demo.yaml'}")
     if not path.is_file():
         raise UserError(f"{what} file not found: {path}")
+    data = path.read_bytes()
     try:
-        return parse_yaml(path.read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        kind = "a gzip file" if data.startswith(b"\x1f\x8b") else "not UTF-8 text"
+        raise UserError(
+            f"{what} {path} is {kind} (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            f"give a YAML file saved as UTF-8"
+        ) from None
+    if "\x00" in text:
+        raise UserError(f"{what} {path} holds NUL bytes, so it is not a YAML text file; give a YAML file")
+    try:
+        return parse_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

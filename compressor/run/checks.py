@@ -156,6 +156,17 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 
+def heldout_windows(recipe: Recipe, checked: Plan) -> dict[str, int]:
+    """The held-out windows a run reads after its calibration windows, by the section that reads
+    them: refinement's guard, and the split choice of `mlp` without `kept`."""
+    windows = {}
+    if recipe.refinement is not None:
+        windows["refinement"] = recipe.refinement.heldout_windows
+    if checked.chooses_split and recipe.mlp is not None:
+        windows["mlp"] = recipe.mlp.heldout_windows
+    return windows
+
+
 WIDE_LOSS = 0.5
 """Keeping less than this share of the hidden width (or of the parameters) warns: past it,
 pruning the residual stream alone costs a large part of the model's quality."""

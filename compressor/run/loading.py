@@ -3,11 +3,13 @@ and the data windows; `Resources`, which a sweep replaces with one that shares t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,7 +28,7 @@ from compressor.hub import cached, model_advice, unreachable
 from compressor.models.towers import text_model, tower_for
 from compressor.recipe.schema import DataSpec, ModelSpec
 from compressor.run.staging import RUN_MARKER
-from compressor.validation import replaced
+from compressor.validation import replaced, shown
 
 T = TypeVar("T")
 
@@ -50,12 +52,68 @@ def _load(what: str, spec: ModelSpec, loader: Callable[[], T]) -> T:
         raise UserError(f"cannot load {what}: {first_line(error)}{hint}") from None
 
 
+DIMENSIONS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+"""Config fields a model is built from: each, where set, a positive integer."""
+
+MAX_LAYERS = 1024
+"""More layers than any published model has (Llama 3.1 405B: 126); beyond it a config is a mistake,
+and building it on the meta device alone would take minutes."""
+
+
 def load_config(spec: ModelSpec) -> PretrainedConfig:
-    return _load(
-        f"the config of model '{spec.path}'",
-        spec,
-        lambda: AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code),
-    )
+    """The model's config, its dimensions checked (`check_dimensions`); a config.json that is not a
+    JSON object, or whose fields transformers cannot read, is a one-line UserError."""
+    what = f"the config of model '{spec.path}'"
+    local = Path(spec.path) / "config.json"
+    if local.is_file():
+        try:
+            raw = json.loads(local.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise UserError(f"cannot load {what}: {local} is not JSON ({first_line(error)})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"cannot load {what}: {local} must be a JSON object of fields, got {type(raw).__name__}")
+        text = raw.get("text_config")
+        check_dimensions(text if isinstance(text, dict) else raw, what)  # before transformers divides by them
+    try:
+        config = _load(
+            what,
+            spec,
+            lambda: AutoConfig.from_pretrained(
+                spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+            ),
+        )
+    except (TypeError, ZeroDivisionError, StrictDataclassError) as error:  # a field the config class refuses
+        problem = first_line(error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error)
+        raise UserError(f"cannot load {what}: config.json: {problem}") from None
+    text = getattr(config, "text_config", None)
+    check_dimensions(vars(text if isinstance(text, PretrainedConfig) else config), what)
+    return config
+
+
+def check_dimensions(fields: Mapping[str, Any], what: str) -> None:
+    """Every dimension the model is built from (`fields`: a config's) is a positive integer, and
+    the layers are not more than `MAX_LAYERS`: a negative width or zero heads would fail deep
+    inside transformers, a million layers would take minutes to build."""
+    for key in DIMENSIONS:
+        value = fields.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"cannot load {what}: config.json's {key} must be a positive integer, got {shown(value)}")
+    layers = fields.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise UserError(
+            f"cannot load {what}: config.json's num_hidden_layers is {layers:,}, more than any model has "
+            f"(compressor takes at most {MAX_LAYERS:,})"
+        )
 
 
 def load_model(spec: ModelSpec, placement: dict[str, Any] | None = None) -> PreTrainedModel:

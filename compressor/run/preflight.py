@@ -20,8 +20,8 @@ from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
-from compressor.run.checks import Plan, check_evaluation_tasks, plan
-from compressor.run.loading import check_fields, load_tokenizer, resolve_device, token_batches
+from compressor.run.checks import Plan, check_evaluation_tasks, heldout_windows, plan
+from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
 from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.staging import check_output, check_writable
@@ -78,6 +78,10 @@ def dry_run(
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None:
             _data(where, spec, tokenizer, found)
+    if checked is not None and tokenizer is not None and is_local(recipe.calibration.dataset):
+        for where, count in heldout_windows(recipe, checked).items():  # read after the calibration windows
+            heldout_batches(recipe.calibration, tokenizer, count, where)
+            found.checked.append(f"{where} held-out data: {count} windows after the calibration windows")
     if recipe.distillation is not None and tokenizer is not None:
         _distillation(recipe, tokenizer, found)
     _tasks(recipe, found)

@@ -52,7 +52,7 @@ from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
 from compressor.models.towers import copy_processor_files, save_tower
 from compressor.recipe.schema import LmEvalSpec, MlpSpec, ModelSpec, Recipe
-from compressor.run.checks import Plan, plan
+from compressor.run.checks import Plan, heldout_windows, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
 from compressor.run.loading import Resources, heldout_batches, load_model, load_whole, resolve_device
@@ -586,12 +586,12 @@ class _Stages:
             self.resources.batches(recipe.evaluation, self.tokenizer, "evaluation") if recipe.evaluation else None
         )
         self.distillation_rows = _distillation_data(recipe, self.tokenizer)
-        if recipe.refinement is not None:
-            self.heldout = heldout_batches(
-                recipe.calibration, self.tokenizer, recipe.refinement.heldout_windows, "refinement"
-            )
-        if self.checked.chooses_split and recipe.mlp is not None:
-            self.split_windows = heldout_batches(recipe.calibration, self.tokenizer, recipe.mlp.heldout_windows, "mlp")
+        for where, count in heldout_windows(recipe, self.checked).items():
+            windows = heldout_batches(recipe.calibration, self.tokenizer, count, where)
+            if where == "refinement":
+                self.heldout = windows
+            else:
+                self.split_windows = windows
 
     def load_model(self) -> None:
         """ "loading model", and its size before pruning."""

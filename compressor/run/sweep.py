@@ -51,6 +51,7 @@ from compressor.run.resume import interrupted_with_another_recipe
 from compressor.run.runner import run
 from compressor.run.staging import RUN_MARKER
 from compressor.strategies.registry import PluginRegistry
+from compressor.validation import shown
 
 SWEEP_MARKER = "sweep.yaml"
 """A folder holding this file was written by a sweep (the sweep file as it was run)."""
@@ -94,11 +95,11 @@ def load_sweep(path: Path, registry: PluginRegistry) -> Sweep:
         raise UserError("grid must map dotted recipe keys to lists of values, e.g. {sparsity: [0.2, 0.3]}")
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
-            raise UserError(f"grid.{key} must be a non-empty list of values, got {values!r}")
+            raise UserError(f"grid.{key} must be a non-empty list of values, got {shown(values)}")
     if not isinstance(fixed, dict):
-        raise UserError(f"set must map dotted recipe keys to values, got {fixed!r}")
+        raise UserError(f"set must map dotted recipe keys to values, got {shown(fixed)}")
     if not isinstance(raw.get("save_models", False), bool):
-        raise UserError(f"save_models must be true or false, got {raw['save_models']!r}")
+        raise UserError(f"save_models must be true or false, got {shown(raw['save_models'])}")
     base_path = folder / str(raw["base"])
     base = read_yaml(base_path, "base recipe")
     if not isinstance(base, dict):

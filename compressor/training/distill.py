@@ -30,7 +30,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +53,7 @@ from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
 from compressor.recipe.schema import DistillationSpec
+from compressor.validation import shown
 
 Progress = Callable[[str, int, int], None]
 Row = dict[str, torch.Tensor]
@@ -226,13 +227,42 @@ def check_target_modules(spec: DistillationSpec, names: set[str]) -> None:
 
 
 def trainer_keys(spec: DistillationSpec) -> None:
-    """The keys of `distillation.trainer` are TrainingArguments fields."""
-    known = {f.name for f in fields(TrainingArguments)}
-    for key in spec.trainer:
+    """The keys of `distillation.trainer` are TrainingArguments fields, and their values of the
+    kind the field's default is: a mapping where it is one (a JSON object as text too), a finite
+    number where it is a number, and not negative where the default is not (transformers takes
+    `dataloader_num_workers: -1` or `lr_scheduler_kwargs: abc` and fails only when training)."""
+    known = {f.name: f for f in fields(TrainingArguments)}
+    for key, value in spec.trainer.items():
         if key not in known:
             raise UserError(
                 f"distillation.trainer.{key} is not a transformers TrainingArguments field{did_you_mean(key, known)}"
             )
+        field_ = known[key]
+        default = field_.default_factory() if field_.default_factory is not MISSING else field_.default
+        where = f"distillation.trainer.{key}"
+        mapping = isinstance(default, dict) or "dict" in str(field_.type)
+        if mapping and value is not None and not isinstance(value, dict) and not _json_object(value):
+            raise UserError(
+                f"{where} must be a mapping (or a JSON object, or a JSON file where TrainingArguments reads one), "
+                f"got {shown(value)}"
+            )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and isinstance(default, (int, float)) and not isinstance(default, bool):
+            if not math.isfinite(value):
+                raise UserError(f"{where} must be a finite number, got {shown(value)}")
+            if value < 0 <= default:
+                raise UserError(f"{where} must not be negative (its default is {default}), got {shown(value)}")
+
+
+def _json_object(value: Any) -> bool:
+    """`value` is text holding a JSON object, or naming a JSON file (how TrainingArguments also
+    takes a mapping: DeepSpeed's and FSDP's configs are files)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        return isinstance(json.loads(value), dict)
+    except json.JSONDecodeError:
+        return value.endswith(".json") and Path(value).is_file()
 
 
 def _with_adapters(model: PreTrainedModel, spec: DistillationSpec, seed: int) -> nn.Module:

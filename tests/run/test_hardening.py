@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -371,3 +372,110 @@ def test_dry_run_refuses_an_output_that_cannot_be_written(
     _one_line_error(capsys, f"cannot write the output folder {tmp_path / 'a-file' / 'run'}", "choose another --output")
     assert main(["run", str(recipe)]) == 2  # and the run refuses it before any work
     _one_line_error(capsys, "cannot create the output folder")
+
+
+LAUGHS = "".join(
+    f"  - &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9)
+)  # nine levels of nine: 9^9 values once expanded, a few hundred bytes written
+
+
+@pytest.mark.parametrize(
+    ("tail", "needle"),
+    [
+        pytest.param(b"# caf\xe9\n", "is not UTF-8 text (byte 0xe9", id="latin-1"),
+        pytest.param(b"seed: !!float abc\n", "line {line}, column 7: 'abc' is tagged as a number", id="float-tag"),
+        pytest.param(b"seed: !!int 1.5\n", "'1.5' is tagged as an integer but is not one", id="int-tag"),
+        pytest.param(b"seed: " + b"9" * 5000 + b"\n", "an integer of 5000 digits", id="long-int"),
+        pytest.param(b"extra: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply", id="nesting"),
+        pytest.param(b"seed: 1\nseed: 2\n", "the key 'seed' is given twice (first at line {line})", id="duplicate"),
+        pytest.param(b"seed:\n" + LAUGHS.encode(), "expands to more than 100,000 values", id="aliases"),
+        pytest.param(b"seed: 1180591620717411303424\n", "seed must be in [0,", id="seed-beyond-64-bits"),
+        pytest.param(b"refinement: {epochs: .inf}\n", "refinement.epochs must be a finite number", id="inf"),
+        pytest.param(b"mlp: {damping: .nan}\n", "mlp.damping must be a finite number", id="nan"),
+    ],
+)
+def test_a_recipe_that_is_not_what_it_should_be_is_one_line_at_once(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, tail: bytes, needle: str
+) -> None:
+    """Bytes that are not UTF-8, YAML whose tags lie, integers and nesting no setting takes, a key
+    given twice, an alias tree that expands to billions of values, and numbers at infinity: one
+    line each, at once (printed whole, the alias tree would take the machine's memory), before any work."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    text = recipe.read_bytes()
+    recipe.write_bytes(text + tail)
+    needle = needle.format(line=text.count(b"\n") + 1)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, needle)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        pytest.param(3, "config.json must be a JSON object of fields, got int", id="number"),
+        pytest.param(None, "config.json must be a JSON object of fields, got NoneType", id="null"),
+        pytest.param({"hidden_size": -256}, "config.json's hidden_size must be a positive integer, got -256", id="neg"),
+        pytest.param({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0", id="zero"),
+        pytest.param({"num_hidden_layers": "six"}, "num_hidden_layers must be a positive integer, got 'six'", id="str"),
+        pytest.param(
+            {"num_hidden_layers": 10**6}, "num_hidden_layers is 1,000,000, more than any model has", id="many"
+        ),
+    ],
+)
+def test_a_config_json_no_model_can_be_built_from_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, value: object, needle: str
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, **value} if isinstance(value, dict) else value))
+    capsys.readouterr()
+    recipe = write_recipe(tmp_path, checkpoint, evaluation=None)
+    for args in (["--dry-run"], []):
+        assert main(["run", str(recipe), *args]) == 2
+        _one_line_error(capsys, needle)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+def test_paths_longer_than_the_file_system_allows_are_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    long = "a" * 300  # one name past NAME_MAX (255)
+    for recipe in (
+        write_recipe(tmp_path, tiny_checkpoint, evaluation=None, output=str(tmp_path / long)),
+        write_recipe(tmp_path, tmp_path / long, evaluation=None),
+        tmp_path / f"{long}.yaml",
+    ):
+        assert main(["run", str(recipe), "--dry-run"]) == 2
+        _one_line_error(capsys, "a path is longer than the file system allows", "give a shorter")
+
+
+@pytest.mark.parametrize(
+    ("trainer", "needle"),
+    [
+        ({"lr_scheduler_kwargs": "abc"}, "lr_scheduler_kwargs must be a mapping"),
+        ({"dataloader_num_workers": -1}, "dataloader_num_workers must not be negative (its default is 0)"),
+        ({"adam_beta1": float("inf")}, "adam_beta1 must be a finite number"),
+    ],
+)
+def test_distillation_trainer_values_transformers_would_take_and_fail_on_are_refused(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, trainer: dict, needle: str
+) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, distillation={"tokens": 2048, "trainer": trainer})
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, f"distillation.trainer.{needle}")
+
+
+def test_the_dry_run_counts_the_held_out_windows_after_the_calibration_windows(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Refinement's guard (and the split choice of `mlp: {}`) reads held-out windows after the
+    calibration windows: a dry run that accepted 128 + 16 windows from text that holds 136 let the
+    run stop at tokenising."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, refinement={"heldout_windows": 16})
+    capsys.readouterr()
+    fits = main(["run", str(recipe), "--dry-run", "--set", "calibration.num_samples=8"])
+    assert fits == 0 and "refinement held-out data: 16 windows after the calibration windows" in capsys.readouterr().out
+    assert main(["run", str(recipe), "--dry-run", "--set", "calibration.num_samples=100000"]) == 2
+    held = int(re.search(r"the dataset yields (\d+) windows", capsys.readouterr().err).group(1))
+    assert main(["run", str(recipe), "--dry-run", "--set", f"calibration.num_samples={held - 8}"]) == 2
+    _one_line_error(capsys, f"refinement.heldout_windows: 16 windows after the {held - 8} calibration windows need")
