@@ -6,8 +6,8 @@ something else to the text width, Mistral 3's projector).
 One residual basis is not a stock model there, but the MLP's width is: the stream keeps its basis
 and width, every MLP keeps m of its f neurons, and the saved folder is the original class with
 `intermediate_size` m, loaded by plain transformers. The layout is a `SlicedLayout` whose
-`kept_stream` says why: every site at the full width, no walk (the run's MLP stage prunes the original
-model). Its parameters are affine in m, so two meta-device models give every count, and a
+`kept_stream` says why: every site at the full width, no walk (the run's MLP stage prunes the
+original model). Its parameters are affine in m, so two meta-device models give every count, and a
 `target_params` budget decides m (the most neurons within it, a multiple of `mlp.round_to`).
 Loads no weights.
 """
@@ -30,13 +30,19 @@ from compressor.models.towers import TextTower
 def kept_stream(family: ModelFamily, layout: str, tower: TextTower | None = None) -> str | None:
     """Why a `layout` run of this model keeps its stream whole and prunes the MLP alone: a global
     layout whose class cannot hold a rotated stream, where the MLP's width is described; None: it
-    does not (a per-site layout, or a class that holds one basis; without an MLP width to prune,
-    `stock.check_stock` refuses the global layout)."""
-    if layout != "global" or family.mlp_width is None:
+    does not (a per-site layout, or a class that holds one basis; a text family without an MLP
+    width to prune is refused by `stock.check_stock`, a vision-language one here)."""
+    if layout != "global":
         return None
     if tower is not None and tower.keeps_stream is not None:
+        if family.mlp_width is None:
+            raise UserError(
+                f"this vision-language class keeps its text stream whole ({tower.keeps_stream}), and its "
+                f"{family.name} text model does not describe its MLP's width (ModelFamily.mlp_width): nothing "
+                f"in it can be pruned stock"
+            )
         return tower.keeps_stream
-    return family.stock_refusal
+    return family.stock_refusal if family.mlp_width is not None else None
 
 
 def mlp_only_layout(
@@ -53,10 +59,10 @@ def mlp_only_layout(
     counts: str = "all",
 ) -> SlicedLayout:
     """The stock layout of `family`, whose stream stays whole for `reason` (see the module
-    docstring): every MLP keeps `mlp_kept` neurons,
-    or the most the `target_params` budget allows (not fewer than `min_kept` of them). Refused in
-    one line where it cannot be: no `mlp` section (`pruned_mlp` false), a `sparsity` (it cuts the
-    residual width), or a budget the MLP alone cannot reach (naming the fraction it can)."""
+    docstring): every MLP keeps `mlp_kept` neurons, or the most the `target_params` budget allows
+    (not fewer than `min_kept` of them). Refused in one line where it cannot be: no `mlp` section
+    (`pruned_mlp` false), a `sparsity` (it cuts the residual width), or a budget the MLP alone
+    cannot reach (naming the fraction it can)."""
     name = config.model_type
     kept_whole = f"a stock {name} keeps its residual stream whole ({reason})"
     if not pruned_mlp:

@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Mistral3Config
 
 from compressor.cli import main
+from compressor.errors import UserError
+from compressor.models.families import family_for
+from compressor.models.mlp_only import kept_stream
+from compressor.models.towers import tower_for
 from tests.conftest import COMMON, EXAMPLES, FAMILY_CONFIGS, TOKENIZER_FILES
 from tests.run.test_cli import _DELETE, write_recipe
 
@@ -91,3 +95,15 @@ def test_what_a_stream_kept_whole_cannot_do_is_refused_before_work(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, changes: dict, named: str
 ) -> None:
     assert named in _refusal(tmp_path, checkpoint, capsys, **changes)
+
+
+def test_only_a_global_layout_of_a_class_that_cannot_hold_a_rotated_stream_keeps_it_whole() -> None:
+    """`kept_stream` decides the layout: the family's or the vision-language class's reason, for a
+    global layout with an MLP width to prune; a per-site layout and a stock-able class rotate."""
+    gemma3, llama, gpt2 = family_for("gemma3_text"), family_for("llama"), family_for("gpt2")
+    mistral3 = tower_for(Mistral3Config())
+    assert kept_stream(gemma3, "global") == gemma3.stock_refusal and kept_stream(gemma3, "per_site") is None
+    assert kept_stream(llama, "global") is None and kept_stream(gpt2, "global") is None  # rotated; refused
+    assert kept_stream(llama, "global", mistral3) == mistral3.keeps_stream
+    with pytest.raises(UserError, match="does not describe its MLP's width"):
+        kept_stream(gpt2, "global", mistral3)
