@@ -392,13 +392,14 @@ class _Core12Constructor:
 
     @staticmethod
     def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-        seen: dict[Any, yaml.Node] = {}
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node)
-            if isinstance(key, str) and key in seen:
-                line = seen[key].start_mark.line + 1
-                raise _bad(key_node, f"the key '{key}' is given twice (first at line {line}); keep one")
-            seen[key] = key_node
+        seen: dict[str, yaml.Node] = {}
+        for key_node, _ in node.value:  # the keys as written (a merge key's `<<` brings keys it may override)
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if key_node.value in seen:
+                line = seen[key_node.value].start_mark.line + 1
+                raise _bad(key_node, f"the key '{key_node.value}' is given twice (first at line {line}); keep one")
+            seen[key_node.value] = key_node
         return loader.construct_mapping(node)
 
 

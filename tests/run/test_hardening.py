@@ -479,3 +479,17 @@ def test_the_dry_run_counts_the_held_out_windows_after_the_calibration_windows(
     held = int(re.search(r"the dataset yields (\d+) windows", capsys.readouterr().err).group(1))
     assert main(["run", str(recipe), "--dry-run", "--set", f"calibration.num_samples={held - 8}"]) == 2
     _one_line_error(capsys, f"refinement.heldout_windows: 16 windows after the {held - 8} calibration windows need")
+
+
+def test_yaml_merge_keys_still_read_and_may_override_what_they_bring(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A key given twice is refused, but a merge key (`<<`) brings keys the mapping may set again."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, sparsity=0.1)  # 57.6 of 64 kept
+    text = recipe.read_text()
+    recipe.write_text(text + "slicing:\n  <<: &common {round_to: 8, slice_head: true}\n  round_to: 16\n")
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert "kept width 48" in capsys.readouterr().out  # round_to 16 (8 would keep 56): the mapping's own key won
+    recipe.write_text(text + "slicing:\n  <<: &common {round_to: 8, slice_head: true}\n")
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert "kept width 56" in capsys.readouterr().out
