@@ -82,7 +82,7 @@ class LmEvalSpec:
     """A folder of local task YAMLs, relative to the recipe's folder."""
     num_fewshot: Annotated[StrictInt, described("or null for each task's default", ge=0)] | None = None
     """None keeps each task's own default (GSM8K chain-of-thought is 8-shot by its definition)."""
-    limit: Annotated[Number, described("documents per task, or a fraction of them below 1", gt=0)] | None = None
+    limit: Number | None = None
     """At most this many documents per task (a number below 1 is a fraction); None: all."""
     batch_size: Annotated[StrictInt, described("documents per batch", ge=1)] = 8
     apply_chat_template: StrictBool = False
