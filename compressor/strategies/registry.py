@@ -7,7 +7,9 @@ never imported); unset, every installed plugin loads. `compress strategies` show
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
@@ -65,11 +67,29 @@ class RegisteredFamily:
     source: str
 
 
-def installed_plugins() -> list[str]:
-    """Names of the installed entry points of the `compressor` group, each owned by one package.
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """One entry point of the `compressor` group and the package that installs it."""
 
-    pluggy silently skips a second entry point of the same name; that is refused here instead."""
+    name: str
+    entry: metadata.EntryPoint
+    source: str
+    """The package and its version, as `compress strategies` shows them."""
+
+
+def scan_plugins() -> tuple[InstalledPlugin, ...]:
+    """The installed entry points of the `compressor` group, in the order the packages are found.
+
+    pluggy silently skips a second entry point of the same name; that is refused here instead.
+    The scan reads every installed package's metadata (tens of milliseconds): it is remembered for
+    the process's `sys.path`, so a process that builds many registries (a test suite) scans once."""
+    return _scanned(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _scanned(path: tuple[str, ...]) -> tuple[InstalledPlugin, ...]:
     owners: dict[str, str] = {}
+    found = []
     for dist in metadata.distributions():
         for entry in dist.entry_points:
             if entry.group != ENTRY_POINT_GROUP:
@@ -81,7 +101,8 @@ def installed_plugins() -> list[str]:
                     f"'{owners[entry.name]}' and '{owner}'; uninstall one of them"
                 )
             owners[entry.name] = owner
-    return sorted(owners)
+            found.append(InstalledPlugin(entry.name, entry, f"{owner} {dist.version}"))
+    return tuple(found)
 
 
 def allowed_plugins(installed: list[str]) -> list[str] | None:
@@ -108,24 +129,25 @@ class PluginRegistry:
         self.installed: list[str] = []
         self.allowed: list[str] | None = None
         """The plugins COMPRESS_PLUGINS allowed (None: all installed ones)."""
+        self._sources: dict[str, str] = {}
         if load_entry_points:
-            self.installed = installed_plugins()
+            scanned = scan_plugins()
+            self.installed = sorted({plugin.name for plugin in scanned})
             self.allowed = allowed_plugins(self.installed)
-            if self.allowed is None:
-                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-            for name in self.allowed or ():
-                self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
+            order = scanned if self.allowed is None else [p for n in self.allowed for p in scanned if p.name == n]
+            for plugin in order:  # as pluggy's load_setuptools_entrypoints would, from the one scan
+                if self.manager.get_plugin(plugin.name) is None and not self.manager.is_blocked(plugin.name):
+                    self.manager.register(plugin.entry.load(), name=plugin.name)
+                    self._sources[plugin.name] = plugin.source
         for plugin in extra_plugins:
             self.manager.register(plugin)
         self._strategies = self._collect()
         self._selectors = self._collect_selectors()
         self._families = self._collect_families()
 
-    def _source(self, plugin: object) -> str:
-        for registered, dist in self.manager.list_plugin_distinfo():
-            if registered is plugin:
-                return f"{dist.project_name} {dist.version}"
-        return getattr(plugin, "__name__", type(plugin).__name__)
+    def _source(self, name: str, plugin: object) -> str:
+        """The package (and version) that installed plugin `name`; else the plugin object's name."""
+        return self._sources.get(name) or getattr(plugin, "__name__", type(plugin).__name__)
 
     def _collect(self) -> dict[str, RegisteredStrategy]:
         return self._collect_named(self.manager.hook.compressor_strategies, "strategy", RegisteredStrategy)
@@ -144,7 +166,7 @@ class PluginRegistry:
                         f"{kind} '{item.name}' is provided twice, by plugins "
                         f"'{found[item.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
                     )
-                found[item.name] = entry(item, impl.plugin_name, self._source(impl.plugin))
+                found[item.name] = entry(item, impl.plugin_name, self._source(impl.plugin_name, impl.plugin))
         return found
 
     def _collect_families(self) -> dict[str, RegisteredFamily]:
@@ -158,7 +180,9 @@ class PluginRegistry:
                             f"model_type '{model_type}' is described twice, by '{found[model_type].plugin}' "
                             f"and plugin '{impl.plugin_name}'; uninstall one of them"
                         )
-                    found[model_type] = RegisteredFamily(family, impl.plugin_name, self._source(impl.plugin))
+                    found[model_type] = RegisteredFamily(
+                        family, impl.plugin_name, self._source(impl.plugin_name, impl.plugin)
+                    )
                 from compressor.models.sliced import register_family  # the model stack, only for a plugin's family
 
                 register_family(family)
