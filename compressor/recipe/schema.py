@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Iterator
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -509,7 +510,23 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
         if not resolved.is_dir():
             raise UserError(f"model folder not found: {resolved} ({where}){_reference_hint(resolved)}")
         return str(resolved)
+    if not _is_hub_id(path):
+        raise UserError(
+            f"model folder not found: {local} ({where}), and {shown(path)} is not a hub id "
+            f"(name or organisation/name) either; give the folder of a model, or its hub id"
+        )
     return path
+
+
+def _is_hub_id(path: str) -> bool:
+    """Whether `path` could name a model on the hub (huggingface_hub's own rule)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _reference_hint(missing: Path) -> str:
@@ -667,10 +684,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _strings(where: str, value: Any) -> Iterator[tuple[str, str]]:
+    """Every string in `value` (keys too), with the dotted key it sits under."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(f"{where}.{index}", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(f"{where}.{key}", item)
+            yield from _strings(f"{where}.{key}", key)
+
+
 def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     """Check a raw recipe mapping completely and return it with paths resolved."""
     if not isinstance(raw, dict):
         raise UserError("the recipe must be a YAML mapping of keys (model, calibration, sparsity, pipeline, ...)")
+    for key, value in dotted(raw).items():
+        for where, text in [*_strings(key, value), (key, key)]:
+            if "\x00" in text:
+                raise UserError(f"{where} holds a NUL character, which no path, name or setting may; remove it")
     raw = copy.deepcopy(raw)
     pipeline_raw = raw.pop("pipeline", None)
     if not isinstance(pipeline_raw, list) or not pipeline_raw:

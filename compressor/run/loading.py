@@ -67,6 +67,10 @@ MAX_LAYERS = 1024
 """More layers than any published model has (Llama 3.1 405B: 126); beyond it a config is a mistake,
 and building it on the meta device alone would take minutes."""
 
+MAX_WIDTH = 1 << 22
+"""More than any published model's widths, heads or vocabulary (4,194,304; Gemma 3's vocabulary:
+262,144); beyond it a config is a mistake whose tensor sizes overflow the memory plan's arithmetic."""
+
 
 def load_config(spec: ModelSpec) -> PretrainedConfig:
     """The model's config, its dimensions checked (`check_dimensions`); a config.json that is not a
@@ -99,15 +103,20 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
 
 
 def check_dimensions(fields: Mapping[str, Any], what: str) -> None:
-    """Every dimension the model is built from (`fields`: a config's) is a positive integer, and
-    the layers are not more than `MAX_LAYERS`: a negative width or zero heads would fail deep
-    inside transformers, a million layers would take minutes to build."""
+    """Every dimension the model is built from (`fields`: a config's) is a positive integer, the
+    layers not more than `MAX_LAYERS` and the rest not more than `MAX_WIDTH`: a negative width or
+    zero heads would fail deep inside transformers, a million layers would take minutes to build."""
     for key in DIMENSIONS:
         value = fields.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"cannot load {what}: config.json's {key} must be a positive integer, got {shown(value)}")
+        if key != "num_hidden_layers" and value > MAX_WIDTH:
+            raise UserError(
+                f"cannot load {what}: config.json's {key} is {value:,}, more than any model has "
+                f"(compressor takes at most {MAX_WIDTH:,})"
+            )
     layers = fields.get("num_hidden_layers")
     if isinstance(layers, int) and layers > MAX_LAYERS:
         raise UserError(

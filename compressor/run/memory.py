@@ -158,7 +158,7 @@ class PlanSettings:
             attn_implementation=recipe.model.attn_implementation,
             samples=recipe.calibration.num_samples,
             seq_len=recipe.calibration.seq_len,
-            batch=recipe.calibration.batch_size,
+            batch=min(recipe.calibration.batch_size, recipe.calibration.num_samples),  # a batch holds what there is
             activations=recipe.activations,
             h_dtype=recipe.sensitivity.dtype,
             chunk=recipe.sensitivity.chunk,
@@ -167,7 +167,12 @@ class PlanSettings:
             refinement=recipe.refinement is not None,
             distillation=(spec.method, spec.teacher) if spec is not None else None,
             evaluation=recipe.evaluation is not None,
-            evaluation_batch=(recipe.evaluation.seq_len, recipe.evaluation.batch_size) if recipe.evaluation else (0, 0),
+            evaluation_batch=(
+                recipe.evaluation.seq_len,
+                min(recipe.evaluation.batch_size, recipe.evaluation.num_samples),
+            )
+            if recipe.evaluation
+            else (0, 0),
             evaluation_layerwise=_layerwise_evaluation(recipe),
             evaluation_placed=recipe.evaluation is not None
             and recipe.evaluation.device_map is not None
@@ -346,6 +351,11 @@ def measure_device(
     extrapolated to the model's depth (linear: every layer has the same shapes). Remembered per
     config and settings: a sweep's runs, or a test suite's, measure once."""
     key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
+    if batch * seq_len * max(config.hidden_size, config.vocab_size) >= 1 << 62:  # past what a tensor's size holds
+        raise UserError(
+            f"calibration.batch_size × seq_len ({batch:,} × {seq_len:,} tokens) at this model's widths is more "
+            f"than one tensor can hold; lower calibration.batch_size or seq_len"
+        )
     if key not in _MEASURED:
         fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
         if not recompute:

@@ -420,6 +420,7 @@ def test_a_recipe_that_is_not_what_it_should_be_is_one_line_at_once(
         pytest.param(
             {"num_hidden_layers": 10**6}, "num_hidden_layers is 1,000,000, more than any model has", id="many"
         ),
+        pytest.param({"vocab_size": 10**12}, "vocab_size is 1,000,000,000,000, more than any model has", id="wide"),
     ],
 )
 def test_a_config_json_no_model_can_be_built_from_is_one_line(
@@ -493,3 +494,48 @@ def test_yaml_merge_keys_still_read_and_may_override_what_they_bring(
     recipe.write_text(text + "slicing:\n  <<: &common {round_to: 8, slice_head: true}\n")
     assert main(["run", str(recipe), "--dry-run"]) == 0
     assert "kept width 56" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, dry_run: bool
+) -> None:
+    """transformers' lazy import catches what an import raised, the KeyboardInterrupt of a Ctrl-C
+    included once in a while, and raises "Could not import module 'Trainer'" in its place: the
+    command still ends as interrupted, in one line with exit code 130, nothing left behind."""
+    import compressor.recipe.schema as schema
+
+    real = schema.validate
+
+    def interrupted_while_importing(*args: object, **kwargs: object) -> object:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("Could not import module 'Trainer'") from None
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(schema, "validate", interrupted_while_importing)
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
+    assert main(["run", str(recipe), *(["--dry-run"] if dry_run else [])]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command's handler is gone again
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"model__path": "no/such/place"}, "is not a hub id (name or organisation/name) either"),
+        ({"output": "out\x00put"}, "output holds a NUL character"),
+        ({"calibration__dataset__data_files": "a\x00b"}, "calibration.dataset.data_files holds a NUL character"),
+        ({"calibration__batch_size": 10**15, "calibration__num_samples": 10**15}, "more than one tensor can hold"),
+    ],
+)
+def test_paths_and_sizes_no_run_could_use_are_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, changes: dict, needle: str
+) -> None:
+    """A model path that is neither a folder nor a hub id, a NUL in a path, a batch whose tensors
+    no index can address: each refused by the dry run (found by `test_generated_recipes`)."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, **changes)
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, needle)
