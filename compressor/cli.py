@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from compressor.errors import UserError
@@ -18,6 +21,8 @@ if TYPE_CHECKING:  # rich is imported inside main's handlers, so Ctrl-C while it
     from rich.console import Console
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a command Ctrl-C stopped."""
 
 
 class _UsageError(Exception):
@@ -47,9 +52,17 @@ def _version() -> str:
     return f"compress {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
 
 
+class _VersionAction(argparse.Action):
+    """`--version`, its text read only when asked for (the metadata reads take tens of milliseconds)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(_version())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the versions and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a YAML recipe")
     run.add_argument("recipe", help="path to the recipe (YAML)")
@@ -244,10 +257,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                 warn=warn,
                 memory_check=not args.skip_memory_check,
             )
-    except KeyboardInterrupt:
+    except BaseException as error:
+        if not isinstance(error, KeyboardInterrupt) and not _INTERRUPT.seen:
+            raise
         if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
             raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None
-        raise
+        raise KeyboardInterrupt from None
     finally:
         parallel.stop()
     assert report is not None  # rank 0 writes the report
@@ -410,7 +425,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
     try:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)
-    except KeyboardInterrupt:
+    except BaseException as error:
+        if not isinstance(error, KeyboardInterrupt) and not _INTERRUPT.seen:
+            raise
         raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
     console.print(
         render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False, soft_wrap=True
@@ -560,7 +577,41 @@ def _note_skipped(console: Console, registry: Any) -> None:
         )
 
 
+class _Interrupt:
+    """Ctrl-C, remembered: a library may catch the KeyboardInterrupt and raise another error in
+    its place (transformers' lazy import: "Could not import module 'Trainer'"); once the user has
+    pressed Ctrl-C, whatever ends the command ends it as an interrupt."""
+
+    seen = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        _Interrupt.seen = True
+        raise KeyboardInterrupt
+
+
+_INTERRUPT = _Interrupt()
+
+
+@contextmanager
+def _interrupts_remembered() -> Iterator[None]:
+    """`_INTERRUPT` handles SIGINT for the command (in the main thread, where signals arrive)."""
+    _Interrupt.seen = False
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _INTERRUPT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with _interrupts_remembered():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # Our display reports progress; tqdm reads this once, when it is first imported.
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
@@ -588,11 +639,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             _schema(args, console)
         else:
             _strategies(console)
-    except (UserError, _UsageError) as error:
-        sys.stderr.write(f"error: {error}\n")
-        return EXIT_USER_ERROR
-    except OSError as error:
-        if error.errno != errno.ENAMETOOLONG:
+    except KeyboardInterrupt as interrupt:
+        sys.stderr.write(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}\n")
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if _Interrupt.seen:  # what a library made of the interrupt
+            sys.stderr.write("interrupted\n")
+            return EXIT_INTERRUPTED
+        if isinstance(error, (UserError, _UsageError)):
+            sys.stderr.write(f"error: {error}\n")
+            return EXIT_USER_ERROR
+        if not isinstance(error, OSError) or error.errno != errno.ENAMETOOLONG:
             raise
         name = str(error.filename or "")
         sys.stderr.write(
@@ -600,9 +657,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"give a shorter model, output or recipe path\n"
         )
         return EXIT_USER_ERROR
-    except KeyboardInterrupt as interrupt:
-        sys.stderr.write(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}\n")
-        return 130
     return 0
 
 
