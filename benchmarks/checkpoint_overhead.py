@@ -69,8 +69,7 @@ def main() -> None:
                 checked.layout,
                 batches,
                 checked.pipeline,
-                WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed),
-                checkpoint=checkpoint,
+                WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, checkpoint=checkpoint),
             )
             elapsed = time.perf_counter() - tick
             return elapsed, _size(Path(folder))

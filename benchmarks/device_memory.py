@@ -152,8 +152,7 @@ def measure(args: argparse.Namespace, pipeline: str, samples: int, registry: Plu
             fixed_layout(model.config, family, widths),
             _batches(config.vocab_size, samples, args),
             [PipelineStep(strategy, strategy.parse_options({}))],
-            WalkOptions(device=device, sensitivity=options, seed=args.seed),
-            progress=phases,
+            WalkOptions(device=device, sensitivity=options, seed=args.seed, progress=phases),
         )
     return phases.close()
 

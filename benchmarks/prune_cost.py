@@ -375,8 +375,7 @@ def main() -> None:
                 fixed_layout(model.config, family, widths),
                 batches,
                 _pipeline(name, registry),
-                WalkOptions(device=device, sensitivity=options, seed=args.seed),
-                progress=progress,
+                WalkOptions(device=device, sensitivity=options, seed=args.seed, progress=progress),
             )
         progress.close()
         floor = floors.get(name, forward + backward)

@@ -208,8 +208,13 @@ def diagnose(args: argparse.Namespace) -> None:
         layout,
         calibration,
         checked.pipeline,
-        WalkOptions(device=device, sensitivity=recipe.sensitivity, seed=recipe.seed, pooling=recipe.slicing.pooling),
-        progress=progress,
+        WalkOptions(
+            device=device,
+            sensitivity=recipe.sensitivity,
+            seed=recipe.seed,
+            pooling=recipe.slicing.pooling,
+            progress=progress,
+        ),
     )
     walk_s = time.perf_counter() - tick
     stream = head_stream(walked.head_moment, walked.bases[EMBEDDING])

@@ -125,9 +125,9 @@ def child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="streaming-benchmark-") as scratch:
         checkpoint = Checkpoint(Path(scratch) / "checkpoint")
         checkpoint.start({"benchmark": args.child})
-        options = WalkOptions(device=device, write_to=output if args.child == "stream" else None)
+        options = WalkOptions(device=device, write_to=output if args.child == "stream" else None, checkpoint=checkpoint)
         layout = fixed_layout(config, family, widths, layout=args.layout)
-        result = prune(model, layout, batches, [PipelineStep(PCA())], options, checkpoint=checkpoint)
+        result = prune(model, layout, batches, [PipelineStep(PCA())], options)
         pruned = time.perf_counter()
         if args.child == "memory" and args.layout == "global":
             save_stock(result.model, family, layout.config, output)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import compressor
@@ -168,3 +169,18 @@ def test_the_tests_are_arranged_like_the_package() -> None:
     assert folders <= set(BELOW), f"test folders that are not rooms: {sorted(folders - set(BELOW))}"
     loose = {path.name for path in tests.glob("test_*.py")} - {"test_architecture.py", "test_docs.py"}
     assert not loose, f"tests outside the rooms' folders: {sorted(loose)}"
+
+
+def test_the_engine_s_entry_takes_the_layout_and_one_options_object() -> None:
+    """`engine.prune(model, layout, batches, pipeline, options)`: what the walk needs beside the
+    layout (checkpoint, H, ranks, allocator, progress) travels in `WalkOptions`, so a new need is a
+    field, not another parameter every caller passes (issue 47, item 4)."""
+    import inspect
+
+    from compressor.engine.walk import WalkOptions, prune
+
+    parameters = inspect.signature(prune).parameters
+    assert len(parameters) <= 6, list(parameters)
+    assert list(parameters)[:4] == ["model", "layout", "batches", "pipeline"]
+    assert parameters["options"].annotation in (WalkOptions, "WalkOptions")
+    assert {"checkpoint", "fisher", "ranks", "progress", "allocator"} <= {f.name for f in fields(WalkOptions)}

@@ -320,6 +320,16 @@ class WalkOptions:
     """Global layout: pool every site's C (and H) as the sliced model makes them, for
     `PruneResult.walked` (SliceGPT's statistics, `benchmarks/global_statistics.py`); off, the walk
     holds no d × d sums beyond the site it is on."""
+    allocator: WidthAllocator | None = None
+    """Chooses the widths of a layout without them, from the survey's statistics."""
+    checkpoint: Checkpoint | None = None
+    """Where H and every finished site are saved, and reused from."""
+    fisher: Mapping[str, torch.Tensor] | None = None
+    """H of this model, data, options and seed, given (a sweep's earlier run): not estimated again."""
+    ranks: Ranks | None = None
+    """The data-parallel group (by default the initialised `torch.distributed` one, if any)."""
+    progress: ProgressCallback | None = None
+    """Hears each phase and site as the walk reaches it."""
 
 
 @torch.no_grad()
@@ -329,12 +339,6 @@ def prune(
     batches: list[Batch],
     pipeline: Sequence[PipelineStep],
     options: WalkOptions = WalkOptions(),
-    *,
-    allocator: WidthAllocator | None = None,
-    checkpoint: Checkpoint | None = None,
-    fisher: Mapping[str, torch.Tensor] | None = None,
-    ranks: Ranks | None = None,
-    progress: ProgressCallback | None = None,
 ) -> PruneResult:
     """Rotate and slice `model` in place into `layout` (built by `models.layout.sliced_layout` from
     a recipe, or `fixed_layout` from widths), then return it as a `sliced_*` model.
@@ -344,7 +348,8 @@ def prune(
     estimated only when a strategy of the pipeline requires it, on the fused model before
     anything is sliced, unless the caller gives it (`fisher`: H of this model, data, options and
     seed, e.g. from an earlier run of a sweep). With a `checkpoint`, H and every finished site
-    are saved there, and those already saved are reused. With `correct_readers`, what reads each
+    are saved there, and those already saved are reused (all of these, and `ranks`, `allocator`
+    and `progress` below, are fields of `options`). With `correct_readers`, what reads each
     site's stream (the next block's input linears, the residual transition, the head) reads it
     through R_s = C_s·V_s(V_sᵀC_sV_s)⁻¹ instead of V_s. The layout's shared sites keep the
     previous site's basis, chosen there from both sites' statistics (the next block looked
@@ -370,7 +375,8 @@ def prune(
     returns the same bases as one process over all batches (up to the order of the sums).
     """
     device = torch.device(options.device)
-    ranks = ranks or Ranks.current()
+    allocator, checkpoint, fisher, progress = options.allocator, options.checkpoint, options.fisher, options.progress
+    ranks = options.ranks or Ranks.current()
     local = ranks.share(batches)
     skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
     report = progress or (lambda *_: None)

@@ -238,19 +238,13 @@ def _prune(
         correct_readers=recipe.slicing.correct_readers,
         pooling=recipe.slicing.pooling,
         write_to=write_to,
-    )
-    return prune(
-        model,
-        checked.layout,
-        calibration,
-        checked.pipeline,
-        options,
         allocator=checked.allocator,
         checkpoint=checkpoint,
         fisher=fisher,
         ranks=ranks,
         progress=report_progress,
     )
+    return prune(model, checked.layout, calibration, checked.pipeline, options)
 
 
 def _follow(

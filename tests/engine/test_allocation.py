@@ -20,7 +20,7 @@ from compressor.engine.allocation import Choice, CurveAllocator, groups_of, loss
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import prune
+from compressor.engine.walk import WalkOptions, prune
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
@@ -358,7 +358,11 @@ def test_a_shared_basis_is_chosen_from_every_member_s_statistics() -> None:
         fisher[site] = A @ A.T
     alone, pooled = _Seen(), _Seen()
     prune(
-        copy_model(original), fixed_layout(original.config, family, full), batches, [PipelineStep(alone)], fisher=fisher
+        copy_model(original),
+        fixed_layout(original.config, family, full),
+        batches,
+        [PipelineStep(alone)],
+        WalkOptions(fisher=fisher),
     )
     shared = [layer_site_ids(family, i)[-1] for i in range(layers)]
     result = prune(
@@ -366,7 +370,7 @@ def test_a_shared_basis_is_chosen_from_every_member_s_statistics() -> None:
         fixed_layout(original.config, family, full, shared=shared),
         batches,
         [PipelineStep(pooled)],
-        fisher=fisher,
+        WalkOptions(fisher=fisher),
     )
     assert sorted(pooled.seen) == sorted(set(ids) - set(shared))
     for i in range(layers):
@@ -390,13 +394,19 @@ def test_a_tied_head_s_basis_is_chosen_from_the_embedding_and_the_last_site() ->
     ids = site_ids(family, config.num_hidden_layers)
     fisher = {site: torch.eye(config.hidden_size, dtype=torch.float64) * (i + 1) for i, site in enumerate(ids)}
     alone, tied = _Seen(), _Seen()
-    prune(tiny_model("qwen2"), fixed_layout(config, family, full), batches, [PipelineStep(alone)], fisher=fisher)
+    prune(
+        tiny_model("qwen2"),
+        fixed_layout(config, family, full),
+        batches,
+        [PipelineStep(alone)],
+        WalkOptions(fisher=fisher),
+    )
     result = prune(
         tiny_model("qwen2"),
         fixed_layout(config, family, full, tie_head=True),
         batches,
         [PipelineStep(tied)],
-        fisher=fisher,
+        WalkOptions(fisher=fisher),
     )
     assert sorted(tied.seen) == sorted(ids[:-1])
     C, H = tied.seen["embedding"]
@@ -448,8 +458,7 @@ def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(t
         fixed_layout(original.config, family, None),
         batches,
         steps,
-        checkpoint=checkpoint,
-        allocator=first_allocator,
+        WalkOptions(checkpoint=checkpoint, allocator=first_allocator),
     )
     assert first_allocator.observed == len(params.sites)
     assert first.widths == first_allocator.widths()  # the walk kept what the allocator chose
@@ -462,8 +471,7 @@ def test_an_allocated_walk_uses_its_widths_and_resumes_without_a_second_survey(t
         fixed_layout(original.config, family, None),
         batches,
         steps,
-        checkpoint=checkpoint,
-        allocator=again_allocator,
+        WalkOptions(checkpoint=checkpoint, allocator=again_allocator),
     )
     assert not hasattr(again_allocator, "observed") and again.loaded_sites == len(params.sites)
     assert max_relative_logit_error(first.model, again.model, batches) == 0.0
@@ -485,12 +493,7 @@ def test_a_resumed_tied_allocation_that_surveys_again_keeps_the_saved_allocation
     checkpoint = Checkpoint(tmp_path / "checkpoint")
     checkpoint.start({"test": "1"})
     first = prune(
-        original,
-        layout,
-        batches,
-        [PipelineStep(PCA())],
-        checkpoint=checkpoint,
-        allocator=allocator(),
+        original, layout, batches, [PipelineStep(PCA())], WalkOptions(checkpoint=checkpoint, allocator=allocator())
     )
     for site in checkpoint.sites_folder.glob("*.safetensors"):
         site.unlink()
@@ -499,8 +502,7 @@ def test_a_resumed_tied_allocation_that_surveys_again_keeps_the_saved_allocation
         layout,
         batches,
         [PipelineStep(PCA())],
-        checkpoint=checkpoint,
-        allocator=allocator(),
+        WalkOptions(checkpoint=checkpoint, allocator=allocator()),
     )
     assert again.loaded_sites == 0 and again.widths == first.widths
     assert again.allocation == json.loads(json.dumps(first.allocation))

@@ -57,8 +57,7 @@ def _prune(original, name: str, pipeline, correct: bool, checkpoint: Checkpoint 
         fixed_layout(original.config, family, widths),
         batches,
         pipeline,
-        WalkOptions(correct_readers=correct),
-        checkpoint=checkpoint,
+        WalkOptions(correct_readers=correct, checkpoint=checkpoint),
     ), batches
 
 

@@ -72,8 +72,7 @@ def test_a_gpu_walk_chooses_what_the_cpu_walk_chooses(family_name: str, strategy
         fixed_layout(original.config, family, widths),
         batches,
         _steps(strategy),
-        WalkOptions(device=CUDA),
-        fisher=on_cpu.fisher,
+        WalkOptions(device=CUDA, fisher=on_cpu.fisher),
     )
     for site, cpu in on_cpu.bases.items():  # V_s, d × k_s: the same kept subspace
         gpu = on_gpu.bases[site]

@@ -143,7 +143,7 @@ def test_a_rank_without_a_batch_is_refused() -> None:
             fixed_layout(original.config, family_for(FAMILY), widths_for(FAMILY, original.config, 40, slice_head=True)),
             random_batches(128, count=1),
             [PipelineStep(PluginRegistry().strategy("pca"))],
-            ranks=Ranks(1, 2),
+            WalkOptions(ranks=Ranks(1, 2)),
         )
 
 

@@ -96,8 +96,7 @@ def _walk(model, name: str, strategy, tie: bool, checkpoint: Checkpoint | None =
         fixed_layout(config, family_for(name), widths, tie_head=tie),
         random_batches(config.vocab_size, count=2),
         [PipelineStep(strategy, strategy.parse_options({}))],
-        WalkOptions(**options),
-        checkpoint=checkpoint,
+        WalkOptions(**options, checkpoint=checkpoint),
     )
 
 
@@ -250,7 +249,7 @@ def test_a_global_walk_is_written_as_the_stock_model_save_stock_writes(
     def walk(model, checkpoint: str, **options):
         batches = random_batches(config.vocab_size, count=2)
         step = [PipelineStep(PCA(), PCA().parse_options({}))]
-        return prune(model, layout, batches, step, WalkOptions(**options), checkpoint=_started(tmp_path / checkpoint))
+        return prune(model, layout, batches, step, WalkOptions(**options, checkpoint=_started(tmp_path / checkpoint)))
 
     expected = walk(AutoModelForCausalLM.from_pretrained(original, dtype=dtype), "in-memory")
     stream = head_stream(expected.head_moment, expected.bases[EMBEDDING])

@@ -108,7 +108,7 @@ def test_sensitivity_without_refinement_reports_before_and_after_its_one_batch()
 
 def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
     from compressor.engine.pooling import PipelineStep
-    from compressor.engine.walk import prune
+    from compressor.engine.walk import WalkOptions, prune
     from compressor.models.families import family_for
     from compressor.models.layout import kept_width
     from tests.conftest import random_batches, tiny_model, widths_for
@@ -128,7 +128,7 @@ def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
         fixed_layout(model.config, family, widths),
         batches,
         [PipelineStep(Stiefel(), Schedule(steps=50, patience=10_000, tolerance=0.0))],
-        progress=lambda phase, done, total: seen.append((phase, done, total)),
+        WalkOptions(progress=lambda phase, done, total: seen.append((phase, done, total))),
     )
     stiefel = [call for call in seen if call[0].endswith(": stiefel")]
     assert stiefel and stiefel[-1][0].startswith("site ") and stiefel[-1][1:] == (50, 50)
