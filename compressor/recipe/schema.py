@@ -569,11 +569,22 @@ def check_dataset(dataset: dict[str, Any], where: str, base: Path) -> dict[str, 
     """A dataset spec with a `path`, its local files resolved against `base` (and existing)."""
     if "path" not in dataset:
         raise UserError(f"{where}.dataset needs a 'path' (a dataset name or a loader such as json)")
+    loader = dataset["path"]
+    if loader in FILE_LOADERS and not any(dataset.get(key) for key in ("data_files", "data_dir")):
+        raise UserError(
+            f"{where}.dataset: path {loader} is the loader of {loader} files and reads the files data_files "
+            f"(or data_dir) names; add data_files: <your file>"
+        )
     dataset = dict(dataset)
     for key in ("data_files", "data_dir"):
         if key in dataset:
             dataset[key] = _resolve_data_files(dataset[key], base, f"{where}.dataset.{key}")
     return dataset
+
+
+FILE_LOADERS = ("json", "csv", "text", "parquet", "arrow", "pandas", "xml", "webdataset")
+"""datasets' loaders of local files by format: without data_files they read nothing (a hub dataset
+of that name is never what was meant)."""
 
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")

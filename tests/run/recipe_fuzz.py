@@ -324,7 +324,11 @@ class Generator:
             optional = []
             for path in _paths(recipe):
                 generic = tuple("0" if part.isdigit() else part for part in path)
-                if generic in required or (len(path) == 2 and path[0] == "pipeline") or path[-1] == "strategy":
+                if (
+                    generic in required
+                    or (len(path) == 2 and path[0] == "pipeline")
+                    or path[-1] in ("strategy", "data_files")  # the json loader reads only the files named
+                ):
                     yield self._case("shipped", f"{index} without {'.'.join(path)}", _delete(recipe, path), True)
                 else:
                     optional.append(path)
@@ -440,6 +444,11 @@ class Generator:
         yield self._case(
             "path", "output under a file", _set(self.base, ("output",), "/etc/hostname/out", self.fill), True
         )
+        for section in ("calibration", "evaluation"):
+            spec = {"path": "json"}
+            yield self._case(
+                "path", f"{section} json without files", _set(self.base, (section, "dataset"), spec, self.fill), True
+            )
         yield self._case(
             "path", "model is a file", _set(self.base, ("model", "path"), "/etc/hostname", self.fill), True
         )

@@ -527,6 +527,7 @@ def test_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(
     [
         ({"model__path": "no/such/place"}, "is not a hub id (name or organisation/name) either"),
         ({"output": "out\x00put"}, "output holds a NUL character"),
+        ({"evaluation__dataset": {"path": "json"}}, "evaluation.dataset: path json is the loader of json files"),
         ({"calibration__dataset__data_files": "a\x00b"}, "calibration.dataset.data_files holds a NUL character"),
         ({"calibration__batch_size": 10**15, "calibration__num_samples": 10**15}, "more than one tensor can hold"),
     ],
@@ -535,7 +536,8 @@ def test_paths_and_sizes_no_run_could_use_are_one_line(
     tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, changes: dict, needle: str
 ) -> None:
     """A model path that is neither a folder nor a hub id, a NUL in a path, a batch whose tensors
-    no index can address: each refused by the dry run (found by `test_generated_recipes`)."""
-    recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None, **changes)
+    no index can address, a file loader without files: each refused by the dry run (found by
+    `test_generated_recipes` and by running what it accepted)."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     _one_line_error(capsys, needle)
