@@ -49,6 +49,32 @@ class Plan:
         return len(self.splits) > 1
 
 
+def check_device_settings(recipe: Recipe, device: torch.device, save_model: bool = True) -> None:
+    """What the recipe asks of the device it runs on and of what it keeps, checked by the run and
+    its dry run alike (the dry run said "recipe OK" to a float16 distillation on a CPU, which the
+    run then refused). `save_model=False`: a sweep that keeps only the bases."""
+    if device.type != "cpu" and recipe.sensitivity.recompute is False:
+        raise UserError(
+            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
+            "it is for CPU runs: leave it unset (or true) on a GPU"
+        )
+    if recipe.distillation is not None:
+        if not save_model:
+            raise UserError(
+                "distillation changes the weights, which bases alone cannot rebuild: save the models "
+                "(a sweep's save_models: true), or remove distillation"
+            )
+        if device.type == "cpu" and recipe.distillation.precision == "float16":
+            raise UserError(
+                "distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 (or auto)"
+            )
+    if recipe.mlp is not None and not save_model:
+        raise UserError(
+            "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
+            "set save_models: true, or remove mlp"
+        )
+
+
 def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
     """The recipe's attention kernel is one the model's class has (Gemma 2 has no sdpa attention
     in transformers 5): refused here, in one line, rather than by transformers at loading."""

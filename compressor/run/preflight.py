@@ -20,7 +20,7 @@ from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
-from compressor.run.checks import Plan, check_evaluation_tasks, heldout_windows, plan
+from compressor.run.checks import Plan, check_device_settings, check_evaluation_tasks, heldout_windows, plan
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
 from compressor.run.resume import check_interrupted, progress_summary
@@ -63,12 +63,8 @@ def dry_run(
         missing = None
     except UserError as error:
         device, missing = None, str(error)
-    if device is not None and device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError(
-            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-            "it is for CPU runs: leave it unset (or true) on a GPU"
-        )
     if device is not None:
+        check_device_settings(recipe, device)
         found.checked.append(f"device {recipe.device} (here: {device})")
     checked = _model(recipe, registry, found)
     if checked is not None:

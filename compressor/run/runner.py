@@ -52,7 +52,7 @@ from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.stock import fitted_tied_scale, head_stream, load_stock, tied_rotation, to_stock
 from compressor.models.towers import copy_processor_files, save_tower
 from compressor.recipe.schema import LmEvalSpec, MlpSpec, ModelSpec, Recipe
-from compressor.run.checks import Plan, heldout_windows, plan
+from compressor.run.checks import Plan, check_device_settings, heldout_windows, plan
 from compressor.run.guard import GuardRecord
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
 from compressor.run.loading import Resources, heldout_batches, load_model, load_whole, resolve_device
@@ -131,26 +131,7 @@ def run(
     for warning in checked.warnings if warn is not None else ():
         warn(warning)
     device = resolve_device(recipe.device)
-    if device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError(
-            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-            "it is for CPU runs: leave it unset (or true) on a GPU"
-        )
-    if recipe.distillation is not None:
-        if not save_model:
-            raise UserError(
-                "distillation changes the weights, which bases alone cannot rebuild: save the models "
-                "(a sweep's save_models: true), or remove distillation"
-            )
-        if device.type == "cpu" and recipe.distillation.precision == "float16":
-            raise UserError(
-                "distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 (or auto)"
-            )
-    if recipe.mlp is not None and not save_model:
-        raise UserError(
-            "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
-            "set save_models: true, or remove mlp"
-        )
+    check_device_settings(recipe, device, save_model)
     ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
     machine = machine_memory(device)
     recipe, chosen = resolved_load(recipe, checked, device, machine, save_model)

@@ -541,3 +541,17 @@ def test_paths_and_sizes_no_run_could_use_are_one_line(
     recipe = write_recipe(tmp_path, tiny_checkpoint, **changes)
     assert main(["run", str(recipe), "--dry-run"]) == 2
     _one_line_error(capsys, needle)
+
+
+def test_the_dry_run_refuses_what_the_run_would_refuse_on_this_device(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A float16 distillation on a CPU: the dry run said "recipe OK" and the run then refused it;
+    both now check the device's settings in one place (`run.checks.check_device_settings`)."""
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, device="cpu", distillation={"tokens": 2048, "precision": "float16"}
+    )
+    for args in (["--dry-run"], []):
+        assert main(["run", str(recipe), *args]) == 2
+        _one_line_error(capsys, "distillation.precision: float16 has no mixed precision on CPU")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
