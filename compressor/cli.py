@@ -12,10 +12,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from compressor.errors import UserError
+from compressor.errors import Interrupts, UserError, first_line
 
 if TYPE_CHECKING:  # rich is imported inside main's handlers, so Ctrl-C while it loads is one line too
     from rich.console import Console
@@ -258,11 +257,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                 memory_check=not args.skip_memory_check,
             )
     except BaseException as error:
-        if not isinstance(error, KeyboardInterrupt) and not _INTERRUPT.seen:
+        if not isinstance(error, KeyboardInterrupt) and not Interrupts.seen:
             raise
+        said = [_in_place_of_the_interrupt(error)] if not isinstance(error, KeyboardInterrupt) else []
         if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
-            raise KeyboardInterrupt("progress is kept: run the same command to continue, or add --restart") from None
-        raise KeyboardInterrupt from None
+            said.append("progress is kept: run the same command to continue, or add --restart")
+        raise KeyboardInterrupt("; ".join(said)) from None
     finally:
         parallel.stop()
     assert report is not None  # rank 0 writes the report
@@ -426,9 +426,11 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)
     except BaseException as error:
-        if not isinstance(error, KeyboardInterrupt) and not _INTERRUPT.seen:
+        if not isinstance(error, KeyboardInterrupt) and not Interrupts.seen:
             raise
-        raise KeyboardInterrupt("finished runs and H are kept: run the same command to continue") from None
+        said = [_in_place_of_the_interrupt(error)] if not isinstance(error, KeyboardInterrupt) else []
+        said.append("finished runs and H are kept: run the same command to continue")
+        raise KeyboardInterrupt("; ".join(said)) from None
     console.print(
         render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False, soft_wrap=True
     )
@@ -577,33 +579,28 @@ def _note_skipped(console: Console, registry: Any) -> None:
         )
 
 
-class _Interrupt:
-    """Ctrl-C, remembered: a library may catch the KeyboardInterrupt and raise another error in
-    its place (transformers' lazy import: "Could not import module 'Trainer'"); once the user has
-    pressed Ctrl-C, whatever ends the command ends it as an interrupt."""
-
-    seen = False
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        _Interrupt.seen = True
-        raise KeyboardInterrupt
-
-
-_INTERRUPT = _Interrupt()
+def _in_place_of_the_interrupt(error: BaseException) -> str:
+    """What ended the command after Ctrl-C, in place of the KeyboardInterrupt (a library's stand-in
+    for it, or a failure while stopping), named in the interrupt's line."""
+    return f"then {type(error).__name__}: {first_line(error)}"
 
 
 @contextmanager
 def _interrupts_remembered() -> Iterator[None]:
-    """`_INTERRUPT` handles SIGINT for the command (in the main thread, where signals arrive)."""
-    _Interrupt.seen = False
-    if threading.current_thread() is not threading.main_thread():
+    """`Interrupts.on_signal` handles SIGINT for the command, where Python's own handler is in place
+    (in the main thread, where signals arrive; a SIGINT the launcher ignores stays ignored)."""
+    Interrupts.seen = False
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
-    previous = signal.signal(signal.SIGINT, _INTERRUPT)
+    signal.signal(signal.SIGINT, Interrupts.on_signal)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -643,8 +640,8 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stderr.write(f"interrupted{'; ' + str(interrupt) if str(interrupt) else ''}\n")
         return EXIT_INTERRUPTED
     except Exception as error:
-        if _Interrupt.seen:  # what a library made of the interrupt
-            sys.stderr.write("interrupted\n")
+        if Interrupts.seen:  # what a library made of the interrupt, named
+            sys.stderr.write(f"interrupted; {_in_place_of_the_interrupt(error)}\n")
             return EXIT_INTERRUPTED
         if isinstance(error, (UserError, _UsageError)):
             sys.stderr.write(f"error: {error}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from types import FrameType
 
 
 class UserError(Exception):
@@ -29,3 +30,17 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     none is near: a typo is named with its fix."""
     nearest = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{nearest[0]}'?)" if nearest else ""
+
+
+class Interrupts:
+    """Ctrl-C, remembered for the command (`cli.main` installs `on_signal` as SIGINT's handler): a
+    library may catch the KeyboardInterrupt and raise another error in its place (transformers'
+    lazy import: "Could not import module 'Trainer'"); once the user has pressed Ctrl-C, whatever
+    ends the command ends it as an interrupt, and the run keeps its progress."""
+
+    seen = False
+
+    @classmethod
+    def on_signal(cls, signum: int, frame: FrameType | None) -> None:
+        cls.seen = True
+        raise KeyboardInterrupt

@@ -351,21 +351,26 @@ def measure_device(
     extrapolated to the model's depth (linear: every layer has the same shapes). Remembered per
     config and settings: a sweep's runs, or a test suite's, measure once."""
     key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
-    if batch * seq_len * max(config.hidden_size, config.vocab_size) >= 1 << 62:  # past what a tensor's size holds
-        raise UserError(
-            f"calibration.batch_size × seq_len ({batch:,} × {seq_len:,} tokens) at this model's widths is more "
-            f"than one tensor can hold; lower calibration.batch_size or seq_len"
-        )
+    too_large = UserError(
+        f"calibration.batch_size × seq_len ({batch:,} × {seq_len:,} tokens) at this model's widths is more "
+        f"than one tensor can hold; lower calibration.batch_size or seq_len"
+    )
+    widest = max(config.hidden_size, config.vocab_size, getattr(config, "intermediate_size", 0) or 0)
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    if 8 * batch * seq_len * max(widest, heads * seq_len) >= 1 << 63:  # bytes past what a tensor's size holds
+        raise too_large
     if key not in _MEASURED:
-        fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
-        if not recompute:
-            deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
-            fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
-        _MEASURED[key] = {
-            "walk": walk_peak(config, family, dtype, batch, seq_len, kept, attention),
-            "fisher": fisher,
-            "layer": _layer_bytes(config, family, dtype, attention),
-        }
+        try:
+            fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
+            if not recompute:
+                deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
+                fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
+            walk = walk_peak(config, family, dtype, batch, seq_len, kept, attention)
+        except RuntimeError as error:  # a shape the bound above let through, still too large to allocate
+            if "overflow" not in str(error):
+                raise
+            raise too_large from None
+        _MEASURED[key] = {"walk": walk, "fisher": fisher, "layer": _layer_bytes(config, family, dtype, attention)}
     return dict(_MEASURED[key])
 
 

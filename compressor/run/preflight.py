@@ -64,7 +64,10 @@ def dry_run(
     except UserError as error:
         device, missing = None, str(error)
     if device is not None:
-        check_device_settings(recipe, device)
+        try:  # a sound recipe that cannot run on this device: checked through, then refused
+            check_device_settings(recipe, device)
+        except UserError as error:
+            missing = str(error)
         found.checked.append(f"device {recipe.device} (here: {device})")
     checked = _model(recipe, registry, found)
     if checked is not None:

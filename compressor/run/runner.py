@@ -41,7 +41,7 @@ from compressor.engine.neurons import NeuronRecord, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord, refine_bases
 from compressor.engine.walk import PruneResult, WalkOptions, prune
-from compressor.errors import ProgressKept, UserError
+from compressor.errors import Interrupts, ProgressKept, UserError
 from compressor.evaluation.metrics import compare, evaluate_models, parameter_count
 from compressor.evaluation.plots import distillation_figure, split_figure
 from compressor.evaluation.throughput import compare_speed, cost_note, model_size, report_settings
@@ -185,6 +185,8 @@ def run(
             faults.reached("publish")
             publish(staging, output)
         except UserError as error:  # bad input found on the way: what this run created goes
+            if Interrupts.seen and checkpoint.has_progress():  # a library's stand-in for Ctrl-C: kept
+                raise
             if (fresh and not isinstance(error, ProgressKept)) or not checkpoint.has_progress():
                 shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -44,9 +44,9 @@ from compressor.data.batches import Batch
 from compressor.engine.checkpoint import json_digest, write_atomic
 from compressor.errors import UserError
 from compressor.recipe.schema import DataSpec, ModelSpec, Recipe, assign, load_recipe, read_yaml, validate
-from compressor.run.checks import plan
+from compressor.run.checks import check_device_settings, plan
 from compressor.run.compare import compare_runs, read_report, render
-from compressor.run.loading import Resources
+from compressor.run.loading import Resources, resolve_device
 from compressor.run.resume import interrupted_with_another_recipe
 from compressor.run.runner import run
 from compressor.run.staging import RUN_MARKER
@@ -392,8 +392,19 @@ def check(sweep: Sweep, registry: PluginRegistry) -> None:
     for point in sweep.points:
         try:
             plan(point.recipe, registry)
+            _check_device_settings(point.recipe, sweep.save_models)
         except UserError as error:
             raise UserError(f"sweep run {point.name}: {error}") from None
+
+
+def _check_device_settings(recipe: Recipe, save_model: bool) -> None:
+    """What the run would refuse on its device at the start of this point (a sweep of GPU runs
+    checked on a machine without one: the device's own checks wait for it)."""
+    try:
+        device = resolve_device(recipe.device)
+    except UserError:
+        return
+    check_device_settings(recipe, device, save_model)
 
 
 def dump(sweep: Sweep) -> str:

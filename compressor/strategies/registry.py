@@ -82,12 +82,21 @@ def scan_plugins() -> tuple[InstalledPlugin, ...]:
 
     pluggy silently skips a second entry point of the same name; that is refused here instead.
     The scan reads every installed package's metadata (tens of milliseconds): it is remembered for
-    the process's `sys.path`, so a process that builds many registries (a test suite) scans once."""
-    return _scanned(tuple(sys.path))
+    the process's `sys.path` as its folders stand (a package installed or removed since changes a
+    folder's time), so a process that builds many registries (a test suite) scans once."""
+    return _scanned(tuple((folder, _modified(folder)) for folder in sys.path))
+
+
+def _modified(folder: str) -> float:
+    """When `folder`'s entries last changed (a package installed or removed there changes it)."""
+    try:
+        return os.stat(folder or ".").st_mtime
+    except (OSError, ValueError):
+        return 0.0
 
 
 @functools.lru_cache(maxsize=8)
-def _scanned(path: tuple[str, ...]) -> tuple[InstalledPlugin, ...]:
+def _scanned(path: tuple[tuple[str, float], ...]) -> tuple[InstalledPlugin, ...]:
     owners: dict[str, str] = {}
     found = []
     for dist in metadata.distributions():

@@ -34,6 +34,8 @@ class Case:
     config: Any = field(default=None)
     """A replacement for the model's config.json: a JSON value, or bytes written as they are."""
     category: str = ""
+    names: str | None = None
+    """The key a refusal's line must name: the one setting this case changed."""
 
 
 WRONG_FOR: dict[str, list[Any]] = {
@@ -279,7 +281,8 @@ class Generator:
                     text = dump(_set(self.base, path, "ANCHOR", self.fill)).replace(b"ANCHOR", ANCHOR_TREE.encode())
                     yield Case(f"value: {dotted} {what}", text, True, category="value")
                 else:
-                    yield self._case("value", f"{dotted} {what}", _set(self.base, path, value, self.fill), must_refuse)
+                    recipe = _set(self.base, path, value, self.fill)
+                    yield self._case("value", f"{dotted} {what}", recipe, must_refuse, names=path[-1])
 
     def strategy_options(self) -> Iterator[Case]:
         """Each registered strategy's options, mutated as `values` mutates the sections."""
@@ -295,7 +298,11 @@ class Generator:
                     pipeline = [{"strategy": "pca"}] if name == "stiefel" else []
                     pipeline.append({"strategy": name, option: value})
                     yield self._case(
-                        "strategy", f"{name}.{option} {what}", {**self.base, "pipeline": pipeline}, must_refuse
+                        "strategy",
+                        f"{name}.{option} {what}",
+                        {**self.base, "pipeline": pipeline},
+                        must_refuse,
+                        names=option,
                     )
         yield self._case("strategy", "unknown strategy", {**self.base, "pipeline": [{"strategy": "pcaa"}]}, True)
         yield self._case("strategy", "empty pipeline", {**self.base, "pipeline": []}, True)
@@ -308,7 +315,7 @@ class Generator:
                 if key in keys:
                     continue
                 dotted = ".".join((*path, key))
-                yield self._case("unknown", dotted, _set(self.base, (*path, key), 1, self.fill), True)
+                yield self._case("unknown", dotted, _set(self.base, (*path, key), 1, self.fill), True, names=key)
         for key in self.base:
             text = dump(self.base) + dump({key: self.base[key]})
             yield Case(f"duplicate: {key}", text, True, category="duplicate")
@@ -324,11 +331,7 @@ class Generator:
             optional = []
             for path in _paths(recipe):
                 generic = tuple("0" if part.isdigit() else part for part in path)
-                if (
-                    generic in required
-                    or (len(path) == 2 and path[0] == "pipeline")
-                    or path[-1] in ("strategy", "data_files")  # the json loader reads only the files named
-                ):
+                if generic in required or path[-1] in ("strategy", "data_files"):  # json reads only the files named
                     yield self._case("shipped", f"{index} without {'.'.join(path)}", _delete(recipe, path), True)
                 else:
                     optional.append(path)
@@ -395,7 +398,15 @@ class Generator:
                 literal = value if value is ANCHOR_TREE else yaml.safe_dump(value, default_flow_style=True).strip()
                 literal = literal.removesuffix("\n...").strip()
                 dotted = ".".join(path)
-                yield Case(f"set: {dotted} {what}", text, True, overrides=(f"{dotted}={literal}",), category="set")
+                parents = dump(_delete(_set(self.base, path, 0, self.fill), path))  # what the section needs
+                yield Case(
+                    f"set: {dotted} {what}",
+                    parents,
+                    True,
+                    overrides=(f"{dotted}={literal}",),
+                    category="set",
+                    names=None if value is ANCHOR_TREE else path[-1],  # an alias tree is refused as YAML
+                )
 
     def configs(self) -> Iterator[Case]:
         """The model's config.json: not an object, not JSON, a dimension that no model has."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -466,6 +467,28 @@ def test_two_packages_claiming_one_plugin_name_are_refused(
     assert main(["strategies"]) == 2
     err = capsys.readouterr().err
     assert "'shared-name' is registered by two installed packages, 'alpha' and 'beta'" in err
+
+
+def test_a_plugin_package_installed_while_the_process_runs_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The registry's scan of installed packages is remembered for a sys.path as its folders
+    stand: a package installed into one of them since (a `%pip install` in a notebook) is seen."""
+
+    def install(name: str) -> None:
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text("[compressor]\nextra = json\n")  # a module with no hooks
+
+    install("alpha")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["strategies"]) == 0
+    time.sleep(0.05)  # past the file system's clock tick
+    install("beta")
+    capsys.readouterr()
+    assert main(["strategies"]) == 2
+    assert "'extra' is registered by two installed packages, 'alpha' and 'beta'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,10 @@ is. A handful of the mutations the dry run accepts then run for real (slow)."""
 from __future__ import annotations
 
 import json
+import os
 import random
-import resource
 import signal
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,9 @@ SECONDS_PER_CASE = 60
 """A dry run that takes longer has stopped answering (the slowest valid one takes about a second)."""
 
 GROWTH_LIMIT_MIB = 1024
-"""The process's peak memory may not grow by this much during one case (an unbounded expansion)."""
+"""The process's resident memory may not grow by this much during one case (an unbounded
+expansion), sampled every 20 ms. The 60 s alarm interrupts Python code only: a hang inside a C
+call would stall the test rather than fail it."""
 
 
 def small_data(folder: Path) -> Path:
@@ -81,8 +84,28 @@ class Outcome:
     growth_mib: float
 
 
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _PeakWatch(threading.Thread):
+    """This process's resident memory sampled every 20 ms while a case runs: its peak growth, which
+    the process's high-water mark (`ru_maxrss`) would hide below any earlier peak."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.start_mib = self.peak_mib = _rss_mib()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            self.peak_mib = max(self.peak_mib, _rss_mib())
+
+    def growth(self) -> float:
+        self.done.set()
+        self.join()
+        return max(self.peak_mib, _rss_mib()) - self.start_mib
 
 
 def dry_run(case: Case, folder: Path, checkpoint: Path, capfd: pytest.CaptureFixture, real: bool = False) -> Outcome:
@@ -101,7 +124,8 @@ def dry_run(case: Case, folder: Path, checkpoint: Path, capfd: pytest.CaptureFix
     (folder / "recipe.yaml").write_bytes(case.text)
     arguments = ["run", str(folder / "recipe.yaml"), *(f"--set={o}" for o in case.overrides)]
     capfd.readouterr()
-    before = _peak_mib()
+    watch = _PeakWatch()
+    watch.start()
 
     def expire(signum: int, frame: Any) -> None:
         raise _Unbounded
@@ -120,7 +144,7 @@ def dry_run(case: Case, folder: Path, checkpoint: Path, capfd: pytest.CaptureFix
         signal.signal(signal.SIGALRM, previous)
     captured = capfd.readouterr()
     left = sorted(p.name for p in folder.iterdir() if p.name not in ("recipe.yaml", "model"))
-    return Outcome(code, captured.out, captured.err, left, _peak_mib() - before)
+    return Outcome(code, captured.out, captured.err, left, watch.growth())
 
 
 def problems(case: Case, outcome: Outcome) -> list[str]:
@@ -138,6 +162,8 @@ def problems(case: Case, outcome: Outcome) -> list[str]:
         found.append(f"printed before the error: {outcome.out[:200]!r}")
     if case.must_refuse and outcome.code == 0:
         found.append("accepted")
+    if case.must_refuse and outcome.code == 2 and case.names is not None and case.names not in outcome.err:
+        found.append(f"refused without naming {case.names}: {outcome.err.strip()[:200]!r}")
     if outcome.left:
         found.append(f"left {outcome.left}")
     if outcome.growth_mib > GROWTH_LIMIT_MIB:

@@ -517,7 +517,7 @@ def test_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(
     monkeypatch.setattr(schema, "validate", interrupted_while_importing)
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     assert main(["run", str(recipe), *(["--dry-run"] if dry_run else [])]) == 130
-    assert capsys.readouterr().err == "interrupted\n"
+    assert capsys.readouterr().err == "interrupted; then ModuleNotFoundError: Could not import module 'Trainer'\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command's handler is gone again
 
@@ -555,3 +555,24 @@ def test_the_dry_run_refuses_what_the_run_would_refuse_on_this_device(
         assert main(["run", str(recipe), *args]) == 2
         _one_line_error(capsys, "distillation.precision: float16 has no mixed precision on CPU")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_ctrl_c_the_launcher_ignores_stays_ignored(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compress run a.yaml &` in a script ignores SIGINT: the command leaves it ignored."""
+    import compressor.recipe.schema as schema
+
+    seen, real = [], schema.validate
+
+    def watched(*args: object, **kwargs: object) -> object:
+        seen.append(signal.getsignal(signal.SIGINT))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(schema, "validate", watched)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, evaluation=None)), "--dry-run"]) == 0
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

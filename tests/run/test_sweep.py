@@ -353,3 +353,15 @@ def test_a_streamed_sweep_gives_the_sweep_in_memory(tiny_checkpoint: Path, tmp_p
         rows = json.loads((folder / "sweep-out" / "results.json").read_text())
         results[load] = [{k: v for k, v in row.items() if "s" != k.split()[-1] and "time" not in k} for row in rows]
     assert results["stream"] == results["memory"]
+
+
+def test_a_sweep_s_dry_run_refuses_what_its_runs_would_refuse_on_this_device(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A grid of distilled runs that keeps only the bases would be refused by each run as it
+    starts, perhaps hours in: `compress sweep --dry-run` refuses it first."""
+    base = write_recipe(tmp_path, tiny_checkpoint, distillation={"tokens": 2048})
+    sweep = _write_sweep(tmp_path, base, save_models=False)
+    assert main(["sweep", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "distillation changes the weights, which bases alone cannot rebuild" in err
