@@ -257,12 +257,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                 memory_check=not args.skip_memory_check,
             )
     except BaseException as error:
-        if not isinstance(error, KeyboardInterrupt) and not Interrupts.seen:
+        if not _ended_by_interrupt(error):
             raise
-        said = [_in_place_of_the_interrupt(error)] if not isinstance(error, KeyboardInterrupt) else []
-        if (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir():
-            said.append("progress is kept: run the same command to continue, or add --restart")
-        raise KeyboardInterrupt("; ".join(said)) from None
+        kept = (staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER).is_dir()
+        raise _interrupt(
+            error, "progress is kept: run the same command to continue, or add --restart" if kept else None
+        ) from None
     finally:
         parallel.stop()
     assert report is not None  # rank 0 writes the report
@@ -426,11 +426,9 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)
     except BaseException as error:
-        if not isinstance(error, KeyboardInterrupt) and not Interrupts.seen:
+        if not _ended_by_interrupt(error):
             raise
-        said = [_in_place_of_the_interrupt(error)] if not isinstance(error, KeyboardInterrupt) else []
-        said.append("finished runs and H are kept: run the same command to continue")
-        raise KeyboardInterrupt("; ".join(said)) from None
+        raise _interrupt(error, "finished runs and H are kept: run the same command to continue") from None
     console.print(
         render(summary["table"], ".md", summary["warnings"]), end="", markup=False, highlight=False, soft_wrap=True
     )
@@ -583,6 +581,17 @@ def _in_place_of_the_interrupt(error: BaseException) -> str:
     """What ended the command after Ctrl-C, in place of the KeyboardInterrupt (a library's stand-in
     for it, or a failure while stopping), named in the interrupt's line."""
     return f"then {type(error).__name__}: {first_line(error)}"
+
+
+def _ended_by_interrupt(error: BaseException) -> bool:
+    """Whether `error` ends the command as an interrupt: Ctrl-C itself, or anything after it."""
+    return isinstance(error, KeyboardInterrupt) or Interrupts.seen
+
+
+def _interrupt(error: BaseException, kept: str | None) -> KeyboardInterrupt:
+    """The interrupt `main` reports in one line: what came in Ctrl-C's place, and what was `kept`."""
+    said = [] if isinstance(error, KeyboardInterrupt) else [_in_place_of_the_interrupt(error)]
+    return KeyboardInterrupt("; ".join([*said, *([kept] if kept else [])]))
 
 
 @contextmanager

@@ -695,27 +695,24 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _strings(where: str, value: Any) -> Iterator[tuple[str, str]]:
+def _strings(value: Any, where: str = "") -> Iterator[tuple[str, str]]:
     """Every string in `value` (keys too), with the dotted key it sits under."""
     if isinstance(value, str):
         yield where, value
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _strings(f"{where}.{index}", item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(f"{where}.{key}", item)
-            yield from _strings(f"{where}.{key}", key)
+    elif isinstance(value, (list, dict)):
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            inner = f"{where}.{key}" if where else str(key)
+            yield from _strings(item, inner)
+            yield from _strings(key, inner)
 
 
 def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
     """Check a raw recipe mapping completely and return it with paths resolved."""
     if not isinstance(raw, dict):
         raise UserError("the recipe must be a YAML mapping of keys (model, calibration, sparsity, pipeline, ...)")
-    for key, value in dotted(raw).items():
-        for where, text in [*_strings(key, value), (key, key)]:
-            if "\x00" in text:
-                raise UserError(f"{where} holds a NUL character, which no path, name or setting may; remove it")
+    for where, text in _strings(raw):
+        if "\x00" in text:
+            raise UserError(f"{where} holds a NUL character, which no path, name or setting may; remove it")
     raw = copy.deepcopy(raw)
     pipeline_raw = raw.pop("pipeline", None)
     if not isinstance(pipeline_raw, list) or not pipeline_raw:
