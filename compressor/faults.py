@@ -5,7 +5,7 @@ cleanup, no exception handler runs: as the OOM killer or `kill -9` do). Points:
 `capture` (inputs captured), `fisher` (H pass, after its first chunk), `site:<site id>`
 (that site's checkpoint written), `writing:<layer>` and `written:<layer>` (a walk that writes as
 it goes: that layer's tensors in the output's shards, before and after they are committed), `mlp:<layer>` (that layer's MLP pruned), `split:<index>`
-(that split of the budget measured) and `publish` (everything saved, before the output is put in
+(that split of the budget measured), `stage:<name>` (that stage of the run done) and `publish` (everything saved, before the output is put in
 place). Inside `scoped(prefix)` every point is `<prefix><point>` (a split's trial walk reaches
 `split1/site:embedding`, not the run's own `site:embedding`). With `COMPRESS_KILL_RANK=<rank>` too, only that rank of a `torchrun` job dies
 (as one process of a data-parallel job lost to the OOM killer). Unset, `reached` costs one

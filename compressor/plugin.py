@@ -20,6 +20,7 @@ from __future__ import annotations
 from compressor._post_import import after_import
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
+from compressor.run.stages.contract import Candidate, Stage
 from compressor.strategies.contract import (
     DEFAULT_TAUS,
     Basis,
@@ -56,6 +57,7 @@ __all__ = [
     "DEFAULT_TAUS",
     "FORBID",
     "Basis",
+    "Candidate",
     "ModelFamily",
     "NeuronChoice",
     "NeuronProblem",
@@ -63,6 +65,7 @@ __all__ = [
     "Number",
     "SiteProblem",
     "SiteStatistics",
+    "Stage",
     "Strategy",
     "StrategyOptionError",
     "UserError",

@@ -56,11 +56,11 @@ def test_every_room_imports_only_the_rooms_below_it() -> None:
     assert not loose, f"modules outside the rooms: {sorted(loose)}"
     upward = []
     for room, allowed in BELOW.items():
-        for path in sorted((PACKAGE / room).glob("*.py")):
+        for path in sorted((PACKAGE / room).rglob("*.py")):  # a room's folders are the room (run/stages)
             for module in _imports(path):
                 target = _room(module)
                 if target not in BASE and target != room and target not in allowed:
-                    upward.append(f"{room}/{path.name} imports {module}")
+                    upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
     for name in BASE - {"__init__"}:
         for module in _imports(PACKAGE / f"{name}.py"):
             if _room(module) not in BASE:
@@ -108,7 +108,7 @@ def _plugin_code() -> dict[str, str]:
     code = {str(path.relative_to(root)): path.read_text() for path in (root / "plugins").glob("*.py")}
     for path in (root / "examples").rglob("*.py"):
         code[str(path.relative_to(root))] = path.read_text()
-    for guide in ("writing-a-strategy.md", "adding-a-model-family.md"):
+    for guide in ("writing-a-strategy.md", "adding-a-model-family.md", "writing-a-stage.md"):
         text = (root / "docs" / guide).read_text()
         for index, block in enumerate(text.split("```python\n")[1:]):
             code[f"docs/{guide} block {index}"] = block.split("```")[0]

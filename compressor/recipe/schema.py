@@ -323,11 +323,17 @@ class Recipe:
     mlp: MlpSpec | None = None
     """Prune the MLP's intermediate width too, under the same budget (off when absent: the residual
     width alone, as SliceGPT)."""
+    stages: dict[StrictStr, Any] = field(default_factory=dict)
+    """Plugin stages' sections, by name, each its stage's options (`compressor_stages`); written in
+    the YAML as top-level keys, as the built-in sections are."""
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe, in the same shape as the YAML it came from."""
         values = dataclasses.asdict(self)
         values["pipeline"] = [{"strategy": s.strategy, **s.options} for s in self.pipeline]
+        values.pop("stages")
+        for name, spec in self.stages.items():
+            values[name] = _plain(dataclasses.asdict(spec)) if dataclasses.is_dataclass(spec) else spec
         return values
 
 
@@ -737,6 +743,7 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
                 pass
         steps.append(StepSpec(strategy=strategy.name, options=options))
     raw["pipeline"] = []
+    stages = _stage_sections(raw, registry)
     evaluation = raw.get("evaluation")
     if isinstance(evaluation, dict) and isinstance(evaluation.get("lm_eval"), dict):
         evaluation["lm_eval"] = [evaluation["lm_eval"]]  # one suite may be written without the list
@@ -768,11 +775,30 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
             check_distillation(recipe.distillation, calibration, evaluation, base) if recipe.distillation else None
         ),
         pipeline=steps,
+        stages=stages,
         model=dataclasses.replace(recipe.model, path=resolve_model_path(recipe.model.path, base)),
         calibration=calibration,
         evaluation=evaluation,
         output=resolve_path(recipe.output, base),
     )
+
+
+def _stage_sections(raw: dict[str, Any], registry: PluginRegistry) -> dict[str, Any]:
+    """The plugin stages' sections taken out of `raw`, each checked by its stage's options class
+    (absent: the stage does not run); a `stages` key is no section's and is refused as unknown."""
+    if "stages" in raw:
+        raise UserError(
+            "the recipe has no key 'stages': a plugin stage's options go under its own section "
+            "(`compress schema` lists the sections)"
+        )
+    found = {}
+    for stage in registry.stages():
+        if stage.section is None or stage.section not in raw:
+            continue
+        value = raw.pop(stage.section)
+        if value is not None:
+            found[stage.section] = check(stage.options, value, f"{stage.section}.") if stage.options else value
+    return found
 
 
 def check_mlp(spec: MlpSpec, registry: PluginRegistry) -> None:
@@ -956,6 +982,12 @@ def recipe_schema(registry: PluginRegistry) -> dict[str, Any]:
         "items": {"oneOf": steps},
         "description": "selection strategies, applied in order at every site",
     }
+    schema["properties"].pop("stages", None)
+    for stage in registry.stages():  # a plugin stage's section, beside the built-in ones
+        if stage.section is not None and stage.options is not None:
+            found = TypeAdapter(stage.options).json_schema()
+            definitions.update(found.pop("$defs", {}))
+            schema["properties"][stage.section] = {"anyOf": [found, {"type": "null"}], "description": stage.name}
     suites = definitions["EvaluationSpec"]["properties"]["lm_eval"]  # one suite may be written without the list
     suites["anyOf"].insert(1, {"$ref": "#/$defs/LmEvalSpec"})
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "compressor recipe", **schema}

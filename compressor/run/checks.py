@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -21,6 +22,8 @@ from compressor.models.split import split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.order import BUILTIN_STAGES, run_order
 from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
 
@@ -42,6 +45,8 @@ class Plan:
     residual width alone first (`layout`, until the run has chosen)."""
     tower: TextTower | None = None
     """A vision-language checkpoint: the text tower the run prunes (`models.towers`)."""
+    stages: tuple[Stage, ...] = BUILTIN_STAGES
+    """The run's stages in order, a plugin's among them (`run.stages.run_order`)."""
 
     @property
     def chooses_split(self) -> bool:
@@ -49,30 +54,20 @@ class Plan:
         return len(self.splits) > 1
 
 
-def check_device_settings(recipe: Recipe, device: torch.device, save_model: bool = True) -> None:
-    """What the recipe asks of the device it runs on and of what it keeps, checked by the run and
-    its dry run alike (the dry run said "recipe OK" to a float16 distillation on a CPU, which the
-    run then refused). `save_model=False`: a sweep that keeps only the bases."""
-    if device.type != "cpu" and recipe.sensitivity.recompute is False:
-        raise UserError(
-            "sensitivity.recompute: false keeps every layer's graph, and so every layer, on the device; "
-            "it is for CPU runs: leave it unset (or true) on a GPU"
-        )
-    if recipe.distillation is not None:
-        if not save_model:
-            raise UserError(
-                "distillation changes the weights, which bases alone cannot rebuild: save the models "
-                "(a sweep's save_models: true), or remove distillation"
-            )
-        if device.type == "cpu" and recipe.distillation.precision == "float16":
-            raise UserError(
-                "distillation.precision: float16 has no mixed precision on CPU; use bfloat16 or float32 (or auto)"
-            )
-    if recipe.mlp is not None and not save_model:
-        raise UserError(
-            "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
-            "set save_models: true, or remove mlp"
-        )
+def check_device_settings(
+    recipe: Recipe, device: torch.device, save_model: bool = True, stages: tuple[Stage, ...] = BUILTIN_STAGES
+) -> None:
+    """What the recipe's stages ask of the device it runs on and of what it keeps (`Stage.check_device`),
+    checked by the run and its dry run alike (the dry run said "recipe OK" to a float16 distillation
+    on a CPU, which the run then refused). `save_model=False`: a sweep that keeps only the bases."""
+    for stage in stages:
+        if stage.wanted(recipe):
+            stage.check_device(recipe, device, save_model)
+
+
+def launched_processes() -> int:
+    """The processes `torchrun` launched this run in (its WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
@@ -102,6 +97,44 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         raise UserError(reason)
     check_attention(recipe, config)
     check_positions(recipe, config)
+    layout, splits = _layout(recipe, config, family, families, tower)
+    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    computed = required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
+    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
+    if selector is not None and "H" in selector.requires and not layout.residual:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
+            f"residual stream (this stock {config.model_type}) does not estimate; choose another selector"
+        )
+    if selector is not None and "H" in selector.requires and "H" not in computed:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
+            f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
+        )
+    stages = run_order(registry.stages())
+    checked = Plan(layout, pipeline, allocator, selector, splits=splits, tower=tower, stages=stages)
+    world = launched_processes()
+    for stage in stages:  # each stage's own preconditions, against the plan and the launch
+        if not stage.wanted(recipe):
+            continue
+        if world > 1 and stage not in BUILTIN_STAGES:  # the ranks above 0 follow the built-in stages only
+            raise UserError(
+                f"plugin stage '{stage.name}' runs in one process: remove {stage.section or stage.name} "
+                f"from the recipe, or launch one process"
+            )
+        stage.check_plan(recipe, checked, world)
+    return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
+
+
+def _layout(
+    recipe: Recipe, config: PretrainedConfig, family: Any, families: dict[str, Any], tower: TextTower | None
+) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
+    """The run's layout from the recipe and the config, and the splits of the budget it measures
+    (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole."""
     slicing = recipe.slicing
     options = dict(
         layout=slicing.layout,
@@ -158,39 +191,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
             mlp_round_to=mlp.round_to if mlp is not None else 1,
             **options,
         )
-    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
-    pipeline = []
-    for step in recipe.pipeline:
-        strategy = registry.strategy(step.strategy)
-        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
-    computed = required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
-    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
-    if selector is not None and "H" in selector.requires and not layout.residual:
-        raise UserError(
-            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
-            f"residual stream (this stock {config.model_type}) does not estimate; choose another selector"
-        )
-    if selector is not None and "H" in selector.requires and "H" not in computed:
-        raise UserError(
-            f"mlp.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
-            f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
-        )
-    check_evaluation_tasks(recipe)
-    if recipe.distillation is not None:
-        check_distillation(recipe, layout)
-    checked = Plan(layout, pipeline, allocator, selector, splits=splits, tower=tower)
-    return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
-
-
-def heldout_windows(recipe: Recipe, checked: Plan) -> dict[str, int]:
-    """The held-out windows a run reads after its calibration windows, by the section that reads
-    them: refinement's guard, and the split choice of `mlp` without `kept`."""
-    windows = {}
-    if recipe.refinement is not None:
-        windows["refinement"] = recipe.refinement.heldout_windows
-    if checked.chooses_split and recipe.mlp is not None:
-        windows["mlp"] = recipe.mlp.heldout_windows
-    return windows
+    return layout, splits
 
 
 WIDE_LOSS = 0.5
@@ -337,36 +338,3 @@ def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
         list(layout.shared),
         tie_ends=layout.family.head_width_is_embedding_width or layout.tie_head,
     )
-
-
-def check_distillation(recipe: Recipe, layout: SlicedLayout) -> None:
-    """What the distillation section names exists: its LoRA targets among the student's linear
-    layers (the student built on the meta device: the original class for a global layout, else the
-    sliced one with its transitions), its extra TrainingArguments among transformers' and valid
-    there; its device is one the Trainer can be given."""
-    from compressor.models.sliced import apply_slicing_layout
-    from compressor.training.distill import check_target_modules, check_training_arguments, linear_names, trainer_keys
-
-    spec = recipe.distillation
-    assert spec is not None
-    trainer_keys(spec)
-    check_training_arguments(spec)
-    with torch.device("meta"):
-        student = AutoModelForCausalLM.from_config(layout.config)
-    if not layout.one_basis:
-        apply_slicing_layout(student, layout.family, layout.slicing_config(student))
-    check_target_modules(spec, linear_names(student))
-    index = torch.device(recipe.device).index if recipe.device.startswith("cuda:") else None
-    if index not in (None, 0) and "LOCAL_RANK" not in os.environ:
-        raise UserError(
-            f"distillation trains on the device accelerate assigns (the first visible GPU); instead of "
-            f"device: {recipe.device}, set device: cuda and CUDA_VISIBLE_DEVICES={index}"
-        )
-
-
-def check_evaluation_tasks(recipe: Recipe) -> None:
-    """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
-    if recipe.evaluation is not None and recipe.evaluation.lm_eval is not None:
-        from compressor.evaluation.harness import check_suites
-
-        check_suites(recipe.evaluation.lm_eval)

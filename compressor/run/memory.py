@@ -180,22 +180,25 @@ class PlanSettings:
         )
 
 
-def writes_as_it_goes(recipe: Recipe, layout: Any, save_model: bool = True) -> bool:
+def writes_as_it_goes(recipe: Recipe, layout: Any, save_model: bool = True, stages: Any = None) -> bool:
     """A streamed run writes the pruned model as its walk goes, each layer leaving memory when it is
-    written, when it saves the model (a sweep's `save_models`) and nothing after the walk changes it
-    whole: no refinement, MLP stage or distillation, no symmetric fit of a global layout's tied head
-    (it rotates every layer after the walk; `slicing.tied_fit: diagonal` is written as it goes), and
-    no evaluation beyond the layer-by-layer one (throughput, and lm-eval tasks unless accelerate
-    places their models, run both models whole). `layout`: the run's `SlicedLayout`."""
+    written, when it saves the model (a sweep's `save_models`) and no stage after the walk changes it
+    whole (`Stage.changes_model`: refinement, the MLP stage, distillation, a plugin's), no symmetric
+    fit of a global layout's tied head (it rotates every layer after the walk; `slicing.tied_fit:
+    diagonal` is written as it goes), and no evaluation beyond the layer-by-layer one (throughput,
+    and lm-eval tasks unless accelerate places their models, run both models whole). `layout`: the
+    run's `SlicedLayout`; `stages`: the plan's (the built-in ones when None)."""
     from compressor.run.layerwise_eval import evaluates_layer_by_layer
 
+    if stages is None:
+        from compressor.run.stages.order import BUILTIN_STAGES as stages
+    names = [stage.name for stage in stages]
+    after_walk = stages[names.index("walk") + 1 :]
     rotates_head = layout.one_basis and layout.tie_head and recipe.slicing.tied_fit == "symmetric"
     return (
         save_model
         and recipe.model.load == "stream"
-        and recipe.refinement is None
-        and recipe.mlp is None
-        and recipe.distillation is None
+        and not any(stage.changes_model and stage.wanted(recipe) for stage in after_walk)
         and not rotates_head
         and (recipe.evaluation is None or evaluates_layer_by_layer(recipe))
     )
@@ -394,189 +397,161 @@ def process_rss() -> int:
         return 0
 
 
-def memory_plan(settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0) -> MemoryPlan:
-    """The plan of `settings` on `layout` (a `SlicedLayout`): its phases' host and device peaks,
-    each host figure on top of `base` (the process as it stands, before any weight is loaded)."""
-    config, family = layout.config, layout.family
-    dtype = getattr(torch, settings.dtype)
-    item = dtype.itemsize
-    d, layers = config.hidden_size, config.num_hidden_layers
-    vocab = config.vocab_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    f = getattr(config, family.mlp_width) if family.mlp_width is not None else 0
-    samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
-    kept = layout.kept if layout.kept is not None else d
-    params = layout.params.original
-    pruned = layout.params.count(layout.widths) if layout.widths is not None else layout.budget
-    weights, pruned_weights = params * item, pruned * item
+@dataclass(frozen=True)
+class Footprint:
+    """What every stage's memory estimate reads: the model's shape and sizes under the plan's
+    settings, the activation store, the walk's and H pass's device peaks measured on one fake
+    layer (`measure_device`). Each stage turns it into its phases (`Stage.memory`)."""
 
-    stream = samples * seq_len * d * item
-    store = 0 if settings.activations == "disk" else stream
-    positions = (samples // batch + 1) * 2 * batch * seq_len * head_dim * item
-    sites = 2 * layers + 1
-    h_item = 8 if settings.h_dtype == "float64" else 4
-    totals = sites * d * d * h_item if needs_h else 0
-    recompute = settings.recompute if settings.recompute is not None else accelerator
-    chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
-    stored = (layers + 1) * chunk * seq_len * d * item + chunk * seq_len * d * item if recompute else 0
-    bases = sites * d * kept * 8
-    measured = measure_device(
-        config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
-    )
-    smaller_batch = "a smaller calibration.batch_size (or seq_len)"
-    disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
-    streaming = settings.load == "stream"
-    writes = streaming and settings.writes
-    if not streaming:
-        disk += ", model.load: stream"
-    # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
-    # layers, plus the layers the walk has sliced, which it keeps)
-    resident = weights - layers * measured["layer"]
-    held = resident if streaming else weights
-    walked = min(weights, resident + pruned_weights) if streaming else weights
-    # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
-    # the host first on an accelerator), one site's H and two bases; the rest is on disk
-    read = measured["layer"] if accelerator else 0
-    walk_host = (
-        resident + read + store + positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
-        if writes
-        else walked + store + positions + totals + bases
-    )
-    # a written model's parts outside its layers (at most the original's)
-    pruned_resident = min(resident, pruned_weights)
+    settings: PlanSettings
+    layout: Any
+    needs_h: bool
+    accelerator: bool
+    base: int
+    item: int
+    d: int
+    layers: int
+    vocab: int
+    f: int
+    batch: int
+    seq_len: int
+    params: int
+    pruned: int
+    weights: int
+    pruned_weights: int
+    store: int
+    positions: int
+    h_item: int
+    totals: int
+    chunk: int
+    stored: int
+    bases: int
+    measured: dict[str, int]
+    disk: str
+    smaller_batch: str
+    streaming: bool
+    writes: bool
+    resident: int
+    held: int
+    walked: int
+    walk_host: int
+    recipe: Any = None
+    """The recipe the plan is of, for a plugin stage's options (None: a benchmark's settings alone)."""
 
-    def phase(name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
+    @classmethod
+    def of(
+        cls, settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0, recipe: Any = None
+    ) -> Footprint:
+        config, family = layout.config, layout.family
+        dtype = getattr(torch, settings.dtype)
+        item = dtype.itemsize
+        d, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or d // heads
+        f = getattr(config, family.mlp_width) if family.mlp_width is not None else 0
+        samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
+        kept = layout.kept if layout.kept is not None else d
+        params = layout.params.original
+        pruned = layout.params.count(layout.widths) if layout.widths is not None else layout.budget
+        weights = params * item
+        stream = samples * seq_len * d * item
+        store = 0 if settings.activations == "disk" else stream
+        positions = (samples // batch + 1) * 2 * batch * seq_len * head_dim * item
+        sites = 2 * layers + 1
+        h_item = 8 if settings.h_dtype == "float64" else 4
+        recompute = settings.recompute if settings.recompute is not None else accelerator
+        chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
+        measured = measure_device(
+            config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
+        )
+        disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
+        streaming = settings.load == "stream"
+        if not streaming:
+            disk += ", model.load: stream"
+        # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
+        # layers, plus the layers the walk has sliced, which it keeps)
+        resident = weights - layers * measured["layer"]
+        totals = sites * d * d * h_item if needs_h else 0
+        bases = sites * d * kept * 8
+        writes = streaming and settings.writes
+        walked = min(weights, resident + pruned * item) if streaming else weights
+        # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
+        # the host first on an accelerator), one site's H and two bases; the rest is on disk
+        read = measured["layer"] if accelerator else 0
+        walk_host = (
+            resident + read + store + positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
+            if writes
+            else walked + store + positions + totals + bases
+        )
+        return cls(
+            settings=settings,
+            layout=layout,
+            needs_h=needs_h,
+            accelerator=accelerator,
+            base=base,
+            item=item,
+            d=d,
+            layers=layers,
+            vocab=config.vocab_size,
+            f=f,
+            batch=batch,
+            seq_len=seq_len,
+            params=params,
+            pruned=pruned,
+            weights=weights,
+            pruned_weights=pruned * item,
+            store=store,
+            positions=positions,
+            h_item=h_item,
+            totals=totals,
+            chunk=chunk,
+            stored=(layers + 1) * chunk * seq_len * d * item + chunk * seq_len * d * item if recompute else 0,
+            bases=bases,
+            measured=measured,
+            disk=disk,
+            smaller_batch="a smaller calibration.batch_size (or seq_len)",
+            streaming=streaming,
+            writes=writes,
+            resident=resident,
+            held=resident if streaming else weights,
+            walked=walked,
+            walk_host=walk_host,
+            recipe=recipe,
+        )
+
+    def phase(self, name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
         """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
         whole-model phase's device figure already holds the models the host holds."""
-        if accelerator:
-            return Phase(name, base + host, device_bytes, fix)
-        return Phase(name, base + (max(host, device_bytes) if whole_model else host + device_bytes), None, fix)
+        if self.accelerator:
+            return Phase(name, self.base + host, device_bytes, fix)
+        total = max(host, device_bytes) if whole_model else host + device_bytes
+        return Phase(name, self.base + total, None, fix)
 
-    capture_device = vocab * d * item + 2 * batch * seq_len * d * item  # the embedding, a batch in and out
-    phases = [phase("capture", held + store + positions, capture_device, f"{disk}, or {smaller_batch}")]
-    if needs_h:
-        phases.append(
-            phase(
-                "H pass (layer by layer)",
-                held + store + positions + stored + totals,
-                measured["fisher"],
-                f"a smaller sensitivity.chunk (now {chunk}), {disk}",
-            )
-        )
-    # one basis: the survey's pooled C and H (the basis is chosen from them at the walk's start, on
-    # the device), the final stream's C (for the head) on the host
-    pools = 2 * d * d * 8 if layout.one_basis else 0
-    head_moment = d * d * 8 if layout.one_basis else 0
-    phases.append(
-        phase(
-            "walk (one layer at a time, each written when sliced)" if writes else "walk (one layer at a time)",
-            walk_host + head_moment,
-            measured["walk"] + pools,
-            f"{disk}, or {smaller_batch}"
-            + (
-                ", or a walk that writes each sliced layer as it goes (no refinement, mlp or distillation, "
-                "evaluation.throughput: false; a global tied head: slicing.tied_fit: diagonal)"
-                if streaming and not writes
-                else ""
-            ),
-        )
-    )
-    if settings.mlp_feedback is not None and f:
-        copies = 2 if settings.mlp_feedback > 0 else 1
-        # one layer, one batch's stream and MLP activation, and at the peak three f×f float64 matrices
-        # (C, C + δI and its inverse while obs inverts it), the down projection and its refit (d×f float64)
-        mlp_device = (
-            measured["layer"]
-            + 3 * batch * seq_len * d * item
-            + 2 * batch * seq_len * f * item
-            + 3 * f * f * 8
-            + 3 * d * f * 8
-        )
-        phases.append(
-            phase(
-                "mlp (one layer at a time)",
-                walked + copies * store + positions,
-                mlp_device,
-                f"{disk}, or mlp.feedback: 0 (one copy of the stream)",
-            )
-        )
-    if settings.split_choice:
-        phases.append(
-            phase(
-                "choosing the split (the whole original beside each trial)",
-                weights + 2 * pruned_weights + store + positions,
-                weights + pruned_weights,
-                "mlp.kept (fix the split), or a machine with more memory",
-                whole_model=True,
-            )
-        )
-    if settings.refinement:
-        phases.append(
-            phase(
-                "refinement (the whole model on the device)",
-                2 * weights + bases,
-                weights + bases,
-                "refinement: null, or a device with more memory",
-                whole_model=True,
-            )
-        )
-    if settings.distillation is not None:
-        method, placement = settings.distillation
-        trainable = pruned if method == "full" else 0
-        teacher = weights if placement == "model" else 0
-        # trained weights are float32 whatever the model's dtype: weights, gradients, Adam's two moments
-        student = pruned_weights if method != "full" else trainable * (4 + 4 + 8)
-        phases.append(
-            phase(
-                "distillation (student and teacher; activations not counted)",
-                weights + pruned_weights,
-                student + teacher,
-                "distillation.method: lora, or distillation.teacher: cached",
-                whole_model=True,
-            )
-        )
-    notes: list[str] = []
-    if settings.evaluation and settings.evaluation_layerwise is not None:
-        windows, tokens, per_batch = settings.evaluation_layerwise
-        streams = 2 * windows * tokens * d * item  # both models' final streams, on the host
-        logits = 3 * per_batch * tokens * vocab * 4  # one batch's logits and log-probabilities, float32
-        pruned_held = pruned_resident if writes else pruned_weights  # written: its layers read back one at a time
-        streamed_models = (
-            "both models streamed" if writes else "the original streamed" if streaming else "the original in memory"
-        )
-        # on the device: the pruned model (or its resident part; on CPU the host's copy), one layer, one batch
-        phases.append(
-            phase(
-                f"evaluation (layer by layer, {streamed_models})",
-                held + pruned_held + streams,
-                (pruned_held if accelerator else 0) + measured["layer"] + logits,
-                "a smaller evaluation.batch_size, or fewer evaluation.num_samples",
-            )
-        )
-        if settings.evaluation_placed:
-            notes.append(
-                f"lm-eval: each model alone, placed by accelerate over the devices, then host memory (what "
-                f"each has free), then disk in the output's staging folder (at most {size(weights)})"
-            )
-    elif settings.evaluation:
-        tokens, per_batch = settings.evaluation_batch
-        # a batch's float32 log-probabilities of both models and the KL's three temporaries of that size
-        log_probs = 5 * per_batch * tokens * vocab * 4
-        phases.append(
-            phase(
-                "evaluation (both models on the device)",
-                weights + pruned_weights,
-                weights + pruned_weights + log_probs,
-                "a smaller evaluation.batch_size, or evaluation: null (then `compress eval` where both models fit)",
-                whole_model=True,
-            )
-        )
+
+def memory_plan(
+    settings: PlanSettings,
+    layout: Any,
+    needs_h: bool,
+    accelerator: bool,
+    base: int = 0,
+    stages: Any = None,
+    recipe: Any = None,
+) -> MemoryPlan:
+    """The plan of `settings` on `layout` (a `SlicedLayout`): the sum of its stages' phases (the
+    built-in stages, or a plan's `stages` with a plugin's), each host figure on top of `base` (the
+    process as it stands, before any weight is loaded)."""
+    if stages is None:
+        from compressor.run.stages.order import BUILTIN_STAGES as stages
+    footprint = Footprint.of(settings, layout, needs_h, accelerator, base, recipe)
+    phases = [phase for stage in stages for phase in stage.memory(footprint)]
+    notes = [note for stage in stages for note in stage.memory_notes(footprint)]
+    config = layout.config
     shape = (
-        f"{config.model_type}, {layers} layers, hidden {d}, MLP {f or '-'}, vocabulary {vocab}, "
-        f"{params / 1e9:.2f}B parameters ({weights / GiB:.1f} GiB in {settings.dtype})"
+        f"{config.model_type}, {footprint.layers} layers, hidden {footprint.d}, MLP {footprint.f or '-'}, "
+        f"vocabulary {footprint.vocab}, {footprint.params / 1e9:.2f}B parameters "
+        f"({footprint.weights / GiB:.1f} GiB in {settings.dtype})"
     )
-    return MemoryPlan(tuple(phases), weights, shape, base, streaming, tuple(notes))
+    return MemoryPlan(tuple(phases), footprint.weights, shape, base, footprint.streaming, tuple(notes))
 
 
 def check_memory(plan: MemoryPlan, machine: Machine) -> None:
@@ -595,9 +570,11 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     settings = dataclasses.replace(
         PlanSettings.of(recipe),
         split_choice=checked.chooses_split,
-        writes=writes_as_it_goes(recipe, checked.layout, save_model),
+        writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
     )
-    return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", process_rss())
+    return memory_plan(
+        settings, checked.layout, "H" in needed, device.type != "cpu", process_rss(), checked.stages, recipe
+    )
 
 
 def resolved_load(

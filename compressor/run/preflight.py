@@ -20,10 +20,13 @@ from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
 from compressor.recipe.schema import DataSpec, Recipe
-from compressor.run.checks import Plan, check_device_settings, check_evaluation_tasks, heldout_windows, plan
+from compressor.run.checks import Plan, check_device_settings, plan
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
 from compressor.run.resume import check_interrupted, progress_summary
+from compressor.run.stages.data import heldout_counts
+from compressor.run.stages.evaluate import check_evaluation_tasks
+from compressor.run.stages.order import run_order
 from compressor.run.staging import check_output, check_writable
 from compressor.strategies.registry import PluginRegistry
 
@@ -65,7 +68,7 @@ def dry_run(
         device, missing = None, str(error)
     if device is not None:
         try:  # a sound recipe that cannot run on this device: checked through, then refused
-            check_device_settings(recipe, device)
+            check_device_settings(recipe, device, stages=run_order(registry.stages()))
         except UserError as error:
             missing = str(error)
         found.checked.append(f"device {recipe.device} (here: {device})")
@@ -78,7 +81,8 @@ def dry_run(
         if spec is not None:
             _data(where, spec, tokenizer, found)
     if checked is not None and tokenizer is not None and is_local(recipe.calibration.dataset):
-        for where, count in heldout_windows(recipe, checked).items():  # read after the calibration windows
+        for stage, count in heldout_counts(recipe, checked):  # read after the calibration windows
+            where = stage.section or stage.name
             heldout_batches(recipe.calibration, tokenizer, count, where)
             found.checked.append(f"{where} held-out data: {count} windows after the calibration windows")
     if recipe.distillation is not None and tokenizer is not None:

@@ -143,9 +143,30 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
         rows.append(("MLP neurons time (s)", "", f"{timings['mlp_s']:.1f}"))
     if "distill_s" in timings:
         rows.append(("distillation time (s)", "", f"{timings['distill_s']:.1f}"))
+    for key, seconds in timings.items():  # a plugin stage's, under its own key
+        if key not in BUILT_IN_TIMINGS and isinstance(seconds, (int, float)):
+            rows.append((f"{key.removesuffix('_s')} time (s)", "", f"{seconds:.1f}"))
     if "eval_s" in timings:
         rows.append(("evaluation time (s)", "", f"{timings['eval_s']:.1f}"))
     return rows
+
+
+BUILT_IN_TIMINGS = frozenset(
+    (
+        "data_s",
+        "load_s",
+        "fisher_s",
+        "split_s",
+        "prune_s",
+        "refine_s",
+        "mlp_s",
+        "distill_s",
+        "save_s",
+        "eval_s",
+        "total_s",
+    )
+)
+"""The timings the report's rows name; any other is a plugin stage's, shown by its key."""
 
 
 def speed_rows(size: Sizes | None, speed: dict[str, Any] | None) -> list[tuple[str, str, str]]:

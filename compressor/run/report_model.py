@@ -216,6 +216,8 @@ class RunReport(_Section):
     guards: list[GuardRecord]
     distillation: DistillationRecord | None
     mlp: MlpReport | None = None
+    stages: dict[str, Any] = {}
+    """What each plugin stage recorded (`RunState.extra`), by stage name."""
     metrics: Metrics
     params: Params
     size: Sizes

@@ -108,8 +108,8 @@ def recipe_fingerprint(recipe: Recipe) -> str:
 def fingerprinted(recipe: Recipe) -> dict[str, Any]:
     """The recipe values `recipe_fingerprint` digests."""
     values = recipe.to_dict()
-    for key in ("output", "evaluation", "activations", "refinement", "distillation"):
-        values.pop(key, None)
+    for key in ("output", "evaluation", "activations", "refinement", "distillation", *recipe.stages):
+        values.pop(key, None)  # a plugin stage's section too: it runs after the walk, which is all the checkpoint holds
     values["model"].pop("path", None)
     values["model"].pop("revision", None)
     values["model"].pop("load", None)  # memory or streamed: the same weights, bit for bit

@@ -357,6 +357,35 @@ def probe_directions(
     return found
 
 
+def _probes(
+    C: torch.Tensor, H: torch.Tensor, energy: float, directions: int, eigenvectors: int, seed: int
+) -> tuple[list[dict[str, Any]], list[tuple[torch.Tensor, float]], int]:
+    """Each probe direction's row (its predicted KL at the removed `energy`) and perturbation; a
+    direction with (numerically) no variance cannot reach that energy and is counted as skipped."""
+    floor = 1e-12 * float(torch.linalg.eigvalsh(C).max())
+    rows, perturbations, skipped = [], [], 0
+    for kind, detail, u in probe_directions(C, H, directions, eigenvectors, seed):
+        uCu, uHu = float(u @ C @ u), float(u @ H @ u)
+        if uCu <= floor:
+            skipped += 1
+            continue
+        alpha = math.sqrt(energy / uCu)
+        U = u.unsqueeze(1)
+        rows.append(
+            {
+                "kind": kind,
+                "detail": detail,
+                "predicted": predicted_kl(C, H, U, alpha),
+                "measured": None,
+                "alpha": alpha,
+                "uCu": uCu,
+                "uHu": uHu,
+            }
+        )
+        perturbations.append((U, alpha))
+    return rows, perturbations, skipped
+
+
 def surrogate_check(
     model: PreTrainedModel,
     family: ModelFamily,
@@ -408,27 +437,7 @@ def surrogate_check(
         raise ValueError(f"the removed energy must be positive, got {energy}")
     statistics_s = time.perf_counter() - started
 
-    floor = 1e-12 * float(torch.linalg.eigvalsh(C).max())
-    rows, perturbations, skipped = [], [], 0
-    for kind, detail, u in probe_directions(C, H, directions, eigenvectors, seed):
-        uCu, uHu = float(u @ C @ u), float(u @ H @ u)
-        if uCu <= floor:
-            skipped += 1
-            continue
-        alpha = math.sqrt(energy / uCu)
-        U = u.unsqueeze(1)
-        rows.append(
-            {
-                "kind": kind,
-                "detail": detail,
-                "predicted": predicted_kl(C, H, U, alpha),
-                "measured": None,
-                "alpha": alpha,
-                "uCu": uCu,
-                "uHu": uHu,
-            }
-        )
-        perturbations.append((U, alpha))
+    rows, perturbations, skipped = _probes(C, H, energy, directions, eigenvectors, seed)
     tick = time.perf_counter()
     report("capturing evaluation inputs", 0, 1)
     eval_inputs = capture_layer_inputs(model, family, evaluation, device)

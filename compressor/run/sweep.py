@@ -49,6 +49,7 @@ from compressor.run.compare import compare_runs, read_report, render
 from compressor.run.loading import Resources, resolve_device
 from compressor.run.resume import interrupted_with_another_recipe
 from compressor.run.runner import run
+from compressor.run.stages.order import run_order
 from compressor.run.staging import RUN_MARKER
 from compressor.strategies.registry import PluginRegistry
 from compressor.validation import shown
@@ -392,19 +393,19 @@ def check(sweep: Sweep, registry: PluginRegistry) -> None:
     for point in sweep.points:
         try:
             plan(point.recipe, registry)
-            _check_device_settings(point.recipe, sweep.save_models)
+            _check_device_settings(point.recipe, sweep.save_models, registry)
         except UserError as error:
             raise UserError(f"sweep run {point.name}: {error}") from None
 
 
-def _check_device_settings(recipe: Recipe, save_model: bool) -> None:
+def _check_device_settings(recipe: Recipe, save_model: bool, registry: PluginRegistry) -> None:
     """What the run would refuse on its device at the start of this point (a sweep of GPU runs
     checked on a machine without one: the device's own checks wait for it)."""
     try:
         device = resolve_device(recipe.device)
     except UserError:
         return
-    check_device_settings(recipe, device, save_model)
+    check_device_settings(recipe, device, save_model, run_order(registry.stages()))
 
 
 def dump(sweep: Sweep) -> str:

@@ -45,6 +45,11 @@ class CompressorHookSpecs:
     def compressor_neuron_selectors(self) -> list[NeuronSelector]:
         """Return the MLP neuron selectors this plugin provides."""
 
+    @hookspec
+    def compressor_stages(self) -> list[Any]:
+        """Return stages of a run this plugin adds (`compressor.plugin.Stage` subclasses' instances),
+        each placed after the stage its `after` names."""
+
 
 @dataclass(frozen=True)
 class RegisteredStrategy:
@@ -56,6 +61,14 @@ class RegisteredStrategy:
 @dataclass(frozen=True)
 class RegisteredSelector:
     selector: NeuronSelector
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredStage:
+    stage: Any
+    """A `compressor.plugin.Stage` (defined in the run room, which this registry does not import)."""
     plugin: str
     source: str
 
@@ -152,6 +165,7 @@ class PluginRegistry:
             self.manager.register(plugin)
         self._strategies = self._collect()
         self._selectors = self._collect_selectors()
+        self._stages = self._collect_named(self.manager.hook.compressor_stages, "stage", RegisteredStage)
         self._families = self._collect_families()
 
     def _source(self, name: str, plugin: object) -> str:
@@ -208,6 +222,14 @@ class PluginRegistry:
     def selectors(self) -> dict[str, RegisteredSelector]:
         """Every MLP neuron selector, by name."""
         return dict(sorted(self._selectors.items()))
+
+    def stages(self) -> list[Any]:
+        """The stages plugins add to a run, in the order the plugins registered them."""
+        return [entry.stage for entry in self._stages.values()]
+
+    def registered_stages(self) -> dict[str, RegisteredStage]:
+        """Every plugin stage by name, with the plugin that added it."""
+        return dict(self._stages)
 
     def selector(self, name: str) -> NeuronSelector:
         if name not in self._selectors:

@@ -49,11 +49,11 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
 ) -> None:
     """Without refinement the chosen split's trial is the run's own walk and MLP stage: three
     walks for three candidates, and the model a run with that split fixed saves."""
-    from compressor.run import runner
+    from compressor.run.stages import walk
 
     walks: list[int] = []
-    real_prune = runner._prune
-    monkeypatch.setattr(runner, "_prune", lambda *args: walks.append(1) or real_prune(*args))
+    real_prune = walk.prune_as_recipe
+    monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     recipe = write_recipe(tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=SPLIT, **COMMON)
@@ -90,9 +90,9 @@ def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
 ) -> None:
     """The MLP stage does not run and the model keeps its MLPs whole (the measurement is replaced
     by one that favours the first candidate: which split wins on a random model is chance)."""
-    from compressor.run import runner
+    from compressor.run.stages import split
 
-    monkeypatch.setattr(runner._Stages, "_measured_split", lambda self, index, layout, windows, original: 1.0 + index)
+    monkeypatch.setattr(split, "measured_split", lambda state, index, layout, original, rng: 1.0 + index)
     recipe = write_recipe(tmp_path, wide_mlp, mlp=SPLIT, **COMMON)
     assert main(["run", str(recipe)]) == 0
     report = _report(tmp_path / "out")

@@ -1,28 +1,61 @@
-"""The run's state is declared in one place: `_Stages.__init__` names (and types) every attribute
-a stage hands to the next, so a reader sees the whole state without reading every stage."""
+"""The run is a list of stages over one declared state: every field a stage hands the next is
+declared (and typed) in `RunState`, so a reader sees the whole state without reading every stage;
+the runner is the loop, small enough to read at once."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import compressor.run.runner
+from compressor.run.stages import order
+from compressor.run.stages.base import RunState
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.order import BUILTIN_STAGES
+
+RUN = Path(compressor.run.runner.__file__).parent
 
 
-def test_every_attribute_of_a_run_s_stages_is_declared_in_init() -> None:
-    tree = ast.parse(Path(compressor.run.runner.__file__).read_text())
-    stages = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "_Stages")
-    declared: set[str] = set()
-    assigned: dict[str, str] = {}
-    for method in (node for node in stages.body if isinstance(node, ast.FunctionDef)):
-        for node in ast.walk(method):
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-            for target in targets:
-                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(element, ast.Attribute) and getattr(element.value, "id", None) == "self":
-                        if method.name == "__init__":
-                            declared.add(element.attr)
-                        else:
-                            assigned.setdefault(element.attr, method.name)
-    undeclared = {name: where for name, where in assigned.items() if name not in declared}
-    assert not undeclared, f"set by a stage but not declared in _Stages.__init__: {undeclared}"
+def _assigned_state_attributes(path: Path) -> dict[str, int]:
+    """`state.X = ...` (or `trial.X`, a split's own state) in a module, by X, with a line."""
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and getattr(element.value, "id", None) in ("state", "trial"):
+                    found.setdefault(element.attr, node.lineno)
+    return found
+
+
+def test_every_field_a_stage_sets_is_declared_in_run_state() -> None:
+    declared = {field.name for field in dataclasses.fields(RunState)}
+    undeclared = {
+        f"{path.name}:{line} {name}"
+        for path in [*sorted((RUN / "stages").glob("*.py")), RUN / "runner.py"]
+        for name, line in _assigned_state_attributes(path).items()
+        if name not in declared
+    }
+    assert not undeclared, f"set by a stage but not declared in RunState: {sorted(undeclared)}"
+
+
+def test_the_runner_is_a_loop_and_no_function_in_run_is_long() -> None:
+    assert len((RUN / "runner.py").read_text().splitlines()) <= 300
+    long = []
+    for path in RUN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 80:
+                    long.append(f"{path.relative_to(RUN)}:{node.name} ({length} lines)")
+    assert not long, f"functions in run/ over 80 lines: {long}"
+
+
+def test_every_built_in_stage_is_declared_once_and_named() -> None:
+    names = [stage.name for stage in BUILTIN_STAGES]
+    assert len(set(names)) == len(names) and all(names)
+    assert all(isinstance(stage, Stage) for stage in BUILTIN_STAGES)
+    # a stage the guard judges must be one that changes the model
+    assert all(stage.changes_model for stage in BUILTIN_STAGES if stage.guarded)
+    assert order.PLACEABLE and set(order.PLACEABLE) <= set(names)

@@ -1,0 +1,38 @@
+"""Loading the model, and the checkpoint's fingerprint: progress made with another recipe, model
+or data is refused before any work."""
+
+from __future__ import annotations
+
+from compressor.engine.checkpoint import model_digest
+from compressor.evaluation.metrics import parameter_count
+from compressor.evaluation.throughput import model_size
+from compressor.run.resume import data_fingerprint, recipe_fingerprint, save_recipe_values
+from compressor.run.stages.base import RunState
+from compressor.run.stages.contract import Stage
+
+
+class LoadModel(Stage):
+    name = "loading model"
+    timing = "load_s"
+
+    def run(self, state: RunState) -> None:
+        """ "loading model", and its size before pruning."""
+        state.progress("loading model", 0, 1)
+        state.model = state.resources.model(state.recipe.model)
+        state.baseline_params = parameter_count(state.model)
+        state.baseline_size = model_size(state.model)
+
+
+class StartCheckpoint(Stage):
+    name = "checkpoint"
+    checkpoint_key = "fingerprint"
+
+    def run(self, state: RunState) -> None:
+        """The checkpoint's fingerprint checked (or written): progress of another recipe, model or data is refused."""
+        state.fingerprint = {
+            "recipe": recipe_fingerprint(state.recipe),
+            "model": model_digest(state.model),
+            "data": data_fingerprint(state.calibration),
+        }
+        state.checkpoint.start(state.fingerprint)
+        save_recipe_values(state.checkpoint, state.recipe)

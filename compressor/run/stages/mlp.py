@@ -1,0 +1,191 @@
+"""`mlp`: every MLP keeps the layout's neurons (`engine.neurons.prune_mlp`), chosen on the model
+as the walk and refinement left it, weighed by H in each MLP's stream coordinates where the walk
+estimated it; the model's config, and every later conversion, says the new width."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel
+
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
+from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.neurons import NeuronRecord, prune_mlp
+from compressor.engine.parallel import Ranks
+from compressor.engine.walk import PruneResult
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.models.layout import mlp_neurons, with_mlp_width
+from compressor.models.sites import layer_site_ids
+from compressor.recipe.schema import Recipe
+from compressor.run.report_model import MlpReport
+from compressor.run.stages.base import Progress, RunState
+from compressor.run.stages.contract import Stage
+from compressor.run.staging import SCRATCH_FOLDER
+
+if TYPE_CHECKING:
+    from compressor.run.checks import Plan
+    from compressor.run.memory import Footprint, Phase
+
+
+class PruneMlp(Stage):
+    name = "MLP neurons"
+    timing = "mlp_s"
+    section = "mlp"
+    changes_model = True
+
+    def runs(self, state: RunState) -> bool:
+        return state.checked.layout.mlp_width is not None and not state.adopted  # adopted: the trial's
+
+    def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
+        if not save_model:
+            raise UserError(
+                "mlp: a run that prunes the MLP saves its model (bases.safetensors cannot rebuild the pruned MLPs); "
+                "set save_models: true, or remove mlp"
+            )
+
+    def memory(self, footprint: Footprint) -> list[Phase]:
+        settings, fp = footprint.settings, footprint
+        if settings.mlp_feedback is None or not fp.f:
+            return []
+        copies = 2 if settings.mlp_feedback > 0 else 1
+        # one layer, one batch's stream and MLP activation, and at the peak three f×f float64 matrices
+        # (C, C + δI and its inverse while obs inverts it), the down projection and its refit (d×f float64)
+        tokens = fp.batch * fp.seq_len
+        device = fp.measured["layer"] + 3 * tokens * fp.d * fp.item + 2 * tokens * fp.f * fp.item
+        device += 3 * fp.f * fp.f * 8 + 3 * fp.d * fp.f * 8
+        return [
+            fp.phase(
+                "mlp (one layer at a time)",
+                fp.walked + copies * fp.store + fp.positions,
+                device,
+                f"{fp.disk}, or mlp.feedback: 0 (one copy of the stream)",
+            )
+        ]
+
+    def run(self, state: RunState) -> None:
+        layout = state.checked.layout
+        assert state.pruned is not None and state.result is not None and layout.mlp_width is not None
+        state.neurons, state.mlp_weighed_by_h = prune_mlps(
+            state.recipe,
+            state.checked,
+            state.pruned,
+            state.calibration,
+            state.result,
+            state.bases,
+            state.checkpoint,
+            state.device,
+            state.progress,
+            state.staging / SCRATCH_FOLDER,
+            state.ranks,
+        )
+        state.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
+        state.config = with_mlp_width(state.config, state.family, layout.mlp_width)
+
+
+def mlp_report(state: RunState) -> MlpReport:
+    """The report's `mlp`: what the stage kept, how it chose, and the split choice's record."""
+    spec, checked = state.recipe.mlp, state.checked
+    assert spec is not None and checked.selector is not None
+    width = mlp_neurons(checked.layout.config, state.family)
+    return MlpReport(
+        kept=checked.layout.mlp_width or width,
+        of=width,
+        selector=checked.selector.name,
+        refit=spec.refit,
+        damping=spec.damping,
+        feedback=state.neurons[0].feedback if state.neurons else spec.feedback,
+        weighed_by_h=state.mlp_weighed_by_h,
+        layers=state.neurons,
+        **({} if state.split is None else {"split": state.split}),
+    )
+
+
+def prune_mlps(
+    recipe: Recipe,
+    checked: Plan,
+    pruned: PreTrainedModel,
+    calibration: list[Batch],
+    result: PruneResult,
+    bases: Mapping[str, torch.Tensor],
+    checkpoint: Checkpoint,
+    device: torch.device,
+    progress: Progress,
+    scratch: Path,
+    ranks: Ranks,
+) -> tuple[list[NeuronRecord], bool]:
+    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons,
+    chosen on the model as the walk (and refinement) left it, weighed by H in each MLP's stream
+    coordinates where the walk estimated it; its config says the new width. Returns the layers'
+    records and whether H weighed the choice."""
+    spec, layout, selector, family = recipe.mlp, checked.layout, checked.selector, checked.layout.family
+    assert spec is not None and layout.mlp_width is not None and selector is not None
+    assert family.mlp_width is not None
+    sensitivity = stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
+    records = prune_mlp(
+        pruned,
+        family,
+        calibration,
+        layout.mlp_width,
+        selector,
+        device,
+        refit=spec.refit,
+        damping=spec.damping,
+        feedback=spec.feedback,
+        sensitivity=sensitivity,
+        progress=progress,
+        store=ActivationStore(device, recipe.activations, scratch),
+        ranks=ranks,
+    )
+    setattr(pruned.config, family.mlp_width, layout.mlp_width)
+    return records, sensitivity is not None
+
+
+def stream_sensitivity(
+    family: ModelFamily,
+    config: Any,
+    result: PruneResult,
+    checkpoint: Checkpoint,
+    bases: Mapping[str, torch.Tensor],
+    device: torch.device,
+) -> StreamSensitivity | None:
+    """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (RᵀHR with
+    R what reads the site's kept coordinates: its basis, or its reader map with corrected
+    readers); None when the walk did not estimate H, or where the MLP's output does not land
+    in the stream directly (a norm after the block)."""
+    fisher = result.fisher
+    if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
+        fisher = checkpoint.load_fisher()
+    if fisher is None or family.mlp_post_norm is not None:
+        return None
+    readers = result.readers or {}
+    sites = [layer_site_ids(family, i)[-1] for i in range(config.num_hidden_layers)]
+    return StreamSensitivity(fisher, {i: readers.get(site, bases[site]) for i, site in enumerate(sites)}, sites, device)
+
+
+class StreamSensitivity(Mapping[int, torch.Tensor]):
+    """RᵀHR of each layer's MLP stream (d × d H, R d × k), computed on the device when the MLP
+    stage reaches that layer, so no layer's k × k matrix waits in host memory for its turn."""
+
+    def __init__(
+        self,
+        fisher: Mapping[str, torch.Tensor],
+        readers: dict[int, torch.Tensor],
+        sites: list[str],
+        device: torch.device,
+    ) -> None:
+        self.fisher, self.readers, self.sites, self.device = fisher, readers, sites, device
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        R = self.readers[layer].to(self.device, torch.float64)
+        return R.T @ self.fisher[self.sites[layer]].to(self.device, torch.float64) @ R
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.sites)))
+
+    def __len__(self) -> int:
+        return len(self.sites)

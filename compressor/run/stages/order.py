@@ -1,0 +1,59 @@
+"""The stages of a run, in order: each a unit that declares its section, checks, memory, what it
+hands on and whether the guard judges it (`base.Stage`). A plugin's stages (the
+`compressor_stages` hook) are placed after the stage each names (`Stage.after`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from compressor.errors import UserError
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.data import ReadData
+from compressor.run.stages.distil import Distil, ToStudent
+from compressor.run.stages.evaluate import Evaluate
+from compressor.run.stages.load import LoadModel, StartCheckpoint
+from compressor.run.stages.mlp import PruneMlp
+from compressor.run.stages.refine import Refine
+from compressor.run.stages.report import WriteReport
+from compressor.run.stages.save import Save
+from compressor.run.stages.split import ChooseSplit
+from compressor.run.stages.walk import Walk
+
+BUILTIN_STAGES: tuple[Stage, ...] = (
+    ReadData(),
+    LoadModel(),
+    StartCheckpoint(),
+    ChooseSplit(),
+    Walk(),
+    Refine(),
+    PruneMlp(),
+    ToStudent(),
+    Distil(),
+    Save(),
+    Evaluate(),
+    WriteReport(),
+)
+"""Every run's stages in the order they run; each runs when the recipe asks for it (`Stage.runs`)."""
+
+PLACEABLE = ("walk", "refinement", "MLP neurons", "distillation")
+"""The stages a plugin's stage may follow: after the model is pruned, before it is saved."""
+
+
+def run_order(plugin_stages: Iterable[Stage]) -> tuple[Stage, ...]:
+    """The built-in stages with each plugin stage placed after the one it names (in the order the
+    plugins gave them); one named nowhere, or outside the model's pruned-to-saved span, is refused."""
+    order = list(BUILTIN_STAGES)
+    builtin = {stage.name for stage in BUILTIN_STAGES}
+    for stage in plugin_stages:
+        if stage.name in builtin or not stage.name:
+            raise UserError(f"a plugin stage is named '{stage.name}', which a built-in stage is; rename it")
+        if stage.after not in PLACEABLE and stage.after not in {s.name for s in order if s.name not in builtin}:
+            raise UserError(
+                f"plugin stage '{stage.name}' follows '{stage.after}', which is not a stage it may follow; "
+                f"set its `after` to one of: {', '.join(PLACEABLE)}"
+            )
+        at = next(i for i, s in enumerate(order) if s.name == stage.after) + 1
+        while at < len(order) and order[at].name not in builtin:  # after the plugin stages already there
+            at += 1
+        order.insert(at, stage)
+    return tuple(order)

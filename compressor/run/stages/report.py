@@ -1,0 +1,145 @@
+"""The report: report.json, report.md, the recipe as run, and the plots (distillation's curve,
+the split choice's candidates)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+
+import compressor
+from compressor.engine.fisher import autocast_dtype
+from compressor.evaluation.metrics import parameter_count
+from compressor.evaluation.plots import distillation_figure, split_figure
+from compressor.evaluation.throughput import model_size
+from compressor.recipe.schema import Recipe
+from compressor.run.report import write_markdown
+from compressor.run.report_model import (
+    Allocation,
+    Environment,
+    Loading,
+    Metrics,
+    ModelInfo,
+    ModelSize,
+    Parallel,
+    Params,
+    Resume,
+    RunReport,
+    Site,
+    Sizes,
+    Step,
+)
+from compressor.run.stages.base import RunState
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.mlp import mlp_report
+
+
+class WriteReport(Stage):
+    name = "report"
+
+    def run(self, state: RunState) -> None:
+        state.timings["total_s"] = time.perf_counter() - state.started
+        state.report = write_report(state)
+
+
+def write_report(state: RunState) -> RunReport:
+    """report.json, report.md, the recipe as run, and the distillation curve's plot."""
+    recipe, checked, result, config, staging = state.recipe, state.checked, state.result, state.config, state.staging
+    layout = checked.layout
+    pruned_params = parameter_count(state.pruned)
+    fisher_source = state.split_fisher_source or result.fisher_source
+    report = RunReport(
+        compressor=compressor.__version__,
+        model=ModelInfo(
+            path=recipe.model.path,
+            model_type=config.model_type,
+            family=state.family.name,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            dtype=recipe.model.dtype,
+        ),
+        sparsity=recipe.sparsity,
+        target_params=recipe.target_params,
+        kept_width=layout.kept,
+        layout=recipe.slicing.layout,
+        stock=state.stock
+        if state.stock is None or state.stock["head"] != "tied"
+        else {**state.stock, "tied_fit": state.head_fit},
+        rounding=layout.rounding,
+        allocation=_allocation(state),
+        seed=recipe.seed,
+        parallel=Parallel(world_size=state.ranks.world, tokens_by_rank=result.tokens_by_rank),
+        pipeline=[Step(strategy=s.strategy, options=s.options) for s in recipe.pipeline],
+        slicing=recipe.slicing,
+        fingerprint=state.fingerprint,
+        resumed_from=result.resumed_from,
+        resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=fisher_source == "checkpoint"),
+        loading=Loading(
+            load=recipe.model.load,
+            written_as_it_goes=state.writes,
+            layers_written_before=result.written_before,
+        ),
+        fisher_source=fisher_source,
+        fisher_autocast=_autocast_name(recipe, state.device) if result.fisher_source is not None else None,
+        refinement=state.refinement,
+        guards=list(state.guards),
+        distillation=state.distillation,
+        stages=state.extra,
+        **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
+        metrics=Metrics.model_validate(state.metrics),
+        params=Params(
+            baseline=state.baseline_params, pruned=pruned_params, ratio=pruned_params / state.baseline_params
+        ),
+        size=Sizes(baseline=ModelSize(**state.baseline_size), pruned=ModelSize(**model_size(state.pruned))),
+        speed=state.speed,
+        warnings=list(checked.warnings) + state.warnings,
+        sites=[Site.model_validate(site.to_json()) for site in result.sites],
+        timings=state.timings,
+        environment=Environment(
+            device=str(state.device),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+        ),
+    )
+    report.write(staging / "report.json")
+    (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    write_markdown(report, staging / "report.md")
+    if state.distillation is not None:
+        distillation_figure({"held-out KL": state.distillation.curve}).savefig(
+            staging / "distillation.png", dpi=120, bbox_inches="tight"
+        )
+    if state.split is not None and report.mlp is not None:
+        points = [(c.width, c.mlp_kept, c.params, c.heldout_kl) for c in state.split.candidates]
+        split_figure(points, state.split.chosen, report.mlp.of, Path(report.model.path).name).savefig(
+            staging / "split.png", dpi=120, bbox_inches="tight"
+        )
+    return report
+
+
+def _allocation(state: RunState) -> Allocation:
+    """The report's allocation: the budget, the widths' predicted count, and the allocator's record."""
+    recipe, layout, result = state.recipe, state.checked.layout, state.result
+    assert result is not None
+    return Allocation.model_validate(
+        {
+            "method": recipe.allocation.method,
+            "budget": layout.budget,
+            "predicted_params": layout.counted.count(result.widths),
+            "transition_params": layout.params.transition_params(result.widths),
+            "shared_sites": list(layout.shared),
+            # the allocator's record: its method ("curves"), solver, predicted KL and curves
+            **{k: v for k, v in (result.allocation or {}).items() if k not in ("widths", "budget", "params")},
+        }
+    )
+
+
+def _autocast_name(recipe: Recipe, device: torch.device) -> str:
+    """The autocast H's passes ran under on this device (`sensitivity.autocast`, `auto` resolved; off:
+    the model's own dtype)."""
+    lowered = autocast_dtype(recipe.sensitivity.autocast, device)
+    return "off" if lowered is None else str(lowered).removeprefix("torch.")

@@ -1,0 +1,171 @@
+"""Choosing the split of the budget (`mlp` without `kept`): every split of the plan pruned as the
+run would prune it and measured on held-out windows (`run.split_choice`), or the choice a killed
+run made; the run goes on with the chosen layout, and adopts the chosen trial's walk and MLP
+stage when nothing runs between them (it is not pruned twice)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from compressor import faults
+from compressor.engine.checkpoint import Checkpoint
+from compressor.errors import ProgressKept, UserError
+from compressor.models.layout import SlicedLayout
+from compressor.recipe.schema import Recipe
+from compressor.run.report_model import SplitRecord
+from compressor.run.split_choice import choose, split_label
+from compressor.run.stages.base import RunState
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.mlp import PruneMlp
+from compressor.run.stages.walk import walk
+from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
+
+if TYPE_CHECKING:
+    from compressor.run.checks import Plan
+    from compressor.run.memory import Footprint, Phase
+
+
+class ChooseSplit(Stage):
+    name = "choosing the split of the budget"
+    timing = "split_s"
+    section = "mlp"
+    checkpoint_key = "split"
+
+    def wanted(self, recipe: Recipe) -> bool:
+        return recipe.mlp is not None and recipe.mlp.kept is None
+
+    def runs(self, state: RunState) -> bool:
+        return state.checked.chooses_split  # else nothing to choose (a warning said so)
+
+    def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
+        if world > 1 and plan.chooses_split:
+            raise UserError(
+                "mlp: choosing the split of the budget runs in one process: fix the MLP's width (mlp.kept), "
+                "or launch one process"
+            )
+
+    def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
+        assert recipe.mlp is not None
+        return recipe.mlp.heldout_windows if plan.chooses_split else 0
+
+    def memory(self, footprint: Footprint) -> list[Phase]:
+        if not footprint.settings.split_choice:
+            return []
+        weights, pruned = footprint.weights, footprint.pruned_weights
+        return [
+            footprint.phase(
+                "choosing the split (the whole original beside each trial)",
+                weights + 2 * pruned + footprint.store + footprint.positions,
+                weights + pruned,
+                "mlp.kept (fix the split), or a machine with more memory",
+                whole_model=True,
+            )
+        ]
+
+    def run(self, state: RunState) -> None:
+        splits, saved = state.checked.splits, state.checkpoint.load_split()
+        if saved is not None:
+            state.split = SplitRecord.model_validate(saved)
+            chosen = state.split.candidates[state.split.chosen]
+            layout = splits[state.split.chosen] if state.split.chosen < len(splits) else None
+            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept) != (chosen.width, chosen.mlp_kept):
+                raise ProgressKept(
+                    f"the interrupted run in {state.staging} chose a split (width {chosen.width}, MLP "
+                    f"{chosen.mlp_kept}) that this version's plan does not list; rerun with --restart"
+                )
+        else:
+            if state.checkpoint.has_fisher():  # a run killed while choosing: its H pass is not repeated
+                loaded = state.checkpoint.load_fisher()
+                assert loaded is not None
+                state.resources.keep_fisher(state.fisher_key(), loaded)
+                state.split_fisher_source = "checkpoint"
+            original = state.resources.whole_model(state.recipe.model)  # on the device only while it measures
+            state.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
+            rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
+            state.split = choose(
+                splits,
+                lambda index, layout: measured_split(state, index, layout, original, rng),
+                sum(len(batch.input_ids) for batch in state.split_windows),
+                state.progress,
+            )
+            torch.set_rng_state(rng)
+            del original
+            state.checkpoint.save_split(state.split.model_dump())
+        state.checked = dataclasses.replace(state.checked, layout=splits[state.split.chosen])
+        if state.best_trial is not None and state.best_trial[1] == state.split.chosen:
+            adopt(state, state.best_trial[2])
+        state.best_trial = None
+        if not state.adopted and state.model is None:
+            state.model = state.resources.model(state.recipe.model)
+
+
+def adopt(state: RunState, trial: RunState) -> None:
+    """The chosen split's trial becomes the run's walk and MLP stage: the same calls on the same
+    model, data, H and random state as the run's own would make, so the same tensors."""
+    assert trial.result is not None
+    state.result, state.pruned, state.bases = trial.result, trial.pruned, trial.bases
+    state.head_scale, state.head_fit = trial.head_scale, trial.head_fit
+    state.neurons, state.mlp_weighed_by_h, state.config = trial.neurons, trial.mlp_weighed_by_h, trial.config
+    for key in ("prune_s", "mlp_s"):
+        if key in trial.timings:
+            state.timings[key] = trial.timings[key]
+    state.adopted = True
+
+
+def measured_split(
+    state: RunState, index: int, layout: SlicedLayout, original: PreTrainedModel, rng: torch.Tensor
+) -> float:
+    """One split pruned as this run would prune it (walk, tied head, MLP; no refinement or
+    distillation) in a scratch folder, and its KL to `original` on the split's windows, saved as it would be."""
+    label = f"split {index + 1}/{len(state.checked.splits)} ({split_label(layout)})"
+    folder = state.staging / SCRATCH_FOLDER / f"split-{index}"
+    trial = RunState(
+        folder,
+        state.recipe,
+        dataclasses.replace(state.checked, layout=layout),
+        state.device,
+        Checkpoint(folder / CHECKPOINT_FOLDER, writable=False),  # H goes to the run's checkpoint
+        lambda phase, done, total: state.progress(f"{label}: {phase}", done, total),
+        state.resources,
+        state.ranks,
+    )
+    trial.tokenizer, trial.calibration, trial.heldout = state.tokenizer, state.calibration, state.split_windows
+    trial.model = state.resources.model(state.recipe.model)
+    trial.fingerprint = state.fingerprint  # the same recipe, model and data: not hashed again
+    torch.set_rng_state(rng)
+    with faults.scoped(f"split{index}/"):
+        walk(trial)
+        if layout.mlp_width is not None:
+            with trial.timed("mlp_s"):
+                PruneMlp().run(trial)
+    assert trial.result is not None
+    if trial.result.fisher is not None and not state.checkpoint.has_fisher():
+        state.checkpoint.save_fisher(trial.result.fisher)
+        if trial.result.fisher_source == "computed":
+            state.split_fisher_source = "computed"
+    state.timings["fisher_s"] = max(state.timings.get("fisher_s", 0.0), trial.timings.get("fisher_s", 0.0))
+    trial.progress("measuring held-out KL", 0, 1)
+    kl = trial.heldout_kl(original.to(state.device), trial.pruned, trial.head_scale)
+    original.to("cpu")
+    shutil.rmtree(folder, ignore_errors=True)
+    if adoptable(state) and math.isfinite(kl) and (state.best_trial is None or kl < state.best_trial[0]):
+        trial.pruned.to("cpu")  # the best so far waits on the host; the one it replaces is dropped
+        # H is the checkpoint's and the resources'; the walk's own model (unrotated, before a tied
+        # head's fit) is read by nothing after the walk: one model waits, not two
+        trial.result = dataclasses.replace(trial.result, fisher=None, model=trial.pruned)
+        state.best_trial = (kl, index, trial)
+    return kl
+
+
+def adoptable(state: RunState) -> bool:
+    """The chosen trial's walk and MLP stage can be the run's: no stage between the walk and the
+    MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
+    names = [stage.name for stage in state.checked.stages]
+    between = state.checked.stages[names.index("walk") + 1 : names.index(PruneMlp.name)]
+    return not any(stage.changes_model and stage.wanted(state.recipe) for stage in between)
