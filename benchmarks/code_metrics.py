@@ -40,6 +40,14 @@ def measure(root: Path) -> dict[str, Any]:
                     function, length = f"{f.relative_to(root / 'compressor')}:{node.name}", size
                 if node.name == "prune" and f.name == "walk.py":
                     prune_params = len(node.args.args) + len(node.args.kwonlyargs)
+    run_files = [f for f in files if (root / "compressor" / "run") in f.parents]
+    run_largest = max(run_files, key=lambda f: lines[f])
+    run_functions = sorted(
+        (node.end_lineno - node.lineno + 1, f"{f.relative_to(root / 'compressor')}:{node.name}")  # type: ignore[operator]
+        for f in run_files
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    )
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
     big = [name for name in tracked if (root / name).is_file() and (root / name).stat().st_size > 1_000_000]
     return {
@@ -47,6 +55,10 @@ def measure(root: Path) -> dict[str, Any]:
         "largest_module": f"{largest.relative_to(root / 'compressor')} ({lines[largest]})",
         "largest_function": f"{function} ({length})",
         "prune_parameters": prune_params,
+        "run_largest_module": f"{run_largest.relative_to(root / 'compressor')} ({lines[run_largest]})",
+        "run_largest_function": f"{run_functions[-1][1]} ({run_functions[-1][0]})",
+        "run_functions_over_80_lines": sum(1 for size, _ in run_functions if size > 80),
+        "runner_lines": lines.get(root / "compressor" / "run" / "runner.py"),
         "layer_loops": sum(len(LAYER_LOOP.findall(f.read_text())) for f in files),
         "readme_lines": len((root / "README.md").read_text().splitlines()),
         "files_over_1MB": big,
