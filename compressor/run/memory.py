@@ -189,16 +189,14 @@ def writes_as_it_goes(recipe: Recipe, layout: Any, save_model: bool = True, stag
     and lm-eval tasks unless accelerate places their models, run both models whole). `layout`: the
     run's `SlicedLayout`; `stages`: the plan's (the built-in ones when None)."""
     from compressor.run.layerwise_eval import evaluates_layer_by_layer
+    from compressor.run.stages.contract import changes_model_between
+    from compressor.run.stages.order import BUILTIN_STAGES
 
-    if stages is None:
-        from compressor.run.stages.order import BUILTIN_STAGES as stages
-    names = [stage.name for stage in stages]
-    after_walk = stages[names.index("walk") + 1 :]
     rotates_head = layout.one_basis and layout.tie_head and recipe.slicing.tied_fit == "symmetric"
     return (
         save_model
         and recipe.model.load == "stream"
-        and not any(stage.changes_model and stage.wanted(recipe) for stage in after_walk)
+        and not changes_model_between(stages or BUILTIN_STAGES, recipe, "walk")
         and not rotates_head
         and (recipe.evaluation is None or evaluates_layer_by_layer(recipe))
     )
@@ -543,6 +541,8 @@ def memory_plan(
     if stages is None:
         from compressor.run.stages.order import BUILTIN_STAGES as stages
     footprint = Footprint.of(settings, layout, needs_h, accelerator, base, recipe)
+    if recipe is not None:  # the stages the recipe asks for (a benchmark's settings say it for the built-ins)
+        stages = [stage for stage in stages if stage.wanted(recipe)]
     phases = [phase for stage in stages for phase in stage.memory(footprint)]
     notes = [note for stage in stages for note in stage.memory_notes(footprint)]
     config = layout.config

@@ -227,10 +227,6 @@ class PluginRegistry:
         """The stages plugins add to a run, in the order the plugins registered them."""
         return [entry.stage for entry in self._stages.values()]
 
-    def registered_stages(self) -> dict[str, RegisteredStage]:
-        """Every plugin stage by name, with the plugin that added it."""
-        return dict(self._stages)
-
     def selector(self, name: str) -> NeuronSelector:
         if name not in self._selectors:
             known = ", ".join(sorted(self._selectors)) or "none (is compressor installed?)"

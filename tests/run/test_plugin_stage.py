@@ -95,6 +95,10 @@ def test_a_plugin_stage_runs_after_the_walk_and_the_guard_judges_it(
     bad = write_recipe(tmp_path, tiny_checkpoint, scale_norm={"scael": 2.0})
     assert main(["run", str(bad), "--dry-run"]) == 2
     assert "scale_norm.scael" in capsys.readouterr().err
+    # a recipe without its section neither runs it nor plans its memory
+    (tmp_path / "without").mkdir()
+    assert main(["run", str(write_recipe(tmp_path / "without", tiny_checkpoint)), "--dry-run"]) == 0
+    assert "scale_norm" not in capsys.readouterr().out
     # the dry run's memory plan has its phase
     kept = write_recipe(tmp_path, tiny_checkpoint, output=str(tmp_path / "kept"), scale_norm={"scale": 1.0})
     assert main(["run", str(kept), "--dry-run"]) == 0

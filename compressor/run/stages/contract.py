@@ -99,3 +99,12 @@ def section_of(recipe: Recipe, section: str) -> Any:
     if section in recipe.stages:
         return recipe.stages[section]
     return getattr(recipe, section, None)
+
+
+def changes_model_between(stages: tuple[Stage, ...], recipe: Recipe, first: str, last: str | None = None) -> bool:
+    """Whether a stage the recipe asks for, after stage `first` and before `last` (the end when
+    None), changes the model: what the split choice's adoption and a walk that writes as it goes
+    both ask."""
+    names = [stage.name for stage in stages]
+    between = stages[names.index(first) + 1 : None if last is None else names.index(last)]
+    return any(stage.changes_model and stage.wanted(recipe) for stage in between)

@@ -21,7 +21,7 @@ from compressor.recipe.schema import Recipe
 from compressor.run.report_model import SplitRecord
 from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
-from compressor.run.stages.contract import Stage
+from compressor.run.stages.contract import Stage, changes_model_between
 from compressor.run.stages.mlp import PruneMlp
 from compressor.run.stages.walk import walk
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
@@ -166,6 +166,4 @@ def measured_split(
 def adoptable(state: RunState) -> bool:
     """The chosen trial's walk and MLP stage can be the run's: no stage between the walk and the
     MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
-    names = [stage.name for stage in state.checked.stages]
-    between = state.checked.stages[names.index("walk") + 1 : names.index(PruneMlp.name)]
-    return not any(stage.changes_model and stage.wanted(state.recipe) for stage in between)
+    return not changes_model_between(state.checked.stages, state.recipe, "walk", PruneMlp.name)
