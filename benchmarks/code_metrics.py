@@ -1,5 +1,5 @@
 """How easy the code is to carry on, in numbers (issue 33's before/after table): lines of code,
-the largest module and function, `engine.prune`'s parameter count, the loops that move decoder
+the largest module and function, `engine.prune`'s parameter count, the modules a recipe's checks visit, the loops that move decoder
 layers to the device themselves, README lines, tracked files over 1 MB, and string look-ups in
 the report readers. Reads a checkout (default: this one); compare two with a worktree:
 
@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,31 @@ LAYER_LOOP = re.compile(r"held_on\(\[\s*layers?\b|held_on\(\[layers\[")
 """A pass that holds one decoder layer on the device itself (`visit_layers` is the one that may)."""
 READERS = ("run/compare.py", "run/report.py", "cli.py", "run/sweep.py", "run/eval_command.py")
 LOOKUP = re.compile(r"""report\[|report\.get|\["(metrics|params|speed|timings|size)"\]|\.get\(\"""")
+
+
+TRACED_RECIPE = "recipes/ref_llama_stock.yaml"
+"""The recipe whose checks `checks_trace.py` follows (it reads ../shared's reference model config)."""
+
+
+def traced(root: Path) -> dict[str, Any]:
+    """Modules and room crossings of a recipe's checks in checkout `root` (`checks_trace.py`)."""
+    recipe = root / TRACED_RECIPE
+    if not recipe.is_file():
+        return {}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("checks_trace.py")), str(recipe)],
+        env={**os.environ, "PYTHONPATH": str(root.resolve())},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        return {"validation_modules": f"failed: {done.stderr.strip().splitlines()[-1:]}"}
+    found = json.loads(done.stdout.splitlines()[-1])
+    return {
+        "validation_modules": len(found["validation"]["modules"]),
+        "validation_room_crossings": found["validation"]["room_crossings"],
+        "checks_modules": len(found["checks"]["modules"]),
+    }
 
 
 def measure(root: Path) -> dict[str, Any]:
@@ -59,6 +86,8 @@ def measure(root: Path) -> dict[str, Any]:
         "run_largest_function": f"{run_functions[-1][1]} ({run_functions[-1][0]})",
         "run_functions_over_80_lines": sum(1 for size, _ in run_functions if size > 80),
         "runner_lines": lines.get(root / "compressor" / "run" / "runner.py"),
+        "schema_lines": lines.get(root / "compressor" / "recipe" / "schema.py"),
+        **traced(root),
         "layer_loops": sum(len(LAYER_LOOP.findall(f.read_text())) for f in files),
         "readme_lines": len((root / "README.md").read_text().splitlines()),
         "files_over_1MB": big,

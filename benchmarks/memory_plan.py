@@ -29,7 +29,7 @@ from transformers import AutoConfig
 import compressor  # noqa: F401
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.run.memory import GiB, PlanSettings, memory_plan
 
 ROOT = Path(__file__).resolve().parent.parent

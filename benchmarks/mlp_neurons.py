@@ -35,7 +35,7 @@ from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import layer_site_ids, site_ids
 from compressor.recipe.schema import validate
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.run.loading import Resources
 from compressor.strategies.registry import PluginRegistry
 

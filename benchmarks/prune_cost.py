@@ -56,7 +56,7 @@ from compressor.models.layout import (
     kept_width,
 )
 from compressor.models.sites import site_widths
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

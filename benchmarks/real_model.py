@@ -308,7 +308,8 @@ def diagnose(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     """Whole runs, sharing data, model and H: held-out KL and perplexity before and after refinement."""
     from compressor.cli import phase_logger
-    from compressor.recipe.schema import apply_override, validate
+    from compressor.recipe.reading import apply_override
+    from compressor.recipe.schema import validate
     from compressor.run.runner import run
     from compressor.run.sweep import SharedResources
     from compressor.strategies.registry import PluginRegistry

@@ -68,6 +68,18 @@ def test_every_room_imports_only_the_rooms_below_it() -> None:
     assert not upward, "\n".join(upward)
 
 
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """setuptools lists the packages by hand: a folder left out installs in editable mode (as the
+    suite runs) and is missing from a built wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(path.parent.relative_to(PACKAGE.parent).parts) for path in PACKAGE.rglob("__init__.py")} | {
+        "compressor_plugins"
+    }
+    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+
+
 def test_the_architecture_page_draws_every_room() -> None:
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     missing = [room for room in BELOW if f"compressor/{room}/" not in page]

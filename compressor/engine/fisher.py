@@ -31,7 +31,7 @@ from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
 from compressor.models.families import ModelFamily
 from compressor.models.sites import layer_site_ids, site_ids
-from compressor.recipe.sensitivity_options import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
+from compressor.recipe.sections.sensitivity import ACCUMULATION_DTYPES, AUTOCAST_DTYPES, REDUCTIONS, SensitivityOptions
 
 __all__ = [
     "ACCUMULATION_DTYPES",

@@ -50,7 +50,7 @@ from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.sites import site_ids
-from compressor.recipe.schema import RefinementSpec
+from compressor.recipe.sections.refinement import RefinementSpec
 
 Progress = Callable[[str, int, int], None]
 

@@ -56,7 +56,7 @@ from compressor.models.layout import SlicedLayout, check_widths
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.sliced import SlicedDecoderLayer
 from compressor.models.stock import head_stream
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 
 
 class WidthAllocator(Protocol):

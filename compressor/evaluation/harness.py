@@ -34,7 +34,8 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.errors import UserError, did_you_mean, first_line
-from compressor.recipe.schema import TASK_FILE_SUFFIXES, LmEvalSpec, resolve_path
+from compressor.recipe.paths import resolve_path
+from compressor.recipe.sections.evaluation import TASK_FILE_SUFFIXES, LmEvalSpec
 
 
 @functools.lru_cache(maxsize=4)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
-from compressor.recipe.schema import LmEvalSpec
+from compressor.recipe.sections.evaluation import LmEvalSpec
 
 
 @torch.no_grad()

@@ -1,2 +1,2 @@
-"""Recipes: the YAML schema and its validation (`schema`), and the options of the H pass that a
-recipe sets (`sensitivity_options`)."""
+"""Recipes: reading the YAML (`reading`), its paths (`paths`), one module per section with its
+options and checks (`sections`), and the recipe assembled and validated from them (`schema`)."""

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from compressor.errors import UserError
-from compressor.recipe.schema import dotted, parse_yaml
+from compressor.recipe.reading import dotted, parse_yaml
 from compressor.run.report_model import Metrics, RunReport
 from compressor.run.staging import RUN_MARKER
 

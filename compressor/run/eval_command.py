@@ -29,16 +29,11 @@ from compressor.evaluation.metrics import evaluate_models
 from compressor.evaluation.throughput import compare_speed, cost_note, measure, model_size, report_settings
 from compressor.models.families import ModelFamily
 from compressor.models.stock import to_stock
-from compressor.recipe.schema import (
-    DTYPES,
-    DataSpec,
-    LmEvalSpec,
-    ModelSpec,
-    check_data,
-    check_lm_eval,
-    load_recipe,
-    resolve_model_path,
-)
+from compressor.recipe.paths import resolve_model_path
+from compressor.recipe.schema import load_recipe
+from compressor.recipe.sections.data import DataSpec, check_data
+from compressor.recipe.sections.evaluation import LmEvalSpec, check_lm_eval
+from compressor.recipe.sections.model import DTYPES, ModelSpec
 from compressor.run.checks import plan as plan_run
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.run.report_model import Environment, EvalReport, Metrics, Sizes

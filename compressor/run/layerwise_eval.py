@@ -31,7 +31,9 @@ from compressor.engine.activations import held_on
 from compressor.engine.layerwise import final_streams
 from compressor.evaluation.metrics import Tally, log_probs_of, task_scores
 from compressor.models.families import ModelFamily
-from compressor.recipe.schema import EvaluationSpec, ModelSpec, Recipe
+from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.evaluation import EvaluationSpec
+from compressor.recipe.sections.model import ModelSpec
 from compressor.run.loading import load_model
 from compressor.validation import replaced
 

@@ -26,7 +26,8 @@ from compressor.engine.refine import rebatch
 from compressor.errors import UserError, first_line
 from compressor.hub import cached, model_advice, unreachable
 from compressor.models.towers import text_model, tower_for
-from compressor.recipe.schema import DataSpec, ModelSpec
+from compressor.recipe.sections.data import DataSpec
+from compressor.recipe.sections.model import ModelSpec
 from compressor.run.staging import RUN_MARKER
 from compressor.validation import replaced, shown
 

@@ -323,7 +323,7 @@ def fisher_peak(
 
     from compressor.engine.fisher import estimate_fisher
     from compressor.evaluation.memtrack import LiveBytes
-    from compressor.recipe.sensitivity_options import SensitivityOptions
+    from compressor.recipe.sections.sensitivity import SensitivityOptions
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, inputs = _prepared(config, family, dtype, attention, batch, seq_len, depth)

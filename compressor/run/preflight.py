@@ -19,7 +19,8 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
-from compressor.recipe.schema import DataSpec, Recipe
+from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.data import DataSpec
 from compressor.run.checks import Plan, check_device_settings, plan
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.errors import UserError
-from compressor.recipe.schema import SlicingSpec
+from compressor.recipe.sections.slicing import SlicingSpec
 from compressor.run.guard import GuardRecord
 from compressor.training.distill import DistillationRecord
 
@@ -254,7 +254,7 @@ class EvalReport(_Section):
     speed: dict[str, Any] | None
     reference: str | None
     evaluation: dict[str, Any] | None
-    """The evaluation windows' settings (`recipe.schema.DataSpec`), None with tasks only."""
+    """The evaluation windows' settings (`recipe.sections.data.DataSpec`), None with tasks only."""
     metrics: Metrics
     timings: dict[str, float]
     environment: Environment

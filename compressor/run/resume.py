@@ -20,7 +20,8 @@ from compressor.engine.checkpoint import (
     tensor_digest,
 )
 from compressor.errors import UserError
-from compressor.recipe.schema import Recipe, dotted
+from compressor.recipe.reading import dotted
+from compressor.recipe.schema import Recipe
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
 
 

@@ -57,7 +57,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.sites import site_ids
 from compressor.models.sliced import SlicedDecoderLayer
 from compressor.recipe.schema import Recipe
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.run.checks import plan
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.contract import coupled_loss, eigh_descending, frobenius_normalised

@@ -43,7 +43,10 @@ from transformers import PreTrainedModel
 from compressor.data.batches import Batch
 from compressor.engine.checkpoint import json_digest, write_atomic
 from compressor.errors import UserError
-from compressor.recipe.schema import DataSpec, ModelSpec, Recipe, assign, load_recipe, read_yaml, validate
+from compressor.recipe.reading import assign, read_yaml
+from compressor.recipe.schema import Recipe, load_recipe, validate
+from compressor.recipe.sections.data import DataSpec
+from compressor.recipe.sections.model import ModelSpec
 from compressor.run.checks import check_device_settings, plan
 from compressor.run.compare import compare_runs, read_report, render
 from compressor.run.loading import Resources, resolve_device

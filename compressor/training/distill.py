@@ -52,7 +52,7 @@ from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.refine import TeacherTarget, kl_to_target, teacher_target
 from compressor.errors import UserError, did_you_mean, first_line
 from compressor.models.families import ModelFamily
-from compressor.recipe.schema import DistillationSpec
+from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.validation import shown
 
 Progress = Callable[[str, int, int], None]

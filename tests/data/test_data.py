@@ -49,7 +49,7 @@ def test_a_non_text_field_is_a_user_error(tokenizer) -> None:
 def test_the_guard_windows_follow_the_calibration_windows(tokenizer) -> None:
     """The held-out guard reads the windows after the calibration set: the same reader, so they
     continue the calibration windows' token stream and none of them is a calibration window."""
-    from compressor.recipe.schema import DataSpec
+    from compressor.recipe.sections.data import DataSpec
     from compressor.run.loading import heldout_batches, token_batches
 
     spec = DataSpec(

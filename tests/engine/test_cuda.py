@@ -19,7 +19,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import WalkOptions, prune
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import (
     FAMILY_CONFIGS,

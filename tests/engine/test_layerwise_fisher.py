@@ -10,7 +10,7 @@ from compressor.engine.fisher import estimate_fisher, sampled_score, site_activa
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import ModelFamily, family_for
 from compressor.models.sites import site_ids
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from tests.conftest import FAMILY_CONFIGS, random_batches, tiny_model
 
 CASES = [(name, {}) for name in sorted(FAMILY_CONFIGS)] + [("opt", {"word_embed_proj_dim": 32})]

@@ -25,7 +25,7 @@ from compressor.engine.walk import PruneResult, WalkOptions, prune
 from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import ROOT, copy_model, random_batches, tiny_model, widths_for
 from tests.run.test_cli import write_recipe

@@ -21,7 +21,7 @@ from compressor.engine.walk import prune
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import site_ids
-from compressor.recipe.schema import RefinementSpec
+from compressor.recipe.sections.refinement import RefinementSpec
 from compressor_plugins.pca import PCA
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for
 from tests.run.test_cli import _DELETE, write_recipe

@@ -12,7 +12,7 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher, site_activations
 from compressor.engine.transforms import fuse_norms
 from compressor.models.families import family_for
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.strategies.contract import (
     SiteProblem,
     SiteStatistics,

@@ -191,7 +191,7 @@ def test_hub_dataset_files_are_left_alone_and_local_ones_resolved(tmp_path: Path
 
 def test_editing_a_local_task_changes_its_digest(tmp_path: Path) -> None:
     from compressor.evaluation.harness import suite_digest
-    from compressor.recipe.schema import LmEvalSpec
+    from compressor.recipe.sections.evaluation import LmEvalSpec
 
     path = _write_task(tmp_path)
     spec = LmEvalSpec(tasks=[str(path)])

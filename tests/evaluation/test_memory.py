@@ -19,7 +19,7 @@ from compressor.engine.walk import WalkOptions, prune
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor_plugins.pca import PCA
 from compressor_plugins.sensitivity import Sensitivity
 from tests.conftest import copy_model, random_batches, tiny_model, widths_for

@@ -704,7 +704,7 @@ def test_sliced_classes_register_even_after_a_probe_for_transformers() -> None:
 def test_recipe_values_are_read_as_yaml_1_2(text: str, value: Any) -> None:
     """Only true/false are booleans (YAML 1.1 made `yes`, `on`, `n` booleans and `1:30` the number
     90), and `1e-3` is a number (YAML 1.1 left it a string)."""
-    from compressor.recipe.schema import parse_yaml
+    from compressor.recipe.reading import parse_yaml
 
     assert parse_yaml(text) == value and type(parse_yaml(text)) is type(value)
 

@@ -156,3 +156,14 @@ def test_a_plugin_stage_under_torchrun_is_refused_in_one_line(
     assert main(["run", str(recipe), "--dry-run"]) == 2
     assert "plugin stage 'scale_norm' runs in one process" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelt_plugin_section_is_told_its_name(
+    stage_plugin: Path, tiny_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    """The nearest-key suggestion knows the installed stages' sections as it knows the built-in ones."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, scale_nrom={"scale": 1.0})
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: unknown key 'scale_nrom' (did you mean 'scale_norm'?)"), error
+    assert error.endswith(", scale_norm")

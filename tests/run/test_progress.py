@@ -137,7 +137,7 @@ def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
 
 def test_refinement_reports_every_step() -> None:
     from compressor.engine.refine import refine_bases
-    from compressor.recipe.schema import RefinementSpec
+    from compressor.recipe.sections.refinement import RefinementSpec
     from tests.conftest import copy_model, random_batches, tiny_model
     from tests.engine.test_refine import _pca_bases
 
@@ -166,7 +166,7 @@ def test_lm_eval_reports_its_tasks_and_each_answered_request(
 
     import compressor.evaluation.harness as harness
     from compressor.evaluation.metrics import task_scores
-    from compressor.recipe.schema import LmEvalSpec
+    from compressor.recipe.sections.evaluation import LmEvalSpec
     from tests.evaluation.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")
@@ -199,7 +199,7 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compressor.evaluation.metrics import evaluate_models
-    from compressor.recipe.schema import LmEvalSpec
+    from compressor.recipe.sections.evaluation import LmEvalSpec
     from tests.evaluation.test_lm_eval import RECORDS, _write_task
 
     path = _write_task(tmp_path / "tasks")

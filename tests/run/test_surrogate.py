@@ -17,7 +17,7 @@ from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.sites import site_ids
 from compressor.recipe.schema import load_recipe
-from compressor.recipe.sensitivity_options import SensitivityOptions
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.run.surrogate import (
     JSON_FILE,
     PLOT_FILE,

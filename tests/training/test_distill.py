@@ -23,7 +23,8 @@ from compressor.errors import UserError
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
-from compressor.recipe.schema import DistillationSpec, load_recipe
+from compressor.recipe.schema import load_recipe
+from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.strategies.registry import PluginRegistry
 from compressor.training.distill import (
     CachedTeacher,

@@ -49,7 +49,9 @@ class Stage:
     section: ClassVar[str | None] = None
     """The recipe section the stage reads; the stage runs when the recipe has it (`wanted`)."""
     options: ClassVar[type | None] = None
-    """A plugin stage's options class (a pydantic dataclass), validated where its section is read."""
+    """The section's options class (a pydantic dataclass): a built-in stage's is its section's in
+    `recipe.sections` (the recipe declares and checks it there); a plugin stage's is validated
+    where its section is read."""
     after: ClassVar[str] = ""
     """A plugin stage: the name of the stage it follows."""
     changes_model: ClassVar[bool] = False

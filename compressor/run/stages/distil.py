@@ -21,6 +21,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout
 from compressor.models.stock import to_stock
 from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
 from compressor.run.resume import distillation_fingerprint
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 class ToStudent(Stage):
     name = "converting to the original architecture"
     section = "distillation"
+    options = DistillationSpec
     changes_model = True
 
     def run(self, state: RunState) -> None:
@@ -56,6 +58,7 @@ class Distil(Stage):
     name = "distillation"
     timing = "distill_s"
     section = "distillation"
+    options = DistillationSpec
     changes_model = True
     checkpoint_key = DISTILLATION_FOLDER
 

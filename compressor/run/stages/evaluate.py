@@ -11,7 +11,9 @@ import torch
 
 from compressor.evaluation.metrics import compare, evaluate_models
 from compressor.evaluation.throughput import compare_speed, cost_note, report_settings
-from compressor.recipe.schema import LmEvalSpec, ModelSpec, Recipe
+from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.evaluation import EvaluationSpec, LmEvalSpec
+from compressor.recipe.sections.model import ModelSpec
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
 from compressor.run.memory import size
 from compressor.run.resume import baseline_tasks_key
@@ -29,6 +31,7 @@ class Evaluate(Stage):
     name = "evaluating"
     timing = "eval_s"
     section = "evaluation"
+    options = EvaluationSpec
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""

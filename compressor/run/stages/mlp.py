@@ -22,6 +22,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.layout import mlp_neurons, with_mlp_width
 from compressor.models.sites import layer_site_ids
 from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.mlp import MlpSpec
 from compressor.run.report_model import MlpReport
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
@@ -36,6 +37,7 @@ class PruneMlp(Stage):
     name = "MLP neurons"
     timing = "mlp_s"
     section = "mlp"
+    options = MlpSpec
     changes_model = True
 
     def runs(self, state: RunState) -> bool:

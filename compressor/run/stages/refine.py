@@ -11,6 +11,7 @@ from compressor.engine.refine import refine_bases
 from compressor.errors import UserError
 from compressor.models.stock import fitted_tied_scale
 from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.refinement import RefinementSpec
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Candidate, Stage
 from compressor.run.stages.walk import stock_tied
@@ -24,6 +25,7 @@ class Refine(Stage):
     name = "refinement"
     timing = "refine_s"
     section = "refinement"
+    options = RefinementSpec
     changes_model = True
     guarded = True
 

@@ -18,6 +18,7 @@ from compressor.engine.checkpoint import Checkpoint
 from compressor.errors import ProgressKept, UserError
 from compressor.models.layout import SlicedLayout
 from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.mlp import MlpSpec
 from compressor.run.report_model import SplitRecord
 from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
@@ -35,6 +36,7 @@ class ChooseSplit(Stage):
     name = "choosing the split of the budget"
     timing = "split_s"
     section = "mlp"
+    options = MlpSpec
     checkpoint_key = "split"
 
     def wanted(self, recipe: Recipe) -> bool:

@@ -6,6 +6,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import StrictBool, StrictInt
 
+from compressor.recipe.sections.contract import Section
 from compressor.validation import FORBID, described, options
 
 Reduction = Literal["sum", "mean"]
@@ -34,3 +35,6 @@ class SensitivityOptions:
     autocast: AutocastDtype | None = None
     chunk: Annotated[StrictInt, described("sequences per layer visit", ge=1)] = 32
     recompute: StrictBool | None = None
+
+
+SECTION = Section("sensitivity", SensitivityOptions)

@@ -1,0 +1,77 @@
+"""The `mlp` section: the MLP's intermediate width as a second axis under the same budget."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from compressor.errors import UserError
+from compressor.recipe.sections.contract import Section, SectionContext
+from compressor.validation import FORBID, Number, described, options
+
+if TYPE_CHECKING:
+    from compressor.recipe.schema import Recipe
+
+
+@options(frozen=True, config=FORBID)
+class MlpSpec:
+    """The MLP's width as a second axis (`compressor.engine.neurons`): every layer keeps `kept` of
+    its intermediate neurons, chosen by `selector`, the down projection refitted to what the
+    dropped ones wrote; the residual width then takes what the budget leaves. Without `kept` the
+    run measures `candidates` splits of the budget (the residual width alone among them) and keeps
+    the best (`compressor.run.split_choice`)."""
+
+    kept: (
+        Annotated[Number, described("neurons kept per layer (a whole number), or a fraction of them below 1", gt=0)]
+        | None
+    ) = None
+    """Neurons every layer's MLP keeps (an integer), or that fraction of its width, rounded down
+    to a multiple of `round_to`; None: the run chooses the split of the budget."""
+    selector: StrictStr = "obs"
+    """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
+    surgeon weighed by H where the walk estimated it, except for families with a norm after the
+    MLP, e.g. Gemma2), magnitude (Minitron-style), leverage (MoDeGPT)."""
+    refit: StrictBool = True
+    """Refit the down projection to what the dropped neurons wrote (least squares on the
+    calibration tokens); off: the kept neurons' weights as they were."""
+    feedback: Annotated[Number, described("share of the stream's error the refit takes back, 0 to 1", ge=0, le=1)] = 0.5
+    """Error feedback: the refit reproduces what the layer's own neurons wrote plus this share of
+    the difference between the stream the layer wrote before the MLP stage and the one it writes
+    on the pruned stream (0: its own output only; 1: the whole stream as it was). Families with a
+    norm after the MLP (Gemma2) run without it."""
+    damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
+    """Above 0: a neuron that never fires (common after a ReLU) leaves C singular without it."""
+    round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8
+    min_kept: Annotated[Number, described("the plan's splits keep at least this share of the neurons", gt=0, lt=1)] = (
+        0.25
+    )
+    """Without `kept`: the fewest neurons (a share of the MLP's width) a candidate split keeps."""
+    candidates: Annotated[StrictInt, described("splits the plan measures, residual width alone among them", ge=2)] = 4
+    """Without `kept`: how many splits of the budget are tried: the residual width alone, then
+    residual widths evenly spaced up to the widest whose MLPs keep `min_kept` of their neurons;
+    each is pruned and measured."""
+    heldout_windows: Annotated[
+        StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
+    ] = 16
+    """Without `kept`: the windows each split's KL to the original is measured on, read from the
+    calibration dataset after its `num_samples` windows (text the walk never saw)."""
+
+
+def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec:
+    """`mlp.kept` is a whole number or a fraction below 1 (or absent: the plan chooses the split, and
+    only then do the split's keys apply), and the selector is registered."""
+    if spec.kept is not None:
+        if spec.kept >= 1 and spec.kept != int(spec.kept):
+            raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
+        fixed = MlpSpec(kept=spec.kept)
+        for key in ("min_kept", "candidates", "heldout_windows"):
+            if getattr(spec, key) != getattr(fixed, key):
+                raise UserError(
+                    f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
+                )
+    context.registry.selector(spec.selector)
+    return spec
+
+
+SECTION = Section("mlp", MlpSpec, check_mlp)
