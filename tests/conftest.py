@@ -98,6 +98,33 @@ FAMILY_CONFIGS: dict[str, dict] = {
         linear_value_head_dim=8,
         linear_conv_kernel_dim=4,
     ),
+    # Mixture-of-Experts: fused experts [E, 2f, d] and [E, d, f], routed top-2 of 4 (renormalised or not)
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # a dense MLP on the second layer
+    ),
+    "mixtral": dict(model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(  # a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate)
+        model_type="qwen2_moe",
+        tie_word_embeddings=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "olmoe": dict(  # top-k weights not renormalised; q/k norms over the whole projection
+        model_type="olmoe",
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=1,
+        pad_token_id=1,
+    ),
 }
 
 

@@ -63,7 +63,7 @@ def apply_embedding_basis(model: PreTrainedModel, family: ModelFamily, basis: to
 
 
 def _like(layer: SlicedDecoderLayer, family: ModelFamily) -> torch.Tensor:
-    return layer.writer("attn", family).weight
+    return layer.writers("attn", family)[0].weight
 
 
 def open_site(layer: SlicedDecoderLayer, family: ModelFamily, site: Site, previous: torch.Tensor) -> None:

@@ -130,6 +130,16 @@ def streamed(model: nn.Module) -> StreamedWeights | None:
     return getattr(model, _ATTRIBUTE, None)
 
 
+def cannot_stream(family: ModelFamily) -> str | None:
+    """Why a model of `family` cannot be streamed layer by layer (None: it can)."""
+    if family.prepare is None:
+        return None
+    return (
+        f"model family '{family.name}' rewrites its modules before fusion ({family.prepare.__name__}), which "
+        f"streaming does not do layer by layer yet: set model.load: memory"
+    )
+
+
 def streamed_model(
     folder: str | Path,
     family: ModelFamily,
@@ -143,11 +153,9 @@ def streamed_model(
     from accelerate import init_empty_weights
 
     folder = Path(folder)
-    if family.prepare is not None:
-        raise UserError(
-            f"model family '{family.name}' rewrites its modules before fusion ({family.prepare.__name__}), which "
-            f"streaming does not do layer by layer yet: set model.load: memory"
-        )
+    reason = cannot_stream(family)
+    if reason is not None:
+        raise UserError(reason)
     index = ShardIndex(folder)
     config = config if config is not None else AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):

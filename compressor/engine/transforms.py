@@ -87,11 +87,11 @@ def fuse_layer(layer: nn.Module, family: ModelFamily, d: int) -> nn.Module:
     attention, mlp = layer.get_submodule(mixer.path), family_mlp(family, layer)
     attn_norm, mlp_norm = optional_module(layer, family.attn_norm), optional_module(layer, family.mlp_norm)
     attn_readers = [attention.get_submodule(p) for p in mixer.inputs]
-    mlp_readers = [mlp.get_submodule(p) for p in family.mlp_inputs]
-    attn_out, mlp_out = attention.get_submodule(mixer.output), mlp.get_submodule(family.mlp_output)
+    mlp_readers = family.mlp_readers(mlp)
+    attn_out, mlp_outs = attention.get_submodule(mixer.output), family.mlp_writers(mlp)
     if family.layer_norm:
-        _centre_output(attn_out)
-        _centre_output(mlp_out)
+        for writer in (attn_out, *mlp_outs):
+            _centre_output(writer)
         _fold_shift(attn_norm, attn_readers)
         _fold_shift(mlp_norm, mlp_readers)
     for norm, readers in ((attn_norm, attn_readers), (mlp_norm, mlp_readers)):
@@ -107,8 +107,9 @@ def fuse_layer(layer: nn.Module, family: ModelFamily, d: int) -> nn.Module:
             writers[block] = (WeightlessRMSNorm(d, _eps(post_norm)), writer)
     if family.residual_multiplier is not None:  # Granite: x + m·block(x), m folded into what writes
         factor = float(getattr(layer, family.residual_multiplier))
-        for block, linear in (("attn", attn_out), ("mlp", mlp_out)):
-            _scale_output(writers[block][1] if block in writers else linear, factor)
+        for block, linears in (("attn", [attn_out]), ("mlp", mlp_outs)):
+            for linear in [writers[block][1]] if block in writers else linears:
+                _scale_output(linear, factor)
     return wrap_layer(family, layer, d, _eps(attn_norm), _eps(mlp_norm), writers)
 
 

@@ -2,7 +2,7 @@
 
 A saved sliced model loads with `import compressor` (which registers the `sliced_*` classes),
 and also where compressor is not installed: the folder holds `modeling_sliced.py`, built from
-this package's own `families` and `modeling` sources, and its `config.json` names it in an
+this package's own `experts`, `families` and `modeling` sources, and its `config.json` names it in an
 `auto_map`, so `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and tools
 that only take a path (lm-eval's `hf` model with `trust_remote_code=True`) can load it.
 """
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import compressor
-from compressor.models import families
+from compressor.models import experts, families
 from compressor.models import sliced as modeling
 from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
 
@@ -53,7 +53,8 @@ def _body(module: object) -> str:
 def remote_code(model_type: str) -> str:
     """The source of `modeling_sliced.py` for a sliced model of the original `model_type`."""
     footer = f"\n\n{CONFIG_CLASS}, {MODEL_CLASS} = _make_sliced_classes(family_for({model_type!r}), {model_type!r})\n"
-    return _HEADER.format(version=compressor.__version__) + _body(families) + "\n\n" + _body(modeling) + footer
+    bodies = "\n\n".join(_body(module) for module in (experts, families, modeling))
+    return _HEADER.format(version=compressor.__version__) + bodies + footer
 
 
 def write_remote_code(folder: Path, family: ModelFamily, model_type: str) -> bool:

@@ -14,13 +14,14 @@ top; everything else comes from the standard library, torch and transformers
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from compressor.errors import UserError
+from compressor.models.experts import RoutedExperts, fused_experts_state, unfuse_experts
 
 STOCK_UNKNOWN = (
     "its description does not say that its own class can hold one residual basis (ModelFamily.stock_refusal)"
@@ -94,7 +95,10 @@ class ModelFamily:
     refuse: Callable[[Any], str | None] | None = None
     """Given a model config, the reason this family cannot prune it (None when it can)."""
     prepare: Callable[[nn.Module], None] | None = None
-    """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear)."""
+    """Rewrites modules into the forms the engine handles, before anything else (Conv1D → Linear,
+    fused experts → `RoutedExperts`)."""
+    own_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """Undoes `prepare` on a state dict: its keys as the family's own class loads them (a stock save)."""
     positional_args: tuple[str, ...] = ()
     """Names of the arguments the model passes to each layer by position after the hidden states."""
     input_projection: str | None = None
@@ -134,6 +138,20 @@ class ModelFamily:
         stream cannot be rotated keeps it whole: `models.mlp_only`)."""
         residual = ("residual",) if self.stock_refusal is None else ()
         return residual + (("mlp",) if self.mlp_width is not None else ())
+
+    def mlp_readers(self, mlp: nn.Module) -> list[nn.Module]:
+        """The linears that read the stream into this layer's MLP: a routed MoE's router and every
+        expert's input projections (`RoutedExperts.readers`), else the family's `mlp_inputs`."""
+        if isinstance(mlp, RoutedExperts):
+            return mlp.readers()
+        return [mlp.get_submodule(path) for path in self.mlp_inputs]
+
+    def mlp_writers(self, mlp: nn.Module) -> list[nn.Module]:
+        """The linears that write this layer's MLP output into the stream (every expert's down
+        projection, for a routed MoE)."""
+        if isinstance(mlp, RoutedExperts):
+            return mlp.writers()
+        return [mlp.get_submodule(self.mlp_output)]
 
     def mixers(self) -> tuple[TokenMixer, ...]:
         """Every attention-like block a layer of this family may hold; the first is `attention`."""
@@ -311,6 +329,20 @@ QWEN3_5 = ModelFamily(
     ),  # Gated DeltaNet on the `linear_attention` layers; full attention (gated q) on the others
     stock_refusal=None,
 )
+MOE = ModelFamily(
+    name="moe",
+    model_types=("qwen3_moe", "qwen2_moe", "mixtral"),  # Qwen2-MoE: a shared expert and its sigmoid gate
+    mlp_width=None,  # the experts' width (moe_intermediate_size) is not pruned yet
+    prepare=unfuse_experts,
+    own_state=fused_experts_state,
+    stock_refusal=None,
+)
+OLMOE = replace(
+    MOE,
+    name="olmoe",
+    model_types=("olmoe",),
+    stock_refusal="its q_norm and k_norm are sized by hidden_size, which a stock model of width k would change",
+)
 
 OPT = ModelFamily(
     name="opt",
@@ -382,6 +414,8 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
     OLMO2,
     GRANITE,
     QWEN3_5,
+    MOE,
+    OLMOE,
     OPT,
     GPT2,
     PHI,

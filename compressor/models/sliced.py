@@ -149,22 +149,24 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
     def sites(self, family: ModelFamily) -> list[Site]:
         """The layer's sites in order: after attention and after the MLP, or one for a parallel block."""
         attn_readers = [self.attention.get_submodule(p) for p in self.mixer(family).inputs]
-        mlp_readers = [self.mlp.get_submodule(p) for p in family.mlp_inputs]
-        attn_writer, mlp_writer = self.writer("attn", family), self.writer("mlp", family)
+        mlp_readers = family.mlp_readers(self.mlp)
+        attn_writers, mlp_writers = self.writers("attn", family), self.writers("mlp", family)
         if self.parallel:
-            return [Site(self.parallel_block, attn_readers + mlp_readers, [attn_writer, mlp_writer], "attn_shortcut")]
+            return [Site(self.parallel_block, attn_readers + mlp_readers, attn_writers + mlp_writers, "attn_shortcut")]
         return [
-            Site(self.attention_block, attn_readers, [attn_writer], "attn_shortcut"),
-            Site(self.mlp_block, mlp_readers, [mlp_writer], "mlp_shortcut"),
+            Site(self.attention_block, attn_readers, attn_writers, "attn_shortcut"),
+            Site(self.mlp_block, mlp_readers, mlp_writers, "mlp_shortcut"),
         ]
 
-    def writer(self, block: str, family: ModelFamily) -> nn.Linear:
-        """The linear that writes `block`'s ("attn" or "mlp") output into the residual stream."""
+    def writers(self, block: str, family: ModelFamily) -> list[nn.Linear]:
+        """The linears that write `block`'s ("attn" or "mlp") output into the residual stream (a
+        routed MoE's: every expert's down projection)."""
         own = self.attn_writer if block == "attn" else self.mlp_writer
         if own is not None:
-            return own
-        module, path = (self.attention, self.mixer(family).output) if block == "attn" else (self.mlp, family.mlp_output)
-        return module.get_submodule(path)
+            return [own]
+        if block == "attn":
+            return [self.attention.get_submodule(self.mixer(family).output)]
+        return family.mlp_writers(self.mlp)
 
     def parallel_block(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Phi-2 style: attention and MLP read one norm; both outputs join the residual."""
@@ -277,15 +279,16 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
         for path in mixer.inputs:
             _resize(attention.get_submodule(path), in_features=width_in)
         mlp_reads = width_in if family.parallel else width_attn  # a parallel MLP reads the layer input
-        for path in family.mlp_inputs:
-            _resize(mlp.get_submodule(path), in_features=mlp_reads)
+        for linear in family.mlp_readers(mlp):
+            _resize(linear, in_features=mlp_reads)
         writers = {}
-        for block, post_norm, module, path, width in (
-            ("attn", family.attn_post_norm, attention, mixer.output, width_attn),
-            ("mlp", family.mlp_post_norm, mlp, family.mlp_output, width_mlp),
+        for block, post_norm, outputs, width in (
+            ("attn", family.attn_post_norm, [attention.get_submodule(mixer.output)], width_attn),
+            ("mlp", family.mlp_post_norm, family.mlp_writers(mlp), width_mlp),
         ):
             if post_norm is None:
-                _resize(module.get_submodule(path), out_features=width)
+                for output in outputs:
+                    _resize(output, out_features=width)
             else:  # the block keeps width d; a writer after the output norm slices
                 writer = nn.Linear(d, width, bias=False, device=embedding.weight.device, dtype=embedding.weight.dtype)
                 writers[block] = (WeightlessRMSNorm(d, eps), writer)

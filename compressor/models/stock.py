@@ -238,6 +238,8 @@ def stock_state(
     for index, layer in enumerate(sliced.get_submodule(family.layers)):
         state.update(stock_layer(family, index, layer, d, k))
     state[f"{family.final_norm}.weight"] = (final - family.norm_offset).to(dtype)
+    if family.own_state is not None:  # e.g. routed experts back into the family's fused tensors
+        state = family.own_state(state)
     return state, record
 
 
@@ -252,7 +254,7 @@ def stock_layer(family: ModelFamily, index: int, layer: nn.Module, d: int, k: in
     sliced model's norms divide by d, the stock class's by k), and its writers to the stream,
     times c = √(k/d) (`stream_scale`); its other tensors are the stock layer's as they are."""
     prefix = f"{family.layers}.{index}."
-    dtype = layer.writer("attn", family).weight.dtype
+    dtype = layer.writers("attn", family)[0].weight.dtype
     value = math.sqrt(d / k) - family.norm_offset
     state = {
         f"{prefix}{name}.weight": torch.full((k,), value, dtype=torch.float64).to(dtype)
@@ -262,8 +264,8 @@ def stock_layer(family: ModelFamily, index: int, layer: nn.Module, d: int, k: in
     c = stream_scale(d, k)
     names = {id(module): name for name, module in layer.named_modules()}
     for block in ("attn", "mlp"):
-        writer = layer.writer(block, family)
-        state.update(_scaled(prefix + names[id(writer)], writer, c))
+        for writer in layer.writers(block, family):
+            state.update(_scaled(prefix + names[id(writer)], writer, c))
     return state
 
 

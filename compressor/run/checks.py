@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from compressor.engine.allocation import CurveAllocator
 from compressor.engine.pooling import PipelineStep, required_statistics
+from compressor.engine.streaming import cannot_stream
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, sliced_layout
@@ -97,6 +98,8 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         raise UserError(reason)
     check_attention(recipe, config)
     check_positions(recipe, config)
+    if recipe.model.load == "stream" and (reason := cannot_stream(family)) is not None:
+        raise UserError(reason)
     layout, splits = _layout(recipe, config, family, families, tower)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []

@@ -582,11 +582,14 @@ def resolved_load(
 ) -> tuple[Recipe, str | None]:
     """`model.load: auto` decided by the plan: memory where the run fits this machine so, stream
     where only streaming fits; the recipe with that choice, and a line saying it (None otherwise)."""
+    from compressor.engine.streaming import cannot_stream
     from compressor.validation import replaced
 
     if recipe.model.load != "auto":
         return recipe, None
     in_memory = replaced(recipe, model=replaced(recipe.model, load="memory"))
+    if cannot_stream(checked.layout.family) is not None:
+        return in_memory, "model.load: auto chose memory (this model family does not stream)"
     if run_memory_plan(in_memory, checked, device, save_model).refusal(machine) is None:
         return in_memory, "model.load: auto chose memory (the whole model fits this machine)"
     streamed = replaced(recipe, model=replaced(recipe.model, load="stream"))

@@ -87,6 +87,23 @@ def _expected_phi_parameters(config, widths: list[int]) -> int:
     return total
 
 
+def _is_moe_layer(config, index: int) -> bool:
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return bool(experts) and index not in (getattr(config, "mlp_only_layers", None) or [])
+
+
+def _expected_moe_parameters(config, reads: int, writes: int) -> int:
+    """A sparse MoE block's: the router (E × reads), every expert's gate and up (2f × reads) and down
+    (writes × f), and a shared expert with its gate where there is one."""
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    total = experts * reads + experts * (2 * width * reads + width * writes)
+    shared = getattr(config, "shared_expert_intermediate_size", 0)
+    if shared:
+        total += 2 * shared * reads + shared * writes + reads  # gate, up, down; its sigmoid gate
+    return total
+
+
 def _expected_parameters(config, widths: list[int]) -> int:
     """Parameter count of the sliced layout, computed from the config alone."""
     if config.model_type == "phi":
@@ -97,7 +114,8 @@ def _expected_parameters(config, widths: list[int]) -> int:
         return _expected_gpt2_parameters(config, widths)
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     inter, vocab = config.intermediate_size, config.vocab_size
-    attn_bias = (heads + 2 * kv) * hd if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
+    qkv_bias = getattr(config, "attention_bias", False) or config.model_type in ("qwen2", "qwen2_moe")
+    attn_bias = (heads + 2 * kv) * hd if qkv_bias else 0
     total = vocab * widths[0] + vocab * widths[-1]  # embedding, head (untied)
     post_norms = config.model_type in ("gemma2", "gemma3_text", "olmo2", "olmo3")  # o and down keep width d;
     # writers d → kept follow
@@ -117,12 +135,15 @@ def _expected_parameters(config, widths: list[int]) -> int:
             gated = 2 if config.model_type == "qwen3_5_text" else 1  # Qwen3.5's q_proj also yields a gate
             total += w_in * (gated * heads + 2 * kv) * hd + attn_bias  # q, k, v
             total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
-            if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text"):
+            if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe"):
                 total += 2 * hd  # per-head q and k norms
-            if config.model_type in ("olmo2", "olmo3"):
+            if config.model_type in ("olmo2", "olmo3", "olmoe"):
                 total += (heads + kv) * hd  # q and k norms over the whole projection
-        total += 2 * w_attn * inter  # gate, up
-        total += inter * d + d * w_mlp if post_norms else inter * w_mlp  # down (+ writer)
+        if _is_moe_layer(config, i):
+            total += _expected_moe_parameters(config, w_attn, w_mlp)
+        else:
+            total += 2 * w_attn * inter  # gate, up
+            total += inter * d + d * w_mlp if post_norms else inter * w_mlp  # down (+ writer)
         total += w_in * w_attn + w_attn * w_mlp  # residual transitions
     return total
 
@@ -156,10 +177,10 @@ def test_slicing_25_percent_shapes_and_parameters(family_name: str, slice_head: 
             mlp_reads = w_attn
         for name in layer.mixer(family).inputs:
             assert layer.attention.get_submodule(name).in_features == w_in
-        assert layer.writer("attn", family).out_features == w_attn
-        for name in family.mlp_inputs:
-            assert layer.mlp.get_submodule(name).in_features == mlp_reads
-        assert layer.writer("mlp", family).out_features == w_mlp
+        assert [w.out_features for w in layer.writers("attn", family)] == [w_attn]
+        readers, writers = family.mlp_readers(layer.mlp), layer.writers("mlp", family)
+        assert readers and all(linear.in_features == mlp_reads for linear in readers)  # a router and every expert
+        assert writers and all(linear.out_features == w_mlp for linear in writers)
         assert layer.attn_shortcut.weight.shape == (w_attn, w_in)
         if family.parallel:
             assert layer.mlp_shortcut is None

@@ -37,7 +37,7 @@ from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
-from compressor.models.families import BUILTIN_FAMILIES, family_for
+from compressor.models.families import BUILTIN_FAMILIES, family_for, unfuse_experts
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import layer_site_ids, site_ids
 from compressor.models.stock import load_stock, save_stock, stock_param_model, to_stock
@@ -236,8 +236,10 @@ def test_a_global_run_meets_its_budget_exactly(name: str, global_runs: dict[str,
     )
     assert rounding["width"] % 8 == 0 and rounding["unrounded_width"] >= rounding["width"]
     assert report["allocation"]["transition_params"] == 0
-    # The same budget as SliceGPT's model at 25% (48 of 64 at every site, transitions counted) keeps more width.
-    assert rounding["width"] > 48
+    # The same budget as SliceGPT's model at 25% (48 of 64 at every site, transitions counted) keeps more
+    # width; an MoE's experts outweigh the transitions so far that the rounding to 8 takes the gain back.
+    assert rounding["unrounded_width"] > 48
+    assert rounding["width"] > 48 or family_for(name).prepare is unfuse_experts
 
 
 @pytest.mark.parametrize("name", STOCK_FAMILIES)

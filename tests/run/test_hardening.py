@@ -576,3 +576,21 @@ def test_a_ctrl_c_the_launcher_ignores_stays_ignored(
         assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt2"])
+def test_streaming_a_family_that_rewrites_its_modules_is_refused_by_the_dry_run(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Fused experts (and GPT-2's Conv1D) become linears before fusion, which streaming does not do
+    layer by layer: the plan says so before any weight loads, and `auto` picks memory."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "model", family)
+    slicing = {"slicing": {"slice_head": True}} if family == "gpt2" else {}
+    recipe = write_recipe(tmp_path, checkpoint, model__load="stream", evaluation=None, **slicing)
+    capsys.readouterr()  # the checkpoint's own progress bar
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    _one_line_error(capsys, f"model family '{'gpt2' if family == 'gpt2' else 'moe'}' rewrites its modules")
+    assert not (tmp_path / "out").exists()
+    recipe = write_recipe(tmp_path, checkpoint, model__load="auto", evaluation=None, **slicing)
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert "model.load: auto chose memory (this model family does not stream)" in capsys.readouterr().out

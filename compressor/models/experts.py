@@ -1,0 +1,167 @@
+"""Mixture-of-Experts blocks in the form the engine reads: the router and every expert as linears.
+
+transformers 5 stores a sparse MoE block's experts fused (`gate_up_proj [E, 2f, d]`, `down_proj
+[E, d, f]`) and may run them through grouped kernels that no per-linear hook sees. `unfuse_experts`
+(a family's `prepare`) turns each such block into `RoutedExperts`, whose readers and writers of the
+stream are `nn.Linear`s the engine rotates and slices like any other; `fused_experts_state` (a
+family's `own_state`) stacks them back for the family's own class.
+
+This module's source travels with every saved per-site model (`models.export` writes it, before
+`models.families`, into `modeling_sliced.py`), so it imports nothing from `compressor`
+(`tests/models/test_export.py` checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Expert(nn.Module):
+    """One routed expert as linears: gate and up fused as the family stores them (gate first),
+    then the down projection, which writes the stream."""
+
+    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear, act_fn: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+
+    def forward(self, hidden_states: Any) -> Any:
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class RoutedExperts(nn.Module):
+    """A sparse Mixture-of-Experts block in the form the engine reads (`ModelFamily.prepare` turns a
+    family's fused-expert block into it): the router and every expert as `nn.Linear`s, so a change of
+    stream basis is absorbed by the router and each expert's input projection (router logits are
+    exactly invariant), and by each expert's down projection (the block's output is linear in them).
+    Each token goes to its `top_k` experts by softmax probability (renormalised over the k where the
+    family does so), weighted by it; a shared expert, where there is one, adds its output gated by
+    sigmoid(shared_expert_gate). Every expert runs as its own linears (transformers' eager experts),
+    so a hook on an expert sees exactly the tokens routed to it. Its output has its writers' width,
+    which may differ from its input's in a sliced model."""
+
+    def __init__(
+        self,
+        router: nn.Linear,
+        experts: nn.ModuleList,
+        top_k: int,
+        normalise: bool,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        self.router, self.experts, self.top_k, self.normalise = router, experts, top_k, normalise
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    def readers(self) -> list[nn.Module]:
+        shared = [] if self.shared_expert is None else [self.shared_expert.gate_proj, self.shared_expert.up_proj]
+        gate = [] if self.shared_expert_gate is None else [self.shared_expert_gate]
+        return [self.router, *(expert.gate_up_proj for expert in self.experts), *shared, *gate]
+
+    def writers(self) -> list[nn.Module]:
+        shared = [] if self.shared_expert is None else [self.shared_expert.down_proj]
+        return [*(expert.down_proj for expert in self.experts), *shared]
+
+    def route(self, hidden_states: Any) -> tuple[Any, Any]:
+        """Each token's experts (indices, tokens × top_k) and their weights, as the family's router computes them."""
+        logits = self.router(hidden_states)
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(logits.dtype)
+
+    def forward(self, hidden_states: Any) -> Any:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        chosen, weights = self.route(flat)
+        width = self.experts[0].down_proj.out_features
+        out = torch.zeros(flat.shape[0], width, dtype=flat.dtype, device=flat.device)
+        if _is_fake(flat):  # the memory plan's shapes-only pass: which token goes where is unknown
+            self._spread(flat, weights, out)
+        else:
+            for index in torch.unique(chosen).tolist():
+                token, position = torch.where(chosen == index)
+                routed = self.experts[index](flat[token]) * weights[token, position, None]
+                out.index_add_(0, token, routed.to(out.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.reshape(*shape[:-1], width)
+
+    def _spread(self, flat: Any, weights: Any, out: Any) -> None:
+        """The routed rows spread evenly over the experts (tokens × top_k of them in all, as routing
+        gives): what a pass that knows only shapes (fake tensors) can measure memory by."""
+        rows = min(flat.shape[0], -(-flat.shape[0] * self.top_k // len(self.experts)))
+        token = torch.arange(rows, device=flat.device)
+        for expert in self.experts:
+            routed = expert(flat[:rows]) * weights[:rows, :1]
+            out.index_add_(0, token, routed.to(out.dtype))
+
+
+def _is_fake(tensor: Any) -> bool:
+    """Whether `tensor` has shapes only (a FakeTensor, as the memory plan measures with)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _linear_like(weight: Any) -> nn.Linear:
+    """An `nn.Linear` holding `weight` ([out, in]), on its device and in its dtype."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.requires_grad_(False)
+    if weight.device.type != "meta":
+        linear.weight.data = weight.detach().clone()
+    return linear
+
+
+def _routed_experts(block: nn.Module) -> RoutedExperts:
+    """A transformers sparse-MoE block (router `gate.weight [E, d]`, fused `experts.gate_up_proj
+    [E, 2f, d]` and `experts.down_proj [E, d, f]`, an optional shared expert) as `RoutedExperts`."""
+    fused = block.experts
+    experts = nn.ModuleList(
+        Expert(_linear_like(fused.gate_up_proj[index]), _linear_like(fused.down_proj[index]), fused.act_fn)
+        for index in range(fused.gate_up_proj.shape[0])
+    )
+    router = block.gate
+    return RoutedExperts(
+        _linear_like(router.weight),
+        experts,
+        top_k=router.top_k,
+        normalise=getattr(router, "norm_topk_prob", True),  # Mixtral always renormalises over the k
+        shared_expert=getattr(block, "shared_expert", None),
+        shared_expert_gate=getattr(block, "shared_expert_gate", None),
+    )
+
+
+def unfuse_experts(model: nn.Module) -> None:
+    """Every fused-expert MoE block of `model` as `RoutedExperts` (dense layers stay as they are)."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("SparseMoeBlock"):
+            model.set_submodule(name, _routed_experts(module))
+
+
+def fused_experts_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with `RoutedExperts` keys written back in the family's fused form (router
+    `gate.weight`, `experts.gate_up_proj [E, 2f, d]`, `experts.down_proj [E, d, f]`), as the
+    family's own class loads it (`ModelFamily.own_state`)."""
+    out: dict[str, Any] = {}
+    stacked: dict[str, dict[int, Any]] = {}
+    for key, value in state.items():
+        if ".experts." in key and key.endswith((".gate_up_proj.weight", ".down_proj.weight")):
+            prefix, rest = key.split(".experts.", 1)
+            index, kind, _ = rest.split(".")
+            stacked.setdefault(f"{prefix}.experts.{kind}", {})[int(index)] = value
+        elif key.endswith(".router.weight"):
+            out[key.removesuffix("router.weight") + "gate.weight"] = value
+        else:
+            out[key] = value
+    for key, values in stacked.items():
+        out[key] = torch.stack([values[index] for index in sorted(values)])
+    return out
