@@ -1,7 +1,7 @@
 """Every supported family on a small random model of its own config class: exactness and the prune
 phase's cost against its floor.
 
-No checkpoint of the newer families (Gemma 3, Qwen3.5, SmolLM3, OLMo 2/3, Granite) is here, so this
+No checkpoint of the newer families (Gemma 3, Qwen3.5, SmolLM3, OLMo 2/3, Granite, the MoE ones) is here, so this
 measures what a random model can show: (1) a rotation without slicing reproduces the original
 logits (max |Δlogit| / max |logit|, float32) and (2) the prune phase of a PCA walk and of a
 sensitivity walk (with its H pass) at sparsity 0.25, each against its floor: one forward pass of the
@@ -48,6 +48,8 @@ SIZE = dict(
     hidden_size=256,
     intermediate_size=768,
     ffn_dim=768,
+    moe_intermediate_size=192,  # MoE families: 4 experts of 192, top-2 (the shared expert: 384)
+    shared_expert_intermediate_size=384,
     num_hidden_layers=4,
     num_attention_heads=8,
     num_key_value_heads=4,
