@@ -42,13 +42,16 @@ def test_the_built_in_families_say_whether_their_class_can_hold_one_basis() -> N
         "granite",
         "llama",
         "mistral",
+        "mixtral",
         "phi3",
         "qwen2",
+        "qwen2_moe",
         "qwen3",
         "qwen3_5_text",
+        "qwen3_moe",
         "smollm3",
     ]
-    assert OTHERS == ["gemma2", "gemma3_text", "gpt2", "olmo2", "olmo3", "opt", "phi"]
+    assert OTHERS == ["gemma2", "gemma3_text", "gpt2", "olmo2", "olmo3", "olmoe", "opt", "phi"]
 
 
 def test_target_params_and_rounding_for_kernels(tiny_checkpoint: Path, tmp_path: Path) -> None:
