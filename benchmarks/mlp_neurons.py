@@ -61,8 +61,9 @@ def _args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _mlp_sensitivity(resources: Resources, recipe: Any, calibration: list[Any], registry: PluginRegistry) -> dict:
-    """H of each layer's MLP stream (by layer index), from the H pass of a full-width walk."""
+def stream_sensitivity(resources: Resources, recipe: Any, calibration: list[Any], registry: PluginRegistry) -> dict:
+    """H of the stream each layer's MLP writes to (by layer index), from the H pass of a
+    full-width walk, in the original's coordinates (which norm fusion keeps)."""
     model = resources.model(recipe.model)
     family = family_for(model.config.model_type)
     layers, d = model.config.num_hidden_layers, model.config.hidden_size
@@ -113,7 +114,7 @@ def main() -> None:
     sensitivity = None
     if any(s.endswith("+H") for s in args.selectors):
         console.log("H pass (full-width walk)")
-        sensitivity = _mlp_sensitivity(resources, recipe, calibration, registry)
+        sensitivity = stream_sensitivity(resources, recipe, calibration, registry)
     rows: list[dict[str, Any]] = []
     keeps = args.kept or [int(round(fraction * width)) for fraction in args.fractions]
     variants = [(True, damping, alpha) for damping in args.damping for alpha in args.feedback]

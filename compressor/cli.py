@@ -526,6 +526,9 @@ def _strategies(console: Console) -> None:
     selectors = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.selectors().items()]
     if selectors:
         _print_table(console, "MLP neuron selectors", ("name", "plugin", "from", "description"), selectors)
+    experts = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.expert_selectors().items()]
+    if experts:
+        _print_table(console, "MoE expert selectors", ("name", "plugin", "from", "description"), experts)
     _note_skipped(console, registry)
 
 

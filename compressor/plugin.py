@@ -4,7 +4,8 @@ This module is the stable API. A strategy plugin subclasses `Strategy`, receives
 (its `SiteStatistics`) and the previous step's `Basis`, returns a `Basis`, declares its options as
 an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. An MLP
 neuron selector subclasses `NeuronSelector`: a `NeuronProblem` in, a `NeuronChoice` out
-(`compressor_neuron_selectors` hook). A family
+(`compressor_neuron_selectors` hook); a Mixture-of-Experts expert selector subclasses
+`ExpertSelector`: an `ExpertProblem` in, an `ExpertChoice` out (`compressor_expert_selectors`). A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
 models of that family load through the transformers Auto classes. The helpers are the linear
 algebra the built-in strategies share.
@@ -36,6 +37,7 @@ from compressor.strategies.contract import (
     removed_energy,
     tau_candidates,
 )
+from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, ExpertSelector, keep_highest
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
 from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
@@ -58,6 +60,9 @@ __all__ = [
     "FORBID",
     "Basis",
     "Candidate",
+    "ExpertChoice",
+    "ExpertProblem",
+    "ExpertSelector",
     "ModelFamily",
     "NeuronChoice",
     "NeuronProblem",
@@ -76,6 +81,7 @@ __all__ = [
     "eigh_descending",
     "frobenius_normalised",
     "hookimpl",
+    "keep_highest",
     "options",
     "register_family",
     "removed_energy",

@@ -63,6 +63,12 @@ class Ranks:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s elementwise maximum over the ranks, in place."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def sum_count(self, count: int, device: torch.device) -> int:
         """An integer (a token count) summed over the ranks."""
         if self.world == 1:

@@ -66,6 +66,18 @@ class RoutedExperts(nn.Module):
         shared = [] if self.shared_expert is None else [self.shared_expert.down_proj]
         return [*(expert.down_proj for expert in self.experts), *shared]
 
+    def keep_experts(self, kept: Any) -> None:
+        """Keep only the experts `kept` (indices, ascending), in place: the router loses the others'
+        rows, so each token re-picks its top-k among those left, its weights renormalised as the
+        family's router does (a stock model with fewer experts computes the same)."""
+        rows = torch.as_tensor(kept, dtype=torch.long)
+        router = self.router
+        router.weight = nn.Parameter(router.weight.data[rows.to(router.weight.device)].clone(), requires_grad=False)
+        if router.bias is not None:
+            router.bias = nn.Parameter(router.bias.data[rows.to(router.bias.device)].clone(), requires_grad=False)
+        router.out_features = len(rows)
+        self.experts = nn.ModuleList(self.experts[int(index)] for index in rows)
+
     def route(self, hidden_states: Any) -> tuple[Any, Any]:
         """Each token's experts (indices, tokens × top_k) and their weights, as the family's router computes them."""
         logits = self.router(hidden_states)

@@ -71,6 +71,11 @@ class ModelFamily:
     mlp_width: str | None = "intermediate_size"
     """Config attribute of the MLP's intermediate width (the neurons `mlp:` prunes); None: not
     described, so the family's MLP width is not pruned."""
+    experts: str | None = None
+    """Config attribute of the routed experts' count in each MoE layer (the experts `experts:`
+    prunes); None: the family has none."""
+    experts_per_token: str = "num_experts_per_tok"
+    """Config attribute of how many experts each token is routed to."""
     norm_eps: str = "rms_norm_eps"
     norm_offset: float = 0.0
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
@@ -129,8 +134,9 @@ class ModelFamily:
         return ("per_site", "global") if self.stock_axes() else ("per_site",)
 
     def axes(self) -> tuple[str, ...]:
-        """What a run can prune: the residual width always, the MLP's width where it is described."""
-        return ("residual", "mlp") if self.mlp_width is not None else ("residual",)
+        """What a run can prune: the residual width always, the MLP's width and the routed experts
+        where they are described."""
+        return ("residual",) + (("mlp",) if self.mlp_width is not None else ()) + (("experts",) if self.experts else ())
 
     def stock_axes(self) -> tuple[str, ...]:
         """What a global layout (saved as the original class) can prune: the residual width where the
@@ -333,6 +339,7 @@ MOE = ModelFamily(
     name="moe",
     model_types=("qwen3_moe", "qwen2_moe", "mixtral"),  # Qwen2-MoE: a shared expert and its sigmoid gate
     mlp_width=None,  # the experts' width (moe_intermediate_size) is not pruned yet
+    experts="num_experts",  # every MoE config maps it (Mixtral's and Qwen3-MoE's to num_local_experts)
     prepare=unfuse_experts,
     own_state=fused_experts_state,
     stock_refusal=None,

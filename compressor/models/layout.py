@@ -52,6 +52,9 @@ class SlicedLayout:
     mlp_width: int | None = None
     """The intermediate neurons every layer's MLP keeps (`mlp:`); None: the MLP is not pruned.
     `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
+    experts: int | None = None
+    """The routed experts every MoE layer keeps (`experts:`); None: every expert stays. `params`
+    counts it; `config` stays the original's (`with_experts` gives the pruned one)."""
     counts: str = "all"
     """What `budget` counts (the recipe's `budget`): all parameters, or `non_embedding`."""
     kept_stream: str | None = None
@@ -123,13 +126,15 @@ def sliced_layout(
     allocated: bool = False,
     mlp_kept: float | None = None,
     mlp_round_to: int = 1,
+    experts: int | None = None,
     counts: str = "all",
 ) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
     widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
     fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
-    and the residual widths take what the budget leaves. `counts`: `non_embedding` counts
+    and the residual widths take what the budget leaves; with `experts` every MoE layer keeps that
+    many routed experts, likewise. `counts`: `non_embedding` counts
     `target_params` without the embedding tables. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
@@ -151,15 +156,17 @@ def sliced_layout(
         check_stock(family, families)
     shared = shared_site_ids(family, layers, slice_head, tied) if shared_bases else []
     mlp_width = None if mlp_kept is None else kept_neurons(config, family, mlp_kept, mlp_round_to)
+    if experts is not None:
+        kept_experts(config, family, experts)
 
     def param_model_of(config: PretrainedConfig) -> ParamModel:
         return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
 
     params = param_model_of(config)
-    if mlp_width is not None:  # every variant's MLP at the kept width; `original` stays the original's
-        params = dataclasses.replace(
-            param_model_of(with_mlp_width(config, family, mlp_width)), original=params.original
-        )
+    if mlp_width is not None or experts is not None:  # every variant pruned so; `original` stays the original's
+        reduced = config if mlp_width is None else with_mlp_width(config, family, mlp_width)
+        reduced = reduced if experts is None else with_experts(reduced, family, experts)
+        params = dataclasses.replace(param_model_of(reduced), original=params.original)
 
     def uniform(kept: int) -> dict[str, int]:
         return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
@@ -188,7 +195,7 @@ def sliced_layout(
             raise ValueError("a sparsity's budget counts every parameter")
         widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
         budget = param_model(config, family).count(widths)
-        if shared or tied or one_basis or mlp_width is not None:  # fewer parameters: the budget keeps more width
+        if shared or tied or one_basis or mlp_width is not None or experts is not None:  # fewer parameters: more width
             widths, rounding = widest(budget)
     else:
         if target_params is None:
@@ -208,6 +215,7 @@ def sliced_layout(
         budget=budget,
         rounding=rounding,
         mlp_width=mlp_width,
+        experts=experts,
         counts=counts,
     )
 
@@ -242,6 +250,35 @@ def with_mlp_width(config: PretrainedConfig, family: ModelFamily, neurons: int) 
     assert family.mlp_width is not None
     changed = copy.deepcopy(config)
     setattr(changed, family.mlp_width, neurons)
+    return changed
+
+
+def expert_count(config: PretrainedConfig, family: ModelFamily) -> int:
+    """The routed experts of each of the model's MoE layers; refused for a family without them
+    (`ModelFamily.experts`)."""
+    if family.experts is None or getattr(config, family.experts, None) is None:
+        raise UserError(
+            f"{config.model_type} models have no routed experts this family describes (ModelFamily.experts), "
+            f"so experts: cannot prune them; remove experts from the recipe"
+        )
+    return int(getattr(config, family.experts))
+
+
+def kept_experts(config: PretrainedConfig, family: ModelFamily, kept: int) -> int:
+    """`kept` checked against the layer's experts and the experts each token uses."""
+    total, top_k = expert_count(config, family), int(getattr(config, family.experts_per_token))
+    if not top_k <= kept <= total:
+        raise UserError(
+            f"experts.kept {kept}: each token uses {top_k} of the {total} experts, so keep between {top_k} and {total}"
+        )
+    return kept
+
+
+def with_experts(config: PretrainedConfig, family: ModelFamily, experts: int) -> PretrainedConfig:
+    """A copy of `config` whose MoE layers have `experts` routed experts (the saved model's config)."""
+    assert family.experts is not None
+    changed = copy.deepcopy(config)
+    setattr(changed, family.experts, experts)
     return changed
 
 

@@ -26,6 +26,7 @@ from compressor.recipe.sections.contract import SectionContext
 from compressor.recipe.sections.data import DataSpec
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.recipe.sections.evaluation import EvaluationSpec
+from compressor.recipe.sections.experts import ExpertsSpec
 from compressor.recipe.sections.mlp import MlpSpec
 from compressor.recipe.sections.model import ModelSpec
 from compressor.recipe.sections.order import BUILTIN_SECTIONS
@@ -83,6 +84,9 @@ class Recipe:
     mlp: MlpSpec | None = None
     """Prune the MLP's intermediate width too, under the same budget (off when absent: the residual
     width alone, as SliceGPT)."""
+    experts: ExpertsSpec | None = None
+    """Prune a Mixture-of-Experts model's routed experts too, the same count in every layer (off
+    when absent)."""
     stages: dict[StrictStr, Any] = field(default_factory=dict)
     """Plugin stages' sections, by name, each its stage's options (`compressor_stages`); written in
     the YAML as top-level keys, as the built-in sections are."""

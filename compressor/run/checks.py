@@ -25,6 +25,7 @@ from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
+from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
 
@@ -46,6 +47,8 @@ class Plan:
     residual width alone first (`layout`, until the run has chosen)."""
     tower: TextTower | None = None
     """A vision-language checkpoint: the text tower the run prunes (`models.towers`)."""
+    expert_selector: ExpertSelector | None = None
+    """`experts`' selector (None without `experts`)."""
     stages: tuple[Stage, ...] = BUILTIN_STAGES
     """The run's stages in order, a plugin's among them (`run.stages.run_order`)."""
 
@@ -119,7 +122,17 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
             f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
         )
     stages = run_order(registry.stages())
-    checked = Plan(layout, pipeline, allocator, selector, splits=splits, tower=tower, stages=stages)
+    expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
+    checked = Plan(
+        layout,
+        pipeline,
+        allocator,
+        selector,
+        splits=splits,
+        tower=tower,
+        stages=stages,
+        expert_selector=expert_selector,
+    )
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch
         if not stage.wanted(recipe):
@@ -148,11 +161,17 @@ def _layout(
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         allocated=recipe.allocation.method == "curves",
+        experts=recipe.experts.kept if recipe.experts is not None else None,
         counts=recipe.budget,
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
     reason = kept_stream(family, slicing.layout, tower)
+    if reason is not None and recipe.experts is not None:
+        raise UserError(
+            f"experts: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
+            f"expert pruning does not run with yet; set slicing.layout: per_site"
+        )
     if reason is not None:
         layout = mlp_only_layout(
             config,
@@ -259,6 +278,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
             sparsity=recipe.sparsity,
             target_params=recipe.target_params,
             mlp_kept=layout.mlp_width,
+            experts=layout.experts,
             counts=recipe.budget,
         )
     except UserError:  # this family's head cannot stay tied

@@ -133,6 +133,9 @@ class PlanSettings:
     """sensitivity.recompute (None: on an accelerator only)."""
     mlp_feedback: float | None = None
     """None: no `mlp` stage."""
+    experts_sample: int | None = None
+    """The tokens an `experts` stage routes through every expert (0: its selector needs none);
+    None: no `experts` stage."""
     refinement: bool = False
     split_choice: bool = False
     """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
@@ -164,6 +167,7 @@ class PlanSettings:
             chunk=recipe.sensitivity.chunk,
             recompute=recipe.sensitivity.recompute,
             mlp_feedback=recipe.mlp.feedback if recipe.mlp is not None else None,
+            experts_sample=recipe.experts.sample_tokens if recipe.experts is not None else None,
             refinement=recipe.refinement is not None,
             distillation=(spec.method, spec.teacher) if spec is not None else None,
             evaluation=recipe.evaluation is not None,

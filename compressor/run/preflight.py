@@ -146,6 +146,9 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     layout = checked.layout
     axes = ["residual width"] if layout.residual else []
     axes += ["MLP width"] if layout.mlp_width is not None or checked.chooses_split else []
+    if layout.experts is not None and checked.expert_selector is not None:
+        of = getattr(layout.config, layout.family.experts)
+        axes += [f"routed experts ({layout.experts} of {of} per layer, by {checked.expert_selector.name})"]
     found.checked.append(
         f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}"
         + (f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")")

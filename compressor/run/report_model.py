@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from compressor.engine.experts import ExpertRecord
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.errors import UserError
@@ -182,6 +183,19 @@ class MlpReport(_Section):
     split: SplitRecord | None = None
 
 
+class ExpertsReport(_Section):
+    """`experts`: the routed experts every MoE layer kept (`engine.experts`), and per layer which,
+    the routed tokens each expert saw and the selector's own figures."""
+
+    kept: int
+    of: int
+    selector: str
+    protect_super: bool
+    fewest_tokens: int
+    """The fewest calibration tokens any expert of any layer was routed."""
+    layers: list[ExpertRecord]
+
+
 class Environment(_Section):
     device: str
     torch: str
@@ -216,6 +230,7 @@ class RunReport(_Section):
     guards: list[GuardRecord]
     distillation: DistillationRecord | None
     mlp: MlpReport | None = None
+    experts: ExpertsReport | None = None
     stages: dict[str, Any] = {}
     """What each plugin stage recorded (`RunState.extra`), by stage name."""
     metrics: Metrics

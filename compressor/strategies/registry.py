@@ -20,6 +20,7 @@ import pluggy
 from compressor.errors import UserError, did_you_mean
 from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
 from compressor.strategies.contract import Strategy
+from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 
 PROJECT = "compressor"
@@ -46,6 +47,10 @@ class CompressorHookSpecs:
         """Return the MLP neuron selectors this plugin provides."""
 
     @hookspec
+    def compressor_expert_selectors(self) -> list[ExpertSelector]:
+        """Return the Mixture-of-Experts expert selectors this plugin provides."""
+
+    @hookspec
     def compressor_stages(self) -> list[Any]:
         """Return stages of a run this plugin adds (`compressor.plugin.Stage` subclasses' instances),
         each placed after the stage its `after` names."""
@@ -61,6 +66,13 @@ class RegisteredStrategy:
 @dataclass(frozen=True)
 class RegisteredSelector:
     selector: NeuronSelector
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredExpertSelector:
+    selector: ExpertSelector
     plugin: str
     source: str
 
@@ -165,6 +177,9 @@ class PluginRegistry:
             self.manager.register(plugin)
         self._strategies = self._collect()
         self._selectors = self._collect_selectors()
+        self._expert_selectors = self._collect_named(
+            self.manager.hook.compressor_expert_selectors, "expert selector", RegisteredExpertSelector
+        )
         self._stages = self._collect_named(self.manager.hook.compressor_stages, "stage", RegisteredStage)
         self._families = self._collect_families()
 
@@ -222,6 +237,19 @@ class PluginRegistry:
     def selectors(self) -> dict[str, RegisteredSelector]:
         """Every MLP neuron selector, by name."""
         return dict(sorted(self._selectors.items()))
+
+    def expert_selectors(self) -> dict[str, RegisteredExpertSelector]:
+        """Every Mixture-of-Experts expert selector, by name."""
+        return dict(sorted(self._expert_selectors.items()))
+
+    def expert_selector(self, name: str) -> ExpertSelector:
+        if name not in self._expert_selectors:
+            known = ", ".join(sorted(self._expert_selectors)) or "none (is compressor installed?)"
+            raise UserError(
+                f"unknown expert selector '{name}'{did_you_mean(name, self._expert_selectors)}; "
+                f"registered expert selectors: {known}"
+            )
+        return self._expert_selectors[name].selector
 
     def stages(self) -> list[Any]:
         """The stages plugins add to a run, in the order the plugins registered them."""

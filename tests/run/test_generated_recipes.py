@@ -60,6 +60,7 @@ def base_recipe(data: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]
         ("evaluation", "lm_eval", "0"): {"tasks": [str(ROOT / "recipes/tasks/next_line/next_line.yaml")]},
         ("distillation",): {"tokens": 1024, "seq_len": 32, "heldout_windows": 2, "eval_every": 4},
         ("refinement",): {"windows": 4},
+        ("experts",): {"kept": 2},
     }
     return recipe, fill
 

@@ -101,22 +101,12 @@ def test_a_run_killed_while_pruning_the_mlp_resumes_to_a_bit_identical_model(
 ) -> None:
     """SIGKILL after the first layer's MLP: the walk's sites come back from the checkpoint and the
     stage runs again, to the model an uninterrupted run saves, tensor for tensor."""
-    from safetensors.torch import load_file
-
-    from tests.run.test_resume import compress
+    from tests.run.test_resume import killed_and_resumed_is_whole
 
     recipe = write_recipe(
         tmp_path, tiny_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}], mlp={"kept": 0.5}
     )
-    done = compress(recipe, tmp_path / "whole")
-    assert done.returncode == 0, done.stderr
-    killed = compress(recipe, tmp_path / "run", kill="mlp:0")
-    assert killed.returncode == -9, killed.stderr
-    resumed = compress(recipe, tmp_path / "run")
-    assert resumed.returncode == 0, resumed.stderr
-    assert json.loads((tmp_path / "run" / "report.json").read_text())["resume"]["sites_loaded"] == 5
-    whole, again = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("whole", "run"))
-    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+    killed_and_resumed_is_whole(recipe, tmp_path, "mlp:0", sites=5)
 
 
 @pytest.mark.parametrize(("family", "width_key"), [("opt", "ffn_dim"), ("phi3", "intermediate_size")])

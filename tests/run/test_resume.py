@@ -43,6 +43,20 @@ def compress(recipe: Path, output: Path, *extra: str, kill: str | None = None) -
     )
 
 
+def killed_and_resumed_is_whole(recipe: Path, folder: Path, kill: str, sites: int) -> None:
+    """A run of `recipe` killed (SIGKILL) at fault point `kill` and run again loads its `sites` walked
+    sites from the checkpoint and saves the model an uninterrupted run saves, tensor for tensor."""
+    done = compress(recipe, folder / "whole")
+    assert done.returncode == 0, done.stderr
+    killed = compress(recipe, folder / "run", kill=kill)
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, folder / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((folder / "run" / "report.json").read_text())["resume"]["sites_loaded"] == sites
+    whole, again = (load_file(str(folder / r / "model" / "model.safetensors")) for r in ("whole", "run"))
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+
+
 def tensors(run: Path) -> dict[str, torch.Tensor]:
     found = {f"model.{k}": v for k, v in load_file(str(run / "model" / "model.safetensors")).items()}
     found.update({f"bases.{k}": v for k, v in load_bases(run / "bases.safetensors").items()})

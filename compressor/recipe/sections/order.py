@@ -4,7 +4,17 @@ data defaults from the calibration's, and refuses the evaluation's dataset)."""
 
 from __future__ import annotations
 
-from compressor.recipe.sections import data, distillation, evaluation, mlp, model, refinement, sensitivity, slicing
+from compressor.recipe.sections import (
+    data,
+    distillation,
+    evaluation,
+    experts,
+    mlp,
+    model,
+    refinement,
+    sensitivity,
+    slicing,
+)
 from compressor.recipe.sections.contract import Section
 
 BUILTIN_SECTIONS: tuple[Section, ...] = (
@@ -12,6 +22,7 @@ BUILTIN_SECTIONS: tuple[Section, ...] = (
     refinement.SECTION,
     slicing.SLICING,
     mlp.SECTION,
+    experts.SECTION,
     data.SECTION,
     evaluation.SECTION,
     distillation.SECTION,

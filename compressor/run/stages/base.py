@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.experts import ExpertRecord
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
@@ -101,6 +102,8 @@ class RunState:
     neurons: list[NeuronRecord] = field(default_factory=list)
     """`mlp`: what each layer's MLP kept."""
     mlp_weighed_by_h: bool = False
+    experts: list[ExpertRecord] = field(default_factory=list)
+    """`experts`: what each MoE layer kept."""
     distillation: DistillationRecord | None = None
     undistilled: dict[str, float] | None = None
     original: PreTrainedModel | None = None

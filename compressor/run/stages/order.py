@@ -11,6 +11,7 @@ from compressor.run.stages.contract import Stage
 from compressor.run.stages.data import ReadData
 from compressor.run.stages.distil import Distil, ToStudent
 from compressor.run.stages.evaluate import Evaluate
+from compressor.run.stages.experts import PruneExperts
 from compressor.run.stages.load import LoadModel, StartCheckpoint
 from compressor.run.stages.mlp import PruneMlp
 from compressor.run.stages.refine import Refine
@@ -26,6 +27,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
     ChooseSplit(),
     Walk(),
     Refine(),
+    PruneExperts(),
     PruneMlp(),
     ToStudent(),
     Distil(),
@@ -35,7 +37,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
 )
 """Every run's stages in the order they run; each runs when the recipe asks for it (`Stage.runs`)."""
 
-PLACEABLE = ("walk", "refinement", "MLP neurons", "distillation")
+PLACEABLE = ("walk", "refinement", "experts", "MLP neurons", "distillation")
 """The stages a plugin's stage may follow: after the model is pruned, before it is saved."""
 
 

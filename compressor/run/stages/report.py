@@ -35,6 +35,7 @@ from compressor.run.report_model import (
 )
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
+from compressor.run.stages.experts import experts_report
 from compressor.run.stages.mlp import mlp_report
 
 
@@ -90,6 +91,7 @@ def write_report(state: RunState) -> RunReport:
         distillation=state.distillation,
         stages=state.extra,
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
+        **({} if recipe.experts is None else {"experts": experts_report(state)}),
         metrics=Metrics.model_validate(state.metrics),
         params=Params(
             baseline=state.baseline_params, pruned=pruned_params, ratio=pruned_params / state.baseline_params

@@ -68,6 +68,8 @@ def save(state: RunState, save_model: bool) -> None:
     state.pruned = pruned
     if save_model:
         state.tokenizer.save_pretrained(staging / "model")
+        if state.checked.layout.experts is not None:
+            write_expert_count(staging / "model" / "config.json", state.checked.layout.experts)
     if not state.checked.layout.residual:
         return  # no bases: the stream kept its own
     objectives = {site.name: site.steps for site in state.result.sites}
@@ -77,6 +79,19 @@ def save(state: RunState, save_model: bool) -> None:
     save_bases(state.bases, staging / BASES_FILE, metadata)
     if state.result.readers is not None:
         save_bases(state.result.readers, staging / READERS_FILE)
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+"""What engines read a MoE config's expert count from: transformers 5 writes one of them (Qwen3-MoE
+and Mixtral `num_local_experts`, Qwen2-MoE and OLMoE `num_experts`), vLLM reads `num_experts` for
+Qwen3-MoE; a pruned model's config says the count under both."""
+
+
+def write_expert_count(path: Path, experts: int) -> None:
+    """`path` (a saved config.json) with the expert count under every key engines read."""
+    config = json.loads(path.read_text())
+    config.update(dict.fromkeys(EXPERT_COUNT_KEYS, experts))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_mlp_alone(state: RunState, pruned: PreTrainedModel, save_model: bool) -> PreTrainedModel:

@@ -1,0 +1,277 @@
+"""Routed experts as a pruning axis: every Mixture-of-Experts layer keeps the same `keep` experts
+(no stock loader takes a different count per layer), chosen by a selector (a plugin,
+`strategies.expert_contract.ExpertSelector`) from what the calibration tokens did with each.
+
+Layers are visited in stream order (`visit_layers`) on the model as already pruned before each
+one, as the MLP stage visits them. At a layer, the MoE block's input x is taken over the counted
+calibration tokens (a pre-hook on the `RoutedExperts` block while the whole layer runs); for
+each token the block's own router gives its experts and weights, and each expert runs on the
+tokens routed to it: the counts, REAP's weight·‖output‖ and the largest output coordinate follow.
+A selector that requires "outputs" also gets, for up to `sample_tokens` tokens, the router's
+probabilities over every expert and the Gram matrix ⟨f_i, G f_j⟩ of every expert's output
+(every sampled token through every expert, E/k times the block's own work on them), G the output
+sensitivity H of the stream the block writes to where the run estimated it. Experts whose
+largest output coordinate is `super_ratio` times the layer's median expert's are protected (REAP's
+super experts, which carry the model's massive activations). The router then loses the other
+experts' rows (`RoutedExperts.keep_experts`) and the layer runs again, pruned, to give the next
+layer its input. Nothing here is checkpointed: a run killed in this stage runs it again, to the
+same experts (it is deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor import faults
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
+from compressor.engine.calibration import LayerInputs, capture_layer_inputs, counted_rows
+from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.parallel import Ranks
+from compressor.errors import UserError
+from compressor.models.experts import RoutedExperts
+from compressor.models.families import ModelFamily
+from compressor.models.sliced import SlicedDecoderLayer, family_mlp
+from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, ExpertSelector
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class ExpertRecord:
+    """What happened at one MoE layer, for the report."""
+
+    layer: int
+    experts: int
+    kept: list[int]
+    selector: str
+    tokens: list[int]
+    """Routed (token, expert) pairs per expert, over the calibration tokens (every rank's)."""
+    fewest_tokens: int
+    """The fewest any expert saw: statistics of an expert rest on this many tokens."""
+    protected: list[int] = field(default_factory=list)
+    objectives: dict[str, Any] = field(default_factory=dict)
+
+
+class _ExpertMoments:
+    """Per-expert sums over the counted tokens, and the sample an output-aware selector reads."""
+
+    def __init__(self, experts: int, device: torch.device, sample: int, G: torch.Tensor | None) -> None:
+        zeros = lambda: torch.zeros(experts, dtype=torch.float64, device=device)  # noqa: E731
+        self.tokens, self.gate, self.reap_sum, self.peak = zeros(), zeros(), zeros(), zeros()
+        self.sample, self.G = sample, G
+        self.probabilities: list[torch.Tensor] = []
+        self.gram: list[torch.Tensor] = []
+        self.sampled = 0
+
+    def add(self, block: RoutedExperts, x: torch.Tensor) -> None:
+        """Tokens `x` (n × d, the counted ones) through the block's router and experts."""
+        chosen, weights = block.route(x)
+        for index in torch.unique(chosen).tolist():
+            token, position = torch.where(chosen == index)
+            out = block.experts[index](x[token]).to(torch.float64)
+            gate = weights[token, position].to(torch.float64)
+            self.tokens[index] += len(token)
+            self.gate[index] += gate.sum()
+            self.reap_sum[index] += (gate * out.norm(dim=-1)).sum()
+            self.peak[index] = torch.maximum(self.peak[index], out.abs().max())
+        take = min(self.sample - self.sampled, x.shape[0])
+        if take > 0:
+            part = x[:take]
+            logits = block.router(part).to(torch.float64)
+            self.probabilities.append(torch.softmax(logits, dim=-1))
+            outputs = torch.stack([expert(part).to(torch.float64) for expert in block.experts], dim=1)  # T × E × d
+            weighed = outputs if self.G is None else outputs @ self.G
+            self.gram.append(torch.einsum("ted,tfd->tef", weighed, outputs))
+            self.sampled += take
+
+    def sum_over(self, ranks: Ranks) -> _ExpertMoments:
+        for total in (self.tokens, self.gate, self.reap_sum):
+            ranks.sum_(total)
+        ranks.max_(self.peak)
+        return self
+
+
+def protected_experts(peak: torch.Tensor, super_ratio: float | None) -> torch.Tensor:
+    """Experts whose largest output coordinate is at least `super_ratio` times the median expert's
+    (REAP's super experts); none when `super_ratio` is None."""
+    if super_ratio is None:
+        return torch.zeros_like(peak, dtype=torch.bool)
+    return peak >= super_ratio * peak.median().clamp_min(1e-30)
+
+
+def moe_block(layer: nn.Module, family: ModelFamily) -> RoutedExperts | None:
+    """The layer's routed-experts block (None: a dense layer, e.g. Qwen3-MoE's `mlp_only_layers`)."""
+    mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+    return mlp if isinstance(mlp, RoutedExperts) else None
+
+
+def _checked(choice: ExpertChoice, selector: ExpertSelector, problem: ExpertProblem) -> torch.Tensor:
+    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
+    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
+        raise UserError(
+            f"expert selector '{selector.name}' returned {len(torch.unique(kept))} distinct experts at layer "
+            f"{problem.layer}; it must return {problem.keep}"
+        )
+    if int(kept.min()) < 0 or int(kept.max()) >= problem.experts:
+        raise UserError(f"expert selector '{selector.name}' returned an expert outside 0..{problem.experts - 1}")
+    dropped = sorted(set(torch.nonzero(problem.protected).flatten().tolist()) - set(kept.tolist()))
+    if dropped:
+        raise UserError(
+            f"expert selector '{selector.name}' removed protected (super) expert(s) {dropped} at layer {problem.layer}; "
+            f"a selector keeps them (keep_highest does), or set experts.protect_super: false"
+        )
+    return torch.sort(kept).values
+
+
+@torch.no_grad()
+def prune_experts(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    keep: int,
+    selector: ExpertSelector,
+    device: torch.device | str = "cpu",
+    *,
+    super_ratio: float | None = 10.0,
+    sample_tokens: int = 2048,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    progress: Progress | None = None,
+    store: ActivationStore | None = None,
+    ranks: Ranks | None = None,
+) -> list[ExpertRecord]:
+    """Keep `keep` routed experts in every MoE layer of `model`, in place (see the module
+    docstring); `sensitivity` gives G by layer index (H of the stream each block writes to, in the
+    model's current coordinates). Returns one record per MoE layer; the config is the caller's."""
+    device = torch.device(device)
+    ranks = ranks or Ranks.current()
+    outputs = "outputs" in selector.requires
+    if outputs and ranks.world > 1:
+        raise UserError(
+            f"expert selector '{selector.name}' reads every rank's sampled tokens, which a data-parallel run "
+            f"does not gather yet; run it in one process, or choose frequency or reap"
+        )
+    local = ranks.share(batches)
+    report = progress or (lambda *_: None)
+    model.eval()
+    layers = len(decoder_layers(model, family))
+    inputs = capture_layer_inputs(model, family, local, device, store or ActivationStore(device))
+    records: list[ExpertRecord] = []
+    try:
+        for index, layer in visit_layers(model, family, device):
+            report(f"experts: layer {index + 1}/{layers}", index, layers)
+            block = moe_block(layer, family)
+            if block is not None:
+                G = None if sensitivity is None or not outputs else sensitivity[index].to(device, torch.float64)
+                stats = _measure(layer, block, inputs, index, device, sample_tokens if outputs else 0, G)
+                records.append(_choose(block, stats.sum_over(ranks), index, keep, selector, super_ratio, ranks))
+            for b in range(len(inputs)):  # the pruned layer (or a dense one) gives the next one its input
+                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+            faults.reached(f"experts:{index}")
+        report(f"experts: layer {layers}/{layers}", layers, layers)
+    finally:
+        inputs.hidden.close()
+    if not records:
+        raise UserError("experts: the model has no routed-experts layer to prune; remove experts from the recipe")
+    return records
+
+
+def _choose(
+    block: RoutedExperts,
+    stats: _ExpertMoments,
+    index: int,
+    keep: int,
+    selector: ExpertSelector,
+    super_ratio: float | None,
+    ranks: Ranks,
+) -> ExpertRecord:
+    experts = len(block.experts)
+    if not block.top_k <= keep <= experts:
+        raise UserError(
+            f"experts: cannot keep {keep} of layer {index}'s {experts} experts (each token uses {block.top_k})"
+        )
+    if int(stats.tokens.sum()) == 0:
+        raise ValueError("no calibration tokens were counted (all positions masked)")
+    protected = protected_experts(stats.peak, super_ratio)
+    if int(protected.sum()) > keep:
+        raise UserError(
+            f"experts: layer {index} has {int(protected.sum())} super experts to protect but keeps {keep}; "
+            f"keep more experts, raise experts.super_ratio, or set experts.protect_super: false"
+        )
+    problem = ExpertProblem(
+        layer=index,
+        keep=keep,
+        top_k=block.top_k,
+        normalise=block.normalise,
+        tokens=stats.tokens.to(torch.long),
+        gate=stats.gate,
+        reap=stats.reap_sum / stats.tokens.clamp_min(1),
+        peak=stats.peak,
+        protected=protected,
+        counted=int(stats.tokens.sum()) // block.top_k,
+        probabilities=torch.cat(stats.probabilities) if stats.probabilities else None,
+        gram=torch.cat(stats.gram) if stats.gram else None,
+        weighed_by_h=stats.G is not None,
+    )
+    choice = selector.select(problem)
+    kept = _checked(choice, selector, problem)
+    if not ranks.agree(kept):
+        raise RuntimeError(
+            f"layer {index}: the processes chose different experts from the same statistics "
+            f"(selector '{selector.name}' is not deterministic across devices)"
+        )
+    block.keep_experts(kept)
+    tokens = problem.tokens.tolist()
+    return ExpertRecord(
+        layer=index,
+        experts=experts,
+        kept=kept.tolist(),
+        selector=selector.name,
+        tokens=tokens,
+        fewest_tokens=min(tokens),
+        protected=torch.nonzero(protected).flatten().tolist(),
+        objectives=dict(choice.objectives),
+    )
+
+
+def _measure(
+    layer: nn.Module,
+    block: RoutedExperts,
+    inputs: LayerInputs,
+    index: int,
+    device: torch.device,
+    sample: int,
+    G: torch.Tensor | None,
+) -> _ExpertMoments:
+    """Run the layer on every stored batch, measuring what its MoE block's experts do with the
+    counted tokens (each batch's mask)."""
+    stats = _ExpertMoments(len(block.experts), device, sample, G)
+    current: dict[str, Any] = {}
+
+    def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0]
+        mask, count = current["mask"], current["count"]
+        rows = counted_rows(x.reshape(*mask.shape, x.shape[-1]), mask, count)
+        stats.add(block, rows)
+
+    handle = block.register_forward_pre_hook(record)
+    try:
+        for b in range(len(inputs)):
+            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+    finally:
+        handle.remove()
+    return stats
+
+
+def windows_for(tokens: int, fewest: int, windows: int) -> int:
+    """The calibration windows that would give an expert seen `fewest` times (in `windows`) `tokens`."""
+    return math.ceil(windows * tokens / max(fewest, 1))

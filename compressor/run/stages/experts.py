@@ -1,0 +1,117 @@
+"""`experts`: every Mixture-of-Experts layer keeps the recipe's count of routed experts
+(`engine.experts.prune_experts`), chosen on the model as the walk and refinement left it, an
+output-aware selector weighed by H of each block's stream where the walk estimated it; the
+model's config, and every later conversion, says the new count. Each layer's fewest routed tokens
+per expert go in the report, with a warning where statistics rest on too few."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from compressor.engine.activations import ActivationStore
+from compressor.engine.experts import ExpertRecord, prune_experts, windows_for
+from compressor.errors import UserError
+from compressor.models.layout import with_experts
+from compressor.recipe.schema import Recipe
+from compressor.recipe.sections.experts import ExpertsSpec
+from compressor.run.report_model import ExpertsReport
+from compressor.run.stages.base import RunState
+from compressor.run.stages.contract import Stage
+from compressor.run.stages.mlp import stream_sensitivity
+from compressor.run.staging import SCRATCH_FOLDER
+
+if TYPE_CHECKING:
+    import torch
+
+    from compressor.run.memory import Footprint, Phase
+
+
+class PruneExperts(Stage):
+    name = "experts"
+    timing = "experts_s"
+    section = "experts"
+    options = ExpertsSpec
+    changes_model = True
+
+    def runs(self, state: RunState) -> bool:
+        return state.checked.layout.experts is not None
+
+    def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
+        if not save_model:
+            raise UserError(
+                "experts: a run that prunes experts saves its model (bases.safetensors cannot rebuild the "
+                "removed experts); set save_models: true, or remove experts"
+            )
+
+    def memory(self, footprint: Footprint) -> list[Phase]:
+        fp = footprint
+        if fp.settings.experts_sample is None:
+            return []
+        family = fp.layout.family
+        experts = int(getattr(fp.layout.config, family.experts, 1) or 1) if family.experts else 1
+        sample = min(fp.settings.experts_sample, fp.batch * fp.seq_len)
+        # one layer, one batch's stream, and the sample's outputs of every expert (T × E × d) and Gram (T × E × E)
+        device = fp.measured["layer"] + 3 * fp.batch * fp.seq_len * fp.d * fp.item
+        device += 2 * sample * experts * (fp.d + experts) * 8
+        return [fp.phase("experts (one layer at a time)", fp.walked + fp.store + fp.positions, device, fp.disk)]
+
+    def run(self, state: RunState) -> None:
+        spec, layout = state.recipe.experts, state.checked.layout
+        selector = state.checked.expert_selector
+        assert spec is not None and layout.experts is not None and selector is not None
+        assert state.pruned is not None and state.result is not None
+        sensitivity = None
+        if "outputs" in selector.requires:
+            sensitivity = stream_sensitivity(
+                state.family, layout.config, state.result, state.checkpoint, state.bases, state.device
+            )
+        state.experts = prune_experts(
+            state.pruned,
+            state.family,
+            state.calibration,
+            layout.experts,
+            selector,
+            state.device,
+            super_ratio=spec.super_ratio if spec.protect_super else None,
+            sample_tokens=spec.sample_tokens,
+            sensitivity=sensitivity,
+            progress=state.progress,
+            store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
+            ranks=state.ranks,
+        )
+        state.unrefined = None  # it kept every expert: beside the pruned model its KL would mix the two steps
+        setattr(state.pruned.config, state.family.experts, layout.experts)
+        state.config = with_experts(state.config, state.family, layout.experts)
+        windows = sum(len(batch.input_ids) for batch in state.calibration)
+        for line in sparse_expert_warnings(state.experts, spec.min_tokens, windows):
+            state.warnings.append(line)
+            state.warn(line)
+
+
+def sparse_expert_warnings(records: list[ExpertRecord], min_tokens: int, windows: int) -> list[str]:
+    """One line for the layers where some expert saw fewer than `min_tokens` calibration tokens,
+    saying how many windows would reach it (at the rate the fewest-seen expert was routed)."""
+    thin = [record for record in records if record.fewest_tokens < min_tokens]
+    if not thin:
+        return []
+    worst = min(thin, key=lambda record: record.fewest_tokens)
+    return [
+        f"experts: in {len(thin)} of {len(records)} MoE layers some expert saw fewer than {min_tokens} calibration "
+        f"tokens (fewest: {worst.fewest_tokens}, layer {worst.layer}), so its statistics are noisy; about "
+        f"{windows_for(min_tokens, worst.fewest_tokens, windows)} calibration windows (calibration.num_samples, "
+        f"now {windows}) would give it {min_tokens}"
+    ]
+
+
+def experts_report(state: RunState) -> ExpertsReport:
+    """The report's `experts`: what the stage kept and how it chose, per layer."""
+    spec, checked = state.recipe.experts, state.checked
+    assert spec is not None and checked.expert_selector is not None and checked.layout.experts is not None
+    return ExpertsReport(
+        kept=checked.layout.experts,
+        of=state.experts[0].experts if state.experts else checked.layout.experts,
+        selector=checked.expert_selector.name,
+        protect_super=spec.protect_super,
+        fewest_tokens=min((record.fewest_tokens for record in state.experts), default=0),
+        layers=state.experts,
+    )

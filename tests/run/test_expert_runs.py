@@ -1,0 +1,123 @@
+"""`experts:` in a recipe (issue 48, items 2 and 3): a Mixture-of-Experts model's routed experts
+pruned with the residual width under one budget, saved so that plain transformers loads it with
+fewer experts and the run's logits, reported with each layer's fewest routed tokens; bad settings
+refused in one line; a run killed in the stage resumes to the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.cli import main
+from compressor.data.text import batches_of, load_records, token_windows
+from compressor.evaluation.metrics import compare, parameter_count
+from tests.conftest import EXAMPLES, save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+
+
+def _report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+def _kl_of_reload(original: Path, saved: Path, remote: bool) -> float:
+    """KL(original ‖ saved model as reloaded) on the recipe's evaluation windows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(original)
+    windows = token_windows(
+        load_records({"path": "json", "data_files": str(EXAMPLES / "data" / "valid-demo.jsonl")}), tokenizer, 64, 4
+    )
+    reference = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, trust_remote_code=remote)
+    return compare(reference, reloaded, batches_of(windows, 2), torch.device("cpu"))["pruned"]["kl"]
+
+
+@pytest.mark.parametrize("layout", ["per_site", "global"])
+def test_a_run_with_experts_saves_fewer_experts_that_reload_to_the_run_s_model(
+    layout: str, moe_checkpoint: Path, tmp_path: Path
+) -> None:
+    recipe = write_recipe(
+        tmp_path,
+        moe_checkpoint,
+        sparsity=_DELETE,
+        target_params=0.8,
+        slicing={"layout": layout},
+        pipeline=[{"strategy": "sensitivity"}],
+        experts={"kept": 3},
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    experts = report["experts"]
+    assert experts["kept"] == 3 and experts["of"] == 4 and experts["selector"] == "output"
+    assert len(experts["layers"]) == 1  # the tiny Qwen3-MoE's second layer is dense (mlp_only_layers)
+    layer = experts["layers"][0]
+    assert len(layer["kept"]) == 3 and layer["objectives"]["sensitivity"] == "H"
+    assert experts["fewest_tokens"] == min(layer["tokens"]) > 0
+    saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert saved["num_experts"] == saved["num_local_experts"] == 3  # what vLLM and transformers read
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
+    assert model.config.num_experts == 3
+    if layout == "global":
+        assert type(model).__name__ == "Qwen3MoeForCausalLM"
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    assert report["params"]["pruned"] <= report["allocation"]["budget"]
+    kl = _kl_of_reload(moe_checkpoint, tmp_path / "out" / "model", layout == "per_site")
+    assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
+
+
+def test_too_few_calibration_tokens_per_expert_warn_with_the_windows_that_would_do(
+    moe_checkpoint: Path, tmp_path: Path
+) -> None:
+    recipe = write_recipe(
+        tmp_path, moe_checkpoint, evaluation=None, experts={"kept": 3, "selector": "frequency", "min_tokens": 10_000}
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    fewest = report["experts"]["fewest_tokens"]
+    line = next(w for w in report["warnings"] if w.startswith("experts:"))
+    assert f"fewest: {fewest}" in line and "fewer than 10000" in line
+    assert f"about {-(-4 * 10_000 // fewest)} calibration windows" in line  # 4 windows now
+
+
+@pytest.mark.parametrize(
+    ("experts", "family", "message"),
+    [
+        ({"kept": 5}, "qwen3_moe", "experts.kept 5: each token uses 2 of the 4 experts, so keep between 2 and 4"),
+        ({"kept": 1}, "qwen3_moe", "experts.kept 1: each token uses 2 of the 4 experts, so keep between 2 and 4"),
+        ({"kept": 3, "selector": "reep"}, "qwen3_moe", "unknown expert selector 'reep' (did you mean 'reap'?)"),
+        ({"kept": 2}, "llama", "llama models have no routed experts this family describes"),
+        ({"selector": "reap"}, "qwen3_moe", "experts.kept"),
+    ],
+)
+def test_bad_expert_settings_are_one_line_and_write_nothing(
+    experts: dict, family: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / family, family)
+    recipe = write_recipe(tmp_path, checkpoint, experts=experts)
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_killed_while_pruning_experts_resumes_to_a_bit_identical_model(
+    moe_checkpoint: Path, tmp_path: Path
+) -> None:
+    """SIGKILL after the first MoE layer: the walk's sites come back from the checkpoint and the
+    stage runs again, to the model an uninterrupted run saves, tensor for tensor."""
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = write_recipe(
+        tmp_path, moe_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}], experts={"kept": 2}
+    )
+    killed_and_resumed_is_whole(recipe, tmp_path, "experts:0", sites=5)
