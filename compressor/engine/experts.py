@@ -43,6 +43,10 @@ from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, E
 
 Progress = Callable[[str, int, int], None]
 
+OUTPUT_ELEMENTS = 1 << 25
+"""An output-aware selector's sample runs through every expert this many output numbers (tokens ×
+experts × width, float64) at a time: 256 MiB, whatever the model's experts and width."""
+
 
 @dataclass
 class ExpertRecord:
@@ -83,14 +87,15 @@ class _ExpertMoments:
             self.reap_sum[index] += (gate * out.norm(dim=-1)).sum()
             self.peak[index] = torch.maximum(self.peak[index], out.abs().max())
         take = min(self.sample - self.sampled, x.shape[0])
-        if take > 0:
-            part = x[:take]
+        chunk = max(1, OUTPUT_ELEMENTS // (len(block.experts) * x.shape[-1]))
+        for start in range(0, max(take, 0), chunk):  # every expert's output on a chunk of tokens at a time
+            part = x[start : min(start + chunk, take)]
             logits = block.router(part).to(torch.float64)
             self.probabilities.append(torch.softmax(logits, dim=-1))
             outputs = torch.stack([expert(part).to(torch.float64) for expert in block.experts], dim=1)  # T × E × d
             weighed = outputs if self.G is None else outputs @ self.G
             self.gram.append(torch.einsum("ted,tfd->tef", weighed, outputs))
-            self.sampled += take
+        self.sampled += max(take, 0)
 
     def sum_over(self, ranks: Ranks) -> _ExpertMoments:
         for total in (self.tokens, self.gate, self.reap_sum):

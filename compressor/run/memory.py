@@ -134,8 +134,8 @@ class PlanSettings:
     mlp_feedback: float | None = None
     """None: no `mlp` stage."""
     experts_sample: int | None = None
-    """The tokens an `experts` stage routes through every expert (0: its selector needs none);
-    None: no `experts` stage."""
+    """The tokens an `experts` stage's output-aware selector routes through every expert (counted
+    whatever the selector); None: no `experts` stage."""
     refinement: bool = False
     split_choice: bool = False
     """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""

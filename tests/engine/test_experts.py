@@ -63,6 +63,23 @@ def test_a_model_with_fewer_experts_is_the_family_s_own_class_with_a_smaller_cou
     assert max_relative_logit_error(model, stock, BATCHES) < 1e-5
 
 
+def test_the_output_sample_is_the_same_in_any_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert's output on the sample is taken a chunk of tokens at a time (its memory bounded
+    whatever the model): the choice and its figures do not depend on the chunk."""
+    import compressor.engine.experts as engine_experts
+
+    figures = []
+    for elements in (1 << 25, 3 * 4 * COMMON["hidden_size"]):  # everything at once; 3 tokens at a time
+        monkeypatch.setattr(engine_experts, "OUTPUT_ELEMENTS", elements)
+        _, model = _fused("qwen2_moe")
+        records = prune_experts(model, family_for("qwen2_moe"), BATCHES, 2, OutputAware(), super_ratio=None)
+        figures.append([(record.kept, record.objectives["output_change"]) for record in records])
+    assert [kept for kept, _ in figures[0]] == [kept for kept, _ in figures[1]]
+    assert all(
+        a == pytest.approx(b, rel=1e-5) for (_, a), (_, b) in zip(figures[0], figures[1], strict=True)
+    )  # float32 experts
+
+
 def test_an_unprepared_model_s_fused_experts_are_refused_not_measured_by_passing_them() -> None:
     """A block whose experts a hook cannot see (transformers' fused kernels) gives no statistics:
     the stage says so rather than pruning on none."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from compressor.engine.activations import ActivationStore
-from compressor.engine.experts import ExpertRecord, prune_experts, windows_for
+from compressor.engine.experts import OUTPUT_ELEMENTS, ExpertRecord, prune_experts, windows_for
 from compressor.errors import UserError
 from compressor.models.layout import with_experts
 from compressor.recipe.schema import Recipe
@@ -49,10 +49,11 @@ class PruneExperts(Stage):
             return []
         family = fp.layout.family
         experts = int(getattr(fp.layout.config, family.experts, 1) or 1) if family.experts else 1
-        sample = min(fp.settings.experts_sample, fp.batch * fp.seq_len)
-        # one layer, one batch's stream, and the sample's outputs of every expert (T × E × d) and Gram (T × E × E)
+        # one layer, one batch's stream, a chunk of the sample through every expert (its outputs and their
+        # G-weighed copy, `OUTPUT_ELEMENTS` float64 each) and the sample's probabilities and Gram (T × E × E)
         device = fp.measured["layer"] + 3 * fp.batch * fp.seq_len * fp.d * fp.item
-        device += 2 * sample * experts * (fp.d + experts) * 8
+        if fp.settings.experts_sample:
+            device += 2 * OUTPUT_ELEMENTS * 8 + fp.settings.experts_sample * experts * (experts + 1) * 8
         return [fp.phase("experts (one layer at a time)", fp.walked + fp.store + fp.positions, device, fp.disk)]
 
     def run(self, state: RunState) -> None:
