@@ -141,9 +141,11 @@ class ModelFamily:
     def stock_axes(self) -> tuple[str, ...]:
         """What a global layout (saved as the original class) can prune: the residual width where the
         class can hold one rotated basis, the MLP's width wherever it is described (a class whose
-        stream cannot be rotated keeps it whole: `models.mlp_only`)."""
+        stream cannot be rotated keeps it whole: `models.mlp_only`), the routed experts beside a
+        rotated stream."""
         residual = ("residual",) if self.stock_refusal is None else ()
-        return residual + (("mlp",) if self.mlp_width is not None else ())
+        experts = ("experts",) if residual and self.experts is not None else ()  # beside a rotated stream
+        return residual + (("mlp",) if self.mlp_width is not None else ()) + experts
 
     def mlp_readers(self, mlp: nn.Module) -> list[nn.Module]:
         """The linears that read the stream into this layer's MLP: a routed MoE's router and every

@@ -23,6 +23,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
         *transition_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
         *mlp_rows(report),
+        *expert_rows(report),
     ]
     rows += speed_rows(report.size, report.speed)
     metrics = report.metrics
@@ -73,6 +74,18 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
                 )
             )
     return rows
+
+
+def expert_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """The routed experts each MoE layer kept (`experts`), by which selector, and the fewest
+    calibration tokens any expert was routed (what its statistics rest on)."""
+    if report.experts is None:
+        return []
+    experts = report.experts
+    return [
+        ("routed experts per MoE layer", str(experts.of), f"{experts.kept} ({experts.selector})"),
+        ("  fewest calibration tokens an expert saw", "", f"{experts.fewest_tokens:,}"),
+    ]
 
 
 def refinement_rows(refinement: RefinementRecord | None) -> list[tuple[str, str, str]]:

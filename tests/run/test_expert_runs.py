@@ -62,6 +62,9 @@ def test_a_run_with_experts_saves_fewer_experts_that_reload_to_the_run_s_model(
     layer = experts["layers"][0]
     assert len(layer["kept"]) == 3 and layer["objectives"]["sensitivity"] == "H"
     assert experts["fewest_tokens"] == min(layer["tokens"]) > 0
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| routed experts per MoE layer | 4 | 3 (output) |" in markdown
+    assert f"|   fewest calibration tokens an expert saw |  | {experts['fewest_tokens']:,} |" in markdown
     saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert saved["num_experts"] == saved["num_local_experts"] == 3  # what vLLM and transformers read
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
