@@ -107,9 +107,22 @@ def test_bad_expert_settings_are_one_line_and_write_nothing(
 ) -> None:
     checkpoint = save_tiny_checkpoint(tmp_path / family, family)
     recipe = write_recipe(tmp_path, checkpoint, experts=experts)
+    capsys.readouterr()  # saving the checkpoint may have shown progress
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_experts_under_torchrun_are_refused_in_one_line(
+    moe_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The ranks above 0 do not follow the stage: rank 0 would wait for them in its sums."""
+    recipe = write_recipe(tmp_path, moe_checkpoint, experts={"kept": 3, "selector": "reap"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "experts runs in one process" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

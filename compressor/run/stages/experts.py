@@ -23,6 +23,7 @@ from compressor.run.staging import SCRATCH_FOLDER
 if TYPE_CHECKING:
     import torch
 
+    from compressor.run.checks import Plan
     from compressor.run.memory import Footprint, Phase
 
 
@@ -35,6 +36,10 @@ class PruneExperts(Stage):
 
     def runs(self, state: RunState) -> bool:
         return state.checked.layout.experts is not None
+
+    def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
+        if world > 1:  # the ranks above 0 (`run.follower`) do not follow this stage yet
+            raise UserError("experts runs in one process: remove experts from the recipe, or launch one process")
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
