@@ -7,11 +7,12 @@ one, as the MLP stage visits them. At a layer, the MoE block's input x is taken 
 calibration tokens (a pre-hook on the `RoutedExperts` block while the whole layer runs); for
 each token the block's own router gives its experts and weights, and each expert runs on the
 tokens routed to it: the counts, REAP's weight·‖output‖ and the largest output coordinate follow.
-A selector that requires "outputs" also gets, for up to `sample_tokens` tokens, the router's
-probabilities over every expert and the Gram matrix ⟨f_i, G f_j⟩ of every expert's output
-(every sampled token through every expert, E/k times the block's own work on them), G the output
-sensitivity H of the stream the block writes to where the run estimated it. Experts whose
-largest output coordinate is `super_ratio` times the layer's median expert's are protected (REAP's
+A selector that requires "outputs" also gets, for up to `sample_tokens` tokens (every n-th counted
+token, so the sample spans the calibration set), the router's probabilities over every expert and
+the Gram matrix ⟨f_i, G f_j⟩ of every expert's output (every sampled token through every expert,
+E/k times the block's own work on them), G the output sensitivity H of the stream the block
+writes to where the run estimated it. Experts whose largest output coordinate is `super_ratio`
+times the median routed expert's are protected (REAP's
 super experts, which carry the model's massive activations). The router then loses the other
 experts' rows (`RoutedExperts.keep_experts`) and the layer runs again, pruned, to give the next
 layer its input. Nothing here is checkpointed: a run killed in this stage runs it again, to the
@@ -67,13 +68,18 @@ class ExpertRecord:
 class _ExpertMoments:
     """Per-expert sums over the counted tokens, and the sample an output-aware selector reads."""
 
-    def __init__(self, experts: int, device: torch.device, sample: int, G: torch.Tensor | None) -> None:
+    def __init__(
+        self, experts: int, device: torch.device, sample: int, G: torch.Tensor | None, counted: int = 0
+    ) -> None:
         zeros = lambda: torch.zeros(experts, dtype=torch.float64, device=device)  # noqa: E731
         self.tokens, self.gate, self.reap_sum, self.peak = zeros(), zeros(), zeros(), zeros()
         self.sample, self.G = sample, G
+        self.stride = max(1, -(-counted // sample)) if sample else 1
+        """Every stride-th counted token is sampled, so the sample spans the calibration set."""
         self.probabilities: list[torch.Tensor] = []
         self.gram: list[torch.Tensor] = []
         self.sampled = 0
+        self.seen = 0
 
     def add(self, block: RoutedExperts, x: torch.Tensor) -> None:
         """Tokens `x` (n × d, the counted ones) through the block's router and experts."""
@@ -86,16 +92,19 @@ class _ExpertMoments:
             self.gate[index] += gate.sum()
             self.reap_sum[index] += (gate * out.norm(dim=-1)).sum()
             self.peak[index] = torch.maximum(self.peak[index], out.abs().max())
-        take = min(self.sample - self.sampled, x.shape[0])
-        chunk = max(1, OUTPUT_ELEMENTS // (len(block.experts) * x.shape[-1]))
-        for start in range(0, max(take, 0), chunk):  # every expert's output on a chunk of tokens at a time
-            part = x[start : min(start + chunk, take)]
+        offset = (-self.seen) % self.stride  # the first of these tokens that is a stride-th counted one
+        self.seen += x.shape[0]
+        picked = x[offset :: self.stride][: max(self.sample - self.sampled, 0)]
+        take = picked.shape[0]
+        chunk = max(1, OUTPUT_ELEMENTS // (len(block.experts) * block.experts[0].down_proj.out_features))
+        for start in range(0, take, chunk):  # every expert's output on a chunk of tokens at a time
+            part = picked[start : start + chunk]
             logits = block.router(part).to(torch.float64)
             self.probabilities.append(torch.softmax(logits, dim=-1))
             outputs = torch.stack([expert(part).to(torch.float64) for expert in block.experts], dim=1)  # T × E × d
             weighed = outputs if self.G is None else outputs @ self.G
             self.gram.append(torch.einsum("ted,tfd->tef", weighed, outputs))
-        self.sampled += max(take, 0)
+        self.sampled += take
 
     def sum_over(self, ranks: Ranks) -> _ExpertMoments:
         for total in (self.tokens, self.gate, self.reap_sum):
@@ -104,12 +113,16 @@ class _ExpertMoments:
         return self
 
 
-def protected_experts(peak: torch.Tensor, super_ratio: float | None) -> torch.Tensor:
-    """Experts whose largest output coordinate is at least `super_ratio` times the median expert's
-    (REAP's super experts); none when `super_ratio` is None."""
-    if super_ratio is None:
+def protected_experts(
+    peak: torch.Tensor, super_ratio: float | None, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Experts whose largest output coordinate is at least `super_ratio` times the median routed
+    expert's (REAP's super experts; an expert no token chose has no peak to compare); none when
+    `super_ratio` is None."""
+    routed = peak if tokens is None else peak[tokens > 0]
+    if super_ratio is None or routed.numel() == 0:
         return torch.zeros_like(peak, dtype=torch.bool)
-    return peak >= super_ratio * peak.median().clamp_min(1e-30)
+    return peak >= super_ratio * routed.median().clamp_min(1e-30)
 
 
 def moe_block(layer: nn.Module, family: ModelFamily) -> RoutedExperts | None:
@@ -205,7 +218,7 @@ def _choose(
         )
     if int(stats.tokens.sum()) == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
-    protected = protected_experts(stats.peak, super_ratio)
+    protected = protected_experts(stats.peak, super_ratio, stats.tokens)
     if int(protected.sum()) > keep:
         raise UserError(
             f"experts: layer {index} has {int(protected.sum())} super experts to protect but keeps {keep}; "
@@ -258,7 +271,8 @@ def _measure(
 ) -> _ExpertMoments:
     """Run the layer on every stored batch, measuring what its MoE block's experts do with the
     counted tokens (each batch's mask)."""
-    stats = _ExpertMoments(len(block.experts), device, sample, G)
+    counted = sum(inputs.token_counts[b] for b in range(len(inputs)))
+    stats = _ExpertMoments(len(block.experts), device, sample, G, counted)
     current: dict[str, Any] = {}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:

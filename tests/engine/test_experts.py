@@ -163,10 +163,27 @@ def test_protected_experts_stay_whatever_the_scores_say() -> None:
         assert 1 in selector.select(problem).kept.tolist(), selector.name
 
 
-def test_super_experts_are_those_far_above_the_median_peak() -> None:
+def test_super_experts_are_those_far_above_the_median_routed_peak() -> None:
     peak = torch.tensor([1.0, 1.2, 0.9, 30.0, 1.1], dtype=torch.float64)
     assert protected_experts(peak, 10.0).tolist() == [False, False, False, True, False]
     assert not protected_experts(peak, None).any()
+    unrouted = torch.tensor([0.0, 0.0, 0.0, 30.0, 1.1, 1.0], dtype=torch.float64)  # most experts never chosen
+    tokens = torch.tensor([0, 0, 0, 5, 7, 9])
+    assert protected_experts(unrouted, 10.0, tokens).tolist() == [False, False, False, True, False, False]
+
+
+def test_the_output_sample_spans_the_calibration_set() -> None:
+    """With fewer sampled tokens than counted ones, every n-th token is taken, not the first ones."""
+    from compressor.engine.experts import _ExpertMoments
+
+    _, model = _fused("mixtral")
+    block = _blocks(model)[0]
+    stats = _ExpertMoments(len(block.experts), torch.device("cpu"), sample=10, G=None, counted=100)
+    x = torch.randn(100, COMMON["hidden_size"])
+    for part in x.split(30):  # batches of 30, 30, 30, 10 tokens
+        stats.add(block, part)
+    expected = torch.softmax(block.router(x[::10]).double(), dim=-1)
+    assert stats.sampled == 10 and torch.allclose(torch.cat(stats.probabilities), expected)
 
 
 class EveryOther(ExpertSelector):

@@ -36,8 +36,9 @@ class ExpertsSpec:
     sample_tokens: Annotated[
         StrictInt, described("calibration tokens an output-aware selector routes through every expert", ge=1)
     ] = 2048
-    """The tokens (the first of the calibration set) that `output` prices removals on: each runs
-    through every expert of the layer (E/k times the block's own work on them)."""
+    """The tokens `output` prices removals on, every n-th counted calibration token (the sample
+    spans the calibration set): each runs through every expert of the layer (E/k times the
+    block's own work on them)."""
     min_tokens: Annotated[StrictInt, described("fewest routed tokens per expert before the run warns", ge=1)] = 32
     """An expert the calibration routed fewer tokens to has noisy statistics: the run warns and
     says how many calibration windows would give it this many."""

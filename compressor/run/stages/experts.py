@@ -101,6 +101,12 @@ def sparse_expert_warnings(records: list[ExpertRecord], min_tokens: int, windows
     if not thin:
         return []
     worst = min(thin, key=lambda record: record.fewest_tokens)
+    if worst.fewest_tokens == 0:
+        return [
+            f"experts: in {len(thin)} of {len(records)} MoE layers some expert was routed no calibration token "
+            f"(layer {worst.layer}), so nothing was measured of it; more or more varied calibration windows "
+            f"(calibration.num_samples, now {windows}) may reach it"
+        ]
     return [
         f"experts: in {len(thin)} of {len(records)} MoE layers some expert saw fewer than {min_tokens} calibration "
         f"tokens (fewest: {worst.fewest_tokens}, layer {worst.layer}), so its statistics are noisy; about "
