@@ -1,13 +1,16 @@
-"""Routed experts as the pruning axis (issue 48), measured alone on a Mixture-of-Experts model: for
-each expert selector at each kept count, the pruned model's parameters (total and active per
-token), KL to the original and perplexity on held-out windows, and the prune time. `output+H` is
-the output-aware selector given the output sensitivity H of each MoE block's stream (from the H
-pass on the unpruned model); `output` without it weighs the stream's coordinates alike. The
-residual width and the experts' width are untouched.
+"""Routed experts and their width as pruning axes (issue 48), measured on a Mixture-of-Experts
+model with the residual width untouched: for each expert selector at each kept count (`--kept`),
+each neuron selector at each expert width (`--widths`, every expert kept), and each combination
+of the two (`--combos`, e.g. 6x128: 6 experts of 128 neurons, chosen by output+H then obs+H), the
+pruned model's parameters (total and active per token), KL to the original and perplexity on
+held-out windows, and the prune time. A `+H` selector is given the output sensitivity H of each
+MoE block's stream (from the H pass on the unpruned model); without it the stream's coordinates
+weigh alike. Routed parameters scale with experts × width, so 6/8 experts, width 144 of 192 and
+8x144 cost the same.
 
     python benchmarks/make_ref_moe.py                       # once: the reference MoE (not in the repository)
     python benchmarks/moe_experts.py                         # benchmarks/results/ref-moe, ../shared data
-    python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H
+    python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H --widths 96 --combos 6x128
 
 Writes benchmarks/results/moe_experts_<model>.json and .md.
 """
@@ -31,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.engine.experts import prune_experts
+from compressor.engine.neurons import prune_mlp
 from compressor.engine.transforms import fuse_norms
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.families import family_for
@@ -50,6 +54,9 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--heldout", type=int, default=32, help="held-out windows of 512 tokens (valid.jsonl)")
     parser.add_argument("--kept", type=int, nargs="+", default=[6, 4], help="experts kept per MoE layer")
     parser.add_argument("--selectors", nargs="+", default=["frequency", "reap", "output", "output+H"])
+    parser.add_argument("--widths", type=int, nargs="*", default=[], help="neurons every routed expert keeps")
+    parser.add_argument("--neuron-selectors", nargs="+", default=["magnitude", "obs+H"])
+    parser.add_argument("--combos", nargs="*", default=[], help="EXPERTSxWIDTH, e.g. 6x128")
     parser.add_argument("--sample-tokens", type=int, default=2048, help="experts.sample_tokens")
     parser.add_argument("--no-protect", action="store_true", help="experts.protect_super: false")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
@@ -106,54 +113,74 @@ def main() -> None:
     reference = resources.model(recipe.model)
     fuse_norms(reference, family)
     total0, active0 = parameter_count(reference), active_params(reference, reference.config)
+    width0 = int(getattr(original.config, family.mlp_width))
+    cases = [(keep, name, None, None) for keep in args.kept for name in args.selectors]
+    cases += [(None, None, width, name) for width in args.widths for name in args.neuron_selectors]
+    cases += [(int(e), "output+H", int(w), "obs+H") for e, w in (combo.split("x") for combo in args.combos)]
     rows: list[dict[str, Any]] = []
-    for keep in args.kept:
-        for name in args.selectors:
-            model = resources.model(recipe.model)
-            fuse_norms(model, family)
-            tick = time.perf_counter()
+    for keep, expert_name, width, neuron_name in cases:
+        model = resources.model(recipe.model)
+        fuse_norms(model, family)
+        tick = time.perf_counter()
+        records = []
+        if keep is not None and expert_name is not None:
             records = prune_experts(
                 model,
                 family,
                 calibration,
                 keep,
-                registry.expert_selector(name.removesuffix("+H")),
+                registry.expert_selector(expert_name.removesuffix("+H")),
                 device,
                 super_ratio=None if args.no_protect else 10.0,
                 sample_tokens=args.sample_tokens,
-                sensitivity=sensitivity if name.endswith("+H") else None,
+                sensitivity=sensitivity if expert_name.endswith("+H") else None,
             )
-            seconds = time.perf_counter() - tick
             setattr(model.config, family.experts, keep)
-            figures = compare(original, model, heldout, device)["pruned"]
-            row = {
-                "selector": name,
-                "kept": keep,
-                "of": experts,
-                "params": parameter_count(model) / total0,
-                "active_params": active_params(model, model.config) / active0,
-                "kl": figures["kl"],
-                "ppl": figures["ppl"],
-                "prune_s": seconds,
-                "protected": sum(len(r.protected) for r in records),
-                "fewest_tokens": min(r.fewest_tokens for r in records),
-                "kept_by_layer": [r.kept for r in records],
-            }
-            rows.append(row)
-            console.log(
-                f"{name} kept {keep}/{experts}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} ({seconds:.1f} s); "
-                f"kept {row['kept_by_layer']}"
+        widths = []
+        if width is not None and neuron_name is not None:
+            widths = prune_mlp(
+                model,
+                family,
+                calibration,
+                width,
+                registry.selector(neuron_name.removesuffix("+H")),
+                device,
+                sensitivity=sensitivity if neuron_name.endswith("+H") else None,
             )
+            setattr(model.config, family.mlp_width, width)
+        seconds = time.perf_counter() - tick
+        figures = compare(original, model, heldout, device)["pruned"]
+        label = " then ".join(
+            f"{name} ({what})" for name, what in ((expert_name, "experts"), (neuron_name, "width")) if name is not None
+        )
+        row = {
+            "selector": label,
+            "kept": keep or experts,
+            "of": experts,
+            "width": width or width0,
+            "of_width": width0,
+            "params": parameter_count(model) / total0,
+            "active_params": active_params(model, model.config) / active0,
+            "kl": figures["kl"],
+            "ppl": figures["ppl"],
+            "prune_s": seconds,
+            "protected": sum(len(r.protected) for r in records),
+            "fewest_tokens": min(r.fewest_tokens for r in records) if records else None,
+            "kept_by_layer": [r.kept for r in records],
+            "width_error": [r.error_refit for r in widths],
+        }
+        rows.append(row)
+        console.log(f"{label}: {row['kept']}x{row['width']}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} ({seconds:.1f} s)")
     baseline = compare(original, resources.model(recipe.model), heldout, device)["baseline"]["ppl"]
-    table = Table(title=f"{args.model.name}: routed experts only (original perplexity {baseline:.3f})")
-    columns = ("selector", "kept", "params", "active params", "KL", "ppl", "protected", "prune s")
+    table = Table(title=f"{args.model.name}: routed experts and their width (original perplexity {baseline:.3f})")
+    columns = ("selector", "experts x width", "params", "active params", "KL", "ppl", "protected", "prune s")
     for column in columns:
         table.add_column(column, justify="right")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = (
             r["selector"],
-            f"{r['kept']}/{r['of']}",
+            f"{r['kept']}/{r['of']} x {r['width']}/{r['of_width']}",
             f"{r['params']:.1%}",
             f"{r['active_params']:.1%}",
             f"{r['kl']:.5f}",

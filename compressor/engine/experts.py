@@ -83,11 +83,9 @@ class _ExpertMoments:
 
     def add(self, block: RoutedExperts, x: torch.Tensor) -> None:
         """Tokens `x` (n × d, the counted ones) through the block's router and experts."""
-        chosen, weights = block.route(x)
-        for index in torch.unique(chosen).tolist():
-            token, position = torch.where(chosen == index)
+        for index, token, weight in block.dispatch(x):
             out = block.experts[index](x[token]).to(torch.float64)
-            gate = weights[token, position].to(torch.float64)
+            gate = weight.to(torch.float64)
             self.tokens[index] += len(token)
             self.gate[index] += gate.sum()
             self.reap_sum[index] += (gate * out.norm(dim=-1)).sum()
@@ -269,17 +267,28 @@ def _measure(
     sample: int,
     G: torch.Tensor | None,
 ) -> _ExpertMoments:
-    """Run the layer on every stored batch, measuring what its MoE block's experts do with the
-    counted tokens (each batch's mask)."""
+    """What the layer's MoE block's experts do with the counted tokens of every stored batch."""
     counted = sum(inputs.token_counts[b] for b in range(len(inputs)))
     stats = _ExpertMoments(len(block.experts), device, sample, G, counted)
+    feed_counted(layer, block, inputs, index, device, lambda x: stats.add(block, x))
+    return stats
+
+
+def feed_counted(
+    layer: nn.Module,
+    block: nn.Module,
+    inputs: LayerInputs,
+    index: int,
+    device: torch.device,
+    add: Callable[[torch.Tensor], None],
+) -> None:
+    """Run the layer on every stored batch, handing `add` the counted tokens (each batch's mask) of
+    `block`'s input, n × d."""
     current: dict[str, Any] = {}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        x = args[0]
-        mask, count = current["mask"], current["count"]
-        rows = counted_rows(x.reshape(*mask.shape, x.shape[-1]), mask, count)
-        stats.add(block, rows)
+        x, mask = args[0], current["mask"]
+        add(counted_rows(x.reshape(*mask.shape, x.shape[-1]), mask, current["count"]))
 
     handle = block.register_forward_pre_hook(record)
     try:
@@ -288,7 +297,6 @@ def _measure(
             layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
     finally:
         handle.remove()
-    return stats
 
 
 def windows_for(tokens: int, fewest: int, windows: int) -> int:

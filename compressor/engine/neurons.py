@@ -27,6 +27,9 @@ pass of each layer and a second copy of the calibration stream.
 Data-parallel (`ranks`), each rank measures its share of the batches and C, the activations and
 the token count are summed over the ranks before choosing, so every rank keeps the same neurons and
 refits the same weights (up to the order of the sums).
+A Mixture-of-Experts layer (its MLP a `RoutedExperts` block) narrows every routed expert instead
+(`engine.expert_width`), without feedback; a dense layer of an MoE model keeps its width (the
+family's MLP width is the experts').
 Nothing here is checkpointed: a run killed in this stage reloads the walk's sites from its
 checkpoint and runs the stage again, to the same neurons and weights (it is deterministic).
 """
@@ -34,7 +37,6 @@ checkpoint and runs the stage again, to the same neurons and weights (it is dete
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,34 +47,24 @@ from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs, counted_rows
+from compressor.engine.expert_width import prune_expert_widths
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
+from compressor.engine.refit import (
+    NeuronRecord,
+    RefitTarget,
+    checked_neurons,
+    drop_neurons,
+    output_error,
+    refit_down,
+)
 from compressor.errors import UserError
+from compressor.models.experts import RoutedExperts, is_fused_experts
 from compressor.models.families import ModelFamily
 from compressor.models.sliced import SlicedDecoderLayer, family_mlp
-from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector
+from compressor.strategies.neuron_contract import NeuronProblem, NeuronSelector
 
 Progress = Callable[[str, int, int], None]
-
-
-@dataclass
-class NeuronRecord:
-    """What happened at one layer's MLP, for the report."""
-
-    layer: int
-    width: int
-    kept: int
-    tokens: int
-    selector: str
-    refit: bool
-    error_dropped: float
-    """Relative least-squares error against the refit's target t with the kept neurons' weights as
-    they were: E‖t − W[:,S] h_S‖² / E‖t‖² on the calibration tokens (t = W h for "output")."""
-    error_refit: float | None
-    """The same with the refitted weights W' (None without the refit)."""
-    objectives: dict[str, Any] = field(default_factory=dict)
-    feedback: float = 0.0
-    """The error feedback α the refit's target carried (0: the layer's own MLP output)."""
 
 
 def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear], nn.Linear]:
@@ -133,72 +125,6 @@ class _MlpMoment:
         self.window_means += (means**2).sum(0)
 
 
-@dataclass
-class RefitTarget:
-    """What the down projection's refit reproduces, by its moments with the activation h:
-    `cross` X = E[t hᵀ] (d × f, float64) and `energy` E‖t‖²."""
-
-    cross: torch.Tensor
-    energy: float
-
-    @classmethod
-    def output(cls, down: torch.Tensor, C: torch.Tensor) -> RefitTarget:
-        """t = W h, what the f neurons wrote."""
-        return cls(down @ C, float(torch.trace(down @ C @ down.T)))
-
-    def full_map(self, down: torch.Tensor, C: torch.Tensor, damping: float) -> torch.Tensor:
-        """W* = (X + δW)(C + δI)⁻¹: the full-width map the damped refit aims at; refitting W* to the
-        kept neurons (`refit_down`) is the damped least-squares fit of the target. W itself when
-        the target is the layer's own output."""
-        damped = C.clone()
-        damped.diagonal().add_(damping)
-        return torch.linalg.solve(damped, (self.cross + damping * down).T).T
-
-
-def refit_down(down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, damping: float) -> torch.Tensor:
-    """W' = (W·C[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹ (float64): the down projection that best
-    reproduces, from the kept neurons alone, what every neuron wrote on the calibration tokens,
-    with a ridge δ towards the kept neurons' own weights (so keeping every neuron changes nothing,
-    and it is the refit the `obs` selector's downdates make)."""
-    C_SS = C[kept][:, kept] + damping * torch.eye(len(kept), dtype=C.dtype, device=C.device)
-    rhs = down @ C[:, kept] + damping * down[:, kept]  # d × m
-    return torch.linalg.solve(C_SS, rhs.T).T  # C_SS is symmetric: (C_SS⁻¹ rhsᵀ)ᵀ = rhs C_SS⁻¹
-
-
-def output_error(target: RefitTarget, C: torch.Tensor, kept: torch.Tensor, kept_down: torch.Tensor) -> float:
-    """E‖t − W' h_S‖² / E‖t‖² from the moments alone (W' reads the kept neurons)."""
-    cross = float((target.cross[:, kept] * kept_down).sum())
-    own = float(torch.trace(kept_down @ C[kept][:, kept] @ kept_down.T))
-    return (target.energy - 2 * cross + own) / target.energy if target.energy > 0 else 0.0
-
-
-def drop_neurons(inputs: list[nn.Linear], output: nn.Linear, kept: torch.Tensor, down: torch.Tensor) -> None:
-    """Keep rows `kept` of each input linear (of each f-row block of a fused one) and set the
-    output linear's weight to `down` (d × m), in place, in each module's dtype and device."""
-    width = output.in_features
-    for linear in inputs:
-        blocks = linear.out_features // width
-        rows = torch.cat([kept + block * width for block in range(blocks)]).to(linear.weight.device)
-        linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
-        linear.out_features = len(rows)
-    output.weight = nn.Parameter(down.to(output.weight.device, output.weight.dtype).contiguous(), requires_grad=False)
-    output.in_features = len(kept)
-
-
-def _checked(choice: NeuronChoice, selector: NeuronSelector, problem: NeuronProblem) -> torch.Tensor:
-    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
-    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
-        raise UserError(
-            f"neuron selector '{selector.name}' returned {len(torch.unique(kept))} distinct neurons at layer "
-            f"{problem.layer}; it must return {problem.keep}"
-        )
-    if int(kept.min()) < 0 or int(kept.max()) >= problem.width:
-        raise UserError(f"neuron selector '{selector.name}' returned a neuron outside 0..{problem.width - 1}")
-    return torch.sort(kept).values
-
-
 @torch.no_grad()
 def prune_mlp(
     model: PreTrainedModel,
@@ -224,7 +150,7 @@ def prune_mlp(
     `ranks` (default: the initialised process group, if any) share `batches` as the walk does."""
     if not 0 <= feedback <= 1:
         raise UserError(f"mlp.feedback {feedback:g}: give a share of the stream's error from 0 to 1")
-    feedback = feedback if family.mlp_post_norm is None else 0.0
+    feedback = feedback if family.mlp_post_norm is None and family.experts is None else 0.0
     device = torch.device(device)
     ranks = ranks or Ranks.current()
     local = ranks.share(batches)
@@ -241,52 +167,20 @@ def prune_mlp(
     try:
         for index, layer in visit_layers(model, family, device):
             report(f"MLP neurons: layer {index + 1}/{layers}", index, layers)
-            linears, output = mlp_linears(layer, family)
-            width = output.in_features
-            if not 0 < keep <= width:
-                raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-            stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
-            if stats.moment.tokens == 0:
-                raise ValueError("no calibration tokens were counted (all positions masked)")
-            C = stats.moment.value()  # divided in place: f × f float64 is large
-            W = output.weight.detach().to(device, torch.float64)
-            delta = damping * float(torch.diagonal(C).mean())
-            goal = stats.target(W, C, feedback)
-            problem = NeuronProblem(
-                layer=index,
-                keep=keep,
-                C=C,
-                activation=stats.window_means.sqrt(),
-                down=goal.full_map(W, C, delta) if feedback else W,
-                damping=delta,
-                G=None if sensitivity is None else sensitivity[index].to(device, torch.float64),
-                tokens=stats.moment.tokens,
-            )
-            choice = selector.select(problem)
-            kept = _checked(choice, selector, problem).to(device)
-            if not ranks.agree(kept):
-                raise RuntimeError(
-                    f"layer {index}: the processes chose different neurons from the same statistics "
-                    f"(selector '{selector.name}' is not deterministic across devices)"
+            mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+            G = None if sensitivity is None else sensitivity[index]
+            if isinstance(mlp, RoutedExperts):
+                records.append(
+                    prune_expert_widths(layer, mlp, inputs, index, keep, selector, device, G, ranks, refit, damping)
                 )
-            plain = W[:, kept]
-            refitted = refit_down(problem.down, C, kept, delta) if refit else None
-            records.append(
-                NeuronRecord(
-                    layer=index,
-                    width=width,
-                    kept=keep,
-                    tokens=problem.tokens,
-                    selector=selector.name,
-                    refit=refit,
-                    error_dropped=output_error(goal, C, kept, plain),
-                    error_refit=None if refitted is None else output_error(goal, C, kept, refitted),
-                    objectives=dict(choice.objectives),
-                    feedback=feedback,
+            elif is_fused_experts(mlp):
+                raise RuntimeError(f"layer {index}'s experts are fused: the family's prepare has not run on the model")
+            elif family.experts is None:
+                dense = _prune_dense(
+                    layer, family, inputs, index, keep, selector, device, refit, damping, feedback, G, reference, ranks
                 )
-            )
-            drop_neurons(linears, output, kept, refitted if refitted is not None else plain)
-            del C, W, problem, stats, goal
+                records.append(dense)
+            # else a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers) keeps its width: the config's is the experts'
             for b in range(len(inputs)):  # the pruned layer gives the next one its input
                 inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
             faults.reached(f"mlp:{index}")
@@ -339,3 +233,65 @@ def _measure(
 
 def _stream(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
+
+
+def _prune_dense(
+    layer: nn.Module,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    index: int,
+    keep: int,
+    selector: NeuronSelector,
+    device: torch.device,
+    refit: bool,
+    damping: float,
+    feedback: float,
+    G: torch.Tensor | None,
+    reference: ActivationStore | None,
+    ranks: Ranks,
+) -> NeuronRecord:
+    """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring)."""
+    linears, output = mlp_linears(layer, family)
+    width = output.in_features
+    if not 0 < keep <= width:
+        raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
+    stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
+    if stats.moment.tokens == 0:
+        raise ValueError("no calibration tokens were counted (all positions masked)")
+    C = stats.moment.value()  # divided in place: f × f float64 is large
+    W = output.weight.detach().to(device, torch.float64)
+    delta = damping * float(torch.diagonal(C).mean())
+    goal = stats.target(W, C, feedback)
+    problem = NeuronProblem(
+        layer=index,
+        keep=keep,
+        C=C,
+        activation=stats.window_means.sqrt(),
+        down=goal.full_map(W, C, delta) if feedback else W,
+        damping=delta,
+        G=None if G is None else G.to(device, torch.float64),
+        tokens=stats.moment.tokens,
+    )
+    choice = selector.select(problem)
+    kept = checked_neurons(choice, selector, problem).to(device)
+    if not ranks.agree(kept):
+        raise RuntimeError(
+            f"layer {index}: the processes chose different neurons from the same statistics "
+            f"(selector '{selector.name}' is not deterministic across devices)"
+        )
+    plain = W[:, kept]
+    refitted = refit_down(problem.down, C, kept, delta) if refit else None
+    record = NeuronRecord(
+        layer=index,
+        width=width,
+        kept=keep,
+        tokens=problem.tokens,
+        selector=selector.name,
+        refit=refit,
+        error_dropped=output_error(goal, C, kept, plain),
+        error_refit=None if refitted is None else output_error(goal, C, kept, refitted),
+        objectives=dict(choice.objectives),
+        feedback=feedback,
+    )
+    drop_neurons(linears, output, kept, refitted if refitted is not None else plain)
+    return record

@@ -13,7 +13,7 @@ This module's source travels with every saved per-site model (`models.export` wr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,9 +28,13 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
 
-    def forward(self, hidden_states: Any) -> Any:
+    def activation(self, hidden_states: Any) -> Any:
+        """The intermediate activation h the down projection reads (the expert's neurons)."""
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states: Any) -> Any:
+        return self.down_proj(self.activation(hidden_states))
 
 
 class RoutedExperts(nn.Module):
@@ -87,18 +91,24 @@ class RoutedExperts(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return chosen, weights.to(logits.dtype)
 
+    def dispatch(self, flat: Any) -> Iterator[tuple[int, Any, Any]]:
+        """Each expert some token of `flat` (tokens × d) is routed to, in index order: the expert,
+        the rows of `flat` sent to it and their routing weights, as `forward` applies them."""
+        chosen, weights = self.route(flat)
+        for index in torch.unique(chosen).tolist():
+            token, position = torch.where(chosen == index)
+            yield index, token, weights[token, position]
+
     def forward(self, hidden_states: Any) -> Any:
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
-        chosen, weights = self.route(flat)
         width = self.experts[0].down_proj.out_features
         out = torch.zeros(flat.shape[0], width, dtype=flat.dtype, device=flat.device)
         if _is_fake(flat):  # the memory plan's shapes-only pass: which token goes where is unknown
-            self._spread(flat, weights, out)
+            self._spread(flat, self.route(flat)[1], out)
         else:
-            for index in torch.unique(chosen).tolist():
-                token, position = torch.where(chosen == index)
-                routed = self.experts[index](flat[token]) * weights[token, position, None]
+            for index, token, weight in self.dispatch(flat):
+                routed = self.experts[index](flat[token]) * weight[:, None]
                 out.index_add_(0, token, routed.to(out.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
@@ -152,10 +162,15 @@ def _routed_experts(block: nn.Module) -> RoutedExperts:
     )
 
 
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether `module` is a transformers sparse-MoE block whose experts are fused tensors."""
+    return type(module).__name__.endswith("SparseMoeBlock")
+
+
 def unfuse_experts(model: nn.Module) -> None:
     """Every fused-expert MoE block of `model` as `RoutedExperts` (dense layers stay as they are)."""
     for name, module in list(model.named_modules()):
-        if type(module).__name__.endswith("SparseMoeBlock"):
+        if is_fused_experts(module):
             model.set_submodule(name, _routed_experts(module))
 
 

@@ -339,17 +339,19 @@ QWEN3_5 = ModelFamily(
 )
 MOE = ModelFamily(
     name="moe",
-    model_types=("qwen3_moe", "qwen2_moe", "mixtral"),  # Qwen2-MoE: a shared expert and its sigmoid gate
-    mlp_width=None,  # the experts' width (moe_intermediate_size) is not pruned yet
-    experts="num_experts",  # every MoE config maps it (Mixtral's and Qwen3-MoE's to num_local_experts)
+    model_types=("qwen3_moe", "qwen2_moe"),  # Qwen2-MoE: a shared expert and its sigmoid gate
+    mlp_width="moe_intermediate_size",  # every routed expert's (dense layers and a shared expert keep theirs)
+    experts="num_experts",  # every MoE config maps it (Qwen3-MoE's to num_local_experts)
     prepare=unfuse_experts,
     own_state=fused_experts_state,
     stock_refusal=None,
 )
+MIXTRAL = replace(MOE, name="mixtral", model_types=("mixtral",), mlp_width="intermediate_size")
 OLMOE = replace(
     MOE,
     name="olmoe",
     model_types=("olmoe",),
+    mlp_width="intermediate_size",
     stock_refusal="its q_norm and k_norm are sized by hidden_size, which a stock model of width k would change",
 )
 
@@ -424,6 +426,7 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
     GRANITE,
     QWEN3_5,
     MOE,
+    MIXTRAL,
     OLMOE,
     OPT,
     GPT2,

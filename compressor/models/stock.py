@@ -307,6 +307,23 @@ def save_stock(
     return stock_record(record, config, family)
 
 
+def save_own_class(model: PreTrainedModel, family: ModelFamily, folder: Path) -> None:
+    """Save a model of the family's own class whose modules `prepare` rewrote (routed experts) in
+    the form that class loads (`own_state`), checked whole; other models as they are."""
+    if family.own_state is None:
+        model.save_pretrained(folder)
+        return
+    stock = stock_shell(model.config)
+    missing, unexpected = stock.load_state_dict(family.own_state(model.state_dict()), strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"the {model.config.model_type} class does not take the pruned state dict: "
+            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
+    stock.generation_config = model.generation_config
+    stock.save_pretrained(folder)
+
+
 def stock_model_config(
     sliced: PreTrainedModel, family: ModelFamily, original: PretrainedConfig, tie: bool
 ) -> PretrainedConfig:

@@ -60,9 +60,14 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     mlp = report.mlp
     errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in mlp.layers]
     how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {f'refitted, feedback {mlp.feedback:g}' if mlp.refit else 'not refitted'}"
-    rows = [("MLP width", str(mlp.of), f"{mlp.kept} ({how})" if mlp.layers else f"{mlp.kept} (all kept)")]
+    experts = any(layer.experts for layer in mlp.layers)
+    label = "MLP width (each routed expert)" if experts else "MLP width"
+    rows = [(label, str(mlp.of), f"{mlp.kept} ({how})" if mlp.layers else f"{mlp.kept} (all kept)")]
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
+    if experts:
+        fewest = min(layer.fewest_tokens or 0 for layer in mlp.layers)
+        rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{fewest:,}"))
     if mlp.split is not None:
         for index, candidate in enumerate(mlp.split.candidates):
             mark = " (chosen)" if index == mlp.split.chosen else ""

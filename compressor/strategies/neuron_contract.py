@@ -1,6 +1,7 @@
 """What an MLP neuron selector sees and returns: the contract of the second pruning axis.
 
-The engine (`engine.neurons`) hands a selector one `NeuronProblem` per decoder layer: statistics
+The engine (`engine.neurons`) hands a selector one `NeuronProblem` per decoder layer (per routed
+expert in a Mixture-of-Experts layer, `engine.expert_width`): statistics
 of the MLP's intermediate activation h (the f neurons the down projection reads) over the
 calibration tokens, the down projection's weight (what each neuron writes to the stream), and,
 when the run has it, the output sensitivity H of the stream the MLP writes to. The selector
@@ -38,6 +39,11 @@ class NeuronProblem:
     damping: float
     G: torch.Tensor | None = None
     tokens: int = 0
+    expert: int | None = None
+    """The routed expert of a Mixture-of-Experts layer this problem is (None: the layer's dense MLP).
+    Each expert is its own problem: C and `activation` over every counted token, zero where the
+    token was not routed to it, the routed ones weighed by their routing weight (`tokens`: how
+    many were routed to it); `down` is the expert's down projection."""
 
     @property
     def width(self) -> int:

@@ -8,7 +8,8 @@ the per-family checks elsewhere (slicing shapes and exact parameter counts, save
 pass, throughput), then run on it:
 
 - a rotation without slicing reproduces the original logits to float32 round-off;
-- a per-site run at sparsity 0.25 with the MLP's width pruned (`mlp: {kept: 96}`) saves a model
+- a per-site run at sparsity 0.25 with the MLP's width pruned (`mlp: {kept: 0.75}`, each routed
+  expert's in a Mixture-of-Experts model) saves a model
   that reloads with `import compressor`, and in an interpreter where compressor cannot be imported
   with `trust_remote_code=True`, computing the same logits bit for bit;
 - `slicing.layout: global` saves the original class, which plain transformers (no compressor, no
@@ -61,7 +62,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 STOCK_FAMILIES = sorted(t for f in BUILTIN_FAMILIES if f.stock_refusal is None for t in f.model_types)
 NOT_STOCK = sorted(set(FAMILIES) - set(STOCK_FAMILIES))
 MLP_ALONE = [name for name in NOT_STOCK if family_for(name).mlp_width is not None]
-MLP_KEPT = 96  # of COMMON's 128 neurons
+MLP_KEPT = 0.75  # of each MLP's neurons (96 of COMMON's 128; 24 of a tiny MoE's 32 per expert), rounded to 8
 
 IDS = random_batches(8192, count=1, batch=2, length=16, padded=True)[0]
 
@@ -162,7 +163,8 @@ def test_a_per_site_run_reloads_with_compressor_and_with_remote_code_alone(
     assert config["model_type"] == f"sliced_{name}"
     assert config["slicing"]["embedding"] == 48 and config["slicing"]["attn"][0] == 48
     if _mlp(name):
-        assert config[family_for(name).mlp_width] == MLP_KEPT
+        width = json.loads((run.parent / "original" / "config.json").read_text())[family_for(name).mlp_width]
+        assert config[family_for(name).mlp_width] == int(MLP_KEPT * width) // 8 * 8
     assert (run / "model" / "modeling_sliced.py").is_file()
     report = json.loads((run / "report.json").read_text())
     assert report["metrics"]["pruned"]["kl"] > 0  # slicing and the MLP stage changed the model

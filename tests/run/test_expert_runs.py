@@ -78,6 +78,43 @@ def test_a_run_with_experts_saves_fewer_experts_that_reload_to_the_run_s_model(
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
 
 
+@pytest.mark.parametrize(("name", "layout"), [("qwen3_moe", "global"), ("mixtral", "per_site")])
+def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_the_run_s_model(
+    name: str, layout: str, tmp_path: Path
+) -> None:
+    """`mlp.kept` is every routed expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's
+    intermediate_size), after `experts` chose which experts stay."""
+    checkpoint = save_tiny_checkpoint(tmp_path / name, name)
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        sparsity=_DELETE,
+        target_params=0.8,
+        slicing={"layout": layout},
+        pipeline=[{"strategy": "sensitivity"}],
+        experts={"kept": 3},
+        mlp={"kept": 0.5},
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    key = "moe_intermediate_size" if name == "qwen3_moe" else "intermediate_size"
+    width = json.loads((checkpoint / "config.json").read_text())[key]
+    assert report["mlp"]["kept"] == width // 2 and report["mlp"]["of"] == width
+    layers = report["mlp"]["layers"]
+    assert len(layers) == len(report["experts"]["layers"])  # one record per MoE layer; a dense one keeps its width
+    assert all(layer["experts"] == 3 and layer["fewest_tokens"] >= 0 for layer in layers)
+    saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert saved[key] == width // 2 and saved["num_experts"] == 3
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
+    if layout == "global":
+        assert type(model).__name__ == "Qwen3MoeForCausalLM"
+        assert model.model.layers[0].mlp.experts.down_proj.shape == (3, model.config.hidden_size, width // 2)
+        assert model.model.layers[1].mlp.down_proj.in_features == model.config.intermediate_size  # dense: whole
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", layout == "per_site")
+    assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
+
+
 def test_too_few_calibration_tokens_per_expert_warn_with_the_windows_that_would_do(
     moe_checkpoint: Path, tmp_path: Path
 ) -> None:

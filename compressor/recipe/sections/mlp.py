@@ -27,7 +27,8 @@ class MlpSpec:
         | None
     ) = None
     """Neurons every layer's MLP keeps (an integer), or that fraction of its width, rounded down
-    to a multiple of `round_to`; None: the run chooses the split of the budget."""
+    to a multiple of `round_to`; None: the run chooses the split of the budget. In a
+    Mixture-of-Experts model, every routed expert's (`moe_intermediate_size`)."""
     selector: StrictStr = "obs"
     """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
     surgeon weighed by H where the walk estimated it, except for families with a norm after the
@@ -39,7 +40,7 @@ class MlpSpec:
     """Error feedback: the refit reproduces what the layer's own neurons wrote plus this share of
     the difference between the stream the layer wrote before the MLP stage and the one it writes
     on the pruned stream (0: its own output only; 1: the whole stream as it was). Families with a
-    norm after the MLP (Gemma2) run without it."""
+    norm after the MLP (Gemma2) and Mixture-of-Experts families run without it."""
     damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
     """Above 0: a neuron that never fires (common after a ReLU) leaves C singular without it."""
     round_to: Annotated[StrictInt, described("a fraction's neuron count is a multiple of this", ge=1)] = 8

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from compressor.engine.activations import ActivationStore
 from compressor.engine.experts import OUTPUT_ELEMENTS, ExpertRecord, prune_experts, windows_for
 from compressor.errors import UserError
-from compressor.models.layout import with_experts
+from compressor.models.layout import expert_count, with_experts
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.experts import ExpertsSpec
 from compressor.run.report_model import ExpertsReport
@@ -52,8 +52,7 @@ class PruneExperts(Stage):
         fp = footprint
         if fp.settings.experts_sample is None:
             return []
-        family = fp.layout.family
-        experts = int(getattr(fp.layout.config, family.experts, 1) or 1) if family.experts else 1
+        experts = expert_count(fp.layout.config, fp.layout.family)
         # one layer, one batch's stream, a chunk of the sample through every expert (its outputs and their
         # G-weighed copy, `OUTPUT_ELEMENTS` float64 each) and the sample's probabilities and Gram (T × E × E)
         device = fp.measured["layer"] + 3 * fp.batch * fp.seq_len * fp.d * fp.item

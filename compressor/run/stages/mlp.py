@@ -19,7 +19,7 @@ from compressor.engine.parallel import Ranks
 from compressor.engine.walk import PruneResult
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
-from compressor.models.layout import mlp_neurons, with_mlp_width
+from compressor.models.layout import expert_count, mlp_neurons, with_mlp_width
 from compressor.models.sites import layer_site_ids
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
@@ -60,6 +60,8 @@ class PruneMlp(Stage):
         tokens = fp.batch * fp.seq_len
         device = fp.measured["layer"] + 3 * tokens * fp.d * fp.item + 2 * tokens * fp.f * fp.item
         device += 3 * fp.f * fp.f * 8 + 3 * fp.d * fp.f * 8
+        if fp.layout.family.experts is not None:  # and every kept routed expert's C (f × f float64) at once
+            device += (fp.layout.experts or expert_count(fp.layout.config, fp.layout.family)) * fp.f * fp.f * 8
         return [
             fp.phase(
                 "mlp (one layer at a time)",

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from compressor.engine.bases import BASES_FILE, READERS_FILE, save_bases
 from compressor.models.export import write_remote_code
 from compressor.models.sites import EMBEDDING
-from compressor.models.stock import load_stock, to_stock
+from compressor.models.stock import load_stock, save_own_class, to_stock
 from compressor.models.towers import copy_processor_files, save_tower
 from compressor.run.loading import load_model, load_whole
 from compressor.run.stages.base import RunState
@@ -113,7 +113,7 @@ def save_mlp_alone(state: RunState, pruned: PreTrainedModel, save_model: bool) -
     folder = state.staging / "model"
     if state.checked.tower is not None:  # the projector writes the stream as it was
         return save_whole_tower(state, pruned, folder, None)
-    pruned.save_pretrained(folder)
+    save_own_class(pruned, family, folder)
     return load_stock(folder, pruned)
 
 

@@ -133,6 +133,8 @@ def keep_stream(state: RunState) -> None:
     if state.recipe.model.load == "stream":  # a streamed shell's layers are read by a walk only
         state.model = state.resources.whole_model(state.recipe.model)
     assert state.model is not None and state.checked.layout.widths is not None
+    if state.family.prepare is not None:  # fused experts → RoutedExperts, whose experts the MLP stage prunes
+        state.family.prepare(state.model)
     state.result = PruneResult(
         model=state.model,
         sites=[],

@@ -1,0 +1,155 @@
+"""The routed experts' width as the MLP axis (issue 48, item 4): keeping every neuron changes
+nothing, each expert's statistics are the tokens routed to it weighed by their routing weights,
+the refit's reported error is the error it leaves on those tokens, and a model whose experts are
+narrower is the family's own class with a smaller `moe_intermediate_size`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.engine.neurons import prune_mlp
+from compressor.errors import UserError
+from compressor.models.experts import RoutedExperts, fused_experts_state
+from compressor.models.families import family_for
+from compressor.models.layout import mlp_neurons, with_mlp_width
+from compressor.plugin import NeuronChoice, NeuronProblem, NeuronSelector
+from compressor_plugins.neurons import Magnitude
+from compressor_plugins.neurons import OptimalBrainSurgeon as ObsSelector
+from tests.conftest import COMMON, max_relative_logit_error, random_batches, tiny_model
+from tests.engine.test_experts import MOE, _blocks, _fused
+
+BATCHES = random_batches(COMMON["vocab_size"], count=2, batch=2, length=16)
+
+
+class _Recorder(NeuronSelector):
+    """Keeps the first neurons and remembers every problem it was given."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.problems: list[NeuronProblem] = []
+
+    def select(self, problem: NeuronProblem) -> NeuronChoice:
+        self.problems.append(problem)
+        return NeuronChoice(torch.arange(problem.keep))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_keeping_every_expert_neuron_changes_nothing(name: str) -> None:
+    original, model = _fused(name)
+    family = family_for(name)
+    width = mlp_neurons(model.config, family)
+    assert width == _blocks(model)[0].experts[0].down_proj.in_features  # the family names the experts' width
+    records = prune_mlp(model, family, BATCHES, width, ObsSelector(), feedback=0.5)
+    assert max_relative_logit_error(original, model, BATCHES) < 1e-5
+    assert len(records) == len(_blocks(model))  # the tiny Qwen3-MoE's dense layer keeps its width, unrecorded
+    tokens = sum(batch.input_ids.numel() for batch in BATCHES)
+    for record in records:
+        assert record.experts == 4 and record.tokens == tokens and record.feedback == 0.0
+        assert record.error_refit == pytest.approx(0.0, abs=1e-9)
+
+
+def test_each_expert_s_statistics_are_its_routed_tokens_weighed_by_their_weights() -> None:
+    """C_e = E[1{x→e} w² h hᵀ] and the activation E[1{x→e} w |h|] over every counted token,
+    computed here from the block's own routing on layer 0's input (nothing before it is pruned)."""
+    _, model = _fused("qwen3_moe")
+    block = _blocks(model)[0]
+    x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
+    chosen, weights = block.route(x)
+    expected = []
+    for e, expert in enumerate(block.experts):
+        routed = (chosen == e).any(-1)
+        w = (weights * (chosen == e)).sum(-1)[routed].double()
+        h = expert.activation(x[routed]).double() * w[:, None]
+        expected.append((int(routed.sum()), h.T @ h / x.shape[0], h.abs().sum(0) / x.shape[0]))
+    recorder = _Recorder()
+    records = prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, recorder, refit=False)
+    problems = [problem for problem in recorder.problems if problem.layer == 0]
+    assert [problem.expert for problem in problems] == [0, 1, 2, 3]
+    for problem, (tokens, C, activation) in zip(problems, expected, strict=True):
+        assert problem.tokens == tokens > 0
+        assert torch.allclose(problem.C, C, rtol=1e-5, atol=1e-12)
+        assert torch.allclose(problem.activation, activation, rtol=1e-5, atol=1e-12)
+    assert sum(tokens for tokens, _, _ in expected) == x.shape[0] * block.top_k
+    assert records[0].fewest_tokens == min(tokens for tokens, _, _ in expected)
+
+
+def _block_input(model: torch.nn.Module, block: RoutedExperts, batch) -> torch.Tensor:
+    """What `block` reads on `batch` (tokens × d)."""
+    captured = {}
+    handle = block.register_forward_pre_hook(lambda _, args: captured.setdefault("x", args[0]))
+    try:
+        with torch.no_grad():
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    finally:
+        handle.remove()
+    return captured["x"].reshape(-1, captured["x"].shape[-1])
+
+
+def test_the_reported_error_is_what_the_pruned_experts_leave_on_their_routed_tokens() -> None:
+    """error_refit = Σ_t Σ_{e∋t} w²‖W_e h − W'_e h_S‖² / Σ_t Σ_{e∋t} w²‖W_e h‖², measured on layer 0's
+    input with the pruned experts, and the refit leaves less than the kept weights as they were."""
+    _, model = _fused("qwen2_moe")
+    block = _blocks(model)[0]
+    x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
+    chosen, weights = block.route(x)
+    before = [copy.deepcopy(expert) for expert in block.experts]
+    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 12, Magnitude())
+    error = energy = 0.0
+    for e, (old, new) in enumerate(zip(before, block.experts, strict=True)):
+        routed = (chosen == e).any(-1)
+        w = (weights * (chosen == e)).sum(-1)[routed].double()[:, None]
+        target = old(x[routed]).double() * w
+        error += float(((target - new(x[routed]).double() * w) ** 2).sum())
+        energy += float((target**2).sum())
+    assert records[0].error_refit == pytest.approx(error / energy, rel=1e-4)
+    assert records[0].error_refit < records[0].error_dropped
+    assert block.experts[0].gate_up_proj.out_features == 24 and block.experts[0].down_proj.in_features == 12
+    assert block.shared_expert.down_proj.in_features == 48  # the shared expert keeps its width
+
+
+def test_an_expert_no_token_reached_keeps_its_largest_writers_as_they_were() -> None:
+    """No statistics: C_e = I, so the output-aware choice keeps the neurons whose down columns are
+    longest and the refit leaves their weights as they were."""
+    _, model = _fused("mixtral")
+    before = []
+    for block in _blocks(model):
+        router = block.router
+        block.router = torch.nn.Linear(router.in_features, router.out_features, dtype=router.weight.dtype)
+        block.router.weight.data, block.router.bias.data = router.weight.data, torch.tensor([0.0, 0.0, 0.0, -1e4])
+        block.router.requires_grad_(False)
+        before.append(block.experts[3].down_proj.weight.clone())
+    records = prune_mlp(model, family_for("mixtral"), BATCHES, 8, ObsSelector(), refit=True)
+    for record, block, down in zip(records, _blocks(model), before, strict=True):
+        assert record.fewest_tokens == 0
+        longest = torch.sort(torch.topk(down.norm(dim=0), 8).indices).values
+        assert torch.equal(block.experts[3].down_proj.weight, down[:, longest])
+
+
+def test_a_narrower_expert_model_is_the_family_s_own_class_with_a_smaller_width() -> None:
+    for name in ("qwen3_moe", "mixtral"):
+        _, model = _fused(name)
+        family = family_for(name)
+        prune_mlp(model, family, BATCHES, 8, ObsSelector())
+        config = with_mlp_width(model.config, family, 8)
+        stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        missing, unexpected = stock.load_state_dict(fused_experts_state(model.state_dict()), strict=False)
+        assert not unexpected and all(key.endswith("norm.weight") for key in missing)
+        assert stock.model.layers[0].mlp.experts.down_proj.shape[-1] == 8
+        assert max_relative_logit_error(model, stock, BATCHES) < 1e-5
+
+
+def test_keeping_more_neurons_than_an_expert_has_is_refused() -> None:
+    _, model = _fused("qwen3_moe")
+    with pytest.raises(UserError, match="cannot keep 33 of the 32 neurons of layer 0's experts"):
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 33, Magnitude())
+
+
+def test_fused_experts_the_family_has_not_prepared_stop_the_stage_instead_of_being_skipped() -> None:
+    model = tiny_model("qwen3_moe")  # its experts still the fused tensors of transformers' class
+    with pytest.raises(RuntimeError, match="layer 0's experts are fused"):
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, Magnitude())
