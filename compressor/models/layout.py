@@ -266,7 +266,13 @@ def expert_count(config: PretrainedConfig, family: ModelFamily) -> int:
 
 def kept_experts(config: PretrainedConfig, family: ModelFamily, kept: int) -> int:
     """`kept` checked against the layer's experts and the experts each token uses."""
-    total, top_k = expert_count(config, family), int(getattr(config, family.experts_per_token))
+    total, top_k = expert_count(config, family), getattr(config, family.experts_per_token, None)
+    if top_k is None:
+        raise UserError(
+            f"{config.model_type} models: the config has no '{family.experts_per_token}' (the family's "
+            f"ModelFamily.experts_per_token), so how many experts a token uses is unknown; name the config's key there"
+        )
+    top_k = int(top_k)
     if not top_k <= kept <= total:
         raise UserError(
             f"experts.kept {kept}: each token uses {top_k} of the {total} experts, so keep between {top_k} and {total}"

@@ -78,3 +78,17 @@ def test_the_tiny_moe_configs_route_to_several_of_several_experts() -> None:
         config = FAMILY_CONFIGS[name]
         experts = config.get("num_experts", config.get("num_local_experts"))
         assert experts > config["num_experts_per_tok"] >= 2
+
+
+def test_a_family_naming_a_missing_experts_per_token_key_is_refused_in_one_line() -> None:
+    """A plugin family whose `experts_per_token` is not in the config: a clear line, not an AttributeError."""
+    from dataclasses import replace
+
+    from compressor.errors import UserError
+    from compressor.models.layout import kept_experts
+
+    family = replace(family_for("qwen3_moe"), experts_per_token="experts_per_token")
+    config = tiny_model("qwen3_moe").config
+    assert kept_experts(config, family_for("qwen3_moe"), 3) == 3
+    with pytest.raises(UserError, match="the config has no 'experts_per_token'"):
+        kept_experts(config, family, 3)
