@@ -10,7 +10,7 @@ fewer tokens weighs less in the layer's error), and the selector's `activation` 
 1{x→e}·w_e·|h_e|. G is H of the stream the block writes to, the same for every expert. An expert
 no calibration token reached has no statistics: its problem takes C_e = I (under which the refit
 is the kept weights as they were, and an output-aware selector keeps the neurons that write the
-most). The router is untouched, so no token changes its experts, and a shared expert keeps its
+most) and its down-projection column norms as the activation (so does `magnitude`). The router is untouched, so no token changes its experts, and a shared expert keeps its
 width. There is no error feedback: each refit reproduces its own expert's output.
 
 Layers are visited by `engine.neurons.prune_mlp`, which calls `prune_expert_widths` for a layer
@@ -64,14 +64,14 @@ class _ExpertWidthMoments:
         width = self.total.shape[-1]
         routed = int(self.routed[index])
         if routed:
-            C = self.total[index] / self.tokens
-        else:
-            C = torch.eye(width, dtype=torch.float64, device=self.total.device)
+            C, activation = self.total[index] / self.tokens, self.magnitude[index] / self.tokens
+        else:  # what each neuron would write, for a selector that scores activations
+            C, activation = torch.eye(width, dtype=torch.float64, device=self.total.device), down.norm(dim=0)
         return NeuronProblem(
             layer=layer,
             keep=keep,
             C=C,
-            activation=self.magnitude[index] / self.tokens,
+            activation=activation,
             down=down,
             damping=damping * float(torch.diagonal(C).mean()),
             G=G,

@@ -34,8 +34,10 @@ class NeuronRecord:
     feedback: float = 0.0
     """The error feedback α the refit's target carried (0: the layer's own MLP output)."""
     experts: int = 0
-    """The routed experts that each kept `kept` of their `width` neurons (0: a dense MLP); the
-    errors are then over the block's routed output, every expert's weighed share summed."""
+    """The routed experts that each kept `kept` of their `width` neurons (0: a dense MLP). The
+    errors are then Σ_e E[1{x→e} w_e² ‖error_e‖²] / Σ_e E[1{x→e} w_e² ‖W_e h_e‖²]: each expert's
+    weighed error summed, which leaves out the cross terms between a token's experts (and the
+    shared expert), so it is not the block's own relative output error."""
     fewest_tokens: int | None = None
     """In a Mixture-of-Experts layer, the fewest calibration tokens routed to one expert."""
 

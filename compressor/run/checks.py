@@ -192,6 +192,11 @@ def _layout(
                 "mlp without mlp.kept chooses the split of the budget at uniform widths, but allocation.method "
                 "curves chooses widths per site; fix mlp.kept, or remove allocation"
             )
+        if recipe.experts is not None:
+            raise UserError(
+                "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed expert, "
+                "but experts removes some; fix mlp.kept (each expert's width), or remove experts"
+            )
         splits = tuple(
             split_layouts(
                 config,

@@ -167,8 +167,9 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     if checked.layout.mlp_width is not None and checked.selector is not None:
         family = checked.layout.family
         assert family.mlp_width is not None
+        what = "routed expert" if family.experts is not None else "MLP"
         found.checked.append(
-            f"mlp: every MLP keeps {checked.layout.mlp_width} of its "
+            f"mlp: every {what} keeps {checked.layout.mlp_width} of its "
             f"{getattr(checked.layout.config, family.mlp_width)} neurons ({checked.selector.name})"
         )
     if checked.chooses_split:

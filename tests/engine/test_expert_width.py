@@ -153,3 +153,18 @@ def test_fused_experts_the_family_has_not_prepared_stop_the_stage_instead_of_bei
     model = tiny_model("qwen3_moe")  # its experts still the fused tensors of transformers' class
     with pytest.raises(RuntimeError, match="layer 0's experts are fused"):
         prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, Magnitude())
+
+
+def test_an_expert_no_token_reached_scores_its_neurons_by_what_they_would_write() -> None:
+    """Magnitude reads the activation, which an unrouted expert has not: it gets the down
+    projection's column norms, so magnitude keeps the same neurons OBS does there."""
+    from compressor.engine.expert_width import _ExpertWidthMoments
+
+    moments = _ExpertWidthMoments(2, 6, torch.device("cpu"))
+    moments.tokens, moments.routed[0] = 10, 10.0
+    down = torch.randn(4, 6, dtype=torch.float64)
+    problem = moments.problem(1, 0, 3, down, 1e-2, None)
+    assert problem.tokens == 0 and torch.equal(problem.C, torch.eye(6, dtype=torch.float64))
+    assert torch.equal(problem.activation, down.norm(dim=0))
+    kept = Magnitude().select(problem).kept
+    assert set(kept.tolist()) == set(torch.topk(down.norm(dim=0), 3).indices.tolist())

@@ -102,7 +102,7 @@ def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_
     assert report["mlp"]["kept"] == width // 2 and report["mlp"]["of"] == width
     layers = report["mlp"]["layers"]
     assert len(layers) == len(report["experts"]["layers"])  # one record per MoE layer; a dense one keeps its width
-    assert all(layer["experts"] == 3 and layer["fewest_tokens"] >= 0 for layer in layers)
+    assert all(layer["experts"] == 3 and layer["fewest_tokens"] > 0 for layer in layers)  # every kept expert used
     saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert saved[key] == width // 2 and saved["num_experts"] == 3
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
@@ -146,6 +146,26 @@ def test_bad_expert_settings_are_one_line_and_write_nothing(
     recipe = write_recipe(tmp_path, checkpoint, experts=experts)
     capsys.readouterr()  # saving the checkpoint may have shown progress
     assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("mlp", "message"),
+    [
+        ({}, "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed expert"),
+        ({"kept": 40}, "mlp.kept 40 keeps 40 of the MLP's 32 neurons; keep between 1 and 32"),
+    ],
+)
+def test_bad_expert_width_settings_are_one_line_and_write_nothing(
+    mlp: dict, message: str, moe_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Choosing the split by trials that keep every expert would measure models the run never
+    saves; an expert width above the experts' own is refused before work."""
+    recipe = write_recipe(tmp_path, moe_checkpoint, experts={"kept": 3}, mlp=mlp)
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -54,7 +54,9 @@ class PruneMlp(Stage):
         settings, fp = footprint.settings, footprint
         if settings.mlp_feedback is None or not fp.f:
             return []
-        copies = 2 if settings.mlp_feedback > 0 else 1
+        family = fp.layout.family
+        feedback = settings.mlp_feedback > 0 and family.mlp_post_norm is None and family.experts is None
+        copies = 2 if feedback else 1  # the reference stream, where feedback applies (`prune_mlp`)
         # one layer, one batch's stream and MLP activation, and at the peak three f×f float64 matrices
         # (C, C + δI and its inverse while obs inverts it), the down projection and its refit (d×f float64)
         tokens = fp.batch * fp.seq_len
