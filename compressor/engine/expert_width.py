@@ -27,7 +27,7 @@ from torch import nn
 from compressor.engine.calibration import LayerInputs
 from compressor.engine.experts import feed_counted
 from compressor.engine.parallel import Ranks
-from compressor.engine.refit import NeuronRecord, RefitTarget, checked_neurons, drop_neurons, output_error, refit_down
+from compressor.engine.refit import NeuronRecord, RefitTarget, choose_neurons, drop_neurons, output_error, refit_down
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.strategies.neuron_contract import NeuronProblem, NeuronSelector
@@ -109,13 +109,7 @@ def prune_expert_widths(
     for number, expert in enumerate(block.experts):
         W = expert.down_proj.weight.detach().to(device, torch.float64)
         problem = stats.problem(number, index, keep, W, damping, G)
-        choice = selector.select(problem)
-        kept = checked_neurons(choice, selector, problem).to(device)
-        if not ranks.agree(kept):
-            raise RuntimeError(
-                f"layer {index}, expert {number}: the processes chose different neurons from the same statistics "
-                f"(selector '{selector.name}' is not deterministic across devices)"
-            )
+        choice, kept = choose_neurons(selector, problem, ranks)
         plain = W[:, kept]
         fitted = refit_down(W, problem.C, kept, problem.damping) if refit else None
         if problem.tokens:  # an unrouted expert adds nothing to the block's output on these tokens

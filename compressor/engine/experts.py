@@ -39,7 +39,7 @@ from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.models.families import ModelFamily
-from compressor.models.sliced import SlicedDecoderLayer, family_mlp
+from compressor.models.sliced import layer_mlp
 from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, ExpertSelector
 
 Progress = Callable[[str, int, int], None]
@@ -125,7 +125,7 @@ def protected_experts(
 
 def moe_block(layer: nn.Module, family: ModelFamily) -> RoutedExperts | None:
     """The layer's routed-experts block (None: a dense layer, e.g. Qwen3-MoE's `mlp_only_layers`)."""
-    mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+    mlp = layer_mlp(family, layer)
     return mlp if isinstance(mlp, RoutedExperts) else None
 
 
@@ -282,21 +282,31 @@ def feed_counted(
     device: torch.device,
     add: Callable[[torch.Tensor], None],
 ) -> None:
-    """Run the layer on every stored batch, handing `add` the counted tokens (each batch's mask) of
-    `block`'s input, n × d."""
+    """Run the layer on every stored batch up to `block`, handing `add` the counted tokens (each
+    batch's mask) of its input, n × d; the block and what follows it do not run (nothing reads
+    their output here)."""
     current: dict[str, Any] = {}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x, mask = args[0], current["mask"]
         add(counted_rows(x.reshape(*mask.shape, x.shape[-1]), mask, current["count"]))
+        raise _BlockReached
 
     handle = block.register_forward_pre_hook(record)
     try:
         for b in range(len(inputs)):
             current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+            try:
+                layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+            except _BlockReached:
+                continue
+            raise RuntimeError(f"layer {index} never called its MoE block")
     finally:
         handle.remove()
+
+
+class _BlockReached(Exception):
+    """Raised by `feed_counted`'s hook once the block's input is taken: the rest of the layer is not needed."""
 
 
 def windows_for(tokens: int, fewest: int, windows: int) -> int:

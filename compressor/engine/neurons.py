@@ -53,7 +53,7 @@ from compressor.engine.parallel import Ranks
 from compressor.engine.refit import (
     NeuronRecord,
     RefitTarget,
-    checked_neurons,
+    choose_neurons,
     drop_neurons,
     output_error,
     refit_down,
@@ -61,7 +61,7 @@ from compressor.engine.refit import (
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts, is_fused_experts
 from compressor.models.families import ModelFamily
-from compressor.models.sliced import SlicedDecoderLayer, family_mlp
+from compressor.models.sliced import layer_mlp
 from compressor.strategies.neuron_contract import NeuronProblem, NeuronSelector
 
 Progress = Callable[[str, int, int], None]
@@ -69,7 +69,7 @@ Progress = Callable[[str, int, int], None]
 
 def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear], nn.Linear]:
     """The layer's MLP input linears (they compute h) and its output linear (it reads h)."""
-    mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+    mlp = layer_mlp(family, layer)
     inputs = [mlp.get_submodule(path) for path in family.mlp_inputs]
     output = mlp.get_submodule(family.mlp_output)
     if not all(isinstance(m, nn.Linear) for m in (*inputs, output)):
@@ -167,7 +167,7 @@ def prune_mlp(
     try:
         for index, layer in visit_layers(model, family, device):
             report(f"MLP neurons: layer {index + 1}/{layers}", index, layers)
-            mlp = layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+            mlp = layer_mlp(family, layer)
             G = None if sensitivity is None else sensitivity[index]
             if isinstance(mlp, RoutedExperts):
                 records.append(
@@ -272,13 +272,7 @@ def _prune_dense(
         G=None if G is None else G.to(device, torch.float64),
         tokens=stats.moment.tokens,
     )
-    choice = selector.select(problem)
-    kept = checked_neurons(choice, selector, problem).to(device)
-    if not ranks.agree(kept):
-        raise RuntimeError(
-            f"layer {index}: the processes chose different neurons from the same statistics "
-            f"(selector '{selector.name}' is not deterministic across devices)"
-        )
+    choice, kept = choose_neurons(selector, problem, ranks)
     plain = W[:, kept]
     refitted = refit_down(problem.down, C, kept, delta) if refit else None
     record = NeuronRecord(

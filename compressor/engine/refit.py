@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector
 
@@ -94,6 +95,20 @@ def drop_neurons(inputs: list[nn.Linear], output: nn.Linear, kept: torch.Tensor,
         linear.out_features = len(rows)
     output.weight = nn.Parameter(down.to(output.weight.device, output.weight.dtype).contiguous(), requires_grad=False)
     output.in_features = len(kept)
+
+
+def choose_neurons(selector: NeuronSelector, problem: NeuronProblem, ranks: Ranks) -> tuple[NeuronChoice, torch.Tensor]:
+    """The selector's choice for `problem` and its kept neurons (sorted, on the problem's device),
+    checked, and the same on every rank (data-parallel: each chose alone from summed statistics)."""
+    choice = selector.select(problem)
+    kept = checked_neurons(choice, selector, problem).to(problem.C.device)
+    if not ranks.agree(kept):
+        where = f"layer {problem.layer}" + ("" if problem.expert is None else f", expert {problem.expert}")
+        raise RuntimeError(
+            f"{where}: the processes chose different neurons from the same statistics "
+            f"(selector '{selector.name}' is not deterministic across devices)"
+        )
+    return choice, kept
 
 
 def checked_neurons(choice: NeuronChoice, selector: NeuronSelector, problem: NeuronProblem) -> torch.Tensor:

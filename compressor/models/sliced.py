@@ -206,6 +206,11 @@ def _resize(module: nn.Module, **features: int) -> None:
         )
 
 
+def layer_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
+    """The MLP module of a decoder layer, wrapped by the engine (`SlicedDecoderLayer`) or as the family has it."""
+    return layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
+
+
 def family_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
     """The layer's MLP module (built from the layer's own linears where the family says so)."""
     return family.build_mlp(layer) if family.build_mlp is not None else layer.get_submodule(family.mlp)
