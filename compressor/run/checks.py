@@ -17,7 +17,7 @@ from compressor.engine.pooling import PipelineStep, required_statistics
 from compressor.engine.streaming import cannot_stream
 from compressor.errors import UserError
 from compressor.models.families import family_for
-from compressor.models.layout import SlicedLayout, sliced_layout
+from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
 from compressor.models.split import split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
@@ -193,6 +193,7 @@ def _layout(
                 "curves chooses widths per site; fix mlp.kept, or remove allocation"
             )
         if recipe.experts is not None:
+            expert_count(config, family)  # a family without routed experts says so first
             raise UserError(
                 "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed expert, "
                 "but experts removes some; fix mlp.kept (each expert's width), or remove experts"

@@ -152,18 +152,21 @@ def test_bad_expert_settings_are_one_line_and_write_nothing(
 
 
 @pytest.mark.parametrize(
-    ("mlp", "message"),
+    ("mlp", "family", "message"),
     [
-        ({}, "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed expert"),
-        ({"kept": 40}, "mlp.kept 40 keeps 40 of the MLP's 32 neurons; keep between 1 and 32"),
+        ({}, "qwen3_moe", "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed"),
+        ({}, "llama", "llama models have no routed experts this family describes"),
+        ({"kept": 40}, "qwen3_moe", "mlp.kept 40 keeps 40 of the MLP's 32 neurons; keep between 1 and 32"),
     ],
 )
 def test_bad_expert_width_settings_are_one_line_and_write_nothing(
-    mlp: dict, message: str, moe_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    mlp: dict, family: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Choosing the split by trials that keep every expert would measure models the run never
-    saves; an expert width above the experts' own is refused before work."""
-    recipe = write_recipe(tmp_path, moe_checkpoint, experts={"kept": 3}, mlp=mlp)
+    saves (a model without experts is told that first); an expert width above the experts' own is
+    refused before work."""
+    checkpoint = save_tiny_checkpoint(tmp_path / family, family)
+    recipe = write_recipe(tmp_path, checkpoint, experts={"kept": 3}, mlp=mlp)
     capsys.readouterr()
     assert main(["run", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
