@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             f"({' + '.join(s.strategy for s in recipe.pipeline)}"
             f"{', refined on KL' if recipe.refinement else ''}"
             f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
-            f"{budget_label(recipe.sparsity, recipe.target_params)}"
+            f"{budget_label(recipe.sparsity, recipe.target_params, recipe.target_active_params)}"
             f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
             + "".join(f"\n  {line}" for line in found.lines()),
             soft_wrap=True,

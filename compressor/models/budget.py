@@ -25,7 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from compressor.errors import UserError
-from compressor.models.families import ModelFamily, stream_reader
+from compressor.models.families import ModelFamily, is_routed_parameter, stream_reader
 from compressor.models.sites import layout, site_ids
 from compressor.models.sliced import apply_slicing_layout
 
@@ -50,6 +50,12 @@ class ParamModel:
     embedding_constant: int = 0
     embedding_linear: Mapping[str, int] = field(default_factory=dict)
     """The embedding tables' share of `constant` and `linear` (their parameters at any widths)."""
+    routed_constant: int = 0
+    routed_linear: Mapping[str, int] = field(default_factory=dict)
+    """The routed experts' share of `constant` and `linear` (`families.is_routed_parameter`): of
+    these a token uses top_k in every layer's experts (`active`)."""
+    routed: int = 0
+    """Parameters of the original's routed experts."""
 
     def count(self, widths: Mapping[str, int]) -> int:
         return (
@@ -60,6 +66,30 @@ class ParamModel:
 
     def transition_params(self, widths: Mapping[str, int]) -> int:
         return sum(widths[s] * widths[t] for s, t in self.transitions)
+
+    def active(self, top_k: int, experts: int, original_experts: int) -> ParamModel:
+        """The polynomial of the parameters one token uses (`target_active_params`): this model's
+        routed experts (`experts` per layer) count `top_k` of `experts`, the original's (`routed`,
+        `original_experts` per layer) `top_k` of theirs; the router and everything else counts whole.
+        Exact: every routed expert of a layer has the same shape, so each share divides evenly."""
+
+        def used(routed: int, of: int) -> int:
+            share, rest = divmod(routed * top_k, of)
+            assert not rest, "every routed expert has the same parameters"
+            return share
+
+        return dataclasses.replace(
+            self,
+            constant=self.constant - self.routed_constant + used(self.routed_constant, experts),
+            linear={
+                s: self.linear[s] - self.routed_linear.get(s, 0) + used(self.routed_linear.get(s, 0), experts)
+                for s in self.sites
+            },
+            original=self.original - self.routed + used(self.routed, original_experts),
+            routed_constant=used(self.routed_constant, experts),
+            routed_linear={s: used(n, experts) for s, n in self.routed_linear.items()},
+            routed=used(self.routed, original_experts),
+        )
 
     def without_embedding(self) -> ParamModel:
         """The polynomial of the non-embedding parameters (`budget: non_embedding`): the same model
@@ -124,7 +154,7 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
     config = AutoConfig.for_model(**json.loads(config_json))
     ids = site_ids(family, config.num_hidden_layers)
     model = _meta_model(config)
-    original = _count(model)
+    original, routed = _count(model), routed_params(model, family)
     embedding = sum(table.numel() for table in embedding_tables(model, family))
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}
     widths = {site: width for width, site in markers.items()}
@@ -132,7 +162,9 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
     tables = {id(table) for table in embedding_tables(model, family)}
     constant, linear, transitions = 0, dict.fromkeys(ids, 0), []
     embedding_constant, embedding_linear = 0, dict.fromkeys(ids, 0)
+    routed_constant, routed_linear = 0, dict.fromkeys(ids, 0)
     for name, parameter in model.named_parameters():
+        in_experts = is_routed_parameter(family, name)
         dims = [markers.get(int(size), int(size)) for size in parameter.shape]
         marked = [d for d in dims if isinstance(d, str)]
         rest = 1
@@ -144,9 +176,11 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
         if not marked:
             constant += rest
             embedding_constant += rest if id(parameter) in tables else 0
+            routed_constant += rest if in_experts else 0
         elif len(marked) == 1:
             linear[marked[0]] += rest
             embedding_linear[marked[0]] += rest if id(parameter) in tables else 0
+            routed_linear[marked[0]] += rest if in_experts else 0
         else:
             pair = tuple(sorted(marked, key=ids.index))
             consecutive = ids.index(pair[1]) == ids.index(pair[0]) + 1
@@ -163,7 +197,15 @@ def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...],
         embedding=embedding,
         embedding_constant=embedding_constant,
         embedding_linear=embedding_linear,
+        routed_constant=routed_constant,
+        routed_linear=routed_linear,
+        routed=routed,
     )
+
+
+def routed_params(model: torch.nn.Module, family: ModelFamily) -> int:
+    """Parameters of `model`'s routed experts (0 for a family without them)."""
+    return sum(p.numel() for name, p in model.named_parameters() if is_routed_parameter(family, name))
 
 
 def embedding_tables(model: torch.nn.Module, family: ModelFamily) -> list[torch.nn.Parameter]:
@@ -172,25 +214,34 @@ def embedding_tables(model: torch.nn.Module, family: ModelFamily) -> list[torch.
 
 
 def widest_uniform(
-    params: ParamModel, budget: int, round_to: int, uniform: Callable[[int], dict[str, int]]
+    params: ParamModel,
+    budget: int,
+    round_to: int,
+    uniform: Callable[[int], dict[str, int]],
+    active: tuple[ParamModel, int] | None = None,
 ) -> dict[str, int]:
     """The widest uniform widths, `uniform(kept)` for a multiple `kept` of `round_to`, whose sliced
-    model has at most `budget` parameters; a UserError if even the narrowest has more."""
+    model has at most `budget` parameters (and, with `active`, at most its budget of parameters per
+    token by its polynomial); a UserError naming the limit even the narrowest breaks."""
+    limits = [(params, budget, "target_params")] + ([(active[0], active[1], "target_active_params")] if active else [])
     kept = params.hidden_size - params.hidden_size % round_to
     while kept > 0:
         widths = uniform(kept)
-        if params.count(widths) <= budget:
+        if all(model.count(widths) <= most for model, most, _ in limits):
             return widths
         kept -= round_to
-    smallest = params.count(uniform(round_to))
-    reachable = math.ceil(1000 * smallest / params.original) / 1000
+    narrowest = uniform(round_to)
+    model, most, key = next(limit for limit in limits if limit[0].count(narrowest) > limit[1])
+    smallest = model.count(narrowest)
+    what = "parameters per token" if key == "target_active_params" else "parameters"
+    reachable = math.ceil(1000 * smallest / model.original) / 1000
     fix = (
-        f"raise target_params to at least {reachable:g}, or "
+        f"raise {key} to at least {reachable:g}, or "
         if reachable <= 1
-        else "no target_params is reachable while the head's input is kept whole: "
+        else "no target is reachable while the head's input is kept whole: "
     )
     raise UserError(
-        f"no uniform width reaches {budget:,} parameters ({budget / params.original:.1%} of the "
-        f"original): the narrowest model (width {round_to}) has {smallest:,} ({smallest / params.original:.1%}); "
+        f"no uniform width reaches {most:,} {what} ({most / model.original:.1%} of the original's): the "
+        f"narrowest model (width {round_to}) has {smallest:,} ({smallest / model.original:.1%}); "
         f"{fix}set slicing.slice_head: true (or, for a tied model, slicing.tie_head: true)"
     )

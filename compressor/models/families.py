@@ -76,6 +76,10 @@ class ModelFamily:
     prunes); None: the family has none."""
     experts_per_token: str = "num_experts_per_tok"
     """Config attribute of how many experts each token is routed to."""
+    routed_experts: str = "experts"
+    """The MoE block's child that holds the routed experts: of its parameters a token uses only
+    `experts_per_token` in `experts` (what active parameters count; the router and a shared expert
+    are used whole)."""
     norm_eps: str = "rms_norm_eps"
     norm_offset: float = 0.0
     """The norm multiplies by (offset + weight): 0 for Llama, 1 for Gemma's (1 + w)."""
@@ -247,6 +251,11 @@ def stream_writers(model: nn.Module, family: ModelFamily) -> tuple[nn.Module | N
     projection = optional_module(model, family.input_projection)
     paths = ((family.embedding,) if projection is None else ()) + family.extra_embeddings
     return projection, [model.get_submodule(path) for path in paths]
+
+
+def is_routed_parameter(family: ModelFamily, name: str) -> bool:
+    """`name` (a parameter's path) lies under a layer's routed experts (`ModelFamily.routed_experts`)."""
+    return family.experts is not None and f".{family.mlp}.{family.routed_experts}." in f".{name}"
 
 
 def stream_reader(model: nn.Module, family: ModelFamily) -> nn.Module:

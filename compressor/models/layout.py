@@ -60,6 +60,11 @@ class SlicedLayout:
     kept_stream: str | None = None
     """Why the stream keeps its basis and width and only the MLP is pruned, with no walk (a global
     layout whose class cannot hold a rotated stream: `models.mlp_only`); None: the walk rotates it."""
+    active: ParamModel | None = None
+    """The parameters one token uses, of any choice of widths (`ParamModel.active`): a model with
+    routed experts counts top_k of each layer's; None for a model without them."""
+    active_budget: int | None = None
+    """The most parameters per token the pruned model may use (`target_active_params`); None: no limit."""
 
     @property
     def residual(self) -> bool:
@@ -70,6 +75,13 @@ class SlicedLayout:
     def counted(self) -> ParamModel:
         """The parameter polynomial `budget` is in: `params`, or it less the embedding tables."""
         return self.params.without_embedding() if self.counts == "non_embedding" else self.params
+
+    @property
+    def counted_active(self) -> ParamModel | None:
+        """The active-parameter polynomial `active_budget` is in (`counted`'s, per token)."""
+        if self.active is None:
+            return None
+        return self.active.without_embedding() if self.counts == "non_embedding" else self.active
 
     @property
     def reused(self) -> tuple[str, ...]:
@@ -123,6 +135,7 @@ def sliced_layout(
     round_to: int = 1,
     sparsity: float | None = None,
     target_params: float | None = None,
+    target_active_params: float | None = None,
     allocated: bool = False,
     mlp_kept: float | None = None,
     mlp_round_to: int = 1,
@@ -134,8 +147,9 @@ def sliced_layout(
     widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
     fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
     and the residual widths take what the budget leaves; with `experts` every MoE layer keeps that
-    many routed experts, likewise. `counts`: `non_embedding` counts
-    `target_params` without the embedding tables. Loads no weights."""
+    many routed experts, likewise. `target_active_params` (with or without `target_params`) limits
+    the parameters one token uses (a model with routed experts). `counts`: `non_embedding` counts
+    either target without the embedding tables. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
@@ -166,7 +180,13 @@ def sliced_layout(
     if mlp_width is not None or experts is not None:  # every variant pruned so; `original` stays the original's
         reduced = config if mlp_width is None else with_mlp_width(config, family, mlp_width)
         reduced = reduced if experts is None else with_experts(reduced, family, experts)
-        params = dataclasses.replace(param_model_of(reduced), original=params.original)
+        params = dataclasses.replace(param_model_of(reduced), original=params.original, routed=params.routed)
+    active = active_model(config, family, params, experts)
+    if target_active_params is not None and active is None:
+        raise UserError(
+            f"target_active_params counts the parameters a token uses, but {config.model_type} models route "
+            f"no token to some experts only (every parameter is active); give target_params instead"
+        )
 
     def uniform(kept: int) -> dict[str, int]:
         return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
@@ -174,11 +194,18 @@ def sliced_layout(
     required = width_multiple(config, family) if one_basis else 1  # the stock class's own demand
 
     counted = params.without_embedding() if counts == "non_embedding" else params
+    counted_active = None if active is None or counts != "non_embedding" else active.without_embedding()
+    counted_active = counted_active or active
+    active_budget = None
+    if target_active_params is not None:
+        assert counted_active is not None
+        active_budget = int(target_active_params * counted_active.original)
+    limit = None if active_budget is None else (counted_active, active_budget)
 
     def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
         step = math.lcm(round_to, required)
-        widths = widest_uniform(counted, budget, step, uniform)
-        exact = widest_uniform(counted, budget, required, uniform)
+        widths = widest_uniform(counted, budget, step, uniform, limit)
+        exact = widest_uniform(counted, budget, required, uniform, limit)
         return widths, {
             "round_to": round_to,
             "class_multiple": required,
@@ -198,9 +225,9 @@ def sliced_layout(
         if shared or tied or one_basis or mlp_width is not None or experts is not None:  # fewer parameters: more width
             widths, rounding = widest(budget)
     else:
-        if target_params is None:
-            raise ValueError("give a sparsity or a target_params")
-        budget = int(target_params * counted.original)
+        if target_params is None and target_active_params is None:
+            raise ValueError("give a sparsity, a target_params or a target_active_params")
+        budget = int((1.0 if target_params is None else target_params) * counted.original)
         widths, rounding = widest(budget)
     return SlicedLayout(
         family=family,
@@ -217,7 +244,21 @@ def sliced_layout(
         mlp_width=mlp_width,
         experts=experts,
         counts=counts,
+        active=active,
+        active_budget=active_budget,
     )
+
+
+def active_model(
+    config: PretrainedConfig, family: ModelFamily, params: ParamModel, experts: int | None
+) -> ParamModel | None:
+    """`params`' polynomial of the parameters one token uses, where each MoE layer keeps `experts`
+    routed experts (None: all); None for a model without routed experts."""
+    if family.experts is None or getattr(config, family.experts, None) is None or not params.routed:
+        return None
+    total = expert_count(config, family)
+    top_k = int(getattr(config, family.experts_per_token, None) or total)
+    return params.active(top_k, experts or total, total)
 
 
 def kept_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, round_to: int = 1) -> int:

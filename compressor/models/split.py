@@ -63,10 +63,27 @@ def _most_neurons(
     alone: SlicedLayout, narrow: SlicedLayout, widths: dict[str, int], low: int, width: int, round_to: int
 ) -> int:
     """The most neurons (a multiple of `round_to`, at most `width`) the budget allows at residual
-    `widths`: a model's parameters are affine in its MLP's width, so the counts with all neurons
-    (`alone`'s polynomial) and with `low` (`narrow`'s) give every other."""
-    at_full, at_low = alone.counted.count(widths), narrow.counted.count(widths)
-    if at_full == at_low:  # no MLP parameters to give
-        return width if at_full <= alone.budget else -1
-    most = low + (alone.budget - at_low) * (width - low) // (at_full - at_low)
-    return min(width, most // round_to * round_to)
+    `widths`: a model's parameters (and those a token uses) are affine in its MLP's width, so the
+    counts with all neurons (`alone`'s polynomial) and with `low` (`narrow`'s) give every other."""
+    limits = [(alone.counted, narrow.counted, alone.budget)]
+    if alone.active_budget is not None:
+        assert alone.counted_active is not None and narrow.counted_active is not None
+        limits.append((alone.counted_active, narrow.counted_active, alone.active_budget))
+    most = width
+    for full_model, low_model, budget in limits:
+        at_full, at_low = full_model.count(widths), low_model.count(widths)
+        if at_full == at_low:  # no MLP parameters to give
+            most = most if at_full <= budget else -1
+        else:
+            most = min(most, low + (budget - at_low) * (width - low) // (at_full - at_low))
+    return min(width, most // round_to * round_to) if most >= 0 else -1
+
+
+def expert_counts(total: int, top_k: int, min_kept: float, candidates: int) -> list[int]:
+    """Up to `candidates` expert counts, evenly spaced from `total` (every expert, first) down to
+    `min_kept` of them, never below `top_k` (the experts a token uses)."""
+    low = max(top_k, math.ceil(min_kept * total))
+    if candidates < 2 or low >= total:
+        return [total]
+    steps = min(candidates - 1, total - low)
+    return sorted({total - round(i * (total - low) / steps) for i in range(steps + 1)}, reverse=True)

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from compressor.errors import UserError
-from compressor.models.budget import ParamModel, embedding_tables
+from compressor.models.budget import ParamModel, embedding_tables, routed_params
 from compressor.models.families import ModelFamily, stream_writers
 from compressor.models.sites import EMBEDDING, site_ids
 
@@ -89,10 +89,18 @@ def width_multiple(config: PretrainedConfig, family: ModelFamily) -> int:
 
 def meta_params(config: PretrainedConfig, family: ModelFamily | None = None) -> tuple[int, int]:
     """Parameters of `config`'s model (tied weights once) and of its embedding tables (`family`'s)."""
+    counts = _meta_counts(config, family)
+    return counts[0], counts[1]
+
+
+def _meta_counts(config: PretrainedConfig, family: ModelFamily | None) -> tuple[int, int, int]:
+    """Parameters of `config`'s model, of its embedding tables and of its routed experts."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tables = 0 if family is None else sum(table.numel() for table in embedding_tables(model, family))
-    return sum(p.numel() for p in model.parameters()), tables
+    if family is None:
+        return sum(p.numel() for p in model.parameters()), 0, 0
+    tables = sum(table.numel() for table in embedding_tables(model, family))
+    return sum(p.numel() for p in model.parameters()), tables, routed_params(model, family)
 
 
 def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool) -> ParamModel:
@@ -102,28 +110,35 @@ def stock_param_model(config: PretrainedConfig, family: ModelFamily, tied: bool)
     exact and there are no transitions."""
     d = config.hidden_size
     low = max(1, d // 2)
-    (high_count, high_tables), (low_count, low_tables) = (
-        meta_params(stock_config(config, family, d, tied), family),
-        meta_params(stock_config(config, family, low, tied), family),
+    high, at_low = (
+        _meta_counts(stock_config(config, family, d, tied), family),
+        _meta_counts(stock_config(config, family, low, tied), family),
     )
-    slope, rest = divmod(high_count - low_count, d - low) if d != low else (high_count, 0)
-    table_slope, table_rest = divmod(high_tables - low_tables, d - low) if d != low else (high_tables, 0)
-    if rest or table_rest:
-        raise RuntimeError(f"{config.model_type}: the stock model's parameters are not linear in its width")
+    slopes = []
+    for high_part, low_part in zip(high, at_low, strict=True):  # all, the embedding tables, the routed experts
+        slope, rest = divmod(high_part - low_part, d - low) if d != low else (high_part, 0)
+        if rest:
+            raise RuntimeError(f"{config.model_type}: the stock model's parameters are not linear in its width")
+        slopes.append(slope)
     ids = site_ids(family, config.num_hidden_layers)
-    linear = {site: 0 for site in ids}
-    linear[EMBEDDING] = slope
-    original, tables = meta_params(config, family)
+
+    def on_embedding(slope: int) -> dict[str, int]:
+        return {site: slope if site == EMBEDDING else 0 for site in ids}
+
+    original, tables, routed = _meta_counts(config, family)
     return ParamModel(
         sites=tuple(ids),
-        constant=high_count - slope * d,
-        linear=linear,
+        constant=high[0] - slopes[0] * d,
+        linear=on_embedding(slopes[0]),
         transitions=(),
         original=original,
         hidden_size=d,
         embedding=tables,
-        embedding_constant=high_tables - table_slope * d,
-        embedding_linear={EMBEDDING: table_slope},
+        embedding_constant=high[1] - slopes[1] * d,
+        embedding_linear={EMBEDDING: slopes[1]},
+        routed_constant=high[2] - slopes[2] * d,
+        routed_linear=on_embedding(slopes[2]),
+        routed=routed,
     )
 
 

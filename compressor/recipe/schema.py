@@ -64,6 +64,12 @@ class Recipe:
     )
     """Instead of `sparsity`: the pruned model's parameters as a fraction of the original's,
     transitions and the (untied) head counted."""
+    target_active_params: (
+        Annotated[Number, described("the fraction of the original's parameters per token kept", gt=0, le=1)] | None
+    ) = None
+    """Instead of `sparsity`, alone or beside `target_params`: a Mixture-of-Experts model's
+    parameters used per token (each layer's top-k routed experts, the router, everything else) as
+    a fraction of the original's; the pruned model keeps within both targets."""
     budget: Literal["all", "non_embedding"] = "all"
     """Which parameters `target_params` counts: all of them, or all but the token and position
     embedding tables (how small-model users read "25% smaller": Gemma 3 270M is 63% embedding).
@@ -168,13 +174,20 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
 
 
 def _check_budget(recipe: Recipe) -> None:
-    """One budget: a sparsity or a parameter target, and `budget` only with the target it qualifies."""
-    if (recipe.sparsity is None) == (recipe.target_params is None):
+    """One budget: a sparsity or parameter targets (total, per token or both), and `budget` only
+    with the targets it qualifies."""
+    targets = recipe.target_params is not None or recipe.target_active_params is not None
+    if recipe.sparsity is not None and targets:
+        raise UserError(
+            "give one of sparsity (the fraction of the hidden width removed) or parameter targets "
+            "(target_params, target_active_params), not both; remove sparsity"
+        )
+    if recipe.sparsity is None and not targets:
         raise UserError(
             "give one of sparsity (the fraction of the hidden width removed, e.g. 0.25) or "
             "target_params (the fraction of the original's parameters kept, e.g. 0.75)"
         )
-    if recipe.budget != "all" and recipe.target_params is None:
+    if recipe.budget != "all" and not targets:
         raise UserError(
             f"budget: {recipe.budget} says which parameters target_params counts, but this recipe gives a "
             f"sparsity; set target_params instead, or remove budget"

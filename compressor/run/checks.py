@@ -19,10 +19,11 @@ from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
-from compressor.models.split import split_layouts
+from compressor.models.split import expert_counts, split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
+from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
 from compressor.strategies.expert_contract import ExpertSelector
@@ -160,6 +161,7 @@ def _layout(
         round_to=slicing.round_to,
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
+        target_active_params=recipe.target_active_params,
         allocated=recipe.allocation.method == "curves",
         experts=recipe.experts.kept if recipe.experts is not None else None,
         counts=recipe.budget,
@@ -171,6 +173,16 @@ def _layout(
         raise UserError(
             f"experts: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
             f"expert pruning does not run with yet; set slicing.layout: per_site"
+        )
+    if reason is not None and recipe.target_active_params is not None:
+        raise UserError(
+            f"target_active_params: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), "
+            f"where only target_params is counted yet; give target_params, or set slicing.layout: per_site"
+        )
+    if recipe.target_active_params is not None and recipe.allocation.method == "curves":
+        raise UserError(
+            "target_active_params: allocation.method curves allocates widths under target_params alone; "
+            "give target_params, or remove allocation"
         )
     if reason is not None:
         layout = mlp_only_layout(
@@ -186,29 +198,8 @@ def _layout(
             counts=recipe.budget,
         )
         check_mlp_alone(recipe, layout)
-    elif mlp is not None and mlp.kept is None:
-        if recipe.allocation.method == "curves":
-            raise UserError(
-                "mlp without mlp.kept chooses the split of the budget at uniform widths, but allocation.method "
-                "curves chooses widths per site; fix mlp.kept, or remove allocation"
-            )
-        if recipe.experts is not None:
-            expert_count(config, family)  # a family without routed experts says so first
-            raise UserError(
-                "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed expert, "
-                "but experts removes some; fix mlp.kept (each expert's width), or remove experts"
-            )
-        splits = tuple(
-            split_layouts(
-                config,
-                family,
-                families.values(),
-                min_kept=mlp.min_kept,
-                candidates=mlp.candidates,
-                mlp_round_to=mlp.round_to,
-                **options,
-            )
-        )
+    elif (mlp is not None and mlp.kept is None) or (recipe.experts is not None and recipe.experts.kept is None):
+        splits = _splits(recipe, config, family, families, options)
         layout = splits[0]
     else:
         layout = sliced_layout(
@@ -220,6 +211,66 @@ def _layout(
             **options,
         )
     return layout, splits
+
+
+def _splits(
+    recipe: Recipe, config: PretrainedConfig, family: Any, families: dict[str, Any], options: dict[str, Any]
+) -> tuple[SlicedLayout, ...]:
+    """The candidates the run measures when `mlp` or `experts` leaves its count open: for each expert
+    count (`experts.kept`, or the counts `models.split.expert_counts` spaces), the MLP's splits of
+    the budget (`mlp` without `kept`) or the one layout its fixed width leaves; every expert kept
+    first (None), so the first candidate prunes the residual width alone (or with the fixed MLP)."""
+    mlp, experts = recipe.mlp, recipe.experts
+    if recipe.allocation.method == "curves":
+        keys = " and ".join(
+            f"{name}.kept" for name, spec in (("mlp", mlp), ("experts", experts)) if spec and not spec.kept
+        )
+        raise UserError(
+            f"without {keys} the run chooses the split of the budget at uniform widths, but allocation.method "
+            f"curves chooses widths per site; fix {keys}, or remove allocation"
+        )
+    counts: list[int | None] = [None]
+    if experts is not None and experts.kept is not None:
+        counts = [experts.kept]
+    elif experts is not None:
+        total = expert_count(config, family)
+        top_k = int(getattr(config, family.experts_per_token, None) or total)
+        counts = [
+            None if count == total else count
+            for count in expert_counts(total, top_k, experts.min_kept, experts.candidates)
+        ]
+    splits: list[SlicedLayout] = []
+    refusal: UserError | None = None
+    for count in counts:
+        fixed = {**options, "experts": count}
+        try:
+            if mlp is not None and mlp.kept is None:
+                splits += split_layouts(
+                    config,
+                    family,
+                    families.values(),
+                    min_kept=mlp.min_kept,
+                    candidates=mlp.candidates,
+                    mlp_round_to=mlp.round_to,
+                    **fixed,
+                )
+            else:
+                splits.append(
+                    sliced_layout(
+                        config,
+                        family,
+                        families.values(),
+                        mlp_kept=mlp.kept if mlp is not None else None,
+                        mlp_round_to=mlp.round_to if mlp is not None else 1,
+                        **fixed,
+                    )
+                )
+        except UserError as error:  # this count cannot meet the budget at any width: the others may
+            refusal = refusal or error
+    if not splits:
+        assert refusal is not None
+        raise refusal
+    return tuple(splits)
 
 
 WIDE_LOSS = 0.5
@@ -237,12 +288,13 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             f"and prunes its MLPs alone, so the pipeline's strategies "
             f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
         )
-    if len(checked.splits) == 1 and checked.layout.kept == checked.layout.config.hidden_size:
+    one_split = len(checked.splits) == 1 and recipe.mlp is not None and recipe.mlp.kept is None
+    if one_split and checked.layout.kept == checked.layout.config.hidden_size:
         warnings.append(
             "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "
             "every neuron; to prune the MLP within this budget, fix mlp.kept"
         )
-    elif len(checked.splits) == 1:
+    elif one_split:
         warnings.append(
             "mlp: the budget leaves no wider residual stream whose MLPs keep mlp.min_kept of their neurons, "
             "so the run prunes the residual width alone; lower mlp.min_kept to let the MLP give more"
@@ -254,7 +306,7 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
         what = f"keeps {checked.layout.budget / checked.layout.counted.original:.0%} of the parameters"
     else:
         return warnings
-    budget = f"sparsity {recipe.sparsity}" if recipe.sparsity is not None else f"target_params {recipe.target_params}"
+    budget = budget_label(recipe.sparsity, recipe.target_params, recipe.target_active_params)
     return [
         *warnings,
         f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
@@ -283,6 +335,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
             round_to=recipe.slicing.round_to,
             sparsity=recipe.sparsity,
             target_params=recipe.target_params,
+            target_active_params=recipe.target_active_params,
             mlp_kept=layout.mlp_width,
             experts=layout.experts,
             counts=recipe.budget,

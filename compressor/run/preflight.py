@@ -19,6 +19,7 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
+from compressor.models.layout import SlicedLayout
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.data import DataSpec
 from compressor.run.checks import Plan, check_device_settings, plan
@@ -106,6 +107,36 @@ def dry_run(
     return found
 
 
+def axes_line(checked: Plan) -> str:
+    """The axes the run prunes (the expert counts it measures, where it chooses), beside the family's."""
+    layout = checked.layout
+    axes = ["residual width"] if layout.residual else []
+    chosen_widths = any(split.mlp_width is not None for split in checked.splits)
+    axes += ["MLP width"] if layout.mlp_width is not None or chosen_widths else []
+    counts = sorted({split.experts for split in checked.splits if split.experts is not None}, reverse=True)
+    if checked.expert_selector is not None and (layout.experts is not None or counts):
+        of = getattr(layout.config, layout.family.experts)
+        kept = f"{layout.experts} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
+        axes += [f"routed experts ({kept} per layer, by {checked.expert_selector.name})"]
+    return f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}" + (
+        f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")"
+    )
+
+
+def active_line(layout: SlicedLayout, what: str) -> str:
+    """The parameters a token uses: the budget `target_active_params` sets (or the original's), and
+    what the plan's widths use."""
+    active = layout.counted_active
+    assert active is not None
+    limit = (
+        f"budget {layout.active_budget:,} of {active.original:,} ({layout.active_budget / active.original:.1%})"
+        if layout.active_budget is not None
+        else f"the original uses {active.original:,}"
+    )
+    used = f", these widths use {active.count(layout.widths):,}" if layout.widths is not None else ""
+    return f"{what} per token (active: top-k of each layer's routed experts): {limit}{used}"
+
+
 def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | None:
     """The plan from the model's config (a hub model's config and tokenizer are small files,
     fetched where the hub can be reached or read from the cache); None when it cannot be had."""
@@ -136,6 +167,8 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         f"({layout.budget / counted:.1%}), kept width {kept}{saved}; the embedding is "
         f"{layout.params.embedding / original:.0%} of the parameters"
     )
+    if layout.counted_active is not None:
+        found.checked.append(active_line(layout, what))
     if checked.tower is not None:
         found.checked.append(
             f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "
@@ -144,15 +177,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             + "; saved whole as its own class"
         )
     layout = checked.layout
-    axes = ["residual width"] if layout.residual else []
-    axes += ["MLP width"] if layout.mlp_width is not None or checked.chooses_split else []
-    if layout.experts is not None and checked.expert_selector is not None:
-        of = getattr(layout.config, layout.family.experts)
-        axes += [f"routed experts ({layout.experts} of {of} per layer, by {checked.expert_selector.name})"]
-    found.checked.append(
-        f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}"
-        + (f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")")
-    )
+    found.checked.append(axes_line(checked))
     if not layout.residual:
         found.checked.append(
             f"one basis: saved as {', '.join(layout.config.architectures or ['the original class'])} with its "
@@ -174,11 +199,13 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
     if checked.chooses_split:
         splits = ", ".join(
-            f"width {split.kept} with MLP {split.mlp_width or 'whole'} ({split.counted.count(split.widths or {}):,})"
+            f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
+            + ("" if split.experts is None else f" and {split.experts} experts")
+            + f" ({split.counted.count(split.widths or {}):,})"
             for split in checked.splits
         )
         found.checked.append(
-            f"mlp: the run measures {len(checked.splits)} splits of the budget on held-out windows and keeps the "
+            f"split: the run measures {len(checked.splits)} splits of the budget on held-out windows and keeps the "
             f"best: {splits}"
         )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")

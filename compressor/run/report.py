@@ -11,7 +11,7 @@ from rich.table import Table
 from compressor.engine.refine import RefinementRecord
 from compressor.evaluation.throughput import rate_range, speedup_bounds
 from compressor.run.guard import GuardRecord
-from compressor.run.report_model import Metrics, RunReport, Sizes
+from compressor.run.report_model import Metrics, RunReport, Sizes, SplitRecord
 from compressor.training.distill import DistillationRecord
 
 
@@ -21,6 +21,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
     rows = [
         ("parameters", f"{params.baseline:,}", f"{params.pruned:,} ({params.ratio:.1%})"),
         *transition_rows(report),
+        *active_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
         *mlp_rows(report),
         *expert_rows(report),
@@ -40,6 +41,14 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
     rows += guard_rows(report.guards, "refinement")
     rows += distillation_rows(report.distillation)
     return rows + timing_rows(report.timings, report.fisher_autocast)
+
+
+def active_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """The parameters one token uses, under the total (a model with routed experts)."""
+    active = report.active_params
+    if active is None:
+        return []
+    return [("  parameters per token (active)", f"{active.baseline:,}", f"{active.pruned:,} ({active.ratio:.1%})")]
 
 
 def transition_rows(report: RunReport) -> list[tuple[str, str, str]]:
@@ -68,16 +77,24 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     if experts:
         fewest = min(layer.fewest_tokens or 0 for layer in mlp.layers)
         rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{fewest:,}"))
-    if mlp.split is not None:
-        for index, candidate in enumerate(mlp.split.candidates):
-            mark = " (chosen)" if index == mlp.split.chosen else ""
-            rows.append(
-                (
-                    f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{mark}",
-                    "",
-                    f"held-out KL {candidate.heldout_kl:.4g} ({mlp.split.windows} windows)",
-                )
+    return rows + split_rows(mlp.split)
+
+
+def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
+    """Every candidate split of the budget the run measured, the chosen one marked."""
+    if split is None:
+        return []
+    rows = []
+    for index, candidate in enumerate(split.candidates):
+        mark = " (chosen)" if index == split.chosen else ""
+        experts = "" if candidate.experts is None else f", {candidate.experts} experts"
+        rows.append(
+            (
+                f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}",
+                "",
+                f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows)",
             )
+        )
     return rows
 
 
@@ -87,9 +104,15 @@ def expert_rows(report: RunReport) -> list[tuple[str, str, str]]:
     if report.experts is None:
         return []
     experts = report.experts
+    if not experts.layers:  # the chosen split keeps every expert
+        return [
+            ("routed experts per MoE layer", str(experts.of), f"{experts.kept} (all kept)"),
+            *split_rows(experts.split),
+        ]
     return [
         ("routed experts per MoE layer", str(experts.of), f"{experts.kept} ({experts.selector})"),
         ("  fewest calibration tokens an expert saw", "", f"{experts.fewest_tokens:,}"),
+        *split_rows(experts.split),
     ]
 
 
@@ -257,8 +280,12 @@ def kept_label(report: RunReport) -> str:
     return f"{min(kept)}–{max(kept)} by site" if kept else "by site"
 
 
-def budget_label(sparsity: float | None, target_params: float | None) -> str:
-    return f"sparsity {sparsity}" if sparsity is not None else f"target_params {target_params}"
+def budget_label(sparsity: float | None, target_params: float | None, target_active_params: float | None = None) -> str:
+    """`sparsity 0.25`, `target_params 0.75`, `target_params 0.75, target_active_params 0.5`."""
+    if sparsity is not None:
+        return f"sparsity {sparsity}"
+    targets = {"target_params": target_params, "target_active_params": target_active_params}
+    return ", ".join(f"{key} {value}" for key, value in targets.items() if value is not None)
 
 
 def title(report: RunReport) -> str:
@@ -269,7 +296,7 @@ def title(report: RunReport) -> str:
     widths = "" if method == "uniform" else f", {method} widths"
     if report.layout == "global":
         widths += ", one basis (stock architecture)"
-    return f"{Path(report.model.path).name}: {chain} at {budget_label(report.sparsity, report.target_params)}{widths}"
+    return f"{Path(report.model.path).name}: {chain} at {budget_label(report.sparsity, report.target_params, report.target_active_params)}{widths}"
 
 
 def write_markdown(report: RunReport, path: Path) -> None:

@@ -154,10 +154,15 @@ class SplitCandidate(_Section):
     mlp_kept: int
     params: int
     heldout_kl: float
+    experts: int | None = None
+    """Routed experts every MoE layer kept (`experts` without `kept`); None: every expert."""
+    active_params: int | None = None
+    """Parameters one token uses (a model with routed experts)."""
 
 
 class SplitRecord(_Section):
-    """`mlp.split`: how the run chose the split (`mlp` without `kept`, `models.split`)."""
+    """`mlp.split` (or `experts.split` without `mlp`): how the run chose the split (`mlp` or
+    `experts` without `kept`, `models.split`)."""
 
     windows: int
     """Held-out windows of the calibration dataset each candidate was measured on."""
@@ -194,6 +199,8 @@ class ExpertsReport(_Section):
     fewest_tokens: int
     """The fewest calibration tokens any expert of any layer was routed."""
     layers: list[ExpertRecord]
+    split: SplitRecord | None = None
+    """How the run chose the expert count, where no `mlp` section holds the record (`mlp.split`)."""
 
 
 class Environment(_Section):
@@ -210,6 +217,7 @@ class RunReport(_Section):
     model: ModelInfo
     sparsity: float | None
     target_params: float | None
+    target_active_params: float | None = None
     kept_width: int | None
     layout: str
     stock: dict[str, Any] | None
@@ -235,6 +243,9 @@ class RunReport(_Section):
     """What each plugin stage recorded (`RunState.extra`), by stage name."""
     metrics: Metrics
     params: Params
+    active_params: Params | None = None
+    """The parameters one token uses (a model with routed experts: top-k of each layer's), from the
+    layout's exact polynomial; None for a model without routed experts."""
     size: Sizes
     speed: dict[str, Any] | None
     warnings: list[str]

@@ -42,6 +42,8 @@ def choose(
                 mlp_kept=layout.mlp_width or mlp_neurons(layout.config, layout.family),
                 params=layout.params.count(layout.widths),
                 heldout_kl=kl,
+                experts=layout.experts,
+                active_params=None if layout.active is None else layout.active.count(layout.widths),
             )
         )
         faults.reached(f"split:{index}")
@@ -49,17 +51,18 @@ def choose(
     finite = [i for i, c in enumerate(candidates) if math.isfinite(c.heldout_kl)]
     if not finite:
         raise UserError(
-            "mlp: no split of the budget gave a finite KL on the held-out windows (the model's outputs "
-            "overflow once pruned); lower the cut, or prune the residual width alone (remove mlp)"
+            "no split of the budget gave a finite KL on the held-out windows (the model's outputs "
+            "overflow once pruned); lower the cut, or prune the residual width alone (remove mlp and experts)"
         )
     chosen = min(finite, key=lambda i: (candidates[i].heldout_kl, i))  # a non-finite KL never wins
     return SplitRecord(windows=windows, candidates=candidates, chosen=chosen)
 
 
 def split_label(layout: SlicedLayout) -> str:
-    """`width 504, MLP 1160`: one candidate, in the run's progress."""
+    """`width 504, MLP 1160` (`, 6 experts`): one candidate, in the run's progress."""
     mlp = "all" if layout.mlp_width is None else str(layout.mlp_width)
-    return f"width {layout.kept}, MLP {mlp}"
+    experts = "" if layout.experts is None else f", {layout.experts} experts"
+    return f"width {layout.kept}, MLP {mlp}{experts}"
 
 
 class KeptFisher(Resources):

@@ -136,7 +136,8 @@ def test_too_few_calibration_tokens_per_expert_warn_with_the_windows_that_would_
         ({"kept": 1}, "qwen3_moe", "experts.kept 1: each token uses 2 of the 4 experts, so keep between 2 and 4"),
         ({"kept": 3, "selector": "reep"}, "qwen3_moe", "unknown expert selector 'reep' (did you mean 'reap'?)"),
         ({"kept": 2}, "llama", "llama models have no routed experts this family describes"),
-        ({"selector": "reap"}, "qwen3_moe", "experts.kept"),
+        ({"kept": 3, "min_kept": 0.25}, "qwen3_moe", "experts.min_kept applies when the run chooses the expert count"),
+        ({}, "llama", "llama models have no routed experts this family describes"),  # the count left to choose
     ],
 )
 def test_bad_expert_settings_are_one_line_and_write_nothing(
@@ -154,7 +155,6 @@ def test_bad_expert_settings_are_one_line_and_write_nothing(
 @pytest.mark.parametrize(
     ("mlp", "family", "message"),
     [
-        ({}, "qwen3_moe", "mlp without mlp.kept measures splits of the budget on trial runs that keep every routed"),
         ({}, "llama", "llama models have no routed experts this family describes"),
         ({"kept": 40}, "qwen3_moe", "mlp.kept 40 keeps 40 of the MLP's 32 neurons; keep between 1 and 32"),
     ],
@@ -162,9 +162,7 @@ def test_bad_expert_settings_are_one_line_and_write_nothing(
 def test_bad_expert_width_settings_are_one_line_and_write_nothing(
     mlp: dict, family: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """Choosing the split by trials that keep every expert would measure models the run never
-    saves (a model without experts is told that first); an expert width above the experts' own is
-    refused before work."""
+    """A model without experts is told so; an expert width above the experts' own is refused before work."""
     checkpoint = save_tiny_checkpoint(tmp_path / family, family)
     recipe = write_recipe(tmp_path, checkpoint, experts={"kept": 3}, mlp=mlp)
     capsys.readouterr()

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import StrictBool, StrictInt, StrictStr
 
+from compressor.errors import UserError
 from compressor.recipe.sections.contract import Section, SectionContext
 from compressor.validation import FORBID, Number, described, options
 
@@ -18,10 +19,13 @@ class ExpertsSpec:
     """Every MoE layer keeps `kept` of its routed experts (the same count in every layer, as every
     stock loader needs), chosen by `selector` from what the calibration tokens did with each
     (`compressor.engine.experts`); the router loses the others' rows and each token re-picks its
-    top-k among the rest. The residual width then takes what the budget leaves."""
+    top-k among the rest. The residual width then takes what the budget leaves. Without `kept` the
+    run measures `candidates` expert counts, each with the residual width (and, with `mlp` but no
+    `mlp.kept`, the experts' width) the budget leaves it, and keeps the best (`run.split_choice`)."""
 
-    kept: Annotated[StrictInt, described("routed experts every MoE layer keeps", ge=1)]
-    """Experts kept per layer: at least the experts each token uses (num_experts_per_tok)."""
+    kept: Annotated[StrictInt, described("routed experts every MoE layer keeps", ge=1)] | None = None
+    """Experts kept per layer: at least the experts each token uses (num_experts_per_tok); None:
+    the run chooses the count with the split of the budget."""
     selector: StrictStr = "output"
     """The expert selector (`compress strategies` lists them): output (output-aware: the change of
     the block's output when an expert goes and each token re-picks its top-k, weighed by H where
@@ -42,10 +46,32 @@ class ExpertsSpec:
     min_tokens: Annotated[StrictInt, described("fewest routed tokens per expert before the run warns", ge=1)] = 32
     """An expert the calibration routed fewer tokens to has noisy statistics: the run warns and
     says how many calibration windows would give it this many."""
+    min_kept: Annotated[
+        Number, described("the fewest experts a candidate count keeps, a share of them", gt=0, le=1)
+    ] = 0.5
+    """Without `kept`: the candidate counts run from every expert down to this share of them (never
+    below the experts a token uses)."""
+    candidates: Annotated[StrictInt, described("expert counts the run measures, every expert among them", ge=2)] = 3
+    """Without `kept`: how many expert counts are tried, evenly spaced from every expert down to
+    `min_kept` of them; each with its residual (and experts') width is pruned and measured."""
+    heldout_windows: Annotated[
+        StrictInt, described("calibration-dataset windows after the calibration set, to measure the counts", ge=1)
+    ] = 16
+    """Without `kept`: the windows each candidate's KL to the original is measured on (with `mlp`
+    choosing too, the larger of the two sections' counts)."""
 
 
 def check_experts(spec: ExpertsSpec, recipe: Recipe, context: SectionContext) -> ExpertsSpec:
-    """The selector is registered (the counts are checked against the model's config by the plan)."""
+    """The selector is registered and the choice's keys come without `kept` (the counts are checked
+    against the model's config by the plan)."""
+    if spec.kept is not None:
+        fixed = ExpertsSpec(kept=spec.kept)
+        for key in ("min_kept", "candidates", "heldout_windows"):
+            if getattr(spec, key) != getattr(fixed, key):
+                raise UserError(
+                    f"experts.{key} applies when the run chooses the expert count, but experts.kept fixes it; "
+                    f"remove one of them"
+                )
     context.registry.expert_selector(spec.selector)
     return spec
 

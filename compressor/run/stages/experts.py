@@ -35,7 +35,7 @@ class PruneExperts(Stage):
     changes_model = True
 
     def runs(self, state: RunState) -> bool:
-        return state.checked.layout.experts is not None
+        return state.checked.layout.experts is not None and not state.adopted  # adopted: the trial's
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         if world > 1:  # the ranks above 0 (`run.follower`) do not follow this stage yet
@@ -117,12 +117,14 @@ def sparse_expert_warnings(records: list[ExpertRecord], min_tokens: int, windows
 def experts_report(state: RunState) -> ExpertsReport:
     """The report's `experts`: what the stage kept and how it chose, per layer."""
     spec, checked = state.recipe.experts, state.checked
-    assert spec is not None and checked.expert_selector is not None and checked.layout.experts is not None
+    assert spec is not None and checked.expert_selector is not None
+    total = expert_count(checked.layout.config, state.family)
     return ExpertsReport(
-        kept=checked.layout.experts,
-        of=state.experts[0].experts if state.experts else checked.layout.experts,
+        kept=checked.layout.experts or total,  # None: the split chosen keeps every expert (no layers)
+        of=total,
         selector=checked.expert_selector.name,
         protect_super=spec.protect_super,
         fewest_tokens=min((record.fewest_tokens for record in state.experts), default=0),
         layers=state.experts,
+        split=state.split if state.recipe.mlp is None else None,
     )

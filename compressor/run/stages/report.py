@@ -65,6 +65,7 @@ def write_report(state: RunState) -> RunReport:
         ),
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
+        target_active_params=recipe.target_active_params,
         kept_width=layout.kept,
         layout=recipe.slicing.layout,
         stock=state.stock
@@ -96,6 +97,7 @@ def write_report(state: RunState) -> RunReport:
         params=Params(
             baseline=state.baseline_params, pruned=pruned_params, ratio=pruned_params / state.baseline_params
         ),
+        active_params=_active_params(state),
         size=Sizes(baseline=ModelSize(**state.baseline_size), pruned=ModelSize(**model_size(state.pruned))),
         speed=state.speed,
         warnings=list(checked.warnings) + state.warnings,
@@ -121,6 +123,16 @@ def write_report(state: RunState) -> RunReport:
             staging / "split.png", dpi=120, bbox_inches="tight"
         )
     return report
+
+
+def _active_params(state: RunState) -> Params | None:
+    """Parameters per token, the original's and the pruned model's (a model with routed experts)."""
+    layout, result = state.checked.layout, state.result
+    assert result is not None
+    if layout.active is None:
+        return None
+    pruned = layout.active.count(result.widths)
+    return Params(baseline=layout.active.original, pruned=pruned, ratio=pruned / layout.active.original)
 
 
 def _allocation(state: RunState) -> Allocation:

@@ -23,6 +23,7 @@ from compressor.run.report_model import SplitRecord
 from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage, changes_model_between
+from compressor.run.stages.experts import PruneExperts
 from compressor.run.stages.mlp import PruneMlp
 from compressor.run.stages.walk import walk
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
@@ -40,7 +41,8 @@ class ChooseSplit(Stage):
     checkpoint_key = "split"
 
     def wanted(self, recipe: Recipe) -> bool:
-        return recipe.mlp is not None and recipe.mlp.kept is None
+        open_mlp = recipe.mlp is not None and recipe.mlp.kept is None
+        return open_mlp or (recipe.experts is not None and recipe.experts.kept is None)
 
     def runs(self, state: RunState) -> bool:
         return state.checked.chooses_split  # else nothing to choose (a warning said so)
@@ -53,8 +55,12 @@ class ChooseSplit(Stage):
             )
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
-        assert recipe.mlp is not None
-        return recipe.mlp.heldout_windows if plan.chooses_split else 0
+        """The larger count of the sections that leave theirs open (`mlp`, `experts`)."""
+        if not plan.chooses_split:
+            return 0
+        return max(
+            spec.heldout_windows for spec in (recipe.mlp, recipe.experts) if spec is not None and spec.kept is None
+        )
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         if not footprint.settings.split_choice:
@@ -76,10 +82,15 @@ class ChooseSplit(Stage):
             state.split = SplitRecord.model_validate(saved)
             chosen = state.split.candidates[state.split.chosen]
             layout = splits[state.split.chosen] if state.split.chosen < len(splits) else None
-            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept) != (chosen.width, chosen.mlp_kept):
+            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept, layout.experts) != (
+                chosen.width,
+                chosen.mlp_kept,
+                chosen.experts,
+            ):
                 raise ProgressKept(
                     f"the interrupted run in {state.staging} chose a split (width {chosen.width}, MLP "
-                    f"{chosen.mlp_kept}) that this version's plan does not list; rerun with --restart"
+                    f"{chosen.mlp_kept}, experts {chosen.experts or 'all'}) that this version's plan does not list; "
+                    f"rerun with --restart"
                 )
         else:
             if state.checkpoint.has_fisher():  # a run killed while choosing: its H pass is not repeated
@@ -114,7 +125,9 @@ def adopt(state: RunState, trial: RunState) -> None:
     state.result, state.pruned, state.bases = trial.result, trial.pruned, trial.bases
     state.head_scale, state.head_fit = trial.head_scale, trial.head_fit
     state.neurons, state.mlp_weighed_by_h, state.config = trial.neurons, trial.mlp_weighed_by_h, trial.config
-    for key in ("prune_s", "mlp_s"):
+    state.experts = trial.experts
+    state.warnings += [line for line in trial.warnings if line not in state.warnings]
+    for key in ("prune_s", "experts_s", "mlp_s"):
         if key in trial.timings:
             state.timings[key] = trial.timings[key]
     state.adopted = True
@@ -123,7 +136,7 @@ def adopt(state: RunState, trial: RunState) -> None:
 def measured_split(
     state: RunState, index: int, layout: SlicedLayout, original: PreTrainedModel, rng: torch.Tensor
 ) -> float:
-    """One split pruned as this run would prune it (walk, tied head, MLP; no refinement or
+    """One split pruned as this run would prune it (walk, tied head, experts, MLP; no refinement or
     distillation) in a scratch folder, and its KL to `original` on the split's windows, saved as it would be."""
     label = f"split {index + 1}/{len(state.checked.splits)} ({split_label(layout)})"
     folder = state.staging / SCRATCH_FOLDER / f"split-{index}"
@@ -143,6 +156,9 @@ def measured_split(
     torch.set_rng_state(rng)
     with faults.scoped(f"split{index}/"):
         walk(trial)
+        if layout.experts is not None:
+            with trial.timed("experts_s"):
+                PruneExperts().run(trial)
         if layout.mlp_width is not None:
             with trial.timed("mlp_s"):
                 PruneMlp().run(trial)
@@ -166,6 +182,7 @@ def measured_split(
 
 
 def adoptable(state: RunState) -> bool:
-    """The chosen trial's walk and MLP stage can be the run's: no stage between the walk and the
-    MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
-    return not changes_model_between(state.checked.stages, state.recipe, "walk", PruneMlp.name)
+    """The chosen trial's walk, expert and MLP stages can be the run's: no other stage between the
+    walk and the MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
+    stages = tuple(stage for stage in state.checked.stages if stage.name != PruneExperts.name)  # the trial's own
+    return not changes_model_between(stages, state.recipe, "walk", PruneMlp.name)
