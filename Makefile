@@ -23,8 +23,8 @@ demo: setup  ## prune the bundled reference Llama by 25% with SliceGPT (pca) and
 test: setup  ## the default suite (slow tests excluded)
 	$(OFFLINE) $(PY) -m pytest -m "not slow"
 
-test-all: setup  ## every test, the slow ones too (.ci/run), with the slowest listed
-	$(OFFLINE) $(PY) -m pytest --durations=15
+test-all: setup  ## every test, the slow ones too (.ci/run), with the slowest listed and every test's time in .ci/durations.xml
+	$(OFFLINE) $(PY) -m pytest --durations=15 --junitxml=.ci/durations.xml
 
 lint: setup  ## ruff's lint rules and format (pyproject.toml), as .ci/run checks them
 	$(VENV)/bin/ruff check .
