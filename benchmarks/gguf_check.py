@@ -212,6 +212,9 @@ def gguf_metadata(path: Path, converter: Path) -> dict[str, Any]:
         "attention.key_length",
         "attention.value_length",
         "rope.dimension_count",
+        "expert_count",  # a Mixture-of-Experts model's (None otherwise)
+        "expert_used_count",
+        "expert_feed_forward_length",
     ]
     meta: dict[str, Any] = {
         "general.architecture": arch,
