@@ -109,6 +109,20 @@ FAMILY_CONFIGS: dict[str, dict] = {
         mlp_only_layers=[1],  # a dense MLP on the second layer
     ),
     "mixtral": dict(model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_5_moe_text": dict(  # Qwen3.5's hybrid layers, each MLP routed experts and a gated shared expert
+        model_type="qwen3_5_moe_text",
+        tie_word_embeddings=True,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     "qwen2_moe": dict(  # a shared expert beside the routed ones, gated by sigmoid(shared_expert_gate)
         model_type="qwen2_moe",
         tie_word_embeddings=True,

@@ -363,6 +363,15 @@ OLMOE = replace(
     mlp_width="intermediate_size",
     stock_refusal="its q_norm and k_norm are sized by hidden_size, which a stock model of width k would change",
 )
+QWEN3_5_MOE = replace(
+    QWEN3_5,
+    name="qwen3_5_moe",
+    model_types=("qwen3_5_moe_text",),  # Qwen3.5's hybrid layers, each MLP a routed MoE with a gated shared expert
+    mlp_width="moe_intermediate_size",
+    experts="num_experts",
+    prepare=unfuse_experts,
+    own_state=fused_experts_state,
+)
 
 OPT = ModelFamily(
     name="opt",
@@ -434,6 +443,7 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
     OLMO2,
     GRANITE,
     QWEN3_5,
+    QWEN3_5_MOE,
     MOE,
     MIXTRAL,
     OLMOE,

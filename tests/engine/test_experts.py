@@ -19,7 +19,7 @@ from compressor.strategies.registry import PluginRegistry
 from compressor_plugins.experts import Frequency, OutputAware, Reap, routing_weights
 from tests.conftest import COMMON, copy_model, max_relative_logit_error, random_batches, tiny_model
 
-MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_5_moe_text"]
 BATCHES = random_batches(COMMON["vocab_size"], count=2, batch=2, length=16)
 
 

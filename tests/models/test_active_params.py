@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from compressor.errors import UserError
 from compressor.models.budget import layout_config
-from compressor.models.experts import Expert
+from compressor.models.experts import Expert, is_fused_experts
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import sliced_layout, with_experts, with_mlp_width
 from compressor.models.sliced import apply_slicing_layout
@@ -20,7 +20,7 @@ from compressor.models.split import expert_counts, split_layouts
 from compressor.models.stock import stock_config
 from tests.conftest import COMMON, FAMILY_CONFIGS
 
-MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_5_moe_text"]
 
 
 def _config(name: str) -> PretrainedConfig:
@@ -28,11 +28,10 @@ def _config(name: str) -> PretrainedConfig:
 
 
 def _used(model: torch.nn.Module, experts: int, top_k: int) -> int:
-    """Counted on a built model: every parameter once, the routed experts' (the family's fused
-    [E, ·, ·] tensors, the only 3-D parameters of these families, or the sliced class's `Expert`
-    modules) at top_k of their E."""
+    """Counted on a built model: every parameter once, the routed experts' (the fused experts of
+    each transformers sparse-MoE block, or the sliced class's `Expert` modules) at top_k of their E."""
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for p in model.parameters() if p.dim() == 3)
+    routed = sum(p.numel() for m in model.modules() if is_fused_experts(m) for p in m.experts.parameters())
     routed += sum(p.numel() for m in model.modules() if isinstance(m, Expert) for p in m.parameters())
     assert routed and routed % experts == 0
     return total - routed + routed * top_k // experts
