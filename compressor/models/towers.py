@@ -49,7 +49,9 @@ class TextTower:
 
 
 BUILTIN_TOWERS: tuple[TextTower, ...] = (
-    TextTower(("qwen3_5",), "model.visual.merger.linear_fc2", width_keys=("vision_config.out_hidden_size",)),
+    TextTower(
+        ("qwen3_5", "qwen3_5_moe"), "model.visual.merger.linear_fc2", width_keys=("vision_config.out_hidden_size",)
+    ),
     TextTower(("gemma3",), "model.multi_modal_projector.mm_input_projection_weight", projector_transposed=True),
     TextTower(
         ("mistral3",),

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, Gemma3Config, LlavaConfig, Mistral3Config, Qwen3_5Config
+from transformers import (
+    AutoModelForImageTextToText,
+    Gemma3Config,
+    LlavaConfig,
+    Mistral3Config,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
+)
 
 from compressor.cli import main
 from compressor.models.towers import text_model, tower_for
@@ -25,10 +32,12 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_
 PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch: one row of pixel_values
 
 
-def qwen_vl(tied: bool) -> AutoModelForImageTextToText:
-    text = {**COMMON, **FAMILY_CONFIGS["qwen3_5_text"], "vocab_size": 8192}
+def qwen_vl(tied: bool, text_type: str = "qwen3_5_text") -> AutoModelForImageTextToText:
+    """Qwen3.5's vision-language model, dense (`qwen3_5_text`) or MoE (`qwen3_5_moe_text`)."""
+    text = {**COMMON, **FAMILY_CONFIGS[text_type], "vocab_size": 8192}
     text.pop("model_type")
-    config = Qwen3_5Config(
+    config_class = Qwen3_5MoeConfig if text_type == "qwen3_5_moe_text" else Qwen3_5Config
+    config = config_class(
         text_config=text,
         vision_config={**VISION, "out_hidden_size": COMMON["hidden_size"]},
         tie_word_embeddings=tied,
@@ -43,8 +52,8 @@ def qwen_vl(tied: bool) -> AutoModelForImageTextToText:
     return model
 
 
-def save_vl(folder: Path, tied: bool) -> Path:
-    qwen_vl(tied).save_pretrained(folder)
+def save_vl(folder: Path, tied: bool, text_type: str = "qwen3_5_text") -> Path:
+    qwen_vl(tied, text_type).save_pretrained(folder)
     for file in TOKENIZER_FILES:
         shutil.copy(EXAMPLES / "ref-llama" / file, folder / file)
     (folder / "preprocessor_config.json").write_text(json.dumps({"patch_size": 4}))
@@ -64,9 +73,19 @@ def image_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, "qwen3_5_text"), (True, "qwen3_5_text"), (True, "qwen3_5_moe_text")],
+    ids=["untied", "tied", "moe"],
+)
 def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_vl(tmp_path_factory.mktemp("qwen-vl"), request.param)
+    return save_vl(tmp_path_factory.mktemp("qwen-vl"), *request.param)
+
+
+def _names(checkpoint: Path) -> tuple[str, str]:
+    """The checkpoint's class and its text model's type (dense or MoE)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    return config["architectures"][0], config["text_config"]["model_type"]
 
 
 def test_the_text_model_is_the_language_model_and_head_of_the_checkpoint(checkpoint: Path) -> None:
@@ -77,7 +96,7 @@ def test_the_text_model_is_the_language_model_and_head_of_the_checkpoint(checkpo
     with torch.no_grad():
         expected = whole(input_ids=ids).logits
         got = text(input_ids=ids).logits
-    assert type(text).__name__ == "Qwen3_5ForCausalLM"
+    assert type(text).__name__ == ("Qwen3_5MoeForCausalLM" if "Moe" in _names(checkpoint)[0] else "Qwen3_5ForCausalLM")
     assert torch.equal(got, expected)
     assert text.model is whole.model.language_model  # the same modules: no copy
 
@@ -97,7 +116,8 @@ def test_a_global_run_saves_the_whole_checkpoint_as_its_own_class(checkpoint: Pa
     cut = dict(sparsity=_DELETE, target_params=0.7, slicing={"layout": "global"})
     (tmp_path / "plan").mkdir()
     assert main(["run", str(write_recipe(tmp_path / "plan", checkpoint, **cut)), "--dry-run"]) == 0
-    assert "a vision-language checkpoint: its text tower (qwen3_5_text) is pruned" in capsys.readouterr().out
+    architecture, text_type = _names(checkpoint)
+    assert f"a vision-language checkpoint: its text tower ({text_type}) is pruned" in capsys.readouterr().out
     assert _run(tmp_path / "cut", checkpoint, **cut) == 0
     script = (
         "import sys, torch\n"
@@ -121,7 +141,7 @@ def test_a_global_run_saves_the_whole_checkpoint_as_its_own_class(checkpoint: Pa
     with torch.no_grad():
         expected = original(**image_inputs()).logits
     whole = torch.load(tmp_path / "whole.pt")
-    assert whole["class"] == "Qwen3_5ForConditionalGeneration"
+    assert whole["class"] == architecture
     assert ((whole["logits"] - expected).abs().max() / expected.abs().max()).item() < 1e-5
     # The image token changes what follows it: the projector's output reaches the pruned stream.
     cut = torch.load(tmp_path / "cut.pt")
@@ -142,7 +162,7 @@ def test_a_global_run_saves_the_whole_checkpoint_as_its_own_class(checkpoint: Pa
     assert config["text_config"]["hidden_size"] == config["vision_config"]["out_hidden_size"] == width
     assert (tmp_path / "cut" / "out" / "model" / "preprocessor_config.json").is_file()
     assert "preprocessor_config.json" in report["stock"]["vision_language"]["copied"]
-    assert report["metrics"]["pruned"]["kl"] > 0 and report["model"]["model_type"] == "qwen3_5_text"
+    assert report["metrics"]["pruned"]["kl"] > 0 and report["model"]["model_type"] == text_type
 
 
 @pytest.mark.parametrize(
@@ -158,7 +178,7 @@ def test_what_a_whole_checkpoint_cannot_hold_is_refused_before_work(
     recipe = write_recipe(tmp_path, checkpoint, evaluation=None, **changes)
     assert main(["run", str(recipe)]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.count("\n") == 0 and names in error and "Qwen3_5ForConditionalGeneration" in error
+    assert error.count("\n") == 0 and names in error and _names(checkpoint)[0] in error
     assert not (tmp_path / "out").exists()
 
 
