@@ -132,10 +132,11 @@ def _expected_parameters(config, widths: list[int]) -> int:
             total += (2 * keys + values) * config.linear_conv_kernel_dim + 2 * heads_v  # conv1d, dt_bias, A_log
             total += config.linear_value_head_dim + values * w_attn  # gated norm, out_proj
         else:
-            gated = 2 if config.model_type == "qwen3_5_text" else 1  # Qwen3.5's q_proj also yields a gate
+            # Qwen3.5's q_proj also yields a gate
+            gated = 2 if config.model_type in ("qwen3_5_text", "qwen3_5_moe_text") else 1
             total += w_in * (gated * heads + 2 * kv) * hd + attn_bias  # q, k, v
             total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
-            if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe"):
+            if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe"):
                 total += 2 * hd  # per-head q and k norms
             if config.model_type in ("olmo2", "olmo3", "olmoe"):
                 total += (heads + kv) * hd  # q and k norms over the whole projection

@@ -15,7 +15,7 @@ from compressor.models.experts import RoutedExperts, fused_experts_state, unfuse
 from compressor.models.families import family_for
 from tests.conftest import COMMON, FAMILY_CONFIGS, copy_model, max_relative_logit_error, random_batches, tiny_model
 
-MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_5_moe_text"]
 BATCHES = random_batches(COMMON["vocab_size"], count=2, batch=2, length=16)
 
 

@@ -47,6 +47,7 @@ def test_the_built_in_families_say_whether_their_class_can_hold_one_basis() -> N
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5_moe_text",
         "qwen3_5_text",
         "qwen3_moe",
         "smollm3",
