@@ -390,15 +390,26 @@ def distillation_figure(curves: dict[str, list[dict[str, int | float]]], model: 
     return figure
 
 
-def split_figure(candidates: list[tuple[int, int, int, float]], chosen: int, of: int, model: str = "") -> Any:
-    """A run's `split.png` (`mlp` without `kept`): held-out KL of each split of one budget against
-    the MLP neurons it keeps, each point labelled with its residual width; the chosen one starred.
+def split_figure(
+    candidates: list[tuple[int, int, int, float]],
+    chosen: int,
+    of: int,
+    model: str = "",
+    experts: list[int | None] | None = None,
+) -> Any:
+    """A run's `split.png` (`mlp` or `experts` without `kept`): held-out KL of each split of one
+    budget against the MLP neurons it keeps, a line per expert count (`experts`, None: every
+    expert), each point labelled with its residual width; the chosen one starred.
     `candidates`: (residual width, MLP neurons, parameters, KL)."""
     figure, grid = _figure(1, 1, (7, 4.5))
     axes = grid[0][0]
+    counts = experts or [None] * len(candidates)
     kept = [mlp / of for _, mlp, _, _ in candidates]
     kls = [kl for *_, kl in candidates]
-    axes.plot(kept, kls, marker="o", color="tab:blue")
+    for count in dict.fromkeys(counts):  # in the order measured
+        rows = [i for i, c in enumerate(counts) if c == count]
+        label = None if experts is None else ("every expert" if count is None else f"{count} experts")
+        axes.plot([kept[i] for i in rows], [kls[i] for i in rows], marker="o", label=label)
     axes.plot([kept[chosen]], [kls[chosen]], marker="*", markersize=14, color="tab:orange", linestyle="none")
     for (width, mlp, params, kl), x in zip(candidates, kept, strict=True):
         axes.annotate(
@@ -408,6 +419,8 @@ def split_figure(candidates: list[tuple[int, int, int, float]], chosen: int, of:
             xytext=(4, 6),
             fontsize=7,
         )
+    if experts is not None:
+        axes.legend(fontsize=8)
     axes.margins(x=0.12, y=0.2)  # room for the labels inside the axes
     axes.set_xlabel("share of the MLP's neurons kept (1: the residual width alone)")
     axes.set_ylabel("held-out KL(original ‖ model), nats per token")

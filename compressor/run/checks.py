@@ -266,7 +266,7 @@ def _splits(
                     )
                 )
         except UserError as error:  # this count cannot meet the budget at any width: the others may
-            refusal = refusal or error
+            refusal = error  # the last, the fewest experts: the most reachable, what a refusal names
     if not splits:
         assert refusal is not None
         raise refusal
@@ -287,6 +287,17 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             f"slicing.layout: global keeps a {checked.layout.config.model_type} model's residual stream whole "
             f"and prunes its MLPs alone, so the pipeline's strategies "
             f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
+        )
+    open_experts = recipe.experts is not None and recipe.experts.kept is None
+    if open_experts and checked.layout.residual and checked.splits and checked.splits[0].experts is not None:
+        warnings.append(
+            "experts: no width meets the budget with every expert kept, so the run measures fewer experts only "
+            "(the residual width alone is not among the candidates)"
+        )
+    if open_experts and len({split.experts for split in checked.splits}) == 1:
+        warnings.append(
+            "experts: the budget leaves one expert count to measure, so the run does not choose it; lower "
+            "experts.min_kept or raise the target to give it more"
         )
     one_split = len(checked.splits) == 1 and recipe.mlp is not None and recipe.mlp.kept is None
     if one_split and checked.layout.kept == checked.layout.config.hidden_size:

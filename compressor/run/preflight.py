@@ -84,7 +84,7 @@ def dry_run(
             _data(where, spec, tokenizer, found)
     if checked is not None and tokenizer is not None and is_local(recipe.calibration.dataset):
         for stage, count in heldout_counts(recipe, checked):  # read after the calibration windows
-            where = stage.section or stage.name
+            where = stage.heldout_section(recipe)
             heldout_batches(recipe.calibration, tokenizer, count, where)
             found.checked.append(f"{where} held-out data: {count} windows after the calibration windows")
     if recipe.distillation is not None and tokenizer is not None:
@@ -161,10 +161,14 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         if layout.counts == "non_embedding" and layout.widths is not None
         else ""
     )
+    budget = (
+        f"no target on the {counted:,} {what} in all"
+        if recipe.sparsity is None and recipe.target_params is None
+        else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
+    )
     found.checked.append(
         f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers} layers, "
-        f"hidden {layout.config.hidden_size}): budget {layout.budget:,} of {counted:,} {what} "
-        f"({layout.budget / counted:.1%}), kept width {kept}{saved}; the embedding is "
+        f"hidden {layout.config.hidden_size}): {budget}, kept width {kept}{saved}; the embedding is "
         f"{layout.params.embedding / original:.0%} of the parameters"
     )
     if layout.counted_active is not None:

@@ -4,8 +4,10 @@ prune it (walk, then MLP) and measured, KL(original ‖ the model as it would be
 windows of the calibration dataset; the lowest wins. Measuring, not predicting, because the two
 axes' second-order estimates (the strategies' objectives, OBS's ΔE) are sums over sites that
 ignore how the cuts interact, while the measurement is the quantity users are given (ModelOpt's
-search scores its best candidates the same way). The residual width alone is always a candidate,
-so the choice never makes a model worse on these windows than pruning the residual alone.
+search scores its best candidates the same way). The residual width alone (every expert, every
+neuron) is the first candidate wherever the budget allows it, so the choice then never makes a
+model worse on these windows than pruning the residual alone; `experts` without `kept` adds each
+expert count's splits (`run.checks`).
 """
 
 from __future__ import annotations

@@ -327,3 +327,23 @@ def test_a_checkpoint_that_keeps_its_stream_saves_narrower_mlps_whole(
     with torch.no_grad():
         assert torch.equal(text_model(whole, tower_for(whole.config))(input_ids=ids[:, :2]).logits, out["text"])
     assert report["metrics"]["pruned"]["kl"] > 0
+
+
+def test_a_moe_checkpoint_saves_fewer_narrower_experts_in_its_text_config(tmp_path: Path) -> None:
+    """Qwen3.5-MoE's vision-language checkpoint with `experts` and `mlp`: the saved composite
+    config says the kept count and width where its text model reads them (`text_config`), and plain
+    transformers loads it with the report's parameters."""
+    checkpoint = save_vl(tmp_path / "vl", True, "qwen3_5_moe_text")
+    cut = dict(sparsity=_DELETE, target_params=0.8, slicing={"layout": "global"}, evaluation=None)
+    assert _run(tmp_path / "cut", checkpoint, experts={"kept": 3}, mlp={"kept": 0.5}, **cut) == 0
+    folder = tmp_path / "cut" / "out" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    assert text["num_experts"] == text["num_local_experts"] == 3 and text["moe_intermediate_size"] == 16
+    assert "num_experts" not in config  # not at the top, where no model of it reads it
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    layer = model.model.language_model.layers[0].mlp
+    assert layer.experts.gate_up_proj.shape[:2] == (3, 32) and layer.gate.weight.shape[0] == 3
+    report = json.loads((tmp_path / "cut" / "out" / "report.json").read_text())
+    text_params = {id(p): p.numel() for p in (*model.model.language_model.parameters(), *model.lm_head.parameters())}
+    assert sum(text_params.values()) == report["params"]["pruned"]  # the report counts the text tower

@@ -65,7 +65,9 @@ def test_the_run_measures_every_expert_count_and_split_and_saves_what_a_fixed_ru
     for candidate in candidates:
         assert candidate["params"] <= report["allocation"]["budget"]
     markdown = (tmp_path / "chosen" / "report.md").read_text()
-    assert "experts (chosen)" in markdown or chosen["experts"] is None
+    experts = f", {chosen['experts']} experts" if chosen["experts"] else ""
+    assert f"split: width {chosen['width']}, MLP {chosen['mlp_kept']}{experts} (chosen)" in markdown
+    assert (tmp_path / "chosen" / "split.png").is_file()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "chosen" / "model")
     assert model.config.num_experts == (chosen["experts"] or 4)
     assert parameter_count(model) == report["params"]["pruned"] == chosen["params"]
@@ -106,14 +108,20 @@ def test_an_active_target_limits_the_parameters_a_token_uses_in_the_saved_model(
     assert f"|   parameters per token (active) | {active['baseline']:,} | {active['pruned']:,} (" in markdown
 
 
-def test_a_run_killed_while_choosing_the_expert_count_resumes_to_the_same_model(moe: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kill", ["split:1", "publish"])
+def test_a_run_killed_while_choosing_the_expert_count_resumes_to_the_same_model(
+    kill: str, moe: Path, tmp_path: Path
+) -> None:
+    """Killed before the choice is saved (measured again) or after it (the saved choice, checked
+    against the plan's candidates, expert count included, and the chosen split walked again)."""
     recipe = write_recipe(tmp_path, moe, experts={**CHOOSE, "candidates": 2}, evaluation=None, **COMMON)
     whole = compress(recipe, tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr
-    killed = compress(recipe, tmp_path / "run", kill="split:1")
+    killed = compress(recipe, tmp_path / "run", kill=kill)
     assert killed.returncode == -9, killed.stderr
     resumed = compress(recipe, tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr
+    assert ("split 1/2" in resumed.stderr + resumed.stdout) == (kill == "split:1")  # measured again only then
     assert _report(tmp_path / "run")["experts"]["split"] == _report(tmp_path / "whole")["experts"]["split"]
     assert _same(_model(tmp_path / "whole"), _model(tmp_path / "run"))
 
@@ -148,3 +156,11 @@ def test_bad_budget_settings_are_one_line_and_write_nothing(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_single_expert_count_to_measure_warns_and_chooses_nothing(moe: Path, tmp_path: Path, capsys) -> None:
+    recipe = write_recipe(tmp_path, moe, experts={"min_kept": 1.0}, **COMMON)
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: the budget leaves one expert count to measure" in out and "split: the run measures" not in out

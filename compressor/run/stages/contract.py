@@ -80,6 +80,10 @@ class Stage:
         """Held-out windows (after the calibration windows) the stage measures on; 0: none."""
         return 0
 
+    def heldout_section(self, recipe: Recipe) -> str:
+        """The section whose `heldout_windows` sets that count (what a refusal names)."""
+        return self.section or self.name
+
     def memory(self, footprint: Footprint) -> list[Phase]:
         """The stage's phases of the memory plan (`run.memory`), each with its host and device peak."""
         return []

@@ -26,7 +26,7 @@ class ReadData(Stage):
         )
         state.distillation_rows = distillation_data(recipe, state.tokenizer)
         for stage, count in heldout_counts(recipe, state.checked):
-            windows = heldout_batches(recipe.calibration, state.tokenizer, count, stage.section or stage.name)
+            windows = heldout_batches(recipe.calibration, state.tokenizer, count, stage.heldout_section(recipe))
             if not stage.guarded:
                 state.split_windows = windows  # the split choice's own
             elif len(windows) > len(state.heldout):

@@ -117,11 +117,13 @@ def write_report(state: RunState) -> RunReport:
         distillation_figure({"held-out KL": state.distillation.curve}).savefig(
             staging / "distillation.png", dpi=120, bbox_inches="tight"
         )
-    if state.split is not None and report.mlp is not None:
+    if state.split is not None:
         points = [(c.width, c.mlp_kept, c.params, c.heldout_kl) for c in state.split.candidates]
-        split_figure(points, state.split.chosen, report.mlp.of, Path(report.model.path).name).savefig(
-            staging / "split.png", dpi=120, bbox_inches="tight"
-        )
+        counts = [c.experts for c in state.split.candidates]
+        of = report.mlp.of if report.mlp is not None else state.split.candidates[0].mlp_kept  # no mlp: all kept
+        split_figure(
+            points, state.split.chosen, of, Path(report.model.path).name, counts if report.experts else None
+        ).savefig(staging / "split.png", dpi=120, bbox_inches="tight")
     return report
 
 

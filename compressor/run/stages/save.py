@@ -88,9 +88,11 @@ Qwen3-MoE; a pruned model's config says the count under both."""
 
 
 def write_expert_count(path: Path, experts: int) -> None:
-    """`path` (a saved config.json) with the expert count under every key engines read."""
+    """`path` (a saved config.json) with the expert count under every key engines read (in a
+    vision-language checkpoint's `text_config`, where its text model reads them)."""
     config = json.loads(path.read_text())
-    config.update(dict.fromkeys(EXPERT_COUNT_KEYS, experts))
+    text = config.get("text_config")
+    (text if isinstance(text, dict) else config).update(dict.fromkeys(EXPERT_COUNT_KEYS, experts))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

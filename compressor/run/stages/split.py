@@ -49,18 +49,17 @@ class ChooseSplit(Stage):
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         if world > 1 and plan.chooses_split:
-            raise UserError(
-                "mlp: choosing the split of the budget runs in one process: fix the MLP's width (mlp.kept), "
-                "or launch one process"
-            )
+            keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
+            raise UserError(f"choosing the split of the budget runs in one process: fix {keys}, or launch one process")
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         """The larger count of the sections that leave theirs open (`mlp`, `experts`)."""
         if not plan.chooses_split:
             return 0
-        return max(
-            spec.heldout_windows for spec in (recipe.mlp, recipe.experts) if spec is not None and spec.kept is None
-        )
+        return max(getattr(recipe, name).heldout_windows for name in open_sections(recipe))
+
+    def heldout_section(self, recipe: Recipe) -> str:
+        return max(open_sections(recipe), key=lambda name: getattr(recipe, name).heldout_windows)
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         if not footprint.settings.split_choice:
@@ -71,7 +70,7 @@ class ChooseSplit(Stage):
                 "choosing the split (the whole original beside each trial)",
                 weights + 2 * pruned + footprint.store + footprint.positions,
                 weights + pruned,
-                "mlp.kept (fix the split), or a machine with more memory",
+                "fixed counts (mlp.kept, experts.kept: no split to choose), or a machine with more memory",
                 whole_model=True,
             )
         ]
@@ -116,6 +115,13 @@ class ChooseSplit(Stage):
         state.best_trial = None
         if not state.adopted and state.model is None:
             state.model = state.resources.model(state.recipe.model)
+
+
+def open_sections(recipe: Recipe) -> list[str]:
+    """The sections that leave their count to the choice: `mlp`, `experts` without `kept`."""
+    return [
+        name for name in ("mlp", "experts") if getattr(recipe, name) is not None and getattr(recipe, name).kept is None
+    ]
 
 
 def adopt(state: RunState, trial: RunState) -> None:
