@@ -142,6 +142,20 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
+SLOW_TESTS = Path(__file__).parent / "slow_tests.txt"
+"""Tests measured slow in a CI run (`.ci/slow_tests.py`), marked slow here so `make test` leaves them out."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests `slow_tests.txt` lists slow (unless SLOW_TESTS_LIST=off, as the script that writes it asks)."""
+    if os.environ.get("SLOW_TESTS_LIST") == "off" or not SLOW_TESTS.is_file():
+        return
+    listed = {line.strip() for line in SLOW_TESTS.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+
+
 def widths_for(family_name: str, config, kept: int, slice_head: bool) -> dict[str, int]:
     """Kept width per site id for a family (2 sites per layer, or 1 for parallel blocks)."""
     from compressor.models.families import family_for
