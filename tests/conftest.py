@@ -36,6 +36,17 @@ COMMON = dict(
     max_position_embeddings=128,
 )
 
+QWEN3_5_LAYERS: dict = dict(  # hybrid: a Gated DeltaNet (linear attention) layer, then a full attention layer
+    tie_word_embeddings=True,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+"""Qwen3.5's layers as its dense and MoE text configs share them."""
+
 FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "mistral": dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False),
@@ -87,17 +98,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
         attention_multiplier=0.1,
         logits_scaling=2.5,
     ),
-    # hybrid: a Gated DeltaNet (linear attention) layer, then a full attention layer
-    "qwen3_5_text": dict(
-        model_type="qwen3_5_text",
-        tie_word_embeddings=True,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-    ),
+    "qwen3_5_text": dict(model_type="qwen3_5_text", **QWEN3_5_LAYERS),
     # Mixture-of-Experts: fused experts [E, 2f, d] and [E, d, f], routed top-2 of 4 (renormalised or not)
     "qwen3_moe": dict(
         model_type="qwen3_moe",
@@ -111,13 +112,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_5_moe_text": dict(  # Qwen3.5's hybrid layers, each MLP routed experts and a gated shared expert
         model_type="qwen3_5_moe_text",
-        tie_word_embeddings=True,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
+        **QWEN3_5_LAYERS,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,

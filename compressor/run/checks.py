@@ -26,6 +26,7 @@ from compressor.run.loading import load_config
 from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
+from compressor.run.stages.split import open_sections
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
@@ -198,7 +199,7 @@ def _layout(
             counts=recipe.budget,
         )
         check_mlp_alone(recipe, layout)
-    elif (mlp is not None and mlp.kept is None) or (recipe.experts is not None and recipe.experts.kept is None):
+    elif open_sections(recipe):
         splits = _splits(recipe, config, family, families, options)
         layout = splits[0]
     else:
@@ -222,9 +223,7 @@ def _splits(
     first (None), so the first candidate prunes the residual width alone (or with the fixed MLP)."""
     mlp, experts = recipe.mlp, recipe.experts
     if recipe.allocation.method == "curves":
-        keys = " and ".join(
-            f"{name}.kept" for name, spec in (("mlp", mlp), ("experts", experts)) if spec and not spec.kept
-        )
+        keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
         raise UserError(
             f"without {keys} the run chooses the split of the budget at uniform widths, but allocation.method "
             f"curves chooses widths per site; fix {keys}, or remove allocation"
@@ -288,7 +287,7 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             f"and prunes its MLPs alone, so the pipeline's strategies "
             f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
         )
-    open_experts = recipe.experts is not None and recipe.experts.kept is None
+    open_experts = "experts" in open_sections(recipe)
     if open_experts and checked.layout.residual and checked.splits and checked.splits[0].experts is not None:
         warnings.append(
             "experts: no width meets the budget with every expert kept, so the run measures fewer experts only "
@@ -299,7 +298,7 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             "experts: the budget leaves one expert count to measure, so the run does not choose it; lower "
             "experts.min_kept or raise the target to give it more"
         )
-    one_split = len(checked.splits) == 1 and recipe.mlp is not None and recipe.mlp.kept is None
+    one_split = len(checked.splits) == 1 and "mlp" in open_sections(recipe)
     if one_split and checked.layout.kept == checked.layout.config.hidden_size:
         warnings.append(
             "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "

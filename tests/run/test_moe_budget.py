@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from compressor.cli import main
 from compressor.evaluation.metrics import parameter_count
 from tests.conftest import save_tiny_checkpoint
+from tests.models.test_active_params import _used
 from tests.run.test_cli import _DELETE, write_recipe
 from tests.run.test_mlp_split import _model, _report, _same
 from tests.run.test_resume import compress
@@ -33,10 +34,8 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _active(model: torch.nn.Module) -> int:
-    """Parameters a token uses, counted on the reloaded model: the fused experts' [E, ·, ·] tensors at top-k of E."""
-    config = model.config
-    routed = sum(p.numel() for p in model.parameters() if p.dim() == 3)
-    return parameter_count(model) - routed + routed * config.num_experts_per_tok // config.num_experts
+    """Parameters a token uses, counted on the reloaded model (`test_active_params._used`)."""
+    return _used(model, model.config.num_experts, model.config.num_experts_per_tok)
 
 
 def test_the_run_measures_every_expert_count_and_split_and_saves_what_a_fixed_run_saves(

@@ -41,8 +41,7 @@ class ChooseSplit(Stage):
     checkpoint_key = "split"
 
     def wanted(self, recipe: Recipe) -> bool:
-        open_mlp = recipe.mlp is not None and recipe.mlp.kept is None
-        return open_mlp or (recipe.experts is not None and recipe.experts.kept is None)
+        return bool(open_sections(recipe))
 
     def runs(self, state: RunState) -> bool:
         return state.checked.chooses_split  # else nothing to choose (a warning said so)
