@@ -126,6 +126,24 @@ FAMILY_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),
+    "gpt_oss": dict(  # router bias; experts [E, d, 2f] gate/up interleaved, with biases, clamped SwiGLU; sinks
+        model_type="gpt_oss",
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=8,
+        swiglu_limit=0.3,  # low enough that the clamps act on a tiny random model
+        rope_parameters=dict(  # YaRN as gpt-oss's, scaled to the tiny context
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4,
+        ),
+    ),
     "olmoe": dict(  # top-k weights not renormalised; q/k norms over the whole projection
         model_type="olmoe",
         tie_word_embeddings=False,
@@ -135,6 +153,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
         pad_token_id=1,
     ),
 }
+
+MOE_FAMILIES = [name for name, values in FAMILY_CONFIGS.items() if "num_experts_per_tok" in values]
+"""The configs above with routed experts (every MoE test runs each)."""
 
 
 SLOW_TESTS = Path(__file__).parent / "slow_tests.txt"
@@ -169,6 +190,8 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> PreTrainedModel:
         for param_name, param in model.named_parameters():
             if "norm" in param_name or ".ln_" in param_name:  # GPT-2 names its norms ln_1, ln_2, ln_f
                 param.copy_(1 + 0.5 * torch.randn_like(param))
+            elif param_name.endswith("mlp.router.bias"):  # gpt-oss: small beside the logits, so that
+                param.copy_(0.01 * torch.randn_like(param))  # each token's experts depend on the token
             elif param_name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     return model

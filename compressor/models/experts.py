@@ -1,10 +1,11 @@
 """Mixture-of-Experts blocks in the form the engine reads: the router and every expert as linears.
 
 transformers 5 stores a sparse MoE block's experts fused (`gate_up_proj [E, 2f, d]`, `down_proj
-[E, d, f]`) and may run them through grouped kernels that no per-linear hook sees. `unfuse_experts`
-(a family's `prepare`) turns each such block into `RoutedExperts`, whose readers and writers of the
-stream are `nn.Linear`s the engine rotates and slices like any other; `fused_experts_state` (a
-family's `own_state`) stacks them back for the family's own class.
+[E, d, f]`; gpt-oss transposed, gate and up interleaved, with biases) and may run them through
+grouped kernels that no per-linear hook sees. `unfuse_experts` (a family's `prepare`) turns each
+such block into `RoutedExperts`, whose readers and writers of the stream are `nn.Linear`s the
+engine rotates and slices like any other; `fused_experts_state` and `gpt_oss_experts_state` (a
+family's `own_state`) stack them back for the family's own class.
 
 This module's source travels with every saved per-site model (`models.export` writes it, before
 `models.families`, into `modeling_sliced.py`), so it imports nothing from `compressor`
@@ -20,18 +21,40 @@ import torch
 from torch import nn
 
 
-class Expert(nn.Module):
-    """One routed expert as linears: gate and up fused as the family stores them (gate first),
-    then the down projection, which writes the stream."""
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert activation of one neuron's gate g and up u: (clamp(u, ±limit) + 1) ·
+    g'·σ(α·g') with g' = min(g, limit). Like act(g)·u it is elementwise per neuron, so a neuron is
+    still one gate row, one up row and one down column."""
 
-    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear, act_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, alpha: float, limit: float) -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate: Any, up: Any) -> Any:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+class Expert(nn.Module):
+    """One routed expert as linears: gate and up fused (gate rows first, then up rows, whatever the
+    family's own order), then the down projection, which writes the stream. Its activation is
+    act_fn(gate)·up, or `glu(gate, up)` where the family's differs (gpt-oss's `ClampedSwiGLU`)."""
+
+    def __init__(
+        self,
+        gate_up_proj: nn.Linear,
+        down_proj: nn.Linear,
+        act_fn: Callable[[Any], Any],
+        glu: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn, self.glu = gate_up_proj, down_proj, act_fn, glu
 
     def activation(self, hidden_states: Any) -> Any:
         """The intermediate activation h the down projection reads (the expert's neurons)."""
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        return self.glu(gate, up) if self.glu is not None else self.act_fn(gate) * up
 
     def forward(self, hidden_states: Any) -> Any:
         return self.down_proj(self.activation(hidden_states))
@@ -46,7 +69,8 @@ class RoutedExperts(nn.Module):
     family does so), weighted by it; a shared expert, where there is one, adds its output gated by
     sigmoid(shared_expert_gate). Every expert runs as its own linears (transformers' eager experts),
     so a hook on an expert sees exactly the tokens routed to it. Its output has its writers' width,
-    which may differ from its input's in a sliced model."""
+    which may differ from its input's in a sliced model. With `paired`, it returns (output, None),
+    as a block whose family's layer unpacks a pair does (gpt-oss returns its router scores too)."""
 
     def __init__(
         self,
@@ -56,10 +80,12 @@ class RoutedExperts(nn.Module):
         normalise: bool,
         shared_expert: nn.Module | None = None,
         shared_expert_gate: nn.Linear | None = None,
+        paired: bool = False,
     ) -> None:
         super().__init__()
         self.router, self.experts, self.top_k, self.normalise = router, experts, top_k, normalise
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.paired = paired
 
     def readers(self) -> list[nn.Module]:
         shared = [] if self.shared_expert is None else [self.shared_expert.gate_proj, self.shared_expert.up_proj]
@@ -115,7 +141,8 @@ class RoutedExperts(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        return out.reshape(*shape[:-1], width)
+        out = out.reshape(*shape[:-1], width)
+        return (out, None) if self.paired else out
 
     def _spread(self, flat: Any, weights: Any, out: Any) -> None:
         """The routed rows spread evenly over the experts (tokens × top_k of them in all, as routing
@@ -134,13 +161,41 @@ def _is_fake(tensor: Any) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _linear_like(weight: Any) -> nn.Linear:
-    """An `nn.Linear` holding `weight` ([out, in]), on its device and in its dtype."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+def _linear_like(weight: Any, bias: Any = None) -> nn.Linear:
+    """An `nn.Linear` holding `weight` ([out, in]) and `bias` (where given), on its device and in its dtype."""
+    linear = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    )
     linear.requires_grad_(False)
     if weight.device.type != "meta":
         linear.weight.data = weight.detach().clone()
+        if bias is not None:
+            linear.bias.data = bias.detach().clone()
     return linear
+
+
+def _gate_then_up(rows: Any) -> Any:
+    """gpt-oss's interleaved rows (g0, u0, g1, u1, …) as gate rows then up rows."""
+    return torch.cat([rows[0::2], rows[1::2]])
+
+
+def _gpt_oss_experts(block: nn.Module) -> RoutedExperts:
+    """gpt-oss's MoE block (router with a bias; `experts.gate_up_proj [E, d, 2f]` transposed with
+    gate and up interleaved, `down_proj [E, f, d]`, each with a bias; the clamped SwiGLU) as
+    `RoutedExperts`. Its router takes the top-k logits and a softmax over them: the softmax over
+    every expert renormalised over the k, which `RoutedExperts.route` computes."""
+    fused, router = block.experts, block.router
+    glu = ClampedSwiGLU(fused.alpha, fused.limit)
+    experts = nn.ModuleList(
+        Expert(
+            _linear_like(_gate_then_up(fused.gate_up_proj[e].T), _gate_then_up(fused.gate_up_proj_bias[e])),
+            _linear_like(fused.down_proj[e].T, fused.down_proj_bias[e]),
+            torch.sigmoid,  # unused: glu is the activation
+            glu,
+        )
+        for e in range(fused.gate_up_proj.shape[0])
+    )
+    return RoutedExperts(_linear_like(router.weight, router.bias), experts, router.top_k, normalise=True, paired=True)
 
 
 def _routed_experts(block: nn.Module) -> RoutedExperts:
@@ -163,15 +218,18 @@ def _routed_experts(block: nn.Module) -> RoutedExperts:
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """Whether `module` is a transformers sparse-MoE block whose experts are fused tensors."""
-    return type(module).__name__.endswith("SparseMoeBlock")
+    """Whether `module` is a transformers MoE block whose experts are fused 3-D tensors."""
+    experts = getattr(module, "experts", None)
+    fused = getattr(experts, "gate_up_proj", None) if isinstance(experts, nn.Module) else None
+    return isinstance(fused, torch.Tensor) and fused.dim() == 3
 
 
 def unfuse_experts(model: nn.Module) -> None:
     """Every fused-expert MoE block of `model` as `RoutedExperts` (dense layers stay as they are)."""
     for name, module in list(model.named_modules()):
         if is_fused_experts(module):
-            model.set_submodule(name, _routed_experts(module))
+            routed = _gpt_oss_experts(module) if hasattr(module, "router") else _routed_experts(module)
+            model.set_submodule(name, routed)
 
 
 def fused_experts_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -187,6 +245,28 @@ def fused_experts_state(state: dict[str, Any]) -> dict[str, Any]:
             stacked.setdefault(f"{prefix}.experts.{kind}", {})[int(index)] = value
         elif key.endswith(".router.weight"):
             out[key.removesuffix("router.weight") + "gate.weight"] = value
+        else:
+            out[key] = value
+    for key, values in stacked.items():
+        out[key] = torch.stack([values[index] for index in sorted(values)])
+    return out
+
+
+def gpt_oss_experts_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with `RoutedExperts` keys in gpt-oss's fused form: `experts.gate_up_proj [E, d,
+    2f]` (transposed, gate and up interleaved) and `down_proj [E, f, d]`, each with its `_bias`; the
+    router keeps its name and bias."""
+    out: dict[str, Any] = {}
+    stacked: dict[str, dict[int, Any]] = {}
+    for key, value in state.items():
+        if ".experts." in key and key.rsplit(".", 2)[-2] in ("gate_up_proj", "down_proj"):
+            prefix, rest = key.split(".experts.", 1)
+            index, kind, part = rest.split(".")
+            if kind == "gate_up_proj":  # gate rows then up rows → g0, u0, g1, u1, …
+                value = torch.stack(value.chunk(2, dim=0), dim=1).flatten(0, 1)
+            value = value.T if part == "weight" else value
+            name = kind if part == "weight" else f"{kind}_bias"
+            stacked.setdefault(f"{prefix}.experts.{name}", {})[int(index)] = value
         else:
             out[key] = value
     for key, values in stacked.items():

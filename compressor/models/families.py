@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compressor.errors import UserError
-from compressor.models.experts import RoutedExperts, fused_experts_state, unfuse_experts
+from compressor.models.experts import RoutedExperts, fused_experts_state, gpt_oss_experts_state, unfuse_experts
 
 STOCK_UNKNOWN = (
     "its description does not say that its own class can hold one residual basis (ModelFamily.stock_refusal)"
@@ -363,6 +363,13 @@ OLMOE = replace(
     mlp_width="intermediate_size",
     stock_refusal="its q_norm and k_norm are sized by hidden_size, which a stock model of width k would change",
 )
+GPT_OSS = replace(
+    MOE,
+    name="gpt_oss",
+    model_types=("gpt_oss",),  # router bias, fused experts transposed and interleaved with biases, attention sinks
+    mlp_width="intermediate_size",
+    own_state=gpt_oss_experts_state,
+)
 QWEN3_5_MOE = replace(
     QWEN3_5,
     name="qwen3_5_moe",
@@ -446,6 +453,7 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3_5_MOE,
     MOE,
     MIXTRAL,
+    GPT_OSS,
     OLMOE,
     OPT,
     GPT2,
@@ -454,8 +462,6 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
 
 
 NOT_YET: dict[str, str] = {
-    "gpt_oss": "its fused experts hold gate and up interleaved, transposed and with biases, under a clamped "
-    "SwiGLU, which no RoutedExperts form describes yet",
     "deepseek_v3": "its router scores by sigmoid with a correction bias and picks experts within groups "
     "(n_group, topk_group), which RoutedExperts does not reproduce yet, and its attention is multi-head latent",
 }

@@ -125,7 +125,11 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         out = self.attention(
             hidden_states=hidden_states, **{k: v for k, v in kwargs.items() if k not in self.unused_arguments}
         )
-        return out[0] if isinstance(out, tuple) else out
+        return _first(out)
+
+    def _feed_forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP's output (gpt-oss's MoE block returns (output, router scores))."""
+        return _first(self.mlp(normed))
 
     @staticmethod
     def _shortcut(linear: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +147,7 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
     def mlp_block(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
         """(Layer keyword arguments are accepted and unused, so every block is called alike.)"""
         residual = self._shortcut(self.mlp_shortcut, hidden_states)
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_out = self._feed_forward(self.post_attention_layernorm(hidden_states))
         return residual + self._write(self.mlp_output_norm, self.mlp_writer, mlp_out)
 
     def sites(self, family: ModelFamily) -> list[Site]:
@@ -176,7 +180,7 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         return (
             residual
             + self._write(self.attn_output_norm, self.attn_writer, attn_out)
-            + self._write(self.mlp_output_norm, self.mlp_writer, self.mlp(normed))
+            + self._write(self.mlp_output_norm, self.mlp_writer, self._feed_forward(normed))
         )
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -184,6 +188,11 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         if self.parallel:
             return self.parallel_block(hidden_states, **kwargs)
         return self.mlp_block(self.attention_block(hidden_states, **kwargs))
+
+
+def _first(out: Any) -> Any:
+    """A block's output where it returns a pair (output, weights or scores)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _resize(module: nn.Module, **features: int) -> None:

@@ -11,15 +11,15 @@ from transformers import AutoModelForCausalLM
 from compressor.engine.experts import ExpertRecord, protected_experts, prune_experts
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
-from compressor.models.experts import RoutedExperts, fused_experts_state
+from compressor.models.experts import RoutedExperts
 from compressor.models.families import family_for
 from compressor.models.layout import with_experts
 from compressor.plugin import ExpertChoice, ExpertProblem, ExpertSelector, hookimpl
 from compressor.strategies.registry import PluginRegistry
 from compressor_plugins.experts import Frequency, OutputAware, Reap, routing_weights
-from tests.conftest import COMMON, copy_model, max_relative_logit_error, random_batches, tiny_model
+from tests.conftest import COMMON, MOE_FAMILIES, copy_model, max_relative_logit_error, random_batches, tiny_model
 
-MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_5_moe_text"]
+MOE = MOE_FAMILIES
 BATCHES = random_batches(COMMON["vocab_size"], count=2, batch=2, length=16)
 
 
@@ -50,14 +50,15 @@ def test_keeping_every_expert_changes_nothing_and_the_counts_see_every_routed_to
 @pytest.mark.parametrize("name", MOE)
 def test_a_model_with_fewer_experts_is_the_family_s_own_class_with_a_smaller_count(name: str) -> None:
     """Renormalised routers (Qwen3-MoE, Mixtral) re-pick; OLMoE's softmax over the experts left is
-    what its own class computes with fewer experts too; Qwen2-MoE's shared expert stays as it was."""
+    what its own class computes with fewer experts too; Qwen2-MoE's shared expert stays as it was;
+    gpt-oss's router bias loses the removed experts' entries."""
     _, model = _fused(name)
     family = family_for(name)
     records = prune_experts(model, family, BATCHES, 3, Reap(), super_ratio=None)
     assert all(len(record.kept) == 3 for record in records)
     config = with_experts(model.config, family, 3)
     stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    missing, unexpected = stock.load_state_dict(fused_experts_state(model.state_dict()), strict=False)
+    missing, unexpected = stock.load_state_dict(family.own_state(model.state_dict()), strict=False)
     assert not unexpected and all(key.endswith("norm.weight") for key in missing)  # fused: the norms are ones
     assert stock.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3
     assert max_relative_logit_error(model, stock, BATCHES) < 1e-5

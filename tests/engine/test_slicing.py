@@ -98,6 +98,8 @@ def _expected_moe_parameters(config, reads: int, writes: int) -> int:
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     total = experts * reads + experts * (2 * width * reads + width * writes)
+    if config.model_type == "gpt_oss":  # the router's bias, every expert's gate/up and down biases
+        total += experts + experts * (2 * width + writes)
     shared = getattr(config, "shared_expert_intermediate_size", 0)
     if shared:
         total += 2 * shared * reads + shared * writes + reads  # gate, up, down; its sigmoid gate
@@ -136,6 +138,8 @@ def _expected_parameters(config, widths: list[int]) -> int:
             gated = 2 if config.model_type in ("qwen3_5_text", "qwen3_5_moe_text") else 1
             total += w_in * (gated * heads + 2 * kv) * hd + attn_bias  # q, k, v
             total += heads * hd * d + d * w_attn if post_norms else heads * hd * w_attn  # o (+ writer)
+            if config.model_type == "gpt_oss":
+                total += w_attn + heads  # o_proj's bias; one attention sink per head
             if config.model_type in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe"):
                 total += 2 * hd  # per-head q and k norms
             if config.model_type in ("olmo2", "olmo3", "olmoe"):

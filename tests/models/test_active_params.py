@@ -18,9 +18,9 @@ from compressor.models.layout import sliced_layout, with_experts, with_mlp_width
 from compressor.models.sliced import apply_slicing_layout
 from compressor.models.split import expert_counts, split_layouts
 from compressor.models.stock import stock_config
-from tests.conftest import COMMON, FAMILY_CONFIGS
+from tests.conftest import COMMON, FAMILY_CONFIGS, MOE_FAMILIES
 
-MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "qwen3_5_moe_text"]
+MOE = MOE_FAMILIES
 
 
 def _config(name: str) -> PretrainedConfig:

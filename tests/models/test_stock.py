@@ -39,6 +39,7 @@ OTHERS = sorted(set(FAMILY_CONFIGS) - set(STOCK_FAMILIES))
 def test_the_built_in_families_say_whether_their_class_can_hold_one_basis() -> None:
     assert STOCK_FAMILIES == [
         "gemma",
+        "gpt_oss",
         "granite",
         "llama",
         "mistral",

@@ -78,12 +78,16 @@ def test_a_run_with_experts_saves_fewer_experts_that_reload_to_the_run_s_model(
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
 
 
-@pytest.mark.parametrize(("name", "layout"), [("qwen3_moe", "global"), ("mixtral", "per_site")])
+STOCK_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+@pytest.mark.parametrize(("name", "layout"), [("qwen3_moe", "global"), ("mixtral", "per_site"), ("gpt_oss", "global")])
 def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_the_run_s_model(
     name: str, layout: str, tmp_path: Path
 ) -> None:
-    """`mlp.kept` is every routed expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's
-    intermediate_size), after `experts` chose which experts stay."""
+    """`mlp.kept` is every routed expert's width (Qwen3-MoE's moe_intermediate_size, Mixtral's and
+    gpt-oss's intermediate_size), after `experts` chose which experts stay; gpt-oss's stock experts
+    are saved transposed, gate and up interleaved, with their biases."""
     checkpoint = save_tiny_checkpoint(tmp_path / name, name)
     recipe = write_recipe(
         tmp_path,
@@ -94,6 +98,7 @@ def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_
         pipeline=[{"strategy": "sensitivity"}],
         experts={"kept": 3},
         mlp={"kept": 0.5},
+        model__attn_implementation="eager",  # gpt-oss's class has no sdpa attention (its sinks)
     )
     assert main(["run", str(recipe)]) == 0
     report = _report(tmp_path / "out")
@@ -107,9 +112,11 @@ def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_
     assert saved[key] == width // 2 and saved["num_experts"] == 3
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
     if layout == "global":
-        assert type(model).__name__ == "Qwen3MoeForCausalLM"
-        assert model.model.layers[0].mlp.experts.down_proj.shape == (3, model.config.hidden_size, width // 2)
-        assert model.model.layers[1].mlp.down_proj.in_features == model.config.intermediate_size  # dense: whole
+        assert type(model).__name__ == STOCK_CLASSES[name]
+        d, f = model.config.hidden_size, width // 2
+        assert model.model.layers[0].mlp.experts.down_proj.shape == ((3, f, d) if name == "gpt_oss" else (3, d, f))
+        if name == "qwen3_moe":
+            assert model.model.layers[1].mlp.down_proj.in_features == model.config.intermediate_size  # dense: whole
     assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
     kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", layout == "per_site")
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
