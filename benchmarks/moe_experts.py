@@ -6,11 +6,13 @@ pruned model's parameters (total and active per token), KL to the original and p
 held-out windows, and the prune time. A `+H` selector is given the output sensitivity H of each
 MoE block's stream (from the H pass on the unpruned model); without it the stream's coordinates
 weigh alike. Routed parameters scale with experts × width, so 6/8 experts, width 144 of 192 and
-8x144 cost the same.
+8x144 cost the same. With `--router-refit`, each expert row is measured again with the router
+refitted after the experts go (`experts.router_refit`, `engine.router_refit`).
 
     python benchmarks/make_ref_moe.py                       # once: the reference MoE (not in the repository)
     python benchmarks/moe_experts.py                         # benchmarks/results/ref-moe, ../shared data
     python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H --widths 96 --combos 6x128
+    python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H --router-refit --tag _router
 
 Writes benchmarks/results/moe_experts_<model>.json and .md.
 """
@@ -59,6 +61,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--combos", nargs="*", default=[], help="EXPERTSxWIDTH, e.g. 6x128")
     parser.add_argument("--sample-tokens", type=int, default=2048, help="experts.sample_tokens")
     parser.add_argument("--no-protect", action="store_true", help="experts.protect_super: false")
+    parser.add_argument("--router-refit", action="store_true", help="each expert row again with the router refit")
+    parser.add_argument("--router-steps", type=int, default=20, help="experts.router_steps")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     return parser.parse_args()
 
@@ -114,11 +118,12 @@ def main() -> None:
     fuse_norms(reference, family)
     total0, active0 = parameter_count(reference), active_params(reference, reference.config)
     width0 = int(getattr(original.config, family.mlp_width))
-    cases = [(keep, name, None, None) for keep in args.kept for name in args.selectors]
-    cases += [(None, None, width, name) for width in args.widths for name in args.neuron_selectors]
-    cases += [(int(e), "output+H", int(w), "obs+H") for e, w in (combo.split("x") for combo in args.combos)]
+    refits = (False, True) if args.router_refit else (False,)
+    cases = [(keep, name, None, None, r) for keep in args.kept for name in args.selectors for r in refits]
+    cases += [(None, None, width, name, False) for width in args.widths for name in args.neuron_selectors]
+    cases += [(int(e), "output+H", int(w), "obs+H", False) for e, w in (combo.split("x") for combo in args.combos)]
     rows: list[dict[str, Any]] = []
-    for keep, expert_name, width, neuron_name in cases:
+    for keep, expert_name, width, neuron_name, refit in cases:
         model = resources.model(recipe.model)
         fuse_norms(model, family)
         tick = time.perf_counter()
@@ -133,7 +138,8 @@ def main() -> None:
                 device,
                 super_ratio=None if args.no_protect else 10.0,
                 sample_tokens=args.sample_tokens,
-                sensitivity=sensitivity if expert_name.endswith("+H") else None,
+                router_steps=args.router_steps if refit else 0,
+                sensitivity=sensitivity if expert_name.endswith("+H") or refit else None,
             )
             setattr(model.config, family.experts, keep)
         widths = []
@@ -152,7 +158,7 @@ def main() -> None:
         figures = compare(original, model, heldout, device)["pruned"]
         label = " then ".join(
             f"{name} ({what})" for name, what in ((expert_name, "experts"), (neuron_name, "width")) if name is not None
-        )
+        ) + (" + router refit" if refit else "")
         row = {
             "selector": label,
             "kept": keep or experts,
@@ -168,6 +174,7 @@ def main() -> None:
             "fewest_tokens": min(r.fewest_tokens for r in records) if records else None,
             "kept_by_layer": [r.kept for r in records],
             "width_error": [r.error_refit for r in widths],
+            "router": [r.router for r in records if r.router is not None],
         }
         rows.append(row)
         console.log(f"{label}: {row['kept']}x{row['width']}: KL {row['kl']:.5f} ppl {row['ppl']:.3f} ({seconds:.1f} s)")

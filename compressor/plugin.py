@@ -37,7 +37,13 @@ from compressor.strategies.contract import (
     removed_energy,
     tau_candidates,
 )
-from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, ExpertSelector, keep_highest
+from compressor.strategies.expert_contract import (
+    ExpertChoice,
+    ExpertProblem,
+    ExpertSelector,
+    keep_highest,
+    routing_weights,
+)
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
 from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
@@ -82,6 +88,7 @@ __all__ = [
     "frobenius_normalised",
     "hookimpl",
     "keep_highest",
+    "routing_weights",
     "options",
     "register_family",
     "removed_energy",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from compressor.plugin import ExpertChoice, ExpertProblem, ExpertSelector, hookimpl, keep_highest
+from compressor.plugin import ExpertChoice, ExpertProblem, ExpertSelector, hookimpl, keep_highest, routing_weights
 
 CHUNK_ELEMENTS = 1 << 24
 """`output` prices this many (candidate, token, expert) weights at a time."""
@@ -69,16 +69,6 @@ class OutputAware(ExpertSelector):
                 "sensitivity": "H" if problem.weighed_by_h else "none",
             },
         )
-
-
-def routing_weights(P: torch.Tensor, removed: torch.Tensor, top_k: int, normalise: bool) -> torch.Tensor:
-    """Each token's weight on every expert (C × T × E) when the experts `removed` (C × E) are gone:
-    top-k of the probabilities left, renormalised over the k, or (without `normalise`) the softmax
-    over the experts left, which is the probability over what is left's sum."""
-    left = P[None].masked_fill(removed[:, None, :], 0.0)
-    top, chosen = torch.topk(left, top_k, dim=-1)
-    total = top.sum(-1, keepdim=True) if normalise else left.sum(-1, keepdim=True)
-    return torch.zeros_like(left).scatter_(-1, chosen, top / total.clamp_min(1e-300))
 
 
 def _costs(

@@ -14,7 +14,8 @@ E/k times the block's own work on them), G the output sensitivity H of the strea
 writes to where the run estimated it. Experts whose largest output coordinate is `super_ratio`
 times the median routed expert's are protected (REAP's
 super experts, which carry the model's massive activations). The router then loses the other
-experts' rows (`RoutedExperts.keep_experts`) and the layer runs again, pruned, to give the next
+experts' rows (`RoutedExperts.keep_experts`), optionally refitted on the same sample
+(`engine.router_refit`, `router_steps`), and the layer runs again, pruned, to give the next
 layer its input. Nothing here is checkpointed: a run killed in this stage runs it again, to the
 same experts (it is deterministic).
 """
@@ -36,6 +37,7 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, capture_layer_inputs, counted_rows
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
+from compressor.engine.router_refit import refit_router
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.models.families import ModelFamily
@@ -63,6 +65,8 @@ class ExpertRecord:
     """The fewest any expert saw: statistics of an expert rest on this many tokens."""
     protected: list[int] = field(default_factory=list)
     objectives: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] | None = None
+    """The router refit's held-out cost before and after, where the run refitted it (`engine.router_refit`)."""
 
 
 class _ExpertMoments:
@@ -76,6 +80,7 @@ class _ExpertMoments:
         self.sample, self.G = sample, G
         self.stride = max(1, -(-counted // sample)) if sample else 1
         """Every stride-th counted token is sampled, so the sample spans the calibration set."""
+        self.inputs: list[torch.Tensor] = []
         self.probabilities: list[torch.Tensor] = []
         self.gram: list[torch.Tensor] = []
         self.sampled = 0
@@ -97,6 +102,7 @@ class _ExpertMoments:
         chunk = max(1, OUTPUT_ELEMENTS // (len(block.experts) * block.experts[0].down_proj.out_features))
         for start in range(0, take, chunk):  # every expert's output on a chunk of tokens at a time
             part = picked[start : start + chunk]
+            self.inputs.append(part)
             logits = block.router(part).to(torch.float64)
             self.probabilities.append(torch.softmax(logits, dim=-1))
             outputs = torch.stack([expert(part).to(torch.float64) for expert in block.experts], dim=1)  # T × E × d
@@ -158,6 +164,7 @@ def prune_experts(
     *,
     super_ratio: float | None = 10.0,
     sample_tokens: int = 2048,
+    router_steps: int = 0,
     sensitivity: Mapping[int, torch.Tensor] | None = None,
     progress: Progress | None = None,
     store: ActivationStore | None = None,
@@ -165,14 +172,16 @@ def prune_experts(
 ) -> list[ExpertRecord]:
     """Keep `keep` routed experts in every MoE layer of `model`, in place (see the module
     docstring); `sensitivity` gives G by layer index (H of the stream each block writes to, in the
-    model's current coordinates). Returns one record per MoE layer; the config is the caller's."""
+    model's current coordinates). `router_steps` > 0 refits each pruned router on the output sample
+    (`engine.router_refit`). Returns one record per MoE layer; the config is the caller's."""
     device = torch.device(device)
     ranks = ranks or Ranks.current()
-    outputs = "outputs" in selector.requires
+    outputs = "outputs" in selector.requires or router_steps > 0
     if outputs and ranks.world > 1:
+        what = f"expert selector '{selector.name}'" if router_steps == 0 else "experts.router_refit"
         raise UserError(
-            f"expert selector '{selector.name}' reads every rank's sampled tokens, which a data-parallel run "
-            f"does not gather yet; run it in one process, or choose frequency or reap"
+            f"{what} reads every rank's sampled tokens, which a data-parallel run does not gather yet; "
+            f"run it in one process" + ("" if router_steps else ", or choose frequency or reap")
         )
     local = ranks.share(batches)
     report = progress or (lambda *_: None)
@@ -187,7 +196,10 @@ def prune_experts(
             if block is not None:
                 G = None if sensitivity is None or not outputs else sensitivity[index].to(device, torch.float64)
                 stats = _measure(layer, block, inputs, index, device, sample_tokens if outputs else 0, G)
-                records.append(_choose(block, stats.sum_over(ranks), index, keep, selector, super_ratio, ranks))
+                record = _choose(block, stats.sum_over(ranks), index, keep, selector, super_ratio, ranks)
+                if router_steps > 0:
+                    record.router = _refit(block, stats, record.kept, router_steps)
+                records.append(record)
             for b in range(len(inputs)):  # the pruned layer (or a dense one) gives the next one its input
                 out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
                 inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
@@ -256,6 +268,22 @@ def _choose(
         protected=torch.nonzero(protected).flatten().tolist(),
         objectives=dict(choice.objectives),
     )
+
+
+def _refit(block: RoutedExperts, stats: _ExpertMoments, kept: list[int], steps: int) -> dict[str, Any] | None:
+    """The kept router rows refitted on the layer's output sample (None without a sample)."""
+    if not stats.gram:
+        return None
+    device = stats.gram[0].device
+    refit = refit_router(
+        block,
+        torch.as_tensor(kept, dtype=torch.long, device=device),
+        torch.cat(stats.inputs),
+        torch.cat(stats.probabilities),
+        torch.cat(stats.gram),
+        steps,
+    )
+    return refit.as_dict()
 
 
 def _measure(

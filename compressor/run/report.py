@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from compressor.engine.experts import ExpertRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.evaluation.throughput import rate_range, speedup_bounds
 from compressor.run.guard import GuardRecord
@@ -112,7 +113,26 @@ def expert_rows(report: RunReport) -> list[tuple[str, str, str]]:
     return [
         ("routed experts per MoE layer", str(experts.of), f"{experts.kept} ({experts.selector})"),
         ("  fewest calibration tokens an expert saw", "", f"{experts.fewest_tokens:,}"),
+        *router_rows(experts.layers),
         *split_rows(experts.split),
+    ]
+
+
+def router_rows(layers: list[ExpertRecord]) -> list[tuple[str, str, str]]:
+    """The router refit's held-out output change (a share of the block's output), mean over the
+    layers, before and after, and how many layers kept it."""
+    refits = [layer.router for layer in layers if layer.router is not None]
+    if not refits:
+        return []
+    before = sum(r["before"] for r in refits) / len(refits)
+    after = sum(r["after"] if r["applied"] else r["before"] for r in refits) / len(refits)
+    kept = sum(bool(r["applied"]) for r in refits)
+    return [
+        (
+            "  router refit: held-out output change",
+            "",
+            f"{before:.4f} → {after:.4f} ({kept}/{len(refits)} layers kept it)",
+        )
     ]
 
 

@@ -79,3 +79,13 @@ def keep_highest(scores: torch.Tensor, problem: ExpertProblem) -> torch.Tensor:
     ranked[problem.protected] = torch.inf
     order = torch.sort(ranked, descending=True, stable=True).indices
     return torch.sort(order[: problem.keep]).values
+
+
+def routing_weights(P: torch.Tensor, removed: torch.Tensor, top_k: int, normalise: bool) -> torch.Tensor:
+    """Each token's weight on every expert (C × T × E) when the experts `removed` (C × E) are gone:
+    top-k of the probabilities left, renormalised over the k, or (without `normalise`) the softmax
+    over the experts left, which is the probability over what is left's sum."""
+    left = P[None].masked_fill(removed[:, None, :], 0.0)
+    top, chosen = torch.topk(left, top_k, dim=-1)
+    total = top.sum(-1, keepdim=True) if normalise else left.sum(-1, keepdim=True)
+    return torch.zeros_like(left).scatter_(-1, chosen, top / total.clamp_min(1e-300))

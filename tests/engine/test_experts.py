@@ -14,9 +14,9 @@ from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.models.families import family_for
 from compressor.models.layout import with_experts
-from compressor.plugin import ExpertChoice, ExpertProblem, ExpertSelector, hookimpl
+from compressor.plugin import ExpertChoice, ExpertProblem, ExpertSelector, hookimpl, routing_weights
 from compressor.strategies.registry import PluginRegistry
-from compressor_plugins.experts import Frequency, OutputAware, Reap, routing_weights
+from compressor_plugins.experts import Frequency, OutputAware, Reap
 from tests.conftest import COMMON, MOE_FAMILIES, copy_model, max_relative_logit_error, random_batches, tiny_model
 
 MOE = MOE_FAMILIES

@@ -43,6 +43,12 @@ class ExpertsSpec:
     """The tokens `output` prices removals on, every n-th counted calibration token (the sample
     spans the calibration set): each runs through every expert of the layer (E/k times the
     block's own work on them)."""
+    router_refit: StrictBool = False
+    """After each layer loses its experts, rescale the kept router rows (and shift its bias, where
+    it has one) so the block writes what it wrote with all of them, priced under H on the
+    `sample_tokens` sample (`engine.router_refit`); kept only where it lowers that cost on a
+    held-out quarter of the sample."""
+    router_steps: Annotated[StrictInt, described("rounds of the router refit's coordinate search", ge=1)] = 20
     min_tokens: Annotated[StrictInt, described("fewest routed tokens per expert before the run warns", ge=1)] = 32
     """An expert the calibration routed fewer tokens to has noisy statistics: the run warns and
     says how many calibration windows would give it this many."""
@@ -72,6 +78,10 @@ def check_experts(spec: ExpertsSpec, recipe: Recipe, context: SectionContext) ->
                     f"experts.{key} applies when the run chooses the expert count, but experts.kept fixes it; "
                     f"remove one of them"
                 )
+    if not spec.router_refit and spec.router_steps != ExpertsSpec().router_steps:
+        raise UserError(
+            "experts.router_steps applies to the router refit; set experts.router_refit: true, or remove it"
+        )
     context.registry.expert_selector(spec.selector)
     return spec
 

@@ -2,7 +2,8 @@
 (`engine.experts.prune_experts`), chosen on the model as the walk and refinement left it, an
 output-aware selector weighed by H of each block's stream where the walk estimated it; the
 model's config, and every later conversion, says the new count. Each layer's fewest routed tokens
-per expert go in the report, with a warning where statistics rest on too few."""
+per expert go in the report, with a warning where statistics rest on too few; with
+`experts.router_refit` each pruned router is refitted (`engine.router_refit`)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class PruneExperts(Stage):
         assert spec is not None and layout.experts is not None and selector is not None
         assert state.pruned is not None and state.result is not None
         sensitivity = None
-        if "outputs" in selector.requires:
+        if "outputs" in selector.requires or spec.router_refit:
             sensitivity = stream_sensitivity(
                 state.family, layout.config, state.result, state.checkpoint, state.bases, state.device
             )
@@ -79,6 +80,7 @@ class PruneExperts(Stage):
             state.device,
             super_ratio=spec.super_ratio if spec.protect_super else None,
             sample_tokens=spec.sample_tokens,
+            router_steps=spec.router_steps if spec.router_refit else 0,
             sensitivity=sensitivity,
             progress=state.progress,
             store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
