@@ -319,6 +319,7 @@ def _rows(
                 "KL": pruned.kl if pruned is not None else None,
                 **_timing_cells(report.timings),
                 "seed": report.seed,
+                **_expert_cells(report),
                 **task_cells(metrics),
                 **differing,
             }
@@ -326,10 +327,21 @@ def _rows(
     return table
 
 
+def _expert_cells(report: RunReport) -> dict[str, Any]:
+    """A run with routed experts: the experts each layer kept (of how many) and the share of the
+    parameters one token uses; nothing for other runs."""
+    cells: dict[str, Any] = {}
+    if report.experts is not None:
+        cells["experts"] = f"{report.experts.kept}/{report.experts.of}"
+    if report.active_params is not None:
+        cells["active params"] = report.active_params.ratio
+    return cells
+
+
 def cell(column: str, value: Any) -> str:
     if value is None:
         return ""
-    if column == "params":
+    if column in ("params", "active params"):
         return f"{value:.1%}"
     if column == "KL":
         return f"{value:.5f}"

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from compressor.cli import main
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.evaluation.metrics import compare, parameter_count
+from compressor.run.compare import render
+from compressor.run.compare import rows as compare_rows
 from tests.conftest import EXAMPLES, save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
 
@@ -120,6 +122,9 @@ def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_
     assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
     kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", layout == "per_site")
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
+    (row,) = compare_rows([tmp_path / "out"])  # `compress compare` shows the experts and the active share
+    assert row["experts"] == "3/4" and row["active params"] == report["active_params"]["ratio"] < 1
+    assert "| experts | active params |" in render([row], ".md")
 
 
 def test_too_few_calibration_tokens_per_expert_warn_with_the_windows_that_would_do(
