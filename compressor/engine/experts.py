@@ -73,14 +73,22 @@ class _ExpertMoments:
     """Per-expert sums over the counted tokens, and the sample an output-aware selector reads."""
 
     def __init__(
-        self, experts: int, device: torch.device, sample: int, G: torch.Tensor | None, counted: int = 0
+        self,
+        experts: int,
+        device: torch.device,
+        sample: int,
+        G: torch.Tensor | None,
+        counted: int = 0,
+        keep_inputs: bool = False,
     ) -> None:
         zeros = lambda: torch.zeros(experts, dtype=torch.float64, device=device)  # noqa: E731
         self.tokens, self.gate, self.reap_sum, self.peak = zeros(), zeros(), zeros(), zeros()
         self.sample, self.G = sample, G
         self.stride = max(1, -(-counted // sample)) if sample else 1
         """Every stride-th counted token is sampled, so the sample spans the calibration set."""
+        self.keep_inputs = keep_inputs
         self.inputs: list[torch.Tensor] = []
+        """The sampled tokens themselves (the router refit's), copied: a view would keep every batch alive."""
         self.probabilities: list[torch.Tensor] = []
         self.gram: list[torch.Tensor] = []
         self.sampled = 0
@@ -102,7 +110,8 @@ class _ExpertMoments:
         chunk = max(1, OUTPUT_ELEMENTS // (len(block.experts) * block.experts[0].down_proj.out_features))
         for start in range(0, take, chunk):  # every expert's output on a chunk of tokens at a time
             part = picked[start : start + chunk]
-            self.inputs.append(part)
+            if self.keep_inputs:
+                self.inputs.append(part.clone())
             logits = block.router(part).to(torch.float64)
             self.probabilities.append(torch.softmax(logits, dim=-1))
             outputs = torch.stack([expert(part).to(torch.float64) for expert in block.experts], dim=1)  # T × E × d
@@ -195,7 +204,9 @@ def prune_experts(
             block = moe_block(layer, family)
             if block is not None:
                 G = None if sensitivity is None or not outputs else sensitivity[index].to(device, torch.float64)
-                stats = _measure(layer, block, inputs, index, device, sample_tokens if outputs else 0, G)
+                stats = _measure(
+                    layer, block, inputs, index, device, sample_tokens if outputs else 0, G, router_steps > 0
+                )
                 record = _choose(block, stats.sum_over(ranks), index, keep, selector, super_ratio, ranks)
                 if router_steps > 0:
                     record.router = _refit(block, stats, record.kept, router_steps)
@@ -275,12 +286,14 @@ def _refit(block: RoutedExperts, stats: _ExpertMoments, kept: list[int], steps: 
     if not stats.gram:
         return None
     device = stats.gram[0].device
+    gram = torch.cat(stats.gram)
+    stats.gram.clear()  # one copy of the sample's Gram at a time
     refit = refit_router(
         block,
         torch.as_tensor(kept, dtype=torch.long, device=device),
         torch.cat(stats.inputs),
         torch.cat(stats.probabilities),
-        torch.cat(stats.gram),
+        gram,
         steps,
     )
     return refit.as_dict()
@@ -294,10 +307,11 @@ def _measure(
     device: torch.device,
     sample: int,
     G: torch.Tensor | None,
+    keep_inputs: bool = False,
 ) -> _ExpertMoments:
     """What the layer's MoE block's experts do with the counted tokens of every stored batch."""
     counted = sum(inputs.token_counts[b] for b in range(len(inputs)))
-    stats = _ExpertMoments(len(block.experts), device, sample, G, counted)
+    stats = _ExpertMoments(len(block.experts), device, sample, G, counted, keep_inputs)
     feed_counted(layer, block, inputs, index, device, lambda x: stats.add(block, x))
     return stats
 

@@ -70,32 +70,66 @@ def refit_router(
     target = routing_weights(probabilities.to(device, torch.float64), nothing, block.top_k, block.normalise)[0]
     weight = router.weight.detach().to(device, torch.float64)
     bias = None if router.bias is None else router.bias.detach().to(device, torch.float64)
-    logits = x @ weight.T + (0 if bias is None else bias)  # T × K, as the cut router gives them
-    energy = torch.einsum("te,tef,tf->t", target, gram, target)
     held = torch.arange(x.shape[0], device=device) % HELD_OUT == HELD_OUT - 1
-
-    def cost(rows: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> float:
-        weights, chosen = torch.topk(torch.softmax(logits[rows] * scales + offsets, dim=-1), block.top_k, dim=-1)
-        if block.normalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        change = torch.zeros_like(target[rows]).scatter(1, kept[chosen], weights) - target[rows]
-        return float(torch.einsum("te,tef,tf->", change, gram[rows], change) / energy[rows].sum().clamp_min(1e-30))
-
-    scales = torch.ones(len(kept), dtype=torch.float64, device=device)
-    offsets = torch.zeros_like(scales)
-    before = cost(held, scales, offsets)
     if steps == 0 or bool(held.all()) or not bool(held.any()):
+        before = _Tokens(held, x, target, gram, kept, block).cost(weight, bias)
         return RouterRefit(before, before, 0, False)
-    scales, offsets = _search(lambda a, b: cost(~held, a, b), scales, offsets, bias is not None, steps)
-    after = cost(held, scales, offsets)
+    fit = _Tokens(~held, x, target, gram, kept, block)
+    logits = fit.logits(weight, bias)
+    scales = torch.ones(len(kept), dtype=torch.float64, device=device)
+    scales, offsets = _search(
+        lambda a, b: fit.cost_of(logits * a + b), scales, torch.zeros_like(scales), bias is not None, steps
+    )
+    # the refitted rows as the router stores them (its dtype rounds them), priced on the held-out tokens
+    stored_weight = (weight * scales[:, None]).to(router.weight.dtype)
+    stored_bias = None if bias is None else (bias * scales + offsets).to(router.bias.dtype)
+    check = _Tokens(held, x, target, gram, kept, block)
+    before = check.cost(weight, bias)
+    after = check.cost(stored_weight.to(torch.float64), None if stored_bias is None else stored_bias.to(torch.float64))
     applied = after < before
     if applied:
-        like = router.weight
-        router.weight = nn.Parameter((weight * scales[:, None]).to(like.device, like.dtype), requires_grad=False)
-        if bias is not None:
-            shifted = bias * scales + offsets
-            router.bias = nn.Parameter(shifted.to(router.bias.device, router.bias.dtype), requires_grad=False)
+        router.weight = nn.Parameter(stored_weight.to(router.weight.device), requires_grad=False)
+        if stored_bias is not None:
+            router.bias = nn.Parameter(stored_bias.to(router.bias.device), requires_grad=False)
     return RouterRefit(before, after, steps, applied)
+
+
+class _Tokens:
+    """Some of the sampled tokens, with what the refit's cost needs of them precomputed: with w'
+    the pruned router's weights over the K kept experts and t the original's over all E, the
+    output change cᵀΓc = w'ᵀ Γ_KK w' − 2 w'ᵀ (Γt)_K + tᵀΓt, so a trial costs O(T·K²) and no copy
+    of the T × E × E Gram."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        gram: torch.Tensor,
+        kept: torch.Tensor,
+        block: RoutedExperts,
+    ) -> None:
+        self.x, self.top_k, self.normalise = x[rows], block.top_k, block.normalise
+        t, G = target[rows], gram[rows]
+        self.gram_kept = G[:, kept][:, :, kept]  # T × K × K
+        self.cross = torch.einsum("tkf,tf->tk", G[:, kept], t)  # (Γt)_K, T × K
+        self.constant = float(torch.einsum("te,tef,tf->", t, G, t))
+        self.energy = max(self.constant, 1e-30)  # the block's output energy on these tokens, under G
+
+    def logits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.x @ weight.T + (0 if bias is None else bias)
+
+    def cost(self, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+        return self.cost_of(self.logits(weight, bias))
+
+    def cost_of(self, logits: torch.Tensor) -> float:
+        """The output change of routing by `logits` (T × K), a share of the block's output energy."""
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(logits).scatter(1, chosen, weights)
+        quadratic = torch.einsum("tk,tkl,tl->", routed, self.gram_kept, routed)
+        return float(quadratic - 2 * (routed * self.cross).sum() + self.constant) / self.energy
 
 
 def _search(

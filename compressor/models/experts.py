@@ -228,8 +228,13 @@ def unfuse_experts(model: nn.Module) -> None:
     """Every fused-expert MoE block of `model` as `RoutedExperts` (dense layers stay as they are)."""
     for name, module in list(model.named_modules()):
         if is_fused_experts(module):
-            routed = _gpt_oss_experts(module) if hasattr(module, "router") else _routed_experts(module)
-            model.set_submodule(name, routed)
+            if not module.experts.gate_up_proj.is_floating_point():
+                raise ValueError(
+                    f"{name}: its experts are quantized ({module.experts.gate_up_proj.dtype}, e.g. gpt-oss's MXFP4 "
+                    f"loaded with its kernels); load the model dequantized (transformers' Mxfp4Config(dequantize=True))"
+                )
+            gpt_oss = hasattr(module.experts, "gate_up_proj_bias")  # transposed, interleaved, with biases
+            model.set_submodule(name, _gpt_oss_experts(module) if gpt_oss else _routed_experts(module))
 
 
 def fused_experts_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -332,7 +332,7 @@ def _expert_cells(report: RunReport) -> dict[str, Any]:
     parameters one token uses; nothing for other runs."""
     cells: dict[str, Any] = {}
     if report.experts is not None:
-        cells["experts"] = f"{report.experts.kept}/{report.experts.of}"
+        cells["experts kept"] = f"{report.experts.kept}/{report.experts.of}"  # beside a varied `experts` setting
     if report.active_params is not None:
         cells["active params"] = report.active_params.ratio
     return cells

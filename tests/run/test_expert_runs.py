@@ -6,6 +6,7 @@ refused in one line; a run killed in the stage resumes to the same model."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,14 @@ def test_a_run_with_experts_and_mlp_saves_fewer_narrower_experts_that_reload_to_
     assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
     kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", layout == "per_site")
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
-    (row,) = compare_rows([tmp_path / "out"])  # `compress compare` shows the experts and the active share
-    assert row["experts"] == "3/4" and row["active params"] == report["active_params"]["ratio"] < 1
-    assert "| experts | active params |" in render([row], ".md")
+    # `compress compare` shows the experts kept and the active share, beside a varied `experts` setting
+    shutil.copytree(tmp_path / "out", tmp_path / "other")
+    saved_recipe = tmp_path / "other" / "recipe.yaml"
+    saved_recipe.write_text(saved_recipe.read_text().replace("kept: 3", "kept: 2"))
+    row, _ = compare_rows([tmp_path / "out", tmp_path / "other"])
+    assert row["experts kept"] == "3/4" and row["active params"] == report["active_params"]["ratio"] < 1
+    assert any(key.startswith("experts.") for key in row)  # the varied setting, its own column
+    assert "| experts kept | active params |" in render([row], ".md")
 
 
 def test_too_few_calibration_tokens_per_expert_warn_with_the_windows_that_would_do(

@@ -45,8 +45,8 @@ class ExpertsSpec:
     block's own work on them)."""
     router_refit: StrictBool = False
     """After each layer loses its experts, rescale the kept router rows (and shift its bias, where
-    it has one) so the block writes what it wrote with all of them, priced under H on the
-    `sample_tokens` sample (`engine.router_refit`); kept only where it lowers that cost on a
+    it has one) so the block writes what it wrote with all of them, priced on the `sample_tokens`
+    sample under H where the pipeline estimates it (else with the stream's coordinates alike) (`engine.router_refit`); kept only where it lowers that cost on a
     held-out quarter of the sample."""
     router_steps: Annotated[StrictInt, described("rounds of the router refit's coordinate search", ge=1)] = 20
     min_tokens: Annotated[StrictInt, described("fewest routed tokens per expert before the run warns", ge=1)] = 32
