@@ -9,7 +9,8 @@ saved checkpoint's as transformers reads them: gate and up are the even and odd 
 `gate_up_proj [E, d, 2f]`, the down projection `down_proj [E, f, d]` transposed, the router and
 the attention sinks as they are. Equal tensors and the GGUF's metadata (expert count, widths)
 say the converter takes the layout this project writes. It does not say llama.cpp computes the
-same logits: that needs the compiled llama-cpp-python (`gguf_check.py`).
+same logits: that needs the compiled llama-cpp-python (`gguf_check.py --seq-len 128` on both
+folders, under `--work`).
 
     .venv/bin/pip install ./llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py   # the converter's gguf-py
     .venv/bin/python benchmarks/gguf_experts.py \\
@@ -52,10 +53,12 @@ def _args() -> argparse.Namespace:
 
 
 def make_checkpoint(folder: Path) -> None:
-    """The test suite's tiny gpt-oss, its vocabulary ref-llama's tokenizer's."""
+    """The test suite's tiny gpt-oss with gpt-oss's own clamp, its vocabulary ref-llama's tokenizer's."""
     from tests.conftest import TOKENIZER_FILES, tiny_model
 
-    model = tiny_model("gpt_oss", vocab_size=8192, eos_token_id=1, bos_token_id=0, pad_token_id=1)
+    model = tiny_model(  # llama.cpp fixes gpt-oss's clamp at 7 (the suite's 0.3 makes the clamps act)
+        "gpt_oss", vocab_size=8192, eos_token_id=1, bos_token_id=0, pad_token_id=1, swiglu_limit=7.0
+    )
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         shutil.copy(SHARED / "models" / "ref-llama" / name, folder / name)
