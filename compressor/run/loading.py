@@ -156,9 +156,23 @@ def _from_pretrained(auto: Any, spec: ModelSpec, placement: dict[str, Any] | Non
             attn_implementation=spec.attn_implementation,
             trust_remote_code=spec.trust_remote_code,
             **({"use_safetensors": True} if from_run else {}),
+            **dequantized(spec),
             **(placement or {}),
         ),
     ).eval()
+
+
+def dequantized(spec: ModelSpec) -> dict[str, Any]:
+    """Loading arguments that give a checkpoint with MXFP4 experts (gpt-oss's, on the hub) its
+    experts in the run's dtype: pruning rewrites every weight, and transformers' MXFP4 kernels,
+    where installed, would keep them packed where no linear can read them."""
+    quantization = getattr(load_config(spec), "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _streamed(spec: ModelSpec) -> PreTrainedModel:

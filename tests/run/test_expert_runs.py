@@ -18,7 +18,7 @@ from compressor.data.text import batches_of, load_records, token_windows
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.run.compare import render
 from compressor.run.compare import rows as compare_rows
-from tests.conftest import EXAMPLES, save_tiny_checkpoint
+from tests.conftest import EXAMPLES, save_tiny_checkpoint, tiny_model
 from tests.run.test_cli import _DELETE, write_recipe
 
 
@@ -213,3 +213,32 @@ def test_a_run_killed_while_pruning_experts_resumes_to_a_bit_identical_model(
         tmp_path, moe_checkpoint, evaluation=None, pipeline=[{"strategy": "sensitivity"}], experts={"kept": 2}
     )
     killed_and_resumed_is_whole(recipe, tmp_path, "experts:0", sites=5)
+
+
+def test_a_checkpoint_with_mxfp4_experts_is_asked_for_dequantized(tmp_path: Path) -> None:
+    """gpt-oss's hub checkpoints hold their experts in MXFP4: the run loads them in its dtype
+    (transformers' kernels, where installed, would keep them packed); other checkpoints load as they are."""
+    from compressor.recipe.sections.model import ModelSpec
+    from compressor.run.loading import dequantized
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "gpt-oss", "gpt_oss")
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    assert dequantized(ModelSpec(path=str(checkpoint))) == {}
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config_path.write_text(json.dumps(config))
+    asked = dequantized(ModelSpec(path=str(checkpoint)))["quantization_config"]
+    assert type(asked).__name__ == "Mxfp4Config" and asked.dequantize
+
+
+def test_quantized_experts_are_refused_with_how_to_load_them() -> None:
+    from compressor.models.experts import unfuse_experts
+
+    model = tiny_model("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(  # MXFP4 blocks: two 4-bit values a byte
+        torch.zeros(*experts.gate_up_proj.shape[:2], experts.gate_up_proj.shape[2] // 2, dtype=torch.uint8),
+        requires_grad=False,
+    )
+    with pytest.raises(ValueError, match=r"experts are quantized \(torch.uint8.*Mxfp4Config\(dequantize=True\)"):
+        unfuse_experts(model)
