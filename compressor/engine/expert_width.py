@@ -10,8 +10,11 @@ fewer tokens weighs less in the layer's error), and the selector's `activation` 
 1{x→e}·w_e·|h_e|. G is H of the stream the block writes to, the same for every expert. An expert
 no calibration token reached has no statistics: its problem takes C_e = I (under which the refit
 is the kept weights as they were, and an output-aware selector keeps the neurons that write the
-most) and its down-projection column norms as the activation (so does `magnitude`). The router is untouched, so no token changes its experts, and a shared expert keeps its
-width. There is no error feedback: each refit reproduces its own expert's output.
+most) and its down-projection column norms as the activation (so does `magnitude`). The router
+is untouched, so no token changes its experts. A shared expert (Qwen2-MoE's, Qwen3.5-MoE's) keeps
+its own width (`mlp.shared_kept`) as a dense MLP does, from every counted token weighed by its
+gate s = σ(g·x): C = E[s² h hᵀ]. There is no error feedback: each refit reproduces its own
+expert's output.
 
 Layers are visited by `engine.neurons.prune_mlp`, which calls `prune_expert_widths` for a layer
 whose MLP is a `RoutedExperts` block.
@@ -27,7 +30,15 @@ from torch import nn
 from compressor.engine.calibration import LayerInputs
 from compressor.engine.experts import feed_counted
 from compressor.engine.parallel import Ranks
-from compressor.engine.refit import NeuronRecord, RefitTarget, choose_neurons, drop_neurons, output_error, refit_down
+from compressor.engine.refit import (
+    NeuronRecord,
+    RefitTarget,
+    SharedExpertRecord,
+    choose_neurons,
+    drop_neurons,
+    output_error,
+    refit_down,
+)
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.strategies.neuron_contract import NeuronProblem, NeuronSelector
@@ -86,60 +97,163 @@ def prune_expert_widths(
     block: RoutedExperts,
     inputs: LayerInputs,
     index: int,
-    keep: int,
+    keep: int | None,
     selector: NeuronSelector,
     device: torch.device,
     G: torch.Tensor | None,
     ranks: Ranks,
     refit: bool = True,
     damping: float = 1e-2,
+    shared_keep: int | None = None,
 ) -> NeuronRecord:
-    """Keep `keep` neurons in every routed expert of layer `index`'s `block`, in place (see the
-    module docstring); `layer` runs on the stored batches `inputs` to measure the block's input.
-    Returns the layer's record; the caller runs the pruned layer to give the next one its input."""
+    """Keep `keep` neurons in every routed expert of layer `index`'s `block` (None: all) and
+    `shared_keep` in its shared expert (None: all), in place (see the module docstring); `layer`
+    runs on the stored batches `inputs` to measure the block's input. Returns the layer's record;
+    the caller runs the pruned layer to give the next one its input."""
     width = block.experts[0].down_proj.in_features
-    if not 0 < keep <= width:
+    if keep is not None and not 0 < keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s experts")
-    stats = _measure(layer, block, inputs, index, device).sum_over(ranks)
-    if stats.tokens == 0:
+    shared = None if shared_keep is None else _SharedMoments.of(block, index, shared_keep, device)
+    stats = _ExpertWidthMoments(len(block.experts), width, device) if keep is not None else None
+    counted = [0]
+
+    def add(x: torch.Tensor) -> None:
+        counted[0] += x.shape[0]
+        for moments in (stats, shared):
+            if moments is not None:
+                moments.add(block, x)
+
+    feed_counted(layer, block, inputs, index, device, add)
+    tokens = ranks.sum_count(counted[0], device)
+    if tokens == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
     G = None if G is None else G.to(device, torch.float64)
-    energy = dropped = refitted_error = 0.0
-    objectives: list[dict[str, Any]] = []
-    for number, expert in enumerate(block.experts):
-        W = expert.down_proj.weight.detach().to(device, torch.float64)
-        problem = stats.problem(number, index, keep, W, damping, G)
-        choice, kept = choose_neurons(selector, problem, ranks)
-        plain = W[:, kept]
-        fitted = refit_down(W, problem.C, kept, problem.damping) if refit else None
-        if problem.tokens:  # an unrouted expert adds nothing to the block's output on these tokens
-            goal = RefitTarget.output(W, problem.C)
-            energy += goal.energy
-            dropped += goal.energy * output_error(goal, problem.C, kept, plain)
-            if fitted is not None:
-                refitted_error += goal.energy * output_error(goal, problem.C, kept, fitted)
-        objectives.append(dict(choice.objectives))
-        drop_neurons([expert.gate_up_proj], expert.down_proj, kept, fitted if fitted is not None else plain)
-    share = (lambda total: total / energy) if energy > 0 else (lambda _: 0.0)
+    routed = _Narrowed()
+    if stats is not None and keep is not None:
+        stats.sum_over(ranks)
+        for number, expert in enumerate(block.experts):
+            W = expert.down_proj.weight.detach().to(device, torch.float64)
+            problem = stats.problem(number, index, keep, W, damping, G)
+            routed.add(narrow(problem, selector, [expert.gate_up_proj], expert.down_proj, refit, ranks))
+    shared_record = None
+    if shared is not None and shared_keep is not None:
+        expert = block.shared_expert
+        assert expert is not None
+        problem = shared.sum_over(ranks).problem(index, shared_keep, expert.down_proj.weight, damping, G)
+        one = narrow(problem, selector, [expert.gate_proj, expert.up_proj], expert.down_proj, refit, ranks)
+        shared_record = SharedExpertRecord(problem.width, shared_keep, one.share(one.dropped), one.refit_share(refit))
     return NeuronRecord(
         layer=index,
         width=width,
-        kept=keep,
-        tokens=stats.tokens,
+        kept=width if keep is None else keep,
+        tokens=tokens,
         selector=selector.name,
         refit=refit,
-        error_dropped=share(dropped),
-        error_refit=share(refitted_error) if refit else None,
-        objectives={"experts": objectives} if any(objectives) else {},
+        error_dropped=routed.share(routed.dropped),
+        error_refit=routed.refit_share(refit),
+        objectives={"experts": routed.objectives} if any(routed.objectives) else {},
         experts=len(block.experts),
-        fewest_tokens=int(stats.routed.min()),
+        fewest_tokens=None if stats is None else int(stats.routed.min()),
+        shared_expert=shared_record,
     )
 
 
-def _measure(
-    layer: nn.Module, block: RoutedExperts, inputs: LayerInputs, index: int, device: torch.device
-) -> _ExpertWidthMoments:
-    """What the layer's block's experts read from the counted tokens of every stored batch."""
-    stats = _ExpertWidthMoments(len(block.experts), block.experts[0].down_proj.in_features, device)
-    feed_counted(layer, block, inputs, index, device, lambda x: stats.add(block, x))
-    return stats
+class _Narrowed:
+    """What narrowing experts cost the block's output: the energy E‖t‖² the kept neurons' targets
+    carried, and the error the plain and the refitted kept weights leave (summed over experts)."""
+
+    def __init__(self) -> None:
+        self.energy = self.dropped = self.refitted = 0.0
+        self.objectives: list[dict[str, Any]] = []
+
+    def add(self, other: _Narrowed) -> None:
+        self.energy += other.energy
+        self.dropped += other.dropped
+        self.refitted += other.refitted
+        self.objectives += other.objectives
+
+    def share(self, error: float) -> float:
+        return error / self.energy if self.energy > 0 else 0.0
+
+    def refit_share(self, refit: bool) -> float | None:
+        return self.share(self.refitted) if refit else None
+
+
+def narrow(
+    problem: NeuronProblem,
+    selector: NeuronSelector,
+    readers: list[nn.Linear],
+    writer: nn.Linear,
+    refit: bool,
+    ranks: Ranks,
+) -> _Narrowed:
+    """One expert's MLP cut to the selector's kept neurons, in place, its down projection refitted
+    (or the kept weights as they were), and what that cost its weighed output."""
+    W = problem.down
+    choice, kept = choose_neurons(selector, problem, ranks)
+    plain = W[:, kept]
+    fitted = refit_down(W, problem.C, kept, problem.damping) if refit else None
+    done = _Narrowed()
+    done.objectives.append(dict(choice.objectives))
+    if problem.tokens:  # an unrouted expert adds nothing to the block's output on these tokens
+        goal = RefitTarget.output(W, problem.C)
+        done.energy = goal.energy
+        done.dropped = goal.energy * output_error(goal, problem.C, kept, plain)
+        if fitted is not None:
+            done.refitted = goal.energy * output_error(goal, problem.C, kept, fitted)
+    drop_neurons(readers, writer, kept, fitted if fitted is not None else plain)
+    return done
+
+
+class _SharedMoments:
+    """A shared expert's Σ s² h hᵀ and Σ s |h| over every counted token, s its gate σ(g·x) (1 for a
+    shared expert without a gate): the block writes s·W h, so dropping its neurons costs the block
+    E[s²‖W h − W' h_S‖²], the dense refit with C = E[s² h hᵀ]."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.total = torch.zeros(width, width, dtype=torch.float64, device=device)
+        self.magnitude = torch.zeros(width, dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    @classmethod
+    def of(cls, block: RoutedExperts, index: int, keep: int, device: torch.device) -> _SharedMoments:
+        if block.shared_expert is None:
+            raise UserError(f"mlp.shared_kept: layer {index}'s MoE block has no shared expert; remove mlp.shared_kept")
+        width = block.shared_expert.down_proj.in_features
+        if not 0 < keep <= width:
+            raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s shared expert")
+        return cls(width, device)
+
+    def add(self, block: RoutedExperts, x: torch.Tensor) -> None:
+        """Counted tokens `x` (n × d) through the shared expert's input projections and its gate."""
+        expert = block.shared_expert
+        assert expert is not None
+        h = expert.act_fn(expert.gate_proj(x)) * expert.up_proj(x)
+        if block.shared_expert_gate is not None:
+            h = torch.sigmoid(block.shared_expert_gate(x)) * h  # in the model's dtype, as the block applies it
+        h = h.to(torch.float64)
+        self.total.addmm_(h.T, h)
+        self.magnitude += h.abs().sum(0)
+        self.tokens += x.shape[0]
+
+    def sum_over(self, ranks: Ranks) -> _SharedMoments:
+        for total in (self.total, self.magnitude):
+            ranks.sum_(total)
+        self.tokens = ranks.sum_count(self.tokens, self.total.device)
+        return self
+
+    def problem(
+        self, layer: int, keep: int, down: torch.Tensor, damping: float, G: torch.Tensor | None
+    ) -> NeuronProblem:
+        """The shared expert's neuron problem: a dense MLP's, with its output weighed by its gate."""
+        C = self.total / self.tokens
+        return NeuronProblem(
+            layer=layer,
+            keep=keep,
+            C=C,
+            activation=self.magnitude / self.tokens,
+            down=down.detach().to(C.device, torch.float64),
+            damping=damping * float(torch.diagonal(C).mean()),
+            G=G,
+            tokens=self.tokens,
+        )

@@ -27,8 +27,8 @@ pass of each layer and a second copy of the calibration stream.
 Data-parallel (`ranks`), each rank measures its share of the batches and C, the activations and
 the token count are summed over the ranks before choosing, so every rank keeps the same neurons and
 refits the same weights (up to the order of the sums).
-A Mixture-of-Experts layer (its MLP a `RoutedExperts` block) narrows every routed expert instead
-(`engine.expert_width`), without feedback; a dense layer of an MoE model keeps its width (the
+A Mixture-of-Experts layer (its MLP a `RoutedExperts` block) narrows every routed expert instead,
+and its shared expert where one is given a width (`engine.expert_width`), without feedback; a dense layer of an MoE model keeps its width (the
 family's MLP width is the experts').
 Nothing here is checkpointed: a run killed in this stage reloads the walk's sites from its
 checkpoint and runs the stage again, to the same neurons and weights (it is deterministic).
@@ -130,10 +130,11 @@ def prune_mlp(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
-    keep: int,
+    keep: int | None,
     selector: NeuronSelector,
     device: torch.device | str = "cpu",
     *,
+    shared_keep: int | None = None,
     refit: bool = True,
     damping: float = 1e-2,
     feedback: float = 0.5,
@@ -142,8 +143,9 @@ def prune_mlp(
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
 ) -> list[NeuronRecord]:
-    """Keep `keep` intermediate neurons in every layer's MLP of `model`, in place (see the module
-    docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
+    """Keep `keep` intermediate neurons in every layer's MLP of `model` (every routed expert's in an
+    MoE layer; None there: their width stays), and `shared_keep` in every shared expert (None: all),
+    in place (see the module docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
     model's current coordinates) for selectors that use it. Returns one record per layer. The
     model's config is not changed: the caller sets its MLP width where the saved class reads it.
     `feedback` is the share α of the stream's error the refit takes back (see the module docstring).
@@ -171,11 +173,14 @@ def prune_mlp(
             G = None if sensitivity is None else sensitivity[index]
             if isinstance(mlp, RoutedExperts):
                 records.append(
-                    prune_expert_widths(layer, mlp, inputs, index, keep, selector, device, G, ranks, refit, damping)
+                    prune_expert_widths(
+                        layer, mlp, inputs, index, keep, selector, device, G, ranks, refit, damping, shared_keep
+                    )
                 )
             elif is_fused_experts(mlp):
                 raise RuntimeError(f"layer {index}'s experts are fused: the family's prepare has not run on the model")
             elif family.experts is None:
+                assert keep is not None, "a dense MLP's width is given"
                 dense = _prune_dense(
                     layer, family, inputs, index, keep, selector, device, refit, damping, feedback, G, reference, ranks
                 )

@@ -17,6 +17,17 @@ from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, N
 
 
 @dataclass
+class SharedExpertRecord:
+    """A layer's shared expert narrowed (`mlp.shared_kept`): its neurons kept of its width, and the
+    relative errors of its gate-weighed output, E[s²‖W h − W' h_S‖²] / E[s²‖W h‖²] (see `NeuronRecord`)."""
+
+    width: int
+    kept: int
+    error_dropped: float
+    error_refit: float | None
+
+
+@dataclass
 class NeuronRecord:
     """What happened at one layer's MLP, for the report."""
 
@@ -40,7 +51,10 @@ class NeuronRecord:
     weighed error summed, which leaves out the cross terms between a token's experts (and the
     shared expert), so it is not the block's own relative output error."""
     fewest_tokens: int | None = None
-    """In a Mixture-of-Experts layer, the fewest calibration tokens routed to one expert."""
+    """In a Mixture-of-Experts layer, the fewest calibration tokens routed to one expert (None: its
+    routed experts kept their width)."""
+    shared_expert: SharedExpertRecord | None = None
+    """The layer's shared expert, where `mlp.shared_kept` narrowed it."""
 
 
 @dataclass

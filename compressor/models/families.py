@@ -74,6 +74,10 @@ class ModelFamily:
     experts: str | None = None
     """Config attribute of the routed experts' count in each MoE layer (the experts `experts:`
     prunes); None: the family has none."""
+    shared_expert_width: str | None = None
+    """Config attribute of the shared expert's intermediate width (Qwen2-MoE's, Qwen3.5-MoE's), which
+    `mlp.shared_kept` prunes apart from the routed experts'; None, or absent from a model's config:
+    no shared expert."""
     experts_per_token: str = "num_experts_per_tok"
     """Config attribute of how many experts each token is routed to."""
     routed_experts: str = "experts"
@@ -351,16 +355,20 @@ MOE = ModelFamily(
     model_types=("qwen3_moe", "qwen2_moe"),  # Qwen2-MoE: a shared expert and its sigmoid gate
     mlp_width="moe_intermediate_size",  # every routed expert's (dense layers and a shared expert keep theirs)
     experts="num_experts",  # every MoE config maps it (Qwen3-MoE's to num_local_experts)
+    shared_expert_width="shared_expert_intermediate_size",  # Qwen2-MoE's (a Qwen3-MoE config has none)
     prepare=unfuse_experts,
     own_state=fused_experts_state,
     stock_refusal=None,
 )
-MIXTRAL = replace(MOE, name="mixtral", model_types=("mixtral",), mlp_width="intermediate_size")
+MIXTRAL = replace(
+    MOE, name="mixtral", model_types=("mixtral",), mlp_width="intermediate_size", shared_expert_width=None
+)
 OLMOE = replace(
     MOE,
     name="olmoe",
     model_types=("olmoe",),
     mlp_width="intermediate_size",
+    shared_expert_width=None,
     stock_refusal="its q_norm and k_norm are sized by hidden_size, which a stock model of width k would change",
 )
 GPT_OSS = replace(
@@ -368,6 +376,7 @@ GPT_OSS = replace(
     name="gpt_oss",
     model_types=("gpt_oss",),  # router bias, fused experts transposed and interleaved with biases, attention sinks
     mlp_width="intermediate_size",
+    shared_expert_width=None,
     own_state=gpt_oss_experts_state,
 )
 QWEN3_5_MOE = replace(
@@ -376,6 +385,7 @@ QWEN3_5_MOE = replace(
     model_types=("qwen3_5_moe_text",),  # Qwen3.5's hybrid layers, each MLP a routed MoE with a gated shared expert
     mlp_width="moe_intermediate_size",
     experts="num_experts",
+    shared_expert_width="shared_expert_intermediate_size",
     prepare=unfuse_experts,
     own_state=fused_experts_state,
 )

@@ -52,6 +52,9 @@ class SlicedLayout:
     mlp_width: int | None = None
     """The intermediate neurons every layer's MLP keeps (`mlp:`); None: the MLP is not pruned.
     `params` counts it; `config` stays the original's (`with_mlp_width` gives the pruned one)."""
+    shared_width: int | None = None
+    """The intermediate neurons every shared expert keeps (`mlp.shared_kept`); None: its width
+    stays. `params` counts it, as it counts `mlp_width`."""
     experts: int | None = None
     """The routed experts every MoE layer keeps (`experts:`); None: every expert stays. `params`
     counts it; `config` stays the original's (`with_experts` gives the pruned one)."""
@@ -65,6 +68,15 @@ class SlicedLayout:
     routed experts counts top_k of each layer's; None for a model without them."""
     active_budget: int | None = None
     """The most parameters per token the pruned model may use (`target_active_params`); None: no limit."""
+
+    @property
+    def prunes_mlp(self) -> bool:
+        """The MLP stage runs: some MLP (a routed expert, a shared expert) keeps fewer neurons."""
+        return self.mlp_width is not None or self.shared_width is not None
+
+    def mlp_config(self, config: PretrainedConfig) -> PretrainedConfig:
+        """`config` with the MLP widths this layout keeps (what the saved model's config says)."""
+        return with_mlp_width(config, self.family, self.mlp_width, self.shared_width)
 
     @property
     def residual(self) -> bool:
@@ -139,6 +151,7 @@ def sliced_layout(
     allocated: bool = False,
     mlp_kept: float | None = None,
     mlp_round_to: int = 1,
+    shared_kept: float | None = None,
     experts: int | None = None,
     counts: str = "all",
 ) -> SlicedLayout:
@@ -146,7 +159,8 @@ def sliced_layout(
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
     widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
     fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
-    and the residual widths take what the budget leaves; with `experts` every MoE layer keeps that
+    and the residual widths take what the budget leaves (`shared_kept` likewise for every shared
+    expert of an MoE layer); with `experts` every MoE layer keeps that
     many routed experts, likewise. `target_active_params` (with or without `target_params`) limits
     the parameters one token uses (a model with routed experts). `counts`: `non_embedding` counts
     either target without the embedding tables. Loads no weights."""
@@ -170,6 +184,7 @@ def sliced_layout(
         check_stock(family, families)
     shared = shared_site_ids(family, layers, slice_head, tied) if shared_bases else []
     mlp_width = None if mlp_kept is None else kept_neurons(config, family, mlp_kept, mlp_round_to)
+    shared_width = None if shared_kept is None else kept_shared_neurons(config, family, shared_kept, mlp_round_to)
     if experts is not None:
         kept_experts(config, family, experts)
 
@@ -177,8 +192,9 @@ def sliced_layout(
         return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
 
     params = param_model_of(config)
-    if mlp_width is not None or experts is not None:  # every variant pruned so; `original` stays the original's
-        reduced = config if mlp_width is None else with_mlp_width(config, family, mlp_width)
+    narrower = mlp_width is not None or shared_width is not None or experts is not None
+    if narrower:  # every variant pruned so; `original` stays the original's
+        reduced = with_mlp_width(config, family, mlp_width, shared_width)
         reduced = reduced if experts is None else with_experts(reduced, family, experts)
         params = dataclasses.replace(param_model_of(reduced), original=params.original, routed=params.routed)
     active = active_model(config, family, params, experts)
@@ -222,7 +238,7 @@ def sliced_layout(
             raise ValueError("a sparsity's budget counts every parameter")
         widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
         budget = param_model(config, family).count(widths)
-        if shared or tied or one_basis or mlp_width is not None or experts is not None:  # fewer parameters: more width
+        if shared or tied or one_basis or narrower:  # fewer parameters: more width
             widths, rounding = widest(budget)
     else:
         if target_params is None and target_active_params is None:
@@ -242,6 +258,7 @@ def sliced_layout(
         budget=budget,
         rounding=rounding,
         mlp_width=mlp_width,
+        shared_width=shared_width,
         experts=experts,
         counts=counts,
         active=active,
@@ -264,11 +281,16 @@ def active_model(
 def kept_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, round_to: int = 1) -> int:
     """The neurons every MLP keeps: `kept` itself, or (below 1) that fraction of the MLP's width
     rounded down to a multiple of `round_to`; checked against the width."""
-    width = mlp_neurons(config, family)
+    return _kept_of(mlp_neurons(config, family), kept, round_to, "mlp.kept", "the MLP's")
+
+
+def _kept_of(width: int, kept: float, round_to: int, key: str, what: str) -> int:
+    """`kept` neurons of `width` (a whole number, or below 1 a fraction rounded down to a multiple
+    of `round_to`), or the line that refuses it."""
     neurons = int(kept) if kept >= 1 else int(kept * width) // round_to * round_to
     if not 0 < neurons <= width:
         raise UserError(
-            f"mlp.kept {kept:g} keeps {neurons} of the MLP's {width} neurons; keep between 1 and {width}"
+            f"{key} {kept:g} keeps {neurons} of {what} {width} neurons; keep between 1 and {width}"
             + (f" (a fraction is rounded down to a multiple of mlp.round_to={round_to})" if kept < 1 else "")
         )
     return neurons
@@ -285,13 +307,41 @@ def mlp_neurons(config: PretrainedConfig, family: ModelFamily) -> int:
     return int(getattr(config, family.mlp_width))
 
 
-def with_mlp_width(config: PretrainedConfig, family: ModelFamily, neurons: int) -> PretrainedConfig:
-    """A copy of `config` whose MLPs have `neurons` intermediate neurons (what the saved model's
-    config says, and what its parameter count is counted from)."""
-    assert family.mlp_width is not None
+def kept_shared_neurons(config: PretrainedConfig, family: ModelFamily, kept: float, round_to: int = 1) -> int:
+    """The neurons every shared expert keeps (`mlp.shared_kept`, as `kept_neurons` reads `mlp.kept`)."""
+    return _kept_of(shared_expert_neurons(config, family), kept, round_to, "mlp.shared_kept", "the shared expert's")
+
+
+def shared_expert_neurons(config: PretrainedConfig, family: ModelFamily) -> int:
+    """Each shared expert's intermediate neurons; refused for a model without a shared expert."""
+    width = getattr(config, family.shared_expert_width, None) if family.shared_expert_width else None
+    if not width:
+        raise UserError(
+            f"mlp.shared_kept: {config.model_type} models have no shared expert "
+            f"(ModelFamily.shared_expert_width); remove mlp.shared_kept"
+        )
+    return int(width)
+
+
+def with_mlp_width(
+    config: PretrainedConfig, family: ModelFamily, neurons: int | None, shared: int | None = None
+) -> PretrainedConfig:
+    """A copy of `config` whose MLPs have `neurons` intermediate neurons and whose shared experts
+    have `shared` (None: as they are): what the saved model's config says, and what its parameter
+    count is counted from."""
     changed = copy.deepcopy(config)
-    setattr(changed, family.mlp_width, neurons)
+    set_mlp_widths(changed, family, neurons, shared)
     return changed
+
+
+def set_mlp_widths(config: PretrainedConfig, family: ModelFamily, neurons: int | None, shared: int | None) -> None:
+    """Write the MLP widths into `config` in place (a model's own config, which its modules share)."""
+    if neurons is not None:
+        assert family.mlp_width is not None
+        setattr(config, family.mlp_width, neurons)
+    if shared is not None:
+        assert family.shared_expert_width is not None
+        setattr(config, family.shared_expert_width, shared)
 
 
 def expert_count(config: PretrainedConfig, family: ModelFamily) -> int:

@@ -165,6 +165,7 @@ def _layout(
         target_active_params=recipe.target_active_params,
         allocated=recipe.allocation.method == "curves",
         experts=recipe.experts.kept if recipe.experts is not None else None,
+        shared_kept=recipe.mlp.shared_kept if recipe.mlp is not None else None,
         counts=recipe.budget,
     )
     mlp = recipe.mlp
@@ -174,6 +175,11 @@ def _layout(
         raise UserError(
             f"experts: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
             f"expert pruning does not run with yet; set slicing.layout: per_site"
+        )
+    if reason is not None and options["shared_kept"] is not None:
+        raise UserError(
+            f"mlp.shared_kept: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), where "
+            f"shared experts are not pruned yet; set slicing.layout: per_site, or remove mlp.shared_kept"
         )
     if reason is not None and recipe.target_active_params is not None:
         raise UserError(
@@ -347,6 +353,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
             target_params=recipe.target_params,
             target_active_params=recipe.target_active_params,
             mlp_kept=layout.mlp_width,
+            shared_kept=layout.shared_width,
             experts=layout.experts,
             counts=recipe.budget,
         )

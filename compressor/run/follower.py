@@ -10,7 +10,6 @@ import torch
 
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.parallel import Ranks
-from compressor.models.layout import with_mlp_width
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, to_stock
 from compressor.recipe.schema import Recipe
@@ -58,12 +57,12 @@ def follow(
             ranks,
             written,
         )
-        if recipe.distillation is None and layout.mlp_width is None:
+        if recipe.distillation is None and not layout.prunes_mlp:
             return None
         pruned, bases, scale = result.model, result.bases, None
         if rotates_for_a_tied_head(recipe, checked):  # as rank 0's walk does, so every rank prunes one model
             pruned, bases, scale = rotated_for_a_tied_head(result, resources.model(recipe.model), layout.family, device)
-        if layout.mlp_width is not None:  # every rank measures its share, C summed: the same neurons everywhere
+        if layout.prunes_mlp:  # every rank measures its share, C summed: the same neurons everywhere
             prune_mlps(
                 recipe,
                 checked,
@@ -77,7 +76,7 @@ def follow(
                 Path(scratch),
                 ranks,
             )
-            config = with_mlp_width(config, layout.family, layout.mlp_width)
+            config = layout.mlp_config(config)
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
         if layout.one_basis:
             pruned, _ = to_stock(

@@ -19,7 +19,7 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
-from compressor.models.layout import SlicedLayout
+from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.data import DataSpec
 from compressor.run.checks import Plan, check_device_settings, plan
@@ -113,6 +113,7 @@ def axes_line(checked: Plan) -> str:
     axes = ["residual width"] if layout.residual else []
     chosen_widths = any(split.mlp_width is not None for split in checked.splits)
     axes += ["MLP width"] if layout.mlp_width is not None or chosen_widths else []
+    axes += ["shared expert width"] if layout.shared_width is not None else []
     counts = sorted({split.experts for split in checked.splits if split.experts is not None}, reverse=True)
     if checked.expert_selector is not None and (layout.experts is not None or counts):
         of = getattr(layout.config, layout.family.experts)
@@ -192,6 +193,11 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         found.checked.append(
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
+        )
+    if checked.layout.shared_width is not None and checked.selector is not None:
+        found.checked.append(
+            f"mlp: every shared expert keeps {checked.layout.shared_width} of its "
+            f"{shared_expert_neurons(checked.layout.config, checked.layout.family)} neurons ({checked.selector.name})"
         )
     if checked.layout.mlp_width is not None and checked.selector is not None:
         family = checked.layout.family

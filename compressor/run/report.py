@@ -68,16 +68,22 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     if report.mlp is None:
         return []
     mlp = report.mlp
-    errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in mlp.layers]
+    narrowed = [r for r in mlp.layers if r.kept < r.width]
+    errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in narrowed]
     how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {f'refitted, feedback {mlp.feedback:g}' if mlp.refit else 'not refitted'}"
     experts = any(layer.experts for layer in mlp.layers)
     label = "MLP width (each routed expert)" if experts else "MLP width"
-    rows = [(label, str(mlp.of), f"{mlp.kept} ({how})" if mlp.layers else f"{mlp.kept} (all kept)")]
+    rows = [(label, str(mlp.of), f"{mlp.kept} ({how})" if narrowed else f"{mlp.kept} (all kept)")]
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
-    if experts:
-        fewest = min(layer.fewest_tokens or 0 for layer in mlp.layers)
-        rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{fewest:,}"))
+    fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]
+    if experts and fewest:
+        rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{min(fewest):,}"))
+    shared = [layer.shared_expert for layer in mlp.layers if layer.shared_expert is not None]
+    if mlp.shared_kept is not None and shared:
+        rows.append(("Shared expert width", str(mlp.shared_of), f"{mlp.shared_kept} ({how})"))
+        errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in shared]
+        rows.append(("  shared expert output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
     return rows + split_rows(mlp.split)
 
 

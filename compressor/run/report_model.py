@@ -180,6 +180,9 @@ class MlpReport(_Section):
     selector: str
     refit: bool
     damping: float
+    shared_kept: int | None = None
+    shared_of: int | None = None
+    """The neurons every shared expert kept, of its width (`mlp.shared_kept`); None: it kept them all."""
     feedback: float = 0.0
     """The refit's error feedback (`engine.neurons`; 0 in reports from before it existed)."""
     weighed_by_h: bool

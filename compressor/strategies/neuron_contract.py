@@ -40,7 +40,8 @@ class NeuronProblem:
     G: torch.Tensor | None = None
     tokens: int = 0
     expert: int | None = None
-    """The routed expert of a Mixture-of-Experts layer this problem is (None: the layer's dense MLP).
+    """The routed expert of a Mixture-of-Experts layer this problem is (None: the layer's dense MLP,
+    or its shared expert, a dense MLP every token uses whose C and `activation` are weighed by its gate).
     Each expert is its own problem: C and `activation` over every counted token, zero where the
     token was not routed to it, the routed ones weighed by their routing weight (`tokens`: how
     many were routed to it); `down` is the expert's down projection."""

@@ -1,7 +1,8 @@
 """The routed experts' width as the MLP axis (issue 48, item 4): keeping every neuron changes
 nothing, each expert's statistics are the tokens routed to it weighed by their routing weights,
 the refit's reported error is the error it leaves on those tokens, and a model whose experts are
-narrower is the family's own class with a smaller `moe_intermediate_size`."""
+narrower is the family's own class with a smaller `moe_intermediate_size`; a shared expert's
+width likewise, from every token weighed by its gate (`shared_expert_intermediate_size`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from compressor.models.layout import mlp_neurons, with_mlp_width
 from compressor.plugin import NeuronChoice, NeuronProblem, NeuronSelector
 from compressor_plugins.neurons import Magnitude
 from compressor_plugins.neurons import OptimalBrainSurgeon as ObsSelector
-from tests.conftest import COMMON, max_relative_logit_error, random_batches, tiny_model
+from tests.conftest import COMMON, FAMILY_CONFIGS, max_relative_logit_error, random_batches, tiny_model
 from tests.engine.test_experts import MOE, _blocks, _fused
 
 BATCHES = random_batches(COMMON["vocab_size"], count=2, batch=2, length=16)
@@ -168,3 +169,78 @@ def test_an_expert_no_token_reached_scores_its_neurons_by_what_they_would_write(
     assert torch.equal(problem.activation, down.norm(dim=0))
     kept = Magnitude().select(problem).kept
     assert set(kept.tolist()) == set(torch.topk(down.norm(dim=0), 3).indices.tolist())
+
+
+SHARED = [name for name in MOE if "shared_expert_intermediate_size" in FAMILY_CONFIGS[name]]
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_keeping_every_shared_expert_neuron_changes_nothing_and_the_routed_experts_keep_their_width(name: str) -> None:
+    original, model = _fused(name)
+    width = _blocks(model)[0].shared_expert.down_proj.in_features
+    records = prune_mlp(model, family_for(name), BATCHES, None, ObsSelector(), shared_keep=width)
+    assert max_relative_logit_error(original, model, BATCHES) < 1e-5
+    for record, block in zip(records, _blocks(model), strict=True):
+        assert record.kept == record.width == block.experts[0].down_proj.in_features  # routed experts untouched
+        assert record.error_dropped == 0.0 and record.fewest_tokens is None
+        assert record.shared_expert.width == record.shared_expert.kept == width
+        assert record.shared_expert.error_refit == pytest.approx(0.0, abs=1e-9)
+
+
+@torch.no_grad()
+def test_the_shared_expert_s_statistics_are_every_token_weighed_by_its_gate() -> None:
+    """C = E[σ(g·x)² h hᵀ] and the activation E[σ(g·x) |h|] over every counted token: the block
+    writes σ(g·x)·W h, so a neuron the gate mostly closes weighs less."""
+    _, model = _fused("qwen2_moe")
+    block = _blocks(model)[0]
+    x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
+    expert = block.shared_expert
+    h = (torch.sigmoid(block.shared_expert_gate(x)) * expert.act_fn(expert.gate_proj(x)) * expert.up_proj(x)).double()
+    recorder = _Recorder()
+    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, None, recorder, shared_keep=20, refit=False)
+    problem = next(problem for problem in recorder.problems if problem.layer == 0)
+    assert len(recorder.problems) == len(records)  # one problem per layer: no routed expert's
+    assert problem.expert is None and problem.tokens == x.shape[0] and problem.keep == 20
+    assert torch.allclose(problem.C, h.T @ h / x.shape[0], rtol=1e-5, atol=1e-12)
+    assert torch.allclose(problem.activation, h.abs().sum(0) / x.shape[0], rtol=1e-5, atol=1e-12)
+    assert expert.gate_proj.out_features == expert.up_proj.out_features == expert.down_proj.in_features == 20
+
+
+@torch.no_grad()
+def test_the_shared_expert_s_reported_error_is_what_its_gated_output_loses() -> None:
+    """error_refit = Σ_t σ²‖W h − W' h_S‖² / Σ_t σ²‖W h‖² on layer 0's input, below the kept
+    weights' own error, with the routed experts narrowed beside it."""
+    _, model = _fused("qwen2_moe")
+    block = _blocks(model)[0]
+    x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
+    before = copy.deepcopy(block.shared_expert)
+    gate = torch.sigmoid(block.shared_expert_gate(x)).double()
+    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 16, Magnitude(), shared_keep=24)
+    target = before(x).double() * gate
+    error = float(((target - block.shared_expert(x).double() * gate) ** 2).sum()) / float((target**2).sum())
+    shared = records[0].shared_expert
+    assert shared.error_refit == pytest.approx(error, rel=1e-4)
+    assert shared.error_refit < shared.error_dropped
+    assert records[0].kept == 16 and block.experts[0].down_proj.in_features == 16
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_a_narrower_shared_expert_model_is_the_family_s_own_class_with_a_smaller_shared_width(name: str) -> None:
+    _, model = _fused(name)
+    family = family_for(name)
+    prune_mlp(model, family, BATCHES, 16, ObsSelector(), shared_keep=24)
+    config = with_mlp_width(model.config, family, 16, 24)
+    assert config.shared_expert_intermediate_size == 24 and config.moe_intermediate_size == 16
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    missing, unexpected = stock.load_state_dict(fused_experts_state(model.state_dict()), strict=False)
+    assert not unexpected and all(key.endswith("norm.weight") for key in missing)
+    assert max_relative_logit_error(model, stock, BATCHES) < 1e-5
+
+
+def test_a_shared_width_is_refused_where_there_is_no_shared_expert_or_too_few_neurons() -> None:
+    _, model = _fused("qwen3_moe")
+    with pytest.raises(UserError, match="layer 0's MoE block has no shared expert; remove mlp.shared_kept"):
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, None, Magnitude(), shared_keep=8)
+    _, model = _fused("qwen2_moe")
+    with pytest.raises(UserError, match="cannot keep 49 of the 48 neurons of layer 0's shared expert"):
+        prune_mlp(model, family_for("qwen2_moe"), BATCHES, None, Magnitude(), shared_keep=49)

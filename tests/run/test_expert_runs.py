@@ -242,3 +242,57 @@ def test_quantized_experts_are_refused_with_how_to_load_them() -> None:
     )
     with pytest.raises(ValueError, match=r"experts are quantized \(torch.uint8.*Mxfp4Config\(dequantize=True\)"):
         unfuse_experts(model)
+
+
+def test_a_run_with_a_shared_expert_width_saves_a_narrower_shared_expert_that_reloads_to_the_run_s_model(
+    tmp_path: Path,
+) -> None:
+    """`mlp.shared_kept` narrows Qwen2-MoE's shared expert beside the routed experts' `mlp.kept`
+    under one budget; the stock model says both widths and plain transformers reloads it."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe")
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        sparsity=_DELETE,
+        target_params=0.8,
+        slicing={"layout": "global"},
+        pipeline=[{"strategy": "sensitivity"}],
+        mlp={"kept": 0.5, "shared_kept": 0.5},
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    config = json.loads((checkpoint / "config.json").read_text())
+    shared, routed = config["shared_expert_intermediate_size"], config["moe_intermediate_size"]
+    assert report["mlp"]["shared_kept"] == shared // 2 and report["mlp"]["shared_of"] == shared
+    assert report["mlp"]["kept"] == routed // 2
+    assert all(layer["shared_expert"]["kept"] == shared // 2 for layer in report["mlp"]["layers"])
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert f"| Shared expert width | {shared} | {shared // 2} (obs weighed by H, refitted" in markdown
+    saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert saved["shared_expert_intermediate_size"] == shared // 2 and saved["moe_intermediate_size"] == routed // 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    assert model.model.layers[0].mlp.shared_expert.down_proj.in_features == shared // 2
+    assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
+    kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", False)
+    assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mlp", "family", "message"),
+    [
+        ({"kept": 8, "shared_kept": 8}, "qwen3_moe", "mlp.shared_kept: qwen3_moe models have no shared expert"),
+        ({"kept": 8, "shared_kept": 2.5}, "qwen2_moe", "mlp.shared_kept 2.5: give a whole number of neurons"),
+        ({"shared_kept": 64}, "qwen2_moe", "mlp.shared_kept 64 keeps 64 of the shared expert's 48 neurons"),
+    ],
+)
+def test_bad_shared_expert_widths_are_one_line_and_write_nothing(
+    mlp: dict, family: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / family, family)
+    recipe = write_recipe(tmp_path, checkpoint, mlp=mlp)
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

@@ -29,6 +29,16 @@ class MlpSpec:
     """Neurons every layer's MLP keeps (an integer), or that fraction of its width, rounded down
     to a multiple of `round_to`; None: the run chooses the split of the budget. In a
     Mixture-of-Experts model, every routed expert's (`moe_intermediate_size`)."""
+    shared_kept: (
+        Annotated[
+            Number, described("neurons every shared expert keeps (a whole number), or a fraction of them below 1", gt=0)
+        ]
+        | None
+    ) = None
+    """In a Mixture-of-Experts model with a shared expert (Qwen2-MoE, Qwen3.5-MoE), the neurons it
+    keeps in every layer (`shared_expert_intermediate_size`), as `kept` reads them, chosen and
+    refitted from every counted token weighed by its shared-expert gate; None: it keeps its width.
+    A fixed setting: the split chooser, where it runs, chooses the routed experts' width beside it."""
     selector: StrictStr = "obs"
     """The neuron selector (`compress strategies` lists them): obs (output-aware: optimal brain
     surgeon weighed by H where the walk estimated it, except for families with a norm after the
@@ -62,9 +72,11 @@ class MlpSpec:
 def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec:
     """`mlp.kept` is a whole number or a fraction below 1 (or absent: the plan chooses the split, and
     only then do the split's keys apply), and the selector is registered."""
+    for key in ("kept", "shared_kept"):
+        value = getattr(spec, key)
+        if value is not None and value >= 1 and value != int(value):
+            raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
-        if spec.kept >= 1 and spec.kept != int(spec.kept):
-            raise UserError(f"mlp.kept {spec.kept:g}: give a whole number of neurons, or a fraction below 1")
         fixed = MlpSpec(kept=spec.kept)
         for key in ("min_kept", "candidates", "heldout_windows"):
             if getattr(spec, key) != getattr(fixed, key):

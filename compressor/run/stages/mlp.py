@@ -19,7 +19,7 @@ from compressor.engine.parallel import Ranks
 from compressor.engine.walk import PruneResult
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
-from compressor.models.layout import expert_count, mlp_neurons, with_mlp_width
+from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, shared_expert_neurons
 from compressor.models.sites import layer_site_ids
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
@@ -41,7 +41,7 @@ class PruneMlp(Stage):
     changes_model = True
 
     def runs(self, state: RunState) -> bool:
-        return state.checked.layout.mlp_width is not None and not state.adopted  # adopted: the trial's
+        return state.checked.layout.prunes_mlp and not state.adopted  # adopted: the trial's
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
@@ -64,6 +64,9 @@ class PruneMlp(Stage):
         device += 3 * fp.f * fp.f * 8 + 3 * fp.d * fp.f * 8
         if fp.layout.family.experts is not None:  # and every kept routed expert's C (f × f float64) at once
             device += (fp.layout.experts or expert_count(fp.layout.config, fp.layout.family)) * fp.f * fp.f * 8
+        if fp.layout.shared_width is not None:  # and the shared expert's C and its inverse
+            shared = shared_expert_neurons(fp.layout.config, family)
+            device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8
         return [
             fp.phase(
                 "mlp (one layer at a time)",
@@ -75,7 +78,7 @@ class PruneMlp(Stage):
 
     def run(self, state: RunState) -> None:
         layout = state.checked.layout
-        assert state.pruned is not None and state.result is not None and layout.mlp_width is not None
+        assert state.pruned is not None and state.result is not None and layout.prunes_mlp
         state.neurons, state.mlp_weighed_by_h = prune_mlps(
             state.recipe,
             state.checked,
@@ -90,17 +93,22 @@ class PruneMlp(Stage):
             state.ranks,
         )
         state.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
-        state.config = with_mlp_width(state.config, state.family, layout.mlp_width)
+        state.config = layout.mlp_config(state.config)
 
 
 def mlp_report(state: RunState) -> MlpReport:
     """The report's `mlp`: what the stage kept, how it chose, and the split choice's record."""
     spec, checked = state.recipe.mlp, state.checked
     assert spec is not None and checked.selector is not None
-    width = mlp_neurons(checked.layout.config, state.family)
+    width, shared = mlp_neurons(checked.layout.config, state.family), checked.layout.shared_width
     return MlpReport(
         kept=checked.layout.mlp_width or width,
         of=width,
+        **(
+            {}
+            if shared is None
+            else {"shared_kept": shared, "shared_of": shared_expert_neurons(checked.layout.config, state.family)}
+        ),
         selector=checked.selector.name,
         refit=spec.refit,
         damping=spec.damping,
@@ -129,8 +137,7 @@ def prune_mlps(
     coordinates where the walk estimated it; its config says the new width. Returns the layers'
     records and whether H weighed the choice."""
     spec, layout, selector, family = recipe.mlp, checked.layout, checked.selector, checked.layout.family
-    assert spec is not None and layout.mlp_width is not None and selector is not None
-    assert family.mlp_width is not None
+    assert spec is not None and layout.prunes_mlp and selector is not None
     sensitivity = stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
     records = prune_mlp(
         pruned,
@@ -139,6 +146,7 @@ def prune_mlps(
         layout.mlp_width,
         selector,
         device,
+        shared_keep=layout.shared_width,
         refit=spec.refit,
         damping=spec.damping,
         feedback=spec.feedback,
@@ -147,7 +155,7 @@ def prune_mlps(
         store=ActivationStore(device, recipe.activations, scratch),
         ranks=ranks,
     )
-    setattr(pruned.config, family.mlp_width, layout.mlp_width)
+    set_mlp_widths(pruned.config, family, layout.mlp_width, layout.shared_width)
     return records, sensitivity is not None
 
 

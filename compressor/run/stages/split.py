@@ -164,7 +164,7 @@ def measured_split(
         if layout.experts is not None:
             with trial.timed("experts_s"):
                 PruneExperts().run(trial)
-        if layout.mlp_width is not None:
+        if layout.prunes_mlp:
             with trial.timed("mlp_s"):
                 PruneMlp().run(trial)
     assert trial.result is not None
