@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from compressor.errors import UserError
+
 
 class ClampedSwiGLU(nn.Module):
     """gpt-oss's expert activation of one neuron's gate g and up u: (clamp(u, ±limit) + 1) ·
@@ -229,7 +231,7 @@ def unfuse_experts(model: nn.Module) -> None:
     for name, module in list(model.named_modules()):
         if is_fused_experts(module):
             if not module.experts.gate_up_proj.is_floating_point():
-                raise ValueError(
+                raise UserError(
                     f"{name}: its experts are quantized ({module.experts.gate_up_proj.dtype}, e.g. gpt-oss's MXFP4 "
                     f"loaded with its kernels); load the model dequantized (transformers' Mxfp4Config(dequantize=True))"
                 )

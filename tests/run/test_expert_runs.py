@@ -232,6 +232,8 @@ def test_a_checkpoint_with_mxfp4_experts_is_asked_for_dequantized(tmp_path: Path
 
 
 def test_quantized_experts_are_refused_with_how_to_load_them() -> None:
+    """A user's error (the model loaded with its kernels), so one line and exit 2, not a traceback."""
+    from compressor.errors import UserError
     from compressor.models.experts import unfuse_experts
 
     model = tiny_model("gpt_oss")
@@ -240,7 +242,7 @@ def test_quantized_experts_are_refused_with_how_to_load_them() -> None:
         torch.zeros(*experts.gate_up_proj.shape[:2], experts.gate_up_proj.shape[2] // 2, dtype=torch.uint8),
         requires_grad=False,
     )
-    with pytest.raises(ValueError, match=r"experts are quantized \(torch.uint8.*Mxfp4Config\(dequantize=True\)"):
+    with pytest.raises(UserError, match=r"experts are quantized \(torch.uint8.*Mxfp4Config\(dequantize=True\)"):
         unfuse_experts(model)
 
 
