@@ -235,6 +235,12 @@ def _splits(
             f"curves chooses widths per site; fix {keys}, or remove allocation"
         )
     counts: list[int | None] = [None]
+    if experts is not None and experts.kept is None and recipe.target_params is None and recipe.sparsity is None:
+        raise UserError(
+            "experts: with target_active_params alone the run has no expert count to choose: removing experts "
+            "frees memory but none of a token's parameters except router rows, and only those are counted; "
+            "fix experts.kept, or add target_params"
+        )
     if experts is not None and experts.kept is not None:
         counts = [experts.kept]
     elif experts is not None:

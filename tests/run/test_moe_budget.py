@@ -142,6 +142,11 @@ def test_a_run_killed_while_choosing_the_expert_count_resumes_to_the_same_model(
         ),
         ("qwen3_moe", {"target_params": 0.8, "experts": {"candidates": 1}}, "experts.candidates"),
         ("olmoe", {"target_active_params": 0.5, "mlp": {}}, "where only target_params is counted yet"),
+        (  # every candidate count would spend the same active budget: the choice measures nothing
+            "qwen3_moe",
+            {"target_active_params": 0.6, "experts": {}},
+            "experts: with target_active_params alone the run has no expert count to choose",
+        ),
     ],
 )
 def test_bad_budget_settings_are_one_line_and_write_nothing(
