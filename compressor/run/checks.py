@@ -311,15 +311,17 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             "experts.min_kept or raise the target to give it more"
         )
     one_split = len(checked.splits) == 1 and "mlp" in open_sections(recipe)
+    besides = "" if checked.layout.shared_width is None else " (and the shared experts' fixed width)"
     if one_split and checked.layout.kept == checked.layout.config.hidden_size:
         warnings.append(
             "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "
-            "every neuron; to prune the MLP within this budget, fix mlp.kept"
+            f"every neuron{besides and ' but the shared experts narrow'}; to prune the MLP within this budget, "
+            "fix mlp.kept"
         )
     elif one_split:
         warnings.append(
             "mlp: the budget leaves no wider residual stream whose MLPs keep mlp.min_kept of their neurons, "
-            "so the run prunes the residual width alone; lower mlp.min_kept to let the MLP give more"
+            f"so the run prunes the residual width alone{besides}; lower mlp.min_kept to let the MLP give more"
         )
     d = checked.layout.config.hidden_size
     if checked.layout.kept is not None and checked.layout.kept < WIDE_LOSS * d:

@@ -190,7 +190,7 @@ def test_keeping_every_shared_expert_neuron_changes_nothing_and_the_routed_exper
 @torch.no_grad()
 def test_the_shared_expert_s_statistics_are_every_token_weighed_by_its_gate() -> None:
     """C = E[σ(g·x)² h hᵀ] and the activation E[σ(g·x) |h|] over every counted token: the block
-    writes σ(g·x)·W h, so a neuron the gate mostly closes weighs less."""
+    writes σ(g·x)·W h, so a token the gate mostly closes weighs less."""
     _, model = _fused("qwen2_moe")
     block = _blocks(model)[0]
     x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])

@@ -246,37 +246,43 @@ def test_quantized_experts_are_refused_with_how_to_load_them() -> None:
         unfuse_experts(model)
 
 
+@pytest.mark.parametrize(
+    ("layout", "mlp"), [("global", {"kept": 0.5, "shared_kept": 0.5}), ("per_site", {"kept": 16, "shared_kept": 24})]
+)
 def test_a_run_with_a_shared_expert_width_saves_a_narrower_shared_expert_that_reloads_to_the_run_s_model(
-    tmp_path: Path,
+    layout: str, mlp: dict, tmp_path: Path
 ) -> None:
     """`mlp.shared_kept` narrows Qwen2-MoE's shared expert beside the routed experts' `mlp.kept`
-    under one budget; the stock model says both widths and plain transformers reloads it."""
+    under one budget; the saved config says both widths and transformers reloads it (its own
+    class, or the sliced one) at the run's KL."""
     checkpoint = save_tiny_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe")
     recipe = write_recipe(
         tmp_path,
         checkpoint,
         sparsity=_DELETE,
         target_params=0.8,
-        slicing={"layout": "global"},
+        slicing={"layout": layout, "tie_head": True},  # the tiny Qwen2-MoE's head is tied: kept so per site too
         pipeline=[{"strategy": "sensitivity"}],
-        mlp={"kept": 0.5, "shared_kept": 0.5},
+        mlp=mlp,
     )
     assert main(["run", str(recipe)]) == 0
     report = _report(tmp_path / "out")
     config = json.loads((checkpoint / "config.json").read_text())
     shared, routed = config["shared_expert_intermediate_size"], config["moe_intermediate_size"]
     assert report["mlp"]["shared_kept"] == shared // 2 and report["mlp"]["shared_of"] == shared
-    assert report["mlp"]["kept"] == routed // 2
     assert all(layer["shared_expert"]["kept"] == shared // 2 for layer in report["mlp"]["layers"])
+    routed_kept = report["mlp"]["kept"]
+    assert routed_kept == routed // 2
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert f"| Shared expert width | {shared} | {shared // 2} (obs weighed by H, refitted" in markdown
     saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
-    assert saved["shared_expert_intermediate_size"] == shared // 2 and saved["moe_intermediate_size"] == routed // 2
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
-    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    assert saved["shared_expert_intermediate_size"] == shared // 2 and saved["moe_intermediate_size"] == routed_kept
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=layout == "per_site")
+    if layout == "global":
+        assert type(model).__name__ == "Qwen2MoeForCausalLM"
     assert model.model.layers[0].mlp.shared_expert.down_proj.in_features == shared // 2
     assert parameter_count(model) == report["params"]["pruned"] == report["allocation"]["predicted_params"]
-    kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", False)
+    kl = _kl_of_reload(checkpoint, tmp_path / "out" / "model", layout == "per_site")
     assert kl == pytest.approx(report["metrics"]["pruned"]["kl"], rel=1e-3, abs=1e-6)
 
 

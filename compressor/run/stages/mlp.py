@@ -64,9 +64,9 @@ class PruneMlp(Stage):
         device += 3 * fp.f * fp.f * 8 + 3 * fp.d * fp.f * 8
         if fp.layout.family.experts is not None:  # and every kept routed expert's C (f × f float64) at once
             device += (fp.layout.experts or expert_count(fp.layout.config, fp.layout.family)) * fp.f * fp.f * 8
-        if fp.layout.shared_width is not None:  # and the shared expert's C and its inverse
+        if fp.layout.shared_width is not None:  # the shared expert's C, its inverse and one batch's activations
             shared = shared_expert_neurons(fp.layout.config, family)
-            device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8
+            device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8 + tokens * shared * (3 * fp.item + 16)
         return [
             fp.phase(
                 "mlp (one layer at a time)",
