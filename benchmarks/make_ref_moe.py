@@ -6,7 +6,11 @@ copied, and each layer's dense MLP (768 neurons) becomes `--experts` routed expe
 `--expert-width` neurons, each started from its own random subset of the dense neurons (down
 projection scaled by 768/width, so every expert starts as an unbiased estimate of the dense MLP),
 routed top-`--top-k` with renormalised weights (`norm_topk_prob`). Qwen3's per-head q/k norms,
-which Llama has not, start at the measured RMS of each query and key dimension. The whole model
+which Llama has not, start at the measured RMS of each query and key dimension. With
+`--shared-width` it is a Qwen2-MoE instead (no q/k norms; zero q/k/v biases): every layer also has
+a shared expert of that width, gated by sigmoid(shared_expert_gate) (the gate starts at zero,
+so at 1/2), started from its own subset of the dense neurons; the routed experts and the shared
+one then each carry half of the dense MLP's output. The whole model
 then trains on the calibration corpus (the text pruning fits on; `valid.jsonl` stays held out)
 with Qwen3-MoE's load-balancing loss, long enough that the experts take distinct shares of the
 tokens. Prints and writes (`derivation.json` beside the model) the held-out perplexity before
@@ -16,6 +20,7 @@ Run by hand (about 15 minutes on 2 CPU cores with the defaults; the model is ~12
 25 MB in bf16, so it stays out of the repository):
 
     .venv/bin/python benchmarks/make_ref_moe.py [--steps 400] [--out benchmarks/results/ref-moe]
+    .venv/bin/python benchmarks/make_ref_moe.py --shared-width 384 --out benchmarks/results/ref-moe-shared
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from make_tied_model import held_out_ppl  # run as a script: benchmarks/ is on sys.path
 from rich.console import Console
 from rich.progress import Progress
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.evaluation.metrics import parameter_count
@@ -40,9 +45,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 
 
-def moe_config(dense: object, experts: int, width: int, top_k: int) -> Qwen3MoeConfig:
-    """A Qwen3-MoE config with the dense model's shape and `experts` routed experts in every layer."""
-    return Qwen3MoeConfig(
+def moe_config(dense: object, experts: int, width: int, top_k: int, shared_width: int = 0) -> PretrainedConfig:
+    """A Qwen3-MoE config with the dense model's shape and `experts` routed experts in every layer
+    (a Qwen2-MoE with a shared expert of `shared_width` neurons, where it is given)."""
+    kind, extra = Qwen3MoeConfig, {}
+    if shared_width:
+        kind, extra = Qwen2MoeConfig, {"shared_expert_intermediate_size": shared_width, "qkv_bias": True}
+    return kind(
+        **extra,
         vocab_size=dense.vocab_size,
         hidden_size=dense.hidden_size,
         intermediate_size=dense.intermediate_size,
@@ -68,13 +78,16 @@ def moe_config(dense: object, experts: int, width: int, top_k: int) -> Qwen3MoeC
 
 
 @torch.no_grad()
-def upcycle(dense: torch.nn.Module, config: Qwen3MoeConfig, probe: torch.Tensor, seed: int) -> Qwen3MoeForCausalLM:
+def upcycle(dense: torch.nn.Module, config: PretrainedConfig, probe: torch.Tensor, seed: int) -> torch.nn.Module:
     """The MoE with the dense model's weights where the two agree (see the module docstring)."""
     generator = torch.Generator().manual_seed(seed)
-    moe = Qwen3MoeForCausalLM(config).to(torch.float32)
+    moe = AutoModelForCausalLM.from_config(config).to(torch.float32)
     state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
     missing, unexpected = moe.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
+    for name, parameter in moe.named_parameters():
+        if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):  # Qwen2-MoE's, which Llama has not
+            parameter.zero_()
     queries: dict[int, torch.Tensor] = {}
     keys: dict[int, torch.Tensor] = {}
     hooks = []
@@ -86,22 +99,32 @@ def upcycle(dense: torch.nn.Module, config: Qwen3MoeConfig, probe: torch.Tensor,
         hook.remove()
     head = config.head_dim
     f = dense.config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", 0)
+    half = 0.5 if shared else 1.0  # with a shared expert, the routed ones carry half the dense output
     for index, (source, target) in enumerate(zip(dense.model.layers, moe.model.layers, strict=True)):
         attention = target.self_attn
-        attention.q_norm.weight.copy_(queries[index].reshape(-1, head).pow(2).mean(0).sqrt())
-        attention.k_norm.weight.copy_(keys[index].reshape(-1, head).pow(2).mean(0).sqrt())
+        if hasattr(attention, "q_norm"):
+            attention.q_norm.weight.copy_(queries[index].reshape(-1, head).pow(2).mean(0).sqrt())
+            attention.k_norm.weight.copy_(keys[index].reshape(-1, head).pow(2).mean(0).sqrt())
         gate, up, down = source.mlp.gate_proj.weight, source.mlp.up_proj.weight, source.mlp.down_proj.weight
         experts = target.mlp.experts
         for e in range(config.num_experts):
             rows = torch.randperm(f, generator=generator)[: config.moe_intermediate_size]
             experts.gate_up_proj[e].copy_(torch.cat([gate[rows], up[rows]]))
-            experts.down_proj[e].copy_(down[:, rows] * (f / config.moe_intermediate_size))
+            experts.down_proj[e].copy_(down[:, rows] * (half * f / config.moe_intermediate_size))
         target.mlp.gate.weight.normal_(0.0, 0.02, generator=generator)
+        if shared:  # sigmoid(0) = 1/2 of an unbiased estimate of the dense MLP: the other half
+            rows = torch.randperm(f, generator=generator)[:shared]
+            mlp = target.mlp.shared_expert
+            mlp.gate_proj.weight.copy_(gate[rows])
+            mlp.up_proj.weight.copy_(up[rows])
+            mlp.down_proj.weight.copy_(down[:, rows] * (f / shared))
+            target.mlp.shared_expert_gate.weight.zero_()
     return moe
 
 
 @torch.no_grad()
-def expert_load(model: Qwen3MoeForCausalLM, batches: list) -> list[dict[str, object]]:
+def expert_load(model: torch.nn.Module, batches: list) -> list[dict[str, object]]:
     """Per layer: each expert's share of the routed (token, slot) pairs on `batches`, and the
     entropy of that distribution over log(E) (1: perfectly even)."""
     model.eval()
@@ -129,6 +152,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--expert-width", type=int, default=192)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--shared-width", type=int, default=0, help="a Qwen2-MoE with a shared expert this wide")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -147,7 +171,7 @@ def main() -> None:
         load_records({"path": "json", "data_files": str(args.train)}), tokenizer, args.seq_len, args.steps * args.batch
     )
     dense_ppl = held_out_ppl(dense, valid)
-    config = moe_config(dense.config, args.experts, args.expert_width, args.top_k)
+    config = moe_config(dense.config, args.experts, args.expert_width, args.top_k, args.shared_width)
     model = upcycle(dense, config, windows[: args.batch], args.seed)
     del dense
     upcycled_ppl = held_out_ppl(model, valid)
@@ -188,6 +212,7 @@ def main() -> None:
         "experts": args.experts,
         "expert_width": args.expert_width,
         "top_k": args.top_k,
+        "shared_width": args.shared_width,
         "steps": args.steps,
         "batch": args.batch,
         "seq_len": args.seq_len,

@@ -7,12 +7,17 @@ held-out windows, and the prune time. A `+H` selector is given the output sensit
 MoE block's stream (from the H pass on the unpruned model); without it the stream's coordinates
 weigh alike. Routed parameters scale with experts × width, so 6/8 experts, width 144 of 192 and
 8x144 cost the same. With `--router-refit`, each expert row is measured again with the router
-refitted after the experts go (`experts.router_refit`, `engine.router_refit`).
+refitted after the experts go (`experts.router_refit`, `engine.router_refit`). With
+`--shared-widths` (a model with a shared expert, e.g. `make_ref_moe.py --shared-width`), each
+neuron selector narrows every shared expert alone (`mlp.shared_kept`), and `obs+H gate-blind`
+is the ablation whose statistics leave out the shared expert's gate (C = E[h hᵀ], not E[σ² h hᵀ]).
 
     python benchmarks/make_ref_moe.py                       # once: the reference MoE (not in the repository)
     python benchmarks/moe_experts.py                         # benchmarks/results/ref-moe, ../shared data
     python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H --widths 96 --combos 6x128
     python benchmarks/moe_experts.py --kept 6 4 --selectors reap output+H --router-refit --tag _router
+    python benchmarks/moe_experts.py --model benchmarks/results/ref-moe-shared --kept --widths 168 156 \
+        --shared-widths 192 96 --neuron-selectors magnitude obs+H "obs+H gate-blind"
 
 Writes benchmarks/results/moe_experts_<model>.json and .md.
 """
@@ -27,6 +32,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +42,13 @@ from mlp_neurons import stream_sensitivity  # run as a script: benchmarks/ is on
 from rich.console import Console
 from rich.table import Table
 
+from compressor.engine.expert_width import _SharedMoments
 from compressor.engine.experts import prune_experts
 from compressor.engine.neurons import prune_mlp
 from compressor.engine.transforms import fuse_norms
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.families import family_for
+from compressor.models.layout import set_mlp_widths
 from compressor.recipe.schema import validate
 from compressor.run.loading import Resources
 from compressor.strategies.registry import PluginRegistry
@@ -54,11 +63,12 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=RESULTS / "ref-moe")
     parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
     parser.add_argument("--heldout", type=int, default=32, help="held-out windows of 512 tokens (valid.jsonl)")
-    parser.add_argument("--kept", type=int, nargs="+", default=[6, 4], help="experts kept per MoE layer")
+    parser.add_argument("--kept", type=int, nargs="*", default=[6, 4], help="experts kept per MoE layer")
     parser.add_argument("--selectors", nargs="+", default=["frequency", "reap", "output", "output+H"])
     parser.add_argument("--widths", type=int, nargs="*", default=[], help="neurons every routed expert keeps")
     parser.add_argument("--neuron-selectors", nargs="+", default=["magnitude", "obs+H"])
     parser.add_argument("--combos", nargs="*", default=[], help="EXPERTSxWIDTH, e.g. 6x128")
+    parser.add_argument("--shared-widths", type=int, nargs="*", default=[], help="neurons every shared expert keeps")
     parser.add_argument("--sample-tokens", type=int, default=2048, help="experts.sample_tokens")
     parser.add_argument("--no-protect", action="store_true", help="experts.protect_super: false")
     parser.add_argument("--router-refit", action="store_true", help="each expert row again with the router refit")
@@ -75,6 +85,28 @@ def active_params(model: torch.nn.Module, config: Any) -> int:
         p.numel() for name, p in model.named_parameters() if ".experts." in name and ".shared_expert" not in name
     )
     return parameter_count(model) - routed + len(experts) * config.num_experts_per_tok * per_expert
+
+
+@contextmanager
+def gate_blind(on: bool) -> Iterator[None]:
+    """The ablation: a shared expert's statistics without its gate (C = E[h hᵀ] over every token)."""
+    if not on:
+        yield
+        return
+    add = _SharedMoments.add
+
+    def blind(self: _SharedMoments, block: Any, x: torch.Tensor) -> None:
+        gate, block.shared_expert_gate = block.shared_expert_gate, None
+        try:
+            add(self, block, x)
+        finally:
+            block.shared_expert_gate = gate
+
+    _SharedMoments.add = blind  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _SharedMoments.add = add  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -119,11 +151,15 @@ def main() -> None:
     total0, active0 = parameter_count(reference), active_params(reference, reference.config)
     width0 = int(getattr(original.config, family.mlp_width))
     refits = (False, True) if args.router_refit else (False,)
-    cases = [(keep, name, None, None, r) for keep in args.kept for name in args.selectors for r in refits]
-    cases += [(None, None, width, name, False) for width in args.widths for name in args.neuron_selectors]
-    cases += [(int(e), "output+H", int(w), "obs+H", False) for e, w in (combo.split("x") for combo in args.combos)]
+    shared0 = getattr(original.config, family.shared_expert_width or "", None)
+    cases = [(keep, name, None, None, r, None) for keep in args.kept for name in args.selectors for r in refits]
+    cases += [(None, None, width, name, False, None) for width in args.widths for name in args.neuron_selectors]
+    cases += [(int(e), "output+H", int(w), "obs+H", False, None) for e, w in (c.split("x") for c in args.combos)]
+    cases += [
+        (None, None, None, name, False, shared) for shared in args.shared_widths for name in args.neuron_selectors
+    ]
     rows: list[dict[str, Any]] = []
-    for keep, expert_name, width, neuron_name, refit in cases:
+    for keep, expert_name, width, neuron_name, refit, shared in cases:
         model = resources.model(recipe.model)
         fuse_norms(model, family)
         tick = time.perf_counter()
@@ -143,21 +179,25 @@ def main() -> None:
             )
             setattr(model.config, family.experts, keep)
         widths = []
-        if width is not None and neuron_name is not None:
-            widths = prune_mlp(
-                model,
-                family,
-                calibration,
-                width,
-                registry.selector(neuron_name.removesuffix("+H")),
-                device,
-                sensitivity=sensitivity if neuron_name.endswith("+H") else None,
-            )
-            setattr(model.config, family.mlp_width, width)
+        if neuron_name is not None:
+            selector = neuron_name.removesuffix(" gate-blind")
+            with gate_blind(selector != neuron_name):
+                widths = prune_mlp(
+                    model,
+                    family,
+                    calibration,
+                    width,
+                    registry.selector(selector.removesuffix("+H")),
+                    device,
+                    shared_keep=shared,
+                    sensitivity=sensitivity if selector.endswith("+H") else None,
+                )
+            set_mlp_widths(model.config, family, width, shared)
         seconds = time.perf_counter() - tick
         figures = compare(original, model, heldout, device)["pruned"]
+        what = "shared width" if shared is not None else "width"
         label = " then ".join(
-            f"{name} ({what})" for name, what in ((expert_name, "experts"), (neuron_name, "width")) if name is not None
+            f"{name} ({kind})" for name, kind in ((expert_name, "experts"), (neuron_name, what)) if name is not None
         ) + (" + router refit" if refit else "")
         row = {
             "selector": label,
@@ -165,6 +205,8 @@ def main() -> None:
             "of": experts,
             "width": width or width0,
             "of_width": width0,
+            "shared": shared or shared0,
+            "of_shared": shared0,
             "params": parameter_count(model) / total0,
             "active_params": active_params(model, model.config) / active0,
             "kl": figures["kl"],
@@ -174,6 +216,7 @@ def main() -> None:
             "fewest_tokens": min(r.fewest_tokens for r in records) if records else None,
             "kept_by_layer": [r.kept for r in records],
             "width_error": [r.error_refit for r in widths],
+            "shared_error": [r.shared_expert.error_refit for r in widths if r.shared_expert is not None],
             "router": [r.router for r in records if r.router is not None],
         }
         rows.append(row)
@@ -181,6 +224,8 @@ def main() -> None:
     baseline = compare(original, resources.model(recipe.model), heldout, device)["baseline"]["ppl"]
     table = Table(title=f"{args.model.name}: routed experts and their width (original perplexity {baseline:.3f})")
     columns = ("selector", "experts x width", "params", "active params", "KL", "ppl", "protected", "prune s")
+    if shared0:
+        columns = (*columns[:2], "shared width", *columns[2:])
     for column in columns:
         table.add_column(column, justify="right")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -188,6 +233,7 @@ def main() -> None:
         cells = (
             r["selector"],
             f"{r['kept']}/{r['of']} x {r['width']}/{r['of_width']}",
+            *([f"{r['shared']}/{r['of_shared']}"] if shared0 else []),
             f"{r['params']:.1%}",
             f"{r['active_params']:.1%}",
             f"{r['kl']:.5f}",
