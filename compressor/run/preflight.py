@@ -194,19 +194,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
         )
-    if checked.layout.shared_width is not None and checked.selector is not None:
-        found.checked.append(
-            f"mlp: every shared expert keeps {checked.layout.shared_width} of its "
-            f"{shared_expert_neurons(checked.layout.config, checked.layout.family)} neurons ({checked.selector.name})"
-        )
-    if checked.layout.mlp_width is not None and checked.selector is not None:
-        family = checked.layout.family
-        assert family.mlp_width is not None
-        what = "routed expert" if family.experts is not None else "MLP"
-        found.checked.append(
-            f"mlp: every {what} keeps {checked.layout.mlp_width} of its "
-            f"{getattr(checked.layout.config, family.mlp_width)} neurons ({checked.selector.name})"
-        )
+    found.checked += mlp_lines(checked)
     if checked.chooses_split:
         splits = ", ".join(
             f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
@@ -220,6 +208,25 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
+
+
+def mlp_lines(checked: Plan) -> list[str]:
+    """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's."""
+    layout, selector, lines = checked.layout, checked.selector, []
+    if selector is None:
+        return lines
+    if layout.shared_width is not None:
+        of = shared_expert_neurons(layout.config, layout.family)
+        lines.append(f"mlp: every shared expert keeps {layout.shared_width} of its {of} neurons ({selector.name})")
+    if layout.mlp_width is not None:
+        family = layout.family
+        assert family.mlp_width is not None
+        what = "routed expert" if family.experts is not None else "MLP"
+        lines.append(
+            f"mlp: every {what} keeps {layout.mlp_width} of its "
+            f"{getattr(layout.config, family.mlp_width)} neurons ({selector.name})"
+        )
+    return lines
 
 
 def _memory(recipe: Recipe, checked: Plan, device: Any, found: DryRun, check: bool) -> None:
