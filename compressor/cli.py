@@ -529,6 +529,9 @@ def _strategies(console: Console) -> None:
     experts = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.expert_selectors().items()]
     if experts:
         _print_table(console, "MoE expert selectors", ("name", "plugin", "from", "description"), experts)
+    blocks = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.block_selectors().items()]
+    if blocks:
+        _print_table(console, "depth selectors", ("name", "plugin", "from", "description"), blocks)
     _note_skipped(console, registry)
 
 

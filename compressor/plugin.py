@@ -5,7 +5,9 @@ This module is the stable API. A strategy plugin subclasses `Strategy`, receives
 an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. An MLP
 neuron selector subclasses `NeuronSelector`: a `NeuronProblem` in, a `NeuronChoice` out
 (`compressor_neuron_selectors` hook); a Mixture-of-Experts expert selector subclasses
-`ExpertSelector`: an `ExpertProblem` in, an `ExpertChoice` out (`compressor_expert_selectors`). A family
+`ExpertSelector`: an `ExpertProblem` in, an `ExpertChoice` out (`compressor_expert_selectors`); a
+depth selector subclasses `BlockSelector`: a `BlockProblem` in, a `BlockChoice` out
+(`compressor_block_selectors`). A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
 models of that family load through the transformers Auto classes. The helpers are the linear
 algebra the built-in strategies share.
@@ -22,6 +24,7 @@ from compressor._post_import import after_import
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.run.stages.contract import Candidate, Stage
+from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector, lowest
 from compressor.strategies.contract import (
     DEFAULT_TAUS,
     Basis,
@@ -65,6 +68,9 @@ __all__ = [
     "DEFAULT_TAUS",
     "FORBID",
     "Basis",
+    "BlockChoice",
+    "BlockProblem",
+    "BlockSelector",
     "Candidate",
     "ExpertChoice",
     "ExpertProblem",
@@ -88,6 +94,7 @@ __all__ = [
     "frobenius_normalised",
     "hookimpl",
     "keep_highest",
+    "lowest",
     "routing_weights",
     "options",
     "register_family",

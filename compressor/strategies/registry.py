@@ -19,6 +19,7 @@ import pluggy
 
 from compressor.errors import UserError, did_you_mean
 from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
+from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.contract import Strategy
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.neuron_contract import NeuronSelector
@@ -51,6 +52,10 @@ class CompressorHookSpecs:
         """Return the Mixture-of-Experts expert selectors this plugin provides."""
 
     @hookspec
+    def compressor_block_selectors(self) -> list[BlockSelector]:
+        """Return the depth selectors (which decoder blocks go) this plugin provides."""
+
+    @hookspec
     def compressor_stages(self) -> list[Any]:
         """Return stages of a run this plugin adds (`compressor.plugin.Stage` subclasses' instances),
         each placed after the stage its `after` names."""
@@ -73,6 +78,13 @@ class RegisteredSelector:
 @dataclass(frozen=True)
 class RegisteredExpertSelector:
     selector: ExpertSelector
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredBlockSelector:
+    selector: BlockSelector
     plugin: str
     source: str
 
@@ -180,6 +192,9 @@ class PluginRegistry:
         self._expert_selectors = self._collect_named(
             self.manager.hook.compressor_expert_selectors, "expert selector", RegisteredExpertSelector
         )
+        self._block_selectors = self._collect_named(
+            self.manager.hook.compressor_block_selectors, "depth selector", RegisteredBlockSelector
+        )
         self._stages = self._collect_named(self.manager.hook.compressor_stages, "stage", RegisteredStage)
         self._families = self._collect_families()
 
@@ -250,6 +265,19 @@ class PluginRegistry:
                 f"registered expert selectors: {known}"
             )
         return self._expert_selectors[name].selector
+
+    def block_selectors(self) -> dict[str, RegisteredBlockSelector]:
+        """Every depth selector, by name."""
+        return dict(sorted(self._block_selectors.items()))
+
+    def block_selector(self, name: str) -> BlockSelector:
+        if name not in self._block_selectors:
+            known = ", ".join(sorted(self._block_selectors)) or "none (is compressor installed?)"
+            raise UserError(
+                f"unknown depth selector '{name}'{did_you_mean(name, self._block_selectors)}; "
+                f"registered depth selectors: {known}"
+            )
+        return self._block_selectors[name].selector
 
     def stages(self) -> list[Any]:
         """The stages plugins add to a run, in the order the plugins registered them."""
