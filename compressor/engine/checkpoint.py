@@ -30,6 +30,7 @@ FINGERPRINT_FILE = "fingerprint.json"
 FISHER_FILE = "fisher.safetensors"
 ALLOCATION_FILE = "allocation.json"
 SPLIT_FILE = "split.json"
+DEPTH_FILE = "depth.json"
 """The split of the budget between the residual and the MLP width, once a run has chosen it."""
 DISTILLATION_FOLDER = "distillation"
 """The distillation stage's Trainer checkpoints (`compressor.training.distill`)."""
@@ -196,7 +197,7 @@ class Checkpoint:
     def has_progress(self) -> bool:
         return (
             self.has_fisher()
-            or any((self.folder / name).is_file() for name in (ALLOCATION_FILE, SPLIT_FILE))
+            or any((self.folder / name).is_file() for name in (ALLOCATION_FILE, SPLIT_FILE, DEPTH_FILE))
             or bool(self.site_files())
             or self.has_distillation_progress()
         )
@@ -255,6 +256,13 @@ class Checkpoint:
 
     def save_split(self, split: Mapping[str, Any]) -> None:
         self._save_choice(SPLIT_FILE, split)
+
+    def load_depth(self) -> dict[str, Any] | None:
+        """The decoder blocks a run chose to remove (`depth`) and what it chose them from, once chosen."""
+        return self._load_choice(DEPTH_FILE)
+
+    def save_depth(self, depth: Mapping[str, Any]) -> None:
+        self._save_choice(DEPTH_FILE, depth)
 
     def _load_choice(self, name: str) -> dict[str, Any] | None:
         """A choice made once per run (a small JSON file), or None before it is made."""

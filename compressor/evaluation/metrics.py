@@ -15,7 +15,8 @@ from compressor.recipe.sections.evaluation import LmEvalSpec
 
 
 @torch.no_grad()
-def _log_probs(model: PreTrainedModel, batch: Batch, device: torch.device) -> torch.Tensor:
+def model_log_probs(model: PreTrainedModel, batch: Batch, device: torch.device) -> torch.Tensor:
+    """`model`'s next-token log-probabilities on `batch` (`log_probs_of`), without a cache."""
     ids = batch.input_ids.to(device)
     logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), use_cache=False).logits
     return log_probs_of(logits)
@@ -70,8 +71,8 @@ def compare(
     `original`, the perplexity of `pruned` alone (`Tally`)."""
     tally = Tally()
     for index, batch in enumerate(batches):
-        reference = _log_probs(original, batch, device) if original is not None else None
-        tally.add(reference, _log_probs(pruned, batch, device), batch, device)
+        reference = model_log_probs(original, batch, device) if original is not None else None
+        tally.add(reference, model_log_probs(pruned, batch, device), batch, device)
         if progress:
             progress(index + 1, len(batches))
     return tally.result(original is not None)

@@ -1,5 +1,6 @@
 """Whole decoder blocks removed (the depth axis, issue 49): the model without them, in place, and the
-config its own class reloads it from, with every per-layer setting trimmed to the blocks kept.
+config its own class reloads it from, with every per-layer setting trimmed to the blocks kept;
+`skipping` computes the same model without changing it, to measure a removal before choosing it.
 
 A block reads the stream and adds to it, so removing block i leaves the model that skips it: the
 next block reads what block i read. Nothing is refitted here; which blocks go is a selector's
@@ -14,7 +15,9 @@ silently untrimmed list would load a different model.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -106,3 +109,23 @@ def remove_blocks(model: nn.Module, family: ModelFamily, removed: Iterable[int])
         if getattr(new_config, key, None) is not None:
             setattr(config, key, getattr(new_config, key))
     return kept
+
+
+@contextmanager
+def skipping(model: nn.Module, family: ModelFamily, blocks: Iterable[int]) -> Iterator[None]:
+    """Within the block, `model` computes as if the decoder blocks `blocks` were removed: each
+    hands on the stream it read (what `remove_blocks` makes of it, without changing the model;
+    for measuring a removal before choosing it, with no cache)."""
+    layers = model.get_submodule(family.layers)
+    handles = [layers[i].register_forward_hook(_hand_on_input, with_kwargs=True) for i in sorted(set(blocks))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hand_on_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """A forward hook: the block's output replaced by its input stream."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden

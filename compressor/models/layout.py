@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from compressor.errors import UserError
 from compressor.models.budget import ParamModel, layout_config, param_model, widest_uniform
+from compressor.models.depth import depth_config
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
 from compressor.models.sites import EMBEDDING, layer_site_ids, shared_site_ids, site_ids, site_widths
 from compressor.models.stock import check_stock, stock_param_model, width_multiple
@@ -154,6 +155,7 @@ def sliced_layout(
     shared_kept: float | None = None,
     experts: int | None = None,
     counts: str = "all",
+    removed_blocks: Sequence[int] = (),
 ) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
@@ -163,7 +165,9 @@ def sliced_layout(
     expert of an MoE layer); with `experts` every MoE layer keeps that
     many routed experts, likewise. `target_active_params` (with or without `target_params`) limits
     the parameters one token uses (a model with routed experts). `counts`: `non_embedding` counts
-    either target without the embedding tables. Loads no weights."""
+    either target without the embedding tables. `removed_blocks`: the decoder blocks the depth
+    axis removes (`models.depth`); the layout is then the model without them (its `config` the
+    one its class reloads them from), the budget still a fraction of the original. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
@@ -175,6 +179,9 @@ def sliced_layout(
             f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
             f"layers have one site (attention and MLP in parallel); turn it off"
         )
+    full = config
+    if removed_blocks:
+        config = depth_config(config, removed_blocks)
     one_basis = layout == "global"
     tied = tie_head if tie_head is not None else (one_basis and bool(getattr(config, "tie_word_embeddings", False)))
     if tied:
@@ -192,6 +199,9 @@ def sliced_layout(
         return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
 
     params = param_model_of(config)
+    if removed_blocks:  # the original's own count stays the reference
+        whole = param_model_of(full)
+        params = dataclasses.replace(params, original=whole.original, routed=whole.routed)
     narrower = mlp_width is not None or shared_width is not None or experts is not None
     if narrower:  # every variant pruned so; `original` stays the original's
         reduced = with_mlp_width(config, family, mlp_width, shared_width)

@@ -24,6 +24,7 @@ from compressor.recipe.paths import resolve_path
 from compressor.recipe.reading import apply_override, read_yaml
 from compressor.recipe.sections.contract import SectionContext
 from compressor.recipe.sections.data import DataSpec
+from compressor.recipe.sections.depth import DepthSpec
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.recipe.sections.evaluation import EvaluationSpec
 from compressor.recipe.sections.experts import ExpertsSpec
@@ -93,6 +94,8 @@ class Recipe:
     experts: ExpertsSpec | None = None
     """Prune a Mixture-of-Experts model's routed experts too, the same count in every layer (off
     when absent)."""
+    depth: DepthSpec | None = None
+    """Remove whole decoder blocks before the walk (off when absent)."""
     stages: dict[StrictStr, Any] = field(default_factory=dict)
     """Plugin stages' sections, by name, each its stage's options (`compressor_stages`); written in
     the YAML as top-level keys, as the built-in sections are."""

@@ -27,6 +27,7 @@ from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
 from compressor.run.stages.split import open_sections
+from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
@@ -53,6 +54,13 @@ class Plan:
     """`experts`' selector (None without `experts`)."""
     stages: tuple[Stage, ...] = BUILTIN_STAGES
     """The run's stages in order, a plugin's among them (`run.stages.run_order`)."""
+    block_selector: BlockSelector | None = None
+    """`depth`'s selector (None without `depth`)."""
+    removed_blocks: tuple[int, ...] = ()
+    """The decoder blocks the layout is without (`depth`): until the depth stage chooses, the last
+    `depth.removed` of them, which the stage's choice replaces (`replan`)."""
+    families: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The registered families by model_type, for `replan`."""
 
     @property
     def chooses_split(self) -> bool:
@@ -105,7 +113,8 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     check_positions(recipe, config)
     if recipe.model.load == "stream" and (reason := cannot_stream(family)) is not None:
         raise UserError(reason)
-    layout, splits = _layout(recipe, config, family, families, tower)
+    removed = planned_blocks(recipe, config)
+    layout, splits = _layout(recipe, config, family, families, tower, removed)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []
     for step in recipe.pipeline:
@@ -125,6 +134,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         )
     stages = run_order(registry.stages())
     expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
+    block_selector = registry.block_selector(recipe.depth.selector) if recipe.depth is not None else None
     checked = Plan(
         layout,
         pipeline,
@@ -134,6 +144,9 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         tower=tower,
         stages=stages,
         expert_selector=expert_selector,
+        block_selector=block_selector,
+        removed_blocks=removed,
+        families=families,
     )
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch
@@ -148,11 +161,43 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
 
 
+def planned_blocks(recipe: Recipe, config: PretrainedConfig) -> tuple[int, ...]:
+    """The blocks the plan counts as removed before the depth stage has chosen: the last
+    `depth.removed` (the count is what the budget needs; the stage replans with its choice, which
+    for a model whose blocks differ in size may move the widths). Refused when none would stay."""
+    if recipe.depth is None:
+        return ()
+    layers = int(config.num_hidden_layers)
+    if recipe.depth.removed >= layers:
+        raise UserError(
+            f"depth.removed {recipe.depth.removed} removes every one of the model's {layers} blocks; "
+            f"remove at most {layers - 1}"
+        )
+    return tuple(range(layers - recipe.depth.removed, layers))
+
+
+def replan(recipe: Recipe, checked: Plan, removed: tuple[int, ...]) -> Plan:
+    """`checked` for the model without the blocks `removed` (the depth stage's choice): the same
+    recipe's layout, splits and allocator on that model's config, the budget still the original's."""
+    config = load_config(recipe.model)
+    if checked.tower is not None:
+        config = text_config(config)
+    layout, splits = _layout(recipe, config, checked.layout.family, checked.families, checked.tower, removed)
+    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
+    return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
+
+
 def _layout(
-    recipe: Recipe, config: PretrainedConfig, family: Any, families: dict[str, Any], tower: TextTower | None
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    families: dict[str, Any],
+    tower: TextTower | None,
+    removed: tuple[int, ...] = (),
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """The run's layout from the recipe and the config, and the splits of the budget it measures
-    (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole."""
+    (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole;
+    without the decoder blocks `removed` (`depth`)."""
     slicing = recipe.slicing
     options = dict(
         layout=slicing.layout,
@@ -167,25 +212,13 @@ def _layout(
         experts=recipe.experts.kept if recipe.experts is not None else None,
         shared_kept=recipe.mlp.shared_kept if recipe.mlp is not None else None,
         counts=recipe.budget,
+        removed_blocks=removed,
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
     reason = kept_stream(family, slicing.layout, tower)
-    if reason is not None and recipe.experts is not None:
-        raise UserError(
-            f"experts: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
-            f"expert pruning does not run with yet; set slicing.layout: per_site"
-        )
-    if reason is not None and options["shared_kept"] is not None:
-        raise UserError(
-            f"mlp.shared_kept: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), where "
-            f"shared experts are not pruned yet; set slicing.layout: per_site, or remove mlp.shared_kept"
-        )
-    if reason is not None and recipe.target_active_params is not None:
-        raise UserError(
-            f"target_active_params: a {slicing.layout} {config.model_type} keeps its stream whole ({reason}), "
-            f"where only target_params is counted yet; give target_params, or set slicing.layout: per_site"
-        )
+    if reason is not None:
+        _refuse_beside_a_kept_stream(recipe, config, reason)
     if recipe.target_active_params is not None and recipe.allocation.method == "curves":
         raise UserError(
             "target_active_params: allocation.method curves allocates widths under target_params alone; "
@@ -218,6 +251,30 @@ def _layout(
             **options,
         )
     return layout, splits
+
+
+def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reason: str) -> None:
+    """What a layout that keeps the stream whole (`models.mlp_only`) does not run with yet, in one line."""
+    if recipe.experts is not None:
+        raise UserError(
+            f"experts: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
+            f"expert pruning does not run with yet; set slicing.layout: per_site"
+        )
+    if recipe.depth is not None:
+        raise UserError(
+            f"depth: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where blocks are "
+            f"not removed yet; set slicing.layout: per_site, or remove depth"
+        )
+    if recipe.mlp is not None and recipe.mlp.shared_kept is not None:
+        raise UserError(
+            f"mlp.shared_kept: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where "
+            f"shared experts are not pruned yet; set slicing.layout: per_site, or remove mlp.shared_kept"
+        )
+    if recipe.target_active_params is not None:
+        raise UserError(
+            f"target_active_params: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), "
+            f"where only target_params is counted yet; give target_params, or set slicing.layout: per_site"
+        )
 
 
 def _splits(
@@ -347,6 +404,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
         or layout.one_basis
         or layout.kept is None
         or not getattr(layout.config, "tie_word_embeddings", False)
+        or checked.removed_blocks  # its config is the model without them: the budget's reference is not
     ):
         return ""
     try:

@@ -139,6 +139,8 @@ class PlanSettings:
     refinement: bool = False
     split_choice: bool = False
     """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
+    depth_measures: bool = False
+    """A `depth` selector that measures removals, on the whole original."""
     distillation: tuple[str, str] | None = None
     """(method, teacher placement), or None."""
     evaluation: bool = True
@@ -574,6 +576,7 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     settings = dataclasses.replace(
         PlanSettings.of(recipe),
         split_choice=checked.chooses_split,
+        depth_measures=checked.block_selector is not None and "measure" in checked.block_selector.requires,
         writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
     )
     return memory_plan(

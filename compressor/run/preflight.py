@@ -119,6 +119,9 @@ def axes_line(checked: Plan) -> str:
         of = getattr(layout.config, layout.family.experts)
         kept = f"{layout.experts} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
         axes += [f"routed experts ({kept} per layer, by {checked.expert_selector.name})"]
+    if checked.block_selector is not None:
+        blocks = layout.config.num_hidden_layers + len(checked.removed_blocks)
+        axes += [f"depth ({len(checked.removed_blocks)} of {blocks} blocks removed, by {checked.block_selector.name})"]
     return f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}" + (
         f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")"
     )
@@ -168,7 +171,8 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
     )
     found.checked.append(
-        f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers} layers, "
+        f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers + len(checked.removed_blocks)} "
+        f"layers, "
         f"hidden {layout.config.hidden_size}): {budget}, kept width {kept}{saved}; the embedding is "
         f"{layout.params.embedding / original:.0%} of the parameters"
     )

@@ -24,6 +24,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
         *transition_rows(report),
         *active_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
+        *depth_rows(report),
         *mlp_rows(report),
         *expert_rows(report),
     ]
@@ -100,6 +101,25 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
                 f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}",
                 "",
                 f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows)",
+            )
+        )
+    return rows
+
+
+def depth_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """The decoder blocks the run removed (`depth`), by which selector, and what removing them
+    alone cost on the selector's held-out windows where it measured."""
+    depth = report.depth
+    if depth is None:
+        return []
+    blocks = ", ".join(str(block) for block in depth.removed)
+    rows = [("decoder blocks", str(depth.of), f"{depth.of - len(depth.removed)} (removed {blocks}; {depth.selector})")]
+    if depth.heldout_kl is not None:
+        rows.append(
+            (
+                "  KL without them alone (held-out)",
+                "",
+                f"{depth.heldout_kl:.4g} ({depth.heldout_windows} windows, {depth.measurements} measured)",
             )
         )
     return rows
@@ -201,6 +221,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     if timings.get("fisher_s"):
         under = f" (autocast {autocast})" if autocast else ""
         rows.append((f"output sensitivity H (s){under}", "", f"{timings['fisher_s']:.1f}"))
+    if "depth_s" in timings:
+        rows.append(("choosing blocks to remove (s)", "", f"{timings['depth_s']:.1f}"))
     if "split_s" in timings:  # without refinement the chosen split's prune and MLP times are within it
         rows.append(("choosing the split (s)", "", f"{timings['split_s']:.1f}"))
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
@@ -223,6 +245,7 @@ BUILT_IN_TIMINGS = frozenset(
         "data_s",
         "load_s",
         "fisher_s",
+        "depth_s",
         "split_s",
         "prune_s",
         "refine_s",

@@ -206,6 +206,26 @@ class ExpertsReport(_Section):
     """How the run chose the expert count, where no `mlp` section holds the record (`mlp.split`)."""
 
 
+class DepthReport(_Section):
+    """`depth`: the decoder blocks the run removed before the walk (`run.stages.depth`), by which
+    selector, every block's influence, and what a measuring selector measured."""
+
+    removed: list[int]
+    """The removed blocks' indices in the original model, ascending."""
+    of: int
+    selector: str
+    influence: list[float]
+    """Every original block's 1 − cos(x_in, x_out) over the counted calibration tokens."""
+    heldout_windows: int = 0
+    """The windows a measuring selector priced removals on (0: it measured nothing)."""
+    measurements: int = 0
+    """Forward passes over those windows (each a set of blocks removed)."""
+    heldout_kl: float | None = None
+    """KL(original ‖ the model without the removed blocks, nothing else pruned) on those windows."""
+    objectives: dict[str, Any] = {}
+    """The selector's own figures."""
+
+
 class Environment(_Section):
     device: str
     torch: str
@@ -242,6 +262,7 @@ class RunReport(_Section):
     distillation: DistillationRecord | None
     mlp: MlpReport | None = None
     experts: ExpertsReport | None = None
+    depth: DepthReport | None = None
     stages: dict[str, Any] = {}
     """What each plugin stage recorded (`RunState.extra`), by stage name."""
     metrics: Metrics

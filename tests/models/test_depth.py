@@ -1,5 +1,5 @@
 """Whole blocks removed (issue 49, depth): the model without them is exactly the original with those
-blocks skipped, on every family; its config reloads it in the family's own class with every
+blocks skipped (`skipping`, which the measuring selector runs), on every family; its config reloads it in the family's own class with every
 per-layer setting trimmed; the KV cache follows the renumbered blocks; bad removals in one line."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.errors import UserError
-from compressor.models.depth import depth_config, remove_blocks
+from compressor.models.depth import depth_config, remove_blocks, skipping
 from compressor.models.families import family_for
 from tests.conftest import COMMON, FAMILY_CONFIGS, copy_model, random_batches, tiny_model
 
@@ -32,17 +32,6 @@ def _deep(name: str, **overrides):
     return tiny_model(name, **{**extra, **overrides})
 
 
-def _skipping(model: torch.nn.Module, family, skipped: list[int]) -> list:
-    """Hooks that make the blocks `skipped` return their input: the original with them skipped."""
-    layers = model.get_submodule(family.layers)
-
-    def identity(_module, args, kwargs, output):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-    return [layers[i].register_forward_hook(identity, with_kwargs=True) for i in skipped]
-
-
 def _logits(model: torch.nn.Module) -> torch.Tensor:
     batch = BATCHES[0]
     with torch.no_grad():
@@ -53,11 +42,9 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 def test_the_model_without_blocks_is_the_original_skipping_them_and_reloads_in_its_own_class(name: str) -> None:
     family = family_for(FAMILY_CONFIGS[name]["model_type"])
     original = _deep(name)
-    hooks = _skipping(original, family, REMOVED)
-    expected = _logits(original)
-    for hook in hooks:
-        hook.remove()
-    assert not torch.allclose(expected, _logits(original))  # the skipped blocks did something
+    with skipping(original, family, REMOVED):  # what a measuring depth selector runs
+        expected = _logits(original)
+    assert not torch.allclose(expected, _logits(original))  # the skipped blocks did something, and the hooks are gone
     before = copy.deepcopy(original.config)  # the copy below shares it, and the removal changes it
     pruned = copy_model(original)
     kept = remove_blocks(pruned, family, REMOVED)

@@ -61,6 +61,7 @@ def base_recipe(data: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]
         ("distillation",): {"tokens": 1024, "seq_len": 32, "heldout_windows": 2, "eval_every": 4},
         ("refinement",): {"windows": 4},
         ("experts",): {"kept": 2},
+        ("depth",): {"removed": 1},
     }
     return recipe, fill
 

@@ -167,7 +167,10 @@ def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tin
     listed = cli("strategies", plugins="pca,sensitivity")
     assert listed.returncode == 0, listed.stderr
     assert "keep-coordinates" not in listed.stdout.split("COMPRESS_PLUGINS")[0]
-    assert "COMPRESS_PLUGINS=pca,sensitivity: not loaded: depth, experts, keep-coordinates, neurons, stiefel" in listed.stdout
+    assert (
+        "COMPRESS_PLUGINS=pca,sensitivity: not loaded: depth, experts, keep-coordinates, neurons, stiefel"
+        in listed.stdout
+    )
     refused = cli("run", str(_recipe(tmp_path, tiny_llama)), "--dry-run", plugins="pca")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert (

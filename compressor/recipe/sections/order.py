@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from compressor.recipe.sections import (
     data,
+    depth,
     distillation,
     evaluation,
     experts,
@@ -23,6 +24,7 @@ BUILTIN_SECTIONS: tuple[Section, ...] = (
     slicing.SLICING,
     mlp.SECTION,
     experts.SECTION,
+    depth.SECTION,
     data.SECTION,
     evaluation.SECTION,
     distillation.SECTION,

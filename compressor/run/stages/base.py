@@ -21,12 +21,13 @@ from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
 from compressor.engine.walk import PruneResult
 from compressor.evaluation.metrics import compare
+from compressor.models.depth import remove_blocks
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
-from compressor.run.report_model import RunReport, SplitRecord
+from compressor.run.report_model import DepthReport, RunReport, SplitRecord
 from compressor.run.resume import fisher_key
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ class RunState:
     timings: dict[str, float] = field(default_factory=dict)
     heldout: list[Batch] = field(default_factory=list)
     """The guard's held-out windows."""
-    split_windows: list[Batch] = field(default_factory=list)
-    """`mlp` without `kept`: the windows each split is measured on."""
+    measuring_windows: dict[str, list[Batch]] = field(default_factory=dict)
+    """The held-out windows an unguarded stage measures on (the split choice's, a measuring depth
+    selector's), by stage name."""
     # data
     tokenizer: Any = None
     calibration: list[Batch] = field(default_factory=list)
@@ -73,6 +75,11 @@ class RunState:
     baseline_params: int = 0
     baseline_size: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
+    # depth
+    removed_blocks: list[int] = field(default_factory=list)
+    """The decoder blocks the depth stage removed (original indices): every model the later stages
+    prune is the original without them (`model_to_prune`)."""
+    depth: DepthReport | None = None
     # split
     split: SplitRecord | None = None
     """`mlp` without `kept`: the splits measured and the one chosen."""
@@ -138,8 +145,18 @@ class RunState:
         if key is not None:
             self.timings[key] = time.perf_counter() - tick
 
+    def model_to_prune(self) -> PreTrainedModel:
+        """A fresh copy of the model the walk prunes (the caller may change it): the original,
+        without the blocks the depth stage removed."""
+        model = self.resources.model(self.recipe.model)
+        if self.removed_blocks:
+            remove_blocks(model, self.family, self.removed_blocks)
+        return model
+
     def fisher_key(self) -> str:
-        return fisher_key(self.recipe, self.fingerprint["model"], self.fingerprint["data"], self.device)
+        """What H of the model the walk prunes depends on (the original without the removed blocks)."""
+        model = self.fingerprint["model"] + "".join(f"-{block}" for block in self.removed_blocks)
+        return fisher_key(self.recipe, model, self.fingerprint["data"], self.device)
 
     def head_stream(self) -> torch.Tensor | None:
         assert self.result is not None

@@ -1,6 +1,6 @@
 """Reading data: every window the run reads, tokenised before any weight loads (a data problem
 found before the walk costs nothing): calibration, evaluation, the distillation's rows, and the
-held-out windows the guard and the split choice measure on."""
+held-out windows the guard, the split choice and a measuring depth selector measure on."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class ReadData(Stage):
         for stage, count in heldout_counts(recipe, state.checked):
             windows = heldout_batches(recipe.calibration, state.tokenizer, count, stage.heldout_section(recipe))
             if not stage.guarded:
-                state.split_windows = windows  # the split choice's own
+                state.measuring_windows[stage.name] = windows  # the split choice's own, a depth selector's
             elif len(windows) > len(state.heldout):
                 state.heldout = windows  # the guard's: as many as the guarded stage that asks most
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from compressor.errors import UserError
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.data import ReadData
+from compressor.run.stages.depth import PruneDepth
 from compressor.run.stages.distil import Distil, ToStudent
 from compressor.run.stages.evaluate import Evaluate
 from compressor.run.stages.experts import PruneExperts
@@ -24,6 +25,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
     ReadData(),
     LoadModel(),
     StartCheckpoint(),
+    PruneDepth(),
     ChooseSplit(),
     Walk(),
     Refine(),

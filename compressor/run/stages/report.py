@@ -60,7 +60,7 @@ def write_report(state: RunState) -> RunReport:
             model_type=config.model_type,
             family=state.family.name,
             hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
+            num_layers=config.num_hidden_layers + len(state.removed_blocks),  # the original's
             dtype=recipe.model.dtype,
         ),
         sparsity=recipe.sparsity,
@@ -93,6 +93,7 @@ def write_report(state: RunState) -> RunReport:
         stages=state.extra,
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
         **({} if recipe.experts is None else {"experts": experts_report(state)}),
+        **({} if state.depth is None else {"depth": state.depth}),
         metrics=Metrics.model_validate(state.metrics),
         params=Params(
             baseline=state.baseline_params, pruned=pruned_params, ratio=pruned_params / state.baseline_params

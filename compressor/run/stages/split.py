@@ -102,7 +102,7 @@ class ChooseSplit(Stage):
             state.split = choose(
                 splits,
                 lambda index, layout: measured_split(state, index, layout, original, rng),
-                sum(len(batch.input_ids) for batch in state.split_windows),
+                sum(len(batch.input_ids) for batch in state.measuring_windows[self.name]),
                 state.progress,
             )
             torch.set_rng_state(rng)
@@ -113,7 +113,7 @@ class ChooseSplit(Stage):
             adopt(state, state.best_trial[2])
         state.best_trial = None
         if not state.adopted and state.model is None:
-            state.model = state.resources.model(state.recipe.model)
+            state.model = state.model_to_prune()
 
 
 def open_sections(recipe: Recipe) -> list[str]:
@@ -155,8 +155,9 @@ def measured_split(
         state.resources,
         state.ranks,
     )
-    trial.tokenizer, trial.calibration, trial.heldout = state.tokenizer, state.calibration, state.split_windows
-    trial.model = state.resources.model(state.recipe.model)
+    trial.tokenizer, trial.calibration = state.tokenizer, state.calibration
+    trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], state.removed_blocks
+    trial.model = state.model_to_prune()
     trial.fingerprint = state.fingerprint  # the same recipe, model and data: not hashed again
     torch.set_rng_state(rng)
     with faults.scoped(f"split{index}/"):

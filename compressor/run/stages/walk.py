@@ -119,7 +119,7 @@ def walk(state: RunState) -> None:
     if rotates_for_a_tied_head(recipe, state.checked):
         state.progress("fitting the tied head", 0, 1)
         state.pruned, state.bases, state.head_scale = rotated_for_a_tied_head(
-            state.result, state.resources.model(recipe.model), state.family, device
+            state.result, state.model_to_prune(), state.family, device
         )
         state.head_fit = "symmetric"
     seconds = state.result.fisher_seconds

@@ -1,0 +1,185 @@
+"""`depth:` in a recipe (issue 49, item 2): whole decoder blocks removed before the walk, chosen
+on the original model, and saved so that the family's own class reloads the model without them;
+with nothing else pruned that is exactly the original without those blocks. The measured selector
+removes the block whose own removal costs least on the held-out windows; the budget is still the
+original's; bad settings are refused in one line; a run killed mid-walk resumes to the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from compressor.cli import main
+from compressor.evaluation.metrics import compare, parameter_count
+from compressor.models.depth import remove_blocks
+from compressor.models.families import family_for
+from compressor.recipe.schema import load_recipe
+from compressor.run.loading import heldout_batches
+from compressor.strategies.registry import PluginRegistry
+from tests.conftest import max_relative_logit_error, random_batches, save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+
+SLIDING = dict(
+    layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    use_sliding_window=True,
+    sliding_window=8,
+)
+"""A Qwen3 whose blocks alternate full and sliding-window attention: the saved `layer_types` must
+follow the kept blocks, or the reload attends differently."""
+
+
+def _report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama4"), "llama", num_hidden_layers=4)
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "overrides"),
+    [("llama", "global", {}), ("llama", "per_site", {}), ("qwen3", "global", SLIDING)],
+)
+def test_blocks_removed_with_nothing_else_pruned_are_exactly_the_model_without_them(
+    name: str, layout: str, overrides: dict, tmp_path: Path
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / name, name, num_hidden_layers=4, **overrides)
+    recipe = write_recipe(
+        tmp_path, checkpoint, sparsity=0.0, slicing={"layout": layout}, depth={"removed": 2, "selector": "influence"}
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    depth = report["depth"]
+    assert depth["of"] == 4 and len(depth["removed"]) == 2 and depth["selector"] == "influence"
+    influence = depth["influence"]
+    assert sorted(sorted(range(4), key=lambda i: (influence[i], i))[:2]) == depth["removed"]
+    assert report["model"]["num_layers"] == 4
+    saved = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out" / "model", dtype=torch.float32, trust_remote_code=layout == "per_site"
+    )
+    assert saved.config.num_hidden_layers == 2
+    expected = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    remove_blocks(expected, family_for(expected.config.model_type), depth["removed"])
+    if layout == "global":
+        assert type(saved) is type(expected)
+        assert getattr(saved.config, "layer_types", None) == getattr(expected.config, "layer_types", None)
+    if overrides:  # the kept blocks' own kinds
+        assert saved.config.layer_types == [SLIDING["layer_types"][i] for i in range(4) if i not in depth["removed"]]
+    batches = random_batches(saved.config.vocab_size, length=32)
+    assert max_relative_logit_error(expected, saved, batches) < 1e-5
+    assert parameter_count(saved) == report["params"]["pruned"]
+
+
+def test_the_measured_selector_removes_the_block_whose_removal_costs_least_on_the_heldout_windows(
+    four_blocks: Path, tmp_path: Path
+) -> None:
+    recipe_path = write_recipe(tmp_path, four_blocks, sparsity=0.0, depth={"removed": 1, "heldout_windows": 2})
+    assert main(["run", str(recipe_path)]) == 0
+    depth = _report(tmp_path / "out")["depth"]
+    assert depth["selector"] == "kl" and depth["measurements"] == 4 and depth["heldout_windows"] == 2 * 1
+    recipe = load_recipe(recipe_path, PluginRegistry())
+    windows = heldout_batches(recipe.calibration, AutoTokenizer.from_pretrained(four_blocks), 2, "depth")
+    original = AutoModelForCausalLM.from_pretrained(four_blocks, dtype=torch.float32)
+    kls = []
+    for block in range(4):  # each removal measured by the test, on a model without the block
+        without = AutoModelForCausalLM.from_pretrained(four_blocks, dtype=torch.float32)
+        remove_blocks(without, family_for("llama"), [block])
+        kls.append(compare(original, without, windows, torch.device("cpu"))["pruned"]["kl"])
+    assert depth["removed"] == [min(range(4), key=lambda i: kls[i])]
+    assert depth["heldout_kl"] == pytest.approx(min(kls), rel=1e-4)
+    assert depth["objectives"]["kl_after_each"] == [depth["heldout_kl"]]
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert f"| decoder blocks | 4 | 3 (removed {depth['removed'][0]}; kl) |" in markdown
+
+
+def test_the_budget_is_the_original_s_and_the_width_takes_what_the_blocks_leave(
+    four_blocks: Path, tmp_path: Path
+) -> None:
+    """At `target_params: 0.75` a run without one block keeps a wider stream than one with all four,
+    within the same budget of the original's parameters, and the plan's count is the saved model's."""
+    kept = {}
+    for removed in (None, 1):
+        folder = tmp_path / f"removed-{removed}"
+        folder.mkdir()
+        changes = {} if removed is None else {"depth": {"removed": removed, "selector": "influence"}}
+        recipe = write_recipe(
+            folder,
+            four_blocks,
+            sparsity=_DELETE,
+            target_params=0.75,
+            evaluation=None,
+            slicing={"round_to": 1},
+            **changes,
+        )
+        assert main(["run", str(recipe)]) == 0
+        report = _report(folder / "out")
+        assert report["params"]["pruned"] == report["allocation"]["predicted_params"] <= report["allocation"]["budget"]
+        kept[removed] = (report["kept_width"], report["allocation"]["budget"])
+    assert kept[1][1] == kept[None][1]  # one budget: a share of the original's parameters
+    assert kept[1][0] > kept[None][0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"depth": {"removed": 4}}, "depth.removed 4 removes every one of the model's 4 blocks; remove at most 3"),
+        ({"depth": {"removed": 1, "selector": "infuence"}}, "unknown depth selector 'infuence' (did you mean"),
+        (
+            {"depth": {"removed": 1, "selector": "influence", "shortlist": 2}},
+            "depth.shortlist applies to a selector that measures (kl)",
+        ),
+        ({"depth": {"removed": 1}, "model__load": "stream"}, "depth: a streamed model reads its layers"),
+        ({"depth": {"removed": 1}, "refinement": {}}, "depth: refinement rebuilds the pruned model"),
+    ],
+)
+def test_bad_depth_settings_are_one_line_and_write_nothing(
+    changes: dict, message: str, four_blocks: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, four_blocks, **changes)
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_depth_where_the_stream_is_kept_whole_or_under_torchrun_is_refused_in_one_line(
+    four_blocks: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    gemma = save_tiny_checkpoint(tmp_path / "gemma", "gemma3_text")
+    recipe = write_recipe(
+        tmp_path, gemma, sparsity=_DELETE, target_params=0.9, slicing={"layout": "global"}, mlp={}, depth={"removed": 1}
+    )
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "depth: a global gemma3_text keeps its stream whole" in err and err.count("\n") == 1
+    recipe = write_recipe(tmp_path, four_blocks, depth={"removed": 1})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "depth runs in one process" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_killed_mid_walk_resumes_without_the_same_blocks_to_a_bit_identical_model(
+    four_blocks: Path, tmp_path: Path
+) -> None:
+    """SIGKILL after the first layer's attention: the resumed run reads the blocks it chose from the
+    checkpoint (not chosen again), the walked sites with them, and saves what an uninterrupted run saves."""
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = write_recipe(
+        tmp_path,
+        four_blocks,
+        evaluation=None,
+        pipeline=[{"strategy": "sensitivity"}],
+        depth={"removed": 2, "heldout_windows": 2},
+    )
+    killed_and_resumed_is_whole(recipe, tmp_path, "site:layers.0.attn", sites=2)
+    assert _report(tmp_path / "run")["depth"] == _report(tmp_path / "whole")["depth"]
