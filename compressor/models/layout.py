@@ -246,9 +246,10 @@ def sliced_layout(
     if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
         if counts != "all":
             raise ValueError("a sparsity's budget counts every parameter")
-        widths = site_widths(family, layers, d, kept_width(d, sparsity, round_to), slice_head)
-        budget = param_model(config, family).count(widths)
-        if shared or tied or one_basis or narrower:  # fewer parameters: more width
+        kept = kept_width(d, sparsity, round_to)  # of the original: blocks removed come out of that budget
+        widths = site_widths(family, layers, d, kept, slice_head)
+        budget = param_model(full, family).count(site_widths(family, full.num_hidden_layers, d, kept, slice_head))
+        if shared or tied or one_basis or narrower or removed_blocks:  # fewer parameters: more width
             widths, rounding = widest(budget)
     else:
         if target_params is None and target_active_params is None:

@@ -67,6 +67,12 @@ class Plan:
         """The run measures splits and keeps one (a single split, the residual width alone, is no choice)."""
         return len(self.splits) > 1
 
+    @property
+    def may_choose_split(self) -> bool:
+        """`chooses_split` now, or once `depth` has chosen its blocks: blocks of different sizes (dense
+        and MoE, two kinds of attention) may leave the plan made again more than one split."""
+        return self.chooses_split or (bool(self.removed_blocks) and bool(self.splits))
+
 
 def check_device_settings(
     recipe: Recipe, device: torch.device, save_model: bool = True, stages: tuple[Stage, ...] = BUILTIN_STAGES

@@ -139,8 +139,8 @@ class PlanSettings:
     refinement: bool = False
     split_choice: bool = False
     """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
-    depth_measures: bool = False
-    """A `depth` selector that measures removals, on the whole original."""
+    depth_windows: int = 0
+    """The held-out windows a measuring `depth` selector runs the whole original on (0: none)."""
     distillation: tuple[str, str] | None = None
     """(method, teacher placement), or None."""
     evaluation: bool = True
@@ -575,8 +575,12 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
     settings = dataclasses.replace(
         PlanSettings.of(recipe),
-        split_choice=checked.chooses_split,
-        depth_measures=checked.block_selector is not None and "measure" in checked.block_selector.requires,
+        split_choice=checked.may_choose_split,
+        depth_windows=recipe.depth.heldout_windows
+        if recipe.depth is not None
+        and checked.block_selector is not None
+        and "measure" in checked.block_selector.requires
+        else 0,
         writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
     )
     return memory_plan(
@@ -597,6 +601,8 @@ def resolved_load(
     in_memory = replaced(recipe, model=replaced(recipe.model, load="memory"))
     if cannot_stream(checked.layout.family) is not None:
         return in_memory, "model.load: auto chose memory (this model family does not stream)"
+    if recipe.depth is not None:
+        return in_memory, "model.load: auto chose memory (depth removes blocks, which a streamed model cannot)"
     if run_memory_plan(in_memory, checked, device, save_model).refusal(machine) is None:
         return in_memory, "model.load: auto chose memory (the whole model fits this machine)"
     streamed = replaced(recipe, model=replaced(recipe.model, load="stream"))

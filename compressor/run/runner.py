@@ -139,7 +139,7 @@ def _run_staged(state: RunState, overwrite: bool, restart: bool) -> RunReport:
 def run_stages(state: RunState) -> None:
     """Every stage of the plan in order, each that has work in this run timed under its key; a
     guarded stage's candidate judged by the held-out guard (`guard`)."""
-    if state.checked.chooses_split:  # the splits' trial walks and the run's walk share one H pass
+    if state.checked.may_choose_split:  # the splits' trial walks and the run's walk share one H pass
         state.resources = KeptFisher(state.resources)
     torch.manual_seed(state.recipe.seed)
     for stage in state.checked.stages:

@@ -18,8 +18,11 @@ from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.depth import remove_blocks
 from compressor.models.families import family_for
 from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
 from compressor.run.loading import heldout_batches
-from compressor.strategies.registry import PluginRegistry
+from compressor.run.runner import run
+from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector
+from compressor.strategies.registry import PluginRegistry, hookimpl
 from tests.conftest import max_relative_logit_error, random_batches, save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
 
@@ -97,31 +100,68 @@ def test_the_measured_selector_removes_the_block_whose_removal_costs_least_on_th
     assert f"| decoder blocks | 4 | 3 (removed {depth['removed'][0]}; kl) |" in markdown
 
 
+@pytest.mark.parametrize("budget", [{"sparsity": _DELETE, "target_params": 0.75}, {"sparsity": 0.25}])
 def test_the_budget_is_the_original_s_and_the_width_takes_what_the_blocks_leave(
-    four_blocks: Path, tmp_path: Path
+    budget: dict, four_blocks: Path, tmp_path: Path
 ) -> None:
-    """At `target_params: 0.75` a run without one block keeps a wider stream than one with all four,
-    within the same budget of the original's parameters, and the plan's count is the saved model's."""
+    """At `target_params: 0.75` (or SliceGPT's model at `sparsity: 0.25`, of the original) a run
+    without one block keeps a wider stream than one with all four, within the same budget, and the
+    plan's count is the saved model's."""
     kept = {}
     for removed in (None, 1):
         folder = tmp_path / f"removed-{removed}"
         folder.mkdir()
         changes = {} if removed is None else {"depth": {"removed": removed, "selector": "influence"}}
-        recipe = write_recipe(
-            folder,
-            four_blocks,
-            sparsity=_DELETE,
-            target_params=0.75,
-            evaluation=None,
-            slicing={"round_to": 1},
-            **changes,
-        )
+        recipe = write_recipe(folder, four_blocks, evaluation=None, slicing={"round_to": 1}, **budget, **changes)
         assert main(["run", str(recipe)]) == 0
         report = _report(folder / "out")
         assert report["params"]["pruned"] == report["allocation"]["predicted_params"] <= report["allocation"]["budget"]
         kept[removed] = (report["kept_width"], report["allocation"]["budget"])
     assert kept[1][1] == kept[None][1]  # one budget: a share of the original's parameters
     assert kept[1][0] > kept[None][0]
+
+
+class SecondBlock(BlockSelector):
+    name = "second-block"
+    description = "removes block 1 (a third party's selector)"
+
+    def select(self, problem: BlockProblem) -> BlockChoice:
+        return BlockChoice([1])
+
+
+class ThirdParty:
+    @hookimpl
+    def compressor_block_selectors(self) -> list[BlockSelector]:
+        return [SecondBlock()]
+
+
+def test_a_third_party_selector_s_blocks_go_and_the_plan_made_again_may_choose_a_split(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose blocks 0 and 1 are dense, its MoE blocks larger: the plan counts the last
+    block (MoE) as removed, which leaves the stream whole at this budget, so one split; the selector
+    removes block 1 (dense, smaller), and the plan made again has several, which the run measures
+    on held-out windows read for them."""
+    checkpoint = save_tiny_checkpoint(
+        tmp_path / "moe", "qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0, 1], moe_intermediate_size=64
+    )
+    registry = PluginRegistry(extra_plugins=[ThirdParty()])
+    path = write_recipe(
+        tmp_path,
+        checkpoint,
+        sparsity=_DELETE,
+        target_params=0.97,
+        evaluation=None,
+        slicing={"round_to": 1},
+        mlp={"heldout_windows": 2, "round_to": 1},
+        depth={"removed": 1, "selector": "second-block"},
+    )
+    recipe = load_recipe(path, registry)
+    assert len(plan(recipe, registry).splits) == 1
+    report = run(recipe, registry)
+    assert report is not None and report.depth is not None and report.depth.removed == [1]
+    assert report.mlp is not None and report.mlp.split is not None and len(report.mlp.split.candidates) > 1
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", trust_remote_code=True)
+    assert saved.config.num_hidden_layers == 3 and saved.config.mlp_only_layers == [0]  # block 1's entry gone
+    assert parameter_count(saved) == report.params.pruned <= report.allocation.budget
 
 
 @pytest.mark.parametrize(
@@ -183,3 +223,21 @@ def test_a_run_killed_mid_walk_resumes_without_the_same_blocks_to_a_bit_identica
     )
     killed_and_resumed_is_whole(recipe, tmp_path, "site:layers.0.attn", sites=2)
     assert _report(tmp_path / "run")["depth"] == _report(tmp_path / "whole")["depth"]
+
+
+def test_depth_keeps_the_model_in_memory_and_saved(four_blocks: Path, tmp_path: Path) -> None:
+    """`model.load: auto` never streams a run that removes blocks, even where only streaming would
+    fit, and a run that keeps only its bases (a sweep's `save_models: false`) is refused: the bases
+    cannot rebuild the model without its blocks."""
+    from compressor.errors import UserError
+    from compressor.run.memory import Machine, resolved_load
+
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, four_blocks, model__load="auto", depth={"removed": 1}), registry)
+    checked = plan(recipe, registry)
+    tiny = Machine(host=1, device=None, device_name="cpu")  # nothing fits in memory here
+    resolved, line = resolved_load(recipe, checked, torch.device("cpu"), tiny)
+    assert resolved.model.load == "memory" and line is not None and "depth removes blocks" in line
+    with pytest.raises(UserError, match="depth: a run that removes blocks saves its model"):
+        run(recipe, registry, save_model=False)
+    assert not (tmp_path / "out").exists()

@@ -61,6 +61,13 @@ class PruneDepth(Stage):
                 "keeps every block here; remove depth"
             )
 
+    def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
+        if not save_model:
+            raise UserError(
+                "depth: a run that removes blocks saves its model (bases.safetensors cannot rebuild the model "
+                "without them); set save_models: true, or remove depth"
+            )
+
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         measures = plan.block_selector is not None and "measure" in plan.block_selector.requires
         return recipe.depth.heldout_windows if recipe.depth is not None and measures else 0
@@ -75,12 +82,16 @@ class PruneDepth(Stage):
                 f"{fp.disk}, or {fp.smaller_batch}",
             )
         ]
-        if fp.settings.depth_measures:
+        if fp.settings.depth_windows:
+            # the original's float32 log-probabilities of every window kept on the host; on the device a
+            # batch's logits, both log-probabilities and the KL's temporaries, as the evaluation counts them
+            references = fp.settings.depth_windows * fp.seq_len * fp.vocab * 4
+            outputs = 5 * fp.batch * fp.seq_len * fp.vocab * 4
             phases.append(
                 fp.phase(
                     "depth: measured removals (the original whole, and its outputs on the windows)",
-                    2 * fp.weights + fp.store,
-                    fp.weights,
+                    2 * fp.weights + fp.store + references,
+                    fp.weights + outputs,
                     "depth.selector: influence (no measurement), or a machine with more memory",
                     whole_model=True,
                 )

@@ -53,7 +53,7 @@ class ChooseSplit(Stage):
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         """The larger count of the sections that leave theirs open (`mlp`, `experts`)."""
-        if not plan.chooses_split:
+        if not plan.may_choose_split:
             return 0
         return max(getattr(recipe, name).heldout_windows for name in open_sections(recipe))
 
