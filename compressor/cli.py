@@ -532,6 +532,9 @@ def _strategies(console: Console) -> None:
     blocks = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.block_selectors().items()]
     if blocks:
         _print_table(console, "depth selectors", ("name", "plugin", "from", "description"), blocks)
+    heads = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.head_selectors().items()]
+    if heads:
+        _print_table(console, "attention-head selectors", ("name", "plugin", "from", "description"), heads)
     _note_skipped(console, registry)
 
 

@@ -7,7 +7,8 @@ neuron selector subclasses `NeuronSelector`: a `NeuronProblem` in, a `NeuronChoi
 (`compressor_neuron_selectors` hook); a Mixture-of-Experts expert selector subclasses
 `ExpertSelector`: an `ExpertProblem` in, an `ExpertChoice` out (`compressor_expert_selectors`); a
 depth selector subclasses `BlockSelector`: a `BlockProblem` in, a `BlockChoice` out
-(`compressor_block_selectors`). A family
+(`compressor_block_selectors`); an attention-head selector subclasses `HeadSelector`: a
+`HeadProblem` in, a `HeadChoice` out (`compressor_head_selectors`). A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
 models of that family load through the transformers Auto classes. The helpers are the linear
 algebra the built-in strategies share.
@@ -47,6 +48,7 @@ from compressor.strategies.expert_contract import (
     keep_highest,
     routing_weights,
 )
+from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector, top_per_group
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
 from compressor.strategies.registry import hookimpl
 from compressor.validation import FORBID, Number, described, options
@@ -75,6 +77,9 @@ __all__ = [
     "ExpertChoice",
     "ExpertProblem",
     "ExpertSelector",
+    "HeadChoice",
+    "HeadProblem",
+    "HeadSelector",
     "ModelFamily",
     "NeuronChoice",
     "NeuronProblem",
@@ -101,4 +106,5 @@ __all__ = [
     "removed_energy",
     "tau_candidates",
     "top_k",
+    "top_per_group",
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-BUILTIN_PLUGINS = "pca,sensitivity,stiefel,neurons,experts,depth"
+BUILTIN_PLUGINS = "pca,sensitivity,stiefel,neurons,experts,depth,heads"
 os.environ["COMPRESS_PLUGINS"] = BUILTIN_PLUGINS  # the suite means the built-ins: a user's own plugin, installed
 # in the same venv, must not change what it sees (tests of third-party plugins name theirs)
 

@@ -106,7 +106,8 @@ class ParamModel:
         )
 
 
-def _meta_model(config: PretrainedConfig) -> torch.nn.Module:
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The model of `config` on the meta device: shapes without memory."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -153,7 +154,7 @@ def param_model(
 def _param_model(config_json: str, family: ModelFamily, shared: tuple[str, ...], tied: bool) -> ParamModel:
     config = AutoConfig.for_model(**json.loads(config_json))
     ids = site_ids(family, config.num_hidden_layers)
-    model = _meta_model(config)
+    model = meta_model(config)
     original, routed = _count(model), routed_params(model, family)
     embedding = sum(table.numel() for table in embedding_tables(model, family))
     markers = {MARKER + 1009 * index: site for index, site in enumerate(ids)}

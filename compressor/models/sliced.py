@@ -220,6 +220,14 @@ def layer_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
     return layer.mlp if isinstance(layer, SlicedDecoderLayer) else family_mlp(family, layer)
 
 
+def layer_attention(family: ModelFamily, layer: nn.Module) -> nn.Module | None:
+    """The layer's attention, wrapped or as the family has it; None where the layer holds another
+    kind of token mixer (Qwen3.5's linear attention)."""
+    if isinstance(layer, SlicedDecoderLayer):
+        return layer.attention if layer.attention_name == PRIMARY_MIXER else None
+    return layer.get_submodule(family.attention) if family.mixer_of(layer).path == family.attention else None
+
+
 def family_mlp(family: ModelFamily, layer: nn.Module) -> nn.Module:
     """The layer's MLP module (built from the layer's own linears where the family says so)."""
     return family.build_mlp(layer) if family.build_mlp is not None else layer.get_submodule(family.mlp)

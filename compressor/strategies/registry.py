@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -22,6 +22,7 @@ from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
 from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.contract import Strategy
 from compressor.strategies.expert_contract import ExpertSelector
+from compressor.strategies.head_contract import HeadSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 
 PROJECT = "compressor"
@@ -56,6 +57,10 @@ class CompressorHookSpecs:
         """Return the depth selectors (which decoder blocks go) this plugin provides."""
 
     @hookspec
+    def compressor_head_selectors(self) -> list[HeadSelector]:
+        """Return the attention-head selectors (which query heads stay) this plugin provides."""
+
+    @hookspec
     def compressor_stages(self) -> list[Any]:
         """Return stages of a run this plugin adds (`compressor.plugin.Stage` subclasses' instances),
         each placed after the stage its `after` names."""
@@ -85,6 +90,13 @@ class RegisteredExpertSelector:
 @dataclass(frozen=True)
 class RegisteredBlockSelector:
     selector: BlockSelector
+    plugin: str
+    source: str
+
+
+@dataclass(frozen=True)
+class RegisteredHeadSelector:
+    selector: HeadSelector
     plugin: str
     source: str
 
@@ -195,6 +207,9 @@ class PluginRegistry:
         self._block_selectors = self._collect_named(
             self.manager.hook.compressor_block_selectors, "depth selector", RegisteredBlockSelector
         )
+        self._head_selectors = self._collect_named(
+            self.manager.hook.compressor_head_selectors, "head selector", RegisteredHeadSelector
+        )
         self._stages = self._collect_named(self.manager.hook.compressor_stages, "stage", RegisteredStage)
         self._families = self._collect_families()
 
@@ -258,38 +273,28 @@ class PluginRegistry:
         return dict(sorted(self._expert_selectors.items()))
 
     def expert_selector(self, name: str) -> ExpertSelector:
-        if name not in self._expert_selectors:
-            known = ", ".join(sorted(self._expert_selectors)) or "none (is compressor installed?)"
-            raise UserError(
-                f"unknown expert selector '{name}'{did_you_mean(name, self._expert_selectors)}; "
-                f"registered expert selectors: {known}"
-            )
-        return self._expert_selectors[name].selector
+        return _named(self._expert_selectors, name, "expert selector").selector
 
     def block_selectors(self) -> dict[str, RegisteredBlockSelector]:
         """Every depth selector, by name."""
         return dict(sorted(self._block_selectors.items()))
 
     def block_selector(self, name: str) -> BlockSelector:
-        if name not in self._block_selectors:
-            known = ", ".join(sorted(self._block_selectors)) or "none (is compressor installed?)"
-            raise UserError(
-                f"unknown depth selector '{name}'{did_you_mean(name, self._block_selectors)}; "
-                f"registered depth selectors: {known}"
-            )
-        return self._block_selectors[name].selector
+        return _named(self._block_selectors, name, "depth selector").selector
+
+    def head_selectors(self) -> dict[str, RegisteredHeadSelector]:
+        """Every attention-head selector, by name."""
+        return dict(sorted(self._head_selectors.items()))
+
+    def head_selector(self, name: str) -> HeadSelector:
+        return _named(self._head_selectors, name, "head selector").selector
 
     def stages(self) -> list[Any]:
         """The stages plugins add to a run, in the order the plugins registered them."""
         return [entry.stage for entry in self._stages.values()]
 
     def selector(self, name: str) -> NeuronSelector:
-        if name not in self._selectors:
-            known = ", ".join(sorted(self._selectors)) or "none (is compressor installed?)"
-            raise UserError(
-                f"unknown neuron selector '{name}'{did_you_mean(name, self._selectors)}; registered selectors: {known}"
-            )
-        return self._selectors[name].selector
+        return _named(self._selectors, name, "neuron selector").selector
 
     def strategies(self) -> dict[str, RegisteredStrategy]:
         return dict(sorted(self._strategies.items()))
@@ -305,3 +310,11 @@ class PluginRegistry:
                 f"registered strategies: {known}{restricted}"
             )
         return self._strategies[name].strategy
+
+
+def _named(table: Mapping[str, Any], name: str, kind: str) -> Any:
+    """The registered entry `name` of one kind, or the line that refuses an unknown name."""
+    if name not in table:
+        known = ", ".join(sorted(table)) or "none (is compressor installed?)"
+        raise UserError(f"unknown {kind} '{name}'{did_you_mean(name, table)}; registered {kind}s: {known}")
+    return table[name]

@@ -1,0 +1,206 @@
+"""Query heads as a pruning axis: per attention layer, keep `keep` query heads (the same number in
+every KV group) and refit the output projection to what the dropped heads wrote.
+
+The MLP axis's machinery (`engine.neurons`, `engine.refit`) with a head, a block of `head_dim`
+inputs of the output projection, in place of a neuron. Layers are visited in stream order, on the
+model as already pruned. At a layer, the output projection's input z (every head's output side by
+side) is measured over the calibration tokens: C = E[z zᵀ] in float64 and each head's
+importance (Minitron's: the L2 over windows of the mean ‖z_h‖ over a window's positions). A
+selector (a plugin, `strategies.head_contract.HeadSelector`) chooses the kept heads S; the query
+projection keeps their rows (and a multi-head model their key and value rows), and the output
+projection becomes W' = (W·C[:,S] + δ·W[:,S])·(C[S,S] + δI)⁻¹ over S's coordinates
+(`refit.refit_down`): the least-squares map from the kept heads to what every head wrote. The
+layer then runs again, pruned, to give the next layer its input. A layer that holds another kind
+of token mixer (Qwen3.5's linear attention) keeps it whole. Data-parallel (`ranks`) as the MLP
+axis: the statistics summed over ranks before choosing. Nothing is checkpointed: a run killed here
+runs the stage again to the same heads (it is deterministic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from compressor import faults
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
+from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
+from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.parallel import Ranks
+from compressor.engine.refit import RefitTarget, output_error, refit_down
+from compressor.errors import UserError
+from compressor.models.families import ModelFamily
+from compressor.models.heads import drop_heads, head_dim, kv_heads, query_heads
+from compressor.models.sliced import layer_attention
+from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class HeadRecord:
+    """What happened at one attention layer, for the report."""
+
+    layer: int
+    heads: int
+    kept: list[int]
+    tokens: int
+    selector: str
+    refit: bool
+    error_dropped: float
+    """E‖W z − W[:,S] z_S‖² / E‖W z‖² on the calibration tokens: the kept heads' weights as they were."""
+    error_refit: float | None
+    """The same with the refitted output projection (None without the refit)."""
+    objectives: dict[str, Any] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def prune_heads(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    keep: int,
+    selector: HeadSelector,
+    device: torch.device | str = "cpu",
+    *,
+    refit: bool = True,
+    damping: float = 1e-2,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    progress: Progress | None = None,
+    store: ActivationStore | None = None,
+    ranks: Ranks | None = None,
+) -> list[HeadRecord]:
+    """Keep `keep` query heads in every attention layer of `model`, in place (see the module
+    docstring); `sensitivity` gives G by layer index (H of the stream each attention writes to, in
+    the model's current coordinates) for selectors that use it. The model's config is not changed:
+    the caller sets it (`models.heads.set_heads`)."""
+    device = torch.device(device)
+    ranks = ranks or Ranks.current()
+    report = progress or (lambda *_: None)
+    if "H" in selector.requires and sensitivity is None:
+        raise UserError(f"head selector '{selector.name}' needs the output sensitivity H, which this run has not")
+    config = model.config
+    heads, groups, width = query_heads(config), kv_heads(config), head_dim(config)
+    model.eval()
+    layers = len(decoder_layers(model, family))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    records: list[HeadRecord] = []
+    try:
+        for index, layer in visit_layers(model, family, device):
+            report(f"attention heads: layer {index + 1}/{layers}", index, layers)
+            attention = layer_attention(family, layer)
+            if attention is not None:
+                problem = HeadProblem(
+                    layer=index, keep=keep, heads=heads, groups=groups if groups < heads else 1,
+                    head_dim=width, C=torch.empty(0), activation=torch.empty(0), down=torch.empty(0), damping=0.0,
+                )  # fmt: skip
+                G = None if sensitivity is None else sensitivity[index]
+                records.append(
+                    _prune_layer(
+                        layer, attention, family, inputs, problem, groups, selector, device, refit, damping, G, ranks
+                    )
+                )
+            for b in range(len(inputs)):  # the pruned layer gives the next one its input
+                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+            faults.reached(f"heads:{index}")
+        report(f"attention heads: layer {layers}/{layers}", layers, layers)
+    finally:
+        inputs.hidden.close()
+    return records
+
+
+def _prune_layer(
+    layer: nn.Module,
+    attention: nn.Module,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    problem: HeadProblem,
+    kv: int,
+    selector: HeadSelector,
+    device: torch.device,
+    refit: bool,
+    damping: float,
+    G: torch.Tensor | None,
+    ranks: Ranks,
+) -> HeadRecord:
+    """Measure, choose and cut one attention layer's heads (see the module docstring); `kv`: its KV heads."""
+    output = attention.get_submodule(family.attn_output)
+    moment, window_norms = _measure(layer, output, inputs, problem, device)
+    moment.sum_over(ranks)
+    ranks.sum_(window_norms)
+    C = moment.value()
+    W = output.weight.detach().to(device, torch.float64)
+    problem.C, problem.down, problem.activation, problem.tokens = C, W, window_norms.sqrt(), moment.tokens
+    problem.damping = damping * float(torch.diagonal(C).mean())
+    problem.G = None if G is None else G.to(device, torch.float64)
+    choice = selector.select(problem)
+    kept = checked_heads(choice, selector, problem).to(device)
+    if not ranks.agree(kept):
+        raise RuntimeError(
+            f"layer {problem.layer}: the processes chose different heads from the same statistics "
+            f"(selector '{selector.name}' is not deterministic across devices)"
+        )
+    columns = problem.columns(kept)
+    goal = RefitTarget.output(W, C)
+    plain = W[:, columns]
+    refitted = refit_down(W, C, columns, problem.damping) if refit else None
+    record = HeadRecord(
+        layer=problem.layer,
+        heads=problem.heads,
+        kept=kept.tolist(),
+        tokens=problem.tokens,
+        selector=selector.name,
+        refit=refit,
+        error_dropped=output_error(goal, C, columns, plain),
+        error_refit=None if refitted is None else output_error(goal, C, columns, refitted),
+        objectives=dict(choice.objectives),
+    )
+    drop_heads(attention, family, problem.heads, kv, kept, refitted if refitted is not None else plain)
+    return record
+
+
+def _measure(
+    layer: nn.Module, output: nn.Linear, inputs: LayerInputs, problem: HeadProblem, device: torch.device
+) -> tuple[SecondMoment, torch.Tensor]:
+    """Run the layer on every stored batch: C of the output projection's input, and the sum over
+    windows of each head's squared mean ‖z_h‖ over the window's real positions."""
+    moment = SecondMoment(output.in_features, device)
+    window_norms = torch.zeros(problem.heads, dtype=torch.float64, device=device)
+    current: dict[str, Any] = {}
+
+    def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        z, mask = args[0], current["mask"]
+        moment.add(z, mask, current["count"])
+        norms = z.to(torch.float64).unflatten(-1, (problem.heads, problem.head_dim)).norm(dim=-1)  # (B, T, heads)
+        real = mask.to(z.device, torch.float64).unsqueeze(-1)
+        means = (norms * real).sum(1) / real.sum(1).clamp_min(1.0)  # (B, heads)
+        window_norms.add_((means**2).sum(0))
+
+    handle = output.register_forward_pre_hook(record)
+    try:
+        for b in range(len(inputs)):
+            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, problem.layer, device))
+    finally:
+        handle.remove()
+    return moment, window_norms
+
+
+def checked_heads(choice: HeadChoice, selector: HeadSelector, problem: HeadProblem) -> torch.Tensor:
+    """The selector's kept heads as sorted indices, or one line naming what it got wrong."""
+    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
+    where = f"head selector '{selector.name}' at layer {problem.layer}"
+    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
+        raise UserError(f"{where} returned {len(torch.unique(kept))} distinct heads; it must return {problem.keep}")
+    if int(kept.min()) < 0 or int(kept.max()) >= problem.heads:
+        raise UserError(f"{where} returned a head outside 0..{problem.heads - 1}")
+    per_group = torch.bincount(kept // (problem.heads // problem.groups), minlength=problem.groups)
+    if bool((per_group != problem.per_group).any()):
+        raise UserError(f"{where} kept {per_group.tolist()} heads per KV group; every group keeps {problem.per_group}")
+    return torch.sort(kept).values

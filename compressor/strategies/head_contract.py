@@ -1,0 +1,91 @@
+"""What an attention-head selector sees and returns: the contract of the heads axis.
+
+The engine (`engine.heads`) hands a selector one `HeadProblem` per attention layer: the statistics
+of the attention's output projection input z (every query head's output, `head_dim` coordinates
+each, side by side) over the calibration tokens, the output projection's weight (what each head
+writes to the stream), and, when the run has it, the output sensitivity H of the stream the
+attention writes to. The selector returns which heads stay: the same number in every KV group
+(the heads that share one key and value head), so the layer stays grouped-query attention with
+fewer query heads. A head is to this axis what a neuron is to the MLP's: a block of `head_dim`
+inputs of the output projection instead of one. Selectors register through the
+`compressor_head_selectors` hook and know nothing about model families or weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class HeadProblem:
+    """One attention layer: keep `keep` of the `heads` query heads, `keep / groups` in each of the
+    `groups` KV groups (group g holds heads g·heads/groups to (g+1)·heads/groups − 1).
+
+    `C` is E[z zᵀ] (heads·head_dim square, float64) of the output projection's input over the
+    counted calibration tokens, head h's coordinates at h·head_dim to (h+1)·head_dim − 1, measured
+    with the earlier layers already pruned. `activation` is Minitron's importance of each head: the
+    L2 norm over windows of the mean over a window's positions of ‖z_h‖ (heads, float64). `down` is
+    the output projection's weight W (d × heads·head_dim, float64). `G` is E[g gᵀ] (d × d) of the
+    output KL's gradient at the stream the attention writes to, in the stream's current coordinates,
+    when the run estimated it (None otherwise). `damping` is the absolute δ of the refit that
+    follows, as for neurons (`engine.refit.refit_down` on the kept heads' coordinates)."""
+
+    layer: int
+    keep: int
+    heads: int
+    groups: int
+    head_dim: int
+    C: torch.Tensor
+    activation: torch.Tensor
+    down: torch.Tensor
+    damping: float
+    G: torch.Tensor | None = None
+    tokens: int = 0
+
+    @property
+    def per_group(self) -> int:
+        """Heads every KV group keeps."""
+        return self.keep // self.groups
+
+    def group_of(self, head: int) -> int:
+        return head // (self.heads // self.groups)
+
+    def columns(self, heads: torch.Tensor) -> torch.Tensor:
+        """The output projection's input coordinates of `heads` (ascending heads → ascending columns)."""
+        offsets = torch.arange(self.head_dim, device=heads.device)
+        return (heads.reshape(-1, 1) * self.head_dim + offsets).flatten()
+
+
+@dataclass
+class HeadChoice:
+    """The kept heads (indices into the layer's query heads, any order) and the selector's figures."""
+
+    kept: torch.Tensor
+    objectives: dict[str, Any] = field(default_factory=dict)
+
+
+class HeadSelector(ABC):
+    """Chooses which of an attention layer's query heads stay, the same number per KV group.
+    `requires` names the statistics it cannot do without ("H": the problem's `G`)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def select(self, problem: HeadProblem) -> HeadChoice: ...
+
+
+def top_per_group(scores: torch.Tensor, problem: HeadProblem) -> torch.Tensor:
+    """The `per_group` highest-scoring heads of every KV group, ascending (ties: the lower index)."""
+    size = problem.heads // problem.groups
+    kept = []
+    for group in range(problem.groups):
+        own = scores[group * size : (group + 1) * size]
+        order = torch.sort(own, descending=True, stable=True).indices[: problem.per_group]
+        kept.append(order + group * size)
+    return torch.sort(torch.cat(kept)).values
