@@ -20,6 +20,7 @@ from compressor.errors import UserError
 from compressor.models.budget import ParamModel, layout_config, param_model, widest_uniform
 from compressor.models.depth import depth_config
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
+from compressor.models.heads import kept_heads, with_heads
 from compressor.models.sites import EMBEDDING, layer_site_ids, shared_site_ids, site_ids, site_widths
 from compressor.models.stock import check_stock, stock_param_model, width_multiple
 
@@ -69,6 +70,9 @@ class SlicedLayout:
     routed experts counts top_k of each layer's; None for a model without them."""
     active_budget: int | None = None
     """The most parameters per token the pruned model may use (`target_active_params`); None: no limit."""
+    heads: int | None = None
+    """The query heads every attention layer keeps (`heads:`); None: every head stays. `params`
+    counts it; `config` stays the original's (`models.heads.with_heads` gives the pruned one)."""
 
     @property
     def prunes_mlp(self) -> bool:
@@ -156,6 +160,7 @@ def sliced_layout(
     experts: int | None = None,
     counts: str = "all",
     removed_blocks: Sequence[int] = (),
+    heads: float | None = None,
 ) -> SlicedLayout:
     """Decide the sliced shape: check that the family allows these settings, then find the budget
     (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
@@ -167,7 +172,9 @@ def sliced_layout(
     the parameters one token uses (a model with routed experts). `counts`: `non_embedding` counts
     either target without the embedding tables. `removed_blocks`: the decoder blocks the depth
     axis removes (`models.depth`); the layout is then the model without them (its `config` the
-    one its class reloads them from), the budget still a fraction of the original. Loads no weights."""
+    one its class reloads them from), the budget still a fraction of the original. `heads`: the query
+    heads every attention layer keeps (or a fraction of them, `models.heads.kept_heads`), counted
+    like `mlp_kept`. Loads no weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     if family.head_width_is_embedding_width and not slice_head:
@@ -194,6 +201,7 @@ def sliced_layout(
     shared_width = None if shared_kept is None else kept_shared_neurons(config, family, shared_kept, mlp_round_to)
     if experts is not None:
         kept_experts(config, family, experts)
+    query_heads = None if heads is None else kept_heads(config, family, heads)
 
     def param_model_of(config: PretrainedConfig) -> ParamModel:
         return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
@@ -202,10 +210,11 @@ def sliced_layout(
     if removed_blocks:  # the original's own count stays the reference
         whole = param_model_of(full)
         params = dataclasses.replace(params, original=whole.original, routed=whole.routed)
-    narrower = mlp_width is not None or shared_width is not None or experts is not None
+    narrower = mlp_width is not None or shared_width is not None or experts is not None or query_heads is not None
     if narrower:  # every variant pruned so; `original` stays the original's
         reduced = with_mlp_width(config, family, mlp_width, shared_width)
         reduced = reduced if experts is None else with_experts(reduced, family, experts)
+        reduced = reduced if query_heads is None else with_heads(reduced, query_heads)
         params = dataclasses.replace(param_model_of(reduced), original=params.original, routed=params.routed)
     active = active_model(config, family, params, experts)
     if target_active_params is not None and active is None:
@@ -274,6 +283,7 @@ def sliced_layout(
         counts=counts,
         active=active,
         active_budget=active_budget,
+        heads=query_heads,
     )
 
 

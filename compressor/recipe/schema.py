@@ -28,6 +28,7 @@ from compressor.recipe.sections.depth import DepthSpec
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.recipe.sections.evaluation import EvaluationSpec
 from compressor.recipe.sections.experts import ExpertsSpec
+from compressor.recipe.sections.heads import HeadsSpec
 from compressor.recipe.sections.mlp import MlpSpec
 from compressor.recipe.sections.model import ModelSpec
 from compressor.recipe.sections.order import BUILTIN_SECTIONS
@@ -96,6 +97,8 @@ class Recipe:
     when absent)."""
     depth: DepthSpec | None = None
     """Remove whole decoder blocks before the walk (off when absent)."""
+    heads: HeadsSpec | None = None
+    """Prune every attention layer's query heads too, under the same budget (off when absent)."""
     stages: dict[StrictStr, Any] = field(default_factory=dict)
     """Plugin stages' sections, by name, each its stage's options (`compressor_stages`); written in
     the YAML as top-level keys, as the built-in sections are."""

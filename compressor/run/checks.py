@@ -29,6 +29,7 @@ from compressor.run.stages.order import BUILTIN_STAGES, run_order
 from compressor.run.stages.split import open_sections
 from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.expert_contract import ExpertSelector
+from compressor.strategies.head_contract import HeadSelector
 from compressor.strategies.neuron_contract import NeuronSelector
 from compressor.strategies.registry import PluginRegistry
 
@@ -56,6 +57,8 @@ class Plan:
     """The run's stages in order, a plugin's among them (`run.stages.run_order`)."""
     block_selector: BlockSelector | None = None
     """`depth`'s selector (None without `depth`)."""
+    head_selector: HeadSelector | None = None
+    """`heads`' selector (None without `heads`)."""
     removed_blocks: tuple[int, ...] = ()
     """The decoder blocks the layout is without (`depth`): until the depth stage chooses, the last
     `depth.removed` of them, which the stage's choice replaces (`replan`)."""
@@ -141,6 +144,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     stages = run_order(registry.stages())
     expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
     block_selector = registry.block_selector(recipe.depth.selector) if recipe.depth is not None else None
+    head_selector = registry.head_selector(recipe.heads.selector) if recipe.heads is not None else None
     checked = Plan(
         layout,
         pipeline,
@@ -151,6 +155,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         stages=stages,
         expert_selector=expert_selector,
         block_selector=block_selector,
+        head_selector=head_selector,
         removed_blocks=removed,
         families=families,
     )
@@ -219,6 +224,7 @@ def _layout(
         shared_kept=recipe.mlp.shared_kept if recipe.mlp is not None else None,
         counts=recipe.budget,
         removed_blocks=removed,
+        heads=recipe.heads.kept if recipe.heads is not None else None,
     )
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
@@ -270,6 +276,11 @@ def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reaso
         raise UserError(
             f"depth: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where blocks are "
             f"not removed yet; set slicing.layout: per_site, or remove depth"
+        )
+    if recipe.heads is not None:
+        raise UserError(
+            f"heads: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where heads "
+            f"are not pruned yet; set slicing.layout: per_site, or remove heads"
         )
     if recipe.mlp is not None and recipe.mlp.shared_kept is not None:
         raise UserError(
@@ -428,6 +439,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
             shared_kept=layout.shared_width,
             experts=layout.experts,
             counts=recipe.budget,
+            heads=layout.heads,
         )
     except UserError:  # this family's head cannot stay tied
         return ""

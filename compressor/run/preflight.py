@@ -119,6 +119,9 @@ def axes_line(checked: Plan) -> str:
         of = getattr(layout.config, layout.family.experts)
         kept = f"{layout.experts} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
         axes += [f"routed experts ({kept} per layer, by {checked.expert_selector.name})"]
+    if checked.head_selector is not None and layout.heads is not None:
+        of = layout.config.num_attention_heads
+        axes += [f"query heads ({layout.heads} of {of} per layer, by {checked.head_selector.name})"]
     if checked.block_selector is not None:
         blocks = layout.config.num_hidden_layers + len(checked.removed_blocks)
         axes += [f"depth ({len(checked.removed_blocks)} of {blocks} blocks removed, by {checked.block_selector.name})"]

@@ -25,6 +25,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
         *active_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
         *depth_rows(report),
+        *heads_rows(report),
         *mlp_rows(report),
         *expert_rows(report),
     ]
@@ -214,6 +215,20 @@ def distillation_rows(distillation: DistillationRecord | None) -> list[tuple[str
     ]
 
 
+def heads_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """The query heads every attention layer kept (`heads`), by which selector, and the output
+    projection's mean relative error after the refit (or without it)."""
+    heads = report.heads
+    if heads is None:
+        return []
+    rows = [("query heads per layer", str(heads.of), f"{heads.kept} (head_dim {heads.head_dim}; {heads.selector})")]
+    errors = [layer.error_refit if layer.error_refit is not None else layer.error_dropped for layer in heads.layers]
+    if errors:
+        what = "refitted" if heads.refit else "unrefitted"
+        rows.append((f"  attention output error ({what}, mean)", "", f"{sum(errors) / len(errors):.4g}"))
+    return rows
+
+
 def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tuple[str, str, str]]:
     """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
     that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
@@ -228,6 +243,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
+    if "heads_s" in timings:
+        rows.append(("attention heads time (s)", "", f"{timings['heads_s']:.1f}"))
     if "mlp_s" in timings:
         rows.append(("MLP neurons time (s)", "", f"{timings['mlp_s']:.1f}"))
     if "distill_s" in timings:

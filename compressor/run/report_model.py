@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compressor.engine.experts import ExpertRecord
+from compressor.engine.heads import HeadRecord
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.errors import UserError
@@ -226,6 +227,21 @@ class DepthReport(_Section):
     """The selector's own figures."""
 
 
+class HeadsReport(_Section):
+    """`heads`: the query heads every attention layer kept (`engine.heads`), of how many, and per
+    layer which, with the output projection's relative errors before and after its refit."""
+
+    kept: int
+    of: int
+    head_dim: int
+    selector: str
+    refit: bool
+    damping: float
+    weighed_by_h: bool
+    """Whether the selector was given H of each attention's stream (the walk estimated it)."""
+    layers: list[HeadRecord]
+
+
 class Environment(_Section):
     device: str
     torch: str
@@ -263,6 +279,7 @@ class RunReport(_Section):
     mlp: MlpReport | None = None
     experts: ExpertsReport | None = None
     depth: DepthReport | None = None
+    heads: HeadsReport | None = None
     stages: dict[str, Any] = {}
     """What each plugin stage recorded (`RunState.extra`), by stage name."""
     metrics: Metrics

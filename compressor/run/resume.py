@@ -119,8 +119,9 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
         values["sensitivity"].pop(key, None)
     if values.get("budget") == "all":  # the default, as before the key existed: older checkpoints still resume
         values.pop("budget")
-    if values.get("depth") is None:  # likewise
-        values.pop("depth", None)
+    for key in ("depth", "heads"):  # likewise
+        if values.get(key) is None:
+            values.pop(key, None)
     if isinstance(values.get("mlp"), dict) and values["mlp"].get("shared_kept") is None:  # likewise
         values["mlp"].pop("shared_kept", None)
     values["compressor"] = compressor.__version__

@@ -483,8 +483,11 @@ def check_recipe(
         raise UserError("the surrogate check measures KL on the recipe's evaluation data: add an evaluation section")
     if directions < 1:
         raise UserError(f"--directions must be at least 1, got {directions}")
-    if recipe.depth is not None:
-        raise UserError("the surrogate check measures one site of the original model: remove depth from the recipe")
+    for section in ("depth", "heads"):
+        if getattr(recipe, section) is not None:
+            raise UserError(
+                f"the surrogate check measures one site of the original model: remove {section} from the recipe"
+            )
     checked = plan(recipe, registry)
     check_site(checked.layout.family, checked.layout.config.num_hidden_layers, site)
     width = checked.layout.config.hidden_size

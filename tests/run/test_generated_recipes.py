@@ -62,6 +62,7 @@ def base_recipe(data: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]
         ("refinement",): {"windows": 4},
         ("experts",): {"kept": 2},
         ("depth",): {"removed": 1},
+        ("heads",): {"kept": 2},
     }
     return recipe, fill
 

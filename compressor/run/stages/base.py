@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.experts import ExpertRecord
+from compressor.engine.heads import HeadRecord
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
@@ -109,6 +110,9 @@ class RunState:
     neurons: list[NeuronRecord] = field(default_factory=list)
     """`mlp`: what each layer's MLP kept."""
     mlp_weighed_by_h: bool = False
+    heads: list[HeadRecord] = field(default_factory=list)
+    """`heads`: what each attention layer kept."""
+    heads_weighed_by_h: bool = False
     experts: list[ExpertRecord] = field(default_factory=list)
     """`experts`: what each MoE layer kept."""
     distillation: DistillationRecord | None = None

@@ -89,8 +89,8 @@ class PruneDepth(Stage):
             outputs = 5 * fp.batch * fp.seq_len * fp.vocab * 4
             phases.append(
                 fp.phase(
-                    "depth: measured removals (the original whole, and its outputs on the windows)",
-                    2 * fp.weights + fp.store + references,
+                    "depth: measured removals (the model whole on the device, and its outputs on the windows)",
+                    fp.weights + fp.store + references,
                     fp.weights + outputs,
                     "depth.selector: influence (no measurement), or a machine with more memory",
                     whole_model=True,
@@ -131,8 +131,9 @@ def choose_blocks(state: RunState, spec: DepthSpec) -> DepthReport:
     layers = len(influence)
     problem = BlockProblem(blocks=layers, remove=spec.removed, influence=influence, shortlist=spec.shortlist)
     windows = state.measuring_windows.get(PruneDepth.name, [])
-    if "measure" in selector.requires:
-        original = state.resources.whole_model(state.recipe.model).to(state.device)
+    home = next(state.model.parameters()).device
+    if "measure" in selector.requires:  # the model not yet pruned is the original: measured in place, hooks only
+        original = state.model.to(state.device)
         reference: list[torch.Tensor | None] = [None] * len(windows)
         problem.measure = lambda blocks: measured_kl(state, original, windows, problem, blocks, reference)
     choice = selector.select(problem)
@@ -146,7 +147,8 @@ def choose_blocks(state: RunState, spec: DepthSpec) -> DepthReport:
     heldout = None
     if problem.measure is not None:
         heldout = problem.measure(removed)  # the selector's own measurement where it made it
-        problem.measure = None  # the original goes with it
+        problem.measure = None
+        state.model.to(home)
     return DepthReport(
         removed=removed,
         of=layers,

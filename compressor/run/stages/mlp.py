@@ -166,18 +166,21 @@ def stream_sensitivity(
     checkpoint: Checkpoint,
     bases: Mapping[str, torch.Tensor],
     device: torch.device,
+    block: str = "mlp",
 ) -> StreamSensitivity | None:
-    """H of the stream each layer's MLP writes to, in the coordinates the MLP writes it (RᵀHR with
-    R what reads the site's kept coordinates: its basis, or its reader map with corrected
-    readers); None when the walk did not estimate H, or where the MLP's output does not land
-    in the stream directly (a norm after the block)."""
+    """H of the stream each layer's MLP (`block` "attention": its attention) writes to, in the
+    coordinates the block writes it (RᵀHR with R what reads the site's kept coordinates: its
+    basis, or its reader map with corrected readers); None when the walk did not estimate H, or
+    where the block's output does not land in the stream directly (a norm after the block)."""
     fisher = result.fisher
     if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
         fisher = checkpoint.load_fisher()
-    if fisher is None or family.mlp_post_norm is not None:
+    post_norm = family.attn_post_norm if block == "attention" else family.mlp_post_norm
+    if fisher is None or post_norm is not None:
         return None
     readers = result.readers or {}
-    sites = [layer_site_ids(family, i)[-1] for i in range(config.num_hidden_layers)]
+    position = 0 if block == "attention" else -1  # a parallel layer's one site is both
+    sites = [layer_site_ids(family, i)[position] for i in range(config.num_hidden_layers)]
     return StreamSensitivity(fisher, {i: readers.get(site, bases[site]) for i, site in enumerate(sites)}, sites, device)
 
 

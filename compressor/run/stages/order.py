@@ -13,6 +13,7 @@ from compressor.run.stages.depth import PruneDepth
 from compressor.run.stages.distil import Distil, ToStudent
 from compressor.run.stages.evaluate import Evaluate
 from compressor.run.stages.experts import PruneExperts
+from compressor.run.stages.heads import PruneHeads
 from compressor.run.stages.load import LoadModel, StartCheckpoint
 from compressor.run.stages.mlp import PruneMlp
 from compressor.run.stages.refine import Refine
@@ -30,6 +31,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
     Walk(),
     Refine(),
     PruneExperts(),
+    PruneHeads(),
     PruneMlp(),
     ToStudent(),
     Distil(),
@@ -39,7 +41,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
 )
 """Every run's stages in the order they run; each runs when the recipe asks for it (`Stage.runs`)."""
 
-PLACEABLE = ("walk", "refinement", "experts", "MLP neurons", "distillation")
+PLACEABLE = ("walk", "refinement", "experts", "attention heads", "MLP neurons", "distillation")
 """The stages a plugin's stage may follow: after the model is pruned, before it is saved."""
 
 

@@ -36,6 +36,7 @@ from compressor.run.report_model import (
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.experts import experts_report
+from compressor.run.stages.heads import heads_report
 from compressor.run.stages.mlp import mlp_report
 
 
@@ -92,6 +93,7 @@ def write_report(state: RunState) -> RunReport:
         distillation=state.distillation,
         stages=state.extra,
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
+        **({} if recipe.heads is None else {"heads": heads_report(state)}),
         **({} if recipe.experts is None else {"experts": experts_report(state)}),
         **({} if state.depth is None else {"depth": state.depth}),
         metrics=Metrics.model_validate(state.metrics),

@@ -24,6 +24,7 @@ from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage, changes_model_between
 from compressor.run.stages.experts import PruneExperts
+from compressor.run.stages.heads import PruneHeads
 from compressor.run.stages.mlp import PruneMlp
 from compressor.run.stages.walk import walk
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
@@ -131,8 +132,9 @@ def adopt(state: RunState, trial: RunState) -> None:
     state.head_scale, state.head_fit = trial.head_scale, trial.head_fit
     state.neurons, state.mlp_weighed_by_h, state.config = trial.neurons, trial.mlp_weighed_by_h, trial.config
     state.experts = trial.experts
+    state.heads, state.heads_weighed_by_h = trial.heads, trial.heads_weighed_by_h
     state.warnings += [line for line in trial.warnings if line not in state.warnings]
-    for key in ("prune_s", "experts_s", "mlp_s"):
+    for key in ("prune_s", "experts_s", "heads_s", "mlp_s"):
         if key in trial.timings:
             state.timings[key] = trial.timings[key]
     state.adopted = True
@@ -141,7 +143,7 @@ def adopt(state: RunState, trial: RunState) -> None:
 def measured_split(
     state: RunState, index: int, layout: SlicedLayout, original: PreTrainedModel, rng: torch.Tensor
 ) -> float:
-    """One split pruned as this run would prune it (walk, tied head, experts, MLP; no refinement or
+    """One split pruned as this run would prune it (walk, tied head, experts, heads, MLP; no refinement or
     distillation) in a scratch folder, and its KL to `original` on the split's windows, saved as it would be."""
     label = f"split {index + 1}/{len(state.checked.splits)} ({split_label(layout)})"
     folder = state.staging / SCRATCH_FOLDER / f"split-{index}"
@@ -165,6 +167,9 @@ def measured_split(
         if layout.experts is not None:
             with trial.timed("experts_s"):
                 PruneExperts().run(trial)
+        if layout.heads is not None:
+            with trial.timed("heads_s"):
+                PruneHeads().run(trial)
         if layout.prunes_mlp:
             with trial.timed("mlp_s"):
                 PruneMlp().run(trial)
@@ -188,7 +193,8 @@ def measured_split(
 
 
 def adoptable(state: RunState) -> bool:
-    """The chosen trial's walk, expert and MLP stages can be the run's: no other stage between the
+    """The chosen trial's walk, expert, head and MLP stages can be the run's: no other stage between the
     walk and the MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
-    stages = tuple(stage for stage in state.checked.stages if stage.name != PruneExperts.name)  # the trial's own
+    own = (PruneExperts.name, PruneHeads.name)  # the trial's own
+    stages = tuple(stage for stage in state.checked.stages if stage.name not in own)
     return not changes_model_between(stages, state.recipe, "walk", PruneMlp.name)

@@ -1,0 +1,50 @@
+"""The `heads` section: attention query heads as a pruning axis (issue 49)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import StrictBool, StrictStr
+
+from compressor.errors import UserError
+from compressor.recipe.sections.contract import Section, SectionContext
+from compressor.validation import FORBID, Number, described, options
+
+if TYPE_CHECKING:
+    from compressor.recipe.schema import Recipe
+
+
+@options(frozen=True, config=FORBID)
+class HeadsSpec:
+    """Query heads as an axis (`compressor.engine.heads`): every attention layer keeps `kept` of its
+    query heads, the same number in every KV group, chosen by `selector`, the output projection
+    refitted to what the dropped ones wrote; the residual width (and the MLP's) takes what the
+    budget leaves. The saved model is the original class with fewer `num_attention_heads` and an
+    explicit `head_dim`."""
+
+    kept: Annotated[
+        Number, described("query heads kept per layer (a whole number), or a fraction of them below 1", gt=0)
+    ]
+    """Query heads every attention layer keeps, a multiple of the KV heads in grouped-query attention
+    (every KV group keeps as many), or that fraction of them rounded down to such a multiple. In
+    multi-head attention a KV head goes with its query head."""
+    selector: StrictStr = "obs"
+    """The head selector (`compress strategies` lists them): obs (output-aware: optimal brain
+    surgeon over whole heads, weighed by H where the walk estimated it), norm (Minitron: the heads
+    with the largest output)."""
+    refit: StrictBool = True
+    """Refit the output projection to what the dropped heads wrote (least squares on the calibration
+    tokens); off: the kept heads' columns as they were."""
+    damping: Annotated[Number, described("the refit's ridge, times the mean of diag C", gt=0)] = 0.01
+
+
+def check_heads(spec: HeadsSpec, recipe: Recipe, context: SectionContext) -> HeadsSpec:
+    """`heads.kept` is a whole number or a fraction below 1, and the selector is registered (the
+    count is checked against the model's heads by the plan)."""
+    if spec.kept >= 1 and spec.kept != int(spec.kept):
+        raise UserError(f"heads.kept {spec.kept:g}: give a whole number of heads, or a fraction below 1")
+    context.registry.head_selector(spec.selector)
+    return spec
+
+
+SECTION = Section("heads", HeadsSpec, check_heads)
