@@ -226,7 +226,8 @@ def sliced_layout(
     def uniform(kept: int) -> dict[str, int]:
         return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
 
-    required = width_multiple(config, family) if one_basis else 1  # the stock class's own demand
+    saved = config if query_heads is None else with_heads(config, query_heads)  # the heads the saved class has
+    required = width_multiple(saved, family) if one_basis else 1  # the stock class's own demand
 
     counted = params.without_embedding() if counts == "non_embedding" else params
     counted_active = None if active is None or counts != "non_embedding" else active.without_embedding()

@@ -158,3 +158,19 @@ def test_a_run_killed_in_the_heads_stage_resumes_to_a_bit_identical_model(tmp_pa
     killed_and_resumed_is_whole(recipe, tmp_path, "heads:0", sites=5)
     heads = _report(tmp_path / "run")["heads"]
     assert heads == _report(tmp_path / "whole")["heads"] and heads["weighed_by_h"]
+
+
+def test_a_stock_layout_s_width_steps_by_the_heads_the_saved_class_has(tmp_path: Path) -> None:
+    """LlamaConfig wants hidden_size a multiple of num_attention_heads: with 2 of 8 heads kept the
+    saved class asks a multiple of 2, not of the original's 8, so the budget buys a finer width."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "llama", "llama", num_attention_heads=8, num_key_value_heads=2)
+    registry = PluginRegistry()
+    multiples = {}
+    for heads in (None, {"kept": 2}):
+        path = write_recipe(
+            tmp_path, checkpoint, sparsity=_DELETE, target_params=0.8, slicing={"layout": "global"}, heads=heads
+        )
+        layout = plan(load_recipe(path, registry), registry).layout
+        assert layout.rounding is not None
+        multiples[heads is None] = layout.rounding["class_multiple"]
+    assert multiples == {True: 8, False: 2}

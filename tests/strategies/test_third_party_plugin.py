@@ -168,7 +168,7 @@ def test_compress_plugins_keeps_an_installed_plugin_from_loading(site: Path, tin
     assert listed.returncode == 0, listed.stderr
     assert "keep-coordinates" not in listed.stdout.split("COMPRESS_PLUGINS")[0]
     assert (
-        "COMPRESS_PLUGINS=pca,sensitivity: not loaded: depth, experts, keep-coordinates, neurons, stiefel"
+        "COMPRESS_PLUGINS=pca,sensitivity: not loaded: depth, experts, heads, keep-coordinates, neurons, stiefel"
         in listed.stdout
     )
     refused = cli("run", str(_recipe(tmp_path, tiny_llama)), "--dry-run", plugins="pca")
