@@ -57,6 +57,13 @@ def kept_heads(config: PretrainedConfig, family: ModelFamily, kept: float) -> in
     refusal = heads_refusal(config, family)
     if refusal is not None:
         raise UserError(f"heads: {family.name} models cannot hold fewer query heads: {refusal}; remove heads")
+    try:  # the config class's own validation (LlamaConfig wants hidden_size a multiple of the heads)
+        type(config).from_dict(with_heads(config, count).to_dict())
+    except Exception as error:  # noqa: BLE001 (transformers raises several kinds)
+        raise UserError(
+            f"heads.kept {count}: {type(config).__name__} refuses {count} heads at hidden_size {config.hidden_size} "
+            f"({str(error).splitlines()[0][:120]}); keep a count that divides {config.hidden_size}"
+        ) from None
     return count
 
 
@@ -83,19 +90,25 @@ def heads_refusal(config: PretrainedConfig, family: ModelFamily) -> str | None:
     if QUERY not in family.attn_inputs:
         return "its attention computes queries in one linear with keys and values"
     heads, groups = query_heads(config), kv_heads(config)
-    fewer = heads - heads // groups if groups < heads else heads - 1
+    fewer = heads - groups if groups < heads else heads - 1  # one head fewer in every KV group
     whole, smaller = _first_attention(config, family), _first_attention(with_heads(config, fewer), family)
     if whole is None or smaller is None:
         return "no layer holds its attention"
-    rows = whole.get_submodule(QUERY).out_features // heads
-    if smaller.get_submodule(QUERY).out_features != fewer * rows:
-        return "its attention does not read head_dim from the config (it divides the hidden size by the heads)"
+    for name in (QUERY, family.attn_output):
+        linear, before = smaller.get_submodule(name), whole.get_submodule(name)
+        size, was = (
+            (linear.out_features, before.out_features) if name == QUERY else (linear.in_features, before.in_features)
+        )
+        if size * heads != was * fewer:
+            return "its attention does not read head_dim from the config (it divides the hidden size by the heads)"
     linears = {id(p) for m in smaller.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
-    before = dict(whole.named_parameters())
+    before_shapes = {name: p.shape for name, p in whole.named_parameters()}
     for name, parameter in smaller.named_parameters():
-        if id(parameter) in linears or parameter.shape == before[name].shape:
+        if id(parameter) in linears or parameter.shape == before_shapes[name]:
             continue
-        if parameter.shape[0] != fewer or before[name].shape[0] != heads:
+        if (
+            "." in name or parameter.shape[0] != fewer or before_shapes[name][0] != heads
+        ):  # a direct per-head one is cut
             return f"its attention's {name} spans every head together"
     return None
 
@@ -115,7 +128,7 @@ def drop_heads(
     output = attention.get_submodule(family.attn_output)
     width = output.in_features // heads
     multi_head = kv == heads
-    for name in (QUERY, "k_proj", "v_proj") if multi_head else (QUERY,):
+    for name in family.attn_inputs if multi_head else (QUERY,):
         linear = attention.get_submodule(name)
         _keep_rows(linear, kept, linear.out_features // heads)
     for name, parameter in list(attention.named_parameters(recurse=False)):

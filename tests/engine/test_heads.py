@@ -95,11 +95,11 @@ def test_a_multi_head_model_loses_its_kv_heads_with_its_query_heads():
     model = tiny_model("llama", num_key_value_heads=4)
     family = _family(model)
     batches = random_batches(model.config.vocab_size)
-    reference = _silenced(model, family, removed=[1])
-    assert kept_heads(model.config, family, 3) == 3  # no grouping to respect
-    prune_heads(model, family, batches, 3, Fixed([0, 2, 3]), refit=False)
-    set_heads(model.config, 3)
-    assert model.config.num_key_value_heads == 3
+    reference = _silenced(model, family, removed=[0, 1])
+    assert kept_heads(model.config, family, 2) == 2  # no grouping to respect
+    prune_heads(model, family, batches, 2, Fixed([2, 3]), refit=False)
+    set_heads(model.config, 2)
+    assert model.config.num_key_value_heads == 2
     assert max_relative_logit_error(reference, model, batches) < 1e-5
 
 
@@ -124,3 +124,24 @@ def test_a_selector_that_breaks_the_groups_is_refused():
     batches = random_batches(model.config.vocab_size)
     with pytest.raises(UserError, match=r"kept \[2, 0\] heads per KV group"):
         prune_heads(model, _family(model), batches, 2, Fixed([0, 1]))
+
+
+def test_a_model_with_one_kv_head_keeps_it_and_loses_query_heads():
+    """Multi-query attention (Gemma's small models): one group, any count below the heads."""
+    model = tiny_model("llama", num_key_value_heads=1)
+    family = _family(model)
+    batches = random_batches(model.config.vocab_size)
+    reference = _silenced(model, family, removed=[0, 2])
+    assert kept_heads(model.config, family, 0.5) == 2
+    prune_heads(model, family, batches, 2, Fixed([1, 3]), refit=False)
+    set_heads(model.config, 2)
+    assert model.config.num_key_value_heads == 1
+    assert max_relative_logit_error(reference, model, batches) < 1e-5
+
+
+def test_a_count_the_config_class_refuses_is_one_line():
+    """LlamaConfig wants hidden_size a multiple of num_attention_heads: 6 of 8 heads at hidden 64 is refused."""
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(UserError, match="heads.kept 6: LlamaConfig refuses 6 heads at hidden_size 64"):
+        kept_heads(model.config, _family(model), 6)
+    assert kept_heads(model.config, _family(model), 4) == 4

@@ -136,19 +136,20 @@ def choose_blocks(state: RunState, spec: DepthSpec) -> DepthReport:
         original = state.model.to(state.device)
         reference: list[torch.Tensor | None] = [None] * len(windows)
         problem.measure = lambda blocks: measured_kl(state, original, windows, problem, blocks, reference)
-    choice = selector.select(problem)
-    removed = sorted({int(i) for i in choice.removed})
-    if len(removed) != spec.removed or len(choice.removed) != spec.removed:
-        raise UserError(
-            f"depth selector '{selector.name}' chose {len(choice.removed)} blocks ({choice.removed}) where "
-            f"depth.removed is {spec.removed}, each once; fix the selector"
-        )
-    kept_blocks(state.model.config, removed)  # every index within the model
-    heldout = None
-    if problem.measure is not None:
-        heldout = problem.measure(removed)  # the selector's own measurement where it made it
+    try:
+        choice = selector.select(problem)
+        removed = sorted({int(i) for i in choice.removed})
+        if len(removed) != spec.removed or len(choice.removed) != spec.removed:
+            raise UserError(
+                f"depth selector '{selector.name}' chose {len(choice.removed)} blocks ({choice.removed}) where "
+                f"depth.removed is {spec.removed}, each once; fix the selector"
+            )
+        kept_blocks(state.model.config, removed)  # every index within the model
+        # the selector's own measurement where it made it (else one pass)
+        heldout = problem.measure(removed) if problem.measure is not None else None
+    finally:
         problem.measure = None
-        state.model.to(home)
+        state.model.to(home)  # measured in place on the device: back where the run keeps it
     return DepthReport(
         removed=removed,
         of=layers,
