@@ -23,7 +23,7 @@ from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import WalkOptions, prune
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
-from compressor.models.budget import ParamModel, _count, _meta_model, layout_config, param_model, widest_uniform
+from compressor.models.budget import ParamModel, _count, layout_config, meta_model, param_model, widest_uniform
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
 from compressor.models.sites import layer_site_ids, site_ids, site_widths
@@ -72,7 +72,7 @@ def sliced_params(config, family, widths, shared=(), tied=False) -> int:
 
 def sliced_counts(config, family, widths, shared=(), tied=False) -> tuple[int, int]:
     """All the sliced model's parameters, and those outside its token and position tables."""
-    model = _meta_model(config)
+    model = meta_model(config)
     apply_slicing_layout(model, family, layout_config(model, family, widths, shared, tied))
     tables = sum(model.get_submodule(path).weight.numel() for path in (family.embedding, *family.extra_embeddings))
     return _count(model), _count(model) - tables
