@@ -32,7 +32,7 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
-from compressor.engine.refit import RefitTarget, output_error, refit_down
+from compressor.engine.refit import RefitTarget, checked_indices, output_error, refit_down
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.heads import drop_heads, head_dim, kv_heads, query_heads
@@ -95,15 +95,10 @@ def prune_heads(
             report(f"attention heads: layer {index + 1}/{layers}", index, layers)
             attention = layer_attention(family, layer)
             if attention is not None:
-                problem = HeadProblem(
-                    layer=index, keep=keep, heads=heads, groups=groups if groups < heads else 1,
-                    head_dim=width, C=torch.empty(0), activation=torch.empty(0), down=torch.empty(0), damping=0.0,
-                )  # fmt: skip
                 G = None if sensitivity is None else sensitivity[index]
+                shape = _Shape(index, keep, heads, groups, width)
                 records.append(
-                    _prune_layer(
-                        layer, attention, family, inputs, problem, groups, selector, device, refit, damping, G, ranks
-                    )
+                    _prune_layer(layer, attention, family, inputs, shape, selector, device, refit, damping, G, ranks)
                 )
             for b in range(len(inputs)):  # the pruned layer gives the next one its input
                 out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
@@ -115,13 +110,24 @@ def prune_heads(
     return records
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """One attention layer's place and head counts: `kv` its KV heads (as many as `heads` in
+    multi-head attention, where each query head is its own group)."""
+
+    layer: int
+    keep: int
+    heads: int
+    kv: int
+    head_dim: int
+
+
 def _prune_layer(
     layer: nn.Module,
     attention: nn.Module,
     family: ModelFamily,
     inputs: LayerInputs,
-    problem: HeadProblem,
-    kv: int,
+    shape: _Shape,
     selector: HeadSelector,
     device: torch.device,
     refit: bool,
@@ -129,16 +135,26 @@ def _prune_layer(
     G: torch.Tensor | None,
     ranks: Ranks,
 ) -> HeadRecord:
-    """Measure, choose and cut one attention layer's heads (see the module docstring); `kv`: its KV heads."""
+    """Measure, choose and cut one attention layer's heads (see the module docstring)."""
     output = attention.get_submodule(family.attn_output)
-    moment, window_norms = _measure(layer, output, inputs, problem, device)
+    moment, window_norms = _measure(layer, output, inputs, shape, device)
     moment.sum_over(ranks)
     ranks.sum_(window_norms)
     C = moment.value()
     W = output.weight.detach().to(device, torch.float64)
-    problem.C, problem.down, problem.activation, problem.tokens = C, W, window_norms.sqrt(), moment.tokens
-    problem.damping = damping * float(torch.diagonal(C).mean())
-    problem.G = None if G is None else G.to(device, torch.float64)
+    problem = HeadProblem(
+        layer=shape.layer,
+        keep=shape.keep,
+        heads=shape.heads,
+        groups=shape.kv if shape.kv < shape.heads else 1,
+        head_dim=shape.head_dim,
+        C=C,
+        activation=window_norms.sqrt(),
+        down=W,
+        damping=damping * float(torch.diagonal(C).mean()),
+        G=None if G is None else G.to(device, torch.float64),
+        tokens=moment.tokens,
+    )
     choice = selector.select(problem)
     kept = checked_heads(choice, selector, problem).to(device)
     if not ranks.agree(kept):
@@ -161,23 +177,23 @@ def _prune_layer(
         error_refit=None if refitted is None else output_error(goal, C, columns, refitted),
         objectives=dict(choice.objectives),
     )
-    drop_heads(attention, family, problem.heads, kv, kept, refitted if refitted is not None else plain)
+    drop_heads(attention, family, problem.heads, shape.kv, kept, refitted if refitted is not None else plain)
     return record
 
 
 def _measure(
-    layer: nn.Module, output: nn.Linear, inputs: LayerInputs, problem: HeadProblem, device: torch.device
+    layer: nn.Module, output: nn.Linear, inputs: LayerInputs, shape: _Shape, device: torch.device
 ) -> tuple[SecondMoment, torch.Tensor]:
     """Run the layer on every stored batch: C of the output projection's input, and the sum over
     windows of each head's squared mean ‖z_h‖ over the window's real positions."""
     moment = SecondMoment(output.in_features, device)
-    window_norms = torch.zeros(problem.heads, dtype=torch.float64, device=device)
+    window_norms = torch.zeros(shape.heads, dtype=torch.float64, device=device)
     current: dict[str, Any] = {}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         z, mask = args[0], current["mask"]
         moment.add(z, mask, current["count"])
-        norms = z.to(torch.float64).unflatten(-1, (problem.heads, problem.head_dim)).norm(dim=-1)  # (B, T, heads)
+        norms = z.to(torch.float64).unflatten(-1, (shape.heads, shape.head_dim)).norm(dim=-1)  # (B, T, heads)
         real = mask.to(z.device, torch.float64).unsqueeze(-1)
         means = (norms * real).sum(1) / real.sum(1).clamp_min(1.0)  # (B, heads)
         window_norms.add_((means**2).sum(0))
@@ -186,7 +202,7 @@ def _measure(
     try:
         for b in range(len(inputs)):
             current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, problem.layer, device))
+            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, shape.layer, device))
     finally:
         handle.remove()
     return moment, window_norms
@@ -194,13 +210,9 @@ def _measure(
 
 def checked_heads(choice: HeadChoice, selector: HeadSelector, problem: HeadProblem) -> torch.Tensor:
     """The selector's kept heads as sorted indices, or one line naming what it got wrong."""
-    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
     where = f"head selector '{selector.name}' at layer {problem.layer}"
-    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
-        raise UserError(f"{where} returned {len(torch.unique(kept))} distinct heads; it must return {problem.keep}")
-    if int(kept.min()) < 0 or int(kept.max()) >= problem.heads:
-        raise UserError(f"{where} returned a head outside 0..{problem.heads - 1}")
+    kept = checked_indices(choice.kept, problem.keep, problem.heads, "head", where)
     per_group = torch.bincount(kept // (problem.heads // problem.groups), minlength=problem.groups)
     if bool((per_group != problem.per_group).any()):
         raise UserError(f"{where} kept {per_group.tolist()} heads per KV group; every group keeps {problem.per_group}")
-    return torch.sort(kept).values
+    return kept

@@ -83,6 +83,16 @@ def required_statistics(pipeline: Sequence[PipelineStep]) -> set[str]:
     return needed
 
 
+def refuse_without_h(setting: str, selector: Any, pipeline: Sequence[PipelineStep]) -> None:
+    """A selector (`setting`: the recipe key that names it) that requires H runs only where the
+    pipeline estimates H: else one line naming the fix."""
+    if selector is not None and "H" in selector.requires and "H" not in required_statistics(pipeline):
+        raise UserError(
+            f"{setting} '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
+            f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
+        )
+
+
 @dataclass
 class Pooled:
     """The statistics one basis is chosen from: one site's, or the sum over the sites that keep it."""

@@ -125,15 +125,20 @@ def choose_neurons(selector: NeuronSelector, problem: NeuronProblem, ranks: Rank
     return choice, kept
 
 
+def checked_indices(kept: Any, count: int, size: int, what: str, where: str) -> torch.Tensor:
+    """A selector's kept `what`s (neurons, heads) as sorted indices: `count` distinct ones in
+    0..size-1, or one line naming what the selector (`where`) got wrong."""
+    indices = torch.as_tensor(kept, dtype=torch.long).flatten().cpu()
+    distinct = len(torch.unique(indices))
+    if len(indices) != count or distinct != count:
+        raise UserError(f"{where} returned {distinct} distinct {what}s; it must return {count}")
+    if count and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        raise UserError(f"{where} returned a {what} outside 0..{size - 1}")
+    return torch.sort(indices).values
+
+
 def checked_neurons(choice: NeuronChoice, selector: NeuronSelector, problem: NeuronProblem) -> torch.Tensor:
     """The selector's kept neurons as sorted indices, or one line naming what it got wrong."""
-    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
     where = f"layer {problem.layer}" + ("" if problem.expert is None else f", expert {problem.expert}")
-    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
-        raise UserError(
-            f"neuron selector '{selector.name}' returned {len(torch.unique(kept))} distinct neurons at {where}; "
-            f"it must return {problem.keep}"
-        )
-    if int(kept.min()) < 0 or int(kept.max()) >= problem.width:
-        raise UserError(f"neuron selector '{selector.name}' returned a neuron outside 0..{problem.width - 1}")
-    return torch.sort(kept).values
+    where = f"neuron selector '{selector.name}' at {where}"
+    return checked_indices(choice.kept, problem.keep, problem.width, "neuron", where)

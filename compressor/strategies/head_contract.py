@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from compressor.strategies.neuron_contract import top_k
+
 
 @dataclass
 class HeadProblem:
@@ -83,9 +85,5 @@ class HeadSelector(ABC):
 def top_per_group(scores: torch.Tensor, problem: HeadProblem) -> torch.Tensor:
     """The `per_group` highest-scoring heads of every KV group, ascending (ties: the lower index)."""
     size = problem.heads // problem.groups
-    kept = []
-    for group in range(problem.groups):
-        own = scores[group * size : (group + 1) * size]
-        order = torch.sort(own, descending=True, stable=True).indices[: problem.per_group]
-        kept.append(order + group * size)
-    return torch.sort(torch.cat(kept)).values
+    kept = [top_k(scores[g * size : (g + 1) * size], problem.per_group) + g * size for g in range(problem.groups)]
+    return torch.cat(kept)  # each group's ascending, the groups in order

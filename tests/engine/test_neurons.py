@@ -230,7 +230,7 @@ def test_bad_input_is_one_line() -> None:
     width = model.config.intermediate_size
     with pytest.raises(UserError, match=f"cannot keep {width + 1} of the {width} neurons"):
         prune_mlp(model, family, batches, width + 1, _selector("magnitude"))
-    with pytest.raises(UserError, match="'wrong' returned 1 distinct neurons at layer 0; it must return 8"):
+    with pytest.raises(UserError, match="'wrong' at layer 0 returned 1 distinct neurons; it must return 8"):
         prune_mlp(model, family, batches, 8, _Wrong())
     with pytest.raises(UserError, match="unknown neuron selector 'magnitud' \\(did you mean 'magnitude'\\?\\)"):
         PluginRegistry().selector("magnitud")

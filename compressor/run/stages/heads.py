@@ -12,6 +12,7 @@ import torch
 
 from compressor.engine.activations import ActivationStore
 from compressor.engine.heads import prune_heads
+from compressor.engine.pooling import refuse_without_h
 from compressor.errors import UserError
 from compressor.models.heads import head_dim, query_heads, set_heads, with_heads
 from compressor.recipe.schema import Recipe
@@ -45,16 +46,7 @@ class PruneHeads(Stage):
                 "heads: a vision-language checkpoint is saved whole as its own class, whose text tower keeps "
                 "every head here; remove heads"
             )
-        selector = plan.head_selector
-        if (
-            selector is not None
-            and "H" in selector.requires
-            and not any("H" in s.strategy.requires for s in plan.pipeline)
-        ):
-            raise UserError(
-                f"heads.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
-                f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
-            )
+        refuse_without_h("heads.selector", plan.head_selector, plan.pipeline)
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
