@@ -36,7 +36,8 @@ checkpoint and runs the stage again, to the same neurons and weights (it is dete
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs, counted_rows
 from compressor.engine.expert_width import prune_expert_widths
 from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.mlp_widths import WidthCurve, weighted_error, width_grid
 from compressor.engine.parallel import Ranks
 from compressor.engine.refit import (
     NeuronRecord,
@@ -130,7 +132,7 @@ def prune_mlp(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
-    keep: int | None,
+    keep: int | Sequence[int] | None,
     selector: NeuronSelector,
     device: torch.device | str = "cpu",
     *,
@@ -143,7 +145,8 @@ def prune_mlp(
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
 ) -> list[NeuronRecord]:
-    """Keep `keep` intermediate neurons in every layer's MLP of `model` (every routed expert's in an
+    """Keep `keep` intermediate neurons in every layer's MLP of `model` (a sequence: layer i keeps
+    `keep[i]`, 0 removing its output; every routed expert's in an
     MoE layer; None there: their width stays), and `shared_keep` in every shared expert (None: all),
     in place (see the module docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
     model's current coordinates) for selectors that use it. Returns one record per layer. The
@@ -172,6 +175,7 @@ def prune_mlp(
             mlp = layer_mlp(family, layer)
             G = None if sensitivity is None else sensitivity[index]
             if isinstance(mlp, RoutedExperts):
+                assert keep is None or isinstance(keep, int), "routed experts keep one width in every layer"
                 records.append(
                     prune_expert_widths(
                         layer, mlp, inputs, index, keep, selector, device, G, ranks, refit, damping, shared_keep
@@ -181,8 +185,9 @@ def prune_mlp(
                 raise RuntimeError(f"layer {index}'s experts are fused: the family's prepare has not run on the model")
             elif family.experts is None:
                 assert keep is not None, "a dense MLP's width is given"
+                kept = keep if isinstance(keep, int) else keep[index]
                 dense = _prune_dense(
-                    layer, family, inputs, index, keep, selector, device, refit, damping, feedback, G, reference, ranks
+                    layer, family, inputs, index, kept, selector, device, refit, damping, feedback, G, reference, ranks
                 )
                 records.append(dense)
             # else a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers) keeps its width: the config's is the experts'
@@ -240,25 +245,24 @@ def _stream(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _prune_dense(
+def _dense_problem(
     layer: nn.Module,
     family: ModelFamily,
     inputs: LayerInputs,
     index: int,
     keep: int,
-    selector: NeuronSelector,
     device: torch.device,
-    refit: bool,
     damping: float,
     feedback: float,
     G: torch.Tensor | None,
     reference: ActivationStore | None,
     ranks: Ranks,
-) -> NeuronRecord:
-    """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring)."""
-    linears, output = mlp_linears(layer, family)
+) -> tuple[NeuronProblem, RefitTarget, torch.Tensor]:
+    """One dense MLP's problem, measured on the stored batches: the selector's view, what the refit
+    reproduces, and the down projection W (d × f, float64)."""
+    _, output = mlp_linears(layer, family)
     width = output.in_features
-    if not 0 < keep <= width:
+    if not 0 <= keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
     stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
     if stats.moment.tokens == 0:
@@ -277,9 +281,44 @@ def _prune_dense(
         G=None if G is None else G.to(device, torch.float64),
         tokens=stats.moment.tokens,
     )
+    return problem, goal, W
+
+
+def _kept_and_down(
+    problem: NeuronProblem, selector: NeuronSelector, refit: bool, ranks: Ranks
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """The selector's objectives, the kept neurons and the refitted down projection (None without
+    refit); keeping none removes the MLP's output (the heterogeneous layout's removed FFN)."""
+    if problem.keep == 0:
+        return {}, torch.zeros(0, dtype=torch.long, device=problem.C.device), None
     choice, kept = choose_neurons(selector, problem, ranks)
+    return dict(choice.objectives), kept, refit_down(problem.down, problem.C, kept, problem.damping) if refit else None
+
+
+def _prune_dense(
+    layer: nn.Module,
+    family: ModelFamily,
+    inputs: LayerInputs,
+    index: int,
+    keep: int,
+    selector: NeuronSelector,
+    device: torch.device,
+    refit: bool,
+    damping: float,
+    feedback: float,
+    G: torch.Tensor | None,
+    reference: ActivationStore | None,
+    ranks: Ranks,
+) -> NeuronRecord:
+    """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring)."""
+    linears, output = mlp_linears(layer, family)
+    width = output.in_features
+    problem, goal, W = _dense_problem(
+        layer, family, inputs, index, keep, device, damping, feedback, G, reference, ranks
+    )
+    C = problem.C
+    objectives, kept, refitted = _kept_and_down(problem, selector, refit, ranks)
     plain = W[:, kept]
-    refitted = refit_down(problem.down, C, kept, delta) if refit else None
     record = NeuronRecord(
         layer=index,
         width=width,
@@ -289,8 +328,51 @@ def _prune_dense(
         refit=refit,
         error_dropped=output_error(goal, C, kept, plain),
         error_refit=None if refitted is None else output_error(goal, C, kept, refitted),
-        objectives=dict(choice.objectives),
+        objectives=objectives,
         feedback=feedback,
     )
     drop_neurons(linears, output, kept, refitted if refitted is not None else plain)
     return record
+
+
+@torch.no_grad()
+def mlp_width_curves(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    selector: NeuronSelector,
+    step: int,
+    device: torch.device | str = "cpu",
+    *,
+    refit: bool = True,
+    damping: float = 1e-2,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    progress: Progress | None = None,
+    store: ActivationStore | None = None,
+    ranks: Ranks | None = None,
+) -> list[WidthCurve]:
+    """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
+    (`engine.mlp_widths`), measured on `model` unpruned, in one pass; the model is not changed."""
+    device, ranks = torch.device(device), ranks or Ranks.current()
+    report = progress or (lambda *_: None)
+    model.eval()
+    layers = len(decoder_layers(model, family))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    curves: list[WidthCurve] = []
+    try:
+        for index, layer in visit_layers(model, family, device):
+            report(f"MLP width curves: layer {index + 1}/{layers}", index, layers)
+            G = None if sensitivity is None else sensitivity[index]
+            problem, _, W = _dense_problem(layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks)
+            errors = {}
+            for width in width_grid(problem.width, step):
+                _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
+                down = refitted if refitted is not None else W[:, kept]
+                errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+            curves.append(WidthCurve(index, errors))
+            for b in range(len(inputs)):  # unpruned: the next layer's input as the model computes it
+                inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
+        report(f"MLP width curves: layer {layers}/{layers}", layers, layers)
+    finally:
+        inputs.hidden.close()
+    return curves

@@ -26,12 +26,17 @@ from compressor.models.sites import site_ids, site_widths
 from compressor.models.stock import meta_params
 from compressor.models.towers import TextTower
 
+HETEROGENEOUS = "DeciLM's engines derive head_dim from the hidden size, and each MLP takes its own width"
+"""Why `slicing.layout: heterogeneous` keeps the stream whole (`models.decilm`)."""
+
 
 def kept_stream(family: ModelFamily, layout: str, tower: TextTower | None = None) -> str | None:
     """Why a `layout` run of this model keeps its stream whole and prunes the MLP alone: a global
     layout whose class cannot hold a rotated stream, where the MLP's width is described; None: it
     does not (a per-site layout, or a class that holds one basis; a text family without an MLP
     width to prune is refused by `stock.check_stock`, a vision-language one here)."""
+    if layout == "heterogeneous":
+        return HETEROGENEOUS
     if layout != "global":
         return None
     if tower is not None and tower.keeps_stream is not None:
@@ -57,6 +62,7 @@ def mlp_only_layout(
     mlp_round_to: int = 1,
     min_kept: float = 0.0,
     counts: str = "all",
+    layout: str = "global",
 ) -> SlicedLayout:
     """The stock layout of `family`, whose stream stays whole for `reason` (see the module
     docstring): every MLP keeps `mlp_kept` neurons, or the most the `target_params` budget allows
@@ -64,10 +70,11 @@ def mlp_only_layout(
     (`pruned_mlp` false), a `sparsity` (it cuts the residual width), or a budget the MLP alone
     cannot reach (naming the fraction it can)."""
     name = config.model_type
-    kept_whole = f"a stock {name} keeps its residual stream whole ({reason})"
+    kind = "stock" if layout == "global" else layout
+    kept_whole = f"a {kind} {name} keeps its residual stream whole ({reason})"
     if not pruned_mlp:
         raise UserError(
-            f"slicing.layout: global: {kept_whole}, so only the MLP's width can be pruned; add mlp: {{}} "
+            f"slicing.layout: {layout}: {kept_whole}, so only the MLP's width can be pruned; add mlp: {{}} "
             f"(or mlp.kept), or set slicing.layout: per_site"
         )
     if sparsity is not None:

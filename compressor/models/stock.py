@@ -363,11 +363,12 @@ def stock_record(record: dict[str, Any], config: PretrainedConfig, family: Model
     }
 
 
-def load_stock(folder: Path, like: PreTrainedModel) -> PreTrainedModel:
-    """A saved stock model, in the dtype and attention implementation of `like`."""
+def load_stock(folder: Path, like: PreTrainedModel, remote_code: bool = False) -> PreTrainedModel:
+    """A saved stock model, in the dtype and attention implementation of `like` (`remote_code`: its
+    class is the folder's own code, DeciLM's)."""
     dtype = next(like.parameters()).dtype
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation=like.config._attn_implementation
+        folder, dtype=dtype, attn_implementation=like.config._attn_implementation, trust_remote_code=remote_code
     )
     return model.eval().requires_grad_(False)
 

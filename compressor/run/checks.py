@@ -13,9 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from compressor.engine.allocation import CurveAllocator
-from compressor.engine.pooling import PipelineStep, required_statistics
+from compressor.engine.pooling import PipelineStep, refuse_without_h, required_statistics
 from compressor.engine.streaming import cannot_stream
 from compressor.errors import UserError
+from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
@@ -129,18 +130,18 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     for step in recipe.pipeline:
         strategy = registry.strategy(step.strategy)
         pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
-    computed = required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
+    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
     selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
-    if selector is not None and "H" in selector.requires and not layout.residual:
+    estimates_h = (
+        recipe.slicing.layout == "heterogeneous" and recipe.mlp is not None and recipe.mlp.allocate_by == "fisher"
+    )
+    if selector is not None and "H" in selector.requires and not layout.residual and not estimates_h:
         raise UserError(
             f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
-            f"residual stream (this stock {config.model_type}) does not estimate; choose another selector"
+            f"residual stream (this {recipe.slicing.layout} {config.model_type}) does not estimate; choose another selector"
         )
-    if selector is not None and "H" in selector.requires and "H" not in computed:
-        raise UserError(
-            f"mlp.selector '{selector.name}' needs the output sensitivity H, which only a pipeline with a "
-            f"strategy that requires it (e.g. sensitivity) estimates; choose another selector or add one"
-        )
+    if layout.residual:
+        refuse_without_h("mlp.selector", selector, pipeline)
     stages = run_order(registry.stages())
     expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
     block_selector = registry.block_selector(recipe.depth.selector) if recipe.depth is not None else None
@@ -236,6 +237,10 @@ def _layout(
             "target_active_params: allocation.method curves allocates widths under target_params alone; "
             "give target_params, or remove allocation"
         )
+    if slicing.layout == "heterogeneous":
+        refusal = decilm_refusal(config)
+        if refusal is not None:
+            raise UserError(f"slicing.layout: heterogeneous saves DeciLM: {refusal}; use slicing.layout: global")
     if reason is not None:
         layout = mlp_only_layout(
             config,
@@ -248,6 +253,7 @@ def _layout(
             mlp_round_to=mlp.round_to if mlp is not None else 1,
             min_kept=mlp.min_kept if mlp is not None else 0.0,
             counts=recipe.budget,
+            layout=slicing.layout,
         )
         check_mlp_alone(recipe, layout)
     elif open_sections(recipe):
@@ -369,7 +375,8 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
     warnings = []
     if not checked.layout.residual:
         warnings.append(
-            f"slicing.layout: global keeps a {checked.layout.config.model_type} model's residual stream whole "
+            f"slicing.layout: {recipe.slicing.layout} keeps a {checked.layout.config.model_type} model's residual "
+            f"stream whole "
             f"and prunes its MLPs alone, so the pipeline's strategies "
             f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
         )

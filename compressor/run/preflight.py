@@ -191,17 +191,20 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     layout = checked.layout
     found.checked.append(axes_line(checked))
     if not layout.residual:
+        heterogeneous = recipe.slicing.layout == "heterogeneous"
+        saved = "DeciLMForCausalLM (remote code)" if heterogeneous else ", ".join(layout.config.architectures or [])
         found.checked.append(
-            f"one basis: saved as {', '.join(layout.config.architectures or ['the original class'])} with its "
-            f"residual stream whole (hidden_size {layout.config.hidden_size}: {layout.kept_stream}) "
-            f"and every MLP narrower ({layout.params.count(layout.widths or {}):,} parameters)"
+            f"{'per-layer MLP widths' if heterogeneous else 'one basis'}: saved as {saved or 'the original class'} "
+            f"with its residual stream whole (hidden_size {layout.config.hidden_size}: {layout.kept_stream}) "
+            f"and every MLP narrower ({'at most ' if heterogeneous else ''}"
+            f"{layout.params.count(layout.widths or {}):,} parameters)"
         )
     elif checked.layout.one_basis:
         found.checked.append(
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
         )
-    found.checked += mlp_lines(checked)
+    found.checked += mlp_lines(checked, recipe.slicing.layout == "heterogeneous")
     if checked.chooses_split:
         splits = ", ".join(
             f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
@@ -217,8 +220,9 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     return checked
 
 
-def mlp_lines(checked: Plan) -> list[str]:
-    """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's."""
+def mlp_lines(checked: Plan, per_layer: bool = False) -> list[str]:
+    """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's;
+    `per_layer`: the MLPs share the uniform width's neurons (`slicing.layout: heterogeneous`)."""
     layout, selector, lines = checked.layout, checked.selector, []
     if selector is None:
         return lines
@@ -229,6 +233,13 @@ def mlp_lines(checked: Plan) -> list[str]:
         family = layout.family
         assert family.mlp_width is not None
         what = "routed expert" if family.experts is not None else "MLP"
+        if per_layer:
+            layers = layout.config.num_hidden_layers
+            lines.append(
+                f"mlp: the {layers} MLPs share {layers * layout.mlp_width:,} neurons ({layout.mlp_width} each, "
+                f"uniform), given to the layers in steps of 256 by their width curves ({selector.name})"
+            )
+            return lines
         lines.append(
             f"mlp: every {what} keeps {layout.mlp_width} of its "
             f"{getattr(layout.config, family.mlp_width)} neurons ({selector.name})"

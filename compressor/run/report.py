@@ -75,7 +75,11 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     how = f"{mlp.selector}{' weighed by H' if mlp.weighed_by_h else ''}, {f'refitted, feedback {mlp.feedback:g}' if mlp.refit else 'not refitted'}"
     experts = any(layer.experts for layer in mlp.layers)
     label = "MLP width (each routed expert)" if experts else "MLP width"
-    rows = [(label, str(mlp.of), f"{mlp.kept} ({how})" if narrowed else f"{mlp.kept} (all kept)")]
+    kept = str(mlp.kept) if mlp.widths is None else "per layer " + ", ".join(str(w) for w in mlp.widths)
+    rows = [(label, str(mlp.of), f"{kept} ({how})" if narrowed else f"{kept} (all kept)")]
+    if mlp.widths is not None:
+        total = mlp.kept * len(mlp.widths)
+        rows.append(("  neurons allocated (heterogeneous)", "", f"{sum(mlp.widths):,} of the uniform {total:,}"))
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
     fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]

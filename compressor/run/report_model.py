@@ -190,6 +190,11 @@ class MlpReport(_Section):
     """Whether the selector was given H of each MLP's stream (the walk estimated it)."""
     layers: list[NeuronRecord]
     split: SplitRecord | None = None
+    widths: list[int] | None = None
+    """`slicing.layout: heterogeneous`: each layer's MLP width (0: the FFN removed), allocated by
+    `width_errors` under the uniform width's total (`engine.mlp_widths`)."""
+    width_errors: list[dict[int, float]] | None = None
+    """Per layer, the predicted error of its MLP's output at each width of the grid."""
 
 
 class ExpertsReport(_Section):

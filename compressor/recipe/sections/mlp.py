@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import StrictBool, StrictInt, StrictStr
 
@@ -62,6 +62,11 @@ class MlpSpec:
     """Without `kept`: how many splits of the budget are tried: the residual width alone, then
     residual widths evenly spaced up to the widest whose MLPs keep `min_kept` of their neurons;
     each is pruned and measured."""
+    allocate_by: Literal["fisher", "energy"] = "fisher"
+    """slicing.layout: heterogeneous: what weighs the error of each layer's MLP output when the
+    layers' widths are allocated (`engine.mlp_widths`): fisher, H where the MLP writes (estimated
+    on the model as loaded; the errors are then half the predicted KL, alike in every layer); energy,
+    the plain squared error (no backward pass)."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16
@@ -83,6 +88,11 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
                 raise UserError(
                     f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
                 )
+    if spec.allocate_by != "fisher" and recipe.slicing.layout != "heterogeneous":
+        raise UserError(
+            "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous, and this recipe's "
+            f"layout is {recipe.slicing.layout}; remove mlp.allocate_by, or set slicing.layout: heterogeneous"
+        )
     context.registry.selector(spec.selector)
     return spec
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 AllocationMethod = Literal["uniform", "curves"]
-Layout = Literal["per_site", "global"]
+Layout = Literal["per_site", "global", "heterogeneous"]
 Pooling = Literal["trace", "sum"]
 TiedFit = Literal["symmetric", "diagonal"]
 
@@ -25,7 +25,10 @@ class SlicingSpec:
     layout: Layout = "per_site"
     """per_site: a basis per site, joined by transition matrices (a `sliced_*` class, SliceGPT's
     layout); global: one basis for the whole stream, saved as the original architecture at a
-    smaller hidden size (`compressor.models.stock`: vLLM, llama.cpp, TGI load it)."""
+    smaller hidden size (`compressor.models.stock`: vLLM, llama.cpp, TGI load it); heterogeneous:
+    the stream kept whole and each layer's MLP its own width (0: the FFN removed), allocated under
+    the budget by predicted error, saved as DeciLM (`compressor.models.decilm`: vLLM and llama.cpp
+    serve it, transformers with trust_remote_code). Llama models, with an `mlp` section."""
     pooling: Pooling = "trace"
     """global: how the sites' statistics are summed into one problem: each divided by its trace
     (every site counts alike), or raw sums."""

@@ -17,6 +17,7 @@ from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.experts import ExpertRecord
 from compressor.engine.heads import HeadRecord
+from compressor.engine.mlp_widths import WidthCurve
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
@@ -110,6 +111,10 @@ class RunState:
     neurons: list[NeuronRecord] = field(default_factory=list)
     """`mlp`: what each layer's MLP kept."""
     mlp_weighed_by_h: bool = False
+    mlp_widths: list[int] | None = None
+    """`slicing.layout: heterogeneous`: each layer's MLP width (0: its FFN removed)."""
+    width_curves: list[WidthCurve] = field(default_factory=list)
+    """`slicing.layout: heterogeneous`: each layer's predicted error by width, that chose them."""
     heads: list[HeadRecord] = field(default_factory=list)
     """`heads`: what each attention layer kept."""
     heads_weighed_by_h: bool = False

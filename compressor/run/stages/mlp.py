@@ -4,6 +4,8 @@ estimated it; the model's config, and every later conversion, says the new width
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,11 +15,16 @@ from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
+from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.neurons import NeuronRecord, prune_mlp
+from compressor.engine.fisher import estimate_fisher
+from compressor.engine.mlp_widths import WidthCurve, allocate
+from compressor.engine.neurons import NeuronRecord, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
+from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PruneResult
 from compressor.errors import UserError
+from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
 from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, shared_expert_neurons
 from compressor.models.sites import layer_site_ids
@@ -42,6 +49,13 @@ class PruneMlp(Stage):
 
     def runs(self, state: RunState) -> bool:
         return state.checked.layout.prunes_mlp and not state.adopted  # adopted: the trial's
+
+    def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
+        if recipe.slicing.layout == "heterogeneous" and world > 1:
+            raise UserError(
+                "slicing.layout: heterogeneous allocates the MLP widths in one process; launch one process, "
+                "or set slicing.layout: global"
+            )
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
@@ -79,6 +93,9 @@ class PruneMlp(Stage):
     def run(self, state: RunState) -> None:
         layout = state.checked.layout
         assert state.pruned is not None and state.result is not None and layout.prunes_mlp
+        given = None
+        if state.recipe.slicing.layout == "heterogeneous":
+            state.mlp_widths, state.width_curves, given = allocated_widths(state)
         state.neurons, state.mlp_weighed_by_h = prune_mlps(
             state.recipe,
             state.checked,
@@ -91,6 +108,8 @@ class PruneMlp(Stage):
             state.progress,
             state.staging / SCRATCH_FOLDER,
             state.ranks,
+            state.mlp_widths,
+            given,
         )
         state.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
         state.config = layout.mlp_config(state.config)
@@ -116,6 +135,11 @@ def mlp_report(state: RunState) -> MlpReport:
         weighed_by_h=state.mlp_weighed_by_h,
         layers=state.neurons,
         **({} if state.split is None else {"split": state.split}),
+        **(
+            {}
+            if state.mlp_widths is None
+            else {"widths": state.mlp_widths, "width_errors": [curve.errors for curve in state.width_curves]}
+        ),
     )
 
 
@@ -131,19 +155,24 @@ def prune_mlps(
     progress: Progress,
     scratch: Path,
     ranks: Ranks,
+    widths: list[int] | None = None,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[list[NeuronRecord], bool]:
-    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons,
+    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons
+    (`widths`: layer i keeps `widths[i]`, the heterogeneous layout's allocation, and `sensitivity`
+    the H it estimated, in place of the walk's),
     chosen on the model as the walk (and refinement) left it, weighed by H in each MLP's stream
     coordinates where the walk estimated it; its config says the new width. Returns the layers'
     records and whether H weighed the choice."""
     spec, layout, selector, family = recipe.mlp, checked.layout, checked.selector, checked.layout.family
     assert spec is not None and layout.prunes_mlp and selector is not None
-    sensitivity = stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
+    if sensitivity is None:
+        sensitivity = stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
     records = prune_mlp(
         pruned,
         family,
         calibration,
-        layout.mlp_width,
+        layout.mlp_width if widths is None else widths,
         selector,
         device,
         shared_keep=layout.shared_width,
@@ -157,6 +186,52 @@ def prune_mlps(
     )
     set_mlp_widths(pruned.config, family, layout.mlp_width, layout.shared_width)
     return records, sensitivity is not None
+
+
+def allocated_widths(
+    state: RunState,
+) -> tuple[list[int], list[WidthCurve], dict[int, torch.Tensor] | None]:
+    """The heterogeneous layout's MLP widths (`engine.mlp_widths`): the uniform plan's neurons,
+    redistributed over the layers in DeciLM's steps by each layer's predicted error; the curves,
+    and H where each MLP writes (`mlp.allocate_by: fisher`), which the neuron selector then uses."""
+    spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
+    assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
+    step = math.lcm(FFN_STEP, spec.round_to)
+    sensitivity = None if spec.allocate_by == "energy" else mlp_stream_fisher(state)
+    curves = mlp_width_curves(
+        state.pruned,
+        state.family,
+        state.calibration,
+        selector,
+        step,
+        state.device,
+        refit=spec.refit,
+        damping=spec.damping,
+        sensitivity=sensitivity,
+        progress=state.progress,
+        store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
+        ranks=state.ranks,
+    )
+    return allocate(curves, layout.mlp_width * len(curves)), curves, sensitivity
+
+
+def mlp_stream_fisher(state: RunState) -> dict[int, torch.Tensor]:
+    """H (`engine.fisher`) where each layer's MLP writes, on the model as loaded: a layout that keeps
+    the stream whole has no walk to estimate it, and the width curves need it to compare layers.
+    The estimate runs on a norm-fused copy (the stream is the same; the copy is dropped after)."""
+    assert state.pruned is not None
+    state.progress("estimating output sensitivity (H)", 0, 1)
+    fused = copy.deepcopy(state.pruned)
+    fuse_norms(fused, state.family)
+    store = ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER)
+    inputs = capture_layer_inputs(fused, state.family, state.calibration, state.device, store)
+    try:
+        fisher = estimate_fisher(fused, state.family, inputs, state.recipe.sensitivity, state.device, state.recipe.seed)
+    finally:
+        inputs.hidden.close()
+        del fused
+    layers = state.pruned.config.num_hidden_layers
+    return {i: fisher[layer_site_ids(state.family, i)[-1]] for i in range(layers)}
 
 
 def stream_sensitivity(

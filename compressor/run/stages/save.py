@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor.engine.bases import BASES_FILE, READERS_FILE, save_bases
+from compressor.models.decilm import save_decilm
 from compressor.models.export import write_remote_code
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import load_stock, save_own_class, to_stock
@@ -115,6 +116,11 @@ def save_mlp_alone(state: RunState, pruned: PreTrainedModel, save_model: bool) -
     folder = state.staging / "model"
     if state.checked.tower is not None:  # the projector writes the stream as it was
         return save_whole_tower(state, pruned, folder, None)
+    if state.mlp_widths is not None:  # slicing.layout: heterogeneous
+        decilm = save_decilm(pruned, folder)
+        state.stock["config"] = {"block_configs": decilm.block_configs}
+        state.stock["class"] = "DeciLMForCausalLM"
+        return load_stock(folder, pruned, remote_code=True)
     save_own_class(pruned, family, folder)
     return load_stock(folder, pruned)
 

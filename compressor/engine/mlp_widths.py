@@ -1,0 +1,80 @@
+"""Per-layer MLP widths under one neuron budget: the heterogeneous layout's allocation.
+
+A stock model keeps one MLP width in every layer; DeciLM (`models.decilm`) keeps one per layer, so
+the neurons a budget allows can go where they matter. Each layer's curve is the error its MLP's
+output takes at every width of a grid (the engines' multiples of 256, and 0: the FFN removed):
+the layer's selector chooses the kept neurons at each width, the down projection is refitted as the
+MLP stage refits it, and the error is measured where the MLP writes, Tr[G·E[(Wh − W'h_S)(…)ᵀ]],
+from the moments C = E[h hᵀ] alone. With G = H (the Fisher of the output KL at the stream the MLP
+writes) every layer's error is in the same unit, half the predicted KL, so the curves compare
+across layers; without H, G = I and they compare stream energies. `allocate` then picks one
+width per layer minimising the summed error under the total (a multiple-choice knapsack on the
+grid, exact by dynamic programming). The curves are measured on the unpruned model in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from compressor.errors import UserError
+
+
+def weighted_error(
+    down: torch.Tensor, C: torch.Tensor, kept: torch.Tensor, kept_down: torch.Tensor, G: torch.Tensor | None
+) -> float:
+    """Tr[G·E[(W h − W' h_S)(W h − W' h_S)ᵀ]] from C = E[h hᵀ]: the error where the MLP writes when
+    only `kept` neurons stay and `kept_down` (d × |S|) reads them (G None: the identity)."""
+    C_S = C[:, kept]
+    error = down @ C @ down.T - down @ C_S @ kept_down.T
+    error = error - kept_down @ C_S.T @ down.T + kept_down @ C[kept][:, kept] @ kept_down.T
+    return float(torch.trace(error) if G is None else (G * error).sum())
+
+
+@dataclass(frozen=True)
+class WidthCurve:
+    """One layer's predicted error at each width of the grid (0: the FFN removed)."""
+
+    layer: int
+    errors: dict[int, float]
+
+
+def allocate(curves: Sequence[WidthCurve], total: int) -> list[int]:
+    """One width per layer from its curve, the widths summing to at most `total`, with the least
+    summed error (exact: dynamic programming over the grid's common step)."""
+    widths = sorted({w for curve in curves for w in curve.errors})
+    step = math.gcd(*widths) or 1
+    units = total // step
+    if sum(min(curve.errors) for curve in curves) > total:
+        raise UserError(f"the MLP widths cannot fit {total} neurons over {len(curves)} layers; raise the budget")
+    inf = float("inf")
+    best = [0.0] + [inf] * units  # best[u]: least error of the layers so far within u units
+    choices: list[list[int]] = []
+    for curve in curves:
+        new, pick = [inf] * (units + 1), [-1] * (units + 1)
+        for u in range(units + 1):
+            for width, error in curve.errors.items():
+                need = width // step
+                if need <= u and best[u - need] + error < new[u]:
+                    new[u], pick[u] = best[u - need] + error, width
+        best = new
+        choices.append(pick)
+    u = min(range(units + 1), key=lambda v: (best[v], v))
+    kept: list[int] = []
+    for pick in reversed(choices):
+        kept.append(pick[u])
+        u -= pick[u] // step
+    return kept[::-1]
+
+
+def width_grid(width: int, step: int) -> list[int]:
+    """The widths a layer of `width` neurons may keep: 0, then every multiple of `step` up to it."""
+    if width % step:
+        raise UserError(
+            f"the MLP's width {width} is not a multiple of {step}, the step DeciLM's engines round FFN widths to; "
+            f"this model cannot be saved with per-layer widths"
+        )
+    return list(range(0, width + 1, step))

@@ -1,0 +1,97 @@
+"""Per-layer MLP widths (`engine.mlp_widths`, the heterogeneous layout): the allocation is the
+least summed error within the total (checked against every combination), the predicted error is
+the G-weighted error of the pruned MLP's output on the tokens it was measured on, the curves are
+measured without changing the model, and `prune_mlp` keeps a width per layer, 0 removing the
+MLP's output exactly."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from compressor.engine.mlp_widths import WidthCurve, allocate, weighted_error, width_grid
+from compressor.engine.neurons import mlp_width_curves, prune_mlp
+from compressor.engine.refit import refit_down
+from compressor.errors import UserError
+from compressor.models.families import family_for
+from compressor.strategies.registry import PluginRegistry
+from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model
+
+
+def _curves(layers: int, seed: int) -> list[WidthCurve]:
+    generator = torch.Generator().manual_seed(seed)
+    curves = []
+    for layer in range(layers):
+        drops = torch.rand(4, generator=generator, dtype=torch.float64).sort(descending=True).values
+        errors = [float(drops[i:].sum()) for i in range(4)] + [0.0]  # falling with the width
+        curves.append(WidthCurve(layer, {w: e for w, e in zip(range(0, 1025, 256), errors, strict=True)}))
+    return curves
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_allocation_is_the_best_combination_within_the_total(seed: int) -> None:
+    curves = _curves(4, seed)
+    for total in (0, 256, 1000, 1536, 2304, 4096):
+        widths = allocate(curves, total)
+        assert sum(widths) <= total
+        best = min(
+            sum(c.errors[w] for c, w in zip(curves, combo, strict=True))
+            for combo in itertools.product(*(c.errors for c in curves))
+            if sum(combo) <= total
+        )
+        assert sum(c.errors[w] for c, w in zip(curves, widths, strict=True)) == pytest.approx(best)
+
+
+def test_a_total_below_the_narrowest_widths_is_refused() -> None:
+    curves = [WidthCurve(0, {256: 1.0, 512: 0.0})]
+    with pytest.raises(UserError, match="raise the budget"):
+        allocate(curves, 128)
+    assert width_grid(768, 256) == [0, 256, 512, 768]
+    with pytest.raises(UserError, match="not a multiple of 256"):
+        width_grid(700, 256)
+
+
+def test_the_predicted_error_is_the_weighted_error_of_the_refitted_output() -> None:
+    generator = torch.Generator().manual_seed(0)
+    tokens, f, d = 300, 10, 6
+    h = torch.randn(tokens, f, generator=generator, dtype=torch.float64)
+    h = h @ torch.randn(f, f, generator=generator, dtype=torch.float64)
+    W = torch.randn(d, f, generator=generator, dtype=torch.float64)
+    A = torch.randn(d, d, generator=generator, dtype=torch.float64)
+    G = A @ A.T
+    C = h.T @ h / tokens
+    kept = torch.tensor([1, 4, 5, 8])
+    for down in (refit_down(W, C, kept, 0.1), W[:, kept]):
+        error = h @ W.T - h[:, kept] @ down.T  # tokens × d
+        measured = float(torch.einsum("ti,ij,tj->", error, G, error) / tokens)
+        assert weighted_error(W, C, kept, down, G) == pytest.approx(measured, rel=1e-9)
+        assert weighted_error(W, C, kept, down, None) == pytest.approx(float((error**2).sum() / tokens), rel=1e-9)
+
+
+def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -> None:
+    original = tiny_model("llama", intermediate_size=512)
+    model, family = copy_model(original), family_for("llama")
+    batches = random_batches(original.config.vocab_size, padded=True)
+    curves = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 256)
+    assert [sorted(c.errors) for c in curves] == [[0, 256, 512]] * 2
+    for curve in curves:
+        assert curve.errors[0] > curve.errors[256] > abs(curve.errors[512])
+        assert abs(curve.errors[512]) < 1e-9 * curve.errors[0]
+    assert max_relative_logit_error(original, model, batches) == 0
+
+
+def test_each_layer_keeps_its_own_width_and_zero_removes_the_mlp() -> None:
+    original = tiny_model("llama", intermediate_size=512, num_hidden_layers=3)
+    model, family = copy_model(original), family_for("llama")
+    batches = random_batches(original.config.vocab_size, padded=True)
+    records = prune_mlp(model, family, batches, [512, 0, 256], PluginRegistry().selector("obs"), feedback=0.0)
+    assert [layer.mlp.down_proj.in_features for layer in model.model.layers] == [512, 0, 256]
+    assert [r.kept for r in records] == [512, 0, 256] and records[1].error_dropped == pytest.approx(1.0)
+    expected = copy_model(original)
+    expected.model.layers[1].mlp.down_proj.weight.data.zero_()  # the middle MLP writes nothing
+    hand_built = copy.deepcopy(model)
+    hand_built.model.layers[2] = expected.model.layers[2]  # the last layer as it was: compare the first two
+    assert max_relative_logit_error(expected, hand_built, batches) < 1e-5

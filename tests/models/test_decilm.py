@@ -1,0 +1,74 @@
+"""The heterogeneous layout's format (issue 49, item 3): a Llama whose MLPs differ in width, one of
+them removed, written as DeciLM with this project's own configuration and modelling code, reloads
+with trust_remote_code and gives the same logits and the same greedy generation (through the KV
+cache); its block_configs say each width as the engines compute it; what DeciLM cannot hold is
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from compressor.engine.refit import drop_neurons
+from compressor.errors import UserError
+from compressor.models.decilm import decilm_config, decilm_refusal, save_decilm
+from compressor.models.decilm.configuration_decilm import ffn_mult, ffn_width
+from tests.conftest import max_relative_logit_error, random_batches, tiny_model
+
+
+def _narrowed(widths: list[int], **overrides) -> torch.nn.Module:
+    """A tiny Llama whose layer i keeps its MLP's first `widths[i]` neurons (0: it writes nothing)."""
+    model = tiny_model("llama", intermediate_size=512, num_hidden_layers=len(widths), **overrides)
+    for layer, width in zip(model.model.layers, widths, strict=True):
+        mlp, kept = layer.mlp, torch.arange(width)
+        drop_neurons([mlp.gate_proj, mlp.up_proj], mlp.down_proj, kept, mlp.down_proj.weight.data[:, kept])
+    return model
+
+
+def test_a_llama_with_per_layer_widths_reloads_as_decilm_with_the_same_logits(tmp_path: Path) -> None:
+    model = _narrowed([256, 0, 512])
+    save_decilm(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "nemotron-nas" and config["architectures"] == ["DeciLMForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_decilm.DeciLMForCausalLM"
+    assert (tmp_path / "modeling_decilm.py").is_file() and (tmp_path / "configuration_decilm.py").is_file()
+    ffns = [block["ffn"] for block in config["block_configs"]]
+    assert [f["no_op"] for f in ffns] == [False, True, False]
+    assert [ffn_width(f["ffn_mult"], 64) for f in ffns if not f["no_op"]] == [256, 512]
+    groups = {block["attention"]["n_heads_in_group"] for block in config["block_configs"]}
+    assert groups == {2}  # 4 query heads over 2 KV heads
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(saved).__name__ == "DeciLMForCausalLM"
+    assert not any("layers.1.mlp" in name or "layers.1.post_attention" in name for name, _ in saved.named_parameters())
+    assert max_relative_logit_error(model, saved, random_batches(model.config.vocab_size, padded=True)) < 1e-6
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(saved.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_a_tied_model_stays_tied() -> None:
+    model = _narrowed([256, 512], tie_word_embeddings=True)
+    assert decilm_config(model.config, [256, 512]).tie_word_embeddings
+
+
+def test_ffn_mult_gives_back_every_width_the_engines_round_to() -> None:
+    for hidden in (64, 576, 2048, 4096, 8192):
+        for width in range(256, 8 * hidden + 1, 256):
+            assert ffn_width(ffn_mult(width, hidden), hidden) == width
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ffn_mult(300, 64)
+
+
+def test_what_decilm_cannot_hold_is_refused_in_one_line(tmp_path: Path) -> None:
+    assert decilm_refusal(tiny_model("llama").config) is None
+    assert "qwen3 blocks are not" in decilm_refusal(tiny_model("qwen3").config)
+    wider = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, head_dim=32)
+    assert "head_dim from hidden_size" in decilm_refusal(wider)
+    with pytest.raises(UserError, match="use slicing.layout: global"):
+        save_decilm(tiny_model("qwen3"), tmp_path)
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        decilm_config(tiny_model("llama", num_hidden_layers=1).config, [128])

@@ -1,0 +1,109 @@
+"""`slicing.layout: heterogeneous` (issue 49, item 3): the stream kept whole, each layer's MLP its
+own width allocated by predicted error under the budget, saved as DeciLM with this project's own
+code. Keeping every neuron gives the original's logits through the DeciLM class; a pruned run's
+folder reloads with the widths its report names and the parameters it counts; what the layout
+cannot run with is refused in one line with nothing written; a run killed in the MLP stage
+resumes to the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressor.cli import main
+from compressor.evaluation.metrics import parameter_count
+from tests.conftest import max_relative_logit_error, random_batches, save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+
+
+def _checkpoint(tmp_path: Path, name: str = "llama") -> Path:
+    return save_tiny_checkpoint(tmp_path / name, name, intermediate_size=512, num_hidden_layers=3)
+
+
+def _recipe(tmp_path: Path, checkpoint: Path, **changes) -> Path:
+    settings = {"budget": "non_embedding", "target_params": 0.8, "mlp": {}, **changes}
+    settings = {key: value for key, value in settings.items() if value is not _DELETE}
+    if "sparsity" not in settings:
+        settings["sparsity"] = _DELETE  # write_recipe's default gives one
+    return write_recipe(tmp_path, checkpoint, slicing={"layout": "heterogeneous"}, **settings)
+
+
+def _load(folder: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def test_keeping_every_neuron_gives_the_original_logits_through_decilm(tmp_path: Path) -> None:
+    checkpoint = _checkpoint(tmp_path)
+    recipe = _recipe(tmp_path, checkpoint, target_params=1.0, mlp={"kept": 512})
+    assert main(["run", str(recipe)]) == 0
+    saved = _load(tmp_path / "out" / "model")
+    assert type(saved).__name__ == "DeciLMForCausalLM"
+    original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert max_relative_logit_error(original, saved, random_batches(8192, padded=True)) < 1e-5
+
+
+def test_a_pruned_run_saves_the_widths_its_report_names(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, _checkpoint(tmp_path))
+    assert main(["run", str(recipe)]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    mlp = report["mlp"]
+    widths = mlp["widths"]
+    assert all(w % 256 == 0 for w in widths) and sum(widths) <= mlp["kept"] * 3 and sum(widths) < 3 * 512
+    assert [sorted(int(w) for w in errors) for errors in mlp["width_errors"]] == [[0, 256, 512]] * 3
+    saved = _load(tmp_path / "out" / "model")
+    found = [0 if not layer.ffn_kept else layer.mlp.down_proj.in_features for layer in saved.model.layers]
+    assert found == widths
+    blocks = json.loads((tmp_path / "out" / "model" / "config.json").read_text())["block_configs"]
+    assert [b["ffn"]["no_op"] for b in blocks] == [w == 0 for w in widths]
+    assert parameter_count(saved) == report["params"]["pruned"]
+    assert "per layer " + ", ".join(map(str, widths)) in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "message"),
+    [
+        ("qwen3", {}, "heterogeneous saves DeciLM: its blocks are Llama's and qwen3 blocks are not"),
+        ("llama", {"mlp": _DELETE}, "add mlp: {} (or mlp.kept)"),
+        ("llama", {"depth": {"removed": 1}}, "depth: a heterogeneous llama keeps its stream whole"),
+        ("llama", {"sparsity": 0.2, "target_params": _DELETE, "budget": "all"}, "sparsity cuts the residual width"),
+    ],
+)
+def test_what_the_layout_cannot_run_with_is_one_line(
+    name: str, changes: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = _recipe(tmp_path, _checkpoint(tmp_path, name), **changes)
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = _recipe(tmp_path, _checkpoint(tmp_path), evaluation=None)
+    killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
+
+
+def test_the_dry_run_names_the_format_and_the_shared_neurons(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = _recipe(tmp_path, _checkpoint(tmp_path))
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "per-layer MLP widths: saved as DeciLMForCausalLM (remote code)" in out
+    assert "mlp: the 3 MLPs share" in out and "in steps of 256" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_allocate_by_is_refused_beside_another_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = write_recipe(tmp_path, _checkpoint(tmp_path), mlp={"kept": 256, "allocate_by": "energy"})
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    assert "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous" in capsys.readouterr().err
