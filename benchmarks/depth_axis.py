@@ -13,23 +13,15 @@ Writes benchmarks/results/depth_axis_<model>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from axis_runs import EVALUATION, ROOT, run_all, write_tables
 from rich.console import Console
-from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "slicing.layout=global",
-    "evaluation.lm_eval=null",
-    "evaluation.throughput=false",
-    "evaluation.num_samples=64",
+    *EVALUATION,
 ]
 """The stock layout (the original class, fewer layers where depth removes them), evaluated on 64
 held-out windows of the base recipe's evaluation data, no lm-eval or throughput."""
@@ -54,28 +46,28 @@ def configurations(targets: list[float], removed: list[int]) -> list[tuple[str, 
     return runs
 
 
-def run_one(recipe: Path, changes: list[str], output: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), "--overwrite"]
-    for change in [*BASE, *changes]:
-        command += ["--set", change]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TERM": "dumb"})
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(changes)} failed: {done.stderr.strip().splitlines()[-1:]}")
-    report = json.loads((output / "report.json").read_text())
+def figures(report: dict[str, Any]) -> dict[str, Any]:
     depth = report.get("depth") or {}
     return {
-        "params": report["params"]["pruned"],
-        "share": report["params"]["ratio"],
-        "width": report["kept_width"],
         "blocks": report["model"]["num_layers"] - len(depth.get("removed", [])),
         "removed": depth.get("removed", []),
-        "kl": report["metrics"]["pruned"]["kl"],
-        "ppl": report["metrics"]["pruned"]["ppl"],
-        "baseline_ppl": report["metrics"]["baseline"]["ppl"],
         "depth_s": report["timings"].get("depth_s", 0.0),
-        "prune_s": report["timings"]["prune_s"] + report["timings"].get("fisher_s", 0.0),
         "measurements": depth.get("measurements", 0),
     }
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    removed = ",".join(str(i) for i in row["removed"]) or "none"
+    return [
+        row["label"],
+        f"{row['share']:.1%}",
+        str(row["width"]),
+        f"{row['blocks']} ({removed})",
+        f"{row['kl']:.4f}",
+        f"{row['ppl']:.2f}",
+        f"{row['depth_s']:.1f}",
+        f"{row['prune_s']:.1f}",
+    ]
 
 
 def main() -> None:
@@ -86,38 +78,10 @@ def main() -> None:
     parser.add_argument("--name", default="ref-llama")
     args = parser.parse_args()
     console = Console()
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for index, (label, changes) in enumerate(configurations(args.targets, args.removed)):
-            console.print(f"[{index + 1}] {label}")
-            rows.append({"label": label, "changes": changes, **run_one(args.recipe, changes, Path(scratch) / "out")})
-    table = Table(title=f"{args.name}: depth against width (stock layout, held-out KL)")
+    rows = run_all(args.recipe, configurations(args.targets, args.removed), BASE, figures, console)
     columns = ("configuration", "params", "width", "blocks (removed)", "KL", "ppl", "choosing s", "prune s")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "configuration" else "right")
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        removed = ",".join(str(i) for i in row["removed"]) or "none"
-        cells = (
-            row["label"],
-            f"{row['share']:.1%}",
-            str(row["width"]),
-            f"{row['blocks']} ({removed})",
-            f"{row['kl']:.4f}",
-            f"{row['ppl']:.2f}",
-            f"{row['depth_s']:.1f}",
-            f"{row['prune_s']:.1f}",
-        )
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
-    console.print(table)
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"depth_axis_{args.name}.json").write_text(
-        json.dumps({"recipe": str(args.recipe), "rows": rows}, indent=2)
-    )
-    (results / f"depth_axis_{args.name}.md").write_text("\n".join(lines) + "\n")
-    console.print(f"wrote {results / f'depth_axis_{args.name}.json'} and .md")
+    title = f"{args.name}: depth against width (stock layout, held-out KL)"
+    write_tables(rows, columns, cells, title, f"depth_axis_{args.name}", args.recipe, console)
 
 
 if __name__ == "__main__":

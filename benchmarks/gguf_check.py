@@ -79,6 +79,11 @@ DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gguf"
 # raises, returns the name given in argv[2] (empty: re-raise). Everything else, tensors, metadata and
 # the rest of the vocabulary, is the converter's own code path. The "tok match" column then checks
 # the choice on the held-out text.
+# A second case: llama.cpp's DeciLM converter (DeciModel.set_vocab, the heterogeneous layout's format)
+# knows two vocabularies, Llama 3's (by its size, 128256: the byte-level BPE path) and Llama 2's
+# SentencePiece-style BPE (byte_fallback); any other raises FileNotFoundError. For a byte-level BPE
+# tokenizer (ref-llama's, SmolLM2's) the wrapper then takes the converter's own byte-level path,
+# _set_vocab_gpt2, the one it takes for Llama 3; the tensors and the rest are DeciModel's.
 CONVERTER_BOOTSTRAP = r"""
 import os, runpy, sys
 converter, fallback = sys.argv[1], sys.argv[2]
@@ -101,6 +106,19 @@ if base is not None and fallback:
             log.warning("gguf_check: unknown pre-tokenizer hash, writing tokenizer.ggml.pre = %r", fallback)
             return fallback
     cls.get_vocab_base_pre = get_vocab_base_pre
+try:
+    import conversion.deci as deci
+except ImportError:
+    deci = None
+if deci is not None:
+    own_vocab = deci.DeciModel.set_vocab
+    def set_vocab(self):
+        try:
+            own_vocab(self)
+        except FileNotFoundError:  # neither Llama 3's nor Llama 2's vocabulary: the byte-level BPE path
+            log.warning("gguf_check: DeciLM with a byte-level BPE vocabulary, written as Llama 3's is")
+            self._set_vocab_gpt2()
+    deci.DeciModel.set_vocab = set_vocab
 sys.argv = [converter] + sys.argv[3:]
 runpy.run_path(converter, run_name="__main__")
 """

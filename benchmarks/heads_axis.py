@@ -13,23 +13,15 @@ Writes benchmarks/results/heads_axis_<model>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from axis_runs import EVALUATION, ROOT, run_all, write_tables
 from rich.console import Console
-from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "slicing.layout=global",
-    "evaluation.lm_eval=null",
-    "evaluation.throughput=false",
-    "evaluation.num_samples=64",
+    *EVALUATION,
 ]
 """The stock layout (the original class, fewer heads where the heads axis prunes them), evaluated
 on 64 held-out windows of the base recipe's evaluation data, no lm-eval or throughput."""
@@ -58,27 +50,22 @@ def configurations(targets: list[float], kept: list[float]) -> list[tuple[str, l
     return runs
 
 
-def run_one(recipe: Path, changes: list[str], output: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), "--overwrite"]
-    for change in [*BASE, *changes]:
-        command += ["--set", change]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TERM": "dumb"})
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(changes)} failed: {done.stderr.strip().splitlines()[-1:]}")
-    report = json.loads((output / "report.json").read_text())
+def figures(report: dict[str, Any]) -> dict[str, Any]:
     heads = report.get("heads") or {}
-    return {
-        "params": report["params"]["pruned"],
-        "share": report["params"]["ratio"],
-        "width": report["kept_width"],
-        "heads": heads.get("kept"),
-        "of": heads.get("of"),
-        "kl": report["metrics"]["pruned"]["kl"],
-        "ppl": report["metrics"]["pruned"]["ppl"],
-        "baseline_ppl": report["metrics"]["baseline"]["ppl"],
-        "heads_s": report["timings"].get("heads_s", 0.0),
-        "prune_s": report["timings"]["prune_s"] + report["timings"].get("fisher_s", 0.0),
-    }
+    return {"heads": heads.get("kept"), "of": heads.get("of"), "heads_s": report["timings"].get("heads_s", 0.0)}
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    return [
+        row["label"],
+        f"{row['share']:.1%}",
+        str(row["width"]),
+        "all" if row["heads"] is None else f"{row['heads']} of {row['of']}",
+        f"{row['kl']:.4f}",
+        f"{row['ppl']:.2f}",
+        f"{row['heads_s']:.1f}",
+        f"{row['prune_s']:.1f}",
+    ]
 
 
 def main() -> None:
@@ -89,37 +76,10 @@ def main() -> None:
     parser.add_argument("--name", default="ref-llama")
     args = parser.parse_args()
     console = Console()
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for index, (label, changes) in enumerate(configurations(args.targets, args.kept)):
-            console.print(f"[{index + 1}] {label}")
-            rows.append({"label": label, "changes": changes, **run_one(args.recipe, changes, Path(scratch) / "out")})
-    table = Table(title=f"{args.name}: query heads against width (stock layout, held-out KL)")
+    rows = run_all(args.recipe, configurations(args.targets, args.kept), BASE, figures, console)
     columns = ("configuration", "params", "width", "heads", "KL", "ppl", "heads s", "prune s")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "configuration" else "right")
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = (
-            row["label"],
-            f"{row['share']:.1%}",
-            str(row["width"]),
-            "all" if row["heads"] is None else f"{row['heads']} of {row['of']}",
-            f"{row['kl']:.4f}",
-            f"{row['ppl']:.2f}",
-            f"{row['heads_s']:.1f}",
-            f"{row['prune_s']:.1f}",
-        )
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
-    console.print(table)
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    (results / f"heads_axis_{args.name}.json").write_text(
-        json.dumps({"recipe": str(args.recipe), "rows": rows}, indent=2)
-    )
-    (results / f"heads_axis_{args.name}.md").write_text("\n".join(lines) + "\n")
-    console.print(f"wrote {results / f'heads_axis_{args.name}.json'} and .md")
+    title = f"{args.name}: query heads against width (stock layout, held-out KL)"
+    write_tables(rows, columns, cells, title, f"heads_axis_{args.name}", args.recipe, console)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "distillation": DISTILLATION,
     },
     "global-pca-tied": {"slicing": {"layout": "global", "tie_head": True}, "pipeline": [{"strategy": "pca"}]},
+    "heterogeneous": {"slicing": {"layout": "heterogeneous"}, "pipeline": [{"strategy": "pca"}], "mlp": {}},
     "global-pca-untied": {"slicing": {"layout": "global", "tie_head": False}, "pipeline": [{"strategy": "pca"}]},
     "global-beyond-tied-distilled": {
         "slicing": {"layout": "global", "tie_head": True},

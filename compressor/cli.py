@@ -539,6 +539,7 @@ def _strategies(console: Console) -> None:
 
 
 def _families(console: Console) -> None:
+    from compressor.models.decilm import FAMILIES as DECILM_TYPES
     from compressor.models.towers import BUILTIN_TOWERS
     from compressor.strategies.registry import PluginRegistry
 
@@ -547,7 +548,7 @@ def _families(console: Console) -> None:
         (
             model_type,
             e.family.name,
-            ", ".join(e.family.layouts()),
+            ", ".join(e.family.layouts() + (("heterogeneous",) if model_type in DECILM_TYPES else ())),
             ", ".join(e.family.axes()),
             ", ".join(e.family.stock_axes()) or "none",
             e.plugin,

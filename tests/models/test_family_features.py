@@ -115,7 +115,10 @@ def test_compress_families_says_what_each_model_type_can_save_and_prune(
             residual = ["residual"] if family.stock_refusal is None else []
             experts = ["experts"] if family.experts else []
             stock = residual + (["mlp"] if family.mlp_width else []) + (experts if residual else [])
-            assert cells[2] == ("per_site, global" if stock else "per_site")  # GPT-2: nothing stock to prune
+            layouts = ("per_site, global" if stock else "per_site") + (
+                ", heterogeneous" if model_type == "llama" else ""
+            )
+            assert cells[2] == layouts  # GPT-2: nothing stock to prune; DeciLM: Llama's blocks
             assert cells[3] == ", ".join(["residual"] + (["mlp"] if family.mlp_width else []) + experts)
             assert cells[4] == (", ".join(stock) or "none")
     assert set(FAMILY_CONFIGS) == {t for f in BUILTIN_FAMILIES for t in f.model_types}  # every one in the suite
