@@ -99,6 +99,7 @@ def test_the_dry_run_names_the_format_and_the_shared_neurons(
     out = capsys.readouterr().out
     assert "per-layer MLP widths: saved as DeciLMForCausalLM (remote code)" in out
     assert "mlp: the 3 MLPs share" in out and "in steps of 256" in out
+    assert "H pass on a fused copy (MLP widths)" in out  # allocate_by: fisher, the default
     assert not (tmp_path / "out").exists()
 
 

@@ -81,7 +81,15 @@ class PruneMlp(Stage):
         if fp.layout.shared_width is not None:  # the shared expert's C, its inverse and one batch's activations
             shared = shared_expert_neurons(fp.layout.config, family)
             device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8 + tokens * shared * (3 * fp.item + 16)
-        return [
+        phases = []
+        recipe = fp.recipe
+        if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
+            assert recipe.mlp is not None
+            if recipe.mlp.allocate_by == "fisher":  # `mlp_stream_fisher`: H on a fused copy of the model
+                totals = (2 * fp.layers + 1) * fp.d * fp.d * fp.h_item
+                host = 2 * fp.weights + fp.store + fp.positions + fp.stored + totals
+                phases.append(fp.phase("H pass on a fused copy (MLP widths)", host, fp.measured["fisher"], fp.disk))
+        return phases + [
             fp.phase(
                 "mlp (one layer at a time)",
                 fp.walked + copies * fp.store + fp.positions,
