@@ -330,6 +330,39 @@ class WalkOptions:
     """The data-parallel group (by default the initialised `torch.distributed` one, if any)."""
     progress: ProgressCallback | None = None
     """Hears each phase and site as the walk reaches it."""
+    survey: SurveyMemo | None = None
+    """Keeps the survey of the original model for the next walk over the same model, data and H
+    (a split choice's trials, then the run's walk): its statistics do not depend on the widths."""
+
+
+@dataclass
+class SurveyMemo:
+    """A survey pass's result kept between walks of one model, calibration data and H that differ
+    only in their widths (the splits of one budget): the survey's pooled statistics and a tied
+    head's last-site C are the same for all of them, so the pass runs once. `key` names the sites,
+    pooling and head it was made for; a walk with another key surveys again (and keeps its own)."""
+
+    key: tuple[Any, ...] | None = None
+    survey: _Survey | None = None
+    passes: int = 0
+    """How many survey passes the walks sharing this memo ran (1 when it served them all)."""
+
+    def recall(self, key: tuple[Any, ...]) -> _Survey | None:
+        """A copy of the kept survey for `key` (the walk drops its own after the embedding's choice)."""
+        if self.key != key or self.survey is None:
+            return None
+        pool = self.survey.pool
+        if pool is not None:
+            copied = GlobalPool(pool.pooling)
+            copied.names, copied.tokens = list(pool.names), pool.tokens
+            copied.C = None if pool.C is None else pool.C.clone()  # a strategy may edit what it is handed
+            copied.H = None if pool.H is None else pool.H.clone()
+            pool = copied
+        return _Survey(pool, list(self.survey.last))
+
+    def keep(self, key: tuple[Any, ...], survey: _Survey) -> None:
+        self.key, self.survey = key, _Survey(survey.pool, list(survey.last))
+        self.passes += 1
 
 
 @torch.no_grad()
@@ -420,8 +453,17 @@ def prune(
                 run, inputs, fisher, options.sensitivity, options.seed, skipped, on_disk=options.write_to is not None
             )
         survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
-        if widths is None or (run.tie_head and EMBEDDING not in saved) or survey.pool is not None:
+        tied_choice = run.tie_head and EMBEDDING not in saved
+        memo_key = (tuple(ids), options.pooling, layout.one_basis, run.tie_head)
+        wanted = widths is not None and (tied_choice or survey.pool is not None) and options.survey is not None
+        recalled = options.survey.recall(memo_key) if wanted and options.survey is not None else None
+        if recalled is not None:  # the same statistics an earlier walk's survey pass measured
+            survey = _Survey(recalled.pool if survey.pool is not None else None, recalled.last if tied_choice else [])
+        elif widths is None or tied_choice or survey.pool is not None:
+            given = widths is not None
             widths, chosen = _survey_original(run, inputs, h, survey, widths, allocator)
+            if options.survey is not None and given:  # an allocator's widths are its own: not kept
+                options.survey.keep(memo_key, survey)
             allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, options.offload, options.scratch)

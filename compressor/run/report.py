@@ -101,11 +101,12 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
     for index, candidate in enumerate(split.candidates):
         mark = " (chosen)" if index == split.chosen else ""
         experts = "" if candidate.experts is None else f", {candidate.experts} experts"
+        pruned = "" if candidate.prune_s is None else f", pruned in {candidate.prune_s:.1f} s"
         rows.append(
             (
                 f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}",
                 "",
-                f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows)",
+                f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows){pruned}",
             )
         )
     return rows

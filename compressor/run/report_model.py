@@ -159,6 +159,9 @@ class SplitCandidate(_Section):
     """Routed experts every MoE layer kept (`experts` without `kept`); None: every expert."""
     active_params: int | None = None
     """Parameters one token uses (a model with routed experts)."""
+    prune_s: float | None = None
+    """Seconds its pruning took: the walk (less the shared H pass), experts, heads and MLP stages;
+    not its held-out measurement. The chosen one's is what choosing is weighed against."""
 
 
 class SplitRecord(_Section):
@@ -170,6 +173,9 @@ class SplitRecord(_Section):
     candidates: list[SplitCandidate]
     chosen: int
     """The index of the candidate the run kept: the lowest held-out KL."""
+    survey_passes: int | None = None
+    """Surveys of the original model the candidates' walks ran (global layout, tied head): one,
+    recalled by the rest (`engine.walk.SurveyMemo`); 0 where no walk needed one."""
 
 
 class MlpReport(_Section):

@@ -218,3 +218,37 @@ def test_sliced_model_stays_close_on_its_calibration_data() -> None:
         out = torch.log_softmax(result.model(batches[0].input_ids).logits, -1)
     kl = (ref.exp() * (ref - out)).sum(-1).mean().item()
     assert 0 < kl < 0.5
+
+
+@pytest.mark.parametrize(("name", "layout", "tie_head"), [("llama", "global", False), ("qwen2", "per_site", True)])
+def test_a_kept_survey_is_recalled_by_the_next_walk_and_prunes_as_its_own_would(
+    name: str, layout: str, tie_head: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Walks that differ only in their widths (the splits of one budget) share one survey of the
+    original model (`SurveyMemo`): the second walk runs no survey pass and gives the tensors a walk
+    that surveyed for itself gives; another pooling surveys again."""
+    from compressor.engine import walk as walk_module
+    from compressor.engine.walk import SurveyMemo, WalkOptions
+
+    config, family = tiny_model(name).config, family_for(name)
+    batches = random_batches(config.vocab_size, padded=True)
+    passes: list[int] = []
+    real_survey = walk_module._survey
+    monkeypatch.setattr(walk_module, "_survey", lambda *args: passes.append(1) or real_survey(*args))
+
+    def pruned(sparsity: float, options: WalkOptions) -> dict[str, torch.Tensor]:
+        k = kept_width(config.hidden_size, sparsity, 8)
+        widths = {site: k for site in site_ids(family, config.num_hidden_layers)}
+        sliced = fixed_layout(config, family, widths, layout=layout, tie_head=tie_head)
+        model = tiny_model(name)  # the same weights; a copy would share (and see edited) its config
+        return prune(model, sliced, batches, [PipelineStep(PCA())], options).model.state_dict()
+
+    memo = SurveyMemo()
+    pruned(0.25, WalkOptions(survey=memo))
+    recalled = pruned(0.5, WalkOptions(survey=memo))
+    assert len(passes) == 1 and memo.passes == 1
+    own = pruned(0.5, WalkOptions())
+    assert len(passes) == 2
+    assert recalled.keys() == own.keys() and all(torch.equal(recalled[name], own[name]) for name in own)
+    pruned(0.5, WalkOptions(survey=memo, pooling="sum"))
+    assert len(passes) == 3 and memo.passes == 2

@@ -40,6 +40,11 @@ def _model(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model" / "model.safetensors"))
 
 
+def _untimed(split: dict) -> dict:
+    """A split record without its candidates' prune times (the measurements, not the clock)."""
+    return {**split, "candidates": [{k: v for k, v in c.items() if k != "prune_s"} for c in split["candidates"]]}
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
@@ -48,12 +53,16 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without refinement the chosen split's trial is the run's own walk and MLP stage: three
-    walks for three candidates, and the model a run with that split fixed saves."""
+    walks for three candidates, one survey of the original model for all of them, and the model a
+    run with that split fixed (which surveys for itself) saves."""
+    from compressor.engine import walk as engine_walk
     from compressor.run.stages import walk
 
     walks: list[int] = []
-    real_prune = walk.prune_as_recipe
+    surveys: list[int] = []
+    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
     monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
+    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     recipe = write_recipe(tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=SPLIT, **COMMON)
@@ -62,6 +71,8 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     report = _report(tmp_path / "chosen")
     split = report["mlp"]["split"]
     candidates = split["candidates"]
+    assert len(surveys) == split["survey_passes"] == 1  # recalled by the second and third walks
+    assert all(c["prune_s"] > 0 for c in candidates)
     kls = [c["heldout_kl"] for c in candidates]
     assert len(candidates) == 3 and split["windows"] == 2
     assert candidates[0]["mlp_kept"] == report["mlp"]["of"] == 1024  # the residual width alone is a candidate
@@ -81,7 +92,7 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
     fixed = write_recipe(tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, **COMMON)
     assert main(["run", str(fixed)]) == 0
-    assert _report(tmp_path / "fixed")["kept_width"] == chosen["width"]
+    assert _report(tmp_path / "fixed")["kept_width"] == chosen["width"] and len(surveys) == 2
     assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
 
 
@@ -155,7 +166,7 @@ def test_a_run_killed_while_or_after_choosing_resumes_to_the_same_model(
     assert resumed_report["fisher_source"] != "computed"  # H was not computed again
     if kill != "mlp:0":  # there every site is saved: the resumed walk needs no H
         assert resumed_report["fisher_source"] == "checkpoint" and resumed_report["resume"]["fisher_loaded"]
-    assert resumed_report["mlp"]["split"] == _report(tmp_path / "whole")["mlp"]["split"]
+    assert _untimed(resumed_report["mlp"]["split"]) == _untimed(_report(tmp_path / "whole")["mlp"]["split"])
     assert _same(_model(tmp_path / "whole"), _model(tmp_path / "run"))
 
 

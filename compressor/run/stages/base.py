@@ -21,7 +21,7 @@ from compressor.engine.mlp_widths import WidthCurve
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
-from compressor.engine.walk import PruneResult
+from compressor.engine.walk import PruneResult, SurveyMemo
 from compressor.evaluation.metrics import compare
 from compressor.models.depth import remove_blocks
 from compressor.models.sites import EMBEDDING
@@ -91,6 +91,11 @@ class RunState:
     rather than what the run's walk (or the adopted trial's) was handed."""
     best_trial: tuple[float, int, RunState] | None = None
     """While choosing without refinement: the lowest-KL split measured so far, as pruned (its KL, index, state)."""
+    split_prune_s: dict[int, float] = field(default_factory=dict)
+    """Each split's own pruning time while choosing, by index (`SplitCandidate.prune_s`)."""
+    survey: SurveyMemo | None = None
+    """While choosing a split: the survey of the original model, measured by the first trial's walk
+    and recalled by the others' and the run's (`engine.walk.SurveyMemo`)."""
     adopted: bool = False
     """The chosen split's trial walk and MLP stage are the run's (no refinement between them): not pruned twice."""
     # walk, then the stages after it, each handing the model on

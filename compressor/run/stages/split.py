@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from compressor import faults
 from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.walk import SurveyMemo
 from compressor.errors import ProgressKept, UserError
 from compressor.models.layout import SlicedLayout
 from compressor.recipe.schema import Recipe
@@ -100,6 +101,7 @@ class ChooseSplit(Stage):
             original = state.resources.whole_model(state.recipe.model)  # on the device only while it measures
             state.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
             rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
+            state.survey = SurveyMemo()  # the first trial surveys the original model for all of them
             state.split = choose(
                 splits,
                 lambda index, layout: measured_split(state, index, layout, original, rng),
@@ -108,11 +110,14 @@ class ChooseSplit(Stage):
             )
             torch.set_rng_state(rng)
             del original
+            state.split = timed_split(state.split, state.split_prune_s, state.survey.passes)
             state.checkpoint.save_split(state.split.model_dump())
         state.checked = dataclasses.replace(state.checked, layout=splits[state.split.chosen])
         if state.best_trial is not None and state.best_trial[1] == state.split.chosen:
             adopt(state, state.best_trial[2])
         state.best_trial = None
+        if state.adopted:
+            state.survey = None  # no walk will recall it
         if not state.adopted and state.model is None:
             state.model = state.model_to_prune()
 
@@ -122,6 +127,12 @@ def open_sections(recipe: Recipe) -> list[str]:
     return [
         name for name in ("mlp", "experts") if getattr(recipe, name) is not None and getattr(recipe, name).kept is None
     ]
+
+
+def timed_split(split: SplitRecord, seconds: dict[int, float], survey_passes: int) -> SplitRecord:
+    """The record with each candidate's own pruning time (where it was measured) and the surveys run."""
+    candidates = [c.model_copy(update={"prune_s": seconds.get(i)}) for i, c in enumerate(split.candidates)]
+    return split.model_copy(update={"candidates": candidates, "survey_passes": survey_passes})
 
 
 def adopt(state: RunState, trial: RunState) -> None:
@@ -161,6 +172,7 @@ def measured_split(
     trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], state.removed_blocks
     trial.model = state.model_to_prune()
     trial.fingerprint = state.fingerprint  # the same recipe, model and data: not hashed again
+    trial.survey = state.survey
     torch.set_rng_state(rng)
     with faults.scoped(f"split{index}/"):
         walk(trial)
@@ -174,6 +186,9 @@ def measured_split(
             with trial.timed("mlp_s"):
                 PruneMlp().run(trial)
     assert trial.result is not None
+    state.split_prune_s[index] = sum(
+        trial.timings.get(key, 0.0) for key in ("prune_s", "experts_s", "heads_s", "mlp_s")
+    )
     if trial.result.fisher is not None and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(trial.result.fisher)
         if trial.result.fisher_source == "computed":

@@ -14,7 +14,7 @@ from compressor.data.batches import Batch
 from compressor.engine.bases import apply_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.parallel import Ranks
-from compressor.engine.walk import PruneResult, WalkOptions, prune
+from compressor.engine.walk import PruneResult, SurveyMemo, WalkOptions, prune
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING
@@ -112,7 +112,9 @@ def walk(state: RunState) -> None:
         state.resources.fisher(h_key),
         state.ranks,
         state.staging / "model" if state.writes else None,
+        state.survey,
     )
+    state.survey = None  # the last walk that could recall it
     if state.result.fisher is not None:
         state.resources.keep_fisher(h_key, state.result.fisher)
     state.pruned, state.bases = state.result.model, state.result.bases
@@ -159,6 +161,7 @@ def prune_as_recipe(
     fisher: dict[str, torch.Tensor] | None,
     ranks: Ranks,
     write_to: Path | None = None,
+    survey: SurveyMemo | None = None,
 ) -> PruneResult:
     """The walk as the recipe asks for it: the same call on every rank of a data-parallel run
     (`write_to`: the sliced model written there as the walk goes, by rank 0)."""
@@ -176,6 +179,7 @@ def prune_as_recipe(
         fisher=fisher,
         ranks=ranks,
         progress=report_progress,
+        survey=survey,
     )
     return prune(model, checked.layout, calibration, checked.pipeline, options)
 
