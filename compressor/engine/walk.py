@@ -340,7 +340,8 @@ class SurveyMemo:
     """A survey pass's result kept between walks of one model, calibration data and H that differ
     only in their widths (the splits of one budget): the survey's pooled statistics and a tied
     head's last-site C are the same for all of them, so the pass runs once. `key` names the sites,
-    pooling and head it was made for; a walk with another key surveys again (and keeps its own)."""
+    pooling, head and calibration tokens it was made for; a walk with another key surveys again
+    (and keeps its own)."""
 
     key: tuple[Any, ...] | None = None
     survey: _Survey | None = None
@@ -454,7 +455,7 @@ def prune(
             )
         survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
         tied_choice = run.tie_head and EMBEDDING not in saved
-        memo_key = (tuple(ids), options.pooling, layout.one_basis, run.tie_head)
+        memo_key = (tuple(ids), options.pooling, layout.one_basis, run.tie_head, tuple(tokens_by_rank))
         wanted = widths is not None and (tied_choice or survey.pool is not None) and options.survey is not None
         recalled = options.survey.recall(memo_key) if wanted and options.survey is not None else None
         if recalled is not None:  # the same statistics an earlier walk's survey pass measured

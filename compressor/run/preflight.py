@@ -212,9 +212,11 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             + f" ({split.counted.count(split.widths or {}):,})"
             for split in checked.splits
         )
+        screen = None if recipe.mlp is None else recipe.mlp.screen_windows
+        pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
         found.checked.append(
-            f"split: the run measures {len(checked.splits)} splits of the budget on held-out windows and keeps the "
-            f"best: {splits}"
+            f"split: the run measures {len(checked.splits)} splits of the budget on held-out windows{pruned_on} and "
+            f"keeps the best: {splits}"
         )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked

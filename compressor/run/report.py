@@ -102,6 +102,8 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
         mark = " (chosen)" if index == split.chosen else ""
         experts = "" if candidate.experts is None else f", {candidate.experts} experts"
         pruned = "" if candidate.prune_s is None else f", pruned in {candidate.prune_s:.1f} s"
+        if split.screen_windows is not None and candidate.prune_s is not None:
+            pruned += f" on {split.screen_windows} calibration windows"
         rows.append(
             (
                 f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}",

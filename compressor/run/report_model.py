@@ -173,6 +173,9 @@ class SplitRecord(_Section):
     candidates: list[SplitCandidate]
     chosen: int
     """The index of the candidate the run kept: the lowest held-out KL."""
+    screen_windows: int | None = None
+    """`mlp.screen_windows`: the calibration windows each candidate was pruned on while choosing
+    (the chosen one was then pruned on all of them); None: every window, the chosen trial kept."""
     survey_passes: int | None = None
     """Surveys of the original model the candidates' walks ran (global layout, tied head): one,
     recalled by the rest (`engine.walk.SurveyMemo`); 0 where no walk needed one."""

@@ -96,6 +96,47 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
 
 
+def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every_window(
+    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mlp.screen_windows`: each split's trial walks that many calibration windows with their own
+    H; no trial is kept, so the run's walk then prunes the chosen split on every window, H and
+    survey of its own, and saves what a run with that split fixed saves."""
+    from compressor.engine import walk as engine_walk
+    from compressor.run.stages import walk
+
+    windows: list[int] = []
+    surveys: list[int] = []
+    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
+    monkeypatch.setattr(
+        walk,
+        "prune_as_recipe",
+        lambda *args: windows.append(sum(len(b.input_ids) for b in args[3])) or real_prune(*args),
+    )
+    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    screened = {**SPLIT, "screen_windows": 2}
+    sensitivity = [{"strategy": "sensitivity"}]  # H: the trials' on their windows, the run's on all
+    recipe = write_recipe(
+        tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=screened, pipeline=sensitivity, **COMMON
+    )
+    assert main(["run", str(recipe)]) == 0
+    assert windows == [2, 2, 2, 4] and len(surveys) == 2  # the trials share one; the run's own on all windows
+    report = _report(tmp_path / "chosen")
+    split = report["mlp"]["split"]
+    assert split["screen_windows"] == 2 and report["fisher_source"] == "computed"
+    assert "on 2 calibration windows" in (tmp_path / "chosen" / "report.md").read_text()
+    chosen = split["candidates"][split["chosen"]]
+    assert report["kept_width"] == chosen["width"] and report["mlp"]["kept"] == chosen["mlp_kept"]
+    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
+    fixed = write_recipe(
+        tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, pipeline=sensitivity, **COMMON
+    )
+    assert main(["run", str(fixed)]) == 0
+    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+
+
 def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +218,8 @@ def test_a_run_killed_while_or_after_choosing_resumes_to_the_same_model(
         ({"mlp": {}, "allocation": {"method": "curves"}, "slicing": {}}, "fix mlp.kept, or remove allocation"),
         ({"mlp": {"heldout_windows": 10**6}}, "mlp.heldout_windows: 1000000 windows after the 4 calibration windows"),
         ({"mlp": {"candidates": 1}}, "mlp.candidates"),
+        ({"mlp": {"screen_windows": 4}}, "mlp.screen_windows 4 is not fewer than the 4 calibration windows"),
+        ({"mlp": {"kept": 0.5, "screen_windows": 2}}, "mlp.screen_windows applies when the plan chooses the split"),
     ],
 )
 def test_bad_split_settings_are_one_line_and_write_nothing(
@@ -193,7 +236,10 @@ def test_dry_run_lists_the_splits(wide_mlp: Path, tmp_path: Path, capsys: pytest
     recipe = write_recipe(tmp_path, wide_mlp, mlp=SPLIT, **COMMON)
     assert main(["run", str(recipe), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "splits of the budget" in out and "with MLP whole" in out
+    assert "splits of the budget" in out and "with MLP whole" in out and "each pruned on" not in out
+    screened = write_recipe(tmp_path, wide_mlp, mlp={**SPLIT, "screen_windows": 2}, **COMMON)
+    assert main(["run", str(screened), "--dry-run"]) == 0
+    assert "each pruned on 2 calibration windows (the chosen one on all)" in capsys.readouterr().out.replace("\n", " ")
     assert not (tmp_path / "out").exists()
 
 

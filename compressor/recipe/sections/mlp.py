@@ -72,6 +72,13 @@ class MlpSpec:
     ] = 16
     """Without `kept`: the windows each split's KL to the original is measured on, read from the
     calibration dataset after its `num_samples` windows (text the walk never saw)."""
+    screen_windows: (
+        Annotated[StrictInt, described("calibration windows each split is pruned on while choosing", ge=1)] | None
+    ) = None
+    """Without `kept`: prune each split on this many calibration windows (evenly spread) while
+    choosing, then prune the chosen one on every window with the run's own walk and MLP stage;
+    choosing then costs about this share of the calibration per split instead of a whole pruning
+    each. None: every split is pruned on every window and the chosen one's trial is kept."""
 
 
 def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec:
@@ -83,7 +90,7 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
             raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
         fixed = MlpSpec(kept=spec.kept)
-        for key in ("min_kept", "candidates", "heldout_windows"):
+        for key in ("min_kept", "candidates", "heldout_windows", "screen_windows"):
             if getattr(spec, key) != getattr(fixed, key):
                 raise UserError(
                     f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
@@ -92,6 +99,12 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         raise UserError(
             "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous, and this recipe's "
             f"layout is {recipe.slicing.layout}; remove mlp.allocate_by, or set slicing.layout: heterogeneous"
+        )
+    windows = recipe.calibration.num_samples
+    if spec.screen_windows is not None and spec.screen_windows >= windows:
+        raise UserError(
+            f"mlp.screen_windows {spec.screen_windows} is not fewer than the {windows} calibration windows "
+            "(calibration.num_samples); lower it, or remove it to prune every split on every window"
         )
     context.registry.selector(spec.selector)
     return spec

@@ -14,7 +14,9 @@ import torch
 from transformers import PreTrainedModel
 
 from compressor import faults
+from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.refine import rebatch
 from compressor.engine.walk import SurveyMemo
 from compressor.errors import ProgressKept, UserError
 from compressor.models.layout import SlicedLayout
@@ -110,7 +112,9 @@ class ChooseSplit(Stage):
             )
             torch.set_rng_state(rng)
             del original
-            state.split = timed_split(state.split, state.split_prune_s, state.survey.passes)
+            state.split = timed_split(
+                state.split, state.split_prune_s, state.survey.passes, screen_windows(state.recipe)
+            )
             state.checkpoint.save_split(state.split.model_dump())
         state.checked = dataclasses.replace(state.checked, layout=splits[state.split.chosen])
         if state.best_trial is not None and state.best_trial[1] == state.split.chosen:
@@ -129,10 +133,12 @@ def open_sections(recipe: Recipe) -> list[str]:
     ]
 
 
-def timed_split(split: SplitRecord, seconds: dict[int, float], survey_passes: int) -> SplitRecord:
-    """The record with each candidate's own pruning time (where it was measured) and the surveys run."""
+def timed_split(split: SplitRecord, seconds: dict[int, float], survey_passes: int, screen: int | None) -> SplitRecord:
+    """The record with each candidate's own pruning time (where it was measured), the calibration
+    windows it was pruned on and the surveys run."""
     candidates = [c.model_copy(update={"prune_s": seconds.get(i)}) for i, c in enumerate(split.candidates)]
-    return split.model_copy(update={"candidates": candidates, "survey_passes": survey_passes})
+    update = {"candidates": candidates, "survey_passes": survey_passes, "screen_windows": screen}
+    return split.model_copy(update=update)
 
 
 def adopt(state: RunState, trial: RunState) -> None:
@@ -168,10 +174,13 @@ def measured_split(
         state.resources,
         state.ranks,
     )
-    trial.tokenizer, trial.calibration = state.tokenizer, state.calibration
+    screen = screen_windows(state.recipe)
+    trial.tokenizer, trial.calibration = state.tokenizer, screened(state)
     trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], state.removed_blocks
     trial.model = state.model_to_prune()
     trial.fingerprint = state.fingerprint  # the same recipe, model and data: not hashed again
+    if screen is not None:  # other data: its own H, shared by the trials only
+        trial.fingerprint = {**state.fingerprint, "data": f"{state.fingerprint['data']}/screen-{screen}"}
     trial.survey = state.survey
     torch.set_rng_state(rng)
     with faults.scoped(f"split{index}/"):
@@ -189,7 +198,7 @@ def measured_split(
     state.split_prune_s[index] = sum(
         trial.timings.get(key, 0.0) for key in ("prune_s", "experts_s", "heads_s", "mlp_s")
     )
-    if trial.result.fisher is not None and not state.checkpoint.has_fisher():
+    if trial.result.fisher is not None and screen is None and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(trial.result.fisher)
         if trial.result.fisher_source == "computed":
             state.split_fisher_source = "computed"
@@ -207,9 +216,26 @@ def measured_split(
     return kl
 
 
+def screen_windows(recipe: Recipe) -> int | None:
+    """`mlp.screen_windows`: the calibration windows each split is pruned on while choosing (None: all)."""
+    return None if recipe.mlp is None else recipe.mlp.screen_windows
+
+
+def screened(state: RunState) -> list[Batch]:
+    """The calibration windows a split's trial is pruned on: all, or `mlp.screen_windows` of them
+    evenly spread through the set, in batches of the calibration's size."""
+    windows = screen_windows(state.recipe)
+    if windows is None:
+        return state.calibration
+    return rebatch(state.calibration, state.recipe.calibration.batch_size, windows)
+
+
 def adoptable(state: RunState) -> bool:
-    """The chosen trial's walk, expert, head and MLP stages can be the run's: no other stage between the
-    walk and the MLP's changes the model (refinement, a plugin's), so the run would make the same calls."""
+    """The chosen trial's walk, expert, head and MLP stages can be the run's: pruned on every calibration
+    window (not screened), and no other stage between the walk and the MLP's changes the model
+    (refinement, a plugin's), so the run would make the same calls."""
+    if screen_windows(state.recipe) is not None:
+        return False
     own = (PruneExperts.name, PruneHeads.name)  # the trial's own
     stages = tuple(stage for stage in state.checked.stages if stage.name not in own)
     return not changes_model_between(stages, state.recipe, "walk", PruneMlp.name)

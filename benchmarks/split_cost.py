@@ -1,0 +1,123 @@
+"""What choosing the split of the budget costs (issue 49, item 4: at most 1.5x the chosen split's
+own pruning), and what it chooses: one recipe with `mlp: {}` run three ways, each a
+`compress run`:
+
+- "every window, survey per split": every split pruned on every calibration window, each walk
+  surveying the original model itself (the choice before `engine.walk.SurveyMemo`; the memo is
+  switched off in that process only);
+- "every window": the same, one survey for all the splits (the default);
+- "screened on N windows" (`mlp.screen_windows: N`): each split pruned on N calibration windows,
+  the chosen one then on all of them.
+
+The cost ratio compares the phase that differs: the time spent choosing beyond the chosen
+split's own pruning, over that pruning. With every window the chosen split's trial is the run's
+(its pruning is within `split_s`): (split_s − its prune_s) / its prune_s. Screened, the run prunes
+the chosen split after choosing: split_s / (the run's prune_s + mlp_s). H is outside both (the
+shared pass, `fisher_s`), as in every prune time of docs/benchmarks.md.
+
+    python benchmarks/split_cost.py                         # ref-llama at target_params 0.75
+    python benchmarks/split_cost.py --target 0.6 --screen 16 32
+
+Writes benchmarks/results/split_cost_<name>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from axis_runs import EVALUATION, ROOT, common, write_tables
+from rich.console import Console
+
+WITHOUT_MEMO = (
+    "import sys; from compressor.engine import walk; walk.SurveyMemo.recall = lambda self, key: None; "
+    "from compressor.cli import main; raise SystemExit(main(sys.argv[1:]))"
+)
+"""A `compress` whose walks never recall a kept survey: each split surveys the original itself."""
+
+
+def run(recipe: Path, changes: list[str], output: Path, memo: bool) -> dict[str, Any]:
+    code = ["-m", "compressor.cli"] if memo else ["-c", WITHOUT_MEMO]
+    command = [sys.executable, *code, "run", str(recipe), "--output", str(output), "--overwrite"]
+    for change in changes:
+        command += ["--set", change]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TERM": "dumb"})
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(changes)} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads((output / "report.json").read_text())
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The choice, its held-out KL while choosing, and the cost ratio (module docstring)."""
+    split, timings = report["mlp"]["split"], report["timings"]
+    chosen = split["candidates"][split["chosen"]]
+    if split.get("screen_windows") is None:
+        own = chosen["prune_s"]
+        beyond = timings["split_s"] - own
+    else:
+        own = timings["prune_s"] + timings.get("mlp_s", 0.0)
+        beyond = timings["split_s"]
+    return {
+        "chosen": f"{chosen['width']} / {chosen['mlp_kept']}",
+        "choice_kl": chosen["heldout_kl"],
+        "candidates": [{k: c[k] for k in ("width", "mlp_kept", "heldout_kl", "prune_s")} for c in split["candidates"]],
+        "split_s": timings["split_s"],
+        "own_s": own,
+        "ratio": beyond / own,
+        "survey_passes": split.get("survey_passes"),
+    }
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    return [
+        row["label"],
+        row["chosen"],
+        f"{row['share']:.1%}",
+        f"{row['kl']:.5f}",
+        f"{row['ppl']:.3f}",
+        f"{row['split_s']:.1f}",
+        f"{row['own_s']:.1f}",
+        f"{row['ratio']:.2f}x",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "ref_llama_stock.yaml")
+    parser.add_argument("--target", type=float, default=0.75)
+    parser.add_argument("--screen", type=int, nargs="+", default=[32], help="mlp.screen_windows values")
+    parser.add_argument("--name", default="ref-llama")
+    args = parser.parse_args()
+    base = [
+        f"target_params={args.target}",
+        "sparsity=null",
+        "refinement=null",
+        "distillation=null",
+        "pipeline=[{strategy: sensitivity, include_pca: true}]",
+        "mlp={}",
+        *EVALUATION,
+    ]
+    configurations = [
+        ("every window, survey per split", [], False),
+        ("every window", [], True),
+        *((f"screened on {n} windows", [f"mlp.screen_windows={n}"], True) for n in args.screen),
+    ]
+    console, rows = Console(), []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (label, changes, memo) in enumerate(configurations):
+            console.print(f"[{index + 1}/{len(configurations)}] {label}")
+            report = run(args.recipe, [*base, *changes], Path(scratch) / "out", memo)
+            rows.append({"label": label, "changes": changes, **common(report), **figures(report)})
+    columns = ("choosing", "width / MLP", "params", "KL", "ppl", "choosing s", "chosen's pruning s", "beyond / own")
+    title = f"{args.name} at target_params {args.target}: what choosing the split costs"
+    write_tables(rows, columns, cells, title, f"split_cost_{args.name}_{args.target}", args.recipe, console)
+
+
+if __name__ == "__main__":
+    main()
