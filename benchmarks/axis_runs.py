@@ -22,9 +22,12 @@ EVALUATION = ["evaluation.lm_eval=null", "evaluation.throughput=false", "evaluat
 without lm-eval or throughput."""
 
 
-def run_report(recipe: Path, changes: Sequence[str], output: Path) -> dict[str, Any]:
-    """`compress run recipe --set change ...` into `output`; its report.json. Exits on failure."""
-    command = [sys.executable, "-m", "compressor.cli", "run", str(recipe), "--output", str(output), "--overwrite"]
+def run_report(
+    recipe: Path, changes: Sequence[str], output: Path, entry: Sequence[str] = ("-m", "compressor.cli")
+) -> dict[str, Any]:
+    """`compress run recipe --set change ...` into `output`; its report.json. Exits on failure.
+    `entry`: how Python starts the CLI (`-c CODE` for a patched one)."""
+    command = [sys.executable, *entry, "run", str(recipe), "--output", str(output), "--overwrite"]
     for change in changes:
         command += ["--set", change]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TERM": "dumb"})

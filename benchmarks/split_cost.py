@@ -24,15 +24,11 @@ Writes benchmarks/results/split_cost_<name>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from axis_runs import EVALUATION, ROOT, common, write_tables
+from axis_runs import EVALUATION, ROOT, common, run_report, write_tables
 from rich.console import Console
 
 WITHOUT_MEMO = (
@@ -40,17 +36,6 @@ WITHOUT_MEMO = (
     "from compressor.cli import main; raise SystemExit(main(sys.argv[1:]))"
 )
 """A `compress` whose walks never recall a kept survey: each split surveys the original itself."""
-
-
-def run(recipe: Path, changes: list[str], output: Path, memo: bool) -> dict[str, Any]:
-    code = ["-m", "compressor.cli"] if memo else ["-c", WITHOUT_MEMO]
-    command = [sys.executable, *code, "run", str(recipe), "--output", str(output), "--overwrite"]
-    for change in changes:
-        command += ["--set", change]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TERM": "dumb"})
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(changes)} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads((output / "report.json").read_text())
 
 
 def figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +97,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for index, (label, changes, memo) in enumerate(configurations):
             console.print(f"[{index + 1}/{len(configurations)}] {label}")
-            report = run(args.recipe, [*base, *changes], Path(scratch) / "out", memo)
+            entry = ("-m", "compressor.cli") if memo else ("-c", WITHOUT_MEMO)
+            report = run_report(args.recipe, [*base, *changes], Path(scratch) / "out", entry)
             rows.append({"label": label, "changes": changes, **common(report), **figures(report)})
     columns = ("choosing", "width / MLP", "params", "KL", "ppl", "choosing s", "chosen's pruning s", "beyond / own")
     title = f"{args.name} at target_params {args.target}: what choosing the split costs"
