@@ -140,6 +140,14 @@ class GlobalPool:
         assert self.C is not None, "no site observed"
         return Pooled(self.names, self.C, self.tokens, self.H)
 
+    def copy(self) -> GlobalPool:
+        """The same sums in tensors of their own (a strategy may edit the statistics it is handed)."""
+        copied = GlobalPool(self.pooling)
+        copied.names, copied.tokens = list(self.names), self.tokens
+        copied.C = None if self.C is None else self.C.clone()
+        copied.H = None if self.H is None else self.H.clone()
+        return copied
+
 
 class SiteChooser:
     """Runs the strategy pipeline at a site and checks what comes back."""

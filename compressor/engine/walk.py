@@ -353,13 +353,7 @@ class SurveyMemo:
         if self.key != key or self.survey is None:
             return None
         pool = self.survey.pool
-        if pool is not None:
-            copied = GlobalPool(pool.pooling)
-            copied.names, copied.tokens = list(pool.names), pool.tokens
-            copied.C = None if pool.C is None else pool.C.clone()  # a strategy may edit what it is handed
-            copied.H = None if pool.H is None else pool.H.clone()
-            pool = copied
-        return _Survey(pool, list(self.survey.last))
+        return _Survey(None if pool is None else pool.copy(), list(self.survey.last))
 
     def keep(self, key: tuple[Any, ...], survey: _Survey) -> None:
         self.key, self.survey = key, _Survey(survey.pool, list(survey.last))
@@ -456,15 +450,15 @@ def prune(
         survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
         tied_choice = run.tie_head and EMBEDDING not in saved
         memo_key = (tuple(ids), options.pooling, layout.one_basis, run.tie_head, tuple(tokens_by_rank))
-        wanted = widths is not None and (tied_choice or survey.pool is not None) and options.survey is not None
-        recalled = options.survey.recall(memo_key) if wanted and options.survey is not None else None
+        # a survey of given widths can be recalled and kept; an allocator's widths are its own
+        memo = options.survey if widths is not None and (tied_choice or survey.pool is not None) else None
+        recalled = memo.recall(memo_key) if memo is not None else None
         if recalled is not None:  # the same statistics an earlier walk's survey pass measured
             survey = _Survey(recalled.pool if survey.pool is not None else None, recalled.last if tied_choice else [])
         elif widths is None or tied_choice or survey.pool is not None:
-            given = widths is not None
             widths, chosen = _survey_original(run, inputs, h, survey, widths, allocator)
-            if options.survey is not None and given:  # an allocator's widths are its own: not kept
-                options.survey.keep(memo_key, survey)
+            if memo is not None:
+                memo.keep(memo_key, survey)
             allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
             store.close()  # the survey moved the activations down the model: start again
             store = ActivationStore(device, options.offload, options.scratch)

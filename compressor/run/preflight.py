@@ -29,6 +29,7 @@ from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.stages.data import heldout_counts
 from compressor.run.stages.evaluate import check_evaluation_tasks
 from compressor.run.stages.order import run_order
+from compressor.run.stages.split import screen_windows
 from compressor.run.staging import check_output, check_writable
 from compressor.strategies.registry import PluginRegistry
 
@@ -212,7 +213,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             + f" ({split.counted.count(split.widths or {}):,})"
             for split in checked.splits
         )
-        screen = None if recipe.mlp is None else recipe.mlp.screen_windows
+        screen = screen_windows(recipe)
         pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
         found.checked.append(
             f"split: the run measures {len(checked.splits)} splits of the budget on held-out windows{pruned_on} and "

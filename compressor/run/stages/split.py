@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from compressor.run.memory import Footprint, Phase
 
 
+TRIAL_TIMINGS = ("prune_s", "experts_s", "heads_s", "mlp_s")
+"""A split's own pruning, stage by stage (the walk's less H): what an adopted trial hands the run."""
+
+
 class ChooseSplit(Stage):
     name = "choosing the split of the budget"
     timing = "split_s"
@@ -151,7 +155,7 @@ def adopt(state: RunState, trial: RunState) -> None:
     state.experts = trial.experts
     state.heads, state.heads_weighed_by_h = trial.heads, trial.heads_weighed_by_h
     state.warnings += [line for line in trial.warnings if line not in state.warnings]
-    for key in ("prune_s", "experts_s", "heads_s", "mlp_s"):
+    for key in TRIAL_TIMINGS:
         if key in trial.timings:
             state.timings[key] = trial.timings[key]
     state.adopted = True
@@ -195,9 +199,7 @@ def measured_split(
             with trial.timed("mlp_s"):
                 PruneMlp().run(trial)
     assert trial.result is not None
-    state.split_prune_s[index] = sum(
-        trial.timings.get(key, 0.0) for key in ("prune_s", "experts_s", "heads_s", "mlp_s")
-    )
+    state.split_prune_s[index] = sum(trial.timings.get(key, 0.0) for key in TRIAL_TIMINGS)
     if trial.result.fisher is not None and screen is None and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(trial.result.fisher)
         if trial.result.fisher_source == "computed":
