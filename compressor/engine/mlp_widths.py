@@ -10,6 +10,11 @@ writes) every layer's error is in the same unit, half the predicted KL, so the c
 across layers; without H, G = I and they compare stream energies. `allocate` then picks one
 width per layer minimising the summed error under the total (a multiple-choice knapsack on the
 grid, exact by dynamic programming). The curves are measured on the unpruned model in one pass.
+
+A layer's attention can join the allocation (DeciLM's `no_op` attention): its curve then also holds
+the error of removing it, Tr[G·E[a aᵀ]] with a what the attention writes and G = H where it writes
+(the same unit), and keeping it costs its parameters counted in neurons; removing it gives them to
+the MLPs.
 """
 
 from __future__ import annotations
@@ -36,38 +41,66 @@ def weighted_error(
 
 @dataclass(frozen=True)
 class WidthCurve:
-    """One layer's predicted error at each width of the grid (0: the FFN removed)."""
+    """One layer's predicted error at each width of the grid (0: the FFN removed), and of removing
+    its attention (None: the attention stays)."""
 
     layer: int
     errors: dict[int, float]
+    attention: float | None = None
 
 
-def allocate(curves: Sequence[WidthCurve], total: int) -> list[int]:
-    """One width per layer from its curve, the widths summing to at most `total`, with the least
-    summed error (exact: dynamic programming over the grid's common step)."""
-    widths = sorted({w for curve in curves for w in curve.errors})
-    step = math.gcd(*widths) or 1
+@dataclass(frozen=True)
+class Allocation:
+    """One MLP width per layer, and the layers whose attention goes."""
+
+    widths: list[int]
+    attention_removed: list[int]
+
+
+def allocate(curves: Sequence[WidthCurve], total: int, attention_units: int = 0) -> Allocation:
+    """One width per layer from its curve, and where a curve says what removing the attention
+    costs, whether it goes; the widths plus `attention_units` per kept removable attention sum to
+    at most `total`, with the least summed error (exact: dynamic programming over the common step).
+    `total` counts every removable attention as kept."""
+    options = [_options(curve, attention_units) for curve in curves]
+    step = math.gcd(*(units for layer in options for units, _, _ in layer)) or 1
     units = total // step
-    if sum(min(curve.errors) for curve in curves) > total:
+    if sum(min(units for units, _, _ in layer) for layer in options) > total:
         raise UserError(f"the MLP widths cannot fit {total} neurons over {len(curves)} layers; raise the budget")
     inf = float("inf")
     best = [0.0] + [inf] * units  # best[u]: least error of the layers so far within u units
-    choices: list[list[int]] = []
-    for curve in curves:
-        new, pick = [inf] * (units + 1), [-1] * (units + 1)
+    choices: list[list[tuple[int, tuple[int, bool]]]] = []
+    for layer in options:
+        new, pick = [inf] * (units + 1), [(0, (-1, True))] * (units + 1)
         for u in range(units + 1):
-            for width, error in curve.errors.items():
-                need = width // step
+            for cost, error, choice in layer:
+                need = cost // step
                 if need <= u and best[u - need] + error < new[u]:
-                    new[u], pick[u] = best[u - need] + error, width
+                    new[u], pick[u] = best[u - need] + error, (need, choice)
         best = new
         choices.append(pick)
     u = min(range(units + 1), key=lambda v: (best[v], v))
-    kept: list[int] = []
+    picked: list[tuple[int, bool]] = []
     for pick in reversed(choices):
-        kept.append(pick[u])
-        u -= pick[u] // step
-    return kept[::-1]
+        need, choice = pick[u]
+        picked.append(choice)
+        u -= need
+    picked.reverse()
+    return Allocation(
+        widths=[width for width, _ in picked],
+        attention_removed=[i for i, (_, attention) in enumerate(picked) if not attention],
+    )
+
+
+def _options(curve: WidthCurve, attention_units: int) -> list[tuple[int, float, tuple[int, bool]]]:
+    """A layer's choices as (units, error, (width, attention kept)): a kept removable attention
+    costs `attention_units` (an attention that cannot go costs nothing here: the total leaves it out)."""
+    removable = curve.attention is not None and attention_units > 0
+    kept = [(w + (attention_units if removable else 0), e, (w, True)) for w, e in curve.errors.items()]
+    if not removable:
+        return kept
+    assert curve.attention is not None
+    return kept + [(w, e + curve.attention, (w, False)) for w, e in curve.errors.items()]
 
 
 def width_grid(width: int, step: int) -> list[int]:

@@ -63,7 +63,7 @@ from compressor.engine.refit import (
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts, is_fused_experts
 from compressor.models.families import ModelFamily
-from compressor.models.sliced import layer_mlp
+from compressor.models.sliced import layer_attention, layer_mlp
 from compressor.strategies.neuron_contract import NeuronProblem, NeuronSelector
 
 Progress = Callable[[str, int, int], None]
@@ -241,6 +241,35 @@ def _measure(
     return stats
 
 
+def _next_inputs(
+    layer: nn.Module, inputs: LayerInputs, index: int, device: torch.device, output: nn.Module | None
+) -> SecondMoment | None:
+    """Replace each stored batch by the layer's output on it (the next layer's input); with an
+    `output` module, E[a aᵀ] of what it writes over the counted tokens."""
+    written = None if output is None else SecondMoment(output.out_features, device)
+    current: dict[str, Any] = {}
+
+    def record(_: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        assert written is not None
+        written.add(out, current["mask"], current["count"])
+
+    handle = None if output is None else output.register_forward_hook(record)
+    try:
+        for b in range(len(inputs)):
+            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
+    finally:
+        if handle is not None:
+            handle.remove()
+    return written
+
+
+def _removal_error(written: torch.Tensor, G: torch.Tensor | None, device: torch.device) -> float:
+    """Tr[G·E[a aᵀ]] from `written` = E[a aᵀ], a what a block writes to the stream: the error
+    there when the block is removed (G None: the identity)."""
+    return float(torch.trace(written) if G is None else (G.to(device, torch.float64) * written).sum())
+
+
 def _stream(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -347,12 +376,15 @@ def mlp_width_curves(
     refit: bool = True,
     damping: float = 1e-2,
     sensitivity: Mapping[int, torch.Tensor] | None = None,
+    attention: Mapping[int, torch.Tensor | None] | None = None,
     progress: Progress | None = None,
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
 ) -> list[WidthCurve]:
     """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
-    (`engine.mlp_widths`), measured on `model` unpruned, in one pass; the model is not changed."""
+    (`engine.mlp_widths`), measured on `model` unpruned, in one pass; the model is not changed.
+    With `attention` (per layer, G where its attention writes, or None for the identity), each
+    curve also holds the error of removing the layer's attention."""
     device, ranks = torch.device(device), ranks or Ranks.current()
     report = progress or (lambda *_: None)
     model.eval()
@@ -369,9 +401,15 @@ def mlp_width_curves(
                 _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
                 down = refitted if refitted is not None else W[:, kept]
                 errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
-            curves.append(WidthCurve(index, errors))
-            for b in range(len(inputs)):  # unpruned: the next layer's input as the model computes it
-                inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
+            del problem
+            attended = None if attention is None else layer_attention(family, layer)
+            output = None if attended is None else attended.get_submodule(family.attn_output)
+            written = _next_inputs(layer, inputs, index, device, output)  # unpruned: as the model computes it
+            removal = None
+            if written is not None:
+                assert attention is not None
+                removal = _removal_error(written.sum_over(ranks).value(), attention[index], device)
+            curves.append(WidthCurve(index, errors, removal))
         report(f"MLP width curves: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()

@@ -149,6 +149,23 @@ def drop_heads(
             setattr(attention, attribute, value)
 
 
+def remove_attention(attention: nn.Module, family: ModelFamily) -> None:
+    """Remove `attention` in place (DeciLM's `no_op` attention): every projection keeps no head,
+    so it writes nothing to the stream and holds no parameters, and its KV cache entry still counts
+    the tokens it saw (a cache whose length is read from the first layer stays right)."""
+    none = torch.zeros(0, dtype=torch.long)
+    for name in family.attn_inputs:
+        _keep_rows(attention.get_submodule(name), none, 1)
+    output = attention.get_submodule(family.attn_output)
+    output.weight = nn.Parameter(output.weight.data[:, :0].clone(), requires_grad=False)
+    output.in_features = 0
+
+
+def attention_removed(attention: nn.Module, family: ModelFamily) -> bool:
+    """Whether `attention` was removed by `remove_attention`."""
+    return attention.get_submodule(family.attn_output).in_features == 0
+
+
 def _keep_rows(linear: nn.Linear, kept: torch.Tensor, rows: int) -> None:
     offsets = torch.arange(rows)
     index = (kept.cpu().reshape(-1, 1) * rows + offsets).flatten().to(linear.weight.device)

@@ -79,7 +79,13 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     rows = [(label, str(mlp.of), f"{kept} ({how})" if narrowed else f"{kept} (all kept)")]
     if mlp.widths is not None:
         total = mlp.kept * len(mlp.widths)
-        rows.append(("  neurons allocated (heterogeneous)", "", f"{sum(mlp.widths):,} of the uniform {total:,}"))
+        freed = len(mlp.attention_removed or []) * (mlp.attention_units or 0)
+        given = f" and {freed:,} from removed attention" if freed else ""
+        rows.append(("  neurons allocated (heterogeneous)", "", f"{sum(mlp.widths):,} of the uniform {total:,}{given}"))
+    if mlp.attention_removed is not None:
+        gone = ", ".join(map(str, mlp.attention_removed)) or "none"
+        each = f"each counted as {mlp.attention_units} neurons"
+        rows.append(("  attention removed in layers", "", f"{gone} ({each})"))
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
     fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]

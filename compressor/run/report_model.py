@@ -204,6 +204,12 @@ class MlpReport(_Section):
     `width_errors` under the uniform width's total (`engine.mlp_widths`)."""
     width_errors: list[dict[int, float]] | None = None
     """Per layer, the predicted error of its MLP's output at each width of the grid."""
+    attention_removed: list[int] | None = None
+    """`mlp.remove_attention`: the layers whose attention the allocation removed (DeciLM `no_op`)."""
+    attention_errors: list[float | None] | None = None
+    """`mlp.remove_attention`: per layer, the predicted error of removing its attention."""
+    attention_units: int | None = None
+    """`mlp.remove_attention`: the neurons one layer's attention counted as in the allocation."""
 
 
 class ExpertsReport(_Section):

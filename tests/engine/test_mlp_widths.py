@@ -2,7 +2,8 @@
 least summed error within the total (checked against every combination), the predicted error is
 the G-weighted error of the pruned MLP's output on the tokens it was measured on, the curves are
 measured without changing the model, and `prune_mlp` keeps a width per layer, 0 removing the
-MLP's output exactly."""
+MLP's output exactly. A removable attention joins the allocation at its neurons' worth, its
+removal's predicted error the G-weighted energy of what it writes."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _curves(layers: int, seed: int) -> list[WidthCurve]:
 def test_the_allocation_is_the_best_combination_within_the_total(seed: int) -> None:
     curves = _curves(4, seed)
     for total in (0, 256, 1000, 1536, 2304, 4096):
-        widths = allocate(curves, total)
+        widths = allocate(curves, total).widths
         assert sum(widths) <= total
         best = min(
             sum(c.errors[w] for c, w in zip(curves, combo, strict=True))
@@ -43,6 +44,39 @@ def test_the_allocation_is_the_best_combination_within_the_total(seed: int) -> N
             if sum(combo) <= total
         )
         assert sum(c.errors[w] for c, w in zip(curves, widths, strict=True)) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_with_removable_attentions_the_allocation_is_the_best_combination_of_widths_and_attentions(
+    seed: int,
+) -> None:
+    generator = torch.Generator().manual_seed(seed + 10)
+    removal = torch.rand(4, generator=generator, dtype=torch.float64) * 1.5
+    curves = [WidthCurve(c.layer, c.errors, float(removal[c.layer])) for c in _curves(4, seed)]
+    curves[2] = WidthCurve(2, curves[2].errors)  # this one's attention cannot go
+    units, removable = 512, 3
+    removed_any = False
+    for total in (1024, 2048, 2560, 4096):
+        allocation = allocate(curves, total + units * removable, units)
+        gone = set(allocation.attention_removed)
+        assert 2 not in gone
+        removed_any |= bool(gone)
+        assert sum(allocation.widths) + units * (removable - len(gone)) <= total + units * removable
+
+        def error(widths: tuple[int, ...], removed: set[int]) -> float:
+            return sum(c.errors[w] + (c.attention if c.layer in removed else 0.0) for c, w in zip(curves, widths))
+
+        best = min(
+            error(combo, removed)
+            for combo in itertools.product(*(c.errors for c in curves))
+            for removed in map(
+                set, itertools.chain.from_iterable(itertools.combinations((0, 1, 3), k) for k in range(4))
+            )
+            if sum(combo) + units * (removable - len(removed)) <= total + units * removable
+        )
+        assert error(tuple(allocation.widths), gone) == pytest.approx(best)
+    assert removed_any  # the seeds reach a removal: the test sees both choices
+    assert allocate(curves, 2048, 0).attention_removed == []  # an attention worth no neurons stays
 
 
 def test_a_total_below_the_narrowest_widths_is_refused() -> None:
@@ -80,6 +114,39 @@ def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -
     for curve in curves:
         assert curve.errors[0] > curve.errors[256] > abs(curve.errors[512])
         assert abs(curve.errors[512]) < 1e-9 * curve.errors[0]
+    assert max_relative_logit_error(original, model, batches) == 0
+
+
+def test_an_attentions_removal_error_is_the_weighted_energy_of_what_it_writes() -> None:
+    original = tiny_model("llama", intermediate_size=512, num_hidden_layers=3)
+    model, family = copy_model(original), family_for("llama")
+    batches = random_batches(original.config.vocab_size, padded=True)
+    generator = torch.Generator().manual_seed(3)
+    G = {}
+    for layer in range(3):
+        A = torch.randn(64, 64, generator=generator, dtype=torch.float64)
+        G[layer] = A @ A.T
+    written: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+    mask: list[torch.Tensor] = []
+    hooks = [
+        layer.self_attn.o_proj.register_forward_hook(lambda _m, _a, out, i=i: written[i].append(out[mask[0]]))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        for batch in batches:  # the model's own forward: what each attention writes on the counted tokens
+            mask[:] = [batch.attention_mask.bool()]
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    for hook in hooks:
+        hook.remove()
+    selector = PluginRegistry().selector("obs")
+    weighed = mlp_width_curves(model, family, batches, selector, 256, attention=G)
+    plain = mlp_width_curves(model, family, batches, selector, 256, attention={i: None for i in range(3)})
+    for i in range(3):
+        a = torch.cat(written[i]).to(torch.float64)
+        assert weighed[i].attention == pytest.approx(float(torch.einsum("ti,ij,tj->", a, G[i], a)) / len(a), rel=1e-6)
+        assert plain[i].attention == pytest.approx(float((a**2).sum()) / len(a), rel=1e-6)
+        assert weighed[i].errors == plain[i].errors  # the MLP's curve as without the attention's
+    assert all(c.attention is None for c in mlp_width_curves(model, family, batches, selector, 256))
     assert max_relative_logit_error(original, model, batches) == 0
 
 

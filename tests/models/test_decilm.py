@@ -1,11 +1,13 @@
 """The heterogeneous layout's format (issue 49, item 3): a Llama whose MLPs differ in width, one of
 them removed, written as DeciLM with this project's own configuration and modelling code, reloads
 with trust_remote_code and gives the same logits and the same greedy generation (through the KV
-cache); its block_configs say each width as the engines compute it; what DeciLM cannot hold is
-refused in one line."""
+cache); its block_configs say each width as the engines compute it; removed attentions (the
+first layer's among them) are `no_op` blocks with the logits and generation of the model whose
+attention there writes nothing; what DeciLM cannot hold is refused in one line."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from compressor.engine.refit import drop_neurons
 from compressor.errors import UserError
 from compressor.models.decilm import decilm_config, decilm_refusal, save_decilm
 from compressor.models.decilm.configuration_decilm import ffn_mult, ffn_width
+from compressor.models.families import family_for
+from compressor.models.heads import attention_removed, remove_attention
 from tests.conftest import max_relative_logit_error, random_batches, tiny_model
 
 
@@ -48,6 +52,37 @@ def test_a_llama_with_per_layer_widths_reloads_as_decilm_with_the_same_logits(tm
     prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(saved.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_removed_attentions_are_no_op_blocks_with_the_logits_of_a_model_whose_attention_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    model, family = _narrowed([512, 256, 512]), family_for("llama")
+    expected = copy.deepcopy(model)
+    for index in (0, 2):  # the first: the cache's length must come from another layer
+        remove_attention(model.model.layers[index].self_attn, family)
+        expected.model.layers[index].self_attn.o_proj.weight.data.zero_()
+    assert [attention_removed(layer.self_attn, family) for layer in model.model.layers] == [True, False, True]
+    batches = random_batches(model.config.vocab_size, padded=True)
+    assert max_relative_logit_error(expected, model, batches) == 0  # in memory: no head, nothing written
+    save_decilm(model, tmp_path)
+    blocks = json.loads((tmp_path / "config.json").read_text())["block_configs"]
+    assert [b["attention"]["no_op"] for b in blocks] == [True, False, True]
+    assert [b["attention"]["n_heads_in_group"] for b in blocks] == [None, 2, None]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    names = [name for name, _ in saved.named_parameters()]
+    assert not any(n.startswith(("model.layers.0.self_attn", "model.layers.0.input_layernorm")) for n in names)
+    assert any(n.startswith("model.layers.1.self_attn") for n in names)
+    assert max_relative_logit_error(expected, saved, batches) < 1e-6
+    prompt = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    greedy = expected.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(saved.generate(prompt, max_new_tokens=6, do_sample=False), greedy)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), greedy)
+    with torch.no_grad():  # a step through the cache without positions given (as `throughput` decodes)
+        cached = saved(input_ids=greedy[:, :-1], use_cache=True).cache
+        step = saved(input_ids=greedy[:, -1:], cache=cached, use_cache=True).logits[:, -1]
+        whole = expected(input_ids=greedy).logits[:, -1]
+    assert torch.allclose(step, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_a_tied_model_stays_tied() -> None:

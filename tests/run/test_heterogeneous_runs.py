@@ -3,7 +3,8 @@ own width allocated by predicted error under the budget, saved as DeciLM with th
 code. Keeping every neuron gives the original's logits through the DeciLM class; a pruned run's
 folder reloads with the widths its report names and the parameters it counts; what the layout
 cannot run with is refused in one line with nothing written; a run killed in the MLP stage
-resumes to the same model."""
+resumes to the same model. With `mlp.remove_attention` an attention that writes little is removed
+and its parameters go to the MLPs, within the same budget."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ from tests.run.test_cli import _DELETE, write_recipe
 
 def _checkpoint(tmp_path: Path, name: str = "llama") -> Path:
     return save_tiny_checkpoint(tmp_path / name, name, intermediate_size=512, num_hidden_layers=3)
+
+
+def _quiet_checkpoint(tmp_path: Path) -> Path:
+    """A Llama wide enough that an attention is worth 256 neurons (hidden 256: 196,608 parameters
+    against 768 per neuron), whose layer 1's attention writes almost nothing."""
+    folder = save_tiny_checkpoint(
+        tmp_path / "quiet", "llama", hidden_size=256, head_dim=64, intermediate_size=512, num_hidden_layers=3
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.model.layers[1].self_attn.o_proj.weight.data.mul_(1e-3)
+    model.save_pretrained(folder)
+    return folder
 
 
 def _recipe(tmp_path: Path, checkpoint: Path, **changes) -> Path:
@@ -83,11 +96,47 @@ def test_what_the_layout_cannot_run_with_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
+def test_an_attention_that_writes_little_is_removed_and_its_parameters_go_to_the_mlps(tmp_path: Path) -> None:
+    checkpoint = _quiet_checkpoint(tmp_path)
+    reports = {}
+    for removing in (False, True):
+        (tmp_path / str(removing)).mkdir()
+        recipe = _recipe(tmp_path / str(removing), checkpoint, mlp={"remove_attention": removing})
+        assert main(["run", str(recipe)]) == 0
+        reports[removing] = json.loads((tmp_path / str(removing) / "out" / "report.json").read_text())
+    kept, removed = reports[False]["mlp"], reports[True]["mlp"]
+    assert kept.get("attention_removed") is None and removed["attention_removed"] == [1]
+    assert removed["attention_units"] == 256 and len(removed["attention_errors"]) == 3
+    assert removed["attention_errors"][1] < 1e-4 * min(removed["attention_errors"][0], removed["attention_errors"][2])
+    assert sum(removed["widths"]) == sum(kept["widths"]) + 256  # the attention's worth, given to the MLPs
+    assert reports[True]["params"]["pruned"] <= reports[False]["params"]["pruned"] + 256 * 3  # its norm aside
+    folder = tmp_path / "True" / "out"
+    blocks = json.loads((folder / "model" / "config.json").read_text())["block_configs"]
+    assert [b["attention"]["no_op"] for b in blocks] == [False, True, False]
+    saved = _load(folder / "model")
+    assert (
+        not hasattr(saved.model.layers[1], "self_attn") and parameter_count(saved) == reports[True]["params"]["pruned"]
+    )
+    markdown = (folder / "report.md").read_text()
+    assert "attention removed in layers |  | 1 (each counted as 256 neurons) |" in markdown
+    assert (
+        f"{sum(removed['widths']):,} of the uniform {3 * removed['kept']:,} and 256 from removed attention" in markdown
+    )
+
+
 def test_a_run_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
     from tests.run.test_resume import killed_and_resumed_is_whole
 
     recipe = _recipe(tmp_path, _checkpoint(tmp_path), evaluation=None)
     killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
+
+
+def test_a_run_removing_an_attention_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = _recipe(tmp_path, _quiet_checkpoint(tmp_path), evaluation=None, mlp={"remove_attention": True})
+    killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["mlp"]["attention_removed"] == [1]
 
 
 def test_the_dry_run_names_the_format_and_the_shared_neurons(
@@ -100,11 +149,27 @@ def test_the_dry_run_names_the_format_and_the_shared_neurons(
     assert "per-layer MLP widths: saved as DeciLMForCausalLM (remote code)" in out
     assert "mlp: the 3 MLPs share" in out and "in steps of 256" in out
     assert "H pass on a fused copy (MLP widths)" in out  # allocate_by: fisher, the default
+    assert "remove_attention" not in out
     assert not (tmp_path / "out").exists()
+    assert (
+        main(["run", str(_recipe(tmp_path, _checkpoint(tmp_path), mlp={"remove_attention": True})), "--dry-run"]) == 0
+    )
+    assert "mlp.remove_attention: a layer's attention may go too (DeciLM no_op)" in capsys.readouterr().out
 
 
-def test_allocate_by_is_refused_beside_another_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = write_recipe(tmp_path, _checkpoint(tmp_path), mlp={"kept": 256, "allocate_by": "energy"})
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ({"allocate_by": "energy"}, "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous"),
+        ({"remove_attention": True}, "mlp.remove_attention removes attentions in slicing.layout: heterogeneous"),
+    ],
+)
+def test_the_allocations_keys_are_refused_beside_another_layout(
+    key: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = write_recipe(tmp_path, _checkpoint(tmp_path), mlp={"kept": 256, **key})
     capsys.readouterr()
     assert main(["run", str(recipe)]) == 2
-    assert "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -24,6 +24,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from compressor.errors import UserError
 from compressor.models.decilm.configuration_decilm import DeciLMConfig, ffn_mult, ffn_width
 from compressor.models.decilm.modeling_decilm import DeciLMForCausalLM
+from compressor.models.families import family_for
+from compressor.models.heads import attention_removed
 
 FFN_STEP = 256
 """vLLM and llama.cpp round a DeciLM FFN's width up to a multiple of this."""
@@ -58,8 +60,10 @@ def decilm_refusal(config: PretrainedConfig) -> str | None:
     return None
 
 
-def _blocks(config: PretrainedConfig, widths: Sequence[int]) -> list[dict[str, Any]]:
+def _blocks(config: PretrainedConfig, widths: Sequence[int], removed: Sequence[int]) -> list[dict[str, Any]]:
     heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if len(removed) == len(widths) and not any(widths):
+        raise ValueError("every attention and every FFN removed leaves no block")
     blocks = []
     for index, width in enumerate(widths):
         if width % FFN_STEP:
@@ -70,13 +74,18 @@ def _blocks(config: PretrainedConfig, widths: Sequence[int]) -> list[dict[str, A
             else {"no_op": False, "ffn_mult": ffn_mult(width, config.hidden_size)}
         )
         assert width == 0 or ffn_width(ffn["ffn_mult"], config.hidden_size) == width
-        attention = {"no_op": False, "replace_with_linear": False, "n_heads_in_group": heads // kv}
+        attention = (
+            {"no_op": True, "replace_with_linear": False, "n_heads_in_group": None}
+            if index in removed
+            else {"no_op": False, "replace_with_linear": False, "n_heads_in_group": heads // kv}
+        )
         blocks.append({"attention": attention, "ffn": ffn})
     return blocks
 
 
-def decilm_config(config: PretrainedConfig, widths: Sequence[int]) -> DeciLMConfig:
-    """The DeciLM configuration of a Llama `config` whose layer i's MLP keeps `widths[i]` neurons."""
+def decilm_config(config: PretrainedConfig, widths: Sequence[int], removed: Sequence[int] = ()) -> DeciLMConfig:
+    """The DeciLM configuration of a Llama `config` whose layer i's MLP keeps `widths[i]` neurons,
+    and whose layers `removed` have no attention."""
     if len(widths) != config.num_hidden_layers:
         raise ValueError(f"{len(widths)} MLP widths for {config.num_hidden_layers} layers")
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act")
@@ -88,7 +97,7 @@ def decilm_config(config: PretrainedConfig, widths: Sequence[int]) -> DeciLMConf
         **values,
         head_dim=config.hidden_size // config.num_attention_heads,
         rope_parameters=dict(rope) if rope else None,
-        block_configs=_blocks(config, widths),
+        block_configs=_blocks(config, widths, removed),
         architectures=["DeciLMForCausalLM"],
     )
     decilm.dtype = getattr(config, "dtype", None)
@@ -99,27 +108,39 @@ def _widths(model: PreTrainedModel) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in model.model.layers]
 
 
+def removed_attentions(model: PreTrainedModel) -> list[int]:
+    """The layers of the Llama `model` whose attention was removed (it holds no head)."""
+    family = family_for(model.config.model_type)
+    return [i for i, layer in enumerate(model.model.layers) if attention_removed(layer.self_attn, family)]
+
+
 def decilm_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The Llama's state dict without the removed FFNs (width 0) and the norms before them."""
+    """The Llama's state dict without the removed FFNs (width 0), the removed attentions, and the
+    norms before them."""
     state = {}
-    removed = {i for i, width in enumerate(_widths(model)) if width == 0}
+    ffn = {i for i, width in enumerate(_widths(model)) if width == 0}
+    attention = set(removed_attentions(model))
     for name, tensor in model.state_dict().items():
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and int(parts[2]) in removed:
-            if parts[3] in ("mlp", "post_attention_layernorm"):
+        if parts[:2] == ["model", "layers"]:
+            layer = int(parts[2])
+            if layer in ffn and parts[3] in ("mlp", "post_attention_layernorm"):
+                continue
+            if layer in attention and parts[3] in ("self_attn", "input_layernorm"):
                 continue
         state[name] = tensor
     return state
 
 
 def save_decilm(model: PreTrainedModel, folder: Path) -> DeciLMConfig:
-    """Write `model` (a Llama whose MLPs may differ in width) to `folder` as DeciLM, with the
+    """Write `model` (a Llama whose MLPs may differ in width, and whose attentions may be removed)
+    to `folder` as DeciLM, with the
     configuration and modelling code beside the weights, after loading its state dict whole into
     the DeciLM class on the meta device."""
     refusal = decilm_refusal(model.config)
     if refusal is not None:
         raise UserError(f"slicing.layout: heterogeneous saves DeciLM: {refusal}; use slicing.layout: global")
-    config = decilm_config(model.config, _widths(model))
+    config = decilm_config(model.config, _widths(model), removed_attentions(model))
     with torch.device("meta"):
         decilm = DeciLMForCausalLM(config)
     state = decilm_state(model)

@@ -76,6 +76,8 @@ class DeciLMModel(DeciLMPreTrainedModel):
         self.layers = nn.ModuleList(DeciLMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config.layer_config(0))
+        attending = [i for i, layer in enumerate(self.layers) if layer.attention_kept]
+        self.first_attention = attending[0] if attending else 0  # the cache's length is read from it
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -99,7 +101,7 @@ class DeciLMModel(DeciLMPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if position_ids is None:
-            seen = cache.get_seq_length() if cache is not None else 0
+            seen = cache.get_seq_length(self.first_attention) if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)
         mask = create_causal_mask(
             config=self.config,
@@ -107,6 +109,7 @@ class DeciLMModel(DeciLMPreTrainedModel):
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
+            layer_idx=self.first_attention,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

@@ -67,6 +67,10 @@ class MlpSpec:
     layers' widths are allocated (`engine.mlp_widths`): fisher, H where the MLP writes (estimated
     on the model as loaded; the errors are then half the predicted KL, alike in every layer); energy,
     the plain squared error (no backward pass)."""
+    remove_attention: StrictBool = False
+    """slicing.layout: heterogeneous: the allocation may also remove a layer's attention (DeciLM's
+    `no_op`), weighing its predicted error (what it writes, weighed as `allocate_by` says) against
+    the neurons its parameters buy for the MLPs; off: every attention stays."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16
@@ -99,6 +103,12 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         raise UserError(
             "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous, and this recipe's "
             f"layout is {recipe.slicing.layout}; remove mlp.allocate_by, or set slicing.layout: heterogeneous"
+        )
+    if spec.remove_attention and recipe.slicing.layout != "heterogeneous":
+        raise UserError(
+            "mlp.remove_attention removes attentions in slicing.layout: heterogeneous (saved as DeciLM), and this "
+            f"recipe's layout is {recipe.slicing.layout}; remove mlp.remove_attention, or set slicing.layout: "
+            "heterogeneous"
         )
     windows = recipe.calibration.num_samples
     if spec.screen_windows is not None and spec.screen_windows >= windows:

@@ -118,6 +118,10 @@ class RunState:
     mlp_weighed_by_h: bool = False
     mlp_widths: list[int] | None = None
     """`slicing.layout: heterogeneous`: each layer's MLP width (0: its FFN removed)."""
+    attention_removed: list[int] | None = None
+    """`mlp.remove_attention`: the layers whose attention the allocation removed."""
+    attention_units: int = 0
+    """`mlp.remove_attention`: the neurons a layer's attention counts as in the allocation."""
     width_curves: list[WidthCurve] = field(default_factory=list)
     """`slicing.layout: heterogeneous`: each layer's predicted error by width, that chose them."""
     heads: list[HeadRecord] = field(default_factory=list)

@@ -18,16 +18,19 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.fisher import estimate_fisher
-from compressor.engine.mlp_widths import WidthCurve, allocate
-from compressor.engine.neurons import NeuronRecord, mlp_width_curves, prune_mlp
+from compressor.engine.layerwise import decoder_layers
+from compressor.engine.mlp_widths import allocate
+from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PruneResult
 from compressor.errors import UserError
 from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
+from compressor.models.heads import remove_attention
 from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, shared_expert_neurons
 from compressor.models.sites import layer_site_ids
+from compressor.models.sliced import layer_attention
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
 from compressor.run.report_model import MlpReport
@@ -85,7 +88,7 @@ class PruneMlp(Stage):
         recipe = fp.recipe
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
             assert recipe.mlp is not None
-            if recipe.mlp.allocate_by == "fisher":  # `mlp_stream_fisher`: H on a fused copy of the model
+            if recipe.mlp.allocate_by == "fisher":  # `stream_fishers`: H on a fused copy of the model
                 totals = (2 * fp.layers + 1) * fp.d * fp.d * fp.h_item
                 host = 2 * fp.weights + fp.store + fp.positions + fp.stored + totals
                 phases.append(fp.phase("H pass on a fused copy (MLP widths)", host, fp.measured["fisher"], fp.disk))
@@ -103,7 +106,7 @@ class PruneMlp(Stage):
         assert state.pruned is not None and state.result is not None and layout.prunes_mlp
         given = None
         if state.recipe.slicing.layout == "heterogeneous":
-            state.mlp_widths, state.width_curves, given = allocated_widths(state)
+            given = allocate_layers(state)
         state.neurons, state.mlp_weighed_by_h = prune_mlps(
             state.recipe,
             state.checked,
@@ -147,6 +150,15 @@ def mlp_report(state: RunState) -> MlpReport:
             {}
             if state.mlp_widths is None
             else {"widths": state.mlp_widths, "width_errors": [curve.errors for curve in state.width_curves]}
+        ),
+        **(
+            {}
+            if state.attention_removed is None
+            else {
+                "attention_removed": state.attention_removed,
+                "attention_errors": [curve.attention for curve in state.width_curves],
+                "attention_units": state.attention_units,
+            }
         ),
     )
 
@@ -196,16 +208,22 @@ def prune_mlps(
     return records, sensitivity is not None
 
 
-def allocated_widths(
-    state: RunState,
-) -> tuple[list[int], list[WidthCurve], dict[int, torch.Tensor] | None]:
+def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     """The heterogeneous layout's MLP widths (`engine.mlp_widths`): the uniform plan's neurons,
-    redistributed over the layers in DeciLM's steps by each layer's predicted error; the curves,
-    and H where each MLP writes (`mlp.allocate_by: fisher`), which the neuron selector then uses."""
+    redistributed over the layers in DeciLM's steps by each layer's predicted error, and with
+    `mlp.remove_attention` the attentions the allocation removes (gone from `state.pruned` before
+    the MLPs are pruned, so each MLP is refitted on the stream without them). Sets the widths, the
+    curves and the removed attentions on `state`; returns H where each MLP writes (`allocate_by:
+    fisher`), which the neuron selector then uses."""
     spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
-    sensitivity = None if spec.allocate_by == "energy" else mlp_stream_fisher(state)
+    fisher = None if spec.allocate_by == "energy" else stream_fishers(state)
+    layers = decoder_layers(state.pruned, state.family)
+    attention = None
+    if spec.remove_attention:
+        attention = {i: None if fisher is None else fisher[1][i] for i in range(len(layers))}
+        state.attention_units = attention_units(state.pruned, state.family, step)
     curves = mlp_width_curves(
         state.pruned,
         state.family,
@@ -215,18 +233,42 @@ def allocated_widths(
         state.device,
         refit=spec.refit,
         damping=spec.damping,
-        sensitivity=sensitivity,
+        sensitivity=None if fisher is None else fisher[0],
+        attention=attention,
         progress=state.progress,
         store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
     )
-    return allocate(curves, layout.mlp_width * len(curves)), curves, sensitivity
+    removable = sum(curve.attention is not None for curve in curves)
+    total = layout.mlp_width * len(curves) + state.attention_units * removable
+    allocation = allocate(curves, total, state.attention_units)
+    for index in allocation.attention_removed:
+        attention_module = layer_attention(state.family, layers[index])
+        assert attention_module is not None
+        remove_attention(attention_module, state.family)
+    state.mlp_widths, state.width_curves = allocation.widths, curves
+    state.attention_removed = allocation.attention_removed if spec.remove_attention else None
+    return None if fisher is None else fisher[0]
 
 
-def mlp_stream_fisher(state: RunState) -> dict[int, torch.Tensor]:
-    """H (`engine.fisher`) where each layer's MLP writes, on the model as loaded: a layout that keeps
-    the stream whole has no walk to estimate it, and the width curves need it to compare layers.
-    The estimate runs on a norm-fused copy (the stream is the same; the copy is dropped after)."""
+def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
+    """A layer's attention parameters counted in MLP neurons (each neuron's row of the input
+    linears and column of the output one), rounded down to the allocation's `step`: removing an
+    attention gives the MLPs at most what it held (its norm, left out, is a margin)."""
+    layer = decoder_layers(model, family)[0]
+    attention = layer_attention(family, layer)
+    assert attention is not None
+    inputs, output = mlp_linears(layer, family)
+    per_neuron = sum(linear.in_features + (linear.bias is not None) for linear in inputs) + output.out_features
+    held = sum(parameter.numel() for parameter in attention.parameters())
+    return held // per_neuron // step * step
+
+
+def stream_fishers(state: RunState) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """H (`engine.fisher`) where each layer's MLP writes, and where its attention writes, on the
+    model as loaded: a layout that keeps the stream whole has no walk to estimate it, and the width
+    curves need it to compare layers. The estimate runs on a norm-fused copy (the stream is the
+    same; the copy is dropped after)."""
     assert state.pruned is not None
     state.progress("estimating output sensitivity (H)", 0, 1)
     fused = copy.deepcopy(state.pruned)
@@ -238,8 +280,9 @@ def mlp_stream_fisher(state: RunState) -> dict[int, torch.Tensor]:
     finally:
         inputs.hidden.close()
         del fused
-    layers = state.pruned.config.num_hidden_layers
-    return {i: fisher[layer_site_ids(state.family, i)[-1]] for i in range(layers)}
+    layers = range(state.pruned.config.num_hidden_layers)
+    sites = [layer_site_ids(state.family, i) for i in layers]
+    return {i: fisher[sites[i][-1]] for i in layers}, {i: fisher[sites[i][0]] for i in layers}
 
 
 def stream_sensitivity(
