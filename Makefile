@@ -13,6 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[test]"
+	@# the checkout as a plain path entry too: a script beside a folder named compressor (the clone,
+	@# seen from the folder that holds it) would otherwise import that folder as an empty namespace
+	@# package, which outranks the editable install's finder; a real package on the path outranks it
+	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'compressor-checkout.pth').write_text('$(CURDIR)\n')"
 	touch $@
 
 setup: $(VENV)/.installed

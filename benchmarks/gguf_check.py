@@ -24,7 +24,7 @@ Set-up (a separate venv; llama-cpp-python compiles llama.cpp from source, ~11 mi
     tar xzf llama_cpp_python-0.3.36.tar.gz
     CMAKE_ARGS="-DGGML_NATIVE=ON" /work/gguf-venv/bin/pip install --no-binary llama-cpp-python \\
         ./llama_cpp_python-0.3.36.tar.gz
-    /work/gguf-venv/bin/pip install transformers==5.23.0 numpy sentencepiece safetensors \\
+    /work/gguf-venv/bin/pip install transformers==5.24.0 numpy sentencepiece safetensors \\
         ./llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py
     # the converter is llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py (same llama.cpp
     # as the compiled library); pass it with --converter or set GGUF_CONVERTER.

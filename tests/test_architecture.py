@@ -174,6 +174,20 @@ def test_every_layer_by_layer_pass_goes_through_visit_layers() -> None:
     assert not moving, "\n".join(moving)
 
 
+def test_a_folder_named_compressor_beside_a_script_does_not_shadow_the_package(tmp_path: Path) -> None:
+    """A script in the folder that holds the clone (which git names `compressor`) imports the
+    package, not the clone as an empty namespace package (the Makefile puts the checkout on the path)."""
+    (tmp_path / "compressor").mkdir()  # the clone, seen from its parent: no __init__.py at its top
+    found = subprocess.run(
+        [sys.executable, "-c", "import compressor; print(compressor.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert found.stdout.strip() == str(PACKAGE / "__init__.py")
+
+
 def test_the_tests_are_arranged_like_the_package() -> None:
     """tests/<room>/ holds the tests of compressor/<room>/; only whole-package checks sit at the top."""
     tests = PACKAGE.parent / "tests"
