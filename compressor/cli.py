@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         help="override a recipe key, dotted (e.g. --set sparsity=0.3 --set pipeline.0.strategy=pca)",
     )
     run.add_argument(
+        "--threads",
+        type=int,
+        help="torch's CPU threads (the recipe's `threads`; default: the CPUs this process is given)",
+    )
+    run.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the recipe, a local model's config.json, the data (local text is tokenised to "
@@ -115,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, help="windows per batch (default: the run's, else 8)")
     evaluate.add_argument("--dtype", help="dtype to load the models in (default: the run's, else float32)")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evaluate.add_argument("--threads", type=int, help="torch's CPU threads (default: the CPUs this process is given)")
     evaluate.add_argument(
         "--tasks",
         help="lm-eval tasks, comma-separated: registry names or task YAML files "
@@ -194,7 +200,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
-    recipe = load_recipe(Path(args.recipe), registry, args.overrides, args.output)  # before the heavy imports
+    overrides = args.overrides + ([f"threads={args.threads}"] if args.threads is not None else [])
+    recipe = load_recipe(Path(args.recipe), registry, overrides, args.output)  # before the heavy imports
     _quiet_libraries()
     from compressor.run.report import budget_label, rich_table
     from compressor.run.runner import run
@@ -379,6 +386,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
         task_batch_size=args.task_batch_size,
         apply_chat_template=args.apply_chat_template,
         throughput=False if args.no_throughput else None,
+        threads=args.threads,
     )
     with _progress_display(console) as progress:
         report = evaluate_target(request, progress)

@@ -11,14 +11,11 @@ and `metrics.pruned` (the evaluated model; `kl` when there is a reference; `task
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
 from transformers import PretrainedConfig
 
 import compressor
@@ -38,6 +35,7 @@ from compressor.run.checks import plan as plan_run
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.run.report_model import Environment, EvalReport, Metrics, Sizes
 from compressor.run.staging import RUN_MARKER
+from compressor.run.threads import others_busy, use_threads
 from compressor.strategies.registry import PluginRegistry
 from compressor.validation import replaced
 
@@ -66,6 +64,8 @@ class EvalRequest:
     apply_chat_template: bool = False
     throughput: bool | None = None
     """None: a run's own `evaluation.throughput`, else measured."""
+    threads: int | None = None
+    """torch's CPU threads; None: the CPUs this process is given (`run.threads`)."""
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
@@ -190,6 +190,7 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     started = time.perf_counter()
     plan = _plan(request, PluginRegistry())
     device = resolve_device(request.device)
+    use_threads(request.threads, busy=others_busy() if device.type == "cpu" and request.threads is None else None)
     check_suites(plan.suites)
     report_progress("tokenising data", 0, 1)
     tokenizer = load_tokenizer(plan.target)
@@ -232,10 +233,5 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
         evaluation=dataclasses.asdict(plan.data) if plan.data is not None else None,
         metrics=Metrics.model_validate(metrics),
         timings={"eval_s": time.perf_counter() - started},
-        environment=Environment(
-            device=str(device),
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            python=platform.python_version(),
-        ),
+        environment=Environment.here(device),
     )

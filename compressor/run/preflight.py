@@ -31,6 +31,7 @@ from compressor.run.stages.evaluate import check_evaluation_tasks
 from compressor.run.stages.order import run_order
 from compressor.run.stages.split import screen_windows
 from compressor.run.staging import check_output, check_writable
+from compressor.run.threads import available_cpus
 from compressor.strategies.registry import PluginRegistry
 
 NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
@@ -75,6 +76,9 @@ def dry_run(
         except UserError as error:
             missing = str(error)
         found.checked.append(f"device {recipe.device} (here: {device})")
+        if device.type == "cpu":
+            given = "the recipe's" if recipe.threads is not None else "the CPUs this process is given"
+            found.checked.append(f"CPU threads: {recipe.threads or available_cpus()} ({given}; set threads to change)")
     checked = _model(recipe, registry, found)
     if checked is not None:
         found.warnings += checked.warnings

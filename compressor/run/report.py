@@ -43,7 +43,11 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
     rows += refinement_rows(report.refinement)
     rows += guard_rows(report.guards, "refinement")
     rows += distillation_rows(report.distillation)
-    return rows + timing_rows(report.timings, report.fisher_autocast)
+    rows += timing_rows(report.timings, report.fisher_autocast)
+    environment = report.environment
+    if environment.device == "cpu" and environment.threads is not None:
+        rows.append(("CPU threads (torch)", "", str(environment.threads)))
+    return rows
 
 
 def active_rows(report: RunReport) -> list[tuple[str, str, str]]:

@@ -15,9 +15,12 @@ left out of the JSON too (`exclude_unset`), so the files read as they did when t
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compressor.engine.experts import ExpertRecord
@@ -267,6 +270,19 @@ class Environment(_Section):
     torch: str
     transformers: str
     python: str
+    threads: int | None = None
+    """torch's CPU threads (`run.threads`)."""
+
+    @classmethod
+    def here(cls, device: object) -> Environment:
+        """This process's: the device, the versions and torch's CPU threads."""
+        return cls(
+            device=str(device),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            threads=torch.get_num_threads(),
+        )
 
 
 class RunReport(_Section):

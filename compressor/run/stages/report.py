@@ -3,12 +3,10 @@ the split choice's candidates)."""
 
 from __future__ import annotations
 
-import platform
 import time
 from pathlib import Path
 
 import torch
-import transformers
 import yaml
 
 import compressor
@@ -106,12 +104,7 @@ def write_report(state: RunState) -> RunReport:
         warnings=list(checked.warnings) + state.warnings,
         sites=[Site.model_validate(site.to_json()) for site in result.sites],
         timings=state.timings,
-        environment=Environment(
-            device=str(state.device),
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            python=platform.python_version(),
-        ),
+        environment=Environment.here(state.device),
     )
     report.write(staging / "report.json")
     (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
