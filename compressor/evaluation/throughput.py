@@ -13,6 +13,7 @@ work whatever they predict.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterable, Mapping
@@ -175,6 +176,29 @@ def _timings(
     return runs
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the system does not give one)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def under_load(throughput: Mapping[str, Any]) -> str | None:
+    """Where the load average while timing was above the machine's CPUs (runnable threads beyond
+    its cores: the timings include waiting), a line saying so; None otherwise."""
+    load, cpus = throughput.get("load_average"), throughput.get("cpus")
+    if load is None or not cpus or load <= cpus:
+        return None
+    return f"load average {load:.1f} on {cpus} CPUs while timed: the tokens/s include waiting for a core"
+
+
+def rounds(numbers: Mapping[str, Any], phase: str) -> int | None:
+    """How many timed rounds a phase's figures come from (None: not recorded)."""
+    runs = numbers.get(f"{phase}_runs_s")
+    return len(runs) if runs else None
+
+
 def _rates(phase: str, tokens: int, seconds: list[float]) -> dict[str, Any]:
     """A phase's median rate and time, every run's time, and the slowest and fastest run's rate:
     the spread that tells a real speedup from the noise of a busy machine."""
@@ -237,6 +261,7 @@ def _throughput(
     vocab = vocab_size or min(model.config.vocab_size for model in models)
     generator = torch.Generator().manual_seed(seed)
     per_batch: list[dict[str, dict[str, Any]]] = [{} for _ in models]
+    loads = [load_average()]
     modes = [model.training for model in models]
     try:
         for model in models:
@@ -254,9 +279,13 @@ def _throughput(
     finally:
         for model, training in zip(models, modes):
             model.train(training)
+    loads.append(load_average())
+    known = [load for load in loads if load is not None]
     settings = {
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
+        "load_average": max(known) if known else None,
+        "cpus": os.cpu_count(),
         "prompt_len": prompt_len,
         "decode_tokens": decode_tokens,
         "warmup": warmup,

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from compressor.engine.experts import ExpertRecord
 from compressor.engine.refine import RefinementRecord
-from compressor.evaluation.throughput import rate_range, speedup_bounds
+from compressor.evaluation.throughput import rate_range, rounds, speedup_bounds, under_load
 from compressor.run.guard import GuardRecord
 from compressor.run.report_model import Metrics, RunReport, Sizes, SplitRecord
 from compressor.training.distill import DistillationRecord
@@ -310,6 +310,9 @@ def speed_rows(size: Sizes | None, speed: dict[str, Any] | None) -> list[tuple[s
                 if "speedup" in speed:
                     cells[1] += f" ({speedup_label(speed, batch, phase)})"
                 rows.append((f"{phase} tokens/s, batch {batch}", *cells))
+        loaded = under_load(any_side["throughput"])
+        if loaded is not None:
+            rows.append(("timed under load", "", loaded))
     return rows
 
 
@@ -318,9 +321,12 @@ def rate_cell(numbers: dict[str, Any], phase: str) -> str:
     machine means little without its spread, and a range (unlike ± a percentage of the median,
     which passed 100% when one repeat ran 4.5x faster) cannot read like a bug."""
     median, span = numbers[f"{phase}_tok_s"], rate_range(numbers, phase)
+    if rounds(numbers, phase) == 1:
+        return f"{median:,.0f} (one round)"
     if span is None or not median or span[0] == span[1]:
         return f"{median:,.0f}"
-    return f"{median:,.0f} ({span[0]:,.0f}–{span[1]:,.0f})"
+    few = " in two rounds" if rounds(numbers, phase) == 2 else ""
+    return f"{median:,.0f} ({span[0]:,.0f}–{span[1]:,.0f}{few})"
 
 
 def speedup_label(speed: dict[str, Any], batch: str, phase: str) -> str:
@@ -328,6 +334,8 @@ def speedup_label(speed: dict[str, Any], batch: str, phase: str) -> str:
     (the two models' ranges of tokens/s overlap), so a 0.97× is not read as a slowdown."""
     label = f"×{speed['speedup'][batch][phase]:.2f}"
     sides = [speed.get(side, {}).get("throughput", {}).get("batch", {}).get(batch) for side in ("pruned", "baseline")]
+    if any(side is not None and rounds(side, phase) == 1 for side in sides):
+        return label + ", one round: no spread to judge it by"
     bounds = speedup_bounds(sides[0], sides[1], phase) if all(sides) else None
     if bounds is not None and bounds[0] <= 1 <= bounds[1]:
         label += ", within noise"

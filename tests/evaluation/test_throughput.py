@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -115,6 +116,7 @@ def test_throughput_gives_positive_finite_rates_per_batch_size(llama, which: str
         "repeats": 2,
     }
     assert set(result["batch"]) == {"1", "3"}
+    assert result["cpus"] == os.cpu_count() and result["load_average"] == pytest.approx(os.getloadavg()[0], abs=2.0)
     for numbers in result["batch"].values():
         assert set(numbers) == {
             f"{phase}_{key}"

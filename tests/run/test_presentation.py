@@ -209,6 +209,33 @@ def test_a_speedup_beyond_the_spread_is_not_called_noise() -> None:
     assert "×1.50" in after and "noise" not in after
 
 
+def test_a_cell_of_one_round_says_so_and_judges_no_speedup() -> None:
+    speed = _speed((1000, 1000, 1000), (1500, 1500, 1500))
+    for side in ("baseline", "pruned"):
+        for phase in ("prefill", "decode"):
+            speed[side]["throughput"]["batch"]["1"][f"{phase}_runs_s"] = [0.1]
+    before, after = _speed_cells(speed)
+    assert before == "1,000 (one round)" and after.startswith("1,500 (one round)")
+    assert "×1.50, one round: no spread to judge it by" in after and "within noise" not in after
+    speed["baseline"]["throughput"]["batch"]["1"]["prefill_runs_s"] = [0.1, 0.11]
+    speed["baseline"]["throughput"]["batch"]["1"]["prefill_tok_s_min"] = 900
+    assert _speed_cells(speed)[0] == "1,000 (900–1,000 in two rounds)"
+
+
+@pytest.mark.parametrize(("load", "named"), [(2.5, True), (1.9, False), (None, False)])
+def test_a_load_above_the_cpus_while_timing_is_named(load: float | None, named: bool) -> None:
+    from compressor.run.report import speed_rows
+
+    speed = _speed((1000, 900, 1100), (930, 880, 1050))
+    for side in ("baseline", "pruned"):
+        speed[side]["throughput"].update({"load_average": load, "cpus": 2})
+    rows = speed_rows(None, speed)
+    loaded = [row for row in rows if row[0] == "timed under load"]
+    assert bool(loaded) == named
+    if named:
+        assert loaded[0][2].startswith("load average 2.5 on 2 CPUs while timed")
+
+
 def test_old_speed_figures_get_their_spread_from_the_timed_runs() -> None:
     """Reports measured before the range was recorded keep every run's time: the spread follows."""
     from compressor.evaluation.throughput import rate_range
