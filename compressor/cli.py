@@ -232,9 +232,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             raise UserError(found.refusal)
         return
     from compressor.engine import parallel
-    from compressor.run.resume import progress_summary
+    from compressor.run.resume import check_interrupted, progress_summary
 
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:  # a changed recipe is refused before "resuming" is said
+        check_interrupted(Path(recipe.output), recipe, args.restart)
     resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
     if resumable is not None:  # said before the work, not after it
         console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)

@@ -4,6 +4,7 @@ folder or a hub id; a missing reference file says where the reference data is ex
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,23 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
             f"model folder not found: {local} ({where}), and {shown(path)} is not a hub id "
             f"(name or organisation/name) either; give the folder of a model, or its hub id"
         )
+    near = _near_folder(path, base) if "/" not in path else None
+    if near is not None:  # a typo of a folder beside it, not one of the hub's few ids without an organisation
+        raise UserError(
+            f"model folder not found: {local} ({where}); did you mean '{near}'? (a name without a slash "
+            f"that is not a folder is read as a hub id)"
+        )
     return path
+
+
+def _near_folder(name: str, base: Path) -> str | None:
+    """A folder in `base` whose name is close to `name` (difflib's ratio ≥ 0.8), or None."""
+    try:
+        folders = [entry.name for entry in base.iterdir() if entry.is_dir()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, folders, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def _is_hub_id(path: str) -> bool:

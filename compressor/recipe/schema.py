@@ -189,7 +189,7 @@ def _check_budget(recipe: Recipe) -> None:
     if recipe.sparsity is not None and targets:
         raise UserError(
             "give one of sparsity (the fraction of the hidden width removed) or parameter targets "
-            "(target_params, target_active_params), not both; remove sparsity"
+            "(target_params, target_active_params), not both; remove sparsity (on the command line: --set sparsity=null)"
         )
     if recipe.sparsity is None and not targets:
         raise UserError(

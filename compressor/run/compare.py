@@ -282,6 +282,8 @@ def _timing_cells(timings: dict[str, float]) -> dict[str, Any]:
         cells["H s"] = timings["fisher_s"]
     if "refine_s" in timings:
         cells["refine s"] = timings["refine_s"]
+    if "split_s" in timings:  # choosing the split of the budget: pruning each candidate, measuring it
+        cells["split s"] = timings["split_s"]
     return cells
 
 
@@ -319,12 +321,24 @@ def _rows(
                 "KL": pruned.kl if pruned is not None else None,
                 **_timing_cells(report.timings),
                 "seed": report.seed,
+                **_mlp_cells(report),
                 **_expert_cells(report),
                 **task_cells(metrics),
                 **differing,
             }
         )
     return table
+
+
+def _mlp_cells(report: RunReport) -> dict[str, Any]:
+    """A run that pruned the MLP: the neurons each layer kept of its width (per layer, their range
+    and sum), not just that an `mlp` section was set; nothing for other runs."""
+    mlp = report.mlp
+    if mlp is None:
+        return {}
+    if mlp.widths is None:
+        return {"MLP kept": f"{mlp.kept}/{mlp.of}"}
+    return {"MLP kept": f"{min(mlp.widths)}–{max(mlp.widths)}/{mlp.of} per layer, {sum(mlp.widths):,} in all"}
 
 
 def _expert_cells(report: RunReport) -> dict[str, Any]:
@@ -345,7 +359,7 @@ def cell(column: str, value: Any) -> str:
         return f"{value:.1%}"
     if column == "KL":
         return f"{value:.5f}"
-    if column in ("prune s", "shared s", "H s", "refine s"):
+    if column in ("prune s", "shared s", "H s", "refine s", "split s"):
         return f"{value:.1f}"
     if column in ("baseline ppl", "pruned ppl") or (isinstance(value, float) and " " in column):
         return f"{value:.3f}"

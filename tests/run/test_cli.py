@@ -335,6 +335,11 @@ BAD_INPUTS = {
     "too little data": (dict(evaluation__num_samples=100000), None, "evaluation: the dataset yields"),
     "no text field": (dict(calibration__text_field="body"), None, "calibration: dataset record 0 has no field 'body'"),
     "bad --set": ({}, ["--set", "sparsity"], "--set expects KEY=VALUE"),
+    "--set target_params beside the recipe's sparsity": (
+        {},
+        ["--set", "target_params=0.75"],
+        "not both; remove sparsity (on the command line: --set sparsity=null)",
+    ),
     "bad --set value": ({}, ["--set", "sparsity=lots"], "sparsity must be a number"),
     "--set value that is not YAML": ({}, ["--set", "sparsity=[0.3"], "--set sparsity: the value is not valid YAML"),
     "unknown option": ({}, ["--frobnicate"], "unrecognized arguments"),
@@ -371,6 +376,18 @@ def test_bad_input_is_one_line_and_exit_2(
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial*"))
+
+
+def test_a_mistyped_model_folder_is_not_taken_for_a_hub_id(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "tiny-llama").symlink_to(tiny_checkpoint, target_is_directory=True)
+    recipe = write_recipe(tmp_path, tiny_checkpoint, model__path="tiny-lama")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'tiny-llama'?" in err and err.count("\n") == 1
+    far = write_recipe(tmp_path, tiny_checkpoint, model__path="gpt2")  # a hub id without an organisation
+    assert main(["run", str(far), "--dry-run"]) == 0
 
 
 def test_missing_recipe_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from compressor.cli import main
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
+from compressor.run.compare import compare_runs
 from compressor.run.split_choice import choose
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
@@ -94,6 +95,10 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     assert main(["run", str(fixed)]) == 0
     assert _report(tmp_path / "fixed")["kept_width"] == chosen["width"] and len(surveys) == 2
     assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+    # compare names the neurons kept and the time choosing took, not just that mlp was set
+    table = compare_runs([tmp_path / "chosen", tmp_path / "fixed"])[0]
+    assert [row.get("MLP kept") for row in table] == [f"{chosen['mlp_kept']}/1024"] * 2
+    assert table[0]["split s"] == timings["split_s"] and "split s" not in table[1]
 
 
 def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every_window(

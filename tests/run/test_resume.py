@@ -136,6 +136,7 @@ def test_a_changed_recipe_is_refused_and_restart_discards_the_checkpoint(recipe:
     assert changed.returncode == 2
     assert changed.stderr.strip().count("\n") == 0 and "Traceback" not in changed.stderr
     assert "different recipe (sparsity changed)" in changed.stderr and "--restart" in changed.stderr
+    assert "resuming" not in changed.stdout  # refused before it says it resumes
     assert (
         "different recipe (sparsity changed)" in compress(recipe, output, "--set", "sparsity=0.5", "--dry-run").stderr
     )
