@@ -1,8 +1,13 @@
 # Two commands do all the set-up:  `make demo`  and  `make test`.
-# torch is installed first and pinned: left to pip's resolver it would pull several GB of CUDA wheels.
+# torch is installed first and pinned. PyPI's torch for Linux is the CUDA build, whose NVIDIA
+# wheels weigh several GB: without an NVIDIA GPU (no working nvidia-smi) the CPU build comes from
+# PyTorch's CPU wheel index instead (TORCH_INDEX; empty: PyPI and pip's own configuration only).
+# TORCH and TORCH_INDEX can be set on the command line: make setup TORCH=torch==2.13.0 TORCH_INDEX=
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo $(TORCH_CPU_INDEX))
 PY     := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
@@ -11,7 +16,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet $(TORCH) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e ".[test]"
 	@# the checkout as a plain path entry too: a script beside a folder named compressor (the clone,
 	@# seen from the folder that holds it) would otherwise import that folder as an empty namespace
