@@ -150,6 +150,7 @@ class ModelResult:
     prefill_times_s: list[float] = field(default_factory=list)
     decode_times_s: list[float] = field(default_factory=list)
     convert_s: float = 0.0
+    quantize_s: float | None = None
     error: str | None = None
 
 
@@ -200,6 +201,26 @@ def convert(
         raise RuntimeError(f"converter failed (exit {proc.returncode}), log {log_file}:\n{tail}")
     used = fallback if "gguf_check: unknown pre-tokenizer hash" in proc.stderr + proc.stdout else None
     return seconds, used
+
+
+QUANT_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m")
+"""`--quantize` types: llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs)."""
+
+
+def quantize(source: Path, target: Path, kind: str, threads: int) -> float:
+    """Quantize the GGUF `source` to `kind` (`QUANT_TYPES`) into `target` with llama.cpp's own
+    quantizer; returns the seconds it took."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
+    params.nthread = threads
+    start = time.perf_counter()
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+    return time.perf_counter() - start
 
 
 def gguf_metadata(path: Path, converter: Path) -> dict[str, Any]:
@@ -498,6 +519,11 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
         )
         if result.pre_tokenizer_fallback:
             print(f"  converter did not know the pre-tokenizer hash; wrote '{result.pre_tokenizer_fallback}'")
+    if args.quantize is not None:  # scored and timed quantized, against transformers' float32
+        quantized = gguf_path.with_name(f"{gguf_path.stem}-{args.quantize}.gguf")
+        print(f"  quantizing -> {quantized}")
+        result.quantize_s = quantize(gguf_path, quantized, args.quantize, args.threads)
+        gguf_path = quantized
     result.gguf, result.gguf_bytes = str(gguf_path), gguf_path.stat().st_size
     result.gguf_meta = gguf_metadata(gguf_path, args.converter)
 
@@ -568,6 +594,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="folder for the GGUF files")
     parser.add_argument("--reuse-gguf", action="store_true", help="skip conversion where the GGUF exists")
+    parser.add_argument(
+        "--quantize",
+        choices=QUANT_TYPES,
+        help="quantize each converted GGUF with llama.cpp's quantizer and score that one",
+    )
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt before the timed decode steps")
@@ -614,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "data": str(args.data),
         "outtype": args.outtype,
+        "quantize": args.quantize,
         "windows": args.windows,
         "seq_len": args.seq_len,
         "prompt_len": args.prompt_len,
