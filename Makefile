@@ -7,7 +7,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-TORCH_INDEX ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo $(TORCH_CPU_INDEX))
+NVIDIA_SMI ?= nvidia-smi
+TORCH_INDEX ?= $(shell $(NVIDIA_SMI) -L >/dev/null 2>&1 || echo $(TORCH_CPU_INDEX))
 PY     := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 

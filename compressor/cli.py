@@ -59,6 +59,13 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the versions and exit")
@@ -76,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         help="torch's CPU threads (the recipe's `threads`; default: the CPUs this process is given)",
     )
     run.add_argument(
@@ -120,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, help="windows per batch (default: the run's, else 8)")
     evaluate.add_argument("--dtype", help="dtype to load the models in (default: the run's, else float32)")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    evaluate.add_argument("--threads", type=int, help="torch's CPU threads (default: the CPUs this process is given)")
+    evaluate.add_argument(
+        "--threads", type=_positive_int, help="torch's CPU threads (default: the CPUs this process is given)"
+    )
     evaluate.add_argument(
         "--tasks",
         help="lm-eval tasks, comma-separated: registry names or task YAML files "
@@ -233,10 +242,14 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         return
     from compressor.engine import parallel
     from compressor.run.resume import check_interrupted, progress_summary
+    from compressor.run.threads import command_threads
 
     rank = int(os.environ.get("RANK", "0"))
+    _, busy = command_threads(recipe.threads)
     if rank == 0:  # a changed recipe is refused before "resuming" is said
         check_interrupted(Path(recipe.output), recipe, args.restart)
+        if busy is not None:
+            console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
     resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
     if resumable is not None:  # said before the work, not after it
         console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
@@ -366,8 +379,12 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     from compressor.run.eval_command import EvalRequest, evaluate_target
     from compressor.run.report import speed_rows, task_rows
     from compressor.run.report_model import to_json
+    from compressor.run.threads import command_threads
 
     _quiet_libraries()
+    _, busy = command_threads(args.threads)
+    if busy is not None:
+        console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix != ".json":
         raise UserError(f"--output must be a .json file, got '{output.name}'")
@@ -432,6 +449,11 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
             soft_wrap=True,
         )
         return
+    from compressor.run.threads import command_threads
+
+    _, busy = command_threads(None)  # once: the sweep's runs are timed alike (a base recipe's threads apply)
+    if busy is not None:
+        console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
     try:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)

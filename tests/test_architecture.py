@@ -195,7 +195,8 @@ def test_a_folder_named_compressor_beside_a_script_does_not_shadow_the_package(t
 def test_make_setup_takes_the_cpu_torch_unless_an_nvidia_gpu_answers(tmp_path: Path) -> None:
     """Without a working nvidia-smi the Makefile adds PyTorch's CPU index for torch (PyPI's Linux
     torch is the CUDA build, several GB of NVIDIA wheels); with one, PyPI's; TORCH_INDEX= and TORCH=
-    override. Read from `make -n` (what it would run), with a fake nvidia-smi: nothing is installed."""
+    override. Read from `make -n` (what it would run), with fake nvidia-smi commands in its place
+    (`NVIDIA_SMI`): nothing is installed, and the machine's own GPU does not count."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
@@ -204,25 +205,24 @@ def test_make_setup_takes_the_cpu_torch_unless_an_nvidia_gpu_answers(tmp_path: P
     failing.mkdir()
     (failing / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     (failing / "nvidia-smi").chmod(0o755)
-    plain = "/usr/bin:/bin"
 
-    def torch_line(path: str, *args: str) -> str:
+    def torch_line(smi: Path, *args: str) -> str:
         planned = subprocess.run(
-            ["make", "-n", "-B", f"VENV={tmp_path / 'venv'}", *args, "setup"],
+            ["make", "-n", "-B", f"VENV={tmp_path / 'venv'}", f"NVIDIA_SMI={smi}", *args, "setup"],
             capture_output=True,
             text=True,
             check=True,
             cwd=PACKAGE.parent,
-            env={"PATH": path, "HOME": str(tmp_path)},
         ).stdout
-        return next(line for line in planned.splitlines() if "pip install --quiet torch" in line)
+        return next(line for line in planned.splitlines() if "pip install --quiet torch" in line).strip()
 
     cpu = "--extra-index-url https://download.pytorch.org/whl/cpu"
-    assert torch_line(plain).endswith(f"torch==2.13.0 {cpu}")  # no nvidia-smi at all
-    assert torch_line(f"{failing}:{plain}").endswith(cpu)  # one that finds no GPU
-    assert torch_line(f"{fake}:{plain}").strip().endswith("torch==2.13.0")
-    assert torch_line(plain, "TORCH_INDEX=").strip().endswith("torch==2.13.0")
-    assert "torch==2.12.0" in torch_line(plain, "TORCH=torch==2.12.0")
+    none = tmp_path / "absent" / "nvidia-smi"
+    assert torch_line(none).endswith(f"torch==2.13.0 {cpu}")  # no nvidia-smi at all
+    assert torch_line(failing / "nvidia-smi").endswith(cpu)  # one that finds no GPU
+    assert torch_line(fake / "nvidia-smi").endswith("torch==2.13.0")
+    assert torch_line(none, "TORCH_INDEX=").endswith("torch==2.13.0")
+    assert "torch==2.12.0" in torch_line(none, "TORCH=torch==2.12.0")
 
 
 def test_the_tests_are_arranged_like_the_package() -> None:

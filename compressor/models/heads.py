@@ -150,14 +150,16 @@ def drop_heads(
 
 
 def remove_attention(attention: nn.Module, family: ModelFamily) -> None:
-    """Remove `attention` in place (DeciLM's `no_op` attention): every projection keeps no head,
-    so it writes nothing to the stream and holds no parameters, and its KV cache entry still counts
-    the tokens it saw (a cache whose length is read from the first layer stays right)."""
+    """Remove `attention` in place (DeciLM's `no_op` attention): every projection keeps no head and
+    the output projection no bias, so it writes nothing to the stream and holds no parameters. Its
+    KV cache layer stays empty (length 0): a model that reads the cache's length from that layer
+    must be given positions (the saved DeciLM reads it from its first kept attention)."""
     none = torch.zeros(0, dtype=torch.long)
     for name in family.attn_inputs:
         _keep_rows(attention.get_submodule(name), none, 1)
     output = attention.get_submodule(family.attn_output)
     output.weight = nn.Parameter(output.weight.data[:, :0].clone(), requires_grad=False)
+    output.bias = None
     output.in_features = 0
 
 

@@ -38,7 +38,7 @@ def resolve_model_path(path: str, base: Path, where: str = "model.path, relative
     if near is not None:  # a typo of a folder beside it, not one of the hub's few ids without an organisation
         raise UserError(
             f"model folder not found: {local} ({where}); did you mean '{near}'? (a name without a slash "
-            f"that is not a folder is read as a hub id)"
+            f"beside a folder so named is read as a typo; give a hub model as organisation/name)"
         )
     return path
 

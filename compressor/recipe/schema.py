@@ -83,8 +83,9 @@ class Recipe:
     device: Annotated[StrictStr, described("auto, cpu, cuda or cuda:N", pattern=DEVICE_PATTERN)] = "auto"
     seed: Annotated[StrictInt, described("the random seed, as torch takes it", ge=0, lt=2**64)] = 0
     threads: Annotated[StrictInt, described("CPU threads torch uses", ge=1)] | None = None
-    """CPU threads torch uses; None: the CPUs this process is given (its affinity mask, capped by a
-    cgroup CPU quota; `run.threads`). Set it lower where other work shares the cores."""
+    """CPU threads torch uses; None: on the command line, the CPUs this process is given (its
+    affinity mask, capped by a cgroup CPU quota) less those other work keeps busy, or
+    `OMP_NUM_THREADS` (`run.threads.command_threads`); from Python, the caller's count."""
     activations: Offload = "host"
     """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
     refinement: RefinementSpec | None = None

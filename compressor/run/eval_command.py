@@ -35,7 +35,7 @@ from compressor.run.checks import plan as plan_run
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.run.report_model import Environment, EvalReport, Metrics, Sizes
 from compressor.run.staging import RUN_MARKER
-from compressor.run.threads import others_busy, use_threads
+from compressor.run.threads import use_threads
 from compressor.strategies.registry import PluginRegistry
 from compressor.validation import replaced
 
@@ -65,7 +65,7 @@ class EvalRequest:
     throughput: bool | None = None
     """None: a run's own `evaluation.throughput`, else measured."""
     threads: int | None = None
-    """torch's CPU threads; None: the CPUs this process is given (`run.threads`)."""
+    """torch's CPU threads; None: as the caller set them (the command line: `run.threads.command_threads`)."""
 
 
 def _model_spec(path: str, dtype: str) -> ModelSpec:
@@ -190,7 +190,8 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     started = time.perf_counter()
     plan = _plan(request, PluginRegistry())
     device = resolve_device(request.device)
-    use_threads(request.threads, busy=others_busy() if device.type == "cpu" and request.threads is None else None)
+    if request.threads is not None:  # else the caller's count (the command line's)
+        use_threads(request.threads)
     check_suites(plan.suites)
     report_progress("tokenising data", 0, 1)
     tokenizer = load_tokenizer(plan.target)

@@ -109,7 +109,7 @@ def recipe_fingerprint(recipe: Recipe) -> str:
 def fingerprinted(recipe: Recipe) -> dict[str, Any]:
     """The recipe values `recipe_fingerprint` digests."""
     values = recipe.to_dict()
-    for key in ("output", "evaluation", "activations", "refinement", "distillation", *recipe.stages):
+    for key in ("output", "evaluation", "activations", "threads", "refinement", "distillation", *recipe.stages):
         values.pop(key, None)  # a plugin stage's section too: it runs after the walk, which is all the checkpoint holds
     values["model"].pop("path", None)
     values["model"].pop("revision", None)
@@ -124,6 +124,8 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
             values.pop(key, None)
     if isinstance(values.get("mlp"), dict) and values["mlp"].get("shared_kept") is None:  # likewise
         values["mlp"].pop("shared_kept", None)
+    if isinstance(values.get("mlp"), dict) and not values["mlp"].get("remove_attention"):  # likewise
+        values["mlp"].pop("remove_attention", None)
     values["compressor"] = compressor.__version__
     return values
 

@@ -42,7 +42,7 @@ from compressor.run.staging import (
     prepare_staging,
     publish,
 )
-from compressor.run.threads import others_busy, use_threads
+from compressor.run.threads import use_threads
 from compressor.strategies.registry import PluginRegistry
 
 
@@ -75,11 +75,8 @@ def run(
     device = resolve_device(recipe.device)
     check_device_settings(recipe, device, save_model, checked.stages)
     ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
-    on_cpu = device.type == "cpu"
-    busy = others_busy() if on_cpu and resources is None and recipe.threads is None else None  # a sweep keeps one
-    _, note = use_threads(recipe.threads, ranks.world if on_cpu else 1, busy)
-    if note is not None and warn is not None:
-        warn(note)
+    if recipe.threads is not None:  # else the caller's count (the command line's: `threads.command_threads`)
+        use_threads(recipe.threads)
     machine = machine_memory(device)
     recipe, chosen = resolved_load(recipe, checked, device, machine, save_model)
     if chosen is not None and warn is not None:

@@ -5,8 +5,9 @@ container's CPU quota or a `taskset` mask gives the process. Past that, spinning
 each other, and a run on two cores with one of them busy took 4× longer than on one thread
 (issue 50). The count is the affinity mask capped by the cgroup's CPU quota (v2 `cpu.max`, v1
 `cpu.cfs_quota_us`), less the CPUs other work keeps busy where a fresh process can tell (their
-busy time sampled for a fifth of a second at its start; said in a warning), and a recipe's
-`threads` replaces it. The report records the count.
+busy time sampled for a fifth of a second at its start; said in a warning), shared among the
+data-parallel ranks on the machine. A recipe's `threads` (or `OMP_NUM_THREADS`) replaces it. The
+command line decides (`command_threads`); the report records the count.
 """
 
 from __future__ import annotations
@@ -104,21 +105,37 @@ def others_busy(root: Path = CGROUP) -> float | None:
 
 
 def use_threads(requested: int | None, processes: int = 1, busy: float | None = None) -> tuple[int, str | None]:
-    """Set torch's CPU threads to `requested`, or to the available CPUs shared among `processes`
-    on this machine (data-parallel ranks on the CPU) less the CPUs other work keeps `busy`
-    (`others_busy`; None: not known). Returns the count and, where other work lowered it, a note
+    """Set torch's CPU threads to `requested`, or to the available CPUs less those other work keeps
+    `busy` (`others_busy`; a CPU counts from three quarters busy), shared among this machine's
+    `processes` (data-parallel ranks). Returns the count and, where other work lowered it, a note
     saying so."""
-    threads = requested or max(1, available_cpus() // max(1, processes))
     note = None
-    if requested is None and busy is not None and threads > 1:
-        fewer = max(1, threads - round(busy))
-        if fewer < threads:
+    if requested is not None:
+        threads = requested
+    else:
+        cpus, share = available_cpus(), max(1, processes)
+        held = 0 if busy is None else min(cpus - 1, math.floor(busy + 0.25))
+        threads = max(1, (cpus - held) // share)
+        if held and threads < max(1, cpus // share):
             note = (
-                f"other work keeps {busy:.1f} of the {threads} CPUs busy, and threads that wait on each other "
-                f"make a run several times slower, so this run uses {fewer} thread{'s' if fewer > 1 else ''} "
-                f"(set threads to choose)"
+                f"other work keeps {busy:.1f} of the {cpus} CPUs busy, and threads that wait on each other "
+                f"make a run several times slower, so this run uses {threads} thread{'s' if threads > 1 else ''}"
+                f"{' per process' if share > 1 else ''} (set threads to choose)"
             )
-            threads = fewer
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads, note
+
+
+def command_threads(requested: int | None) -> tuple[int, str | None]:
+    """What a command-line process (`compress run`, `eval`, `sweep`) sets before its work:
+    `requested`, else `OMP_NUM_THREADS` where it is set (torchrun sets 1 per rank), else the CPUs
+    this process is given less those other work keeps busy, shared among the ranks torchrun
+    started on this machine (`LOCAL_WORLD_SIZE`). Library calls (`run.runner.run`) leave torch's
+    count alone unless a recipe sets `threads`."""
+    if requested is None:
+        told = os.environ.get("OMP_NUM_THREADS", "")
+        requested = int(told) if told.isdigit() and int(told) > 0 else None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    processes = int(local) if local.isdigit() and int(local) > 0 else 1
+    return use_threads(requested, processes, others_busy() if requested is None else None)

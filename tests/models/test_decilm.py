@@ -54,14 +54,18 @@ def test_a_llama_with_per_layer_widths_reloads_as_decilm_with_the_same_logits(tm
     assert torch.equal(saved.generate(prompt, max_new_tokens=6, do_sample=False), expected)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 def test_removed_attentions_are_no_op_blocks_with_the_logits_of_a_model_whose_attention_writes_nothing(
-    tmp_path: Path,
+    bias: bool, tmp_path: Path
 ) -> None:
-    model, family = _narrowed([512, 256, 512]), family_for("llama")
+    model, family = _narrowed([512, 256, 512], attention_bias=bias), family_for("llama")
     expected = copy.deepcopy(model)
     for index in (0, 2):  # the first: the cache's length must come from another layer
         remove_attention(model.model.layers[index].self_attn, family)
-        expected.model.layers[index].self_attn.o_proj.weight.data.zero_()
+        written = expected.model.layers[index].self_attn.o_proj
+        written.weight.data.zero_()
+        if bias:  # nothing written: the output projection's bias goes too
+            written.bias.data.zero_()
     assert [attention_removed(layer.self_attn, family) for layer in model.model.layers] == [True, False, True]
     batches = random_batches(model.config.vocab_size, padded=True)
     assert max_relative_logit_error(expected, model, batches) == 0  # in memory: no head, nothing written

@@ -30,7 +30,7 @@ SITES = ["embedding", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.
 
 
 def compress(recipe: Path, output: Path, *extra: str, kill: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}  # alike every run
     env.pop(KILL_VARIABLE, None)
     if kill is not None:
         env[KILL_VARIABLE] = kill

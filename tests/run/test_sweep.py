@@ -157,7 +157,7 @@ def test_a_sweep_killed_mid_run_resumes_that_run_and_reuses_h(tiny_checkpoint: P
     sweep = _write_sweep(tmp_path, base)
 
     def compress(kill: str | None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
         if kill:
             env["COMPRESS_KILL_AT"] = kill
         return subprocess.run(

@@ -1,6 +1,8 @@
 """CPU threads (`run.threads`, issue 50): the count is the affinity mask capped by a cgroup CPU
-quota (v2 and v1 files, read from a fake mount), a recipe's `threads` or `--threads` replaces it,
-torch runs with it, and the report and the dry run say it; a count below one is refused in one line."""
+quota (v2 and v1 files, read from a fake mount), less the CPUs other work keeps busy (sampled by a
+fresh command-line process only), shared among the machine's ranks; a recipe's `threads`,
+`--threads` or `OMP_NUM_THREADS` replaces it, torch runs with it, and the report and the dry run
+say it; a count below one is refused in one line."""
 
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ import pytest
 import torch
 
 from compressor.cli import main
-from compressor.run.threads import available_cpus, busy_jiffies, cgroup_cpus, others_busy, process_age, use_threads
+from compressor.run.threads import (
+    available_cpus,
+    busy_jiffies,
+    cgroup_cpus,
+    command_threads,
+    others_busy,
+    process_age,
+    use_threads,
+)
 from tests.run.test_cli import write_recipe
 
 
@@ -56,15 +66,30 @@ def test_the_available_cpus_are_the_affinity_capped_by_the_quota(tmp_path: Path)
 
 
 def test_use_threads_sets_torch_and_leaves_the_cpus_other_work_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 4)
     assert use_threads(3) == (3, None) and torch.get_num_threads() == 3
-    assert use_threads(None) == (available_cpus(), None) and torch.get_num_threads() == available_cpus()
+    assert use_threads(None) == (4, None) and torch.get_num_threads() == 4
     assert use_threads(None, processes=64) == (1, None)
     assert use_threads(4, busy=3.0) == (4, None)  # the recipe's count stands
-    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 4)
-    assert use_threads(None, busy=0.3) == (4, None)  # an idle machine's noise
+    assert use_threads(None, busy=0.6) == (4, None)  # an idle machine's noise: a CPU counts from 0.75
     threads, note = use_threads(None, busy=2.2)
     assert threads == 2 == torch.get_num_threads()
     assert note is not None and "other work keeps 2.2 of the 4 CPUs busy" in note and "uses 2 threads" in note
+    threads, note = use_threads(None, processes=2, busy=2.0)  # the free CPUs shared, not each rank's share less all
+    assert threads == 1 and note is not None and "per process" in note
+    assert use_threads(None, busy=9.0)[0] == 1
+
+
+def test_the_command_line_honours_omp_num_threads_and_torchrun_s_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 8)
+    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert command_threads(None) == (8, None) and command_threads(3) == (3, None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert command_threads(None) == (2, None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's default per rank
+    assert command_threads(None) == (1, None) and command_threads(5) == (5, None)
 
 
 STAT = """cpu  300 0 100 500 0 0 0 0 0 0
@@ -118,7 +143,8 @@ def test_a_fresh_cli_run_on_a_busy_machine_runs_on_fewer_threads_and_says_why(
     tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 2)
-    monkeypatch.setattr("compressor.run.runner.others_busy", lambda: 1.1)
+    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: 1.1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     assert main(["run", str(recipe)]) == 0
     assert "warning: other work keeps 1.1 of the 2 CPUs busy" in capsys.readouterr().out

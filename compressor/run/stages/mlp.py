@@ -218,7 +218,7 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
-    fisher = None if spec.allocate_by == "energy" else stream_fishers(state)
+    fisher = None if spec.allocate_by == "energy" else stream_fishers(state, spec.remove_attention)
     layers = decoder_layers(state.pruned, state.family)
     attention = None
     if spec.remove_attention:
@@ -264,9 +264,9 @@ def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> i
     return held // per_neuron // step * step
 
 
-def stream_fishers(state: RunState) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """H (`engine.fisher`) where each layer's MLP writes, and where its attention writes, on the
-    model as loaded: a layout that keeps the stream whole has no walk to estimate it, and the width
+def stream_fishers(state: RunState, attention: bool) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """H (`engine.fisher`) where each layer's MLP writes, and with `attention` where its attention
+    writes (else none: each is d × d), on the model as loaded: a layout that keeps the stream whole has no walk to estimate it, and the width
     curves need it to compare layers. The estimate runs on a norm-fused copy (the stream is the
     same; the copy is dropped after)."""
     assert state.pruned is not None
@@ -282,7 +282,8 @@ def stream_fishers(state: RunState) -> tuple[dict[int, torch.Tensor], dict[int, 
         del fused
     layers = range(state.pruned.config.num_hidden_layers)
     sites = [layer_site_ids(state.family, i) for i in layers]
-    return {i: fisher[sites[i][-1]] for i in layers}, {i: fisher[sites[i][0]] for i in layers}
+    written = {i: fisher[sites[i][0]] for i in layers} if attention else {}
+    return {i: fisher[sites[i][-1]] for i in layers}, written
 
 
 def stream_sensitivity(
