@@ -4,6 +4,7 @@ module names of before the split keep importing (the same module objects)."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -213,8 +214,13 @@ def test_make_setup_takes_the_cpu_torch_unless_an_nvidia_gpu_answers(tmp_path: P
             text=True,
             check=True,
             cwd=PACKAGE.parent,
+            env=outside_make,
         ).stdout
         return next(line for line in planned.splitlines() if "pip install --quiet torch" in line).strip()
+
+    # under `make test-all` (.ci/run passes TORCH_INDEX=) the outer make's variables reach a nested
+    # make through MAKEFLAGS: this one must see only its own command line
+    outside_make = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
     cpu = "--extra-index-url https://download.pytorch.org/whl/cpu"
     none = tmp_path / "absent" / "nvidia-smi"
