@@ -218,9 +218,10 @@ def test_make_setup_takes_the_cpu_torch_unless_an_nvidia_gpu_answers(tmp_path: P
         ).stdout
         return next(line for line in planned.splitlines() if "pip install --quiet torch" in line).strip()
 
-    # under `make test-all` (.ci/run passes TORCH_INDEX=) the outer make's variables reach a nested
-    # make through MAKEFLAGS: this one must see only its own command line
-    outside_make = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    # under `make test-all` (.ci/run passes TORCH_INDEX=) the outer make's command-line variables
+    # reach this one through MAKEFLAGS and the environment: it must see only its own command line
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH", "TORCH_INDEX", "NVIDIA_SMI", "VENV", "PYTHON")
+    outside_make = {k: v for k, v in os.environ.items() if k not in outer}
 
     cpu = "--extra-index-url https://download.pytorch.org/whl/cpu"
     none = tmp_path / "absent" / "nvidia-smi"
