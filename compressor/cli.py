@@ -192,6 +192,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _set_threads(console: Console, requested: int | None, say: bool = True) -> None:
+    """torch's CPU threads for this command (`run.threads.command_threads`), and where other work
+    lowered them, the warning that says so (`say`: this process speaks; a data-parallel rank 0)."""
+    from compressor.run.threads import command_threads
+
+    _, lowered = command_threads(requested)
+    if lowered is not None and say:
+        console.print(f"warning: {lowered}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _quiet_libraries() -> None:
     """Our rich display reports progress; the libraries' own bars would interleave with it."""
     import datasets
@@ -242,14 +252,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         return
     from compressor.engine import parallel
     from compressor.run.resume import check_interrupted, progress_summary
-    from compressor.run.threads import command_threads
 
     rank = int(os.environ.get("RANK", "0"))
-    _, busy = command_threads(recipe.threads)
     if rank == 0:  # a changed recipe is refused before "resuming" is said
         check_interrupted(Path(recipe.output), recipe, args.restart)
-        if busy is not None:
-            console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
+    _set_threads(console, recipe.threads, say=rank == 0)
     resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
     if resumable is not None:  # said before the work, not after it
         console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
@@ -379,12 +386,9 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
     from compressor.run.eval_command import EvalRequest, evaluate_target
     from compressor.run.report import speed_rows, task_rows
     from compressor.run.report_model import to_json
-    from compressor.run.threads import command_threads
 
     _quiet_libraries()
-    _, busy = command_threads(args.threads)
-    if busy is not None:
-        console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
+    _set_threads(console, args.threads)
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix != ".json":
         raise UserError(f"--output must be a .json file, got '{output.name}'")
@@ -449,11 +453,7 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
             soft_wrap=True,
         )
         return
-    from compressor.run.threads import command_threads
-
-    _, busy = command_threads(None)  # once: the sweep's runs are timed alike (a base recipe's threads apply)
-    if busy is not None:
-        console.print(f"warning: {busy}", markup=False, highlight=False, soft_wrap=True)
+    _set_threads(console, None)  # once: the sweep's runs are timed alike (a base recipe's threads apply)
     try:
         with _progress_display(console) as progress:
             summary = run_sweep(sweep, registry, progress, restart=args.restart)

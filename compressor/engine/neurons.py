@@ -191,8 +191,7 @@ def prune_mlp(
                 )
                 records.append(dense)
             # else a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers) keeps its width: the config's is the experts'
-            for b in range(len(inputs)):  # the pruned layer gives the next one its input
-                inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
+            _next_inputs(layer, inputs, index, device, None)  # the pruned layer gives the next one its input
             faults.reached(f"mlp:{index}")
         report(f"MLP neurons: layer {layers}/{layers}", layers, layers)
     finally:
@@ -256,7 +255,8 @@ def _next_inputs(
     handle = None if output is None else output.register_forward_hook(record)
     try:
         for b in range(len(inputs)):
-            current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            if written is not None:  # the counted tokens of the batch the hook sees
+                current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
             inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
     finally:
         if handle is not None:

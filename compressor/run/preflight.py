@@ -209,7 +209,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             f"one basis: saved as {', '.join(checked.layout.config.architectures or ['the original class'])} "
             f"with hidden_size {checked.layout.kept} ({checked.layout.params.count(checked.layout.widths):,} parameters)"
         )
-    found.checked += mlp_lines(checked, recipe.slicing.layout == "heterogeneous", recipe)
+    found.checked += mlp_lines(checked, recipe)
     if checked.chooses_split:
         splits = ", ".join(
             f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
@@ -227,10 +227,10 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     return checked
 
 
-def mlp_lines(checked: Plan, per_layer: bool = False, recipe: Recipe | None = None) -> list[str]:
-    """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's;
-    `per_layer`: the MLPs share the uniform width's neurons (`slicing.layout: heterogeneous`), and
-    with the `recipe`'s `mlp.remove_attention` the attentions may go too."""
+def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
+    """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's; in
+    `slicing.layout: heterogeneous` the MLPs share the uniform width's neurons, and with
+    `mlp.remove_attention` the attentions may go too."""
     layout, selector, lines = checked.layout, checked.selector, []
     if selector is None:
         return lines
@@ -241,13 +241,13 @@ def mlp_lines(checked: Plan, per_layer: bool = False, recipe: Recipe | None = No
         family = layout.family
         assert family.mlp_width is not None
         what = "routed expert" if family.experts is not None else "MLP"
-        if per_layer:
+        if recipe.slicing.layout == "heterogeneous":
             layers = layout.config.num_hidden_layers
             lines.append(
                 f"mlp: the {layers} MLPs share {layers * layout.mlp_width:,} neurons ({layout.mlp_width} each, "
                 f"uniform), given to the layers in steps of 256 by their width curves ({selector.name})"
             )
-            if recipe is not None and recipe.mlp is not None and recipe.mlp.remove_attention:
+            if recipe.mlp is not None and recipe.mlp.remove_attention:
                 lines.append(
                     "mlp.remove_attention: a layer's attention may go too (DeciLM no_op), where its predicted "
                     "error is below what its parameters buy as MLP neurons"
