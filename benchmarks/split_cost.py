@@ -7,7 +7,9 @@ own pruning), and what it chooses: one recipe with `mlp: {}` run three ways, eac
   switched off in that process only);
 - "every window": the same, one survey for all the splits (the default);
 - "screened on N windows" (`mlp.screen_windows: N`): each split pruned on N calibration windows,
-  the chosen one then on all of them.
+  the chosen one then on all of them;
+- "the N predicted best" (`--rows best`, `mlp.measure_best: N`): every split's KL predicted first,
+  only the N best predicted pruned and measured (`--rows best-screened`: also screened).
 
 The cost ratio compares the phase that differs: the time spent choosing beyond the chosen
 split's own pruning, over that pruning. With every window the chosen split's trial is the run's
@@ -17,6 +19,7 @@ shared pass, `fisher_s`), as in every prune time of docs/benchmarks.md.
 
     python benchmarks/split_cost.py                         # ref-llama at target_params 0.75
     python benchmarks/split_cost.py --target 0.6 --screen 16 32
+    python benchmarks/split_cost.py --rows every best best-screened --best 2 --screen 32
 
 Writes benchmarks/results/split_cost_<name>.json and .md.
 """
@@ -51,7 +54,11 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "chosen": f"{chosen['width']} / {chosen['mlp_kept']}",
         "choice_kl": chosen["heldout_kl"],
-        "candidates": [{k: c[k] for k in ("width", "mlp_kept", "heldout_kl", "prune_s")} for c in split["candidates"]],
+        "candidates": [
+            {k: c.get(k) for k in ("width", "mlp_kept", "heldout_kl", "predicted_kl", "prune_s")}
+            for c in split["candidates"]
+        ],
+        "predict_s": split.get("predict_s"),
         "split_s": timings["split_s"],
         "own_s": own,
         "ratio": beyond / own,
@@ -77,7 +84,16 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "ref_llama_stock.yaml")
     parser.add_argument("--target", type=float, default=0.75)
     parser.add_argument("--screen", type=int, nargs="+", default=[32], help="mlp.screen_windows values")
+    parser.add_argument("--best", type=int, nargs="+", default=[2], help="mlp.measure_best values")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=["before", "every", "screen", "best", "best-screened"],
+        default=["before", "every", "screen"],
+        help="the configurations run (module docstring)",
+    )
     parser.add_argument("--name", default="ref-llama")
+    parser.add_argument("--label", default="", help="a suffix for the result files")
     args = parser.parse_args()
     base = [
         f"target_params={args.target}",
@@ -88,11 +104,22 @@ def main() -> None:
         "mlp={}",
         *EVALUATION,
     ]
-    configurations = [
-        ("every window, survey per split", [], False),
-        ("every window", [], True),
-        *((f"screened on {n} windows", [f"mlp.screen_windows={n}"], True) for n in args.screen),
-    ]
+    kinds = {
+        "before": [("every window, survey per split", [], False)],
+        "every": [("every window", [], True)],
+        "screen": [(f"screened on {n} windows", [f"mlp.screen_windows={n}"], True) for n in args.screen],
+        "best": [(f"the {b} predicted best", [f"mlp.measure_best={b}"], True) for b in args.best],
+        "best-screened": [
+            (
+                f"the {b} predicted best, screened on {n} windows",
+                [f"mlp.measure_best={b}", f"mlp.screen_windows={n}"],
+                True,
+            )
+            for b in args.best
+            for n in args.screen
+        ],
+    }
+    configurations = [configuration for kind in args.rows for configuration in kinds[kind]]
     console, rows = Console(), []
     with tempfile.TemporaryDirectory() as scratch:
         for index, (label, changes, memo) in enumerate(configurations):
@@ -102,7 +129,7 @@ def main() -> None:
             rows.append({"label": label, "changes": changes, **common(report), **figures(report)})
     columns = ("choosing", "width / MLP", "params", "KL", "ppl", "choosing s", "chosen's pruning s", "beyond / own")
     title = f"{args.name} at target_params {args.target}: what choosing the split costs"
-    write_tables(rows, columns, cells, title, f"split_cost_{args.name}_{args.target}", args.recipe, console)
+    write_tables(rows, columns, cells, title, f"split_cost_{args.name}_{args.target}{args.label}", args.recipe, console)
 
 
 if __name__ == "__main__":

@@ -208,11 +208,13 @@ def _measure(
     index: int,
     device: torch.device,
     reference: ActivationStore | None = None,
+    advance: bool = False,
 ) -> _MlpMoment:
     """Run the layer on every stored batch, measuring the down projection's input. With a
     `reference` stream the layer, not yet pruned, also runs on it: its output there becomes the
     reference for the next layer, and its difference from the output on the pruned stream is the
-    error e that feedback adds."""
+    error e that feedback adds. `advance`: each stored batch is then replaced by the layer's
+    output (the next layer's input), for a caller that leaves the layer as it is."""
     stats = _MlpMoment(output.in_features, device, None if reference is None else output.out_features)
     current: dict[str, Any] = {"measuring": True}
 
@@ -228,6 +230,8 @@ def _measure(
             mask, count = inputs.token_masks[b].to(device), inputs.token_counts[b]
             current["mask"], current["count"] = mask, count
             out = _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device)))
+            if advance:
+                inputs.hidden.put(b, out)
             if reference is None:
                 continue
             current["measuring"] = False
@@ -286,14 +290,15 @@ def _dense_problem(
     G: torch.Tensor | None,
     reference: ActivationStore | None,
     ranks: Ranks,
+    advance: bool = False,
 ) -> tuple[NeuronProblem, RefitTarget, torch.Tensor]:
     """One dense MLP's problem, measured on the stored batches: the selector's view, what the refit
-    reproduces, and the down projection W (d × f, float64)."""
+    reproduces, and the down projection W (d × f, float64). `advance`: as `_measure`'s."""
     _, output = mlp_linears(layer, family)
     width = output.in_features
     if not 0 <= keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-    stats = _measure(layer, output, inputs, index, device, reference).sum_over(ranks)
+    stats = _measure(layer, output, inputs, index, device, reference, advance).sum_over(ranks)
     if stats.moment.tokens == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
     C = stats.moment.value()  # divided in place: f × f float64 is large
@@ -380,11 +385,12 @@ def mlp_width_curves(
     progress: Progress | None = None,
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
+    widths: Sequence[int] | None = None,
 ) -> list[WidthCurve]:
     """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
-    (`engine.mlp_widths`), measured on `model` unpruned, in one pass; the model is not changed.
-    With `attention` (per layer, G where its attention writes, or None for the identity), each
-    curve also holds the error of removing the layer's attention."""
+    (`engine.mlp_widths`; `widths`: at those alone), measured on `model` unpruned, in one pass; the
+    model is not changed. With `attention` (per layer, G where its attention writes, or None for
+    the identity), each curve also holds the error of removing the layer's attention."""
     device, ranks = torch.device(device), ranks or Ranks.current()
     report = progress or (lambda *_: None)
     model.eval()
@@ -395,16 +401,19 @@ def mlp_width_curves(
         for index, layer in visit_layers(model, family, device):
             report(f"MLP width curves: layer {index + 1}/{layers}", index, layers)
             G = None if sensitivity is None else sensitivity[index]
-            problem, _, W = _dense_problem(layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks)
+            advance = attention is None  # one pass per layer; else a second, measuring what the attention writes
+            problem, _, W = _dense_problem(
+                layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks, advance
+            )
             errors = {}
-            for width in width_grid(problem.width, step):
+            for width in width_grid(problem.width, step) if widths is None else widths:
                 _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
                 down = refitted if refitted is not None else W[:, kept]
                 errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
             del problem
             attended = None if attention is None else layer_attention(family, layer)
             output = None if attended is None else attended.get_submodule(family.attn_output)
-            written = _next_inputs(layer, inputs, index, device, output)  # unpruned: as the model computes it
+            written = None if advance else _next_inputs(layer, inputs, index, device, output)  # unpruned
             removal = None
             if written is not None:
                 assert attention is not None

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
+from compressor.engine.allocation import loss_curve
 from compressor.engine.bases import (
     apply_embedding_basis,
     apply_head_basis,
@@ -449,7 +450,7 @@ def prune(
             )
         survey = _Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
         tied_choice = run.tie_head and EMBEDDING not in saved
-        memo_key = (tuple(ids), options.pooling, layout.one_basis, run.tie_head, tuple(tokens_by_rank))
+        memo_key = _memo_key(run, options.pooling, tokens_by_rank)
         # a survey of given widths can be recalled and kept; an allocator's widths are its own
         memo = options.survey if widths is not None and (tied_choice or survey.pool is not None) else None
         recalled = memo.recall(memo_key) if memo is not None else None
@@ -502,6 +503,75 @@ def prune(
         stock=output.record if output is not None else None,
         walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None,
     )
+
+
+@dataclass(frozen=True)
+class SurveyLosses:
+    """What `survey_losses` found: the predicted KL at each residual width asked for, and H."""
+
+    losses: dict[int, float]
+    fisher: Mapping[str, torch.Tensor]
+    seconds: float
+    """Time spent computing H (0 when given): shared work, reported apart."""
+    fisher_source: str | None
+    """Where H came from, as `PruneResult.fisher_source` says."""
+
+
+@torch.no_grad()
+def survey_losses(
+    model: PreTrainedModel,
+    layout: SlicedLayout,
+    batches: list[Batch],
+    widths: Sequence[int],
+    options: WalkOptions = WalkOptions(),
+) -> SurveyLosses:
+    """A global layout's predicted KL of keeping each of `widths` dimensions of the stream, before
+    any walk: the survey pass a global walk starts with (every site's C with H on the fused,
+    unsliced `model`, which is left fused), then ½·Σ_s Tr(UᵀC_sU·UᵀH_sU) over the sites for the
+    best candidate basis of the summed statistics at each width (`allocation.loss_curve`, the
+    `curves` allocator's prediction). The survey goes to `options.survey` and H is returned, so
+    the walks that follow pass over the model once less and estimate no H. Holds every site's C
+    and H on the host until the curve is drawn (2·d² floats per site)."""
+    if not layout.one_basis:
+        raise ValueError("survey_losses predicts one basis kept everywhere: a global layout")
+    device, ranks = torch.device(options.device), options.ranks or Ranks.current()
+    report = options.progress or (lambda *_: None)
+    run = _Prune(model, layout, device, report, ranks, None, tie_head=False, correct_readers=False)
+    _check_model(run)
+    model.eval()
+    model.requires_grad_(False)
+    skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])
+    report("fusing norms", 0, model.config.num_hidden_layers)
+    fuse_norms(model, layout.family)
+    store = ActivationStore(device, options.offload, options.scratch)
+    members: list[tuple[torch.Tensor, torch.Tensor]] = []
+    survey = _Survey(GlobalPool(options.pooling))
+    try:
+        inputs = capture_layer_inputs(model, layout.family, ranks.share(batches), device, store)
+        tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
+        h = _estimate_sensitivity(run, inputs, options.fisher, options.sensitivity, options.seed, skipped)
+        assert h.values is not None
+
+        def observe(site: str, moment: SecondMoment) -> None:
+            C, H = moment.value(), h.at(site)
+            assert survey.pool is not None and H is not None
+            survey.pool.add(site, C, moment.tokens, H)
+            members.append((C.to("cpu", torch.float32), H.to("cpu", torch.float32)))
+
+        _survey(run, inputs, observe)
+    finally:
+        store.close()
+    if options.survey is not None:
+        options.survey.keep(_memo_key(run, options.pooling, tokens_by_rank), survey)
+    report("predicting the residual widths' loss", 0, 1)
+    (C0, H0), *rest = members
+    curve = loss_curve(C0, H0, list(widths), pooled=rest)
+    return SurveyLosses(dict(zip(widths, curve)), h.values, h.seconds, h.source)
+
+
+def _memo_key(run: _Prune, pooling: str, tokens_by_rank: Sequence[int]) -> tuple[Any, ...]:
+    """What a survey was made for (`SurveyMemo`): its sites, pooling, head and calibration tokens."""
+    return (tuple(run.ids), pooling, run.one_basis, run.tie_head, tuple(tokens_by_rank))
 
 
 # The phases of `prune`, in order; each is named as the progress line that announces it.

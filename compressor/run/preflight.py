@@ -29,7 +29,7 @@ from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.stages.data import heldout_counts
 from compressor.run.stages.evaluate import check_evaluation_tasks
 from compressor.run.stages.order import run_order
-from compressor.run.stages.split import screen_windows
+from compressor.run.stages.split import measure_best, screen_windows
 from compressor.run.staging import check_output, check_writable
 from compressor.run.threads import available_cpus
 from compressor.strategies.registry import PluginRegistry
@@ -219,9 +219,12 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
         screen = screen_windows(recipe)
         pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
+        best, count = measure_best(recipe), len(checked.splits)
+        measures = (
+            f"measures {count} splits" if best is None else f"predicts {count} splits and measures the {best} best"
+        )
         found.checked.append(
-            f"split: the run measures {len(checked.splits)} splits of the budget on held-out windows{pruned_on} and "
-            f"keeps the best: {splits}"
+            f"split: the run {measures} of the budget on held-out windows{pruned_on} and keeps the best: {splits}"
         )
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked

@@ -108,19 +108,24 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
     if split is None:
         return []
     rows = []
+    if split.measure_best is not None:
+        predict = "" if split.predict_s is None else f", predicting took {split.predict_s:.1f} s"
+        rows.append(
+            ("  splits measured", "", f"the {split.measure_best} of {len(split.candidates)} predicted best{predict}")
+        )
     for index, candidate in enumerate(split.candidates):
         mark = " (chosen)" if index == split.chosen else ""
         experts = "" if candidate.experts is None else f", {candidate.experts} experts"
         pruned = "" if candidate.prune_s is None else f", pruned in {candidate.prune_s:.1f} s"
         if split.screen_windows is not None and candidate.prune_s is not None:
             pruned += f" on {split.screen_windows} calibration windows"
-        rows.append(
-            (
-                f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}",
-                "",
-                f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows){pruned}",
-            )
-        )
+        predicted = "" if candidate.predicted_kl is None else f"predicted KL {candidate.predicted_kl:.4g}"
+        if candidate.heldout_kl is None:
+            measured = f"{predicted}, not measured"
+        else:
+            measured = f"held-out KL {candidate.heldout_kl:.4g} ({split.windows} windows){pruned}"
+            measured += f", {predicted}" if predicted else ""
+        rows.append((f"  split: width {candidate.width}, MLP {candidate.mlp_kept}{experts}{mark}", "", measured))
     return rows
 
 

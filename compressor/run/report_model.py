@@ -157,7 +157,8 @@ class SplitCandidate(_Section):
     width: int
     mlp_kept: int
     params: int
-    heldout_kl: float
+    heldout_kl: float | None
+    """None: not measured (`mlp.measure_best` left it out by its prediction)."""
     experts: int | None = None
     """Routed experts every MoE layer kept (`experts` without `kept`); None: every expert."""
     active_params: int | None = None
@@ -165,6 +166,8 @@ class SplitCandidate(_Section):
     prune_s: float | None = None
     """Seconds its pruning took: the walk (less the shared H pass), experts, heads and MLP stages;
     not its held-out measurement. The chosen one's is what choosing is weighed against."""
+    predicted_kl: float | None = None
+    """`mlp.measure_best`: its KL predicted before any split was pruned (`run.stages.split_prediction`)."""
 
 
 class SplitRecord(_Section):
@@ -182,6 +185,10 @@ class SplitRecord(_Section):
     survey_passes: int | None = None
     """Surveys of the original model the candidates' walks ran (global layout, tied head): one,
     recalled by the rest (`engine.walk.SurveyMemo`); 0 where no walk needed one."""
+    measure_best: int | None = None
+    """`mlp.measure_best`: how many of the splits, those of lowest predicted KL, were measured."""
+    predict_s: float | None = None
+    """Seconds spent predicting the splits (the survey and the MLPs' curves, less H), part of choosing."""
 
 
 class MlpReport(_Section):

@@ -30,33 +30,40 @@ def choose(
     measure: Callable[[int, SlicedLayout], float],
     windows: int,
     progress: Callable[[str, int, int], None],
+    measured: Sequence[int] | None = None,
+    predicted: Sequence[float] | None = None,
 ) -> SplitRecord:
-    """Measure every split (`measure(index, layout)` → held-out KL) and keep the lowest; ties go to
-    the earlier candidate (more of the MLP kept)."""
+    """Measure every split (`measure(index, layout)` → held-out KL), or those of `measured` alone,
+    and keep the lowest; ties go to the earlier candidate (more of the MLP kept). `predicted`: each
+    split's predicted KL, recorded beside it."""
+    indices = list(range(len(splits))) if measured is None else list(measured)
+    kls: dict[int, float] = {}
+    for step, index in enumerate(indices):
+        progress("choosing the split of the budget", step, len(indices))
+        kls[index] = measure(index, splits[index])
+        faults.reached(f"split:{index}")
+    progress("choosing the split of the budget", len(indices), len(indices))
     candidates = []
     for index, layout in enumerate(splits):
-        progress("choosing the split of the budget", index, len(splits))
-        kl = measure(index, layout)
         assert layout.widths is not None and layout.kept is not None
         candidates.append(
             SplitCandidate(
                 width=layout.kept,
                 mlp_kept=layout.mlp_width or mlp_neurons(layout.config, layout.family),
                 params=layout.params.count(layout.widths),
-                heldout_kl=kl,
+                heldout_kl=kls.get(index),
                 experts=layout.experts,
                 active_params=None if layout.active is None else layout.active.count(layout.widths),
+                predicted_kl=None if predicted is None else predicted[index],
             )
         )
-        faults.reached(f"split:{index}")
-    progress("choosing the split of the budget", len(splits), len(splits))
-    finite = [i for i, c in enumerate(candidates) if math.isfinite(c.heldout_kl)]
+    finite = [i for i, kl in kls.items() if math.isfinite(kl)]
     if not finite:
         raise UserError(
             "no split of the budget gave a finite KL on the held-out windows (the model's outputs "
             "overflow once pruned); lower the cut, or prune the residual width alone (remove mlp and experts)"
         )
-    chosen = min(finite, key=lambda i: (candidates[i].heldout_kl, i))  # a non-finite KL never wins
+    chosen = min(finite, key=lambda i: (kls[i], i))  # a non-finite KL never wins
     return SplitRecord(windows=windows, candidates=candidates, chosen=chosen)
 
 

@@ -115,6 +115,15 @@ def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -
         assert curve.errors[0] > curve.errors[256] > abs(curve.errors[512])
         assert abs(curve.errors[512]) < 1e-9 * curve.errors[0]
     assert max_relative_logit_error(original, model, batches) == 0
+    # one pass per layer (each batch advanced as the MLP is measured) gives the two-pass curves
+    two_passes = mlp_width_curves(
+        model, family, batches, PluginRegistry().selector("obs"), 256, attention={0: None, 1: None}
+    )
+    assert [c.errors for c in curves] == [c.errors for c in two_passes]
+    # given widths: those alone, as the grid's
+    chosen = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 1, widths=[256, 128])
+    grid = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 128)
+    assert [c.errors for c in chosen] == [{256: c.errors[256], 128: c.errors[128]} for c in grid]
 
 
 def test_an_attentions_removal_error_is_the_weighted_energy_of_what_it_writes() -> None:

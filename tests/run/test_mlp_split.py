@@ -142,6 +142,53 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
 
 
+def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fixed_run_saves(
+    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mlp.measure_best`: every split's KL is predicted first (one survey, one H, both reused by
+    the trials' walks), only the best predicted are pruned and measured, the lowest of those is
+    kept, and the saved model is a fixed run's of that split, tensor for tensor."""
+    from compressor.engine import walk as engine_walk
+    from compressor.run.stages import walk
+
+    walks: list[int] = []
+    surveys: list[int] = []
+    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
+    monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
+    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sensitivity = [{"strategy": "sensitivity"}]
+    recipe = write_recipe(
+        tmp_path / "a",
+        wide_mlp,
+        output=str(tmp_path / "chosen"),
+        mlp={**SPLIT, "measure_best": 2},
+        pipeline=sensitivity,
+        **COMMON,
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "chosen")
+    split = report["mlp"]["split"]
+    candidates = split["candidates"]
+    predicted = [c["predicted_kl"] for c in candidates]
+    assert len(candidates) == 3 and all(kl >= 0 for kl in predicted) and split["measure_best"] == 2
+    best_two = sorted(sorted(range(3), key=predicted.__getitem__)[:2])
+    assert [i for i, c in enumerate(candidates) if c["heldout_kl"] is not None] == best_two
+    assert len(walks) == 2 and len(surveys) == split["survey_passes"] == 1  # the prediction's survey, recalled
+    assert report["fisher_source"] == "computed" and split["predict_s"] > 0
+    assert split["chosen"] == min(best_two, key=lambda i: candidates[i]["heldout_kl"])
+    markdown = (tmp_path / "chosen" / "report.md").read_text()
+    assert "the 2 of 3 predicted best" in markdown and "not measured" in markdown
+    chosen = candidates[split["chosen"]]
+    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
+    fixed = write_recipe(
+        tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, pipeline=sensitivity, **COMMON
+    )
+    assert main(["run", str(fixed)]) == 0
+    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+
+
 def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,6 +272,9 @@ def test_a_run_killed_while_or_after_choosing_resumes_to_the_same_model(
         ({"mlp": {"candidates": 1}}, "mlp.candidates"),
         ({"mlp": {"screen_windows": 4}}, "mlp.screen_windows 4 is not fewer than the 4 calibration windows"),
         ({"mlp": {"kept": 0.5, "screen_windows": 2}}, "mlp.screen_windows applies when the plan chooses the split"),
+        ({"mlp": {"measure_best": 5}}, "mlp.measure_best 5 is more than the 4 candidate splits"),
+        ({"mlp": {"kept": 0.5, "measure_best": 2}}, "mlp.measure_best applies when the plan chooses the split"),
+        ({"mlp": {"measure_best": 2}, "slicing": {}}, "set slicing.layout: global, or remove mlp.measure_best"),
     ],
 )
 def test_bad_split_settings_are_one_line_and_write_nothing(
@@ -245,6 +295,9 @@ def test_dry_run_lists_the_splits(wide_mlp: Path, tmp_path: Path, capsys: pytest
     screened = write_recipe(tmp_path, wide_mlp, mlp={**SPLIT, "screen_windows": 2}, **COMMON)
     assert main(["run", str(screened), "--dry-run"]) == 0
     assert "each pruned on 2 calibration windows (the chosen one on all)" in capsys.readouterr().out.replace("\n", " ")
+    predicted = write_recipe(tmp_path, wide_mlp, mlp={**SPLIT, "measure_best": 2}, **COMMON)
+    assert main(["run", str(predicted), "--dry-run"]) == 0
+    assert "predicts 3 splits and measures the 2 best" in capsys.readouterr().out.replace("\n", " ")
     assert not (tmp_path / "out").exists()
 
 

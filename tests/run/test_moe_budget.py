@@ -143,6 +143,11 @@ def test_a_run_killed_while_choosing_the_expert_count_resumes_to_the_same_model(
             "experts.candidates applies when the run chooses",
         ),
         ("qwen3_moe", {"target_params": 0.8, "experts": {"candidates": 1}}, "experts.candidates"),
+        (
+            "qwen3_moe",
+            {"target_params": 0.8, "experts": {}, "mlp": {"measure_best": 2}},
+            "expert counts it cannot predict; set experts.kept, or remove mlp.measure_best",
+        ),
         ("olmoe", {"target_active_params": 0.5, "mlp": {}}, "where only target_params is counted yet"),
         (  # every candidate count would spend the same active budget: the choice measures nothing
             "qwen3_moe",

@@ -83,6 +83,12 @@ class MlpSpec:
     choosing, then prune the chosen one on every window with the run's own walk and MLP stage;
     choosing then costs about this share of the calibration per split instead of a whole pruning
     each. None: every split is pruned on every window and the chosen one's trial is kept."""
+    measure_best: Annotated[StrictInt, described("splits measured: those of lowest predicted KL", ge=1)] | None = None
+    """Without `kept`, in a global layout: before any split is pruned, predict each one's KL from
+    second-order estimates (the residual width's from the survey the walk runs anyway, the MLP's
+    from each layer's refit error at the split's width, both weighed by H: `run.stages.split_prediction`),
+    then prune and measure only this many, those predicted best (as many as `candidates`: every
+    split predicted and measured, to check the prediction). None: every split is measured."""
 
 
 def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec:
@@ -94,7 +100,7 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
             raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
         fixed = MlpSpec(kept=spec.kept)
-        for key in ("min_kept", "candidates", "heldout_windows", "screen_windows"):
+        for key in ("min_kept", "candidates", "heldout_windows", "screen_windows", "measure_best"):
             if getattr(spec, key) != getattr(fixed, key):
                 raise UserError(
                     f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
@@ -115,6 +121,16 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         raise UserError(
             f"mlp.screen_windows {spec.screen_windows} is not fewer than the {windows} calibration windows "
             "(calibration.num_samples); lower it, or remove it to prune every split on every window"
+        )
+    if spec.measure_best is not None and spec.measure_best > spec.candidates:
+        raise UserError(
+            f"mlp.measure_best {spec.measure_best} is more than the {spec.candidates} candidate splits "
+            "(mlp.candidates); lower it (equal: every split predicted and measured)"
+        )
+    if spec.measure_best is not None and recipe.slicing.layout != "global":
+        raise UserError(
+            "mlp.measure_best predicts the splits of one basis kept everywhere, and this recipe's layout is "
+            f"{recipe.slicing.layout}; set slicing.layout: global, or remove mlp.measure_best"
         )
     context.registry.selector(spec.selector)
     return spec

@@ -171,10 +171,11 @@ class RunState:
             remove_blocks(model, self.family, self.removed_blocks)
         return model
 
-    def fisher_key(self) -> str:
-        """What H of the model the walk prunes depends on (the original without the removed blocks)."""
+    def fisher_key(self, data: str | None = None) -> str:
+        """What H of the model the walk prunes depends on (the original without the removed blocks),
+        on the run's data or on `data` (another data fingerprint: a screened trial's)."""
         model = self.fingerprint["model"] + "".join(f"-{block}" for block in self.removed_blocks)
-        return fisher_key(self.recipe, model, self.fingerprint["data"], self.device)
+        return fisher_key(self.recipe, model, data or self.fingerprint["data"], self.device)
 
     def head_stream(self) -> torch.Tensor | None:
         assert self.result is not None

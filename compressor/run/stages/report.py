@@ -29,6 +29,7 @@ from compressor.run.report_model import (
     RunReport,
     Site,
     Sizes,
+    SplitRecord,
     Step,
 )
 from compressor.run.stages.base import RunState
@@ -114,13 +115,20 @@ def write_report(state: RunState) -> RunReport:
             staging / "distillation.png", dpi=120, bbox_inches="tight"
         )
     if state.split is not None:
-        points = [(c.width, c.mlp_kept, c.params, c.heldout_kl) for c in state.split.candidates]
-        counts = [c.experts for c in state.split.candidates]
-        of = report.mlp.of if report.mlp is not None else state.split.candidates[0].mlp_kept  # no mlp: all kept
-        split_figure(
-            points, state.split.chosen, of, Path(report.model.path).name, counts if report.experts else None
-        ).savefig(staging / "split.png", dpi=120, bbox_inches="tight")
+        write_split_figure(state.split, report, staging / "split.png")
     return report
+
+
+def write_split_figure(split: SplitRecord, report: RunReport, path: Path) -> None:
+    """`split.png`: the measured candidates' held-out KL (`mlp.measure_best` leaves some out)."""
+    candidates = split.candidates
+    measured = [i for i, c in enumerate(candidates) if c.heldout_kl is not None]
+    points = [(c.width, c.mlp_kept, c.params, c.heldout_kl or 0.0) for c in (candidates[i] for i in measured)]
+    counts = [candidates[i].experts for i in measured]
+    of = report.mlp.of if report.mlp is not None else candidates[0].mlp_kept  # no mlp: all kept
+    split_figure(
+        points, measured.index(split.chosen), of, Path(report.model.path).name, counts if report.experts else None
+    ).savefig(path, dpi=120, bbox_inches="tight")
 
 
 def _active_params(state: RunState) -> Params | None:

@@ -29,6 +29,7 @@ from compressor.run.stages.contract import Stage, changes_model_between
 from compressor.run.stages.experts import PruneExperts
 from compressor.run.stages.heads import PruneHeads
 from compressor.run.stages.mlp import PruneMlp
+from compressor.run.stages.split_prediction import Prediction, best_predicted, predict_splits
 from compressor.run.stages.walk import walk
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
 
@@ -58,6 +59,11 @@ class ChooseSplit(Stage):
         if world > 1 and plan.chooses_split:
             keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
             raise UserError(f"choosing the split of the budget runs in one process: fix {keys}, or launch one process")
+        if measure_best(recipe) is not None and len({split.experts for split in plan.splits}) > 1:
+            raise UserError(
+                "mlp.measure_best predicts the splits between the residual width and the MLP's, and experts "
+                "without kept adds expert counts it cannot predict; set experts.kept, or remove mlp.measure_best"
+            )
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         """The larger count of the sections that leave theirs open (`mlp`, `experts`)."""
@@ -99,26 +105,7 @@ class ChooseSplit(Stage):
                     f"rerun with --restart"
                 )
         else:
-            if state.checkpoint.has_fisher():  # a run killed while choosing: its H pass is not repeated
-                loaded = state.checkpoint.load_fisher()
-                assert loaded is not None
-                state.resources.keep_fisher(state.fisher_key(), loaded)
-                state.split_fisher_source = "checkpoint"
-            original = state.resources.whole_model(state.recipe.model)  # on the device only while it measures
-            state.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
-            rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
-            state.survey = SurveyMemo()  # the first trial surveys the original model for all of them
-            state.split = choose(
-                splits,
-                lambda index, layout: measured_split(state, index, layout, original, rng),
-                sum(len(batch.input_ids) for batch in state.measuring_windows[self.name]),
-                state.progress,
-            )
-            torch.set_rng_state(rng)
-            del original
-            state.split = timed_split(
-                state.split, state.split_prune_s, state.survey.passes, screen_windows(state.recipe)
-            )
+            state.split = fresh_choice(state, splits, self.name)
             state.checkpoint.save_split(state.split.model_dump())
         state.checked = dataclasses.replace(state.checked, layout=splits[state.split.chosen])
         if state.best_trial is not None and state.best_trial[1] == state.split.chosen:
@@ -128,6 +115,33 @@ class ChooseSplit(Stage):
             state.survey = None  # no walk will recall it
         if not state.adopted and state.model is None:
             state.model = state.model_to_prune()
+
+
+def fresh_choice(state: RunState, splits: tuple[SlicedLayout, ...], stage: str) -> SplitRecord:
+    """The splits predicted (`mlp.measure_best`), pruned and measured, and the choice, timed."""
+    if state.checkpoint.has_fisher():  # a run killed while choosing: its H pass is not repeated
+        loaded = state.checkpoint.load_fisher()
+        assert loaded is not None
+        state.resources.keep_fisher(state.fisher_key(), loaded)
+        state.split_fisher_source = "checkpoint"
+    original = state.resources.whole_model(state.recipe.model)  # on the device only while it measures
+    state.model = None  # reloaded for the run's walk unless the chosen split's trial is kept
+    rng = torch.get_rng_state()  # every split starts its walk where the run's own walk will
+    state.survey = SurveyMemo()  # the first walk (or the prediction) surveys the original model for all
+    prediction = predicted(state, splits)
+    torch.set_rng_state(rng)
+    split = choose(
+        splits,
+        lambda index, layout: measured_split(state, index, layout, original, rng),
+        sum(len(batch.input_ids) for batch in state.measuring_windows[stage]),
+        state.progress,
+        None if prediction is None else best_predicted(prediction.kls, measure_best(state.recipe) or 0),
+        None if prediction is None else prediction.kls,
+    )
+    torch.set_rng_state(rng)
+    split = timed_split(split, state.split_prune_s, state.survey.passes, screen_windows(state.recipe))
+    predict_s = None if prediction is None else prediction.seconds
+    return split.model_copy(update={"measure_best": measure_best(state.recipe), "predict_s": predict_s})
 
 
 def open_sections(recipe: Recipe) -> list[str]:
@@ -182,9 +196,7 @@ def measured_split(
     trial.tokenizer, trial.calibration = state.tokenizer, screened(state)
     trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], state.removed_blocks
     trial.model = state.model_to_prune()
-    trial.fingerprint = state.fingerprint  # the same recipe, model and data: not hashed again
-    if screen is not None:  # other data: its own H, shared by the trials only
-        trial.fingerprint = {**state.fingerprint, "data": f"{state.fingerprint['data']}/screen-{screen}"}
+    trial.fingerprint = trial_fingerprint(state)  # screened: other data, its own H shared by the trials only
     trial.survey = state.survey
     torch.set_rng_state(rng)
     with faults.scoped(f"split{index}/"):
@@ -216,6 +228,34 @@ def measured_split(
         trial.result = dataclasses.replace(trial.result, fisher=None, model=trial.pruned)
         state.best_trial = (kl, index, trial)
     return kl
+
+
+def measure_best(recipe: Recipe) -> int | None:
+    """`mlp.measure_best`: how many splits, the best predicted, are measured (None: all, unpredicted)."""
+    return None if recipe.mlp is None else recipe.mlp.measure_best
+
+
+def predicted(state: RunState, splits: tuple[SlicedLayout, ...]) -> Prediction | None:
+    """With `mlp.measure_best`, every split's predicted KL (`split_prediction`) on the windows its
+    trial is pruned on, H kept (and checkpointed, on every window) for the trials' walks."""
+    if measure_best(state.recipe) is None:
+        return None
+    prediction = predict_splits(state, splits, screened(state), state.fisher_key(trial_fingerprint(state)["data"]))
+    survey = prediction.survey
+    if screen_windows(state.recipe) is None and not state.checkpoint.has_fisher():
+        state.checkpoint.save_fisher(dict(survey.fisher))
+        if survey.fisher_source == "computed":
+            state.split_fisher_source = "computed"
+    state.timings["fisher_s"] = max(state.timings.get("fisher_s", 0.0), survey.seconds)
+    return prediction
+
+
+def trial_fingerprint(state: RunState) -> dict[str, str]:
+    """A trial's fingerprint: the run's, with its own data when screened (H of other windows)."""
+    screen = screen_windows(state.recipe)
+    if screen is None:
+        return state.fingerprint  # the same recipe, model and data: not hashed again
+    return {**state.fingerprint, "data": f"{state.fingerprint['data']}/screen-{screen}"}
 
 
 def screen_windows(recipe: Recipe) -> int | None:

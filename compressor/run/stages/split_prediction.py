@@ -1,0 +1,102 @@
+"""Ranking the splits of the budget before any is pruned (`mlp.measure_best`): each split's KL is
+predicted from the second-order estimates the run already makes, so that only the best few are
+pruned and measured.
+
+The prediction of a split (residual width k, MLP width m) is the sum of two local estimates on
+the fused, unsliced model, both in nats of KL through H (the Fisher of the output at the stream):
+- the residual width's, ½·Σ_s Tr(UᵀC_sU·UᵀH_sU) over every site for the removed directions U of
+  the best candidate basis of the summed statistics (`engine.walk.survey_losses`: the survey a
+  global walk runs first, kept for the trials' walks, so it costs no pass of its own);
+- the MLP's, ½·Σ_l Tr[H_l·E[δ_l δ_lᵀ]] over the layers, δ_l the error layer l's MLP writes when
+  the run's neuron selector keeps m neurons and the down projection is refitted
+  (`engine.neurons.mlp_width_curves` at the candidates' widths: one pass layer by layer).
+
+Both ignore how the cuts interact (each is measured on the model without the other), which is why
+the best predicted splits are then measured, not taken.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
+from compressor.engine.neurons import mlp_width_curves
+from compressor.engine.walk import SurveyLosses, WalkOptions, survey_losses
+from compressor.models.layout import SlicedLayout, mlp_neurons
+from compressor.models.sites import layer_site_ids
+from compressor.run.stages.base import RunState
+from compressor.run.staging import SCRATCH_FOLDER
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Each split's predicted KL (in the plan's order), the residual survey's result and the time
+    spent predicting (less H's)."""
+
+    kls: list[float]
+    survey: SurveyLosses
+    seconds: float
+
+
+def predict_splits(
+    state: RunState, splits: tuple[SlicedLayout, ...], calibration: list[Batch], fisher_key: str
+) -> Prediction:
+    """Every split's predicted KL on `calibration` (the windows its trial would be pruned on), with
+    H kept under `fisher_key` (`state.resources`) for the trials' walks and `state.survey` holding
+    the survey they recall."""
+    recipe, family, device = state.recipe, state.family, state.device
+    spec, selector = recipe.mlp, state.checked.selector
+    assert spec is not None and selector is not None
+    tick = time.perf_counter()
+    model = state.model_to_prune()  # fused by the survey and measured, then dropped
+
+    def progress(phase: str, done: int, total: int) -> None:
+        state.progress(f"predicting the splits: {phase}", done, total)
+
+    options = WalkOptions(
+        device=device,
+        sensitivity=recipe.sensitivity,
+        seed=recipe.seed,
+        offload=recipe.activations,
+        scratch=state.staging / SCRATCH_FOLDER,
+        pooling=recipe.slicing.pooling,
+        fisher=state.resources.fisher(fisher_key),
+        ranks=state.ranks,
+        progress=progress,
+        survey=state.survey,
+    )
+    residual = survey_losses(model, splits[0], calibration, sorted({split.kept or 0 for split in splits}), options)
+    state.resources.keep_fisher(fisher_key, dict(residual.fisher))
+    full = mlp_neurons(splits[0].config, family)
+    narrowed = sorted({split.mlp_width for split in splits if split.mlp_width is not None and split.mlp_width < full})
+    mlp = {full: 0.0}
+    if narrowed:
+        layers = model.config.num_hidden_layers
+        written = {i: residual.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}  # where each MLP writes
+        curves = mlp_width_curves(
+            model,
+            family,
+            calibration,
+            selector,
+            1,
+            device,
+            refit=spec.refit,
+            damping=spec.damping,
+            sensitivity=written,
+            progress=progress,
+            store=ActivationStore(device, recipe.activations, state.staging / SCRATCH_FOLDER),
+            ranks=state.ranks,
+            widths=narrowed,
+        )
+        mlp.update({width: 0.5 * sum(curve.errors[width] for curve in curves) for width in narrowed})
+    del model
+    kls = [residual.losses[split.kept or 0] + mlp[split.mlp_width or full] for split in splits]
+    return Prediction(kls, residual, time.perf_counter() - tick - residual.seconds)
+
+
+def best_predicted(kls: list[float], count: int) -> list[int]:
+    """The indices of the `count` lowest predictions, in the plan's order (ties: the earlier)."""
+    ranked = sorted(range(len(kls)), key=lambda index: (kls[index], index))
+    return sorted(ranked[:count])
