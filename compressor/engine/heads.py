@@ -18,7 +18,8 @@ runs the stage again to the same heads (it is deterministic).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
 from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.mlp_widths import weighted_error
 from compressor.engine.parallel import Ranks
 from compressor.engine.refit import RefitTarget, checked_indices, output_error, refit_down
 from compressor.errors import UserError
@@ -137,31 +139,9 @@ def _prune_layer(
 ) -> HeadRecord:
     """Measure, choose and cut one attention layer's heads (see the module docstring)."""
     output = attention.get_submodule(family.attn_output)
-    moment, window_norms = _measure(layer, output, inputs, shape, device)
-    moment.sum_over(ranks)
-    ranks.sum_(window_norms)
-    C = moment.value()
-    W = output.weight.detach().to(device, torch.float64)
-    problem = HeadProblem(
-        layer=shape.layer,
-        keep=shape.keep,
-        heads=shape.heads,
-        groups=shape.kv if shape.kv < shape.heads else 1,
-        head_dim=shape.head_dim,
-        C=C,
-        activation=window_norms.sqrt(),
-        down=W,
-        damping=damping * float(torch.diagonal(C).mean()),
-        G=None if G is None else G.to(device, torch.float64),
-        tokens=moment.tokens,
-    )
-    choice = selector.select(problem)
-    kept = checked_heads(choice, selector, problem).to(device)
-    if not ranks.agree(kept):
-        raise RuntimeError(
-            f"layer {problem.layer}: the processes chose different heads from the same statistics "
-            f"(selector '{selector.name}' is not deterministic across devices)"
-        )
+    problem = _problem(layer, output, inputs, shape, device, damping, G, ranks)
+    C, W = problem.C, problem.down
+    choice, kept = _chosen(problem, selector, ranks)
     columns = problem.columns(kept)
     goal = RefitTarget.output(W, C)
     plain = W[:, columns]
@@ -181,11 +161,117 @@ def _prune_layer(
     return record
 
 
+def _problem(
+    layer: nn.Module,
+    output: nn.Linear,
+    inputs: LayerInputs,
+    shape: _Shape,
+    device: torch.device,
+    damping: float,
+    G: torch.Tensor | None,
+    ranks: Ranks,
+    advance: bool = False,
+) -> HeadProblem:
+    """One attention layer's selector problem, measured on the stored batches (`advance`: each
+    batch then replaced by the layer's output, the layer being left as it is)."""
+    moment, window_norms = _measure(layer, output, inputs, shape, device, advance)
+    moment.sum_over(ranks)
+    ranks.sum_(window_norms)
+    C = moment.value()
+    return HeadProblem(
+        layer=shape.layer,
+        keep=shape.keep,
+        heads=shape.heads,
+        groups=shape.kv if shape.kv < shape.heads else 1,
+        head_dim=shape.head_dim,
+        C=C,
+        activation=window_norms.sqrt(),
+        down=output.weight.detach().to(device, torch.float64),
+        damping=damping * float(torch.diagonal(C).mean()),
+        G=None if G is None else G.to(device, torch.float64),
+        tokens=moment.tokens,
+    )
+
+
+def _chosen(problem: HeadProblem, selector: HeadSelector, ranks: Ranks) -> tuple[HeadChoice, torch.Tensor]:
+    """The selector's choice and its kept heads, the same on every process."""
+    choice = selector.select(problem)
+    kept = checked_heads(choice, selector, problem).to(problem.C.device)
+    if not ranks.agree(kept):
+        raise RuntimeError(
+            f"layer {problem.layer}: the processes chose different heads from the same statistics "
+            f"(selector '{selector.name}' is not deterministic across devices)"
+        )
+    return choice, kept
+
+
+@torch.no_grad()
+def head_count_curves(
+    model: PreTrainedModel,
+    family: ModelFamily,
+    batches: list[Batch],
+    selector: HeadSelector,
+    counts: Sequence[int],
+    device: torch.device | str = "cpu",
+    *,
+    refit: bool = True,
+    damping: float = 1e-2,
+    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    progress: Progress | None = None,
+    store: ActivationStore | None = None,
+    ranks: Ranks | None = None,
+) -> dict[int, dict[int, float]]:
+    """Each attention layer's predicted error at each of `counts` query heads kept, measured on
+    `model` unpruned in one pass (the model is not changed): the selector's heads and the output
+    projection refitted as `prune_heads` would, the error Tr[G·E[(Wz − W'z_S)(…)ᵀ]] where the
+    attention writes (`mlp_widths.weighted_error`; with G = H by layer, half the predicted KL).
+    Keyed by layer index (a layer without attention has none)."""
+    device, ranks = torch.device(device), ranks or Ranks.current()
+    report = progress or (lambda *_: None)
+    config = model.config
+    heads, groups, width = query_heads(config), kv_heads(config), head_dim(config)
+    model.eval()
+    layers = len(decoder_layers(model, family))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    curves: dict[int, dict[int, float]] = {}
+    try:
+        for index, layer in visit_layers(model, family, device):
+            report(f"head count curves: layer {index + 1}/{layers}", index, layers)
+            attention = layer_attention(family, layer)
+            if attention is None:  # another token mixer: nothing cut, the batches advanced
+                for b in range(len(inputs)):
+                    out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
+                    inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+                continue
+            output = attention.get_submodule(family.attn_output)
+            G = None if sensitivity is None else sensitivity[index]
+            shape = _Shape(index, 0, heads, groups, width)
+            problem = _problem(layer, output, inputs, shape, device, damping, G, ranks, advance=True)
+            curves[index] = {}
+            for count in counts:
+                counted = dataclasses.replace(problem, keep=count)
+                _, kept = _chosen(counted, selector, ranks)
+                columns = counted.columns(kept)
+                W = problem.down
+                down = refit_down(W, problem.C, columns, problem.damping) if refit else W[:, columns]
+                curves[index][count] = weighted_error(W, problem.C, columns, down, problem.G)
+        report(f"head count curves: layer {layers}/{layers}", layers, layers)
+    finally:
+        inputs.hidden.close()
+    return curves
+
+
 def _measure(
-    layer: nn.Module, output: nn.Linear, inputs: LayerInputs, shape: _Shape, device: torch.device
+    layer: nn.Module,
+    output: nn.Linear,
+    inputs: LayerInputs,
+    shape: _Shape,
+    device: torch.device,
+    advance: bool = False,
 ) -> tuple[SecondMoment, torch.Tensor]:
     """Run the layer on every stored batch: C of the output projection's input, and the sum over
-    windows of each head's squared mean ‖z_h‖ over the window's real positions."""
+    windows of each head's squared mean ‖z_h‖ over the window's real positions (`advance`: each
+    batch then replaced by the layer's output)."""
     moment = SecondMoment(output.in_features, device)
     window_norms = torch.zeros(shape.heads, dtype=torch.float64, device=device)
     current: dict[str, Any] = {}
@@ -202,7 +288,9 @@ def _measure(
     try:
         for b in range(len(inputs)):
             current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            layer(inputs.hidden.get(b, device), **inputs.kwargs(b, shape.layer, device))
+            out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, shape.layer, device))
+            if advance:
+                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
     finally:
         handle.remove()
     return moment, window_norms

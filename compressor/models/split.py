@@ -1,5 +1,6 @@
 """One parameter budget, two axes: the splits between the residual width and the MLP's width
-that a run with `mlp:` but no `mlp.kept` chooses from (issue 34).
+that a run with `mlp:` but no `mlp.kept` chooses from (issue 34), and the expert and query-head
+counts a run without `experts.kept` or `heads.kept` tries beside them (issues 48, 49).
 
 Each candidate is a `SlicedLayout` that spends the budget: the MLP keeps m neurons and the
 residual stream the widest width k the rest allows, then m is raised back to the most the budget
@@ -17,7 +18,9 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from compressor.errors import UserError
 from compressor.models.families import ModelFamily
+from compressor.models.heads import heads_refusal, kept_heads, kv_heads, query_heads
 from compressor.models.layout import SlicedLayout, mlp_neurons, sliced_layout
 
 
@@ -87,3 +90,27 @@ def expert_counts(total: int, top_k: int, min_kept: float, candidates: int) -> l
         return [total]
     steps = min(candidates - 1, total - low)
     return sorted({total - round(i * (total - low) / steps) for i in range(steps + 1)}, reverse=True)
+
+
+def head_counts(config: PretrainedConfig, family: ModelFamily, min_kept: float, candidates: int) -> list[int | None]:
+    """Up to `candidates` query-head counts: every head (None) first, then the counts the family's
+    class can hold (a multiple of the KV heads in grouped-query attention), evenly spaced from the
+    largest below every head down to `min_kept` of them; refused in one line where the family's
+    class cannot hold fewer heads."""
+    refusal = heads_refusal(config, family)
+    if refusal is not None:
+        raise UserError(f"heads: {family.name} models cannot hold fewer query heads: {refusal}; remove heads")
+    heads, groups = query_heads(config), kv_heads(config)
+    step = groups if groups < heads else 1
+    held = []
+    for count in range(heads - step, 0, -step):
+        if count < min_kept * heads:
+            break
+        try:
+            held.append(kept_heads(config, family, count))
+        except UserError:  # a count the config class refuses at this hidden size: the others may do
+            continue
+    if len(held) > candidates - 1:
+        picks = sorted({round((i + 1) * len(held) / (candidates - 1)) - 1 for i in range(candidates - 1)})
+        held = [held[i] for i in picks]
+    return [None, *held]

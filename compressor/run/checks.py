@@ -4,6 +4,7 @@ the budget, the strategies' options, the distillation settings), loading no weig
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
-from compressor.models.split import expert_counts, split_layouts
+from compressor.models.split import expert_counts, head_counts, split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
@@ -303,10 +304,11 @@ def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reaso
 def _splits(
     recipe: Recipe, config: PretrainedConfig, family: Any, families: dict[str, Any], options: dict[str, Any]
 ) -> tuple[SlicedLayout, ...]:
-    """The candidates the run measures when `mlp` or `experts` leaves its count open: for each expert
-    count (`experts.kept`, or the counts `models.split.expert_counts` spaces), the MLP's splits of
-    the budget (`mlp` without `kept`) or the one layout its fixed width leaves; every expert kept
-    first (None), so the first candidate prunes the residual width alone (or with the fixed MLP)."""
+    """The candidates the run measures when `mlp`, `experts` or `heads` leaves its count open: for
+    each expert count (`experts.kept`, or the counts `models.split.expert_counts` spaces) and each
+    head count (`heads.kept`, or `models.split.head_counts`), the MLP's splits of the budget (`mlp`
+    without `kept`) or the one layout its fixed width leaves; every expert and head kept first
+    (None), so the first candidate prunes the residual width alone (or with the fixed MLP)."""
     mlp, experts = recipe.mlp, recipe.experts
     if recipe.allocation.method == "curves":
         keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
@@ -330,10 +332,14 @@ def _splits(
             None if count == total else count
             for count in expert_counts(total, top_k, experts.min_kept, experts.candidates)
         ]
+    heads: list[float | None] = [options["heads"]]
+    if recipe.heads is not None and recipe.heads.kept is None:
+        spec = recipe.heads
+        heads = [*head_counts(config, family, spec.min_kept, spec.candidates)]
     splits: list[SlicedLayout] = []
     refusal: UserError | None = None
-    for count in counts:
-        fixed = {**options, "experts": count}
+    for count, head_count in itertools.product(counts, heads):
+        fixed = {**options, "experts": count, "heads": head_count}
         try:
             if mlp is not None and mlp.kept is None:
                 splits += split_layouts(

@@ -124,9 +124,11 @@ def axes_line(checked: Plan) -> str:
         of = getattr(layout.config, layout.family.experts)
         kept = f"{layout.experts} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
         axes += [f"routed experts ({kept} per layer, by {checked.expert_selector.name})"]
-    if checked.head_selector is not None and layout.heads is not None:
+    heads = sorted({split.heads for split in checked.splits if split.heads is not None}, reverse=True)
+    if checked.head_selector is not None and (layout.heads is not None or heads):
         of = layout.config.num_attention_heads
-        axes += [f"query heads ({layout.heads} of {of} per layer, by {checked.head_selector.name})"]
+        kept = f"{layout.heads} of {of}" if not heads else f"{of}, {', '.join(map(str, heads))} of {of} measured"
+        axes += [f"query heads ({kept} per layer, by {checked.head_selector.name})"]
     if checked.block_selector is not None:
         blocks = layout.config.num_hidden_layers + len(checked.removed_blocks)
         axes += [f"depth ({len(checked.removed_blocks)} of {blocks} blocks removed, by {checked.block_selector.name})"]
@@ -214,6 +216,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         splits = ", ".join(
             f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
             + ("" if split.experts is None else f" and {split.experts} experts")
+            + ("" if split.heads is None else f" and {split.heads} heads")
             + f" ({split.counted.count(split.widths or {}):,})"
             for split in checked.splits
         )

@@ -116,6 +116,7 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
     for index, candidate in enumerate(split.candidates):
         mark = " (chosen)" if index == split.chosen else ""
         experts = "" if candidate.experts is None else f", {candidate.experts} experts"
+        experts += "" if candidate.heads is None else f", {candidate.heads} heads"
         pruned = "" if candidate.prune_s is None else f", pruned in {candidate.prune_s:.1f} s"
         if split.screen_windows is not None and candidate.prune_s is not None:
             pruned += f" on {split.screen_windows} calibration windows"

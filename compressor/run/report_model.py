@@ -161,6 +161,8 @@ class SplitCandidate(_Section):
     """None: not measured (`mlp.measure_best` left it out by its prediction)."""
     experts: int | None = None
     """Routed experts every MoE layer kept (`experts` without `kept`); None: every expert."""
+    heads: int | None = None
+    """Query heads every attention layer kept (`heads`); None: every head."""
     active_params: int | None = None
     """Parameters one token uses (a model with routed experts)."""
     prune_s: float | None = None

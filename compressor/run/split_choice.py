@@ -6,8 +6,9 @@ axes' second-order estimates (the strategies' objectives, OBS's ΔE) are sums ov
 ignore how the cuts interact, while the measurement is the quantity users are given (ModelOpt's
 search scores its best candidates the same way). The residual width alone (every expert, every
 neuron) is the first candidate wherever the budget allows it, so the choice then never makes a
-model worse on these windows than pruning the residual alone; `experts` without `kept` adds each
-expert count's splits (`run.checks`).
+model worse on these windows than pruning the residual alone; `experts` and `heads` without `kept`
+add each expert and head count's splits (`run.checks`). `mlp.measure_best` measures only the
+splits predicted best (`run.stages.split_prediction`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def choose(
                 params=layout.params.count(layout.widths),
                 heldout_kl=kls.get(index),
                 experts=layout.experts,
+                heads=layout.heads,
                 active_params=None if layout.active is None else layout.active.count(layout.widths),
                 predicted_kl=None if predicted is None else predicted[index],
             )
@@ -68,10 +70,11 @@ def choose(
 
 
 def split_label(layout: SlicedLayout) -> str:
-    """`width 504, MLP 1160` (`, 6 experts`): one candidate, in the run's progress."""
+    """`width 504, MLP 1160` (`, 6 experts`, `, 6 heads`): one candidate, in the run's progress."""
     mlp = "all" if layout.mlp_width is None else str(layout.mlp_width)
     experts = "" if layout.experts is None else f", {layout.experts} experts"
-    return f"width {layout.kept}, MLP {mlp}{experts}"
+    heads = "" if layout.heads is None else f", {layout.heads} heads"
+    return f"width {layout.kept}, MLP {mlp}{experts}{heads}"
 
 
 class KeptFisher(Resources):

@@ -91,6 +91,39 @@ def test_the_refit_is_least_squares_on_what_every_head_wrote():
     assert records[0].error_refit < records[0].error_dropped
 
 
+def test_the_head_count_curves_are_the_stages_output_error_and_leave_the_model_alone():
+    """`head_count_curves` (the splits' prediction): at the first layer, whose input no pruning
+    changed, the error at a count is the heads stage's refitted output error there (the stage
+    reports it relative to E‖Wz‖²); it falls with the count, is zero with every head, is weighed
+    by G where given, and the model is unchanged."""
+    from compressor.engine.heads import head_count_curves
+
+    model = tiny_model("llama")
+    family = _family(model)
+    batches = random_batches(model.config.vocab_size, count=2, padded=True)
+    obs = REGISTRY.head_selector("norm")
+    curves = head_count_curves(model, family, batches, obs, [2, 4])
+    assert sorted(curves) == list(range(model.config.num_hidden_layers))
+    for errors in curves.values():
+        assert errors[2] > abs(errors[4]) and abs(errors[4]) < 1e-6 * errors[2]
+    original = copy_model(model)
+    captured: list[torch.Tensor] = []
+    masks = [batch.attention_mask.bool() for batch in batches]
+    layer0 = layer_attention(family, original.model.layers[0])
+    hook = layer0.o_proj.register_forward_hook(lambda _m, _a, out: captured.append(out[masks[len(captured)]]))
+    with torch.no_grad():
+        for batch in batches:
+            original(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    hook.remove()
+    energy = float(torch.cat(captured).double().pow(2).sum(-1).mean())  # E‖Wz‖² on the counted tokens
+    records = prune_heads(copy_model(model), family, batches, 2, obs)
+    assert curves[0][2] == pytest.approx(records[0].error_refit * energy, rel=1e-4)
+    G = {i: 2.0 * torch.eye(model.config.hidden_size, dtype=torch.float64) for i in curves}
+    weighed = head_count_curves(model, family, batches, obs, [2], sensitivity=G)
+    assert [weighed[i][2] for i in curves] == pytest.approx([2.0 * curves[i][2] for i in curves], rel=1e-9)
+    assert max_relative_logit_error(original, model, batches) == 0
+
+
 def test_a_multi_head_model_loses_its_kv_heads_with_its_query_heads():
     model = tiny_model("llama", num_key_value_heads=4)
     family = _family(model)

@@ -124,6 +124,63 @@ def test_a_third_party_selector_s_heads_stay_beside_a_chosen_mlp_split(tmp_path:
     assert parameter_count(saved) == report.params.pruned <= report.allocation.budget
 
 
+def test_heads_without_kept_are_chosen_with_the_split_and_predicted_where_asked(tmp_path: Path) -> None:
+    """`heads: {}`: the run's candidates are every head count (every head first) with each MLP split;
+    it keeps the lowest held-out KL and saves what a run with that count and split fixed saves,
+    tensor for tensor. With `mlp.measure_best` the head counts are predicted too."""
+    from safetensors.torch import load_file
+
+    checkpoint = save_tiny_checkpoint(
+        tmp_path / "llama", "llama", num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024
+    )
+    common = dict(
+        sparsity=_DELETE,
+        target_params=0.8,
+        evaluation=None,
+        slicing={"layout": "global"},
+        pipeline=[{"strategy": "sensitivity"}],
+    )
+    mlp = {"heldout_windows": 2, "candidates": 2}
+    (tmp_path / "a").mkdir()
+    path = write_recipe(tmp_path / "a", checkpoint, output=str(tmp_path / "chosen"), mlp=mlp, heads={}, **common)
+    assert main(["run", str(path)]) == 0
+    report = _report(tmp_path / "chosen")
+    split = report["mlp"]["split"]
+    candidates = split["candidates"]
+    assert [c["heads"] for c in candidates] == [None, None, 4, 4]  # every head, then half: each with 2 splits
+    assert candidates[0]["mlp_kept"] == 1024 and all(c["heldout_kl"] is not None for c in candidates)
+    kls = [c["heldout_kl"] for c in candidates]
+    chosen = candidates[split["chosen"]]
+    assert split["chosen"] == kls.index(min(kls))
+    assert (report.get("heads") or {}).get("kept") == chosen["heads"]
+    fixed_heads = None if chosen["heads"] is None else {"kept": chosen["heads"]}
+    fixed_mlp = None if chosen["mlp_kept"] == 1024 else {"kept": chosen["mlp_kept"]}
+    (tmp_path / "b").mkdir()
+    fixed = write_recipe(
+        tmp_path / "b", checkpoint, output=str(tmp_path / "fixed"), mlp=fixed_mlp, heads=fixed_heads, **common
+    )
+    assert main(["run", str(fixed)]) == 0
+    ours = load_file(str(tmp_path / "chosen" / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "fixed" / "model" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    (tmp_path / "c").mkdir()
+    predicted = write_recipe(
+        tmp_path / "c",
+        checkpoint,
+        output=str(tmp_path / "predicted"),
+        mlp={**mlp, "measure_best": 2},
+        heads={},
+        **common,
+    )
+    assert main(["run", str(predicted)]) == 0
+    candidates = _report(tmp_path / "predicted")["mlp"]["split"]["candidates"]
+    assert [c["heads"] for c in candidates] == [None, None, 4, 4]
+    predictions = [c["predicted_kl"] for c in candidates]
+    assert candidates[2]["width"] == candidates[0]["width"] and candidates[2]["mlp_kept"] == 1024
+    assert predictions[2] > predictions[0]  # the same widths with half the heads: more loss predicted
+    assert sum(c["heldout_kl"] is not None for c in candidates) == 2
+
+
 @pytest.mark.parametrize(
     ("name", "changes", "message"),
     [
@@ -132,6 +189,8 @@ def test_a_third_party_selector_s_heads_stay_beside_a_chosen_mlp_split(tmp_path:
         ("llama", {"heads": {"kept": 2, "selector": "nrom"}}, "unknown head selector 'nrom' (did you mean"),
         ("olmo2", {"heads": {"kept": 2}}, "heads: olmo2 models cannot hold fewer query heads"),
         ("phi3", {"heads": {"kept": 2}}, "computes queries in one linear"),
+        ("llama", {"heads": {"kept": 2, "candidates": 3}}, "heads.candidates applies when the run chooses"),
+        ("olmo2", {"heads": {}}, "heads: olmo2 models cannot hold fewer query heads"),
     ],
 )
 def test_bad_heads_settings_are_one_line_and_write_nothing(

@@ -92,7 +92,7 @@ def write_report(state: RunState) -> RunReport:
         distillation=state.distillation,
         stages=state.extra,
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
-        **({} if recipe.heads is None else {"heads": heads_report(state)}),
+        **({} if state.checked.layout.heads is None else {"heads": heads_report(state)}),
         **({} if recipe.experts is None else {"experts": experts_report(state)}),
         **({} if state.depth is None else {"depth": state.depth}),
         metrics=Metrics.model_validate(state.metrics),

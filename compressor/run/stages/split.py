@@ -94,10 +94,11 @@ class ChooseSplit(Stage):
             state.split = SplitRecord.model_validate(saved)
             chosen = state.split.candidates[state.split.chosen]
             layout = splits[state.split.chosen] if state.split.chosen < len(splits) else None
-            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept, layout.experts) != (
+            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept, layout.experts, layout.heads) != (
                 chosen.width,
                 chosen.mlp_kept,
                 chosen.experts,
+                chosen.heads,
             ):
                 raise ProgressKept(
                     f"the interrupted run in {state.staging} chose a split (width {chosen.width}, MLP "
@@ -145,10 +146,9 @@ def fresh_choice(state: RunState, splits: tuple[SlicedLayout, ...], stage: str) 
 
 
 def open_sections(recipe: Recipe) -> list[str]:
-    """The sections that leave their count to the choice: `mlp`, `experts` without `kept`."""
-    return [
-        name for name in ("mlp", "experts") if getattr(recipe, name) is not None and getattr(recipe, name).kept is None
-    ]
+    """The sections that leave their count to the choice: `mlp`, `experts`, `heads` without `kept`."""
+    sections = ("mlp", "experts", "heads")
+    return [name for name in sections if getattr(recipe, name) is not None and getattr(recipe, name).kept is None]
 
 
 def timed_split(split: SplitRecord, seconds: dict[int, float], survey_passes: int, screen: int | None) -> SplitRecord:

@@ -9,7 +9,10 @@ the fused, unsliced model, both in nats of KL through H (the Fisher of the outpu
   global walk runs first, kept for the trials' walks, so it costs no pass of its own);
 - the MLP's, ½·Σ_l Tr[H_l·E[δ_l δ_lᵀ]] over the layers, δ_l the error layer l's MLP writes when
   the run's neuron selector keeps m neurons and the down projection is refitted
-  (`engine.neurons.mlp_width_curves` at the candidates' widths: one pass layer by layer).
+  (`engine.neurons.mlp_width_curves` at the candidates' widths: one pass layer by layer);
+- with `heads` open, the attention's alike: the error each attention writes when the run's head
+  selector keeps h heads and the output projection is refitted, weighed by H where it writes
+  (`engine.heads.head_count_curves`: one more pass).
 
 Both ignore how the cuts interact (each is measured on the model without the other), which is why
 the best predicted splits are then measured, not taken.
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
+from compressor.engine.heads import head_count_curves
 from compressor.engine.neurons import mlp_width_curves
 from compressor.engine.walk import SurveyLosses, WalkOptions, survey_losses
 from compressor.models.layout import SlicedLayout, mlp_neurons
@@ -91,9 +96,42 @@ def predict_splits(
             widths=narrowed,
         )
         mlp.update({width: 0.5 * sum(curve.errors[width] for curve in curves) for width in narrowed})
+    heads = _head_losses(state, model, splits, calibration, residual)
     del model
-    kls = [residual.losses[split.kept or 0] + mlp[split.mlp_width or full] for split in splits]
+    kls = [
+        residual.losses[split.kept or 0] + mlp[split.mlp_width or full] + heads.get(split.heads, 0.0)
+        for split in splits
+    ]
     return Prediction(kls, residual, time.perf_counter() - tick - residual.seconds)
+
+
+def _head_losses(
+    state: RunState, model: Any, splits: tuple[SlicedLayout, ...], calibration: list[Batch], residual: SurveyLosses
+) -> dict[int, float]:
+    """Half the summed H-weighted output error of every attention at each head count the splits
+    keep (none where every head stays)."""
+    counts = sorted({split.heads for split in splits if split.heads is not None})
+    spec, selector = state.recipe.heads, state.checked.head_selector
+    if not counts:
+        return {}
+    assert spec is not None and selector is not None
+    family, device = state.family, state.device
+    written = {i: residual.fisher[layer_site_ids(family, i)[0]] for i in range(model.config.num_hidden_layers)}
+    curves = head_count_curves(
+        model,
+        family,
+        calibration,
+        selector,
+        counts,
+        device,
+        refit=spec.refit,
+        damping=spec.damping,
+        sensitivity=written,
+        progress=lambda phase, done, total: state.progress(f"predicting the splits: {phase}", done, total),
+        store=ActivationStore(device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
+        ranks=state.ranks,
+    )
+    return {count: 0.5 * sum(errors[count] for errors in curves.values()) for count in counts}
 
 
 def best_predicted(kls: list[float], count: int) -> list[int]:
