@@ -20,6 +20,7 @@ shared pass, `fisher_s`), as in every prune time of docs/benchmarks.md.
     python benchmarks/split_cost.py                         # ref-llama at target_params 0.75
     python benchmarks/split_cost.py --target 0.6 --screen 16 32
     python benchmarks/split_cost.py --rows every best best-screened --best 2 --screen 32
+    python benchmarks/split_cost.py --rows every best --set 'heads={}' --label=-heads
 
 Writes benchmarks/results/split_cost_<name>.json and .md.
 """
@@ -52,10 +53,11 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         own = timings["prune_s"] + timings.get("mlp_s", 0.0)
         beyond = timings["split_s"]
     return {
-        "chosen": f"{chosen['width']} / {chosen['mlp_kept']}",
+        "chosen": f"{chosen['width']} / {chosen['mlp_kept']}"
+        + (f" / {chosen['heads']} heads" if chosen.get("heads") else ""),
         "choice_kl": chosen["heldout_kl"],
         "candidates": [
-            {k: c.get(k) for k in ("width", "mlp_kept", "heldout_kl", "predicted_kl", "prune_s")}
+            {k: c.get(k) for k in ("width", "mlp_kept", "heads", "heldout_kl", "predicted_kl", "prune_s")}
             for c in split["candidates"]
         ],
         "predict_s": split.get("predict_s"),
@@ -94,6 +96,7 @@ def main() -> None:
     )
     parser.add_argument("--name", default="ref-llama")
     parser.add_argument("--label", default="", help="a suffix for the result files")
+    parser.add_argument("--set", action="append", default=[], help="another recipe change for every row (heads={})")
     args = parser.parse_args()
     base = [
         f"target_params={args.target}",
@@ -103,6 +106,7 @@ def main() -> None:
         "pipeline=[{strategy: sensitivity, include_pca: true}]",
         "mlp={}",
         *EVALUATION,
+        *args.set,
     ]
     kinds = {
         "before": [("every window, survey per split", [], False)],

@@ -181,6 +181,44 @@ def test_heads_without_kept_are_chosen_with_the_split_and_predicted_where_asked(
     assert sum(c["heldout_kl"] is not None for c in candidates) == 2
 
 
+def test_a_run_killed_while_choosing_predicted_head_counts_resumes_to_the_same_model(tmp_path: Path) -> None:
+    """SIGKILL after the first measured candidate of a choice over head counts and splits with
+    `mlp.measure_best`: the resumed run predicts and measures again (H from the checkpoint) and
+    saves the uninterrupted run's model and split record."""
+    from safetensors.torch import load_file
+
+    from tests.run.test_mlp_split import _untimed
+    from tests.run.test_resume import compress
+
+    checkpoint = save_tiny_checkpoint(
+        tmp_path / "llama", "llama", num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024
+    )
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        sparsity=_DELETE,
+        target_params=0.8,
+        evaluation=None,
+        slicing={"layout": "global"},
+        pipeline=[{"strategy": "sensitivity"}],
+        mlp={"heldout_windows": 2, "candidates": 2, "measure_best": 2},
+        heads={},
+    )
+    whole = compress(recipe, tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    split = _report(tmp_path / "whole")["mlp"]["split"]
+    first = next(i for i, c in enumerate(split["candidates"]) if c["heldout_kl"] is not None)
+    killed = compress(recipe, tmp_path / "run", kill=f"split:{first}")
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    report = _report(tmp_path / "run")
+    assert report["fisher_source"] == "checkpoint"  # H was not computed again
+    assert _untimed(report["mlp"]["split"]) == _untimed(split) | {"predict_s": report["mlp"]["split"]["predict_s"]}
+    ours, theirs = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("whole", "run"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @pytest.mark.parametrize(
     ("name", "changes", "message"),
     [
