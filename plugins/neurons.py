@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -50,30 +51,37 @@ class OptimalBrainSurgeon(NeuronSelector):
     description = "output-aware: greedy OBS removal, cost w_jᵀ H w_j / [(C_SS + δI)⁻¹]_jj with the refit"
 
     def select(self, problem: NeuronProblem) -> NeuronChoice:
+        return self.select_widths(problem, [problem.keep])[problem.keep]
+
+    def select_widths(self, problem: NeuronProblem, widths: Sequence[int]) -> dict[int, NeuronChoice]:
+        """One greedy path down to the narrowest of `widths`, its blocks sized by that width (one
+        width: exactly `select`'s), the neurons left recorded as it reaches each wider one."""
         C, W, f = problem.C, problem.down.clone(), problem.width
         P = torch.linalg.inv(_damped(C, problem.damping))
         alive = torch.ones(f, dtype=torch.bool, device=C.device)
-        remove = f - problem.keep
-        block = max(1, math.ceil(remove / BLOCKS))
+        stops = sorted(set(widths), reverse=True)
+        left = f
+        block = max(1, math.ceil((f - stops[-1]) / BLOCKS))
         predicted = 0.0
-        while remove > 0:
-            GW = W if problem.G is None else problem.G @ W
-            scores = (W * GW).sum(0) / torch.diagonal(P).clamp_min(1e-300)
-            scores[~alive] = math.inf
-            size = min(block, remove)
-            R = torch.topk(scores, size, largest=False).indices
-            P_RR = P[R][:, R]
-            W_R = W[:, R]
-            predicted += float(torch.trace(torch.linalg.solve(P_RR, W_R.T) @ (GW[:, R])))
-            step = torch.linalg.solve(P_RR, P[R])  # P_RR⁻¹ P_R,: (b × f)
-            W.addmm_(W_R, step, alpha=-1)  # the others refitted to what R wrote; W[:, R] becomes 0
-            P.addmm_(P[:, R], step, alpha=-1)  # the inverse of the damped C over the neurons left (in place)
-            alive[R] = False
-            remove -= size
-        kept = torch.nonzero(alive).flatten()
-        return NeuronChoice(
-            kept, {"predicted_loss": predicted, "sensitivity": "H" if problem.G is not None else "none"}
-        )
+        choices = {}
+        for stop in stops:
+            while left > stop:
+                GW = W if problem.G is None else problem.G @ W
+                scores = (W * GW).sum(0) / torch.diagonal(P).clamp_min(1e-300)
+                scores[~alive] = math.inf
+                size = min(block, left - stop)
+                R = torch.topk(scores, size, largest=False).indices
+                P_RR = P[R][:, R]
+                W_R = W[:, R]
+                predicted += float(torch.trace(torch.linalg.solve(P_RR, W_R.T) @ (GW[:, R])))
+                step = torch.linalg.solve(P_RR, P[R])  # P_RR⁻¹ P_R,: (b × f)
+                W.addmm_(W_R, step, alpha=-1)  # the others refitted to what R wrote; W[:, R] becomes 0
+                P.addmm_(P[:, R], step, alpha=-1)  # the inverse of the damped C over the neurons left (in place)
+                alive[R] = False
+                left -= size
+            objectives = {"predicted_loss": predicted, "sensitivity": "H" if problem.G is not None else "none"}
+            choices[stop] = NeuronChoice(torch.nonzero(alive).flatten(), objectives)
+        return choices
 
 
 def _damped(C: torch.Tensor, damping: float) -> torch.Tensor:

@@ -56,6 +56,7 @@ from compressor.engine.refit import (
     NeuronRecord,
     RefitTarget,
     choose_neurons,
+    choose_neurons_at,
     drop_neurons,
     output_error,
     refit_down,
@@ -406,10 +407,15 @@ def mlp_width_curves(
                 layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks, advance
             )
             errors = {}
-            for width in width_grid(problem.width, step) if widths is None else widths:
-                _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
-                down = refitted if refitted is not None else W[:, kept]
-                errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+            if widths is None:
+                for width in width_grid(problem.width, step):
+                    _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
+                    down = refitted if refitted is not None else W[:, kept]
+                    errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+            else:  # one selector path for every width (`NeuronSelector.select_widths`)
+                for width, kept in choose_neurons_at(selector, problem, widths, ranks).items():
+                    down = refit_down(problem.down, problem.C, kept, problem.damping) if refit else W[:, kept]
+                    errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
             del problem
             attended = None if attention is None else layer_attention(family, layer)
             output = None if attended is None else attended.get_submodule(family.attn_output)

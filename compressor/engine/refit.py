@@ -5,6 +5,8 @@ a kept set of neurons, the error it leaves, and the linears cut to the kept rows
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +125,25 @@ def choose_neurons(selector: NeuronSelector, problem: NeuronProblem, ranks: Rank
             f"(selector '{selector.name}' is not deterministic across devices)"
         )
     return choice, kept
+
+
+def choose_neurons_at(
+    selector: NeuronSelector, problem: NeuronProblem, widths: Sequence[int], ranks: Ranks
+) -> dict[int, torch.Tensor]:
+    """The selector's kept neurons at each of `widths` (`NeuronSelector.select_widths`: one path
+    where its choices nest), each checked and the same on every rank."""
+    kept = {}
+    for width, choice in selector.select_widths(problem, widths).items():
+        at = dataclasses.replace(problem, keep=width)
+        kept[width] = checked_neurons(choice, selector, at).to(problem.C.device)
+        if not ranks.agree(kept[width]):
+            raise RuntimeError(
+                f"layer {problem.layer}: the processes chose different neurons from the same statistics "
+                f"(selector '{selector.name}' is not deterministic across devices)"
+            )
+    if sorted(kept) != sorted(set(widths)):
+        raise UserError(f"neuron selector '{selector.name}' chose at widths {sorted(kept)}, not {sorted(set(widths))}")
+    return kept
 
 
 def checked_indices(kept: Any, count: int, size: int, what: str, where: str) -> torch.Tensor:

@@ -11,7 +11,9 @@ hook, as strategies do, and know nothing about model families or weights beyond 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -69,6 +71,13 @@ class NeuronSelector(ABC):
 
     @abstractmethod
     def select(self, problem: NeuronProblem) -> NeuronChoice: ...
+
+    def select_widths(self, problem: NeuronProblem, widths: Sequence[int]) -> dict[int, NeuronChoice]:
+        """A choice at each of `widths` (each from 1 to the problem's width; `problem.keep` is
+        ignored): one `select` per width. A selector whose choices nest (a greedy removal, each
+        narrower set inside the wider) may walk one path for all of them; the splits' prediction
+        asks for several widths at once (`engine.neurons.mlp_width_curves`)."""
+        return {width: self.select(dataclasses.replace(problem, keep=width)) for width in widths}
 
 
 def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:

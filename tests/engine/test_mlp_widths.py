@@ -8,6 +8,7 @@ removal's predicted error the G-weighted energy of what it writes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -18,6 +19,7 @@ from compressor.engine.neurons import mlp_width_curves, prune_mlp
 from compressor.engine.refit import refit_down
 from compressor.errors import UserError
 from compressor.models.families import family_for
+from compressor.strategies.neuron_contract import NeuronProblem
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import copy_model, max_relative_logit_error, random_batches, tiny_model
 
@@ -120,10 +122,16 @@ def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -
         model, family, batches, PluginRegistry().selector("obs"), 256, attention={0: None, 1: None}
     )
     assert [c.errors for c in curves] == [c.errors for c in two_passes]
-    # given widths: those alone, as the grid's
-    chosen = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 1, widths=[256, 128])
-    grid = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 128)
-    assert [c.errors for c in chosen] == [{256: c.errors[256], 128: c.errors[128]} for c in grid]
+    # given widths: those alone; one width is the grid's at it, several come from one selector path
+    obs = PluginRegistry().selector("obs")
+    grid = mlp_width_curves(model, family, batches, obs, 128)
+    one = mlp_width_curves(model, family, batches, obs, 1, widths=[256])
+    assert [c.errors for c in one] == [{256: c.errors[256]} for c in grid]
+    path = mlp_width_curves(model, family, batches, obs, 1, widths=[384, 128])
+    for along, alone in zip(path, grid, strict=True):
+        # the path's blocks stop at 384 on the way (a partial block there), so 128 is close, not equal
+        assert along.errors[128] == pytest.approx(alone.errors[128], rel=0.1)
+        assert 0 < along.errors[384] < along.errors[128]
 
 
 def test_an_attentions_removal_error_is_the_weighted_energy_of_what_it_writes() -> None:
@@ -171,3 +179,30 @@ def test_each_layer_keeps_its_own_width_and_zero_removes_the_mlp() -> None:
     hand_built = copy.deepcopy(model)
     hand_built.model.layers[2] = expected.model.layers[2]  # the last layer as it was: compare the first two
     assert max_relative_logit_error(expected, hand_built, batches) < 1e-5
+
+
+def test_obs_walks_one_path_for_several_widths_and_other_selectors_choose_at_each() -> None:
+    """`select_widths`: OBS's choices at several widths nest (one greedy path, blocks sized by the
+    narrowest) and at one width are `select`'s; a selector without a path chooses at each width."""
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(400, 64, generator=generator, dtype=torch.float64)
+    problem = NeuronProblem(
+        layer=0,
+        keep=32,
+        C=X.T @ X / 400,
+        activation=X.abs().mean(0),
+        down=torch.randn(16, 64, generator=generator, dtype=torch.float64),
+        damping=1e-3,
+        G=None,
+        tokens=400,
+    )
+    registry = PluginRegistry()
+    obs = registry.selector("obs")
+    choices = obs.select_widths(problem, [48, 16, 32])
+    assert sorted(choices) == [16, 32, 48]
+    kept = {width: set(choices[width].kept.tolist()) for width in choices}
+    assert kept[16] < kept[32] < kept[48] and [len(kept[w]) for w in (16, 32, 48)] == [16, 32, 48]
+    assert torch.equal(obs.select_widths(problem, [32])[32].kept, obs.select(problem).kept)
+    magnitude = registry.selector("magnitude")
+    at = magnitude.select_widths(problem, [16, 48])
+    assert torch.equal(at[16].kept, magnitude.select(dataclasses.replace(problem, keep=16)).kept)
