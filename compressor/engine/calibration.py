@@ -41,6 +41,16 @@ class LayerInputs:
         """Layer `layer`'s keyword arguments for batch `batch`, on `device`."""
         return to_device(self.layer_kwargs[batch][layer], device)
 
+    def output(self, layer: nn.Module, batch: int, index: int, device: torch.device) -> torch.Tensor:
+        """Decoder layer `index`'s output stream on batch `batch` (its hidden states, not a cache)."""
+        out = layer(self.hidden.get(batch, device), **self.kwargs(batch, index, device))
+        return out[0] if isinstance(out, tuple) else out
+
+    def advance(self, layer: nn.Module, index: int, device: torch.device) -> None:
+        """Replace every stored batch by decoder layer `index`'s output on it: the next layer's input."""
+        for batch in range(len(self)):
+            self.hidden.put(batch, self.output(layer, batch, index, device))
+
 
 class _Recorder(nn.Module):
     """Stands in for a decoder layer: records its arguments and passes the stream through."""

@@ -211,9 +211,7 @@ def prune_experts(
                 if router_steps > 0:
                     record.router = _refit(block, stats, record.kept, router_steps)
                 records.append(record)
-            for b in range(len(inputs)):  # the pruned layer (or a dense one) gives the next one its input
-                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
-                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+            inputs.advance(layer, index, device)  # the pruned layer (or a dense one) gives the next one its input
             faults.reached(f"experts:{index}")
         report(f"experts: layer {layers}/{layers}", layers, layers)
     finally:

@@ -102,9 +102,7 @@ def prune_heads(
                 records.append(
                     _prune_layer(layer, attention, family, inputs, shape, selector, device, refit, damping, G, ranks)
                 )
-            for b in range(len(inputs)):  # the pruned layer gives the next one its input
-                out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
-                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+            inputs.advance(layer, index, device)  # the pruned layer gives the next one its input
             faults.reached(f"heads:{index}")
         report(f"attention heads: layer {layers}/{layers}", layers, layers)
     finally:
@@ -239,9 +237,7 @@ def head_count_curves(
             report(f"head count curves: layer {index + 1}/{layers}", index, layers)
             attention = layer_attention(family, layer)
             if attention is None:  # another token mixer: nothing cut, the batches advanced
-                for b in range(len(inputs)):
-                    out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))
-                    inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+                inputs.advance(layer, index, device)
                 continue
             output = attention.get_submodule(family.attn_output)
             G = None if sensitivity is None else sensitivity[index]
@@ -288,9 +284,9 @@ def _measure(
     try:
         for b in range(len(inputs)):
             current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            out = layer(inputs.hidden.get(b, device), **inputs.kwargs(b, shape.layer, device))
+            out = inputs.output(layer, b, shape.layer, device)
             if advance:
-                inputs.hidden.put(b, out[0] if isinstance(out, tuple) else out)
+                inputs.hidden.put(b, out)
     finally:
         handle.remove()
     return moment, window_norms

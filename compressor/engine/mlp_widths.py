@@ -66,7 +66,10 @@ def allocate(curves: Sequence[WidthCurve], total: int, attention_units: int = 0)
     step = math.gcd(*(units for layer in options for units, _, _ in layer)) or 1
     units = total // step
     if sum(min(units for units, _, _ in layer) for layer in options) > total:
-        raise UserError(f"the MLP widths cannot fit {total} neurons over {len(curves)} layers; raise the budget")
+        counted = "" if not attention_units else f" (each attention that may go counted as {attention_units} of them)"
+        raise UserError(
+            f"the MLP widths cannot fit {total} neurons{counted} over {len(curves)} layers; raise the budget"
+        )
     inf = float("inf")
     best = [0.0] + [inf] * units  # best[u]: least error of the layers so far within u units
     choices: list[list[tuple[int, tuple[int, bool]]]] = []

@@ -230,7 +230,7 @@ def _measure(
         for b in range(len(inputs)):
             mask, count = inputs.token_masks[b].to(device), inputs.token_counts[b]
             current["mask"], current["count"] = mask, count
-            out = _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device)))
+            out = inputs.output(layer, b, index, device)
             if advance:
                 inputs.hidden.put(b, out)
             if reference is None:
@@ -262,7 +262,7 @@ def _next_inputs(
         for b in range(len(inputs)):
             if written is not None:  # the counted tokens of the batch the hook sees
                 current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
-            inputs.hidden.put(b, _stream(layer(inputs.hidden.get(b, device), **inputs.kwargs(b, index, device))))
+            inputs.hidden.put(b, inputs.output(layer, b, index, device))
     finally:
         if handle is not None:
             handle.remove()

@@ -31,7 +31,7 @@ from compressor.run.stages.evaluate import check_evaluation_tasks
 from compressor.run.stages.order import run_order
 from compressor.run.stages.split import measure_best, screen_windows
 from compressor.run.staging import check_output, check_writable
-from compressor.run.threads import available_cpus
+from compressor.run.threads import planned_threads
 from compressor.strategies.registry import PluginRegistry
 
 NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
@@ -77,8 +77,8 @@ def dry_run(
             missing = str(error)
         found.checked.append(f"device {recipe.device} (here: {device})")
         if device.type == "cpu":
-            given = "the recipe's" if recipe.threads is not None else "the CPUs this process is given"
-            found.checked.append(f"CPU threads: {recipe.threads or available_cpus()} ({given}; set threads to change)")
+            threads, given = planned_threads(recipe.threads)
+            found.checked.append(f"CPU threads: {threads} ({given}; set threads to change)")
     checked = _model(recipe, registry, found)
     if checked is not None:
         found.warnings += checked.warnings

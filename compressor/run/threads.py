@@ -105,26 +105,29 @@ def others_busy(root: Path = CGROUP) -> float | None:
 
 
 def use_threads(requested: int | None, processes: int = 1, busy: float | None = None) -> tuple[int, str | None]:
-    """Set torch's CPU threads to `requested`, or to the available CPUs less those other work keeps
-    `busy` (`others_busy`; a CPU counts from three quarters busy), shared among this machine's
-    `processes` (data-parallel ranks). Returns the count and, where other work lowered it, a note
-    saying so."""
-    note = None
-    if requested is not None:
-        threads = requested
-    else:
-        cpus, share = available_cpus(), max(1, processes)
-        held = 0 if busy is None else min(cpus - 1, math.floor(busy + 0.25))
-        threads = max(1, (cpus - held) // share)
-        if held and threads < max(1, cpus // share):
-            note = (
-                f"other work keeps {busy:.1f} of the {cpus} CPUs busy, and threads that wait on each other "
-                f"make a run several times slower, so this run uses {threads} thread{'s' if threads > 1 else ''}"
-                f"{' per process' if share > 1 else ''} (set threads to choose)"
-            )
+    """Set torch's CPU threads to `choose_threads`'s count; returns it and its note."""
+    threads, note = choose_threads(requested, processes, busy)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads, note
+
+
+def choose_threads(requested: int | None, processes: int = 1, busy: float | None = None) -> tuple[int, str | None]:
+    """`requested`, or the available CPUs less those other work keeps `busy` (`others_busy`; a CPU
+    counts from three quarters busy), shared among this machine's `processes` (data-parallel
+    ranks); and, where other work lowered the count, a note saying so."""
+    if requested is not None:
+        return requested, None
+    cpus, share = available_cpus(), max(1, processes)
+    held = 0 if busy is None else min(cpus - 1, math.floor(busy + 0.25))
+    threads = max(1, (cpus - held) // share)
+    if not held or threads >= max(1, cpus // share):
+        return threads, None
+    return threads, (
+        f"other work keeps {busy:.1f} of the {cpus} CPUs busy, and threads that wait on each other "
+        f"make a run several times slower, so this run uses {threads} thread{'s' if threads > 1 else ''}"
+        f"{' per process' if share > 1 else ''} (set threads to choose)"
+    )
 
 
 def command_threads(requested: int | None) -> tuple[int, str | None]:
@@ -133,9 +136,29 @@ def command_threads(requested: int | None) -> tuple[int, str | None]:
     this process is given less those other work keeps busy, shared among the ranks torchrun
     started on this machine (`LOCAL_WORLD_SIZE`). Library calls (`run.runner.run`) leave torch's
     count alone unless a recipe sets `threads`."""
+    return use_threads(*_command_inputs(requested))
+
+
+def planned_threads(requested: int | None) -> tuple[int, str]:
+    """The count `command_threads` would set, without setting it, and where it comes from (the dry run)."""
+    chosen, processes, busy = _command_inputs(requested)
+    threads, note = choose_threads(chosen, processes, busy)
+    if requested is not None:
+        return threads, "the recipe's"
+    if chosen is not None:
+        return threads, "OMP_NUM_THREADS"
+    where = "the CPUs this process is given"
+    if note is not None:
+        where += f", less {available_cpus() // max(1, processes) - threads} other work keeps busy"
+    return threads, where + (f", shared by {processes} processes" if processes > 1 else "")
+
+
+def _command_inputs(requested: int | None) -> tuple[int | None, int, float | None]:
+    """`requested` or `OMP_NUM_THREADS`, the processes on this machine, and (none requested) how
+    many CPUs other work keeps busy."""
     if requested is None:
         told = os.environ.get("OMP_NUM_THREADS", "")
         requested = int(told) if told.isdigit() and int(told) > 0 else None
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     processes = int(local) if local.isdigit() and int(local) > 0 else 1
-    return use_threads(requested, processes, others_busy() if requested is None else None)
+    return requested, processes, others_busy() if requested is None else None

@@ -21,6 +21,7 @@ from compressor.run.threads import (
     cgroup_cpus,
     command_threads,
     others_busy,
+    planned_threads,
     process_age,
     use_threads,
 )
@@ -90,6 +91,24 @@ def test_the_command_line_honours_omp_num_threads_and_torchrun_s_local_ranks(mon
     assert command_threads(None) == (2, None)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's default per rank
     assert command_threads(None) == (1, None) and command_threads(5) == (5, None)
+
+
+def test_the_dry_run_plans_the_count_a_run_would_set_without_setting_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`planned_threads`: the recipe's, OMP_NUM_THREADS, or the CPUs less those other work keeps
+    busy, shared among torchrun's local ranks, each named; torch's own count is left alone."""
+    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 8)
+    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: 3.0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    torch.set_num_threads(2)
+    assert planned_threads(3) == (3, "the recipe's")
+    assert planned_threads(None) == (5, "the CPUs this process is given, less 3 other work keeps busy")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    threads, where = planned_threads(None)
+    assert threads == 2 and where.endswith("shared by 2 processes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert planned_threads(None) == (1, "OMP_NUM_THREADS")
+    assert torch.get_num_threads() == 2
 
 
 STAT = """cpu  300 0 100 500 0 0 0 0 0 0
