@@ -50,12 +50,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
 
-def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fixed_run_saves(
-    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Without refinement the chosen split's trial is the run's own walk and MLP stage: three
-    walks for three candidates, one survey of the original model for all of them, and the model a
-    run with that split fixed (which surveys for itself) saves."""
+def _counted_walks_and_surveys(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Lists that grow by one per walk (`prune_as_recipe`) and per survey pass of the original model."""
     from compressor.engine import walk as engine_walk
     from compressor.run.stages import walk
 
@@ -64,6 +60,16 @@ def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fix
     real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
     monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
     monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    return walks, surveys
+
+
+def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fixed_run_saves(
+    wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without refinement the chosen split's trial is the run's own walk and MLP stage: three
+    walks for three candidates, one survey of the original model for all of them, and the model a
+    run with that split fixed (which surveys for itself) saves."""
+    walks, surveys = _counted_walks_and_surveys(monkeypatch)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     recipe = write_recipe(tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=SPLIT, **COMMON)
@@ -148,14 +154,7 @@ def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fix
     """`mlp.measure_best`: every split's KL is predicted first (one survey, one H, both reused by
     the trials' walks), only the best predicted are pruned and measured, the lowest of those is
     kept, and the saved model is a fixed run's of that split, tensor for tensor."""
-    from compressor.engine import walk as engine_walk
-    from compressor.run.stages import walk
-
-    walks: list[int] = []
-    surveys: list[int] = []
-    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
-    monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
-    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    walks, surveys = _counted_walks_and_surveys(monkeypatch)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     sensitivity = [{"strategy": "sensitivity"}]
