@@ -44,17 +44,16 @@ def loss_curve(
     non-increasing in the width (keeping more never predicts more loss than keeping less).
     `pooled`: the (C, H) of later sites that keep the same basis; candidates then come from the
     sums (as the walk chooses a shared basis) and each member's loss is added."""
-    members = [(C.to(torch.float64), H.to(torch.float64))] + [
-        (c.to(torch.float64), h.to(torch.float64)) for c, h in pooled
-    ]
-    C_all, H_all = sum(c for c, _ in members), sum(h for _, h in members)
+    members = [(C, H), *pooled]  # each in float64 only while it is read (a global layout pools every site)
+    C_all = sum(c.to(torch.float64) for c, _ in members)
+    H_all = sum(h.to(torch.float64) for _, h in members)
     d = C_all.shape[0]
     Cn, Hn = frobenius_normalised(C_all), frobenius_normalised(H_all)
     bases = tau_candidates(Cn, Hn, taus)  # the grid's, then PCA's
     best = torch.full((d + 1,), math.inf, dtype=torch.float64)
     for Q in bases:
         losses = torch.zeros(d + 1, dtype=torch.float64)  # index = kept width
-        for c, h in members:
+        for c, h in ((c.to(torch.float64), h.to(torch.float64)) for c, h in members):
             product = (Q.T @ c @ Q) * (Q.T @ h @ Q)  # Tr(A_UB_U) = Σ A∘B over the removed block (B symmetric)
             tail = product.flip(0, 1).cumsum(0).cumsum(1).flip(0, 1)  # tail[k, k]: block of columns k..d-1
             losses[:d] += tail.diagonal()

@@ -213,24 +213,29 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
         )
     found.checked += mlp_lines(checked, recipe)
     if checked.chooses_split:
-        splits = ", ".join(
-            f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
-            + ("" if split.experts is None else f" and {split.experts} experts")
-            + ("" if split.heads is None else f" and {split.heads} heads")
-            + f" ({split.counted.count(split.widths or {}):,})"
-            for split in checked.splits
-        )
-        screen = screen_windows(recipe)
-        pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
-        best, count = measure_best(recipe), len(checked.splits)
-        measures = (
-            f"measures {count} splits" if best is None else f"predicts {count} splits and measures the {best} best"
-        )
-        found.checked.append(
-            f"split: the run {measures} of the budget on held-out windows{pruned_on} and keeps the best: {splits}"
-        )
+        found.checked.append(split_line(checked, recipe))
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
+
+
+def split_line(checked: Plan, recipe: Recipe) -> str:
+    """The splits of the budget the run chooses from, and how many it predicts and measures."""
+    splits = ", ".join(
+        f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
+        + ("" if split.experts is None else f" and {split.experts} experts")
+        + ("" if split.heads is None else f" and {split.heads} heads")
+        + f" ({split.counted.count(split.widths or {}):,})"
+        for split in checked.splits
+    )
+    screen = screen_windows(recipe)
+    pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
+    best, count = measure_best(recipe), len(checked.splits)
+    measures = (
+        f"measures {count} splits"
+        if best is None
+        else f"predicts {count} splits and measures the {min(best, count)} best"
+    )
+    return f"split: the run {measures} of the budget on held-out windows{pruned_on} and keeps the best: {splits}"
 
 
 def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:

@@ -249,7 +249,7 @@ def heads_rows(report: RunReport) -> list[tuple[str, str, str]]:
     if errors:
         what = "refitted" if heads.refit else "unrefitted"
         rows.append((f"  attention output error ({what}, mean)", "", f"{sum(errors) / len(errors):.4g}"))
-    return rows
+    return rows + split_rows(heads.split)
 
 
 def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tuple[str, str, str]]:

@@ -272,6 +272,9 @@ class HeadsReport(_Section):
     weighed_by_h: bool
     """Whether the selector was given H of each attention's stream (the walk estimated it)."""
     layers: list[HeadRecord]
+    split: SplitRecord | None = None
+    """`heads` without `kept` and no `mlp` or `experts` to hold it: how the run chose the count
+    (with every head kept, `kept` is `of` and there are no layers)."""
 
 
 class Environment(_Section):

@@ -8,7 +8,8 @@ search scores its best candidates the same way). The residual width alone (every
 neuron) is the first candidate wherever the budget allows it, so the choice then never makes a
 model worse on these windows than pruning the residual alone; `experts` and `heads` without `kept`
 add each expert and head count's splits (`run.checks`). `mlp.measure_best` measures only the
-splits predicted best (`run.stages.split_prediction`).
+splits predicted best (`run.stages.split_prediction`); the residual width alone is then among
+them only where it is predicted among the best.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def test_heads_without_kept_are_chosen_with_the_split_and_predicted_where_asked(
     kls = [c["heldout_kl"] for c in candidates]
     chosen = candidates[split["chosen"]]
     assert split["chosen"] == kls.index(min(kls))
-    assert (report.get("heads") or {}).get("kept") == chosen["heads"]
+    assert report["heads"]["kept"] == (chosen["heads"] or 8) and report["heads"]["of"] == 8
+    assert report["heads"].get("split") is None  # the mlp section holds the record
     fixed_heads = None if chosen["heads"] is None else {"kept": chosen["heads"]}
     fixed_mlp = None if chosen["mlp_kept"] == 1024 else {"kept": chosen["mlp_kept"]}
     (tmp_path / "b").mkdir()
@@ -179,6 +180,14 @@ def test_heads_without_kept_are_chosen_with_the_split_and_predicted_where_asked(
     assert candidates[2]["width"] == candidates[0]["width"] and candidates[2]["mlp_kept"] == 1024
     assert predictions[2] > predictions[0]  # the same widths with half the heads: more loss predicted
     assert sum(c["heldout_kl"] is not None for c in candidates) == 2
+    # heads alone: the record goes with the heads, in report.json and report.md
+    (tmp_path / "d").mkdir()
+    alone = write_recipe(tmp_path / "d", checkpoint, output=str(tmp_path / "alone"), heads={}, **common)
+    assert main(["run", str(alone)]) == 0
+    heads = _report(tmp_path / "alone")["heads"]
+    assert [c["heads"] for c in heads["split"]["candidates"]] == [None, 4]
+    assert heads["kept"] == (heads["split"]["candidates"][heads["split"]["chosen"]]["heads"] or 8)
+    assert "(chosen)" in (tmp_path / "alone" / "report.md").read_text()
 
 
 def test_a_run_killed_while_choosing_predicted_head_counts_resumes_to_the_same_model(tmp_path: Path) -> None:

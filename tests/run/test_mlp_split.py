@@ -188,6 +188,38 @@ def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fix
     assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
 
 
+def test_a_pipeline_without_h_prunes_the_chosen_split_without_the_predictions_h(wide_mlp: Path, tmp_path: Path) -> None:
+    """The prediction estimates H for itself; a pipeline that does without it (PCA) must not find it
+    in the checkpoint afterwards: with refinement between the walk and the MLP stage the run prunes
+    the chosen split again, and its MLP stage then chooses without H, as the trials and a fixed run do."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    refinement = {"epochs": 1}
+    recipe = write_recipe(
+        tmp_path / "a",
+        wide_mlp,
+        output=str(tmp_path / "chosen"),
+        mlp={**SPLIT, "measure_best": 2},
+        refinement=refinement,
+        **COMMON,
+    )
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "chosen")
+    chosen = report["mlp"]["split"]["candidates"][report["mlp"]["split"]["chosen"]]
+    assert chosen["mlp_kept"] < 1024, "this test needs a split with the MLP pruned to win (it does, seeded)"
+    assert report["mlp"]["weighed_by_h"] is False and report["fisher_source"] is None
+    fixed = write_recipe(
+        tmp_path / "b",
+        wide_mlp,
+        output=str(tmp_path / "fixed"),
+        mlp={"kept": chosen["mlp_kept"]},
+        refinement=refinement,
+        **COMMON,
+    )
+    assert main(["run", str(fixed)]) == 0
+    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+
+
 def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -148,6 +148,7 @@ def test_a_run_killed_while_choosing_the_expert_count_resumes_to_the_same_model(
             {"target_params": 0.8, "experts": {}, "mlp": {"measure_best": 2}},
             "expert counts it cannot predict; set experts.kept, or remove mlp.measure_best",
         ),
+        ("qwen3_moe", {"target_params": 0.8, "mlp": {"measure_best": 2}}, "this model's MLPs are routed experts"),
         ("olmoe", {"target_active_params": 0.5, "mlp": {}}, "where only target_params is counted yet"),
         (  # every candidate count would spend the same active budget: the choice measures nothing
             "qwen3_moe",

@@ -57,7 +57,8 @@ class PruneHeads(Stage):
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         fp = footprint
-        if fp.layout.heads is None:
+        chooses = fp.recipe is not None and fp.recipe.heads is not None and fp.recipe.heads.kept is None
+        if fp.layout.heads is None and not chooses:  # `heads: {}`: the plan's first split keeps every head
             return []
         config = fp.layout.config
         n = query_heads(config) * head_dim(config)  # the output projection's input width
@@ -99,14 +100,17 @@ class PruneHeads(Stage):
 def heads_report(state: RunState) -> HeadsReport:
     """The report's `heads`: what the stage kept and how it chose."""
     spec, checked = state.recipe.heads, state.checked
-    assert spec is not None and checked.head_selector is not None and checked.layout.heads is not None
+    assert spec is not None and checked.head_selector is not None
+    of = query_heads(checked.layout.config)
+    holds_split = state.recipe.mlp is None and state.recipe.experts is None
     return HeadsReport(
-        kept=checked.layout.heads,
-        of=query_heads(checked.layout.config),
+        kept=checked.layout.heads or of,  # None: the split chosen keeps every head (no layers)
+        of=of,
         head_dim=head_dim(checked.layout.config),
         selector=checked.head_selector.name,
         refit=spec.refit,
         damping=spec.damping,
         weighed_by_h=state.heads_weighed_by_h,
         layers=state.heads,
+        split=state.split if holds_split else None,
     )

@@ -92,7 +92,7 @@ def write_report(state: RunState) -> RunReport:
         distillation=state.distillation,
         stages=state.extra,
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
-        **({} if state.checked.layout.heads is None else {"heads": heads_report(state)}),
+        **({} if recipe.heads is None else {"heads": heads_report(state)}),
         **({} if recipe.experts is None else {"experts": experts_report(state)}),
         **({} if state.depth is None else {"depth": state.depth}),
         metrics=Metrics.model_validate(state.metrics),
@@ -125,10 +125,13 @@ def write_split_figure(split: SplitRecord, report: RunReport, path: Path) -> Non
     measured = [i for i, c in enumerate(candidates) if c.heldout_kl is not None]
     points = [(c.width, c.mlp_kept, c.params, c.heldout_kl or 0.0) for c in (candidates[i] for i in measured)]
     counts = [candidates[i].experts for i in measured]
+    heads = [candidates[i].heads for i in measured]
     of = report.mlp.of if report.mlp is not None else candidates[0].mlp_kept  # no mlp: all kept
-    split_figure(
-        points, measured.index(split.chosen), of, Path(report.model.path).name, counts if report.experts else None
-    ).savefig(path, dpi=120, bbox_inches="tight")
+    chosen, model = measured.index(split.chosen), Path(report.model.path).name
+    by_heads = heads if any(count is not None for count in (c.heads for c in candidates)) else None
+    split_figure(points, chosen, of, model, counts if report.experts else None, by_heads).savefig(
+        path, dpi=120, bbox_inches="tight"
+    )
 
 
 def _active_params(state: RunState) -> Params | None:

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
+from compressor.engine.pooling import required_statistics
 from compressor.engine.refine import rebatch
 from compressor.engine.walk import SurveyMemo
 from compressor.errors import ProgressKept, UserError
@@ -64,6 +65,11 @@ class ChooseSplit(Stage):
                 "mlp.measure_best predicts the splits between the residual width and the MLP's, and experts "
                 "without kept adds expert counts it cannot predict; set experts.kept, or remove mlp.measure_best"
             )
+        if measure_best(recipe) is not None and plan.layout.active is not None:
+            raise UserError(
+                "mlp.measure_best predicts dense MLPs' widths, and this model's MLPs are routed experts; "
+                "remove mlp.measure_best"
+            )
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         """The larger count of the sections that leave theirs open (`mlp`, `experts`)."""
@@ -78,7 +84,7 @@ class ChooseSplit(Stage):
         if not footprint.settings.split_choice:
             return []
         weights, pruned = footprint.weights, footprint.pruned_weights
-        return [
+        phases = [
             footprint.phase(
                 "choosing the split (the whole original beside each trial)",
                 weights + 2 * pruned + footprint.store + footprint.positions,
@@ -87,6 +93,19 @@ class ChooseSplit(Stage):
                 whole_model=True,
             )
         ]
+        recipe = footprint.recipe
+        if recipe is not None and measure_best(recipe) is not None:  # every site's C and H, float32, on the host
+            sites = 2 * footprint.layers + 1
+            statistics = sites * 2 * footprint.d * footprint.d * 4 + 4 * footprint.d * footprint.d * 8
+            phases.append(
+                footprint.phase(
+                    "predicting the splits (every site's C and H on the host)",
+                    weights + footprint.store + footprint.positions + statistics,
+                    footprint.measured["walk"],
+                    "no mlp.measure_best (every split measured), or a machine with more memory",
+                )
+            )
+        return phases
 
     def run(self, state: RunState) -> None:
         splits, saved = state.checked.splits, state.checkpoint.load_split()
@@ -242,7 +261,8 @@ def predicted(state: RunState, splits: tuple[SlicedLayout, ...]) -> Prediction |
         return None
     prediction = predict_splits(state, splits, screened(state), state.fisher_key(trial_fingerprint(state)["data"]))
     survey = prediction.survey
-    if screen_windows(state.recipe) is None and not state.checkpoint.has_fisher():
+    uses_h = "H" in required_statistics(state.checked.pipeline)  # else the run's own stages choose without it
+    if uses_h and screen_windows(state.recipe) is None and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(dict(survey.fisher))
         if survey.fisher_source == "computed":
             state.split_fisher_source = "computed"
