@@ -243,12 +243,11 @@ def head_count_curves(
             G = None if sensitivity is None else sensitivity[index]
             shape = _Shape(index, 0, heads, groups, width)
             problem = _problem(layer, output, inputs, shape, device, damping, G, ranks, advance=True)
-            curves[index] = {}
+            curves[index], W = {}, problem.down
             for count in counts:
                 counted = dataclasses.replace(problem, keep=count)
                 _, kept = _chosen(counted, selector, ranks)
                 columns = counted.columns(kept)
-                W = problem.down
                 down = refit_down(W, problem.C, columns, problem.damping) if refit else W[:, columns]
                 curves[index][count] = weighted_error(W, problem.C, columns, down, problem.G)
         report(f"head count curves: layer {layers}/{layers}", layers, layers)

@@ -50,10 +50,7 @@ def split_layouts(
         neurons = _most_neurons(alone, narrow, alone.uniform(kept), low, width, mlp_round_to)
         if low <= neurons < width:
             by_neurons[neurons] = kept
-    frontier = sorted(by_neurons, reverse=True)  # fewer neurons, wider stream
-    if len(frontier) > candidates - 1:  # evenly spaced, ending at the widest stream (the fewest neurons)
-        picks = sorted({round((i + 1) * len(frontier) / (candidates - 1)) - 1 for i in range(candidates - 1)})
-        frontier = [frontier[i] for i in picks]
+    frontier = _evenly(sorted(by_neurons, reverse=True), candidates - 1)  # ends at the widest stream
     splits = [alone]
     for neurons in frontier:
         layout = sliced_layout(config, family, families, mlp_kept=neurons, **slicing)
@@ -110,7 +107,11 @@ def head_counts(config: PretrainedConfig, family: ModelFamily, min_kept: float, 
             held.append(kept_heads(config, family, count))
         except UserError:  # a count the config class refuses at this hidden size: the others may do
             continue
-    if len(held) > candidates - 1:
-        picks = sorted({round((i + 1) * len(held) / (candidates - 1)) - 1 for i in range(candidates - 1)})
-        held = [held[i] for i in picks]
-    return [None, *held]
+    return [None, *_evenly(held, candidates - 1)]
+
+
+def _evenly(items: list[int], count: int) -> list[int]:
+    """At most `count` of `items`, evenly spaced and ending at the last (all when there are no more)."""
+    if len(items) <= count:
+        return items
+    return [items[i] for i in sorted({round((i + 1) * len(items) / count) - 1 for i in range(count)})]

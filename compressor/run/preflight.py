@@ -121,13 +121,11 @@ def axes_line(checked: Plan) -> str:
     axes += ["shared expert width"] if layout.shared_width is not None else []
     counts = sorted({split.experts for split in checked.splits if split.experts is not None}, reverse=True)
     if checked.expert_selector is not None and (layout.experts is not None or counts):
-        of = getattr(layout.config, layout.family.experts)
-        kept = f"{layout.experts} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
+        kept = _kept_of(layout.experts, counts, getattr(layout.config, layout.family.experts))
         axes += [f"routed experts ({kept} per layer, by {checked.expert_selector.name})"]
     heads = sorted({split.heads for split in checked.splits if split.heads is not None}, reverse=True)
     if checked.head_selector is not None and (layout.heads is not None or heads):
-        of = layout.config.num_attention_heads
-        kept = f"{layout.heads} of {of}" if not heads else f"{of}, {', '.join(map(str, heads))} of {of} measured"
+        kept = _kept_of(layout.heads, heads, layout.config.num_attention_heads)
         axes += [f"query heads ({kept} per layer, by {checked.head_selector.name})"]
     if checked.block_selector is not None:
         blocks = layout.config.num_hidden_layers + len(checked.removed_blocks)
@@ -135,6 +133,11 @@ def axes_line(checked: Plan) -> str:
     return f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}" + (
         f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")"
     )
+
+
+def _kept_of(fixed: int | None, counts: list[int], of: int) -> str:
+    """`6 of 8` (a fixed count), or `8, 6, 4 of 8 measured` (the counts the split choice measures)."""
+    return f"{fixed} of {of}" if not counts else f"{of}, {', '.join(map(str, counts))} of {of} measured"
 
 
 def active_line(layout: SlicedLayout, what: str) -> str:

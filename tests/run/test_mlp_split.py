@@ -63,6 +63,15 @@ def _counted_walks_and_surveys(monkeypatch: pytest.MonkeyPatch) -> tuple[list[in
     return walks, surveys
 
 
+def _a_fixed_run_saves_the_same(folder: Path, checkpoint: Path, chosen: dict, **settings: Any) -> None:
+    """A run with the chosen candidate's MLP width fixed (and `settings` as the choosing run's) saves
+    the model the choosing run saved in `folder / "chosen"`, tensor for tensor."""
+    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
+    recipe = write_recipe(folder / "b", checkpoint, output=str(folder / "fixed"), mlp=fixed_mlp, **settings, **COMMON)
+    assert main(["run", str(recipe)]) == 0
+    assert _same(_model(folder / "chosen"), _model(folder / "fixed"))
+
+
 def test_the_run_keeps_the_split_with_the_lowest_heldout_kl_and_saves_what_a_fixed_run_saves(
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,12 +149,7 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     assert "on 2 calibration windows" in (tmp_path / "chosen" / "report.md").read_text()
     chosen = split["candidates"][split["chosen"]]
     assert report["kept_width"] == chosen["width"] and report["mlp"]["kept"] == chosen["mlp_kept"]
-    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
-    fixed = write_recipe(
-        tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, pipeline=sensitivity, **COMMON
-    )
-    assert main(["run", str(fixed)]) == 0
-    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+    _a_fixed_run_saves_the_same(tmp_path, wide_mlp, chosen, pipeline=sensitivity)
 
 
 def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fixed_run_saves(
@@ -180,12 +184,7 @@ def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fix
     markdown = (tmp_path / "chosen" / "report.md").read_text()
     assert "the 2 of 3 predicted best" in markdown and "not measured" in markdown
     chosen = candidates[split["chosen"]]
-    fixed_mlp = {"kept": chosen["mlp_kept"]} if chosen["mlp_kept"] < 1024 else None
-    fixed = write_recipe(
-        tmp_path / "b", wide_mlp, output=str(tmp_path / "fixed"), mlp=fixed_mlp, pipeline=sensitivity, **COMMON
-    )
-    assert main(["run", str(fixed)]) == 0
-    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+    _a_fixed_run_saves_the_same(tmp_path, wide_mlp, chosen, pipeline=sensitivity)
 
 
 def test_a_pipeline_without_h_prunes_the_chosen_split_without_the_predictions_h(wide_mlp: Path, tmp_path: Path) -> None:
@@ -208,16 +207,7 @@ def test_a_pipeline_without_h_prunes_the_chosen_split_without_the_predictions_h(
     chosen = report["mlp"]["split"]["candidates"][report["mlp"]["split"]["chosen"]]
     assert chosen["mlp_kept"] < 1024, "this test needs a split with the MLP pruned to win (it does, seeded)"
     assert report["mlp"]["weighed_by_h"] is False and report["fisher_source"] is None
-    fixed = write_recipe(
-        tmp_path / "b",
-        wide_mlp,
-        output=str(tmp_path / "fixed"),
-        mlp={"kept": chosen["mlp_kept"]},
-        refinement=refinement,
-        **COMMON,
-    )
-    assert main(["run", str(fixed)]) == 0
-    assert _same(_model(tmp_path / "chosen"), _model(tmp_path / "fixed"))
+    _a_fixed_run_saves_the_same(tmp_path, wide_mlp, chosen, refinement=refinement)
 
 
 def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(

@@ -9,10 +9,12 @@ stage's section is checked by its own options class the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from compressor.errors import UserError
 
 if TYPE_CHECKING:
     from compressor.recipe.schema import Recipe
@@ -49,3 +51,12 @@ class Section:
     """The raw value as written, in the form the options class reads (a shorthand the YAML allows)."""
     schema_edit: Callable[[dict[str, Any]], None] | None = None
     """Edits the JSON schema's `$defs` to admit the shorthand."""
+
+
+def refuse_choice_keys(section: str, spec: Any, keys: Sequence[str], chooses: str) -> None:
+    """A section whose `kept` fixes the count the run would otherwise choose (`mlp`, `experts`,
+    `heads`): each of the choice's `keys` away from its default is refused in one line."""
+    fixed = type(spec)(kept=spec.kept)
+    for key in keys:
+        if getattr(spec, key) != getattr(fixed, key):
+            raise UserError(f"{section}.{key} applies when {chooses}, but {section}.kept fixes it; remove one of them")

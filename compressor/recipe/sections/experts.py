@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from compressor.errors import UserError
-from compressor.recipe.sections.contract import Section, SectionContext
+from compressor.recipe.sections.contract import Section, SectionContext, refuse_choice_keys
 from compressor.validation import FORBID, Number, described, options
 
 if TYPE_CHECKING:
@@ -71,13 +71,9 @@ def check_experts(spec: ExpertsSpec, recipe: Recipe, context: SectionContext) ->
     """The selector is registered and the choice's keys come without `kept` (the counts are checked
     against the model's config by the plan)."""
     if spec.kept is not None:
-        fixed = ExpertsSpec(kept=spec.kept)
-        for key in ("min_kept", "candidates", "heldout_windows"):
-            if getattr(spec, key) != getattr(fixed, key):
-                raise UserError(
-                    f"experts.{key} applies when the run chooses the expert count, but experts.kept fixes it; "
-                    f"remove one of them"
-                )
+        refuse_choice_keys(
+            "experts", spec, ("min_kept", "candidates", "heldout_windows"), "the run chooses the expert count"
+        )
     if not spec.router_refit and spec.router_steps != ExpertsSpec().router_steps:
         raise UserError(
             "experts.router_steps applies to the router refit; set experts.router_refit: true, or remove it"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from compressor.errors import UserError
-from compressor.recipe.sections.contract import Section, SectionContext
+from compressor.recipe.sections.contract import Section, SectionContext, refuse_choice_keys
 from compressor.validation import FORBID, Number, described, options
 
 if TYPE_CHECKING:
@@ -59,12 +59,9 @@ def check_heads(spec: HeadsSpec, recipe: Recipe, context: SectionContext) -> Hea
     if spec.kept is not None and spec.kept >= 1 and spec.kept != int(spec.kept):
         raise UserError(f"heads.kept {spec.kept:g}: give a whole number of heads, or a fraction below 1")
     if spec.kept is not None:
-        fixed = HeadsSpec(kept=spec.kept)
-        for key in ("min_kept", "candidates", "heldout_windows"):
-            if getattr(spec, key) != getattr(fixed, key):
-                raise UserError(
-                    f"heads.{key} applies when the run chooses the head count, but heads.kept fixes it; remove one"
-                )
+        refuse_choice_keys(
+            "heads", spec, ("min_kept", "candidates", "heldout_windows"), "the run chooses the head count"
+        )
     context.registry.head_selector(spec.selector)
     return spec
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from compressor.errors import UserError
-from compressor.recipe.sections.contract import Section, SectionContext
+from compressor.recipe.sections.contract import Section, SectionContext, refuse_choice_keys
 from compressor.validation import FORBID, Number, described, options
 
 if TYPE_CHECKING:
@@ -99,12 +99,12 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         if value is not None and value >= 1 and value != int(value):
             raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
-        fixed = MlpSpec(kept=spec.kept)
-        for key in ("min_kept", "candidates", "heldout_windows", "screen_windows", "measure_best"):
-            if getattr(spec, key) != getattr(fixed, key):
-                raise UserError(
-                    f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
-                )
+        refuse_choice_keys(
+            "mlp",
+            spec,
+            ("min_kept", "candidates", "heldout_windows", "screen_windows", "measure_best"),
+            "the plan chooses the split",
+        )
     if spec.allocate_by != "fisher" and recipe.slicing.layout != "heterogeneous":
         raise UserError(
             "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous, and this recipe's "

@@ -31,7 +31,7 @@ from compressor.engine.neurons import mlp_width_curves
 from compressor.engine.walk import SurveyLosses, WalkOptions, survey_losses
 from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.models.sites import layer_site_ids
-from compressor.run.stages.base import RunState
+from compressor.run.stages.base import Progress, RunState
 from compressor.run.staging import SCRATCH_FOLDER
 
 
@@ -96,7 +96,7 @@ def predict_splits(
             widths=narrowed,
         )
         mlp.update({width: 0.5 * sum(curve.errors[width] for curve in curves) for width in narrowed})
-    heads = _head_losses(state, model, splits, calibration, residual)
+    heads = _head_losses(state, model, splits, calibration, residual, progress)
     del model
     kls = [
         residual.losses[split.kept or 0] + mlp[split.mlp_width or full] + heads.get(split.heads, 0.0)
@@ -106,7 +106,12 @@ def predict_splits(
 
 
 def _head_losses(
-    state: RunState, model: Any, splits: tuple[SlicedLayout, ...], calibration: list[Batch], residual: SurveyLosses
+    state: RunState,
+    model: Any,
+    splits: tuple[SlicedLayout, ...],
+    calibration: list[Batch],
+    residual: SurveyLosses,
+    progress: Progress,
 ) -> dict[int, float]:
     """Half the summed H-weighted output error of every attention at each head count the splits
     keep (none where every head stays)."""
@@ -127,7 +132,7 @@ def _head_losses(
         refit=spec.refit,
         damping=spec.damping,
         sensitivity=written,
-        progress=lambda phase, done, total: state.progress(f"predicting the splits: {phase}", done, total),
+        progress=progress,
         store=ActivationStore(device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
     )
