@@ -12,7 +12,8 @@ own pruning), and what it chooses: one recipe with `mlp: {}` run three ways, eac
   only the N best predicted pruned and measured (`--rows best-screened`: also screened).
 
 The cost ratio compares the phase that differs: the time spent choosing beyond the chosen
-split's own pruning, over that pruning. With every window the chosen split's trial is the run's
+split's own pruning, over that pruning (with `depth: {}`, choosing each count's blocks counts as
+choosing). With every window the chosen split's trial is the run's
 (its pruning is within `split_s`): (split_s − its prune_s) / its prune_s. Screened, the run prunes
 the chosen split after choosing: split_s / (the run's prune_s + mlp_s). H is outside both (the
 shared pass, `fisher_s`), as in every prune time of docs/benchmarks.md.
@@ -21,6 +22,7 @@ shared pass, `fisher_s`), as in every prune time of docs/benchmarks.md.
     python benchmarks/split_cost.py --target 0.6 --screen 16 32
     python benchmarks/split_cost.py --rows every best best-screened --best 2 --screen 32
     python benchmarks/split_cost.py --rows every best --set 'heads={}' --label=-heads
+    python benchmarks/split_cost.py --rows every best --set 'depth={}' --label=-depth   # block counts too
 
 Writes benchmarks/results/split_cost_<name>.json and .md.
 """
@@ -52,14 +54,23 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     else:
         own = timings["prune_s"] + timings.get("mlp_s", 0.0)
         beyond = timings["split_s"]
+    open_depth = report.get("depth", {}).get("candidates") is not None
+    if open_depth:  # `depth: {}`: choosing each count's blocks is part of choosing
+        beyond += timings.get("depth_s", 0.0)
+    blocks = chosen.get("removed_blocks") or []
     return {
         "chosen": f"{chosen['width']} / {chosen['mlp_kept']}"
-        + (f" / {chosen['heads']} heads" if chosen.get("heads") else ""),
+        + (f" / {chosen['heads']} heads" if chosen.get("heads") else "")
+        + (f" / without {', '.join(map(str, blocks))}" if blocks else ""),
         "choice_kl": chosen["heldout_kl"],
         "candidates": [
-            {k: c.get(k) for k in ("width", "mlp_kept", "heads", "heldout_kl", "predicted_kl", "prune_s")}
+            {
+                k: c.get(k)
+                for k in ("width", "mlp_kept", "heads", "removed_blocks", "heldout_kl", "predicted_kl", "prune_s")
+            }
             for c in split["candidates"]
         ],
+        "depth_s": timings.get("depth_s") if open_depth else None,
         "predict_s": split.get("predict_s"),
         "split_s": timings["split_s"],
         "own_s": own,

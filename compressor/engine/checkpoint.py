@@ -243,6 +243,11 @@ class Checkpoint:
         tensors = {site: h.detach().cpu().contiguous() for site, h in fisher.items()}
         write_atomic(self.folder / FISHER_FILE, lambda p: save_file(tensors, str(p)))
 
+    def drop_fisher(self) -> None:
+        """Forget the saved H (it was another model's: the split choice kept blocks this run's model is without)."""
+        if self.writable:
+            (self.folder / FISHER_FILE).unlink(missing_ok=True)
+
     def load_allocation(self) -> dict[str, Any] | None:
         """The widths an allocator chose (and its record), once chosen."""
         return self._load_choice(ALLOCATION_FILE)

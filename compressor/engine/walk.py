@@ -515,6 +515,10 @@ class SurveyLosses:
     """Time spent computing H (0 when given): shared work, reported apart."""
     fisher_source: str | None
     """Where H came from, as `PruneResult.fisher_source` says."""
+    without: dict[tuple[int, ...], dict[int, float]] = field(default_factory=dict)
+    """For each set of decoder blocks asked for, the same prediction over the sites of the other
+    blocks alone (the basis chosen from their statistics): the model without those blocks, as far
+    as the survey of the model with them can say."""
 
 
 @torch.no_grad()
@@ -524,12 +528,14 @@ def survey_losses(
     batches: list[Batch],
     widths: Sequence[int],
     options: WalkOptions = WalkOptions(),
+    without: Sequence[Collection[int]] = (),
 ) -> SurveyLosses:
     """A global layout's predicted KL of keeping each of `widths` dimensions of the stream, before
     any walk: the survey pass a global walk starts with (every site's C with H on the fused,
     unsliced `model`, which is left fused), then ½·Σ_s Tr(UᵀC_sU·UᵀH_sU) over the sites for the
     best candidate basis of the summed statistics at each width (`allocation.loss_curve`, the
-    `curves` allocator's prediction). The survey goes to `options.survey` and H is returned, so
+    `curves` allocator's prediction); for each set of blocks in `without`, the same over the other
+    blocks' sites. The survey goes to `options.survey` and H is returned, so
     the walks that follow pass over the model once less and estimate no H. Holds every site's C
     and H on the host until the curve is drawn (2·d² floats per site)."""
     if not layout.one_basis:
@@ -544,7 +550,7 @@ def survey_losses(
     report("fusing norms", 0, model.config.num_hidden_layers)
     fuse_norms(model, layout.family)
     store = ActivationStore(device, options.offload, options.scratch)
-    members: list[tuple[torch.Tensor, torch.Tensor]] = []
+    members: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     survey = _Survey(GlobalPool(options.pooling))
     try:
         inputs = capture_layer_inputs(model, layout.family, ranks.share(batches), device, store)
@@ -556,7 +562,7 @@ def survey_losses(
             C, H = moment.value(), h.at(site)
             assert survey.pool is not None and H is not None
             survey.pool.add(site, C, moment.tokens, H)
-            members.append((C.to("cpu", torch.float32), H.to("cpu", torch.float32)))
+            members.append((site, C.to("cpu", torch.float32), H.to("cpu", torch.float32)))
 
         _survey(run, inputs, observe)
     finally:
@@ -564,9 +570,16 @@ def survey_losses(
     if options.survey is not None:
         options.survey.keep(_memo_key(run, options.pooling, tokens_by_rank), survey)
     report("predicting the residual widths' loss", 0, 1)
-    (C0, H0), *rest = members
-    curve = loss_curve(C0, H0, list(widths), pooled=rest)
-    return SurveyLosses(dict(zip(widths, curve)), h.values, h.seconds, h.source)
+    layer_of = {
+        site: layer for layer in range(model.config.num_hidden_layers) for site in layer_site_ids(layout.family, layer)
+    }
+
+    def losses(blocks: Collection[int]) -> dict[int, float]:
+        (_, C0, H0), *rest = [member for member in members if layer_of.get(member[0]) not in blocks]
+        return dict(zip(widths, loss_curve(C0, H0, list(widths), pooled=[(c, h) for _, c, h in rest])))
+
+    others = {tuple(sorted(blocks)): losses(set(blocks)) for blocks in without}
+    return SurveyLosses(losses(()), h.values, h.seconds, h.source, others)
 
 
 def _memo_key(run: _Prune, pooling: str, tokens_by_rank: Sequence[int]) -> tuple[Any, ...]:

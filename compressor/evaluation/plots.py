@@ -397,20 +397,24 @@ def split_figure(
     model: str = "",
     experts: list[int | None] | None = None,
     heads: list[int | None] | None = None,
+    blocks: list[int] | None = None,
 ) -> Any:
-    """A run's `split.png` (`mlp`, `experts` or `heads` without `kept`): held-out KL of each split of
-    one budget against the MLP neurons it keeps, a line per expert count (`experts`, None: every
-    expert) and per head count (`heads`, None: every head), each point labelled with its residual
-    width; the chosen one starred. `candidates`: (residual width, MLP neurons, parameters, KL)."""
+    """A run's `split.png` (`mlp`, `experts`, `heads` without `kept`, `depth` without `removed`):
+    held-out KL of each split of one budget against the MLP neurons it keeps, a line per expert
+    count (`experts`, None: every expert), per head count (`heads`, None: every head) and per count
+    of removed blocks (`blocks`), each point labelled with its residual width; the chosen one
+    starred. `candidates`: (residual width, MLP neurons, parameters, KL)."""
     figure, grid = _figure(1, 1, (7, 4.5))
     axes = grid[0][0]
-    counts = list(zip(experts or [None] * len(candidates), heads or [None] * len(candidates), strict=True))
+    none: list[Any] = [None] * len(candidates)
+    counts = list(zip(experts or none, heads or none, blocks or none, strict=True))
     kept = [mlp / of for _, mlp, _, _ in candidates]
     kls = [kl for *_, kl in candidates]
     for count in dict.fromkeys(counts):  # in the order measured
         rows = [i for i, c in enumerate(counts) if c == count]
         parts = [] if experts is None else ["every expert" if count[0] is None else f"{count[0]} experts"]
         parts += [] if heads is None else ["every head" if count[1] is None else f"{count[1]} heads"]
+        parts += [] if blocks is None else ["every block" if not count[2] else f"{count[2]} blocks removed"]
         axes.plot([kept[i] for i in rows], [kls[i] for i in rows], marker="o", label=", ".join(parts) or None)
     axes.plot([kept[chosen]], [kls[chosen]], marker="*", markersize=14, color="tab:orange", linestyle="none")
     for (width, mlp, params, kl), x in zip(candidates, kept, strict=True):
@@ -421,7 +425,7 @@ def split_figure(
             xytext=(4, 6),
             fontsize=7,
         )
-    if experts is not None or heads is not None:
+    if experts is not None or heads is not None or blocks is not None:
         axes.legend(fontsize=8)
     axes.margins(x=0.12, y=0.2)  # room for the labels inside the axes
     axes.set_xlabel("share of the MLP's neurons kept (1: the residual width alone)")

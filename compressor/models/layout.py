@@ -73,6 +73,9 @@ class SlicedLayout:
     heads: int | None = None
     """The query heads every attention layer keeps (`heads:`); None: every head stays. `params`
     counts it; `config` stays the original's (`models.heads.with_heads` gives the pruned one)."""
+    removed_blocks: tuple[int, ...] = ()
+    """The original's decoder blocks this layout is without (`depth`), ascending; `config` is the
+    model's without them."""
 
     @property
     def prunes_mlp(self) -> bool:
@@ -285,6 +288,7 @@ def sliced_layout(
         active=active,
         active_budget=active_budget,
         heads=query_heads,
+        removed_blocks=tuple(sorted(removed_blocks)),
     )
 
 

@@ -1,6 +1,7 @@
 """One parameter budget, two axes: the splits between the residual width and the MLP's width
 that a run with `mlp:` but no `mlp.kept` chooses from (issue 34), and the expert and query-head
-counts a run without `experts.kept` or `heads.kept` tries beside them (issues 48, 49).
+counts a run without `experts.kept` or `heads.kept` tries beside them, and the counts of
+decoder blocks a run without `depth.removed` removes (issues 48, 49).
 
 Each candidate is a `SlicedLayout` that spends the budget: the MLP keeps m neurons and the
 residual stream the widest width k the rest allows, then m is raised back to the most the budget
@@ -108,6 +109,18 @@ def head_counts(config: PretrainedConfig, family: ModelFamily, min_kept: float, 
         except UserError:  # a count the config class refuses at this hidden size: the others may do
             continue
     return [None, *_evenly(held, candidates - 1)]
+
+
+def depth_counts(layers: int, max_removed: int | None, candidates: int) -> list[int]:
+    """Up to `candidates` counts of decoder blocks to remove: none (first), then counts evenly spaced
+    up to `max_removed` (None: a quarter of the `layers`, at least one); refused in one line where
+    no block would stay."""
+    most = max(1, layers // 4) if max_removed is None else max_removed
+    if most >= layers:
+        raise UserError(
+            f"depth.max_removed {most} removes every one of the model's {layers} blocks; remove at most {layers - 1}"
+        )
+    return [0, *_evenly(list(range(1, most + 1)), candidates - 1)]
 
 
 def _evenly(items: list[int], count: int) -> list[int]:

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +22,14 @@ from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
-from compressor.models.split import expert_counts, head_counts, split_layouts
+from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
 from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
-from compressor.run.stages.split import open_sections
+from compressor.run.stages.split import fixing_keys, open_sections
 from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.head_contract import HeadSelector
@@ -178,7 +179,7 @@ def planned_blocks(recipe: Recipe, config: PretrainedConfig) -> tuple[int, ...]:
     """The blocks the plan counts as removed before the depth stage has chosen: the last
     `depth.removed` (the count is what the budget needs; the stage replans with its choice, which
     for a model whose blocks differ in size may move the widths). Refused when none would stay."""
-    if recipe.depth is None:
+    if recipe.depth is None or recipe.depth.removed is None:  # open: each candidate's own (`_splits`)
         return ()
     layers = int(config.num_hidden_layers)
     if recipe.depth.removed >= layers:
@@ -189,13 +190,19 @@ def planned_blocks(recipe: Recipe, config: PretrainedConfig) -> tuple[int, ...]:
     return tuple(range(layers - recipe.depth.removed, layers))
 
 
-def replan(recipe: Recipe, checked: Plan, removed: tuple[int, ...]) -> Plan:
+def replan(
+    recipe: Recipe, checked: Plan, removed: tuple[int, ...], removed_sets: Sequence[tuple[int, ...]] | None = None
+) -> Plan:
     """`checked` for the model without the blocks `removed` (the depth stage's choice): the same
-    recipe's layout, splits and allocator on that model's config, the budget still the original's."""
+    recipe's layout, splits and allocator on that model's config, the budget still the original's.
+    `removed_sets`: `depth` without `removed`, the blocks each candidate count removes (the stage's
+    choice for each; the first none), each with its splits."""
     config = load_config(recipe.model)
     if checked.tower is not None:
         config = text_config(config)
-    layout, splits = _layout(recipe, config, checked.layout.family, checked.families, checked.tower, removed)
+    layout, splits = _layout(
+        recipe, config, checked.layout.family, checked.families, checked.tower, removed, removed_sets
+    )
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
 
@@ -207,10 +214,12 @@ def _layout(
     families: dict[str, Any],
     tower: TextTower | None,
     removed: tuple[int, ...] = (),
+    removed_sets: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """The run's layout from the recipe and the config, and the splits of the budget it measures
     (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole;
-    without the decoder blocks `removed` (`depth`)."""
+    without the decoder blocks `removed` (`depth`), or, with `depth` open, each candidate without
+    its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count)."""
     slicing = recipe.slicing
     options = dict(
         layout=slicing.layout,
@@ -258,7 +267,9 @@ def _layout(
         )
         check_mlp_alone(recipe, layout)
     elif open_sections(recipe):
-        splits = _splits(recipe, config, family, families, options)
+        if removed_sets is None:
+            removed_sets = planned_block_sets(recipe, config) or (removed,)
+        splits = _splits(recipe, config, family, families, options, removed_sets)
         layout = splits[0]
     else:
         layout = sliced_layout(
@@ -301,17 +312,36 @@ def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reaso
         )
 
 
+def planned_block_sets(recipe: Recipe, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
+    """The blocks each candidate removes before the depth stage has chosen them, with `depth` open:
+    the last blocks of each count `models.split.depth_counts` spaces (none first); else none."""
+    spec = recipe.depth
+    if spec is None or spec.removed is not None:
+        return ()
+    layers = int(config.num_hidden_layers)
+    return tuple(
+        tuple(range(layers - count, layers)) for count in depth_counts(layers, spec.max_removed, spec.candidates)
+    )
+
+
 def _splits(
-    recipe: Recipe, config: PretrainedConfig, family: Any, families: dict[str, Any], options: dict[str, Any]
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    families: dict[str, Any],
+    options: dict[str, Any],
+    removed_sets: Sequence[tuple[int, ...]],
 ) -> tuple[SlicedLayout, ...]:
-    """The candidates the run measures when `mlp`, `experts` or `heads` leaves its count open: for
-    each expert count (`experts.kept`, or the counts `models.split.expert_counts` spaces) and each
-    head count (`heads.kept`, or `models.split.head_counts`), the MLP's splits of the budget (`mlp`
-    without `kept`) or the one layout its fixed width leaves; every expert and head kept first
-    (None), so the first candidate prunes the residual width alone (or with the fixed MLP)."""
+    """The candidates the run measures when `mlp`, `experts`, `heads` or `depth` leaves its count
+    open: for each set of removed blocks (`removed_sets`: the one the plan has, or with `depth` open
+    each candidate count's), each expert count (`experts.kept`, or the counts
+    `models.split.expert_counts` spaces) and each head count (`heads.kept`, or
+    `models.split.head_counts`), the MLP's splits of the budget (`mlp` without `kept`) or the one
+    layout its fixed width leaves; every block, expert and head kept first (None), so the first
+    candidate prunes the residual width alone (or with the fixed MLP)."""
     mlp, experts = recipe.mlp, recipe.experts
     if recipe.allocation.method == "curves":
-        keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
+        keys = fixing_keys(recipe)
         raise UserError(
             f"without {keys} the run chooses the split of the budget at uniform widths, but allocation.method "
             f"curves chooses widths per site; fix {keys}, or remove allocation"
@@ -338,8 +368,8 @@ def _splits(
         heads = [*head_counts(config, family, spec.min_kept, spec.candidates)]
     splits: list[SlicedLayout] = []
     refusal: UserError | None = None
-    for count, head_count in itertools.product(counts, heads):
-        fixed = {**options, "experts": count, "heads": head_count}
+    for blocks, count, head_count in itertools.product(removed_sets, counts, heads):
+        fixed = {**options, "experts": count, "heads": head_count, "removed_blocks": blocks}
         try:
             if mlp is not None and mlp.kept is None:
                 splits += split_layouts(

@@ -129,7 +129,9 @@ def axes_line(checked: Plan) -> str:
         axes += [f"query heads ({kept} per layer, by {checked.head_selector.name})"]
     if checked.block_selector is not None:
         blocks = layout.config.num_hidden_layers + len(checked.removed_blocks)
-        axes += [f"depth ({len(checked.removed_blocks)} of {blocks} blocks removed, by {checked.block_selector.name})"]
+        removed = sorted({len(split.removed_blocks) for split in checked.splits})
+        count = f"{', '.join(map(str, removed))} measured" if len(removed) > 1 else str(len(checked.removed_blocks))
+        axes += [f"depth ({count} of {blocks} blocks removed, by {checked.block_selector.name})"]
     return f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}" + (
         f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")"
     )
@@ -227,6 +229,7 @@ def split_line(checked: Plan, recipe: Recipe) -> str:
         f"width {split.kept} with MLP {split.mlp_width or 'whole'}"
         + ("" if split.experts is None else f" and {split.experts} experts")
         + ("" if split.heads is None else f" and {split.heads} heads")
+        + ("" if not split.removed_blocks else f" and {len(split.removed_blocks)} blocks removed")
         + f" ({split.counted.count(split.widths or {}):,})"
         for split in checked.splits
     )

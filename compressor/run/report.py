@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,7 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
         mark = " (chosen)" if index == split.chosen else ""
         experts = "" if candidate.experts is None else f", {candidate.experts} experts"
         experts += "" if candidate.heads is None else f", {candidate.heads} heads"
+        experts += without_blocks(candidate.removed_blocks)
         pruned = "" if candidate.prune_s is None else f", pruned in {candidate.prune_s:.1f} s"
         if split.screen_windows is not None and candidate.prune_s is not None:
             pruned += f" on {split.screen_windows} calibration windows"
@@ -130,6 +132,11 @@ def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:
     return rows
 
 
+def without_blocks(blocks: Sequence[int] | None) -> str:
+    """`, without blocks 4, 5` (nothing for none): a candidate's removed decoder blocks."""
+    return f", without block{'s' * (len(blocks) > 1)} {', '.join(map(str, blocks))}" if blocks else ""
+
+
 def depth_rows(report: RunReport) -> list[tuple[str, str, str]]:
     """The decoder blocks the run removed (`depth`), by which selector, and what removing them
     alone cost on the selector's held-out windows where it measured."""
@@ -137,7 +144,11 @@ def depth_rows(report: RunReport) -> list[tuple[str, str, str]]:
     if depth is None:
         return []
     blocks = ", ".join(str(block) for block in depth.removed)
-    rows = [("decoder blocks", str(depth.of), f"{depth.of - len(depth.removed)} (removed {blocks}; {depth.selector})")]
+    removed = f"removed {blocks}" if blocks else "none removed"
+    rows = [("decoder blocks", str(depth.of), f"{depth.of - len(depth.removed)} ({removed}; {depth.selector})")]
+    for candidate in depth.candidates or []:  # `depth` open: each count's blocks, measured alone where asked
+        alone = "" if candidate.heldout_kl is None else f": KL without them alone {candidate.heldout_kl:.4g}"
+        rows.append((f"  candidate: without {', '.join(map(str, candidate.removed))}", "", f"{depth.selector}{alone}"))
     if depth.heldout_kl is not None:
         rows.append(
             (
@@ -146,7 +157,7 @@ def depth_rows(report: RunReport) -> list[tuple[str, str, str]]:
                 f"{depth.heldout_kl:.4g} ({depth.heldout_windows} windows, {depth.measurements} measured)",
             )
         )
-    return rows
+    return rows + split_rows(depth.split)
 
 
 def expert_rows(report: RunReport) -> list[tuple[str, str, str]]:

@@ -163,6 +163,8 @@ class SplitCandidate(_Section):
     """Routed experts every MoE layer kept (`experts` without `kept`); None: every expert."""
     heads: int | None = None
     """Query heads every attention layer kept (`heads`); None: every head."""
+    removed_blocks: list[int] | None = None
+    """`depth` without `removed`: the original's decoder blocks it was without; None: every block."""
     active_params: int | None = None
     """Parameters one token uses (a model with routed experts)."""
     prune_s: float | None = None
@@ -239,12 +241,24 @@ class ExpertsReport(_Section):
     """How the run chose the expert count, where no `mlp` section holds the record (`mlp.split`)."""
 
 
-class DepthReport(_Section):
-    """`depth`: the decoder blocks the run removed before the walk (`run.stages.depth`), by which
-    selector, every block's influence, and what a measuring selector measured."""
+class DepthCandidate(_Section):
+    """`depth` without `removed`: one count's blocks, the selector's choice for that count, and the
+    KL of the original without them alone (nothing else pruned) where it was measured."""
 
     removed: list[int]
-    """The removed blocks' indices in the original model, ascending."""
+    """Their indices in the original model, ascending."""
+    heldout_kl: float | None = None
+    objectives: dict[str, Any] = {}
+
+
+class DepthReport(_Section):
+    """`depth`: the decoder blocks the run removed before the walk (`run.stages.depth`), by which
+    selector, every block's influence, and what a measuring selector measured; without `removed`,
+    each candidate count's blocks and the split choice's record."""
+
+    removed: list[int]
+    """The removed blocks' indices in the original model, ascending (without `removed`: the chosen
+    candidate's, none where it keeps every block)."""
     of: int
     selector: str
     influence: list[float]
@@ -257,6 +271,10 @@ class DepthReport(_Section):
     """KL(original ‖ the model without the removed blocks, nothing else pruned) on those windows."""
     objectives: dict[str, Any] = {}
     """The selector's own figures."""
+    candidates: list[DepthCandidate] | None = None
+    """Without `removed`: the blocks of every candidate count above none, as the split choice measured them."""
+    split: SplitRecord | None = None
+    """Without `removed`, where no `mlp`, `experts` or `heads` holds it: the split choice's record."""
 
 
 class HeadsReport(_Section):

@@ -24,6 +24,7 @@ from compressor import faults
 from compressor.errors import UserError
 from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.run.loading import Resources
+from compressor.run.report import without_blocks
 from compressor.run.report_model import SplitCandidate, SplitRecord
 
 
@@ -56,6 +57,7 @@ def choose(
                 heldout_kl=kls.get(index),
                 experts=layout.experts,
                 heads=layout.heads,
+                removed_blocks=list(layout.removed_blocks) or None,
                 active_params=None if layout.active is None else layout.active.count(layout.widths),
                 predicted_kl=None if predicted is None else predicted[index],
             )
@@ -71,11 +73,12 @@ def choose(
 
 
 def split_label(layout: SlicedLayout) -> str:
-    """`width 504, MLP 1160` (`, 6 experts`, `, 6 heads`): one candidate, in the run's progress."""
+    """`width 504, MLP 1160` (`, 6 experts`, `, 6 heads`, `, without blocks 4, 5`): one candidate,
+    in the run's progress."""
     mlp = "all" if layout.mlp_width is None else str(layout.mlp_width)
     experts = "" if layout.experts is None else f", {layout.experts} experts"
     heads = "" if layout.heads is None else f", {layout.heads} heads"
-    return f"width {layout.kept}, MLP {mlp}{experts}{heads}"
+    return f"width {layout.kept}, MLP {mlp}{experts}{heads}{without_blocks(layout.removed_blocks)}"
 
 
 class KeptFisher(Resources):

@@ -96,6 +96,28 @@ def test_the_prediction_is_the_loss_curve_of_every_sites_statistics_and_a_walk_r
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
+def test_without_a_block_the_prediction_is_the_loss_curve_of_the_other_blocks_sites_alone() -> None:
+    """For a set of blocks, the loss over the sites of the blocks kept (the basis chosen from them
+    alone): the candidate without those blocks, as far as the survey of the whole model can say."""
+    family = family_for("llama")
+    original = tiny_model("llama")
+    config = original.config
+    assert config.num_hidden_layers == 2
+    batches = random_batches(config.vocab_size, padded=True)
+    widths = [16, 48, 64]
+    found = survey_losses(tiny_model("llama"), _layout(config, family, 48), batches, widths, without=[[1]])
+    sites = site_ids(family, config.num_hidden_layers)
+    members = [
+        (C, found.fisher[site].to(torch.float64))
+        for C, site in zip(_site_moments(original, batches), sites)
+        if not site.startswith("layers.1.")
+    ]
+    assert len(members) == 3  # the embedding and layer 0's two sites
+    expected = loss_curve(*members[0], widths, pooled=members[1:])
+    assert [found.without[(1,)][w] for w in widths] == pytest.approx(expected, rel=1e-5)
+    assert found.without[(1,)][16] < found.losses[16]  # fewer sites pay for the same cut
+
+
 def test_a_per_site_layout_is_refused() -> None:
     family = family_for("llama")
     config = tiny_model("llama").config

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.models.split import split_layouts
+from compressor.models.split import depth_counts, split_layouts
 
 FAMILY = family_for("llama")
 CONFIG = LlamaConfig(
@@ -64,3 +64,25 @@ def test_a_family_without_an_mlp_width_is_refused() -> None:
             target_params=0.8,
             slice_head=True,
         )
+
+
+@pytest.mark.parametrize(
+    ("layers", "most", "candidates", "expected"),
+    [
+        (6, None, 2, [0, 1]),
+        (30, None, 3, [0, 4, 7]),
+        (30, 6, 4, [0, 2, 4, 6]),
+        (6, 2, 5, [0, 1, 2]),
+        (2, None, 3, [0, 1]),
+    ],
+)
+def test_depth_counts_start_with_every_block_and_space_the_rest_up_to_the_most(
+    layers: int, most: int | None, candidates: int, expected: list[int]
+) -> None:
+    """None removed first; up to `max_removed` (a quarter of the blocks by default, at least one)."""
+    assert depth_counts(layers, most, candidates) == expected
+
+
+def test_depth_counts_that_remove_every_block_are_refused() -> None:
+    with pytest.raises(UserError, match="depth.max_removed 6 removes every one of the model's 6 blocks"):
+        depth_counts(6, 6, 2)

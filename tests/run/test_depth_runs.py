@@ -241,3 +241,160 @@ def test_depth_keeps_the_model_in_memory_and_saved(four_blocks: Path, tmp_path: 
     with pytest.raises(UserError, match="depth: a run that removes blocks saves its model"):
         run(recipe, registry, save_model=False)
     assert not (tmp_path / "out").exists()
+
+
+def _with_a_silent_block(folder: Path, block: int = 2) -> Path:
+    """A 4-block Llama whose block `block` writes nothing to the stream (its attention's and MLP's output
+    projections zero): removing it costs nothing, so the budget's parameters it frees buy width for free."""
+    checkpoint = save_tiny_checkpoint(folder, "llama", num_hidden_layers=4, intermediate_size=1024)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    layer = model.model.layers[block]
+    layer.self_attn.o_proj.weight.data.zero_()
+    layer.mlp.down_proj.weight.data.zero_()
+    model.save_pretrained(checkpoint)
+    return checkpoint
+
+
+OPEN = dict(
+    sparsity=_DELETE,
+    target_params=0.8,
+    evaluation=None,
+    slicing={"layout": "global"},
+    pipeline=[{"strategy": "sensitivity"}],
+)
+
+
+def test_depth_without_removed_is_a_candidate_of_the_split_and_the_chosen_blocks_save_as_a_fixed_run(
+    tmp_path: Path,
+) -> None:
+    """`depth: {}`: the candidates are every block kept and one block removed (a quarter of 4), each with
+    the MLP's splits; the silent block is the selector's and the lowest held-out KL's, and the run saves
+    what a run with that block count and split fixed saves, tensor for tensor. Depth alone keeps the
+    split's record in the depth section, in report.json and report.md."""
+    from safetensors.torch import load_file
+
+    checkpoint = _with_a_silent_block(tmp_path / "llama")
+    (tmp_path / "a").mkdir()
+    mlp = {"heldout_windows": 2, "candidates": 2}
+    depth = {"heldout_windows": 2}
+    path = write_recipe(tmp_path / "a", checkpoint, output=str(tmp_path / "chosen"), mlp=mlp, depth=depth, **OPEN)
+    assert main(["run", str(path)]) == 0
+    report = _report(tmp_path / "chosen")
+    split, depth_record = report["mlp"]["split"], report["depth"]
+    candidates = split["candidates"]
+    assert [c["removed_blocks"] for c in candidates] == [None, None, [2], [2]]
+    assert depth_record["candidates"][0]["removed"] == [2] and depth_record["candidates"][0]["heldout_kl"] < 1e-9
+    kls = [c["heldout_kl"] for c in candidates]
+    chosen = candidates[split["chosen"]]
+    assert split["chosen"] == kls.index(min(kls)) and chosen["removed_blocks"] == [2]  # width for free wins
+    assert depth_record["removed"] == [2] and depth_record["heldout_kl"] < 1e-9
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "chosen" / "model")
+    assert saved.config.num_hidden_layers == 3 and report["model"]["num_layers"] == 4
+    assert parameter_count(saved) == report["params"]["pruned"] <= report["allocation"]["budget"]
+    (tmp_path / "b").mkdir()
+    fixed_mlp = None if chosen["mlp_kept"] == 1024 else {"kept": chosen["mlp_kept"]}
+    fixed = write_recipe(
+        tmp_path / "b",
+        checkpoint,
+        output=str(tmp_path / "fixed"),
+        mlp=fixed_mlp,
+        depth={"removed": 1, "heldout_windows": 2},
+        **OPEN,
+    )
+    assert main(["run", str(fixed)]) == 0
+    assert _report(tmp_path / "fixed")["depth"]["removed"] == [2]
+    ours, theirs = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("chosen", "fixed"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # depth alone: the record goes with the depth section
+    (tmp_path / "c").mkdir()
+    alone = write_recipe(tmp_path / "c", checkpoint, output=str(tmp_path / "alone"), depth=depth, **OPEN)
+    assert main(["run", str(alone)]) == 0
+    depth_record = _report(tmp_path / "alone")["depth"]
+    assert [c["removed_blocks"] for c in depth_record["split"]["candidates"]] == [None, [2]]
+    markdown = (tmp_path / "alone" / "report.md").read_text()
+    assert "split: width" in markdown and "without block 2 (chosen)" in markdown
+    assert "candidate: without 2" in markdown
+
+
+def test_open_depth_counts_are_predicted_with_the_removal_measured_alone(tmp_path: Path) -> None:
+    """With `mlp.measure_best` and the influence selector (which measures nothing itself), the depth
+    stage measures each count's blocks alone on its windows, and a candidate without them is predicted
+    that KL plus the width terms of the blocks it keeps: never below the removal alone, and only the
+    best predicted are measured."""
+    checkpoint = _with_a_silent_block(tmp_path / "llama", block=1)
+    path = write_recipe(
+        tmp_path,
+        checkpoint,
+        mlp={"heldout_windows": 2, "candidates": 2, "measure_best": 2},
+        depth={"selector": "influence", "heldout_windows": 2, "max_removed": 2, "candidates": 3},
+        **OPEN,
+    )
+    assert main(["run", str(path)]) == 0
+    report = _report(tmp_path / "out")
+    depth, candidates = report["depth"], report["mlp"]["split"]["candidates"]
+    removed = [c["removed_blocks"] for c in candidates]
+    counts = [len(blocks or []) for blocks in removed]
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2}  # none, then 1 and 2 blocks, each with its splits
+    alone = {tuple(c["removed"]): c["heldout_kl"] for c in depth["candidates"]}
+    assert len(alone) == 2 and all(kl is not None for kl in alone.values()) and depth["measurements"] == 2
+    for candidate in candidates:
+        if candidate["removed_blocks"]:
+            assert candidate["predicted_kl"] >= alone[tuple(candidate["removed_blocks"])] - 1e-12
+    assert sum(c["heldout_kl"] is not None for c in candidates) == 2
+
+
+@pytest.mark.parametrize("screen", [None, 2])
+def test_a_run_killed_after_choosing_blocks_with_the_split_resumes_without_them_to_the_same_model(
+    screen: int | None, tmp_path: Path
+) -> None:
+    """SIGKILL once the split choice (which chose a block) is checkpointed: the resumed run takes the
+    same blocks from the model it loads whole, estimates H of the model without them (the trials' H,
+    of the model with every block, is not reused) and saves the uninterrupted run's model, which
+    kept its chosen trial (every window) or pruned the chosen split again (`screen_windows`)."""
+    from safetensors.torch import load_file
+
+    from tests.run.test_resume import compress
+
+    checkpoint = _with_a_silent_block(tmp_path / "llama")
+    recipe = write_recipe(
+        tmp_path,
+        checkpoint,
+        mlp={"heldout_windows": 2, "candidates": 2, **({} if screen is None else {"screen_windows": screen})},
+        depth={"heldout_windows": 2},
+        **OPEN,
+    )
+    whole = compress(recipe, tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    killed = compress(recipe, tmp_path / "run", kill="stage:choosing the split of the budget")
+    assert killed.returncode == -9, killed.stderr
+    resumed = compress(recipe, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr
+    report, expected = _report(tmp_path / "run"), _report(tmp_path / "whole")
+    assert report["depth"] == expected["depth"] and report["depth"]["removed"] == [2]
+    assert report["fisher_source"] == "computed"
+    ours, theirs = (load_file(str(tmp_path / r / "model" / "model.safetensors")) for r in ("whole", "run"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize(
+    ("depth", "message"),
+    [
+        (
+            {"removed": 1, "max_removed": 2},
+            "depth.max_removed applies when the run chooses the block count, but "
+            "depth.removed fixes it; remove one of them",
+        ),
+        ({"removed": 1, "candidates": 3}, "depth.candidates applies when the run chooses the block count"),
+        ({"max_removed": 4}, "depth.max_removed 4 removes every one of the model's 4 blocks; remove at most 3"),
+        ({"selector": "influence", "shortlist": 2}, "depth.shortlist applies to a selector that measures (kl)"),
+    ],
+)
+def test_bad_open_depth_settings_are_one_line_and_write_nothing(
+    depth: dict, message: str, four_blocks: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, four_blocks, depth=depth)
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

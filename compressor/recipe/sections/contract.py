@@ -53,10 +53,13 @@ class Section:
     """Edits the JSON schema's `$defs` to admit the shorthand."""
 
 
-def refuse_choice_keys(section: str, spec: Any, keys: Sequence[str], chooses: str) -> None:
-    """A section whose `kept` fixes the count the run would otherwise choose (`mlp`, `experts`,
-    `heads`): each of the choice's `keys` away from its default is refused in one line."""
-    fixed = type(spec)(kept=spec.kept)
+def refuse_choice_keys(section: str, spec: Any, keys: Sequence[str], chooses: str, count: str = "kept") -> None:
+    """A section whose `count` (`kept`; `removed` for depth) fixes the count the run would otherwise
+    choose (`mlp`, `experts`, `heads`, `depth`): each of the choice's `keys` away from its default
+    is refused in one line."""
+    fixed = type(spec)(**{count: getattr(spec, count)})
     for key in keys:
         if getattr(spec, key) != getattr(fixed, key):
-            raise UserError(f"{section}.{key} applies when {chooses}, but {section}.kept fixes it; remove one of them")
+            raise UserError(
+                f"{section}.{key} applies when {chooses}, but {section}.{count} fixes it; remove one of them"
+            )

@@ -21,11 +21,11 @@ from compressor.evaluation.metrics import Tally, model_log_probs
 from compressor.models.depth import kept_blocks, remove_blocks, skipping
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.depth import DepthSpec
-from compressor.run.report_model import DepthReport
+from compressor.run.report_model import DepthCandidate, DepthReport
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.strategies.block_contract import BlockProblem
+from compressor.strategies.block_contract import BlockProblem, BlockSelector
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,8 +69,11 @@ class PruneDepth(Stage):
             )
 
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
-        measures = plan.block_selector is not None and "measure" in plan.block_selector.requires
-        return recipe.depth.heldout_windows if recipe.depth is not None and measures else 0
+        """A measuring selector's windows; with `depth` open and `mlp.measure_best`, the windows each
+        count's removal is measured on for the prediction, whatever the selector."""
+        if recipe.depth is None or plan.block_selector is None:
+            return 0
+        return recipe.depth.heldout_windows if measures(recipe, plan.block_selector) else 0
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         fp = footprint
@@ -101,79 +104,123 @@ class PruneDepth(Stage):
     def run(self, state: RunState) -> None:
         spec, selector = state.recipe.depth, state.checked.block_selector
         assert spec is not None and selector is not None and state.model is not None
+        counts = [spec.removed] if spec.removed is not None else open_counts(state.checked)
         saved = state.checkpoint.load_depth()
         if saved is not None:
             state.depth = DepthReport.model_validate(saved)
-            if state.depth.selector != selector.name or len(state.depth.removed) != spec.removed:
+            if state.depth.selector != selector.name or chosen_counts(state.depth) != counts:
                 raise ProgressKept(
                     f"the interrupted run in {state.staging} removed blocks {state.depth.removed} with another "
                     f"depth setting; rerun with --restart"
                 )
         else:
-            state.depth = choose_blocks(state, spec)
-            state.checkpoint.save_depth(state.depth.model_dump())
+            state.depth = choose_blocks(state, counts)
+            state.checkpoint.save_depth(state.depth.model_dump(exclude_unset=True))
+        from compressor.run.checks import replan  # noqa: PLC0415 (checks imports the stages)
+
+        if spec.removed is None:  # every count's blocks: the split choice measures each, and removes the chosen
+            assert state.depth.candidates is not None
+            sets = [(), *(tuple(candidate.removed) for candidate in state.depth.candidates)]
+            state.checked = replan(state.recipe, state.checked, (), sets)
+            return
         removed = state.depth.removed
         remove_blocks(state.model, state.family, removed)
         state.removed_blocks = list(removed)
-        from compressor.run.checks import replan  # noqa: PLC0415 (checks imports the stages)
-
         state.checked = replan(state.recipe, state.checked, tuple(removed))
         state.config = state.checked.layout.config
 
 
-def choose_blocks(state: RunState, spec: DepthSpec) -> DepthReport:
-    """The selector's choice on the original model, checked, with what it was chosen from."""
-    selector = state.checked.block_selector
-    assert selector is not None and state.model is not None
+def measures(recipe: Recipe, selector: BlockSelector) -> bool:
+    """The stage measures removals on held-out windows: for a selector that requires it, or, with
+    `depth` open and `mlp.measure_best`, each count's blocks for the split prediction."""
+    assert recipe.depth is not None
+    predicts = recipe.depth.removed is None and recipe.mlp is not None and recipe.mlp.measure_best is not None
+    return "measure" in selector.requires or predicts
+
+
+def open_counts(checked: Plan) -> list[int]:
+    """`depth` without `removed`: the block counts above none that the plan's candidates remove."""
+    return sorted({len(split.removed_blocks) for split in checked.splits} - {0})
+
+
+def chosen_counts(depth: DepthReport) -> list[int]:
+    """The block counts a (saved) choice was made for: its candidates', or its one count."""
+    if depth.candidates is None:
+        return [len(depth.removed)]
+    return [len(candidate.removed) for candidate in depth.candidates]
+
+
+def choose_blocks(state: RunState, counts: list[int]) -> DepthReport:
+    """The selector's choice on the original model for each of `counts` (one count: the blocks the
+    run removes; several, `depth` open: each candidate's, measurements shared between them), checked,
+    with what it was chosen from."""
+    spec, selector = state.recipe.depth, state.checked.block_selector
+    assert spec is not None and selector is not None and state.model is not None
     state.progress("depth: block influence", 0, 1)
     store = ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER)
     influence = block_influence(state.model, state.family, state.calibration, state.device, store)
     layers = len(influence)
-    problem = BlockProblem(blocks=layers, remove=spec.removed, influence=influence, shortlist=spec.shortlist)
+    measured: dict[tuple[int, ...], float] = {}
     windows = state.measuring_windows.get(PruneDepth.name, [])
     home = next(state.model.parameters()).device
-    if "measure" in selector.requires:  # the model not yet pruned is the original: measured in place, hooks only
-        original = state.model.to(state.device)
-        reference: list[torch.Tensor | None] = [None] * len(windows)
-        problem.measure = lambda blocks: measured_kl(state, original, windows, problem, blocks, reference)
+    original = state.model.to(state.device) if windows else None  # the original: measured in place, hooks only
+    reference: list[torch.Tensor | None] = [None] * len(windows)
+    problems = [
+        BlockProblem(blocks=layers, remove=count, influence=influence, measured=measured, shortlist=spec.shortlist)
+        for count in counts
+    ]
+    total = measurements(problems[-1]) if "measure" in selector.requires else len(counts)
+
+    def measure(blocks: Sequence[int]) -> float:
+        assert original is not None
+        return measured_kl(state, original, windows, measured, total, blocks, reference)
+
+    chosen: list[DepthCandidate] = []
     try:
-        choice = selector.select(problem)
-        removed = sorted({int(i) for i in choice.removed})
-        if len(removed) != spec.removed or len(choice.removed) != spec.removed:
-            raise UserError(
-                f"depth selector '{selector.name}' chose {len(choice.removed)} blocks ({choice.removed}) where "
-                f"depth.removed is {spec.removed}, each once; fix the selector"
-            )
-        kept_blocks(state.model.config, removed)  # every index within the model
-        # the selector's own measurement where it made it (else one pass)
-        heldout = problem.measure(removed) if problem.measure is not None else None
+        for problem in problems:
+            problem.measure = measure if original is not None else None
+            choice = selector.select(problem)
+            removed = sorted({int(i) for i in choice.removed})
+            if len(removed) != problem.remove or len(choice.removed) != problem.remove:
+                raise UserError(
+                    f"depth selector '{selector.name}' chose {len(choice.removed)} blocks ({choice.removed}) where "
+                    f"{problem.remove} were asked for, each once; fix the selector"
+                )
+            kept_blocks(state.model.config, removed)  # every index within the model
+            # the selector's own measurement where it made it (else one pass)
+            heldout = problem.measure(removed) if problem.measure is not None else None
+            chosen.append(DepthCandidate(removed=removed, heldout_kl=heldout, objectives=choice.objectives))
     finally:
-        problem.measure = None
+        for problem in problems:
+            problem.measure = None
         state.model.to(home)  # measured in place on the device: back where the run keeps it
-    return DepthReport(
-        removed=removed,
+    report = DepthReport(
+        removed=[] if spec.removed is None else chosen[0].removed,
         of=layers,
         selector=selector.name,
         influence=influence,
-        heldout_windows=sum(len(batch.input_ids) for batch in windows) if heldout is not None else 0,
-        measurements=len(problem.measured),
-        heldout_kl=heldout,
-        objectives=choice.objectives,
+        heldout_windows=sum(len(batch.input_ids) for batch in windows) if original is not None else 0,
+        measurements=len(measured),
     )
+    if spec.removed is None:
+        return report.model_copy(update={"candidates": chosen})
+    return report.model_copy(update={"heldout_kl": chosen[0].heldout_kl, "objectives": chosen[0].objectives})
 
 
 def measured_kl(
     state: RunState,
     original: PreTrainedModel,
     windows: list[Batch],
-    problem: BlockProblem,
+    measured: dict[tuple[int, ...], float],
+    total: int,
     blocks: Sequence[int],
     reference: list[torch.Tensor | None],
 ) -> float:
-    """KL(original ‖ original without `blocks`) on `windows`, recorded in `problem.measured`."""
+    """KL(original ‖ original without `blocks`) on `windows`, recorded in `measured` (`total`: the
+    progress bar's length)."""
     key = tuple(sorted({int(i) for i in blocks}))
-    if key not in problem.measured:
-        state.progress("depth: measuring removals", len(problem.measured), measurements(problem))
+    if key not in measured:
+        state.progress("depth: measuring removals", len(measured), total)
         tally = Tally()
         for index, batch in enumerate(windows):
             own = reference[index]
@@ -182,8 +229,8 @@ def measured_kl(
             with skipping(original, state.family, key):
                 candidate = model_log_probs(original, batch, state.device)
             tally.add(own.to(state.device), candidate, batch, state.device)
-        problem.measured[key] = tally.result(True)["pruned"]["kl"]
-    return problem.measured[key]
+        measured[key] = tally.result(True)["pruned"]["kl"]
+    return measured[key]
 
 
 def measurements(problem: BlockProblem) -> int:

@@ -18,6 +18,7 @@ from compressor.recipe.schema import Recipe
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
     Allocation,
+    DepthReport,
     Environment,
     Loading,
     Metrics,
@@ -94,7 +95,7 @@ def write_report(state: RunState) -> RunReport:
         **({} if recipe.mlp is None else {"mlp": mlp_report(state)}),
         **({} if recipe.heads is None else {"heads": heads_report(state)}),
         **({} if recipe.experts is None else {"experts": experts_report(state)}),
-        **({} if state.depth is None else {"depth": state.depth}),
+        **({} if state.depth is None else {"depth": depth_report(state)}),
         metrics=Metrics.model_validate(state.metrics),
         params=Params(
             baseline=state.baseline_params, pruned=pruned_params, ratio=pruned_params / state.baseline_params
@@ -119,6 +120,15 @@ def write_report(state: RunState) -> RunReport:
     return report
 
 
+def depth_report(state: RunState) -> DepthReport:
+    """The report's `depth`: the stage's record, with the split choice's where no other section holds it
+    (`depth` the only count left open)."""
+    assert state.depth is not None
+    recipe = state.recipe
+    holds_split = recipe.mlp is None and recipe.experts is None and recipe.heads is None
+    return state.depth.model_copy(update={"split": state.split}) if holds_split else state.depth
+
+
 def write_split_figure(split: SplitRecord, report: RunReport, path: Path) -> None:
     """`split.png`: the measured candidates' held-out KL (`mlp.measure_best` leaves some out)."""
     candidates = split.candidates
@@ -129,7 +139,9 @@ def write_split_figure(split: SplitRecord, report: RunReport, path: Path) -> Non
     of = report.mlp.of if report.mlp is not None else candidates[0].mlp_kept  # no mlp: all kept
     chosen, model = measured.index(split.chosen), Path(report.model.path).name
     by_heads = heads if any(count is not None for count in (c.heads for c in candidates)) else None
-    split_figure(points, chosen, of, model, counts if report.experts else None, by_heads).savefig(
+    blocks = [len(candidates[i].removed_blocks or []) for i in measured]
+    by_blocks = blocks if len({len(c.removed_blocks or []) for c in candidates}) > 1 else None
+    split_figure(points, chosen, of, model, counts if report.experts else None, by_heads, by_blocks).savefig(
         path, dpi=120, bbox_inches="tight"
     )
 

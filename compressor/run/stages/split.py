@@ -20,6 +20,7 @@ from compressor.engine.pooling import required_statistics
 from compressor.engine.refine import rebatch
 from compressor.engine.walk import SurveyMemo
 from compressor.errors import ProgressKept, UserError
+from compressor.models.depth import remove_blocks
 from compressor.models.layout import SlicedLayout
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
@@ -58,8 +59,9 @@ class ChooseSplit(Stage):
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         if world > 1 and plan.chooses_split:
-            keys = " and ".join(f"{name}.kept" for name in open_sections(recipe))
-            raise UserError(f"choosing the split of the budget runs in one process: fix {keys}, or launch one process")
+            raise UserError(
+                f"choosing the split of the budget runs in one process: fix {fixing_keys(recipe)}, or launch one process"
+            )
         if measure_best(recipe) is not None and len({split.experts for split in plan.splits}) > 1:
             raise UserError(
                 "mlp.measure_best predicts the splits between the residual width and the MLP's, and experts "
@@ -113,12 +115,13 @@ class ChooseSplit(Stage):
             state.split = SplitRecord.model_validate(saved)
             chosen = state.split.candidates[state.split.chosen]
             layout = splits[state.split.chosen] if state.split.chosen < len(splits) else None
-            if layout is None or (layout.kept, layout.mlp_width or chosen.mlp_kept, layout.experts, layout.heads) != (
-                chosen.width,
-                chosen.mlp_kept,
-                chosen.experts,
-                chosen.heads,
-            ):
+            if layout is None or (
+                layout.kept,
+                layout.mlp_width or chosen.mlp_kept,
+                layout.experts,
+                layout.heads,
+                list(layout.removed_blocks),
+            ) != (chosen.width, chosen.mlp_kept, chosen.experts, chosen.heads, chosen.removed_blocks or []):
                 raise ProgressKept(
                     f"the interrupted run in {state.staging} chose a split (width {chosen.width}, MLP "
                     f"{chosen.mlp_kept}, experts {chosen.experts or 'all'}) that this version's plan does not list; "
@@ -126,8 +129,11 @@ class ChooseSplit(Stage):
                 )
         else:
             state.split = fresh_choice(state, splits, self.name)
+            if splits[state.split.chosen].removed_blocks != tuple(state.removed_blocks):
+                state.checkpoint.drop_fisher()  # the trials' H was the model's with every block: not this one's
             state.checkpoint.save_split(state.split.model_dump())
         state.checked = dataclasses.replace(state.checked, layout=splits[state.split.chosen])
+        take_blocks(state)
         if state.best_trial is not None and state.best_trial[1] == state.split.chosen:
             adopt(state, state.best_trial[2])
         state.best_trial = None
@@ -164,10 +170,46 @@ def fresh_choice(state: RunState, splits: tuple[SlicedLayout, ...], stage: str) 
     return split.model_copy(update={"measure_best": measure_best(state.recipe), "predict_s": predict_s})
 
 
+CHOICE_KEYS = {"mlp": "kept", "experts": "kept", "heads": "kept", "depth": "removed"}
+"""Each section whose count the split choice can take, and the key that fixes it."""
+
+
+def take_blocks(state: RunState) -> None:
+    """`depth` without `removed`: the chosen candidate's blocks are the run's (none where it keeps
+    every block), gone from the model it holds and from every later fresh copy; the depth record
+    says which, and what removing them alone cost where it was measured."""
+    depth, layout = state.depth, state.checked.layout
+    if depth is None or depth.candidates is None:
+        return
+    removed = list(layout.removed_blocks)
+    own = next((c for c in depth.candidates if c.removed == removed), None)
+    state.depth = depth.model_copy(
+        update={
+            "removed": removed,
+            "heldout_kl": None if own is None else own.heldout_kl,
+            "objectives": {} if own is None else own.objectives,
+        }
+    )
+    if state.model is not None and removed:  # a resumed choice: the model loaded whole
+        remove_blocks(state.model, state.family, removed)
+    state.removed_blocks = removed
+    state.checked = dataclasses.replace(state.checked, removed_blocks=tuple(removed))
+    state.config = layout.config
+
+
 def open_sections(recipe: Recipe) -> list[str]:
-    """The sections that leave their count to the choice: `mlp`, `experts`, `heads` without `kept`."""
-    sections = ("mlp", "experts", "heads")
-    return [name for name in sections if getattr(recipe, name) is not None and getattr(recipe, name).kept is None]
+    """The sections that leave their count to the choice: `mlp`, `experts`, `heads` without `kept`,
+    `depth` without `removed`."""
+    return [
+        name
+        for name, key in CHOICE_KEYS.items()
+        if getattr(recipe, name) is not None and getattr(getattr(recipe, name), key) is None
+    ]
+
+
+def fixing_keys(recipe: Recipe) -> str:
+    """`mlp.kept and depth.removed`: the keys that would fix every count the run leaves open."""
+    return " and ".join(f"{name}.{CHOICE_KEYS[name]}" for name in open_sections(recipe))
 
 
 def timed_split(split: SplitRecord, seconds: dict[int, float], survey_passes: int, screen: int | None) -> SplitRecord:
@@ -213,8 +255,8 @@ def measured_split(
     )
     screen = screen_windows(state.recipe)
     trial.tokenizer, trial.calibration = state.tokenizer, screened(state)
-    trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], state.removed_blocks
-    trial.model = state.model_to_prune()
+    trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], list(layout.removed_blocks)
+    trial.model = trial.model_to_prune()
     trial.fingerprint = trial_fingerprint(state)  # screened: other data, its own H shared by the trials only
     trial.survey = state.survey
     torch.set_rng_state(rng)
@@ -231,7 +273,8 @@ def measured_split(
                 PruneMlp().run(trial)
     assert trial.result is not None
     state.split_prune_s[index] = sum(trial.timings.get(key, 0.0) for key in TRIAL_TIMINGS)
-    if trial.result.fisher is not None and screen is None and not state.checkpoint.has_fisher():
+    own_model = trial.removed_blocks == state.removed_blocks  # else H of a model without other blocks
+    if trial.result.fisher is not None and screen is None and own_model and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(trial.result.fisher)
         if trial.result.fisher_source == "computed":
             state.split_fisher_source = "computed"

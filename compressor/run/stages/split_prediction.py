@@ -12,7 +12,10 @@ the fused, unsliced model, both in nats of KL through H (the Fisher of the outpu
   (`engine.neurons.mlp_width_curves` at the candidates' widths: one pass layer by layer);
 - with `heads` open, the attention's alike: the error each attention writes when the run's head
   selector keeps h heads and the output projection is refitted, weighed by H where it writes
-  (`engine.heads.head_count_curves`: one more pass).
+  (`engine.heads.head_count_curves`: one more pass);
+- with `depth` open, a candidate without blocks adds the measured KL of the model without them
+  alone (the depth stage's), and its other terms are summed over the blocks it keeps (the residual
+  width's basis chosen from their sites alone).
 
 Both ignore how the cuts interact (each is measured on the model without the other), which is why
 the best predicted splits are then measured, not taken.
@@ -72,13 +75,16 @@ def predict_splits(
         progress=progress,
         survey=state.survey,
     )
-    residual = survey_losses(model, splits[0], calibration, sorted({split.kept or 0 for split in splits}), options)
+    own = tuple(state.removed_blocks)  # the model predicted on: a candidate without other blocks has its own
+    without = sorted({split.removed_blocks for split in splits} - {own})
+    widths = sorted({split.kept or 0 for split in splits})
+    residual = survey_losses(model, splits[0], calibration, widths, options, without=without)
     state.resources.keep_fisher(fisher_key, dict(residual.fisher))
     full = mlp_neurons(splits[0].config, family)
     narrowed = sorted({split.mlp_width for split in splits if split.mlp_width is not None and split.mlp_width < full})
-    mlp = {full: 0.0}
+    layers = model.config.num_hidden_layers
+    mlp: dict[int, list[float]] = {full: [0.0] * layers}  # each layer's, by width
     if narrowed:
-        layers = model.config.num_hidden_layers
         written = {i: residual.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}  # where each MLP writes
         curves = mlp_width_curves(
             model,
@@ -95,14 +101,32 @@ def predict_splits(
             ranks=state.ranks,
             widths=narrowed,
         )
-        mlp.update({width: 0.5 * sum(curve.errors[width] for curve in curves) for width in narrowed})
+        mlp.update({width: [0.5 * curve.errors[width] for curve in curves] for width in narrowed})
     heads = _head_losses(state, model, splits, calibration, residual, progress)
     del model
-    kls = [
-        residual.losses[split.kept or 0] + mlp[split.mlp_width or full] + heads.get(split.heads, 0.0)
-        for split in splits
-    ]
+    removal = _removal_losses(state, without)
+    kls = []
+    for split in splits:
+        kept = [i for i in range(layers) if split.removed_blocks == own or i not in split.removed_blocks]
+        stream = residual.losses if split.removed_blocks == own else residual.without[split.removed_blocks]
+        at_heads = heads.get(split.heads, [0.0] * layers)
+        kls.append(
+            removal.get(split.removed_blocks, 0.0)
+            + stream[split.kept or 0]
+            + sum(mlp[split.mlp_width or full][i] + at_heads[i] for i in kept)
+        )
     return Prediction(kls, residual, time.perf_counter() - tick - residual.seconds)
+
+
+def _removal_losses(state: RunState, without: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+    """`depth` without `removed`: the measured KL of the model without each candidate's blocks alone
+    (the depth stage's, on its held-out windows)."""
+    if not without:
+        return {}
+    assert state.depth is not None and state.depth.candidates is not None
+    kls = {tuple(candidate.removed): candidate.heldout_kl for candidate in state.depth.candidates}
+    assert all(kls.get(blocks) is not None for blocks in without), "the depth stage measures each count for this"
+    return {blocks: float(kls[blocks] or 0.0) for blocks in without}
 
 
 def _head_losses(
@@ -112,9 +136,9 @@ def _head_losses(
     calibration: list[Batch],
     residual: SurveyLosses,
     progress: Progress,
-) -> dict[int, float]:
-    """Half the summed H-weighted output error of every attention at each head count the splits
-    keep (none where every head stays)."""
+) -> dict[int, list[float]]:
+    """Half the H-weighted output error of each attention, layer by layer, at each head count the
+    splits keep (none where every head stays)."""
     counts = sorted({split.heads for split in splits if split.heads is not None})
     spec, selector = state.recipe.heads, state.checked.head_selector
     if not counts:
@@ -136,7 +160,8 @@ def _head_losses(
         store=ActivationStore(device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
     )
-    return {count: 0.5 * sum(errors[count] for errors in curves.values()) for count in counts}
+    layers = model.config.num_hidden_layers
+    return {count: [0.5 * curves[i][count] if i in curves else 0.0 for i in range(layers)] for count in counts}
 
 
 def best_predicted(kls: list[float], count: int) -> list[int]:
