@@ -275,6 +275,9 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         def warn(text: str) -> None:
             console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
 
+        def estimated(plan: Any) -> None:
+            console.print(plan.line(), markup=False, highlight=False, soft_wrap=True)
+
         with _progress_display(console) as progress:
             report = run(
                 recipe,
@@ -284,6 +287,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                 restart=args.restart,
                 warn=warn,
                 memory_check=not args.skip_memory_check,
+                estimate=estimated,
             )
     except BaseException as error:
         if not _ended_by_interrupt(error):
@@ -298,6 +302,17 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if report.resumed_from or report.resume.sites_loaded:
         console.print(f"resumed: {report.resume.sites_loaded} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
+    if report.estimate is not None:
+        from compressor.run.timing import duration
+
+        took = report.timings.get("total_s", 0.0)
+        console.print(
+            f"took {duration(took)}; estimated {duration(report.estimate.total_s)} before it started "
+            f"(report.json: timings, estimate)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"wrote {recipe.output}")
 
 

@@ -32,6 +32,7 @@ from compressor.run.stages.order import run_order
 from compressor.run.stages.split import measure_best, screen_windows
 from compressor.run.staging import check_output, check_writable
 from compressor.run.threads import planned_threads
+from compressor.run.timing import time_plan
 from compressor.strategies.registry import PluginRegistry
 
 NETWORK_WORDS = ("connect", "timed out", "timeout", "unreachable", "max retries", "name or service", "resolve")
@@ -83,6 +84,8 @@ def dry_run(
     if checked is not None:
         found.warnings += checked.warnings
         _memory(recipe, checked, device, found, memory_check)
+        if device is not None:
+            found.notes.append(time_plan(recipe, checked, device).line())
     tokenizer = load_tokenizer(recipe.model) if checked is not None else None
     for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
         if spec is not None:

@@ -315,6 +315,26 @@ class Environment(_Section):
         )
 
 
+class EstimatedPhase(_Section):
+    name: str
+    seconds: float | None
+    """None: not estimated."""
+    key: str | None = None
+    """The `timings` key it is measured under."""
+
+
+class Estimate(_Section):
+    """`compress run`'s time plan, made before any weight loaded (`run.timing`): what the run's
+    `timings` can be held against."""
+
+    total_s: float
+    phases: list[EstimatedPhase]
+    measured_s: float
+    """Seconds the measurement of one layer took."""
+    unestimated: list[str] = []
+    """Stages that gave no estimate (a plugin's)."""
+
+
 class RunReport(_Section):
     """`report.json` of `compress run`."""
 
@@ -358,6 +378,8 @@ class RunReport(_Section):
     warnings: list[str]
     sites: list[Site]
     timings: dict[str, float]
+    estimate: Estimate | None = None
+    """The time plan `compress run` made before it started (None: run from Python, or an older report)."""
     environment: Environment
 
     def write(self, path: Path) -> None:

@@ -43,6 +43,7 @@ from compressor.run.staging import (
     publish,
 )
 from compressor.run.threads import use_threads
+from compressor.run.timing import TimePlan, time_plan
 from compressor.strategies.registry import PluginRegistry
 
 
@@ -56,6 +57,7 @@ def run(
     save_model: bool = True,
     warn: Callable[[str], None] | None = None,
     memory_check: bool = True,
+    estimate: Callable[[TimePlan], None] | None = None,
 ) -> RunReport | None:
     """Run a validated recipe; return the report (also written to `<output>/report.json`; None on
     a data-parallel run's ranks above 0, which write nothing).
@@ -66,6 +68,7 @@ def run(
     `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
     `warn` hears what the run goes on with but a user should know (a very large cut).
     `memory_check=False` runs a recipe whose memory plan is above this machine's memory.
+    `estimate` hears the time plan (`run.timing`, a layer timed first), which the report keeps.
     """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
@@ -89,6 +92,10 @@ def run(
         if ranks.rank > 0:
             check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
             return follow(recipe, checked, device, ranks, Resources(), report_progress)
+    planned = None
+    if estimate is not None:  # timed before anything is written; the run's own seed is set when it starts
+        planned = time_plan(recipe, checked, device)
+        estimate(planned)
     staging = prepare_staging(Path(recipe.output), overwrite)
     state = RunState(
         staging=staging,
@@ -103,6 +110,7 @@ def run(
         warn=warn or (lambda _: None),
         started=started,
         writes=writes_as_it_goes(recipe, checked.layout, save_model),
+        estimate=None if planned is None else planned.record(),
     )
     return _run_staged(state, overwrite, restart)
 

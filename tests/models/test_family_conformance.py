@@ -411,3 +411,18 @@ def test_a_streamed_run_and_a_killed_run_give_the_run_in_memory(name: str, tmp_p
     for label in ("stream", "killed") if streams else ("killed",):
         assert runs[label].keys() == runs["memory"].keys()
         assert not [k for k, v in runs["memory"].items() if not torch.equal(runs[label][k], v)], label
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_time_plan_times_one_layer_of_every_family(name: str) -> None:
+    """`run.timing.layer_costs` builds one real decoder layer of the family's shape (a small
+    vocabulary, the head timed apart) and times its forward, backward and a single-token call."""
+    from compressor.run.timing import layer_costs
+
+    config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name]})
+    text = getattr(config, "text_config", None) if name in ("gemma3", "mistral3", "qwen3_5") else None
+    config = text or config
+    forward, backward, call = layer_costs(
+        config, family_for(config.model_type), torch.float32, "eager", torch.device("cpu"), 16
+    )
+    assert 0 < forward < backward * 10 and 0 < call < 10  # seconds: finite and positive (not their size)

@@ -29,7 +29,7 @@ from compressor.models.stock import head_stream, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
-from compressor.run.report_model import DepthReport, RunReport, SplitRecord
+from compressor.run.report_model import DepthReport, Estimate, RunReport, SplitRecord
 from compressor.run.resume import fisher_key
 
 if TYPE_CHECKING:
@@ -139,6 +139,8 @@ class RunState:
     extra: dict[str, Any] = field(default_factory=dict)
     """What a plugin stage records for the report (`report.json`'s `stages`), by stage name."""
     report: RunReport | None = None
+    estimate: Estimate | None = None
+    """`compress run`'s time plan, made before the run started (`run.timing`), for the report."""
 
     def __post_init__(self) -> None:
         if self.config is None:

@@ -3,7 +3,7 @@
 A run is a list of `Stage`s (`run.stages.BUILTIN_STAGES`, a plugin's placed among them), each a
 unit that declares what it reads (its recipe section and options), what it checks before any
 weight loads (`check_device`, `check_plan`), what it costs (`memory`, its phases of the memory
-plan), what it hands on (fields of `base.RunState`) and whether the held-out guard judges it
+plan; `seconds`, its phases of the time plan), what it hands on (fields of `base.RunState`) and whether the held-out guard judges it
 (`guarded`: its `run` returns a `Candidate`, which the runner keeps only when the model as saved
 is not worse). The runner is the loop over them; the engine below knows nothing of stages. This
 module imports no transformers, so `compressor.plugin` can offer it cheaply.
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from compressor.run.checks import Plan
     from compressor.run.memory import Footprint, Phase
     from compressor.run.stages.base import RunState
+    from compressor.run.timing import TimedPhase, Work
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class Stage:
     def memory_notes(self, footprint: Footprint) -> list[str]:
         """What the stage's memory leaves to others to fit (accelerate's placement), said after the phases."""
         return []
+
+    def seconds(self, work: Work) -> list[TimedPhase] | None:
+        """The stage's phases of the time plan (`run.timing`), from the unit costs measured on one layer
+        and the run's counts; None: the stage gives no estimate (the plan says so)."""
+        return None
 
     def run(self, state: RunState) -> Candidate | None:
         raise NotImplementedError

@@ -10,11 +10,15 @@ from compressor.recipe.schema import Recipe
 from compressor.run.loading import heldout_batches
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
+from compressor.run.timing import TimedPhase, Work
 
 
 class ReadData(Stage):
     name = "tokenising data"
     timing = "data_s"
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         recipe, resources = state.recipe, state.resources

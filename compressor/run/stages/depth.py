@@ -25,6 +25,7 @@ from compressor.run.report_model import DepthCandidate, DepthReport
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 from compressor.strategies.block_contract import BlockProblem, BlockSelector
 
 if TYPE_CHECKING:
@@ -100,6 +101,23 @@ class PruneDepth(Stage):
                 )
             )
         return phases
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """The influence pass, and the measured removals: the original's outputs on the windows once,
+        then each set of blocks measured (a greedy selector's path: `measurements`)."""
+        spec, selector = work.recipe.depth, work.checked.block_selector
+        assert spec is not None and selector is not None
+        layers = work.original_layers
+        influence = work.layer_pass(layers=layers)
+        windows = work.heldout.get(self.name, 0)
+        if not windows:
+            return [TimedPhase("depth: block influence", influence, "depth_s")]
+        counts = [spec.removed] if spec.removed is not None else open_counts(work.checked)
+        most = BlockProblem(blocks=layers, remove=max(counts), influence=[], shortlist=spec.shortlist)
+        passes = measurements(most) if "measure" in selector.requires else len(counts)
+        model = work.costs.model_forward
+        measured = windows * (model(layers) + passes * model(layers - max(counts) // 2))
+        return [TimedPhase("depth: block influence and measured removals", influence + measured, "depth_s")]
 
     def run(self, state: RunState) -> None:
         spec, selector = state.recipe.depth, state.checked.block_selector

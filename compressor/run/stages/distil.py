@@ -28,6 +28,7 @@ from compressor.run.resume import distillation_fingerprint
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
@@ -39,6 +40,9 @@ class ToStudent(Stage):
     section = "distillation"
     options = DistillationSpec
     changes_model = True
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         """A global layout's student is what users load: the original class at the kept width."""
@@ -76,6 +80,21 @@ class Distil(Stage):
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         check_distillation(recipe, plan.layout)
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """Every training token through the teacher and the student's forward and backward (a full
+        fine-tune's weight gradients and optimiser as much again), and its held-out evaluations."""
+        spec = work.recipe.distillation
+        assert spec is not None
+        costs, layers = work.costs, work.layers
+        student = layers * costs.layer_backward + costs.head_backward
+        student *= 2 if spec.method == "full" else 1
+        teacher = costs.model_forward(work.original_layers) if spec.teacher == "model" else 0.0
+        seq_len = spec.seq_len or work.recipe.calibration.seq_len
+        step_tokens = spec.batch_size * spec.gradient_accumulation * seq_len
+        evaluations = spec.tokens // max(1, step_tokens) // spec.eval_every + 1
+        heldout = evaluations * spec.heldout_windows * seq_len * costs.model_forward(layers)
+        return [TimedPhase("distillation", spec.tokens * (student + teacher) + heldout, "distill_s")]
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         if footprint.settings.distillation is None:

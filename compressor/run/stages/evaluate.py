@@ -20,6 +20,7 @@ from compressor.run.resume import baseline_tasks_key
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 from compressor.validation import replaced
 
 if TYPE_CHECKING:
@@ -36,6 +37,22 @@ class Evaluate(Stage):
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
         """The recipe's lm-eval task names exist (lm-eval is imported only when there are some)."""
         check_evaluation_tasks(recipe)
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """Perplexity and KL of the original and the pruned model (and the unrefined or undistilled one)
+        on the evaluation windows, the throughput's bounded rounds; lm-eval's tasks are not estimated."""
+        spec, recipe, costs = work.recipe.evaluation, work.recipe, work.costs
+        assert spec is not None
+        models = 2 + (recipe.refinement is not None) + (recipe.distillation is not None)
+        seconds = work.evaluation_tokens * (
+            costs.model_forward(work.original_layers) + (models - 1) * costs.model_forward(work.layers)
+        )
+        if spec.throughput:
+            seconds += throughput_seconds(work)
+        phases = [TimedPhase("evaluation", seconds, "eval_s")]
+        if spec.lm_eval:
+            phases.append(TimedPhase("lm-eval tasks", None, "eval_s"))
+        return phases
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         fp, settings = footprint, footprint.settings
@@ -88,6 +105,22 @@ class Evaluate(Stage):
 
     def run(self, state: RunState) -> None:
         evaluate(state)
+
+
+def throughput_seconds(work: Work) -> float:
+    """The report's throughput: for each batch size both models prefill and decode once untimed, then
+    timed rounds until the repeats or the budget run out (`evaluation.throughput.REPORT_*`)."""
+    from compressor.evaluation.throughput import REPORT_BATCH_SIZES, REPORT_BUDGET_S, REPORT_REPEATS
+    from compressor.run.timing import decode_seconds
+
+    costs, seconds = work.costs, 0.0
+    for batch in REPORT_BATCH_SIZES:
+        round_s = sum(
+            batch * 128 * costs.model_forward(layers) + decode_seconds(costs, layers, batch, 32)
+            for layers in (work.original_layers, work.layers)
+        )
+        seconds += round_s + min(REPORT_REPEATS * round_s, REPORT_BUDGET_S + round_s)
+    return seconds
 
 
 def check_evaluation_tasks(recipe: Recipe) -> None:

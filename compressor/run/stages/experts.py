@@ -20,10 +20,12 @@ from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.mlp import stream_sensitivity
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     import torch
 
+    from compressor.models.layout import SlicedLayout
     from compressor.run.checks import Plan
     from compressor.run.memory import Footprint, Phase
 
@@ -60,6 +62,20 @@ class PruneExperts(Stage):
         if fp.settings.experts_sample:
             device += 2 * OUTPUT_ELEMENTS * 8 + fp.settings.experts_sample * experts * (experts + 1) * 8
         return [fp.phase("experts (one layer at a time)", fp.walked + fp.store + fp.positions, device, fp.disk)]
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """A pass layer by layer (each expert's routed tokens, the selector's scores), twice where an
+        output-aware sample goes through every expert; the router refit's search is not counted."""
+        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
+
+        if adopts(work.recipe, work.checked):
+            return []
+
+        def experts(layout: SlicedLayout) -> list[TimedPhase]:
+            passes = 2 * work.layer_pass(layers=layout.config.num_hidden_layers)
+            return [] if layout.experts is None else [TimedPhase("experts", passes, "experts_s")]
+
+        return work.over_candidates(experts)
 
     def run(self, state: RunState) -> None:
         spec, layout = state.recipe.experts, state.checked.layout

@@ -6,7 +6,7 @@ conversion, says the new head count with an explicit `head_dim`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.mlp import stream_sensitivity
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
@@ -69,6 +70,13 @@ class PruneHeads(Stage):
         device += 3 * n * n * 8 + 3 * fp.d * n * 8
         return [fp.phase("heads (one layer at a time)", fp.walked + fp.store + fp.positions, device, fp.disk)]
 
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
+
+        if adopts(work.recipe, work.checked):  # the chosen trial's heads are within the split's time
+            return []
+        return work.over_candidates(lambda layout: heads_seconds(work, layout, work.tokens))
+
     def run(self, state: RunState) -> None:
         layout, spec, selector = state.checked.layout, state.recipe.heads, state.checked.head_selector
         assert state.pruned is not None and state.result is not None
@@ -114,3 +122,14 @@ def heads_report(state: RunState) -> HeadsReport:
         layers=state.heads,
         split=state.split if holds_split else None,
     )
+
+
+def heads_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
+    """The heads stage on `tokens` calibration tokens: a pass layer by layer (each output projection's
+    input C, the projection refitted) and the selector at every layer."""
+    if layout.heads is None:
+        return []
+    layers = layout.config.num_hidden_layers
+    per_token = 1.5 * work.costs.layer_forward + 2 * work.costs.moment_stream  # the projection's input C, refit
+    seconds = tokens * layers * per_token + layers * work.costs.heads
+    return [TimedPhase("attention heads", seconds, "heads_s")]

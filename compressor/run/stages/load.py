@@ -9,11 +9,15 @@ from compressor.evaluation.throughput import model_size
 from compressor.run.resume import data_fingerprint, recipe_fingerprint, save_recipe_values
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
+from compressor.run.timing import TimedPhase, Work
 
 
 class LoadModel(Stage):
     name = "loading model"
     timing = "load_s"
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         """ "loading model", and its size before pruning."""
@@ -26,6 +30,9 @@ class LoadModel(Stage):
 class StartCheckpoint(Stage):
     name = "checkpoint"
     checkpoint_key = "fingerprint"
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         """The checkpoint's fingerprint checked (or written): progress of another recipe, model or data is refused."""

@@ -37,6 +37,7 @@ from compressor.run.report_model import MlpReport
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
@@ -101,6 +102,13 @@ class PruneMlp(Stage):
             )
         ]
 
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
+
+        if adopts(work.recipe, work.checked):  # the chosen trial's MLP stage is within the split's time
+            return []
+        return work.over_candidates(lambda layout: mlp_seconds(work, layout, work.tokens))
+
     def run(self, state: RunState) -> None:
         layout = state.checked.layout
         assert state.pruned is not None and state.result is not None and layout.prunes_mlp
@@ -124,6 +132,21 @@ class PruneMlp(Stage):
         )
         state.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
         state.config = layout.mlp_config(state.config)
+
+
+def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
+    """The MLP stage on `tokens` calibration tokens: a pass layer by layer (the pruned stream and, with
+    `mlp.feedback`, the unpruned one; each MLP's input C and the refit's moments) and the selector at
+    every layer; the heterogeneous layout's H on a fused copy and its width curves, a pass more."""
+    if not layout.prunes_mlp:
+        return []
+    costs, layers = work.costs, layout.config.num_hidden_layers
+    streams = 2 if work.recipe.mlp is not None and work.recipe.mlp.feedback else 1
+    per_token = streams * costs.layer_forward + 2 * costs.moment_mlp
+    seconds = tokens * layers * per_token + layers * costs.neurons
+    if work.recipe.slicing.layout == "heterogeneous":
+        seconds += tokens * (layers * (costs.layer_backward + costs.layer_forward) + costs.head_backward)
+    return [TimedPhase("MLP neurons", seconds, "mlp_s")]
 
 
 def mlp_report(state: RunState) -> MlpReport:

@@ -15,6 +15,7 @@ from compressor.recipe.sections.refinement import RefinementSpec
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Candidate, Stage
 from compressor.run.stages.walk import stock_tied
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
@@ -36,6 +37,18 @@ class Refine(Stage):
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         assert recipe.refinement is not None
         return recipe.refinement.heldout_windows
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """Each epoch over its windows: the original's outputs, the sliced model's forward and backward;
+        then the guard's held-out KL of both models."""
+        spec = work.recipe.refinement
+        assert spec is not None
+        calibration = work.recipe.calibration
+        tokens = (spec.windows or calibration.num_samples) * calibration.seq_len * spec.epochs
+        costs, layers = work.costs, work.layers
+        step = costs.model_forward(work.original_layers) + layers * costs.layer_backward + costs.head_backward
+        guard = work.measured_kl(work.heldout.get(self.name, 0))
+        return [TimedPhase("refinement", tokens * step + 2 * guard, "refine_s")]
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         if not footprint.settings.refinement:

@@ -38,10 +38,14 @@ from compressor.run.stages.contract import Stage
 from compressor.run.stages.experts import experts_report
 from compressor.run.stages.heads import heads_report
 from compressor.run.stages.mlp import mlp_report
+from compressor.run.timing import TimedPhase, Work
 
 
 class WriteReport(Stage):
     name = "report"
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         state.timings["total_s"] = time.perf_counter() - state.started
@@ -106,6 +110,7 @@ def write_report(state: RunState) -> RunReport:
         warnings=list(checked.warnings) + state.warnings,
         sites=[Site.model_validate(site.to_json()) for site in result.sites],
         timings=state.timings,
+        estimate=state.estimate,
         environment=Environment.here(state.device),
     )
     report.write(staging / "report.json")

@@ -18,12 +18,16 @@ from compressor.models.towers import copy_processor_files, save_tower
 from compressor.run.loading import load_model, load_whole
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
+from compressor.run.timing import TimedPhase, Work
 from compressor.validation import replaced
 
 
 class Save(Stage):
     name = "saving model"
     timing = "save_s"
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        return []  # reading, loading and writing files: not estimated, small beside the passes
 
     def run(self, state: RunState) -> None:
         save(state, state.save_model)

@@ -29,11 +29,12 @@ from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage, changes_model_between
 from compressor.run.stages.experts import PruneExperts
-from compressor.run.stages.heads import PruneHeads
-from compressor.run.stages.mlp import PruneMlp
+from compressor.run.stages.heads import PruneHeads, heads_seconds
+from compressor.run.stages.mlp import PruneMlp, mlp_seconds
 from compressor.run.stages.split_prediction import Prediction, best_predicted, predict_splits
-from compressor.run.stages.walk import walk
+from compressor.run.stages.walk import walk, walk_seconds
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
@@ -107,6 +108,35 @@ class ChooseSplit(Stage):
                     "no mlp.measure_best (every split measured), or a machine with more memory",
                 )
             )
+        return phases
+
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        """H once, the prediction (`measure_best`), and each measured candidate's pruning (on the screened
+        windows where asked) and held-out KL: the candidates' mean, times how many are measured."""
+        checked, recipe = work.checked, work.recipe
+        if not checked.may_choose_split:
+            return []
+        splits = checked.splits
+        best = measure_best(recipe)
+        measured = len(splits) if best is None else min(best, len(splits))
+        screen = screen_windows(recipe)
+        tokens = work.tokens if screen is None else screen * recipe.calibration.seq_len
+        heldout = work.heldout.get(self.name, 0)
+        trials = []
+        for split in splits:
+            trial = walk_seconds(work, split, tokens, with_h=False) + heads_seconds(work, split, tokens)
+            trial += mlp_seconds(work, split, tokens)
+            layers = split.config.num_hidden_layers
+            trials.append(sum(p.seconds or 0.0 for p in trial) + work.measured_kl(heldout, layers))
+        phases = [p for p in walk_seconds(work, splits[0], tokens, with_h=True) if p.key == "fisher_s"]
+        phases = [TimedPhase("choosing the split: H pass", p.seconds, "split_s") for p in phases]
+        if best is not None:  # the survey and the MLPs' (and heads') curves: a pass each, layer by layer
+            curves = 1 + (1 if any(s.mlp_width is not None for s in splits) else 0)
+            curves += 1 if any(s.heads is not None for s in splits) else 0
+            predict = work.layer_pass(tokens) * curves + work.layers * work.costs.neurons
+            phases.append(TimedPhase("predicting the splits", predict, "split_s"))
+        count = f"{measured} of {len(splits)} candidates" if best is not None else f"{measured} candidates"
+        phases.append(TimedPhase(f"choosing the split ({count})", measured * sum(trials) / len(trials), "split_s"))
         return phases
 
     def run(self, state: RunState) -> None:
@@ -336,11 +366,22 @@ def screened(state: RunState) -> list[Batch]:
 
 
 def adoptable(state: RunState) -> bool:
+    """The chosen trial's walk, expert, head and MLP stages can be the run's (`adoptable_trials`)."""
+    return adoptable_trials(state.recipe, state.checked)
+
+
+def adoptable_trials(recipe: Recipe, checked: Plan) -> bool:
     """The chosen trial's walk, expert, head and MLP stages can be the run's: pruned on every calibration
     window (not screened), and no other stage between the walk and the MLP's changes the model
     (refinement, a plugin's), so the run would make the same calls."""
-    if screen_windows(state.recipe) is not None:
+    if screen_windows(recipe) is not None:
         return False
     own = (PruneExperts.name, PruneHeads.name)  # the trial's own
-    stages = tuple(stage for stage in state.checked.stages if stage.name not in own)
-    return not changes_model_between(stages, state.recipe, "walk", PruneMlp.name)
+    stages = tuple(stage for stage in checked.stages if stage.name not in own)
+    return not changes_model_between(stages, recipe, "walk", PruneMlp.name)
+
+
+def adopts(recipe: Recipe, checked: Plan) -> bool:
+    """The run will adopt a trial (it chooses a split, and the trials are adoptable): its walk, experts,
+    heads and MLP stage are then within the choice's time."""
+    return checked.may_choose_split and adoptable_trials(recipe, checked)

@@ -24,8 +24,10 @@ from compressor.run.split_choice import KeptFisher
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
+from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
+    from compressor.models.layout import SlicedLayout
     from compressor.run.checks import Plan
     from compressor.run.memory import Footprint, Phase
 
@@ -84,11 +86,51 @@ class Walk(Stage):
         )
         return phases
 
+    def seconds(self, work: Work) -> list[TimedPhase]:
+        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
+
+        if adopts(work.recipe, work.checked):  # the chosen trial's walk and H are within the split's time
+            return []
+        return work.over_candidates(lambda layout: walk_seconds(work, layout, work.tokens, with_h=True))
+
     def run(self, state: RunState) -> None:
         if not state.adopted:  # else the chosen split's trial walk is the run's
             walk(state)
         if isinstance(state.resources, KeptFisher):
             state.resources.kept.clear()  # the walk's result holds H from here on
+
+
+WALK_PASS = 1.5
+"""A walk's pass through a layer, in layer forwards: each site's projections and C beside the block."""
+
+
+def needs_h(checked: Plan) -> bool:
+    """The walk estimates H: a strategy of the pipeline or the allocator requires it."""
+    from compressor.engine.pooling import required_statistics  # noqa: PLC0415
+
+    allocator = set(checked.allocator.requires) if checked.allocator is not None else set()
+    return "H" in required_statistics(checked.pipeline) | allocator
+
+
+def walk_seconds(work: Work, layout: SlicedLayout, tokens: int, with_h: bool) -> list[TimedPhase]:
+    """The walk of `layout` on `tokens` calibration tokens: H (`with_h`, where the pipeline needs it),
+    a survey of the original where one basis, a tied head or an allocator asks for one, and the walk:
+    a pass per layer and a basis per site."""
+    if not layout.residual:
+        return []
+    costs, layers = work.costs, layout.config.num_hidden_layers
+    phases = []
+    moments = 2 * costs.moment_stream  # a layer's two sites' C (and in the H pass their H)
+    if with_h and needs_h(work.checked):
+        h = tokens * (layers * (costs.layer_backward + moments) + costs.head_backward)
+        phases.append(TimedPhase("H pass", h, "fisher_s"))
+    surveys = layout.one_basis or layout.tie_head or work.checked.allocator is not None
+    per_layer = WALK_PASS * costs.layer_forward + moments
+    if surveys:
+        per_layer += costs.layer_forward + moments
+    walked = tokens * layers * per_layer + (2 * layers + 1) * costs.basis
+    phases.append(TimedPhase("walk", walked, "prune_s"))
+    return phases
 
 
 def walk(state: RunState) -> None:

@@ -1,0 +1,406 @@
+"""The time plan: about how long each phase of a run will take on this machine, before any weight
+is loaded. As the memory plan measures memory on one fake layer, this measures time on one real
+decoder layer of the model's shape (random weights, the recipe's dtype, the run's device): its
+forward, and its forward with the backward the H pass makes, per calibration token and for one
+decoding step; the head's matmul and log-softmax; and the run's own strategies and selectors on
+one synthetic problem of the model's widths (at most `PROBLEM_WIDTH` wide, scaled as the cube of
+the width beyond it). Each stage turns those unit costs into its phases (`Stage.seconds`), from
+the counts of the recipe and the plan: tokens, layers, sites, the candidates a split choice
+measures. An estimate: Python's overhead, the allocator and other work on the machine are not in
+it, and a plugin stage that says nothing is not counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from compressor.recipe.schema import Recipe
+    from compressor.run.checks import Plan
+    from compressor.run.report_model import Estimate
+
+PROBLEM_WIDTH = 512
+"""The widest synthetic problem a strategy or selector is timed on; wider ones are scaled as width³
+(an eigendecomposition's cost, and a greedy selector's over a square matrix)."""
+
+MEASURED_TOKENS = 512
+"""Tokens of one calibration window the layer is timed on (fewer when the window is shorter)."""
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Seconds measured on this device for this model's shape (`measure_costs`)."""
+
+    layer_forward: float
+    """Per token: one decoder layer's forward, no gradient."""
+    layer_backward: float
+    """Per token: one decoder layer's forward and the backward to its input (the H pass recomputes each layer)."""
+    layer_call: float
+    """One decoder layer called on a single token (a decoding step's floor)."""
+    head_forward: float
+    """Per token: the head's matmul and log-softmax over the vocabulary."""
+    head_backward: float
+    """Per token: the same with its backward (the H pass's sampled labels)."""
+    basis: float
+    """Per site: the pipeline's strategies choosing a basis at the stream's width."""
+    neurons: float
+    """Per layer: the `mlp` selector choosing its neurons at the MLP's width (0 without `mlp`)."""
+    heads: float
+    """Per layer: the `heads` selector choosing query heads (0 without `heads`)."""
+    moment_stream: float = 0.0
+    """Per token: a site's second moment E[x xᵀ] at the stream's width, accumulated in float64."""
+    moment_mlp: float = 0.0
+    """Per token: the same at the MLP's width (its input's C, `mlp`)."""
+
+    def model_forward(self, layers: int) -> float:
+        """Per token: the whole model's forward and log-probabilities (evaluation, a held-out KL)."""
+        return layers * self.layer_forward + self.head_forward
+
+
+@dataclass(frozen=True)
+class TimedPhase:
+    """One phase of the time plan: its name, its estimated seconds and the report's `timings` key it
+    is measured under (None: inside another's)."""
+
+    name: str
+    seconds: float | None
+    """None: not estimated (lm-eval's tasks)."""
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every stage's time estimate reads: the unit costs and the counts of the run."""
+
+    costs: UnitCosts
+    recipe: Recipe
+    checked: Plan
+    layers: int
+    """Decoder layers of the model the walk prunes (without blocks `depth` removes)."""
+    original_layers: int
+    tokens: int
+    """Calibration tokens (windows × tokens per window)."""
+    evaluation_tokens: int
+    heldout: dict[str, int] = field(default_factory=dict)
+    """Held-out tokens each measuring stage reads, by stage name."""
+
+    @property
+    def sites(self) -> int:
+        return 2 * self.layers + 1
+
+    def layer_pass(self, tokens: int | None = None, layers: int | None = None) -> float:
+        """A pass over `tokens` (default: the calibration's) through every layer, forward only."""
+        return (
+            (self.tokens if tokens is None else tokens)
+            * (self.layers if layers is None else layers)
+            * (self.costs.layer_forward)
+        )
+
+    def over_candidates(self, phases: Callable[[Any], list[TimedPhase]]) -> list[TimedPhase]:
+        """`phases(layout)` of the run's layout, or where the run chooses among splits (the choice not
+        yet made) their mean over the candidates, phase by phase."""
+        layouts = self.checked.splits if self.checked.may_choose_split else (self.checked.layout,)
+        each = [phases(layout) for layout in layouts]
+        named: dict[str, list[TimedPhase]] = {}
+        for found in each:
+            for phase in found:
+                named.setdefault(phase.name, []).append(phase)
+        return [
+            TimedPhase(name, sum(p.seconds or 0.0 for p in found) / len(each), found[0].key)
+            for name, found in named.items()
+        ]
+
+    def measured_kl(self, tokens: int, layers: int | None = None) -> float:
+        """KL of a model to the original on `tokens` held-out tokens: both models' forward passes."""
+        return tokens * (
+            self.costs.model_forward(self.original_layers) + self.costs.model_forward(layers or self.layers)
+        )
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    """The estimate of every phase, in the run's order, and what the measurement rests on."""
+
+    phases: tuple[TimedPhase, ...]
+    measured_s: float
+    """Seconds the measurement itself took."""
+    unestimated: tuple[str, ...] = ()
+    """Stages the run has that give no estimate (a plugin's)."""
+
+    @property
+    def total(self) -> float:
+        return sum(phase.seconds or 0.0 for phase in self.phases)
+
+    def by_key(self) -> dict[str, float]:
+        """Each report `timings` key's estimated seconds (what a run compares its own with)."""
+        keys: dict[str, float] = {}
+        for phase in self.phases:
+            if phase.key is not None and phase.seconds is not None:
+                keys[phase.key] = keys.get(phase.key, 0.0) + phase.seconds
+        return keys
+
+    def record(self) -> Estimate:
+        """The plan as the report keeps it."""
+        from compressor.run.report_model import Estimate, EstimatedPhase
+
+        phases = [EstimatedPhase(name=p.name, seconds=p.seconds, key=p.key) for p in self.phases]
+        return Estimate(
+            total_s=self.total, phases=phases, measured_s=self.measured_s, unestimated=list(self.unestimated)
+        )
+
+    def line(self) -> str:
+        """One line: the total and each phase's share."""
+        shown = [phase for phase in self.phases if phase.seconds is not None and phase.seconds >= 0.05]
+        parts = ", ".join(f"{phase.name} {duration(phase.seconds or 0.0)}" for phase in shown)
+        left = [*self.unestimated, *(phase.name for phase in self.phases if phase.seconds is None)]
+        left_out = f"; not estimated: {', '.join(left)}" if left else ""
+        return (
+            f"time: about {duration(self.total)} on this machine ({parts}{left_out}; from one layer of this model's "
+            f"shape timed here in {self.measured_s:.1f} s: an estimate, other work on the machine not counted)"
+        )
+
+
+def duration(seconds: float) -> str:
+    """`48 s`, `3 min 10 s`, `2 h 05 min`: a time a person reads at a glance."""
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def _median_seconds(call: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+    """The median of `repeats` timed calls after one untimed one."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    call()
+    times = []
+    for _ in range(repeats):
+        sync()
+        tick = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times)
+
+
+def _one_layer_model(config: Any, dtype: torch.dtype, attention: str) -> Any:
+    """The config's model with one decoder layer and a small vocabulary (the head is timed apart):
+    what the memory plan builds on fake tensors, here with real ones."""
+    from transformers import AutoModelForCausalLM
+
+    single = copy.deepcopy(config)
+    single.num_hidden_layers = 1
+    if isinstance(getattr(single, "layer_types", None), list):
+        single.layer_types = single.layer_types[:1]
+    single.vocab_size = min(int(single.vocab_size), 256)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(single, key, None)
+        if isinstance(value, int) and value >= single.vocab_size:
+            setattr(single, key, None)
+    model = AutoModelForCausalLM.from_config(single, dtype=dtype, attn_implementation=attention).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def layer_costs(
+    config: Any, family: Any, dtype: torch.dtype, attention: str, device: torch.device, seq_len: int
+) -> tuple[float, float, float]:
+    """(forward per token, forward and backward per token, one single-token call) of one decoder
+    layer of `config`'s shape on `device`, on one window of up to `MEASURED_TOKENS` tokens."""
+    from compressor.run.memory import _layer_inputs
+
+    tokens = max(1, min(seq_len, MEASURED_TOKENS))
+    model = _one_layer_model(config, dtype, attention).to(device)
+    inputs = _layer_inputs(model, family, 1, tokens, dtype)
+    layer = model.get_submodule(family.layers)[0]
+    hidden = inputs.hidden.get(0).to(device)
+    kwargs = {k: _to(v, device) for k, v in inputs.layer_kwargs[0][0].items()}
+    single_inputs = _layer_inputs(model, family, 1, 1, dtype)
+    single = single_inputs.hidden.get(0).to(device)
+    single_kwargs = {k: _to(v, device) for k, v in single_inputs.layer_kwargs[0][0].items()}
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(hidden, **kwargs)
+
+    def backward() -> None:
+        x = hidden.detach().requires_grad_(True)
+        out = layer(x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    def call() -> None:
+        with torch.no_grad():
+            layer(single, **single_kwargs)
+
+    forward_s = _median_seconds(forward, device)
+    backward_s = _median_seconds(backward, device)
+    return forward_s / tokens, backward_s / tokens, _median_seconds(call, device)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
+
+
+def head_costs(d: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(forward, forward and backward) per token of the head's matmul and log-softmax at width `d`
+    over `vocab` entries, timed on 256 tokens and up to 16,384 entries (scaled to the vocabulary)."""
+    rows = min(vocab, 16384)
+    weight = torch.randn(rows, d, dtype=dtype, device=device) * 0.02
+    x = torch.randn(256, d, dtype=dtype, device=device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            torch.log_softmax((x @ weight.T).float(), -1)
+
+    def backward() -> None:
+        y = x.detach().requires_grad_(True)
+        torch.log_softmax((y @ weight.T).float(), -1)[:, 0].sum().backward()
+
+    scale = vocab / rows / 256
+    return _median_seconds(forward, device) * scale, _median_seconds(backward, device) * scale
+
+
+def moment_cost(width: int, device: torch.device) -> float:
+    """Seconds per token of accumulating a float64 E[x xᵀ] of `width` (`calibration.SecondMoment`),
+    timed on 512 tokens at most 2,048 wide and scaled as width²."""
+    if width <= 0:
+        return 0.0
+    measured = min(width, 2048)
+    total = torch.zeros(measured, measured, dtype=torch.float64, device=device)
+    x = torch.randn(512, measured, dtype=torch.float64, device=device)
+    return _median_seconds(lambda: total.addmm_(x.T, x), device) / 512 * (width / measured) ** 2
+
+
+def _spd(width: int, generator: torch.Generator) -> torch.Tensor:
+    """A random symmetric positive-definite matrix (float64), as an E[x xᵀ] looks."""
+    x = torch.randn(4 * width, width, dtype=torch.float64, generator=generator)
+    return x.T @ x / (4 * width)
+
+
+def basis_cost(checked: Plan, d: int, kept: int) -> float:
+    """Seconds per site of the pipeline's strategies on a synthetic site of width `d` keeping `kept`
+    (timed at most `PROBLEM_WIDTH` wide, scaled as width³)."""
+    from compressor.strategies.contract import SiteProblem, SiteStatistics
+
+    width = min(d, PROBLEM_WIDTH)
+    keep = max(1, min(width - 1, round(kept * width / d)))
+    generator = torch.Generator().manual_seed(0)
+    stats = SiteStatistics(C=_spd(width, generator), tokens=4 * width, extra={"H": _spd(width, generator)})
+    problem = SiteProblem(name="embedding", index=0, width=width, keep=keep, stats=stats)
+
+    def choose() -> None:
+        incoming = None
+        for step in checked.pipeline:
+            incoming = step.strategy.select(problem, incoming, step.options)
+
+    tick = time.perf_counter()
+    choose()
+    return (time.perf_counter() - tick) * (d / width) ** 3
+
+
+def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float:
+    """Seconds per layer of the `mlp` selector on a synthetic MLP of `f` neurons keeping `kept` (timed
+    at most `PROBLEM_WIDTH` neurons wide, scaled as width³)."""
+    from compressor.strategies.neuron_contract import NeuronProblem
+
+    if checked.selector is None or f <= 0:
+        return 0.0
+    width, stream = min(f, PROBLEM_WIDTH), min(d, PROBLEM_WIDTH)
+    generator = torch.Generator().manual_seed(0)
+    problem = NeuronProblem(
+        layer=0,
+        keep=max(1, min(width - 1, round(kept * width / f))),
+        C=_spd(width, generator),
+        activation=torch.rand(width, dtype=torch.float64, generator=generator),
+        down=torch.randn(stream, width, dtype=torch.float64, generator=generator),
+        damping=1e-2,
+        G=_spd(stream, generator) if "H" in checked.selector.requires else None,
+        tokens=4 * width,
+    )
+    tick = time.perf_counter()
+    checked.selector.select(problem)
+    return (time.perf_counter() - tick) * (f / width) ** 3
+
+
+def measure_costs(recipe: Recipe, checked: Plan, device: torch.device) -> tuple[UnitCosts, float]:
+    """The unit costs of this recipe's model on `device`, and the seconds measuring them took."""
+    from compressor.models.layout import mlp_neurons
+
+    tick = time.perf_counter()
+    layout = checked.layout
+    config, family = layout.config, layout.family
+    dtype = getattr(torch, recipe.model.dtype)
+    threads = torch.get_num_threads()
+    forward, backward, call = layer_costs(
+        config, family, dtype, recipe.model.attn_implementation, device, recipe.calibration.seq_len
+    )
+    head_forward, head_backward = head_costs(config.hidden_size, int(config.vocab_size), dtype, device)
+    d = config.hidden_size
+    kept = layout.kept or d
+    basis = basis_cost(checked, d, kept) if layout.residual else 0.0
+    f = mlp_neurons(config, family) if recipe.mlp is not None and family.mlp_width is not None else 0
+    neurons = neuron_cost(checked, d, f, layout.mlp_width or max(1, f // 2)) if f else 0.0
+    moment_stream = moment_cost(d, device) if layout.residual else 0.0
+    moment_mlp = moment_cost(f, device) if f else 0.0
+    torch.set_num_threads(threads)
+    costs = UnitCosts(
+        forward, backward, call, head_forward, head_backward, basis, neurons, 0.0, moment_stream, moment_mlp
+    )
+    return costs, time.perf_counter() - tick
+
+
+def time_plan(recipe: Recipe, checked: Plan, device: torch.device, costs: UnitCosts | None = None) -> TimePlan:
+    """Every stage's phases (`Stage.seconds`) from the unit costs (measured here unless given)."""
+    from compressor.run.stages.data import heldout_counts
+
+    measured_s = 0.0
+    if costs is None:
+        costs, measured_s = measure_costs(recipe, checked, device)
+    config = checked.layout.config
+    stages = [stage for stage in checked.stages if stage.wanted(recipe)]
+    evaluation = recipe.evaluation
+    work = Work(
+        costs=costs,
+        recipe=recipe,
+        checked=checked,
+        layers=config.num_hidden_layers,
+        original_layers=config.num_hidden_layers + len(checked.removed_blocks),
+        tokens=recipe.calibration.num_samples * recipe.calibration.seq_len,
+        evaluation_tokens=0 if evaluation is None else evaluation.num_samples * evaluation.seq_len,
+        heldout={stage.name: count * recipe.calibration.seq_len for stage, count in heldout_counts(recipe, checked)},
+    )
+    phases: list[TimedPhase] = []
+    unestimated: list[str] = []
+    for stage in stages:
+        estimated = stage.seconds(work)
+        if estimated is None:
+            unestimated.append(stage.name)
+        else:
+            phases += estimated
+    return TimePlan(tuple(phases), measured_s, tuple(unestimated))
+
+
+def decode_seconds(costs: UnitCosts, layers: int, batch: int, steps: int) -> float:
+    """`steps` decoding steps of `batch` sequences through `layers` layers: each step a call per layer
+    (at least its single-token floor) and the head."""
+    per_layer = max(costs.layer_call, batch * costs.layer_forward)
+    return steps * (layers * per_layer + batch * costs.head_forward)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0

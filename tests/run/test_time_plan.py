@@ -1,0 +1,124 @@
+"""The time plan (issue 50, item 4): `--dry-run` and `compress run` say about how long each phase
+will take, from unit costs timed on one layer (`run.timing`), and the run says what it took
+against it. What is tested is what the estimate counts, with the unit costs fixed by hand so that
+no clock decides: the work each phase scales with, the split choice's candidates as it measures
+them, phases inside the choice not counted twice, and a stage that gives no estimate named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from compressor.cli import main
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
+from compressor.run.stages.contract import Stage
+from compressor.run.timing import UnitCosts, time_plan
+from compressor.strategies.registry import PluginRegistry
+from tests.conftest import save_tiny_checkpoint
+from tests.run.test_cli import _DELETE, write_recipe
+
+COSTS = UnitCosts(
+    layer_forward=1e-5,
+    layer_backward=3e-5,
+    layer_call=1e-3,
+    head_forward=2e-5,
+    head_backward=5e-5,
+    basis=0.01,
+    neurons=0.1,
+    heads=0.0,
+)
+"""Unit costs given by hand: the estimate's arithmetic, not this machine's speed."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", intermediate_size=1024)
+
+
+def _plan(folder: Path, checkpoint: Path, **changes: object) -> dict[str, float]:
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(folder, checkpoint, **changes), registry)
+    phases = time_plan(recipe, plan(recipe, registry), torch.device("cpu"), COSTS).phases
+    return {phase.name: phase.seconds for phase in phases}
+
+
+SENSITIVITY = dict(pipeline=[{"strategy": "sensitivity"}], evaluation=None)
+SPLIT = dict(
+    sparsity=_DELETE,
+    target_params=0.8,
+    slicing={"layout": "global"},
+    calibration__num_samples=8,
+    mlp={"heldout_windows": 2, "candidates": 4},
+    **SENSITIVITY,
+)
+
+
+def test_the_walk_and_h_scale_with_the_calibration_tokens(checkpoint: Path, tmp_path: Path) -> None:
+    """H is a forward and backward through every layer and the head per token; the walk a pass per
+    layer per token and a basis per site: twice the windows, twice the passes, the same bases."""
+    few = _plan(tmp_path, checkpoint, calibration__num_samples=4, **SENSITIVITY)
+    many = _plan(tmp_path, checkpoint, calibration__num_samples=8, **SENSITIVITY)
+    tokens, layers, sites = 4 * 64, 2, 5
+    assert few["H pass"] == pytest.approx(tokens * (layers * 3e-5 + 5e-5))
+    assert many["H pass"] == pytest.approx(2 * few["H pass"])
+    bases = sites * COSTS.basis
+    assert many["walk"] - bases == pytest.approx(2 * (few["walk"] - bases))
+    assert "H pass" not in _plan(tmp_path, checkpoint, calibration__num_samples=4, evaluation=None)  # pca needs none
+
+
+def test_the_split_counts_the_candidates_it_measures_and_the_run_s_walk_is_inside_it(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every split measured: the choice holds the chosen trial's walk and MLP (no walk or MLP phase of
+    its own, nor an H pass beside the choice's); measuring the 2 predicted best costs half the
+    candidates and a prediction; screened trials cost their share of the windows, and then the run
+    prunes the chosen split itself."""
+    registry = PluginRegistry()
+    count = len(plan(load_recipe(write_recipe(tmp_path, checkpoint, **SPLIT), registry), registry).splits)
+    assert count >= 3
+    every = _plan(tmp_path, checkpoint, **SPLIT)
+    choice = f"choosing the split ({count} candidates)"
+    assert set(every) == {"choosing the split: H pass", choice}
+    best = _plan(tmp_path, checkpoint, **{**SPLIT, "mlp": {**SPLIT["mlp"], "measure_best": 2}})
+    assert best[f"choosing the split (2 of {count} candidates)"] == pytest.approx(every[choice] * 2 / count)
+    assert best["predicting the splits"] > 0
+    screened = _plan(tmp_path, checkpoint, **{**SPLIT, "mlp": {**SPLIT["mlp"], "screen_windows": 2}})
+    assert screened[choice] < every[choice]  # a quarter of the windows pruned (every held-out one measured)
+    assert {"walk", "H pass", "MLP neurons"} <= set(screened)
+
+
+class Silent(Stage):
+    """A plugin's stage that gives no estimate."""
+
+    name = "plugin polish"
+
+
+def test_a_stage_without_an_estimate_is_named_as_not_estimated(checkpoint: Path, tmp_path: Path) -> None:
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, checkpoint, **SENSITIVITY), registry)
+    checked = plan(recipe, registry)
+    checked = dataclasses.replace(checked, stages=(*checked.stages, Silent()))
+    planned = time_plan(recipe, checked, torch.device("cpu"), COSTS)
+    assert planned.unestimated == ("plugin polish",)
+    assert "not estimated: plugin polish" in planned.line()
+
+
+def test_the_dry_run_says_the_estimate_and_the_run_says_what_it_took_against_it(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, checkpoint, **SENSITIVITY)
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    assert "note: time: about " in capsys.readouterr().out
+    assert main(["run", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "time: about " in out and "took " in out and "; estimated " in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    estimate = report["estimate"]
+    assert {phase["key"] for phase in estimate["phases"]} == {"fisher_s", "prune_s"}
+    assert estimate["total_s"] == pytest.approx(sum(phase["seconds"] for phase in estimate["phases"]))
+    assert estimate["measured_s"] > 0
