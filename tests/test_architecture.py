@@ -79,7 +79,8 @@ def test_every_package_folder_is_in_the_wheel() -> None:
 
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(path.parent.relative_to(PACKAGE.parent).parts) for path in PACKAGE.rglob("__init__.py")} | {
-        "compressor_plugins"
+        "compressor_plugins",
+        "compressor_demo",  # examples/: the demo model and text, package data (`bundled:`)
     }
     assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 

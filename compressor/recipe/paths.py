@@ -1,5 +1,8 @@
-"""Paths in a recipe: relative ones resolve against the recipe file's folder; a model is a local
-folder or a hub id; a missing reference file says where the reference data is expected.
+"""Paths in a recipe: relative ones resolve against the recipe file's folder; `bundled:NAME` is a
+file or folder the package ships (the demo model `bundled:ref-llama` and its text
+`bundled:data/calib-demo.jsonl`, `bundled:data/valid-demo.jsonl`), wherever the recipe lies; a
+model is a local folder or a hub id; a missing reference file says where the reference data is
+expected.
 """
 
 from __future__ import annotations
@@ -16,14 +19,37 @@ def _is_remote(path: str) -> bool:
     return "://" in path
 
 
+BUNDLED = "bundled:"
+"""A recipe path's prefix for what the package ships (`compressor_demo`: the checkout's `examples/`
+demo model and text)."""
+
+
+def bundled(name: str) -> Path:
+    """The shipped file or folder `name` (`ref-llama`, `data/calib-demo.jsonl`); a missing one is a
+    one-line UserError listing what is shipped."""
+    import compressor_demo  # noqa: PLC0415 (only a recipe that names it needs it)
+
+    root = Path(compressor_demo.__file__).parent
+    found = (root / name).resolve()
+    if not name or root.resolve() not in found.parents or not found.exists():
+        shipped = ["ref-llama", *(f"data/{p.name}" for p in sorted((root / "data").glob("*.jsonl")))]
+        raise UserError(f"{BUNDLED}{name}: the package ships no such file; it ships {', '.join(shipped)}")
+    return found
+
+
 def resolve_path(path: str, base: Path) -> str:
-    """`path` made absolute against `base`, unless it is absolute already or a URL."""
+    """`path` made absolute against `base`, unless it is absolute already or a URL; `bundled:NAME`
+    the package's own."""
+    if path.startswith(BUNDLED):
+        return str(bundled(path[len(BUNDLED) :]))
     return path if _is_remote(path) or Path(path).is_absolute() else str((base / path).resolve())
 
 
 def resolve_model_path(path: str, base: Path, where: str = "model.path, relative to the recipe's folder") -> str:
     """A folder relative to `base` if it looks like a path or exists; else a hub id."""
     local = base / path
+    if path.startswith(BUNDLED):
+        return resolve_path(path, base)
     if path.startswith((".", "/", "~")) or local.exists():
         resolved = Path(path).expanduser() if path.startswith("~") else Path(resolve_path(path, base))
         if not resolved.is_dir():

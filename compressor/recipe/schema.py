@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import StrictInt, StrictStr, TypeAdapter
 
 from compressor.errors import UserError, did_you_mean
-from compressor.recipe.paths import resolve_path
+from compressor.recipe.paths import BUNDLED, resolve_path
 from compressor.recipe.reading import apply_override, read_yaml
 from compressor.recipe.sections.contract import SectionContext
 from compressor.recipe.sections.data import DataSpec
@@ -180,6 +180,8 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
         spec = getattr(recipe, section.key)
         if spec is not None and section.check is not None:
             recipe = dataclasses.replace(recipe, **{section.key: section.check(spec, recipe, context)})
+    if recipe.output.startswith(BUNDLED):
+        raise UserError(f"output: {recipe.output} names a file the package ships; give a folder of yours")
     return dataclasses.replace(recipe, pipeline=steps, stages=stages, output=resolve_path(recipe.output, base))
 
 

@@ -290,6 +290,94 @@ def test_the_guide_s_worked_plugin_passes_its_own_tests(tmp_path: Path) -> None:
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
+def test_the_guide_s_example_copied_into_any_folder_runs_on_the_bundled_model_and_writes_beside_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worked plugin's folder copied elsewhere (as the guide invites): its recipe reads the demo
+    model and text the package ships (`bundled:`), whatever folder it lies in, and its run is
+    written into that folder's `runs/`, nothing outside it."""
+    import importlib
+
+    from compressor.recipe.reading import apply_override
+    from compressor.recipe.schema import load_recipe, validate
+    from compressor.run.runner import run
+    from compressor.strategies.registry import PluginRegistry
+
+    copy = tmp_path / "my plugins" / "rerank-plugin"
+    shutil.copytree(RERANK, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "runs"))
+    monkeypatch.syspath_prepend(str(copy))
+    registry = PluginRegistry(extra_plugins=[importlib.import_module("compressor_rerank")])
+    recipe = load_recipe(copy / "ref_llama_rerank.yaml", registry)
+    assert Path(recipe.model.path) == (ROOT / "examples" / "ref-llama").resolve()  # the editable install's bundle
+    assert recipe.calibration.dataset["data_files"] == str((DATA / "calib-demo.jsonl").resolve())
+    assert Path(recipe.output) == copy / "runs" / "ref-llama-rerank-25"
+    raw = yaml.safe_load((copy / "ref_llama_rerank.yaml").read_text())
+    for change in ("calibration.num_samples=4", "calibration.seq_len=64", "evaluation=null"):
+        apply_override(raw, change)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    report = run(validate(raw, copy, registry), registry)
+    assert report is not None and report.pipeline[0].strategy == "rerank"
+    assert (copy / "runs" / "ref-llama-rerank-25" / "model" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing beside the folder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("model.path=bundled:ref-lama", "bundled:ref-lama: the package ships no such file; it ships ref-llama, "),
+        ("calibration.dataset.data_files=bundled:data/../../pyproject.toml", "the package ships no such file"),
+        (
+            "output=bundled:ref-llama",
+            "output: bundled:ref-llama names a file the package ships; give a folder of yours",
+        ),
+    ],
+)
+def test_a_bundled_path_the_package_does_not_ship_is_one_line(
+    change: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from compressor.cli import main
+
+    shutil.copy(RERANK / "ref_llama_rerank.yaml", tmp_path / "recipe.yaml")
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "recipe.yaml"), "--set", change, "--set", "pipeline=[{strategy: pca}]"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_bundled_demo_model_and_text_and_no_example_plugin(tmp_path: Path) -> None:
+    """`bundled:` paths must resolve in an installed wheel too: it carries `compressor_demo` with the
+    demo model and its text, and none of the example plugins' code beside them."""
+    import zipfile
+
+    source = tmp_path / "source"  # setuptools builds in the tree: a copy keeps build/ out of the checkout
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "runs")
+    for part in ("compressor", "plugins", "examples"):
+        shutil.copytree(ROOT / part, source / part, ignore=skip)
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, source / part)
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--quiet",
+        "-w",
+        str(tmp_path),
+    ]
+    done = subprocess.run([*command, "."], cwd=source, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("compressor-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert f"compressor_demo/ref-llama/{name}" in names
+    assert {"compressor_demo/data/calib-demo.jsonl", "compressor_demo/data/valid-demo.jsonl"} <= names
+    assert not any("rerank" in name or "keep_coordinates" in name or "arcee" in name for name in names)
+
+
 def test_the_suite_passes_in_a_venv_where_a_users_plugin_is_installed(site: Path) -> None:
     """A user who writes a plugin (docs/writing-a-strategy.md) and then runs the suite: the tests
     that list strategies see only the plugins they mean (conftest pins COMPRESS_PLUGINS)."""
