@@ -58,6 +58,8 @@ class UnitCosts:
     """Per token: a site's second moment E[x xᵀ] at the stream's width, accumulated in float64."""
     moment_mlp: float = 0.0
     """Per token: the same at the MLP's width (its input's C, `mlp`)."""
+    untimed: tuple[str, ...] = ()
+    """What could not be timed on a synthetic problem (a plugin's strategy that refuses one): counted as 0."""
 
     def model_forward(self, layers: int) -> float:
         """Per token: the whole model's forward and log-probabilities (evaluation, a held-out KL)."""
@@ -132,7 +134,7 @@ class TimePlan:
     measured_s: float
     """Seconds the measurement itself took."""
     unestimated: tuple[str, ...] = ()
-    """Stages the run has that give no estimate (a plugin's)."""
+    """Stages the run has that give no estimate (a plugin's), and what the unit costs could not time."""
 
     @property
     def total(self) -> float:
@@ -221,12 +223,12 @@ def layer_costs(
     from compressor.run.memory import _layer_inputs
 
     tokens = max(1, min(seq_len, MEASURED_TOKENS))
-    model = _one_layer_model(config, dtype, attention).to(device)
+    model = _one_layer_model(config, dtype, attention)  # its inputs made on the host, then the layer moved
     inputs = _layer_inputs(model, family, 1, tokens, dtype)
-    layer = model.get_submodule(family.layers)[0]
+    single_inputs = _layer_inputs(model, family, 1, 1, dtype)
+    layer = model.get_submodule(family.layers)[0].to(device)
     hidden = inputs.hidden.get(0).to(device)
     kwargs = {k: _to(v, device) for k, v in inputs.layer_kwargs[0][0].items()}
-    single_inputs = _layer_inputs(model, family, 1, 1, dtype)
     single = single_inputs.hidden.get(0).to(device)
     single_kwargs = {k: _to(v, device) for k, v in single_inputs.layer_kwargs[0][0].items()}
 
@@ -292,7 +294,7 @@ def _spd(width: int, generator: torch.Generator) -> torch.Tensor:
     return x.T @ x / (4 * width)
 
 
-def basis_cost(checked: Plan, d: int, kept: int) -> float:
+def basis_cost(checked: Plan, d: int, kept: int) -> float | None:
     """Seconds per site of the pipeline's strategies on a synthetic site of width `d` keeping `kept`
     (timed at most `PROBLEM_WIDTH` wide, scaled as width³)."""
     from compressor.strategies.contract import SiteProblem, SiteStatistics
@@ -309,11 +311,14 @@ def basis_cost(checked: Plan, d: int, kept: int) -> float:
             incoming = step.strategy.select(problem, incoming, step.options)
 
     tick = time.perf_counter()
-    choose()
+    try:
+        choose()
+    except Exception:  # noqa: BLE001 - a plugin's strategy may refuse made-up statistics: not timed, said so
+        return None
     return (time.perf_counter() - tick) * (d / width) ** 3
 
 
-def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float:
+def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float | None:
     """Seconds per layer of the `mlp` selector on a synthetic MLP of `f` neurons keeping `kept` (timed
     at most `PROBLEM_WIDTH` neurons wide, scaled as width³)."""
     from compressor.strategies.neuron_contract import NeuronProblem
@@ -333,7 +338,10 @@ def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float:
         tokens=4 * width,
     )
     tick = time.perf_counter()
-    checked.selector.select(problem)
+    try:
+        checked.selector.select(problem)
+    except Exception:  # noqa: BLE001 - as for a strategy: not timed, said so
+        return None
     return (time.perf_counter() - tick) * (f / width) ** 3
 
 
@@ -355,11 +363,24 @@ def measure_costs(recipe: Recipe, checked: Plan, device: torch.device) -> tuple[
     basis = basis_cost(checked, d, kept) if layout.residual else 0.0
     f = mlp_neurons(config, family) if recipe.mlp is not None and family.mlp_width is not None else 0
     neurons = neuron_cost(checked, d, f, layout.mlp_width or max(1, f // 2)) if f else 0.0
+    untimed = tuple(
+        what for what, cost in (("the pipeline's strategies", basis), ("the mlp selector", neurons)) if cost is None
+    )
     moment_stream = moment_cost(d, device) if layout.residual else 0.0
     moment_mlp = moment_cost(f, device) if f else 0.0
     torch.set_num_threads(threads)
     costs = UnitCosts(
-        forward, backward, call, head_forward, head_backward, basis, neurons, 0.0, moment_stream, moment_mlp
+        forward,
+        backward,
+        call,
+        head_forward,
+        head_backward,
+        basis or 0.0,
+        neurons or 0.0,
+        0.0,
+        moment_stream,
+        moment_mlp,
+        untimed,
     )
     return costs, time.perf_counter() - tick
 
@@ -392,7 +413,7 @@ def time_plan(recipe: Recipe, checked: Plan, device: torch.device, costs: UnitCo
             unestimated.append(stage.name)
         else:
             phases += estimated
-    return TimePlan(tuple(phases), measured_s, tuple(unestimated))
+    return TimePlan(tuple(phases), measured_s, (*unestimated, *costs.untimed))
 
 
 def decode_seconds(costs: UnitCosts, layers: int, batch: int, steps: int) -> float:

@@ -122,3 +122,20 @@ def test_the_dry_run_says_the_estimate_and_the_run_says_what_it_took_against_it(
     assert {phase["key"] for phase in estimate["phases"]} == {"fisher_s", "prune_s"}
     assert estimate["total_s"] == pytest.approx(sum(phase["seconds"] for phase in estimate["phases"]))
     assert estimate["measured_s"] > 0
+
+
+def test_a_strategy_that_refuses_a_synthetic_site_is_named_as_not_timed(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's strategy may refuse made-up statistics: the plan goes on and says what it could not time."""
+    from compressor_plugins.pca import PCA
+
+    def refuse(*_: object) -> None:
+        raise ValueError("needs real statistics")
+
+    monkeypatch.setattr(PCA, "select", refuse)
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, checkpoint, evaluation=None), registry)
+    planned = time_plan(recipe, plan(recipe, registry), torch.device("cpu"))
+    assert "the pipeline's strategies" in planned.unestimated
+    assert "not estimated: the pipeline's strategies" in planned.line()
