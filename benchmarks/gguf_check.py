@@ -64,64 +64,12 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+# this venv has llama.cpp's tools, not necessarily compressor: its stdlib-only GGUF module, from the checkout
+sys.path.insert(0, str(REPO))
+from compressor.run.gguf import QUANT_TYPES, convert, quantize  # the converter and quantizer, as export runs them
+
 DEFAULT_DATA = REPO.parent / "shared" / "corpus" / "valid.jsonl"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gguf"
-
-# Runs llama.cpp's converter unchanged except for one case: a BPE tokenizer whose pre-tokenizer hash
-# the converter does not know. Why: convert_hf_to_gguf.py names a BPE pre-tokenizer (the regex split
-# llama.cpp must apply before the merges) by hashing the ids that the HF tokenizer gives for a fixed
-# test string, and it only knows the hashes of published models. A tokenizer trained here (ref-llama's
-# 8192-token byte-level BPE) has a new hash, so get_vocab_base_pre() raises NotImplementedError even
-# though its pre-tokenizer is plain GPT-2 (tokenizer.json: ByteLevel, use_regex=True, no prefix space,
-# no normalizer), which llama.cpp implements as "gpt-2". llama.cpp's own remedy is to add the model to
-# convert_hf_to_gguf_update.py and regenerate the converter, which downloads from the hub and edits
-# llama.cpp. Instead this wrapper lets the converter's own get_vocab_base_pre() run and, only when it
-# raises, returns the name given in argv[2] (empty: re-raise). Everything else, tensors, metadata and
-# the rest of the vocabulary, is the converter's own code path. The "tok match" column then checks
-# the choice on the held-out text.
-# A second case: llama.cpp's DeciLM converter (DeciModel.set_vocab, the heterogeneous layout's format)
-# knows two vocabularies, Llama 3's (by its size, 128256: the byte-level BPE path) and Llama 2's
-# SentencePiece-style BPE (byte_fallback); any other raises FileNotFoundError. For a byte-level BPE
-# tokenizer (ref-llama's, SmolLM2's) the wrapper then takes the converter's own byte-level path,
-# _set_vocab_gpt2, the one it takes for Llama 3; the tensors and the rest are DeciModel's.
-CONVERTER_BOOTSTRAP = r"""
-import os, runpy, sys
-converter, fallback = sys.argv[1], sys.argv[2]
-root = os.path.dirname(os.path.abspath(converter))
-sys.path.insert(0, root)  # as when the script is run directly
-if "NO_LOCAL_GGUF" not in os.environ:  # the converter's own gguf-py first, as the script itself does
-    sys.path.insert(1, os.path.join(root, "gguf-py"))
-try:
-    import conversion.base as base  # llama.cpp >= mid-2025 splits the converter into conversion/
-    cls = base.TextModel
-    log = base.logger
-except ImportError:  # older single-file converter: classes live in the script itself
-    base = None
-if base is not None and fallback:
-    original = cls.get_vocab_base_pre
-    def get_vocab_base_pre(self, tokenizer):
-        try:
-            return original(self, tokenizer)
-        except NotImplementedError:
-            log.warning("gguf_check: unknown pre-tokenizer hash, writing tokenizer.ggml.pre = %r", fallback)
-            return fallback
-    cls.get_vocab_base_pre = get_vocab_base_pre
-try:
-    import conversion.deci as deci
-except ImportError:
-    deci = None
-if deci is not None:
-    own_vocab = deci.DeciModel.set_vocab
-    def set_vocab(self):
-        try:
-            own_vocab(self)
-        except FileNotFoundError:  # neither Llama 3's nor Llama 2's vocabulary: the byte-level BPE path
-            log.warning("gguf_check: DeciLM with a byte-level BPE vocabulary, written as Llama 3's is")
-            self._set_vocab_gpt2()
-    deci.DeciModel.set_vocab = set_vocab
-sys.argv = [converter] + sys.argv[3:]
-runpy.run_path(converter, run_name="__main__")
-"""
 
 
 @dataclass
@@ -155,72 +103,6 @@ class ModelResult:
 
 
 # ---------------------------------------------------------------- conversion
-
-
-def infer_pre_tokenizer(model_dir: Path) -> str | None:
-    """The llama.cpp pre-tokenizer name that tokenizer.json implies, where that is unambiguous."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    spec = json.loads(path.read_text())
-    if spec.get("model", {}).get("type") != "BPE" or spec.get("normalizer") is not None:
-        return None
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
-        pre = pre["pretokenizers"][0]
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
-        return "gpt-2"  # GPT-2's split regex, which llama.cpp implements as LLAMA_VOCAB_PRE_TYPE_GPT2
-    return None
-
-
-def convert(
-    model_dir: Path, out_file: Path, converter: Path, python: str, outtype: str, pre_tokenizer: str, log_file: Path
-) -> tuple[float, str | None]:
-    """Run llama.cpp's converter on `model_dir`; returns (seconds, fallback pre-tokenizer or None)."""
-    fallback = infer_pre_tokenizer(model_dir) if pre_tokenizer == "auto" else pre_tokenizer
-    fallback = "" if fallback in (None, "none") else fallback
-    cmd = [
-        python,
-        "-c",
-        CONVERTER_BOOTSTRAP,
-        str(converter),
-        fallback,
-        str(model_dir),
-        "--outtype",
-        outtype,
-        "--outfile",
-        str(out_file),
-    ]
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    seconds = time.perf_counter() - start
-    log_file.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out_file.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"converter failed (exit {proc.returncode}), log {log_file}:\n{tail}")
-    used = fallback if "gguf_check: unknown pre-tokenizer hash" in proc.stderr + proc.stdout else None
-    return seconds, used
-
-
-QUANT_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m")
-"""`--quantize` types: llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs)."""
-
-
-def quantize(source: Path, target: Path, kind: str, threads: int) -> float:
-    """Quantize the GGUF `source` to `kind` (`QUANT_TYPES`) into `target` with llama.cpp's own
-    quantizer; returns the seconds it took."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
-    params.nthread = threads
-    start = time.perf_counter()
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
-    return time.perf_counter() - start
 
 
 def gguf_metadata(path: Path, converter: Path) -> dict[str, Any]:
@@ -508,15 +390,16 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
         print(f"  reusing {gguf_path}")
     else:
         print(f"  converting -> {gguf_path}")
-        result.convert_s, result.pre_tokenizer_fallback = convert(
+        converted = convert(
             model_dir,
             gguf_path,
             args.converter,
-            args.converter_python,
             args.outtype,
             args.pre_tokenizer,
             gguf_path.with_suffix(".convert.log"),
+            args.converter_python,
         )
+        result.convert_s, result.pre_tokenizer_fallback = converted.seconds, converted.pre_tokenizer
         if result.pre_tokenizer_fallback:
             print(f"  converter did not know the pre-tokenizer hash; wrote '{result.pre_tokenizer_fallback}'")
     if args.quantize is not None:  # scored and timed quantized, against transformers' float32

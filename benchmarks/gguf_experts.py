@@ -124,12 +124,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name, folder in (("original", original), ("pruned", pruned)):
         out = args.work / f"{name}.gguf"
-        seconds, fallback = convert(
-            folder, out, args.converter, sys.executable, "f32", "auto", args.work / f"{name}.log"
-        )
+        converted = convert(folder, out, args.converter, "f32", "auto", args.work / f"{name}.log")
         results[name] = {
-            "convert_s": round(seconds, 1),
-            "pre_tokenizer_fallback": fallback,
+            "convert_s": round(converted.seconds, 1),
+            "pre_tokenizer_fallback": converted.pre_tokenizer,
             "metadata": gguf_metadata(out, args.converter),
             "tensors": compare(folder, out),
         }
@@ -138,7 +136,7 @@ def main() -> None:
         print(
             f"{name}: {meta['general.architecture']}, experts {meta['gpt-oss.expert_count']} of width "
             f"{meta['gpt-oss.expert_feed_forward_length']}, embedding {meta['gpt-oss.embedding_length']}, "
-            f"converted in {seconds:.1f} s; layer 0's tensors equal the checkpoint's: {equal}"
+            f"converted in {converted.seconds:.1f} s; layer 0's tensors equal the checkpoint's: {equal}"
         )
     path = RESULTS / "gguf_experts_gpt_oss.json"
     path.write_text(json.dumps(results, indent=1))

@@ -183,6 +183,31 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
+    export = commands.add_parser(
+        "export", help="a run's stock model as one GGUF file for llama.cpp (its converter; quantized if asked)"
+    )
+    export.add_argument(
+        "source", help="a run folder (its model/) or a model folder, of a global or heterogeneous layout"
+    )
+    export.add_argument("--gguf", required=True, help="the .gguf file to write")
+    export.add_argument(
+        "--converter", help="llama.cpp's convert_hf_to_gguf.py (default: $GGUF_CONVERTER; docs/serving.md)"
+    )
+    export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="the converter's type")
+    export.add_argument(
+        "--quantize", choices=["q8_0", "q6_k", "q5_k_m", "q4_k_m"], help="then quantize with llama.cpp's quantizer"
+    )
+    export.add_argument(
+        "--quantizer", help="llama.cpp's llama-quantize binary (default: the llama-cpp-python library's quantizer)"
+    )
+    export.add_argument(
+        "--pre-tokenizer",
+        default="auto",
+        help="llama.cpp's pre-tokenizer name, written only where the converter does not know the tokenizer "
+        "(auto: inferred from tokenizer.json; none: never)",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --gguf file")
+    export.add_argument("--threads", type=_positive_int, help="the quantizer's threads (default: the CPUs given)")
     schema = commands.add_parser(
         "schema", help="print the JSON schema of a recipe (for editors), with the options of every loaded strategy"
     )
@@ -548,6 +573,40 @@ def _write_output(console: Console, output: Path, text: str) -> None:
     console.print(f"wrote {output}", markup=False, highlight=False)
 
 
+def _export(args: argparse.Namespace, console: Console) -> None:
+    from compressor.run.gguf import export_gguf
+    from compressor.run.threads import available_cpus
+
+    console.print(
+        f"converting {args.source} with llama.cpp's converter ({args.outtype})", markup=False, highlight=False
+    )
+    exported = export_gguf(
+        Path(args.source),
+        Path(args.gguf),
+        converter=Path(args.converter) if args.converter else None,
+        outtype=args.outtype,
+        quantize_to=args.quantize,
+        quantizer=Path(args.quantizer) if args.quantizer else None,
+        pre_tokenizer=args.pre_tokenizer,
+        overwrite=args.overwrite,
+        threads=args.threads or available_cpus(),
+    )
+    what = exported.outtype + (f", quantized to {exported.quantized}" if exported.quantized else "")
+    named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""
+    if exported.fallbacks is not None:
+        wider, of = exported.fallbacks
+        named += (
+            f"; {wider} of {of} tensors stayed wider: their widths are not multiples of {exported.quantized}'s "
+            f"block (slicing.round_to: 32, or 256 for k-quants)"
+        )
+    console.print(
+        f"wrote {exported.path} ({exported.bytes / 2**20:.1f} MiB, {what}{named})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _schema(args: argparse.Namespace, console: Console) -> None:
     import json
 
@@ -700,6 +759,8 @@ def _main(argv: Sequence[str] | None) -> int:
             _surrogate(args, console)
         elif args.command == "schema":
             _schema(args, console)
+        elif args.command == "export":
+            _export(args, console)
         else:
             _strategies(console)
     except KeyboardInterrupt as interrupt:
