@@ -162,10 +162,10 @@ class TimePlan:
         shown = [phase for phase in self.phases if phase.seconds is not None and phase.seconds >= 0.05]
         parts = ", ".join(f"{phase.name} {duration(phase.seconds or 0.0)}" for phase in shown)
         left = [*self.unestimated, *(phase.name for phase in self.phases if phase.seconds is None)]
-        left_out = f"; not estimated: {', '.join(left)}" if left else ""
+        said = [part for part in (parts, f"not estimated: {', '.join(left)}" if left else "") if part]
         return (
-            f"time: about {duration(self.total)} on this machine ({parts}{left_out}; from one layer of this model's "
-            f"shape timed here in {self.measured_s:.1f} s: an estimate, other work on the machine not counted)"
+            f"time: about {duration(self.total)} on this machine ({'; '.join([*said, ''])}from one layer of this "
+            f"model's shape timed here in {self.measured_s:.1f} s: an estimate, other work on the machine not counted)"
         )
 
 

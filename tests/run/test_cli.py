@@ -114,7 +114,9 @@ def test_run_writes_model_recipe_and_report(
     assert torch.isfinite(reloaded(torch.tensor([[0, 5, 6, 7]])).logits).all()
     out = capsys.readouterr().out
     assert "perplexity" in out
-    phases = [line.split("] ", 1)[-1].strip() for line in out.splitlines()[:3]]  # not a terminal: a line per phase
+    lines = out.splitlines()
+    assert lines[0].startswith("time: about ")  # the time plan first, then a line per phase (not a terminal)
+    phases = [line.split("] ", 1)[-1].strip() for line in lines[1:4]]
     assert phases == ["tokenising data", "loading model", "fusing norms"]
 
 
