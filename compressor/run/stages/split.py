@@ -24,6 +24,7 @@ from compressor.models.depth import remove_blocks
 from compressor.models.layout import SlicedLayout
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
+from compressor.run.report import without_blocks
 from compressor.run.report_model import SplitRecord
 from compressor.run.split_choice import choose, split_label
 from compressor.run.stages.base import RunState
@@ -111,8 +112,9 @@ class ChooseSplit(Stage):
         return phases
 
     def seconds(self, work: Work) -> list[TimedPhase]:
-        """H once, the prediction (`measure_best`), and each measured candidate's pruning (on the screened
-        windows where asked) and held-out KL: the candidates' mean, times how many are measured."""
+        """H once per set of blocks kept (`depth` open), the prediction (`measure_best`), and each measured
+        candidate's pruning (on the screened windows where asked) and held-out KL: the candidates' mean,
+        times how many are measured."""
         checked, recipe = work.checked, work.recipe
         if not checked.may_choose_split:
             return []
@@ -128,8 +130,9 @@ class ChooseSplit(Stage):
             trial += mlp_seconds(work, split, tokens)
             layers = split.config.num_hidden_layers
             trials.append(sum(p.seconds or 0.0 for p in trial) + work.measured_kl(heldout, layers))
+        models = min(measured, len({split.removed_blocks for split in splits}))  # H of each set of blocks kept
         phases = [p for p in walk_seconds(work, splits[0], tokens, with_h=True) if p.key == "fisher_s"]
-        phases = [TimedPhase("choosing the split: H pass", p.seconds, "split_s") for p in phases]
+        phases = [TimedPhase("choosing the split: H pass", models * (p.seconds or 0.0), "split_s") for p in phases]
         if best is not None:  # the survey and the MLPs' (and heads') curves: a pass each, layer by layer
             curves = 1 + (1 if any(s.mlp_width is not None for s in splits) else 0)
             curves += 1 if any(s.heads is not None for s in splits) else 0
@@ -154,7 +157,8 @@ class ChooseSplit(Stage):
             ) != (chosen.width, chosen.mlp_kept, chosen.experts, chosen.heads, chosen.removed_blocks or []):
                 raise ProgressKept(
                     f"the interrupted run in {state.staging} chose a split (width {chosen.width}, MLP "
-                    f"{chosen.mlp_kept}, experts {chosen.experts or 'all'}) that this version's plan does not list; "
+                    f"{chosen.mlp_kept}, experts {chosen.experts or 'all'}{without_blocks(chosen.removed_blocks)}) "
+                    f"that this version's plan does not list; "
                     f"rerun with --restart"
                 )
         else:
