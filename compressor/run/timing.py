@@ -346,9 +346,39 @@ def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float | None:
 
 
 def measure_costs(recipe: Recipe, checked: Plan, device: torch.device) -> tuple[UnitCosts, float]:
-    """The unit costs of this recipe's model on `device`, and the seconds measuring them took."""
+    """The unit costs of this recipe's model on `device`, and the seconds measuring them took.
+    Remembered per model shape, settings, strategies and threads: a sweep's runs, or a test suite's,
+    measure once (the seconds are the first measurement's)."""
     from compressor.models.layout import mlp_neurons
 
+    layout = checked.layout
+    config, family = layout.config, layout.family
+    threads = torch.get_num_threads()
+    key = (
+        config.to_json_string(),
+        family.name,
+        recipe.model.dtype,
+        recipe.model.attn_implementation,
+        str(device),
+        recipe.calibration.seq_len,
+        repr([(step.strategy.name, step.options) for step in checked.pipeline]),
+        None if checked.selector is None else checked.selector.name,
+        recipe.mlp is not None,
+        layout.kept,
+        layout.mlp_width,
+        layout.residual,
+        threads,
+    )
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(recipe, checked, device, mlp_neurons)
+    return _MEASURED[key]
+
+
+_MEASURED: dict[tuple[Any, ...], tuple[UnitCosts, float]] = {}
+
+
+def _measure(recipe: Recipe, checked: Plan, device: torch.device, mlp_neurons: Any) -> tuple[UnitCosts, float]:
+    """`measure_costs` itself."""
     tick = time.perf_counter()
     layout = checked.layout
     config, family = layout.config, layout.family

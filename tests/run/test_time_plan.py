@@ -133,9 +133,25 @@ def test_a_strategy_that_refuses_a_synthetic_site_is_named_as_not_timed(
     def refuse(*_: object) -> None:
         raise ValueError("needs real statistics")
 
+    from compressor.run import timing
+
     monkeypatch.setattr(PCA, "select", refuse)
+    monkeypatch.setattr(timing, "_MEASURED", {})  # measured afresh, not remembered from another test
     registry = PluginRegistry()
     recipe = load_recipe(write_recipe(tmp_path, checkpoint, evaluation=None), registry)
     planned = time_plan(recipe, plan(recipe, registry), torch.device("cpu"))
     assert "the pipeline's strategies" in planned.unestimated
     assert "not estimated: the pipeline's strategies" in planned.line()
+
+
+def test_the_unit_costs_are_measured_once_per_shape_and_settings(checkpoint: Path, tmp_path: Path) -> None:
+    """A sweep's runs (or a suite's) of one shape measure once; another pipeline measures again."""
+    from compressor.run import timing
+
+    registry = PluginRegistry()
+    recipe = load_recipe(write_recipe(tmp_path, checkpoint, evaluation=None), registry)
+    checked = plan(recipe, registry)
+    first = timing.measure_costs(recipe, checked, torch.device("cpu"))
+    assert timing.measure_costs(recipe, checked, torch.device("cpu")) is first
+    other = load_recipe(write_recipe(tmp_path, checkpoint, **SENSITIVITY), registry)
+    assert timing.measure_costs(other, plan(other, registry), torch.device("cpu")) is not first
