@@ -577,9 +577,10 @@ def _export(args: argparse.Namespace, console: Console) -> None:
     from compressor.run.gguf import export_gguf
     from compressor.run.threads import available_cpus
 
-    console.print(
-        f"converting {args.source} with llama.cpp's converter ({args.outtype})", markup=False, highlight=False
-    )
+    def starting(model: Path) -> None:
+        said = f"converting {model} with llama.cpp's converter ({args.outtype})"
+        console.print(said, markup=False, highlight=False, soft_wrap=True)
+
     exported = export_gguf(
         Path(args.source),
         Path(args.gguf),
@@ -590,6 +591,7 @@ def _export(args: argparse.Namespace, console: Console) -> None:
         pre_tokenizer=args.pre_tokenizer,
         overwrite=args.overwrite,
         threads=args.threads or available_cpus(),
+        starting=starting,
     )
     what = exported.outtype + (f", quantized to {exported.quantized}" if exported.quantized else "")
     named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""

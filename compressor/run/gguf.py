@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,10 +228,12 @@ def export_gguf(
     pre_tokenizer: str = "auto",
     overwrite: bool = False,
     threads: int = 1,
+    starting: Callable[[Path], None] | None = None,
 ) -> Exported:
     """A run folder's `model/` (or a model folder) as the GGUF file `output`, written whole or not at
     all: converted into a scratch file beside it, quantized there if asked, then renamed. Every
-    problem found before converting is a one-line UserError."""
+    problem found before converting is a one-line UserError; `starting(model)` hears when the checks
+    have passed and the converter starts."""
     model = model_folder(source)
     converter = converter_script(converter)
     if output.suffix != ".gguf":
@@ -242,6 +244,8 @@ def export_gguf(
         raise UserError(f"the folder of {output} does not exist; create it first")
     if quantize_to is not None:
         check_quantizer(quantizer)
+    if starting is not None:
+        starting(model)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.stem}.", dir=output.parent))
     log = Path(tempfile.mkstemp(prefix="compress-export-", suffix=".log")[1])
     try:

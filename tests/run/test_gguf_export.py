@@ -135,8 +135,9 @@ def test_bad_exports_are_one_line_exit_2_and_write_nothing(
     command += [a for a in args if a not in ("--gguf-name", "--exists", "--no-converter")]
     capsys.readouterr()
     assert main(command) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    said = capsys.readouterr()
+    err = said.err
+    assert message in err and err.count("\n") == 1 and said.out == ""  # nothing said before the refusal
     assert [p.name for p in out.parent.iterdir()] == (["model.gguf"] if "--exists" in args else [])
     if "--exists" in args:
         assert out.read_bytes() == b"kept"
