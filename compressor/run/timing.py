@@ -33,6 +33,14 @@ PROBLEM_WIDTH = 512
 MEASURED_TOKENS = 512
 """Tokens of one calibration window the layer is timed on (fewer when the window is shorter)."""
 
+LAYER_LIMIT = 256 * 2**20
+"""A layer of more bytes than this is not built to be timed: its cost is its multiply-adds at the
+rate a matmul of its dtype runs here (where a layer is that large, its matmuls are its time)."""
+
+STRATEGY_SECONDS = 2.0
+"""How long a strategy or selector is watched on its synthetic problem: past it, its time is its
+progress so far (`SiteProblem.progress`) extrapolated to its whole work."""
+
 
 @dataclass(frozen=True)
 class UnitCosts:
@@ -219,8 +227,14 @@ def layer_costs(
     config: Any, family: Any, dtype: torch.dtype, attention: str, device: torch.device, seq_len: int
 ) -> tuple[float, float, float]:
     """(forward per token, forward and backward per token, one single-token call) of one decoder
-    layer of `config`'s shape on `device`, on one window of up to `MEASURED_TOKENS` tokens."""
-    from compressor.run.memory import _layer_inputs
+    layer of `config`'s shape on `device`, on one window of up to `MEASURED_TOKENS` tokens; a layer
+    of more than `LAYER_LIMIT` bytes from its multiply-adds instead (`matmul_rate`)."""
+    from compressor.run.memory import _layer_bytes, _layer_inputs
+
+    layer_bytes = _layer_bytes(config, family, dtype, attention)
+    if layer_bytes > LAYER_LIMIT:
+        forward = 2 * (layer_bytes / dtype.itemsize) / matmul_rate(dtype, device)
+        return forward, 3 * forward, forward  # the backward to the input: about twice the forward again
 
     tokens = max(1, min(seq_len, MEASURED_TOKENS))
     model = _one_layer_model(config, dtype, attention)  # its inputs made on the host, then the layer moved
@@ -258,12 +272,20 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
+def matmul_rate(dtype: torch.dtype, device: torch.device) -> float:
+    """Multiply-adds a second (× 2: flops) of a [512 × 1024] @ [1024 × 4096] matmul of `dtype` here."""
+    a = torch.randn(512, 1024, dtype=dtype, device=device)
+    b = torch.randn(1024, 4096, dtype=dtype, device=device)
+    return 2 * 512 * 1024 * 4096 / _median_seconds(lambda: a @ b, device)
+
+
 def head_costs(d: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """(forward, forward and backward) per token of the head's matmul and log-softmax at width `d`
-    over `vocab` entries, timed on 256 tokens and up to 16,384 entries (scaled to the vocabulary)."""
-    rows = min(vocab, 16384)
-    weight = torch.randn(rows, d, dtype=dtype, device=device) * 0.02
-    x = torch.randn(256, d, dtype=dtype, device=device)
+    over `vocab` entries, timed on 256 tokens, up to 16,384 entries and 4,096 wide (scaled to the
+    vocabulary and the width)."""
+    rows, width = min(vocab, 16384), min(d, 4096)
+    weight = torch.randn(rows, width, dtype=dtype, device=device) * 0.02
+    x = torch.randn(256, width, dtype=dtype, device=device)
 
     def forward() -> None:
         with torch.no_grad():
@@ -273,7 +295,7 @@ def head_costs(d: int, vocab: int, dtype: torch.dtype, device: torch.device) -> 
         y = x.detach().requires_grad_(True)
         torch.log_softmax((y @ weight.T).float(), -1)[:, 0].sum().backward()
 
-    scale = vocab / rows / 256
+    scale = vocab / rows / 256 * d / width
     return _median_seconds(forward, device) * scale, _median_seconds(backward, device) * scale
 
 
@@ -294,28 +316,56 @@ def _spd(width: int, generator: torch.Generator) -> torch.Tensor:
     return x.T @ x / (4 * width)
 
 
+class _Watched(Exception):
+    """Raised from a watched strategy's progress once `STRATEGY_SECONDS` have passed: what it did so far."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"{seconds:.1f} s")
+        self.seconds = seconds
+
+
+def _watch(call: Callable[[Callable[[int, int], None]], Any]) -> tuple[float, Any]:
+    """`call(progress)` timed; where it reports progress past `STRATEGY_SECONDS`, stopped there and its
+    time extrapolated from the share done (seconds, and its result or None)."""
+    tick = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - tick
+        if done > 0 and total > done and elapsed > STRATEGY_SECONDS:
+            raise _Watched(elapsed * total / done)
+
+    try:
+        result = call(progress)
+    except _Watched as watched:
+        return watched.seconds, None
+    return time.perf_counter() - tick, result
+
+
 def basis_cost(checked: Plan, d: int, kept: int) -> float | None:
     """Seconds per site of the pipeline's strategies on a synthetic site of width `d` keeping `kept`
-    (timed at most `PROBLEM_WIDTH` wide, scaled as width³)."""
+    (timed at most `PROBLEM_WIDTH` wide, scaled as width³; a long one watched, `_watch`); None where a
+    strategy refuses made-up statistics (a plugin's may)."""
     from compressor.strategies.contract import SiteProblem, SiteStatistics
 
     width = min(d, PROBLEM_WIDTH)
     keep = max(1, min(width - 1, round(kept * width / d)))
     generator = torch.Generator().manual_seed(0)
     stats = SiteStatistics(C=_spd(width, generator), tokens=4 * width, extra={"H": _spd(width, generator)})
-    problem = SiteProblem(name="embedding", index=0, width=width, keep=keep, stats=stats)
+    seconds, incoming = 0.0, None
+    for step in checked.pipeline:
 
-    def choose() -> None:
-        incoming = None
-        for step in checked.pipeline:
-            incoming = step.strategy.select(problem, incoming, step.options)
+        def choose(progress: Callable[[int, int], None], step: Any = step, incoming: Any = incoming) -> Any:
+            problem = SiteProblem(name="embedding", index=0, width=width, keep=keep, stats=stats, progress=progress)
+            return step.strategy.select(problem, incoming, step.options)
 
-    tick = time.perf_counter()
-    try:
-        choose()
-    except Exception:  # noqa: BLE001 - a plugin's strategy may refuse made-up statistics: not timed, said so
-        return None
-    return (time.perf_counter() - tick) * (d / width) ** 3
+        try:
+            spent, incoming = _watch(choose)
+        except Exception:  # noqa: BLE001 - not timed, said so
+            return None
+        seconds += spent
+        if incoming is None:  # stopped early: the steps after it are not timed
+            break
+    return seconds * (d / width) ** 3
 
 
 def neuron_cost(checked: Plan, d: int, f: int, kept: int) -> float | None:

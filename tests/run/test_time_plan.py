@@ -155,3 +155,42 @@ def test_the_unit_costs_are_measured_once_per_shape_and_settings(checkpoint: Pat
     assert timing.measure_costs(recipe, checked, torch.device("cpu")) is first
     other = load_recipe(write_recipe(tmp_path, checkpoint, **SENSITIVITY), registry)
     assert timing.measure_costs(other, plan(other, registry), torch.device("cpu")) is not first
+
+
+def test_a_strategy_s_long_work_is_extrapolated_from_its_progress_not_waited_for(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sensitivity.refine: 1000000` (a million more eigendecompositions per site) is watched for
+    `STRATEGY_SECONDS` and its time extrapolated from the share it reported done."""
+    from compressor.run import timing
+
+    monkeypatch.setattr(timing, "STRATEGY_SECONDS", 0.2)
+    registry = PluginRegistry()
+    walks = []
+    for refine in (0, 10**6):
+        pipeline = [{"strategy": "sensitivity", "refine": refine}]
+        recipe = load_recipe(write_recipe(tmp_path, checkpoint, pipeline=pipeline, evaluation=None), registry)
+        costs, _ = timing.measure_costs(recipe, plan(recipe, registry), torch.device("cpu"))
+        walks.append(costs.basis)
+    assert walks[1] > 1000 * walks[0]  # a million refinements, extrapolated: far beyond the plain τ grid
+
+
+def test_a_layer_too_large_to_build_is_costed_by_its_multiply_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer of more than `LAYER_LIMIT` bytes (a million MLP neurons here) is not built: its cost is
+    its parameters' multiply-adds at the rate a matmul runs here."""
+    from transformers import LlamaConfig
+
+    from compressor.models.families import family_for
+    from compressor.run import timing
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("the layer was built")
+
+    monkeypatch.setattr(timing, "_one_layer_model", refuse)
+    monkeypatch.setattr(timing, "matmul_rate", lambda dtype, device: 1e9)
+    config = LlamaConfig(hidden_size=64, intermediate_size=10**6, num_attention_heads=4, num_hidden_layers=2)
+    forward, backward, call = timing.layer_costs(
+        config, family_for("llama"), torch.float32, "sdpa", torch.device("cpu"), 32
+    )
+    params = 3 * 64 * 10**6 + 4 * 64 * 64 + 2 * 64  # the MLP's three matrices, attention, two norms
+    assert forward == pytest.approx(2 * params / 1e9, rel=1e-6) and backward == 3 * forward and call == forward
