@@ -20,11 +20,12 @@ the MLPs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from compressor.engine.kv_merge import KvMerge
 from compressor.errors import UserError
 
 
@@ -41,69 +42,92 @@ def weighted_error(
 
 @dataclass(frozen=True)
 class WidthCurve:
-    """One layer's predicted error at each width of the grid (0: the FFN removed), and of removing
-    its attention (None: the attention stays)."""
+    """One layer's predicted error at each width of the grid (0: the FFN removed), of removing its
+    attention (None: the attention stays), and of each fewer KV-head count it may keep."""
 
     layer: int
     errors: dict[int, float]
     attention: float | None = None
+    kv_merges: tuple[KvMerge, ...] = ()
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """One MLP width per layer, and the layers whose attention goes."""
+    """One MLP width per layer, the layers whose attention goes, and those that keep fewer KV heads."""
 
     widths: list[int]
     attention_removed: list[int]
+    kv_heads: dict[int, int] = field(default_factory=dict)
 
 
-def allocate(curves: Sequence[WidthCurve], total: int, attention_units: int = 0) -> Allocation:
-    """One width per layer from its curve, and where a curve says what removing the attention
-    costs, whether it goes; the widths plus `attention_units` per kept removable attention sum to
-    at most `total`, with the least summed error (exact: dynamic programming over the common step).
-    `total` counts every removable attention as kept."""
-    options = [_options(curve, attention_units) for curve in curves]
+REMOVED = 0
+"""An attention state of `_options`: the attention goes (a positive one: that many KV heads; None: as it was)."""
+
+
+def allocate(
+    curves: Sequence[WidthCurve], total: int, attention_units: int = 0, kv_units: Mapping[int, int] | None = None
+) -> Allocation:
+    """One width per layer from its curve, and where a curve says what removing the attention (or
+    merging its KV heads) costs, whether it does; the widths plus what each adjustable attention
+    counts as (`attention_units` as it was, `kv_units[k]` at k KV heads, nothing removed) sum to at
+    most `total`, with the least summed error (exact: dynamic programming over the common step).
+    `total` counts every adjustable attention as kept."""
+    options = [_options(curve, attention_units, kv_units or {}) for curve in curves]
     step = math.gcd(*(units for layer in options for units, _, _ in layer)) or 1
     units = total // step
     if sum(min(units for units, _, _ in layer) for layer in options) > total:
-        counted = "" if not attention_units else f" (each attention that may go counted as {attention_units} of them)"
+        counted = (
+            "" if not attention_units else f" (each attention that may change counted as {attention_units} of them)"
+        )
         raise UserError(
             f"the MLP widths cannot fit {total} neurons{counted} over {len(curves)} layers; raise the budget"
         )
-    inf = float("inf")
-    best = [0.0] + [inf] * units  # best[u]: least error of the layers so far within u units
-    choices: list[list[tuple[int, tuple[int, bool]]]] = []
+    best = torch.full((units + 1,), math.inf, dtype=torch.float64)
+    best[0] = 0.0  # best[u]: least error of the layers so far using exactly u units
+    picks: list[torch.Tensor] = []
     for layer in options:
-        new, pick = [inf] * (units + 1), [(0, (-1, True))] * (units + 1)
-        for u in range(units + 1):
-            for cost, error, choice in layer:
-                need = cost // step
-                if need <= u and best[u - need] + error < new[u]:
-                    new[u], pick[u] = best[u - need] + error, (need, choice)
+        new = torch.full_like(best, math.inf)
+        pick = torch.zeros(units + 1, dtype=torch.long)
+        for o, (cost, error, _) in enumerate(layer):
+            need = cost // step
+            if need > units:
+                continue
+            candidate = torch.full_like(best, math.inf)
+            candidate[need:] = best[: units + 1 - need] + error
+            better = candidate < new  # strictly: the first option of equal error stays
+            new, pick = torch.where(better, candidate, new), torch.where(better, o, pick)
         best = new
-        choices.append(pick)
-    u = min(range(units + 1), key=lambda v: (best[v], v))
-    picked: list[tuple[int, bool]] = []
-    for pick in reversed(choices):
-        need, choice = pick[u]
+        picks.append(pick)
+    u = int(torch.argmin(best))  # the fewest units of the least error
+    picked: list[tuple[int, int | None]] = []
+    for layer, pick in zip(reversed(options), reversed(picks)):
+        cost, _, choice = layer[int(pick[u])]
         picked.append(choice)
-        u -= need
+        u -= cost // step
     picked.reverse()
     return Allocation(
         widths=[width for width, _ in picked],
-        attention_removed=[i for i, (_, attention) in enumerate(picked) if not attention],
+        attention_removed=[i for i, (_, state) in enumerate(picked) if state == REMOVED],
+        kv_heads={i: state for i, (_, state) in enumerate(picked) if state},
     )
 
 
-def _options(curve: WidthCurve, attention_units: int) -> list[tuple[int, float, tuple[int, bool]]]:
-    """A layer's choices as (units, error, (width, attention kept)): a kept removable attention
-    costs `attention_units` (an attention that cannot go costs nothing here: the total leaves it out)."""
-    removable = curve.attention is not None and attention_units > 0
-    kept = [(w + (attention_units if removable else 0), e, (w, True)) for w, e in curve.errors.items()]
-    if not removable:
-        return kept
-    assert curve.attention is not None
-    return kept + [(w, e + curve.attention, (w, False)) for w, e in curve.errors.items()]
+def _options(
+    curve: WidthCurve, attention_units: int, kv_units: Mapping[int, int]
+) -> list[tuple[int, float, tuple[int, int | None]]]:
+    """A layer's choices as (units, error, (width, attention state)): an adjustable attention kept
+    as it was costs `attention_units`, one at k KV heads `kv_units[k]` (and its merge's error), a
+    removed one nothing (and its removal's error); an attention that cannot change costs nothing
+    here (the total leaves it out)."""
+    states: list[tuple[int, float, int | None]] = []
+    if attention_units > 0 and (curve.attention is not None or curve.kv_merges):
+        states.append((attention_units, 0.0, None))
+        states += [(kv_units[merge.kv], merge.error, merge.kv) for merge in curve.kv_merges]
+        if curve.attention is not None:
+            states.append((0, curve.attention, REMOVED))
+    else:
+        states.append((0, 0.0, None))
+    return [(w + units, e + error, (w, state)) for units, error, state in states for w, e in curve.errors.items()]
 
 
 def width_grid(width: int, step: int) -> list[int]:

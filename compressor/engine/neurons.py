@@ -49,6 +49,7 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs, counted_rows
 from compressor.engine.expert_width import prune_expert_widths
+from compressor.engine.kv_merge import KvMeasure
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.mlp_widths import WidthCurve, weighted_error, width_grid
 from compressor.engine.parallel import Ranks
@@ -246,10 +247,16 @@ def _measure(
 
 
 def _next_inputs(
-    layer: nn.Module, inputs: LayerInputs, index: int, device: torch.device, output: nn.Module | None
+    layer: nn.Module,
+    inputs: LayerInputs,
+    index: int,
+    device: torch.device,
+    output: nn.Module | None,
+    merges: KvMeasure | None = None,
 ) -> SecondMoment | None:
     """Replace each stored batch by the layer's output on it (the next layer's input); with an
-    `output` module, E[a aᵀ] of what it writes over the counted tokens."""
+    `output` module, E[a aᵀ] of what it writes over the counted tokens (and `merges` told each
+    batch's counted tokens, its hooks measuring as the layer runs)."""
     written = None if output is None else SecondMoment(output.out_features, device)
     current: dict[str, Any] = {}
 
@@ -262,6 +269,8 @@ def _next_inputs(
         for b in range(len(inputs)):
             if written is not None:  # the counted tokens of the batch the hook sees
                 current["mask"], current["count"] = inputs.token_masks[b].to(device), inputs.token_counts[b]
+            if merges is not None:
+                merges.batch(inputs.token_masks[b].to(device), inputs.token_counts[b])
             inputs.hidden.put(b, inputs.output(layer, b, index, device))
     finally:
         if handle is not None:
@@ -387,11 +396,15 @@ def mlp_width_curves(
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
     widths: Sequence[int] | None = None,
+    kv_counts: Sequence[int] = (),
+    kv_weights: Mapping[int, torch.Tensor | None] | None = None,
 ) -> list[WidthCurve]:
     """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
     (`engine.mlp_widths`; `widths`: at those alone), measured on `model` unpruned, in one pass; the
     model is not changed. With `attention` (per layer, G where its attention writes, or None for
-    the identity), each curve also holds the error of removing the layer's attention."""
+    the identity), each curve also holds the error of removing the layer's attention, and with
+    `kv_counts` that of keeping each of those KV-head counts (`engine.kv_merge`, weighed by
+    `kv_weights`, G where each attention writes, or else by `attention`'s; the refit damped as the MLP's)."""
     device, ranks = torch.device(device), ranks or Ranks.current()
     report = progress or (lambda *_: None)
     model.eval()
@@ -402,7 +415,8 @@ def mlp_width_curves(
         for index, layer in visit_layers(model, family, device):
             report(f"MLP width curves: layer {index + 1}/{layers}", index, layers)
             G = None if sensitivity is None else sensitivity[index]
-            advance = attention is None  # one pass per layer; else a second, measuring what the attention writes
+            measures_attention = attention is not None or bool(kv_counts)
+            advance = not measures_attention  # one pass per layer; else a second, measuring the attention
             problem, _, W = _dense_problem(
                 layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks, advance
             )
@@ -417,14 +431,22 @@ def mlp_width_curves(
                     down = refit_down(problem.down, problem.C, kept, problem.damping) if refit else W[:, kept]
                     errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
             del problem
-            attended = None if attention is None else layer_attention(family, layer)
-            output = None if attended is None else attended.get_submodule(family.attn_output)
-            written = None if advance else _next_inputs(layer, inputs, index, device, output)  # unpruned
+            attended = layer_attention(family, layer) if measures_attention else None
+            output = None if attended is None or attention is None else attended.get_submodule(family.attn_output)
+            merges = None if attended is None or not kv_counts else KvMeasure(attended, family, model.config, kv_counts)
+            try:
+                written = None if advance else _next_inputs(layer, inputs, index, device, output, merges)  # unpruned
+            finally:
+                if merges is not None:
+                    merges.close()
             removal = None
             if written is not None:
                 assert attention is not None
                 removal = _removal_error(written.sum_over(ranks).value(), attention[index], device)
-            curves.append(WidthCurve(index, errors, removal))
+            weights = kv_weights if kv_weights is not None else attention
+            G_written = None if weights is None else weights[index]
+            kv = () if merges is None else tuple(merges.results(G_written, damping, ranks))
+            curves.append(WidthCurve(index, errors, removal, kv))
         report(f"MLP width curves: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()

@@ -272,6 +272,11 @@ def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
                     "mlp.remove_attention: a layer's attention may go too (DeciLM no_op), where its predicted "
                     "error is below what its parameters buy as MLP neurons"
                 )
+            if recipe.mlp is not None and recipe.mlp.merge_kv_heads:
+                lines.append(
+                    "mlp.merge_kv_heads: a layer may keep fewer key-value heads (DeciLM n_heads_in_group), its "
+                    "neighbours merged and its output projection refitted, where that costs less than its neurons buy"
+                )
             return lines
         lines.append(
             f"mlp: every {what} keeps {layout.mlp_width} of its "

@@ -86,11 +86,18 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
         total = mlp.kept * len(mlp.widths)
         freed = len(mlp.attention_removed or []) * (mlp.attention_units or 0)
         given = f" and {freed:,} from removed attention" if freed else ""
+        merged = [kv for kv in mlp.kv_heads or [] if kv in (mlp.kv_units or {})]  # fewer than the model's
+        from_kv = sum((mlp.attention_units or 0) - (mlp.kv_units or {})[kv] for kv in merged)
+        given += f" and {from_kv:,} from merged KV heads" if from_kv else ""
         rows.append(("  neurons allocated (heterogeneous)", "", f"{sum(mlp.widths):,} of the uniform {total:,}{given}"))
     if mlp.attention_removed is not None:
         gone = ", ".join(map(str, mlp.attention_removed)) or "none"
         each = f"each counted as {mlp.attention_units} neurons"
         rows.append(("  attention removed in layers", "", f"{gone} ({each})"))
+    if mlp.kv_heads is not None:
+        counted = ", ".join(f"{kv}: {units}" for kv, units in sorted((mlp.kv_units or {}).items()))
+        heads = ", ".join(map(str, mlp.kv_heads))
+        rows.append(("  KV heads per layer (merged)", "", f"{heads} (neurons an attention counts as at {counted})"))
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
     fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]

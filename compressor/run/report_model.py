@@ -223,7 +223,13 @@ class MlpReport(_Section):
     attention_errors: list[float | None] | None = None
     """`mlp.remove_attention`: per layer, the predicted error of removing its attention."""
     attention_units: int | None = None
-    """`mlp.remove_attention`: the neurons one layer's attention counted as in the allocation."""
+    """`mlp.remove_attention` or `mlp.merge_kv_heads`: the neurons one layer's attention counted as in the allocation."""
+    kv_heads: list[int] | None = None
+    """`mlp.merge_kv_heads`: each layer's KV heads as saved (DeciLM's `n_heads_in_group` = heads / this; 0: removed)."""
+    kv_errors: list[dict[int, float]] | None = None
+    """`mlp.merge_kv_heads`: per layer, the predicted error at each fewer KV-head count (its output projection refitted)."""
+    kv_units: dict[int, int] | None = None
+    """`mlp.merge_kv_heads`: the neurons one layer's attention counted as at each fewer KV-head count."""
 
 
 class ExpertsReport(_Section):

@@ -126,6 +126,8 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
         values["mlp"].pop("shared_kept", None)
     if isinstance(values.get("mlp"), dict) and not values["mlp"].get("remove_attention"):  # likewise
         values["mlp"].pop("remove_attention", None)
+    if isinstance(values.get("mlp"), dict) and not values["mlp"].get("merge_kv_heads"):  # likewise
+        values["mlp"].pop("merge_kv_heads", None)
     values["compressor"] = compressor.__version__
     return values
 

@@ -86,7 +86,7 @@ def test_a_total_below_the_narrowest_widths_is_refused() -> None:
     with pytest.raises(UserError, match="raise the budget"):
         allocate(curves, 128)
     removable = [WidthCurve(0, {256: 1.0, 512: 0.0}, attention=0.5)]  # kept: 256 neurons' worth
-    with pytest.raises(UserError, match="cannot fit 128 neurons \\(each attention that may go counted as 256"):
+    with pytest.raises(UserError, match="cannot fit 128 neurons \\(each attention that may change counted as 256"):
         allocate(removable, 128, attention_units=256)
     assert width_grid(768, 256) == [0, 256, 512, 768]
     with pytest.raises(UserError, match="not a multiple of 256"):

@@ -21,6 +21,7 @@ from compressor.models.decilm import decilm_config, decilm_refusal, save_decilm
 from compressor.models.decilm.configuration_decilm import ffn_mult, ffn_width
 from compressor.models.families import family_for
 from compressor.models.heads import attention_removed, remove_attention
+from compressor.models.kv_heads import merge_kv_heads, set_output
 from tests.conftest import max_relative_logit_error, random_batches, tiny_model
 
 
@@ -87,6 +88,27 @@ def test_removed_attentions_are_no_op_blocks_with_the_logits_of_a_model_whose_at
         step = saved(input_ids=greedy[:, -1:], cache=cached, use_cache=True).logits[:, -1]
         whole = expected(input_ids=greedy).logits[:, -1]
     assert torch.allclose(step, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_with_their_own_kv_heads_reload_with_the_same_logits_and_generation(tmp_path: Path) -> None:
+    """Per-layer KV heads (`mlp.merge_kv_heads`): n_heads_in_group per block, and the cache of
+    layers of different KV widths through generation."""
+    model = _narrowed([512, 256, 512], num_attention_heads=4, num_key_value_heads=4)
+    generator = torch.Generator().manual_seed(1)
+    for index, kv in ((0, 1), (2, 2)):
+        attention = model.model.layers[index].self_attn
+        merge_kv_heads(attention, model.config, kv)
+        set_output(attention, family_for("llama"), torch.randn(64, 64, generator=generator) * 0.1)
+    save_decilm(model, tmp_path)
+    blocks = json.loads((tmp_path / "config.json").read_text())["block_configs"]
+    assert [b["attention"]["n_heads_in_group"] for b in blocks] == [4, 1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert [layer.self_attn.k_proj.out_features for layer in saved.model.layers] == [16, 64, 32]
+    batches = random_batches(model.config.vocab_size, padded=True)
+    assert max_relative_logit_error(model, saved, batches) < 1e-6
+    prompt = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(saved.generate(prompt, max_new_tokens=6, do_sample=False), greedy)
 
 
 def test_a_tied_model_stays_tied() -> None:

@@ -162,6 +162,7 @@ def test_the_dry_run_names_the_format_and_the_shared_neurons(
     [
         ({"allocate_by": "energy"}, "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous"),
         ({"remove_attention": True}, "mlp.remove_attention removes attentions in slicing.layout: heterogeneous"),
+        ({"merge_kv_heads": True}, "mlp.merge_kv_heads gives layers their own key-value heads in slicing.layout: het"),
     ],
 )
 def test_the_allocations_keys_are_refused_beside_another_layout(
@@ -172,4 +173,87 @@ def test_the_allocations_keys_are_refused_beside_another_layout(
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def _shared_kv_checkpoint(tmp_path: Path) -> Path:
+    """A multi-head Llama (8 heads of 32, hidden 256) whose 8 KV heads are the same in every layer:
+    merging them into one changes nothing the attention writes, and saves 149 neurons' worth a layer
+    (114,688 parameters at 768 a neuron)."""
+    folder = save_tiny_checkpoint(
+        tmp_path / "shared-kv",
+        "llama",
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=32,
+        intermediate_size=512,
+        num_hidden_layers=3,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            linear.weight.data.copy_(linear.weight.data[:32].repeat(8, 1))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_kv_heads_that_merge_for_free_buy_the_mlps_a_step_and_save_per_layer(tmp_path: Path) -> None:
+    checkpoint = _shared_kv_checkpoint(tmp_path)
+    reports = {}
+    for merging in (False, True):
+        (tmp_path / str(merging)).mkdir()
+        recipe = _recipe(tmp_path / str(merging), checkpoint, mlp={"merge_kv_heads": merging})
+        assert main(["run", str(recipe)]) == 0
+        reports[merging] = json.loads((tmp_path / str(merging) / "out" / "report.json").read_text())
+    whole, merged = reports[False]["mlp"], reports[True]["mlp"]
+    assert whole.get("kv_heads") is None
+    assert merged["attention_units"] == 341 and merged["kv_units"] == {"1": 192, "2": 214, "4": 256}
+    for kv_errors, width_errors in zip(merged["kv_errors"], merged["width_errors"], strict=True):
+        assert max(kv_errors.values()) < 1e-6 * width_errors["256"]  # the same heads: merged for free
+    assert sum(k < 8 for k in merged["kv_heads"]) >= 2 and set(merged["kv_heads"]) <= {1, 2, 4, 8}
+    assert sum(merged["widths"]) >= sum(whole["widths"]) + 256  # what the merges saved, given to the MLPs
+    assert merged["widths"] != whole["widths"]
+    folder = tmp_path / "True" / "out" / "model"
+    blocks = json.loads((folder / "config.json").read_text())["block_configs"]
+    assert [8 // b["attention"]["n_heads_in_group"] for b in blocks] == merged["kv_heads"]
+    saved = _load(folder)
+    assert [layer.self_attn.k_proj.out_features // 32 for layer in saved.model.layers] == merged["kv_heads"]
+    uniform = reports[False]["params"]["pruned"] + (3 * whole["kept"] - sum(whole["widths"])) * 768  # the plan's
+    assert parameter_count(saved) == reports[True]["params"]["pruned"] <= uniform
+    assert reports[True]["metrics"]["pruned"]["kl"] < reports[False]["metrics"]["pruned"]["kl"]
+    markdown = (tmp_path / "True" / "out" / "report.md").read_text()
+    freed = sum(341 - merged["kv_units"][str(kv)] for kv in merged["kv_heads"] if kv < 8)
+    assert f"and {freed:,} from merged KV heads |" in markdown
+    heads = ", ".join(map(str, merged["kv_heads"]))
+    assert (
+        f"KV heads per layer (merged) |  | {heads} (neurons an attention counts as at 1: 192, 2: 214, 4: 256) |"
+        in markdown
+    )
+    (tmp_path / "both").mkdir()  # removal beside merging: one count for an attention in the report
+    recipe = _recipe(tmp_path / "both", checkpoint, mlp={"merge_kv_heads": True, "remove_attention": True})
+    assert main(["run", str(recipe)]) == 0
+    both = json.loads((tmp_path / "both" / "out" / "report.json").read_text())["mlp"]
+    assert both["attention_units"] == 341 and both["attention_removed"] is not None and both["kv_heads"] is not None
+
+
+@pytest.mark.slow  # a minute: two runs and a killed one
+def test_a_run_merging_kv_heads_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = _recipe(tmp_path, _shared_kv_checkpoint(tmp_path), evaluation=None, mlp={"merge_kv_heads": True})
+    killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
+    assert sum(k < 8 for k in json.loads((tmp_path / "run" / "report.json").read_text())["mlp"]["kv_heads"]) >= 2
+
+
+def test_merging_kv_heads_where_each_attention_holds_one_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = save_tiny_checkpoint(tmp_path / "mqa", "llama", intermediate_size=512, num_key_value_heads=1)
+    recipe = _recipe(tmp_path, checkpoint, target_params=0.9, mlp={"merge_kv_heads": True})
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mlp.merge_kv_heads: this model's attentions hold one key-value head each" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()

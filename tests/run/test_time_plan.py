@@ -194,3 +194,20 @@ def test_a_layer_too_large_to_build_is_costed_by_its_multiply_adds(monkeypatch: 
     )
     params = 3 * 64 * 10**6 + 4 * 64 * 64 + 2 * 64  # the MLP's three matrices, attention, two norms
     assert forward == pytest.approx(2 * params / 1e9, rel=1e-6) and backward == 3 * forward and call == forward
+
+
+def test_merging_kv_heads_adds_a_merged_attention_per_count_to_the_heterogeneous_mlp_stage(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The tiny Llama's 2 KV heads may merge into 1: one more layer forward per token and layer."""
+    heterogeneous = dict(
+        sparsity=_DELETE,
+        target_params=0.8,
+        budget="non_embedding",
+        slicing={"layout": "heterogeneous"},
+        evaluation=None,
+    )
+    whole = _plan(tmp_path, checkpoint, mlp={}, **heterogeneous)
+    merging = _plan(tmp_path, checkpoint, mlp={"merge_kv_heads": True}, **heterogeneous)
+    tokens, layers = 4 * 64, 2  # write_recipe's calibration
+    assert merging["MLP neurons"] - whole["MLP neurons"] == pytest.approx(tokens * layers * 1 * COSTS.layer_forward)

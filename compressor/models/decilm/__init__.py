@@ -26,6 +26,7 @@ from compressor.models.decilm.configuration_decilm import DeciLMConfig, ffn_mult
 from compressor.models.decilm.modeling_decilm import DeciLMForCausalLM
 from compressor.models.families import family_for
 from compressor.models.heads import attention_removed
+from compressor.models.kv_heads import layer_kv_heads
 
 FFN_STEP = 256
 """vLLM and llama.cpp round a DeciLM FFN's width up to a multiple of this."""
@@ -60,10 +61,15 @@ def decilm_refusal(config: PretrainedConfig) -> str | None:
     return None
 
 
-def _blocks(config: PretrainedConfig, widths: Sequence[int], removed: Sequence[int]) -> list[dict[str, Any]]:
+def _blocks(
+    config: PretrainedConfig, widths: Sequence[int], removed: Sequence[int], kv_heads: Sequence[int] | None
+) -> list[dict[str, Any]]:
     heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     if len(removed) == len(widths) and not any(widths):
         raise ValueError("every attention and every FFN removed leaves no block")
+    layer_kv = list(kv_heads) if kv_heads is not None else [kv] * len(widths)
+    if any(k and heads % k for k in layer_kv):
+        raise ValueError(f"{heads} query heads cannot share KV heads {layer_kv} evenly")
     blocks = []
     for index, width in enumerate(widths):
         if width % FFN_STEP:
@@ -77,15 +83,21 @@ def _blocks(config: PretrainedConfig, widths: Sequence[int], removed: Sequence[i
         attention = (
             {"no_op": True, "replace_with_linear": False, "n_heads_in_group": None}
             if index in removed
-            else {"no_op": False, "replace_with_linear": False, "n_heads_in_group": heads // kv}
+            else {"no_op": False, "replace_with_linear": False, "n_heads_in_group": heads // layer_kv[index]}
         )
         blocks.append({"attention": attention, "ffn": ffn})
     return blocks
 
 
-def decilm_config(config: PretrainedConfig, widths: Sequence[int], removed: Sequence[int] = ()) -> DeciLMConfig:
+def decilm_config(
+    config: PretrainedConfig,
+    widths: Sequence[int],
+    removed: Sequence[int] = (),
+    kv_heads: Sequence[int] | None = None,
+) -> DeciLMConfig:
     """The DeciLM configuration of a Llama `config` whose layer i's MLP keeps `widths[i]` neurons,
-    and whose layers `removed` have no attention."""
+    whose layers `removed` have no attention, and whose layer i keeps `kv_heads[i]` key-value
+    heads (None: the config's in every layer)."""
     if len(widths) != config.num_hidden_layers:
         raise ValueError(f"{len(widths)} MLP widths for {config.num_hidden_layers} layers")
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act")
@@ -97,7 +109,7 @@ def decilm_config(config: PretrainedConfig, widths: Sequence[int], removed: Sequ
         **values,
         head_dim=config.hidden_size // config.num_attention_heads,
         rope_parameters=dict(rope) if rope else None,
-        block_configs=_blocks(config, widths, removed),
+        block_configs=_blocks(config, widths, removed, kv_heads),
         architectures=["DeciLMForCausalLM"],
     )
     decilm.dtype = getattr(config, "dtype", None)
@@ -106,6 +118,10 @@ def decilm_config(config: PretrainedConfig, widths: Sequence[int], removed: Sequ
 
 def _widths(model: PreTrainedModel) -> list[int]:
     return [layer.mlp.down_proj.in_features for layer in model.model.layers]
+
+
+def _kv_heads(model: PreTrainedModel) -> list[int]:
+    return [layer_kv_heads(layer.self_attn, model.config) for layer in model.model.layers]
 
 
 def removed_attentions(model: PreTrainedModel) -> list[int]:
@@ -133,14 +149,14 @@ def decilm_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 def save_decilm(model: PreTrainedModel, folder: Path) -> DeciLMConfig:
-    """Write `model` (a Llama whose MLPs may differ in width, and whose attentions may be removed)
-    to `folder` as DeciLM, with the
+    """Write `model` (a Llama whose MLPs may differ in width, and whose attentions may be removed
+    or hold fewer KV heads) to `folder` as DeciLM, with the
     configuration and modelling code beside the weights, after loading its state dict whole into
     the DeciLM class on the meta device."""
     refusal = decilm_refusal(model.config)
     if refusal is not None:
         raise UserError(f"slicing.layout: heterogeneous saves DeciLM: {refusal}; use slicing.layout: global")
-    config = decilm_config(model.config, _widths(model), removed_attentions(model))
+    config = decilm_config(model.config, _widths(model), removed_attentions(model), _kv_heads(model))
     with torch.device("meta"):
         decilm = DeciLMForCausalLM(config)
     state = decilm_state(model)

@@ -71,6 +71,12 @@ class MlpSpec:
     """slicing.layout: heterogeneous: the allocation may also remove a layer's attention (DeciLM's
     `no_op`), weighing its predicted error (what it writes, weighed as `allocate_by` says) against
     the neurons its parameters buy for the MLPs; off: every attention stays."""
+    merge_kv_heads: StrictBool = False
+    """slicing.layout: heterogeneous: the allocation may also give a layer fewer key-value heads
+    (DeciLM's per-layer `n_heads_in_group`; any divisor of the model's count): consecutive KV heads
+    merge into their mean and the output projection is refitted to what the attention wrote
+    (`engine.kv_merge`), weighing the predicted error against the neurons the saved parameters buy;
+    off: every attention keeps its KV heads."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16
@@ -115,6 +121,12 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
             "mlp.remove_attention removes attentions in slicing.layout: heterogeneous (saved as DeciLM), and this "
             f"recipe's layout is {recipe.slicing.layout}; remove mlp.remove_attention, or set slicing.layout: "
             "heterogeneous"
+        )
+    if spec.merge_kv_heads and recipe.slicing.layout != "heterogeneous":
+        raise UserError(
+            "mlp.merge_kv_heads gives layers their own key-value heads in slicing.layout: heterogeneous (saved as "
+            f"DeciLM), and this recipe's layout is {recipe.slicing.layout}; remove mlp.merge_kv_heads, or set "
+            "slicing.layout: heterogeneous"
         )
     windows = recipe.calibration.num_samples
     if spec.screen_windows is not None and spec.screen_windows >= windows:

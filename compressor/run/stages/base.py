@@ -121,7 +121,11 @@ class RunState:
     attention_removed: list[int] | None = None
     """`mlp.remove_attention`: the layers whose attention the allocation removed."""
     attention_units: int = 0
-    """`mlp.remove_attention`: the neurons a layer's attention counts as in the allocation."""
+    """`mlp.remove_attention` or `mlp.merge_kv_heads`: the neurons a layer's attention counts as in the allocation."""
+    kv_heads: list[int] | None = None
+    """`mlp.merge_kv_heads`: each layer's KV heads as the allocation left them (0: its attention removed)."""
+    kv_units: dict[int, int] = field(default_factory=dict)
+    """`mlp.merge_kv_heads`: the neurons an attention counts as at each fewer KV-head count."""
     width_curves: list[WidthCurve] = field(default_factory=list)
     """`slicing.layout: heterogeneous`: each layer's predicted error by width, that chose them."""
     heads: list[HeadRecord] = field(default_factory=list)

@@ -27,7 +27,8 @@ from compressor.engine.walk import PruneResult
 from compressor.errors import UserError
 from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
-from compressor.models.heads import remove_attention
+from compressor.models.heads import head_dim, kv_heads, remove_attention
+from compressor.models.kv_heads import KEY, VALUE, kv_options, layer_kv_heads, merge_kv_heads, set_output
 from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, shared_expert_neurons
 from compressor.models.sites import layer_site_ids
 from compressor.models.sliced import layer_attention
@@ -55,6 +56,11 @@ class PruneMlp(Stage):
         return state.checked.layout.prunes_mlp and not state.adopted  # adopted: the trial's
 
     def check_plan(self, recipe: Recipe, plan: Plan, world: int) -> None:
+        if recipe.mlp is not None and recipe.mlp.merge_kv_heads and not kv_options(plan.layout.config):
+            raise UserError(
+                "mlp.merge_kv_heads: this model's attentions hold one key-value head each, so there is none to "
+                "merge; remove mlp.merge_kv_heads"
+            )
         if recipe.slicing.layout == "heterogeneous" and world > 1:
             raise UserError(
                 "slicing.layout: heterogeneous allocates the MLP widths in one process; launch one process, "
@@ -85,8 +91,10 @@ class PruneMlp(Stage):
         if fp.layout.shared_width is not None:  # the shared expert's C, its inverse and one batch's activations
             shared = shared_expert_neurons(fp.layout.config, family)
             device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8 + tokens * shared * (3 * fp.item + 16)
-        phases = []
         recipe = fp.recipe
+        if recipe is not None and recipe.mlp is not None and recipe.mlp.merge_kv_heads:
+            device += kv_merge_bytes(fp.layout.config, tokens, fp.item)
+        phases = []
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
             assert recipe.mlp is not None
             if recipe.mlp.allocate_by == "fisher":  # `stream_fishers`: H on a fused copy of the model
@@ -134,10 +142,20 @@ class PruneMlp(Stage):
         state.config = layout.mlp_config(state.config)
 
 
+def kv_merge_bytes(config: Any, tokens: int, item: int) -> int:
+    """`mlp.merge_kv_heads` in the width curves' pass: a merged copy of the attention per KV-head
+    count, its two A × A float64 moments and the shared one (A = heads × head_dim), and one batch's
+    z and z' rows in float64."""
+    counts, width, d = kv_options(config), config.num_attention_heads * head_dim(config), config.hidden_size
+    copy_bytes = (2 * d * width + 2 * d * kv_heads(config) * head_dim(config)) * item
+    return len(counts) * (copy_bytes + 2 * width * width * 8 + 2 * tokens * width * 8) + width * width * 8
+
+
 def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     """The MLP stage on `tokens` calibration tokens: a pass layer by layer (the pruned stream and, with
     `mlp.feedback`, the unpruned one; each MLP's input C and the refit's moments) and the selector at
-    every layer; the heterogeneous layout's H on a fused copy and its width curves, a pass more."""
+    every layer; the heterogeneous layout's H on a fused copy and its width curves, a pass more
+    (and with `mlp.merge_kv_heads` a merged attention per KV-head count, counted as a layer's forward)."""
     if not layout.prunes_mlp:
         return []
     costs, layers = work.costs, layout.config.num_hidden_layers
@@ -146,6 +164,8 @@ def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     seconds = tokens * layers * per_token + layers * costs.neurons
     if work.recipe.slicing.layout == "heterogeneous":
         seconds += tokens * (layers * (costs.layer_backward + costs.layer_forward) + costs.head_backward)
+        if work.recipe.mlp is not None and work.recipe.mlp.merge_kv_heads:
+            seconds += tokens * layers * len(kv_options(layout.config)) * costs.layer_forward
     return [TimedPhase("MLP neurons", seconds, "mlp_s")]
 
 
@@ -180,8 +200,21 @@ def mlp_report(state: RunState) -> MlpReport:
             else {
                 "attention_removed": state.attention_removed,
                 "attention_errors": [curve.attention for curve in state.width_curves],
-                "attention_units": state.attention_units,
             }
+        ),
+        **(
+            {}
+            if state.kv_heads is None
+            else {
+                "kv_heads": state.kv_heads,
+                "kv_errors": [{m.kv: m.error for m in curve.kv_merges} for curve in state.width_curves],
+                "kv_units": state.kv_units,
+            }
+        ),
+        **(
+            {}
+            if state.attention_removed is None and state.kv_heads is None
+            else {"attention_units": state.attention_units}
         ),
     )
 
@@ -235,18 +268,23 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     """The heterogeneous layout's MLP widths (`engine.mlp_widths`): the uniform plan's neurons,
     redistributed over the layers in DeciLM's steps by each layer's predicted error, and with
     `mlp.remove_attention` the attentions the allocation removes (gone from `state.pruned` before
-    the MLPs are pruned, so each MLP is refitted on the stream without them). Sets the widths, the
-    curves and the removed attentions on `state`; returns H where each MLP writes (`allocate_by:
+    the MLPs are pruned, so each MLP is refitted on the stream without them), and with
+    `mlp.merge_kv_heads` the layers it gives fewer KV heads (merged and refitted likewise first).
+    Sets the widths, the curves, the removed attentions and the KV heads on `state`; returns H where each MLP writes (`allocate_by:
     fisher`), which the neuron selector then uses."""
     spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
-    fisher = None if spec.allocate_by == "energy" else stream_fishers(state, spec.remove_attention)
+    adjusts = spec.remove_attention or spec.merge_kv_heads
+    fisher = None if spec.allocate_by == "energy" else stream_fishers(state, adjusts)
     layers = decoder_layers(state.pruned, state.family)
-    attention = None
-    if spec.remove_attention:
-        attention = {i: None if fisher is None else fisher[1][i] for i in range(len(layers))}
-        state.attention_units = attention_units(state.pruned, state.family, step)
+    written = {i: None if fisher is None else fisher[1][i] for i in range(len(layers))} if adjusts else None
+    attention = written if spec.remove_attention else None
+    counts = kv_options(state.pruned.config) if spec.merge_kv_heads else []
+    units_at: dict[int, int] = {}
+    if adjusts:
+        state.attention_units = attention_units(state.pruned, state.family, 1 if spec.merge_kv_heads else step)
+        units_at = merged_units(state.pruned, state.family, counts)
     curves = mlp_width_curves(
         state.pruned,
         state.family,
@@ -261,23 +299,34 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         progress=state.progress,
         store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
+        kv_counts=counts,
+        kv_weights=written,
     )
-    removable = sum(curve.attention is not None for curve in curves)
-    total = layout.mlp_width * len(curves) + state.attention_units * removable
-    allocation = allocate(curves, total, state.attention_units)
+    adjustable = sum(curve.attention is not None or bool(curve.kv_merges) for curve in curves)
+    total = layout.mlp_width * len(curves) + state.attention_units * adjustable
+    allocation = allocate(curves, total, state.attention_units, units_at)
     for index in allocation.attention_removed:
         attention_module = layer_attention(state.family, layers[index])
         assert attention_module is not None
         remove_attention(attention_module, state.family)
+    for index, kv in allocation.kv_heads.items():
+        attention_module = layer_attention(state.family, layers[index])
+        assert attention_module is not None
+        merge = next(merge for merge in curves[index].kv_merges if merge.kv == kv)
+        merge_kv_heads(attention_module, state.pruned.config, kv)
+        set_output(attention_module, state.family, merge.output)
     state.mlp_widths, state.width_curves = allocation.widths, curves
     state.attention_removed = allocation.attention_removed if spec.remove_attention else None
+    state.kv_heads = kv_heads_kept(state.pruned, state.family) if spec.merge_kv_heads else None
+    state.kv_units = units_at
     return None if fisher is None else fisher[0]
 
 
 def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
     """A layer's attention parameters counted in MLP neurons (each neuron's row of the input
-    linears and column of the output one), rounded down to the allocation's `step`: removing an
-    attention gives the MLPs at most what it held (its norm, left out, is a margin)."""
+    linears and column of the output one), rounded down (to the allocation's `step` unless KV
+    heads may merge, whose savings are finer): removing an attention gives the MLPs at most what
+    it held (its norm, left out, is a margin)."""
     layer = decoder_layers(model, family)[0]
     attention = layer_attention(family, layer)
     assert attention is not None
@@ -285,6 +334,33 @@ def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> i
     per_neuron = sum(linear.in_features + (linear.bias is not None) for linear in inputs) + output.out_features
     held = sum(parameter.numel() for parameter in attention.parameters())
     return held // per_neuron // step * step
+
+
+def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int]) -> dict[int, int]:
+    """What a layer's attention counts as in the allocation at each KV-head count of `counts`: its
+    parameters at that count in MLP neurons, rounded up (with `attention_units` rounded down, the
+    MLPs get at most what a merge saves)."""
+    layer = decoder_layers(model, family)[0]
+    attention = layer_attention(family, layer)
+    assert attention is not None
+    inputs, output = mlp_linears(layer, family)
+    per_neuron = sum(linear.in_features + (linear.bias is not None) for linear in inputs) + output.out_features
+    held = sum(parameter.numel() for parameter in attention.parameters())
+    had, width = layer_kv_heads(attention, model.config), head_dim(model.config)
+    per_head = sum(
+        width * (linear.in_features + (linear.bias is not None))
+        for linear in (attention.get_submodule(KEY), attention.get_submodule(VALUE))
+    )
+    return {kv: -(-(held - (had - kv) * per_head) // per_neuron) for kv in counts}
+
+
+def kv_heads_kept(model: PreTrainedModel, family: ModelFamily) -> list[int]:
+    """Each layer's KV heads as the allocation left them (0: its attention removed)."""
+    found = []
+    for layer in decoder_layers(model, family):
+        attention = layer_attention(family, layer)
+        found.append(0 if attention is None else layer_kv_heads(attention, model.config))
+    return found
 
 
 def stream_fishers(state: RunState, attention: bool) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
