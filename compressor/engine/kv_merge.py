@@ -35,7 +35,7 @@ class KvMerge:
     kv: int
     error: float
     output: torch.Tensor
-    """W' (d × heads·head_dim, float32 on the host)."""
+    """W' (d × heads·head_dim, in the output projection's dtype, on the host until the allocation)."""
 
 
 class KvMeasure:
@@ -105,7 +105,7 @@ class KvMeasure:
             error = W @ own @ W.T - W @ cross @ refitted.T
             error = error - refitted @ cross.T @ W.T + refitted @ merged @ refitted.T
             value = float(torch.trace(error) if G is None else (G * error).sum())
-            found.append(KvMerge(kv, value, refitted.float().cpu()))
+            found.append(KvMerge(kv, value, refitted.to(self.output.weight.dtype).cpu()))
         return found
 
 

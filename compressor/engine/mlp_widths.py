@@ -87,7 +87,7 @@ def allocate(
     picks: list[torch.Tensor] = []
     for layer in options:
         new = torch.full_like(best, math.inf)
-        pick = torch.zeros(units + 1, dtype=torch.long)
+        pick = torch.zeros(units + 1, dtype=torch.int16)  # an option's index: a layer has hundreds at most
         for o, (cost, error, _) in enumerate(layer):
             need = cost // step
             if need > units:
@@ -95,7 +95,10 @@ def allocate(
             candidate = torch.full_like(best, math.inf)
             candidate[need:] = best[: units + 1 - need] + error
             better = candidate < new  # strictly: the first option of equal error stays
-            new, pick = torch.where(better, candidate, new), torch.where(better, o, pick)
+            new, pick = (
+                torch.where(better, candidate, new),
+                torch.where(better, torch.tensor(o, dtype=torch.int16), pick),
+            )
         best = new
         picks.append(pick)
     u = int(torch.argmin(best))  # the fewest units of the least error

@@ -5,6 +5,7 @@ estimated it; the model's config, and every later conversion, says the new width
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import decoder_layers
-from compressor.engine.mlp_widths import allocate
+from compressor.engine.mlp_widths import WidthCurve, allocate
 from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
@@ -101,10 +102,16 @@ class PruneMlp(Stage):
                 totals = (2 * fp.layers + 1) * fp.d * fp.d * fp.h_item
                 host = 2 * fp.weights + fp.store + fp.positions + fp.stored + totals
                 phases.append(fp.phase("H pass on a fused copy (MLP widths)", host, fp.measured["fisher"], fp.disk))
+        refits = 0  # `mlp.merge_kv_heads`: every layer's refitted output projection per count, until the allocation
+        if recipe is not None and recipe.mlp is not None and recipe.mlp.merge_kv_heads:
+            config = fp.layout.config
+            refits = (
+                fp.layers * len(kv_options(config)) * fp.d * config.num_attention_heads * head_dim(config) * fp.item
+            )
         return phases + [
             fp.phase(
                 "mlp (one layer at a time)",
-                fp.walked + copies * fp.store + fp.positions,
+                fp.walked + copies * fp.store + fp.positions + refits,
                 device,
                 f"{fp.disk}, or mlp.feedback: 0 (one copy of the stream)",
             )
@@ -283,8 +290,9 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     counts = kv_options(state.pruned.config) if spec.merge_kv_heads else []
     units_at: dict[int, int] = {}
     if adjusts:
-        state.attention_units = attention_units(state.pruned, state.family, 1 if spec.merge_kv_heads else step)
-        units_at = merged_units(state.pruned, state.family, counts)
+        grain = KV_GRAIN if spec.merge_kv_heads else step
+        state.attention_units = attention_units(state.pruned, state.family, grain)
+        units_at = merged_units(state.pruned, state.family, counts, grain)
     curves = mlp_width_curves(
         state.pruned,
         state.family,
@@ -315,7 +323,7 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         merge = next(merge for merge in curves[index].kv_merges if merge.kv == kv)
         merge_kv_heads(attention_module, state.pruned.config, kv)
         set_output(attention_module, state.family, merge.output)
-    state.mlp_widths, state.width_curves = allocation.widths, curves
+    state.mlp_widths, state.width_curves = allocation.widths, [without_refits(curve) for curve in curves]
     state.attention_removed = allocation.attention_removed if spec.remove_attention else None
     state.kv_heads = kv_heads_kept(state.pruned, state.family) if spec.merge_kv_heads else None
     state.kv_units = units_at
@@ -324,8 +332,8 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
 
 def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
     """A layer's attention parameters counted in MLP neurons (each neuron's row of the input
-    linears and column of the output one), rounded down (to the allocation's `step` unless KV
-    heads may merge, whose savings are finer): removing an attention gives the MLPs at most what
+    linears and column of the output one), rounded down to `step` (the allocation's, or
+    `KV_GRAIN` where KV heads may merge, whose savings are finer): removing an attention gives the MLPs at most what
     it held (its norm, left out, is a margin)."""
     layer = decoder_layers(model, family)[0]
     attention = layer_attention(family, layer)
@@ -336,10 +344,15 @@ def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> i
     return held // per_neuron // step * step
 
 
-def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int]) -> dict[int, int]:
+KV_GRAIN = 16
+"""With `mlp.merge_kv_heads`, an attention's worth in neurons is rounded to this (down as it was, up
+merged): the allocation's dynamic programme then runs over 16-neuron units, not single neurons."""
+
+
+def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int], grain: int) -> dict[int, int]:
     """What a layer's attention counts as in the allocation at each KV-head count of `counts`: its
-    parameters at that count in MLP neurons, rounded up (with `attention_units` rounded down, the
-    MLPs get at most what a merge saves)."""
+    parameters at that count in MLP neurons, rounded up to `grain` (with `attention_units` rounded
+    down, the MLPs get at most what a merge saves)."""
     layer = decoder_layers(model, family)[0]
     attention = layer_attention(family, layer)
     assert attention is not None
@@ -351,7 +364,16 @@ def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int])
         width * (linear.in_features + (linear.bias is not None))
         for linear in (attention.get_submodule(KEY), attention.get_submodule(VALUE))
     )
-    return {kv: -(-(held - (had - kv) * per_head) // per_neuron) for kv in counts}
+    return {kv: -(-(held - (had - kv) * per_head) // (per_neuron * grain)) * grain for kv in counts}
+
+
+def without_refits(curve: WidthCurve) -> WidthCurve:
+    """`curve` with its KV merges' refitted output projections dropped (applied or not chosen):
+    the report keeps their errors, and host memory need not keep a d × A matrix per count and layer."""
+    if not curve.kv_merges:
+        return curve
+    kept = tuple(dataclasses.replace(merge, output=torch.empty(0)) for merge in curve.kv_merges)
+    return dataclasses.replace(curve, kv_merges=kept)
 
 
 def kv_heads_kept(model: PreTrainedModel, family: ModelFamily) -> list[int]:
