@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from compressor.data.batches import Batch
@@ -332,16 +333,22 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
 
 def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
     """A layer's attention parameters counted in MLP neurons (each neuron's row of the input
-    linears and column of the output one), rounded down to `step` (the allocation's, or
-    `KV_GRAIN` where KV heads may merge, whose savings are finer): removing an attention gives the MLPs at most what
-    it held (its norm, left out, is a margin)."""
+    linears and column of the output one), rounded down to `step` (the allocation's, or `KV_GRAIN`
+    where KV heads may merge, whose savings are finer): removing an attention gives the MLPs at
+    most what it held (its norm, left out, is a margin)."""
+    _, held, per_neuron = _attention_worth(model, family)
+    return held // per_neuron // step * step
+
+
+def _attention_worth(model: PreTrainedModel, family: ModelFamily) -> tuple[nn.Module, int, int]:
+    """The first layer's attention, its parameters, and the parameters one MLP neuron holds (its
+    row of the input linears and column of the output one)."""
     layer = decoder_layers(model, family)[0]
     attention = layer_attention(family, layer)
     assert attention is not None
     inputs, output = mlp_linears(layer, family)
     per_neuron = sum(linear.in_features + (linear.bias is not None) for linear in inputs) + output.out_features
-    held = sum(parameter.numel() for parameter in attention.parameters())
-    return held // per_neuron // step * step
+    return attention, sum(parameter.numel() for parameter in attention.parameters()), per_neuron
 
 
 KV_GRAIN = 16
@@ -353,12 +360,7 @@ def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int],
     """What a layer's attention counts as in the allocation at each KV-head count of `counts`: its
     parameters at that count in MLP neurons, rounded up to `grain` (with `attention_units` rounded
     down, the MLPs get at most what a merge saves)."""
-    layer = decoder_layers(model, family)[0]
-    attention = layer_attention(family, layer)
-    assert attention is not None
-    inputs, output = mlp_linears(layer, family)
-    per_neuron = sum(linear.in_features + (linear.bias is not None) for linear in inputs) + output.out_features
-    held = sum(parameter.numel() for parameter in attention.parameters())
+    attention, held, per_neuron = _attention_worth(model, family)
     had, width = layer_kv_heads(attention, model.config), head_dim(model.config)
     per_head = sum(
         width * (linear.in_features + (linear.bias is not None))
