@@ -92,8 +92,7 @@ class KvMeasure:
 
     def results(self, G: torch.Tensor | None, damping: float, ranks: Ranks) -> list[KvMerge]:
         """Each count's refit and predicted error (G None: the identity), from the moments summed
-        over ranks."""
-        self.close()
+        over ranks (once the layer's pass is over and the hooks `close`d)."""
         tokens = ranks.sum_count(self.tokens, self.own.device)
         W = self.output.weight.detach().to(torch.float64)
         own = ranks.sum_(self.own) / tokens

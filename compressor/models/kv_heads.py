@@ -33,6 +33,14 @@ def layer_kv_heads(attention: nn.Module, config: PretrainedConfig) -> int:
     return attention.get_submodule(KEY).out_features // head_dim(config)
 
 
+def kv_head_parameters(attention: nn.Module, config: PretrainedConfig) -> int:
+    """The parameters one KV head holds in `attention`: its rows of the key and value projections."""
+    return sum(
+        head_dim(config) * (linear.in_features + (linear.bias is not None))
+        for linear in (attention.get_submodule(KEY), attention.get_submodule(VALUE))
+    )
+
+
 def merge_kv_heads(attention: nn.Module, config: PretrainedConfig, kv: int) -> None:
     """Keep `kv` KV heads in `attention`, in place: each merged group's key and value rows become
     their mean, and `num_key_value_groups` says how many query heads read each (the output

@@ -30,7 +30,13 @@ from compressor.errors import UserError
 from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
 from compressor.models.heads import head_dim, kv_heads, remove_attention
-from compressor.models.kv_heads import KEY, VALUE, kv_options, layer_kv_heads, merge_kv_heads, set_output
+from compressor.models.kv_heads import (
+    kv_head_parameters,
+    kv_options,
+    layer_kv_heads,
+    merge_kv_heads,
+    set_output,
+)
 from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, shared_expert_neurons
 from compressor.models.sites import layer_site_ids
 from compressor.models.sliced import layer_attention
@@ -94,8 +100,13 @@ class PruneMlp(Stage):
             shared = shared_expert_neurons(fp.layout.config, family)
             device += 3 * shared * shared * 8 + 2 * fp.d * shared * 8 + tokens * shared * (3 * fp.item + 16)
         recipe = fp.recipe
+        refits = 0  # `mlp.merge_kv_heads`: every layer's refitted output projection per count, until the allocation
         if recipe is not None and recipe.mlp is not None and recipe.mlp.merge_kv_heads:
-            device += kv_merge_bytes(fp.layout.config, tokens, fp.item)
+            config = fp.layout.config
+            device += kv_merge_bytes(config, tokens, fp.item)
+            refits = (
+                fp.layers * len(kv_options(config)) * fp.d * config.num_attention_heads * head_dim(config) * fp.item
+            )
         phases = []
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
             assert recipe.mlp is not None
@@ -103,12 +114,6 @@ class PruneMlp(Stage):
                 totals = (2 * fp.layers + 1) * fp.d * fp.d * fp.h_item
                 host = 2 * fp.weights + fp.store + fp.positions + fp.stored + totals
                 phases.append(fp.phase("H pass on a fused copy (MLP widths)", host, fp.measured["fisher"], fp.disk))
-        refits = 0  # `mlp.merge_kv_heads`: every layer's refitted output projection per count, until the allocation
-        if recipe is not None and recipe.mlp is not None and recipe.mlp.merge_kv_heads:
-            config = fp.layout.config
-            refits = (
-                fp.layers * len(kv_options(config)) * fp.d * config.num_attention_heads * head_dim(config) * fp.item
-            )
         return phases + [
             fp.phase(
                 "mlp (one layer at a time)",
@@ -278,8 +283,8 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     `mlp.remove_attention` the attentions the allocation removes (gone from `state.pruned` before
     the MLPs are pruned, so each MLP is refitted on the stream without them), and with
     `mlp.merge_kv_heads` the layers it gives fewer KV heads (merged and refitted likewise first).
-    Sets the widths, the curves, the removed attentions and the KV heads on `state`; returns H where each MLP writes (`allocate_by:
-    fisher`), which the neuron selector then uses."""
+    Sets the widths, the curves, the removed attentions and the KV heads on `state`; returns H
+    where each MLP writes (`allocate_by: fisher`), which the neuron selector then uses."""
     spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
@@ -361,11 +366,7 @@ def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int],
     parameters at that count in MLP neurons, rounded up to `grain` (with `attention_units` rounded
     down, the MLPs get at most what a merge saves)."""
     attention, held, per_neuron = _attention_worth(model, family)
-    had, width = layer_kv_heads(attention, model.config), head_dim(model.config)
-    per_head = sum(
-        width * (linear.in_features + (linear.bias is not None))
-        for linear in (attention.get_submodule(KEY), attention.get_submodule(VALUE))
-    )
+    had, per_head = layer_kv_heads(attention, model.config), kv_head_parameters(attention, model.config)
     return {kv: -(-(held - (had - kv) * per_head) // (per_neuron * grain)) * grain for kv in counts}
 
 
