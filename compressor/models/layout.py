@@ -22,7 +22,7 @@ from compressor.models.depth import depth_config
 from compressor.models.families import ModelFamily, stream_reader, stream_writers
 from compressor.models.heads import kept_heads, with_heads
 from compressor.models.sites import EMBEDDING, layer_site_ids, shared_site_ids, site_ids, site_widths
-from compressor.models.stock import check_stock, stock_param_model, width_multiple
+from compressor.models.stock import check_stock, stock_config, stock_param_model, width_multiple
 
 LAYOUTS = ("per_site", "global")
 """`per_site`: a basis per site, transitions on the residual path (a `sliced_*` class); `global`:
@@ -123,6 +123,22 @@ class SlicedLayout:
             kept,
             self.one_basis or self.slice_head or self.tie_head,
         )
+
+    def saved_config(self) -> PretrainedConfig:
+        """The config of the stock model this layout saves (a global layout, or one that keeps its
+        stream): its width, MLPs, experts, heads and blocks. A model built from it has the saved
+        model's shape, which is all its speed depends on (`run.decode_budget` times such models)."""
+        if not self.one_basis and self.residual:
+            raise ValueError("a per-site layout saves a sliced_* class, not a stock one")
+        config = self.mlp_config(self.config)
+        if self.experts is not None:
+            config = with_experts(config, self.family, self.experts)
+        if self.heads is not None:
+            config = with_heads(config, self.heads)
+        if self.residual:
+            assert self.kept is not None, "a global layout has one width"
+            config = stock_config(config, self.family, self.kept, self.tie_head)
+        return config
 
     def slicing_config(self, model: torch.nn.Module, widths: dict[str, int] | None = None) -> dict[str, Any]:
         """The `slicing` entry of the sliced class's config for `widths` (default: this layout's, or

@@ -72,6 +72,13 @@ class Recipe:
     """Instead of `sparsity`, alone or beside `target_params`: a Mixture-of-Experts model's
     parameters used per token (each layer's top-k routed experts, the router, everything else) as
     a fraction of the original's; the pruned model keeps within both targets."""
+    target_decode: (
+        Annotated[Number, described("the fraction of the dense model's decode time per token kept", gt=0, le=1)] | None
+    ) = None
+    """Instead of `sparsity`, alone or beside `target_params`: the pruned model's decode step (batch
+    1, this run's device and dtype) takes at most this fraction of the dense model's. Each
+    candidate the run may choose gets the largest parameter budget whose model decodes within it,
+    measured on models of those shapes (`run.decode_budget`); a global layout (a stock class)."""
     budget: Literal["all", "non_embedding"] = "all"
     """Which parameters `target_params` counts: all of them, or all but the token and position
     embedding tables (how small-model users read "25% smaller": Gemma 3 270M is 63% embedding).
@@ -188,11 +195,19 @@ def validate(raw: Any, base: Path, registry: PluginRegistry) -> Recipe:
 def _check_budget(recipe: Recipe) -> None:
     """One budget: a sparsity or parameter targets (total, per token or both), and `budget` only
     with the targets it qualifies."""
-    targets = recipe.target_params is not None or recipe.target_active_params is not None
+    targets = any(
+        value is not None for value in (recipe.target_params, recipe.target_active_params, recipe.target_decode)
+    )
     if recipe.sparsity is not None and targets:
         raise UserError(
-            "give one of sparsity (the fraction of the hidden width removed) or parameter targets "
-            "(target_params, target_active_params), not both; remove sparsity (on the command line: --set sparsity=null)"
+            "give one of sparsity (the fraction of the hidden width removed) or targets "
+            "(target_params, target_active_params, target_decode), not both; remove sparsity (on the command "
+            "line: --set sparsity=null)"
+        )
+    if recipe.target_decode is not None and recipe.slicing.layout != "global":
+        raise UserError(
+            f"target_decode times the stock model each candidate saves, and slicing.layout: {recipe.slicing.layout} "
+            f"saves another class; set slicing.layout: global, or give target_params instead"
         )
     if recipe.sparsity is None and not targets:
         raise UserError(

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,9 @@ class Plan:
     `depth.removed` of them, which the stage's choice replaces (`replan`)."""
     families: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The registered families by model_type, for `replan`."""
+    decode_budgets: dict[str, float] | None = None
+    """`target_decode`: the parameter budget (a fraction of the original's) of each candidate group
+    (`group_key`), found by timing models of their shapes (`run.decode_budget`); None: the recipe's."""
 
     @property
     def chooses_split(self) -> bool:
@@ -109,8 +112,11 @@ def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
         )
 
 
-def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
-    """Read the model's config and check family, layout, widths and strategy options; load no weights."""
+def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Mapping[str, float] | None = None) -> Plan:
+    """Read the model's config and check family, layout, widths and strategy options; load no weights.
+    `decode_budgets`: with `target_decode`, each candidate group's parameter budget as the decode
+    search found it (`run.decode_budget`); without them such a plan is its ceiling (`target_params`
+    or every parameter), what the search starts from and what a sweep checks."""
     config = load_config(recipe.model)
     tower = tower_for(config)
     if tower is not None:
@@ -126,7 +132,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
     if recipe.model.load == "stream" and (reason := cannot_stream(family)) is not None:
         raise UserError(reason)
     removed = planned_blocks(recipe, config)
-    layout, splits = _layout(recipe, config, family, families, tower, removed)
+    layout, splits = _layout(recipe, config, family, families, tower, removed, budgets=decode_budgets)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = []
     for step in recipe.pipeline:
@@ -161,6 +167,7 @@ def plan(recipe: Recipe, registry: PluginRegistry) -> Plan:
         head_selector=head_selector,
         removed_blocks=removed,
         families=families,
+        decode_budgets=None if decode_budgets is None else dict(decode_budgets),
     )
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch
@@ -201,7 +208,14 @@ def replan(
     if checked.tower is not None:
         config = text_config(config)
     layout, splits = _layout(
-        recipe, config, checked.layout.family, checked.families, checked.tower, removed, removed_sets
+        recipe,
+        config,
+        checked.layout.family,
+        checked.families,
+        checked.tower,
+        removed,
+        removed_sets,
+        budgets=checked.decode_budgets,
     )
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
@@ -215,11 +229,15 @@ def _layout(
     tower: TextTower | None,
     removed: tuple[int, ...] = (),
     removed_sets: Sequence[tuple[int, ...]] | None = None,
+    budgets: Mapping[str, float] | None = None,
+    only: str | None = None,
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """The run's layout from the recipe and the config, and the splits of the budget it measures
     (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole;
     without the decoder blocks `removed` (`depth`), or, with `depth` open, each candidate without
-    its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count)."""
+    its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count).
+    `budgets`: `target_decode`'s parameter budget of each candidate group (`group_key`); `only`:
+    that group's candidates alone (the decode search's probes)."""
     slicing = recipe.slicing
     options = dict(
         layout=slicing.layout,
@@ -258,7 +276,7 @@ def _layout(
             reason,
             pruned_mlp=mlp is not None,
             sparsity=recipe.sparsity,
-            target_params=recipe.target_params,
+            target_params=group_target(recipe, budgets, group_key((), None, None)),
             mlp_kept=mlp.kept if mlp is not None else None,
             mlp_round_to=mlp.round_to if mlp is not None else 1,
             min_kept=mlp.min_kept if mlp is not None else 0.0,
@@ -269,18 +287,78 @@ def _layout(
     elif open_sections(recipe):
         if removed_sets is None:
             removed_sets = planned_block_sets(recipe, config) or (removed,)
-        splits = _splits(recipe, config, family, families, options, removed_sets)
+        splits = _splits(recipe, config, family, families, options, removed_sets, budgets, only)
         layout = splits[0]
     else:
+        key = group_key(removed, options["experts"], options["heads"])
         layout = sliced_layout(
             config,
             family,
             families.values(),
             mlp_kept=mlp.kept if mlp is not None else None,
             mlp_round_to=mlp.round_to if mlp is not None else 1,
-            **options,
+            **{**options, "target_params": group_target(recipe, budgets, key)},
         )
     return layout, splits
+
+
+def group_key(blocks: Sequence[int], experts: int | None, heads: float | None) -> str:
+    """One combination of the counts a candidate fixes (decoder blocks removed, routed experts,
+    query heads), named: the candidates that share it differ only in how they split one parameter
+    budget between the residual width and the MLP's, so a `target_decode` budget is found per group."""
+    parts = [f"{len(blocks)} blocks removed" if blocks else "every block"]
+    if experts is not None:
+        parts.append(f"{experts} experts")
+    if heads is not None:
+        parts.append(f"heads {heads:g}")
+    return ", ".join(parts)
+
+
+def group_target(recipe: Recipe, budgets: Mapping[str, float] | None, key: str) -> float | None:
+    """The `target_params` a candidate group is planned at: the recipe's; with `target_decode` the
+    group's decode budget, or before the search has found it the ceiling it starts from."""
+    if recipe.target_decode is None:
+        return recipe.target_params
+    if budgets is None:
+        return recipe.target_params or 1.0
+    return budgets[key]
+
+
+def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
+    """The candidate groups (`group_key`) of a plan: each combination of removed-block count, expert
+    count and head count the run may measure (one where none is open)."""
+    config = load_config(recipe.model)
+    if checked.tower is not None:
+        config = text_config(config)
+    family = checked.layout.family
+    if kept_stream(family, recipe.slicing.layout, checked.tower) is not None:
+        return [group_key((), None, None)]
+    if not open_sections(recipe):
+        experts = recipe.experts.kept if recipe.experts is not None else None
+        heads = recipe.heads.kept if recipe.heads is not None else None
+        return [group_key(checked.removed_blocks, experts, heads)]
+    removed_sets = planned_block_sets(recipe, config) or (checked.removed_blocks,)
+    keys = [group_key(*combination) for combination in _combinations(recipe, config, family, removed_sets)]
+    return list(dict.fromkeys(keys))
+
+
+def group_layouts(recipe: Recipe, checked: Plan, key: str, target_params: float) -> list[SlicedLayout]:
+    """The candidates of group `key` at `target_params` (the decode search's probe); refused in one
+    line where the budget leaves them no width."""
+    config = load_config(recipe.model)
+    if checked.tower is not None:
+        config = text_config(config)
+    layout, splits = _layout(
+        recipe,
+        config,
+        checked.layout.family,
+        checked.families,
+        checked.tower,
+        checked.removed_blocks,
+        budgets={key: target_params},
+        only=key,
+    )
+    return list(splits) or [layout]
 
 
 def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reason: str) -> None:
@@ -331,6 +409,8 @@ def _splits(
     families: dict[str, Any],
     options: dict[str, Any],
     removed_sets: Sequence[tuple[int, ...]],
+    budgets: Mapping[str, float] | None = None,
+    only: str | None = None,
 ) -> tuple[SlicedLayout, ...]:
     """The candidates the run measures when `mlp`, `experts`, `heads` or `depth` leaves its count
     open: for each set of removed blocks (`removed_sets`: the one the plan has, or with `depth` open
@@ -338,38 +418,22 @@ def _splits(
     `models.split.expert_counts` spaces) and each head count (`heads.kept`, or
     `models.split.head_counts`), the MLP's splits of the budget (`mlp` without `kept`) or the one
     layout its fixed width leaves; every block, expert and head kept first (None), so the first
-    candidate prunes the residual width alone (or with the fixed MLP)."""
-    mlp, experts = recipe.mlp, recipe.experts
+    candidate prunes the residual width alone (or with the fixed MLP). `budgets` and `only`: as `_layout`'s."""
+    mlp = recipe.mlp
     if recipe.allocation.method == "curves":
         keys = fixing_keys(recipe)
         raise UserError(
             f"without {keys} the run chooses the split of the budget at uniform widths, but allocation.method "
             f"curves chooses widths per site; fix {keys}, or remove allocation"
         )
-    counts: list[int | None] = [None]
-    if experts is not None and experts.kept is None and recipe.target_params is None and recipe.sparsity is None:
-        raise UserError(
-            "experts: with target_active_params alone the run has no expert count to choose: removing experts "
-            "frees memory but none of a token's parameters except router rows, and only those are counted; "
-            "fix experts.kept, or add target_params"
-        )
-    if experts is not None and experts.kept is not None:
-        counts = [experts.kept]
-    elif experts is not None:
-        total = expert_count(config, family)
-        top_k = int(getattr(config, family.experts_per_token, None) or total)
-        counts = [
-            None if count == total else count
-            for count in expert_counts(total, top_k, experts.min_kept, experts.candidates)
-        ]
-    heads: list[float | None] = [options["heads"]]
-    if recipe.heads is not None and recipe.heads.kept is None:
-        spec = recipe.heads
-        heads = [*head_counts(config, family, spec.min_kept, spec.candidates)]
     splits: list[SlicedLayout] = []
     refusal: UserError | None = None
-    for blocks, count, head_count in itertools.product(removed_sets, counts, heads):
-        fixed = {**options, "experts": count, "heads": head_count, "removed_blocks": blocks}
+    for blocks, count, head_count in _combinations(recipe, config, family, removed_sets, options["heads"]):
+        key = group_key(blocks, count, head_count)
+        if only is not None and key != only:
+            continue
+        target = group_target(recipe, budgets, key)
+        fixed = {**options, "experts": count, "heads": head_count, "removed_blocks": blocks, "target_params": target}
         try:
             if mlp is not None and mlp.kept is None:
                 splits += split_layouts(
@@ -398,6 +462,45 @@ def _splits(
         assert refusal is not None
         raise refusal
     return tuple(splits)
+
+
+def _combinations(
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    removed_sets: Sequence[tuple[int, ...]],
+    fixed_heads: float | None = None,
+) -> list[tuple[tuple[int, ...], int | None, float | None]]:
+    """Each (removed blocks, expert count, head count) the candidates of an open choice combine,
+    every expert and head kept first (None)."""
+    experts = recipe.experts
+    counts: list[int | None] = [None]
+    if (
+        experts is not None
+        and experts.kept is None
+        and recipe.target_params is None
+        and recipe.sparsity is None
+        and recipe.target_decode is None
+    ):
+        raise UserError(
+            "experts: with target_active_params alone the run has no expert count to choose: removing experts "
+            "frees memory but none of a token's parameters except router rows, and only those are counted; "
+            "fix experts.kept, or add target_params"
+        )
+    if experts is not None and experts.kept is not None:
+        counts = [experts.kept]
+    elif experts is not None:
+        total = expert_count(config, family)
+        top_k = int(getattr(config, family.experts_per_token, None) or total)
+        counts = [
+            None if count == total else count
+            for count in expert_counts(total, top_k, experts.min_kept, experts.candidates)
+        ]
+    heads: list[float | None] = [recipe.heads.kept if recipe.heads is not None else fixed_heads]
+    if recipe.heads is not None and recipe.heads.kept is None:
+        spec = recipe.heads
+        heads = [*head_counts(config, family, spec.min_kept, spec.candidates)]
+    return list(itertools.product(removed_sets, counts, heads))
 
 
 WIDE_LOSS = 0.5

@@ -23,8 +23,10 @@ from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.data import DataSpec
 from compressor.run.checks import Plan, check_device_settings, plan
+from compressor.run.decode_budget import resolve as resolve_decode
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
+from compressor.run.report_model import DecodeBudget
 from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.stages.data import heldout_counts
 from compressor.run.stages.evaluate import check_evaluation_tasks
@@ -80,7 +82,18 @@ def dry_run(
         if device.type == "cpu":
             threads, given = planned_threads(recipe.threads)
             found.checked.append(f"CPU threads: {threads} ({given}; set threads to change)")
-    checked = _model(recipe, registry, found)
+    model_lines = DryRun()
+    checked = _model(recipe, registry, model_lines)
+    if checked is not None and recipe.target_decode is not None and device is not None and missing is None:
+        _, decode = resolve_decode(recipe, registry, device, restart=restart)
+        found.checked.append(decode_line(decode))
+        model_lines = DryRun()
+        checked = _model(recipe, registry, model_lines, decode.budgets())  # its lines at the budgets found
+    for lines, more in zip(
+        (found.checked, found.notes, found.warnings, found.unchecked),
+        (model_lines.checked, model_lines.notes, model_lines.warnings, model_lines.unchecked),
+    ):
+        lines += more
     if checked is not None:
         found.warnings += checked.warnings
         _memory(recipe, checked, device, found, memory_check)
@@ -159,7 +172,19 @@ def active_line(layout: SlicedLayout, what: str) -> str:
     return f"{what} per token (active: top-k of each layer's routed experts): {limit}{used}"
 
 
-def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | None:
+def decode_line(decode: DecodeBudget) -> str:
+    """What `target_decode`'s search found: each candidate group's parameter budget."""
+    how = "read back from the interrupted run" if decode.reused else f"timed in {decode.seconds:.0f} s"
+    groups = "; ".join(
+        f"{group.group}: {group.target_params:.1%} of the parameters ({max(group.ratios.values()):.2f} of its time)"
+        for group in decode.groups
+    )
+    return f"target_decode {decode.target:g} of the dense model's decode time on {decode.device} ({how}): {groups}"
+
+
+def _model(
+    recipe: Recipe, registry: PluginRegistry, found: DryRun, decode_budgets: dict[str, float] | None = None
+) -> Plan | None:
     """The plan from the model's config (a hub model's config and tokenizer are small files,
     fetched where the hub can be reached or read from the cache); None when it cannot be had."""
     path = recipe.model.path
@@ -173,7 +198,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
             )
             found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
-    checked = plan(recipe, registry)
+    checked = plan(recipe, registry, decode_budgets)
     layout = checked.layout
     original, counted = layout.params.original, layout.counted.original
     kept = layout.kept if layout.kept is not None else "chosen per site after a survey"
@@ -185,7 +210,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun) -> Plan | No
     )
     budget = (
         f"no target on the {counted:,} {what} in all"
-        if recipe.sparsity is None and recipe.target_params is None
+        if recipe.sparsity is None and recipe.target_params is None and decode_budgets is None
         else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
     )
     found.checked.append(

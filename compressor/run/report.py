@@ -24,6 +24,7 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
         ("parameters", f"{params.baseline:,}", f"{params.pruned:,} ({params.ratio:.1%})"),
         *transition_rows(report),
         *active_rows(report),
+        *decode_rows(report),
         ("hidden width", str(report.model.hidden_size), kept_label(report)),
         *depth_rows(report),
         *heads_rows(report),
@@ -48,6 +49,22 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
     environment = report.environment
     if environment.device == "cpu" and environment.threads is not None:
         rows.append(("CPU threads (torch)", "", str(environment.threads)))
+    return rows
+
+
+def decode_rows(report: RunReport) -> list[tuple[str, str, str]]:
+    """`target_decode`: the target, and the budget the search found for the saved model's group."""
+    decode = report.decode
+    if decode is None:
+        return []
+    groups = "; ".join(
+        f"{group.group}: {group.target_params:.1%} of the parameters, {max(group.ratios.values()):.2f} measured"
+        for group in decode.groups
+    )
+    rows = [("  decode time per token (target_decode)", "1", f"at most {decode.target:g}; {groups}")]
+    speedup = (report.speed or {}).get("speedup", {}).get("1", {}).get("decode")
+    if speedup:
+        rows.append(("  decode time per token, the saved model (evaluation, batch 1)", "1", f"{1 / speedup:.2f}"))
     return rows
 
 
@@ -274,6 +291,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     """Seconds per phase. H gets its own row where this run computed it (`fisher_s` > 0): reports
     that have `fisher_s` leave it out of `prune_s`, and a run that shared H spent none."""
     rows = []
+    if timings.get("decode_budget_s"):
+        rows.append(("timing decode for target_decode (s)", "", f"{timings['decode_budget_s']:.1f}"))
     if timings.get("fisher_s"):
         under = f" (autocast {autocast})" if autocast else ""
         rows.append((f"output sensitivity H (s){under}", "", f"{timings['fisher_s']:.1f}"))
@@ -301,6 +320,7 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
 BUILT_IN_TIMINGS = frozenset(
     (
         "data_s",
+        "decode_budget_s",
         "load_s",
         "fisher_s",
         "depth_s",

@@ -341,6 +341,51 @@ class Estimate(_Section):
     """Stages that gave no estimate (a plugin's)."""
 
 
+class DecodeTrial(_Section):
+    """One probe of the decode search: a group's candidates planned at `target_params` and timed."""
+
+    target_params: float
+    ratios: dict[str, float] | None
+    """Each candidate's decode time over the dense model's, by its label; None: the budget left
+    the group no width (`refused`)."""
+    refused: str | None = None
+
+
+class DecodeGroup(_Section):
+    """One candidate group's decode budget (`run.checks.group_key`: its blocks, experts and heads)."""
+
+    group: str
+    target_params: float
+    """The largest parameter budget probed at which every candidate of the group decoded within the target."""
+    ratios: dict[str, float]
+    """Its candidates' measured decode time over the dense model's, at that budget."""
+    trials: list[DecodeTrial]
+
+
+class DecodeBudget(_Section):
+    """`target_decode`: the parameter budget of each candidate group, found by timing models of
+    their shapes against the dense model (`run.decode_budget`)."""
+
+    target: float
+    """The most of the dense model's decode time per token the pruned model may take."""
+    ceiling: float
+    """The highest parameter budget searched (`target_params`, or 1)."""
+    device: str
+    dtype: str
+    prompt_len: int
+    decode_tokens: int
+    repeats: int
+    groups: list[DecodeGroup]
+    seconds: float
+    """What the search took (building and timing the models)."""
+    reused: bool = False
+    """Read back from an interrupted run's checkpoint instead of measured again."""
+
+    def budgets(self) -> dict[str, float]:
+        """Each group's parameter budget, what `run.checks.plan` plans it at."""
+        return {group.group: group.target_params for group in self.groups}
+
+
 class RunReport(_Section):
     """`report.json` of `compress run`."""
 
@@ -349,6 +394,8 @@ class RunReport(_Section):
     sparsity: float | None
     target_params: float | None
     target_active_params: float | None = None
+    decode: DecodeBudget | None = None
+    """`target_decode`: the decode search's budgets and measurements (None without it)."""
     kept_width: int | None
     layout: str
     stock: dict[str, Any] | None

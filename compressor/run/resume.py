@@ -22,6 +22,7 @@ from compressor.engine.checkpoint import (
 from compressor.errors import UserError
 from compressor.recipe.reading import dotted
 from compressor.recipe.schema import Recipe
+from compressor.run.report_model import DecodeBudget
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
 
 
@@ -119,7 +120,7 @@ def fingerprinted(recipe: Recipe) -> dict[str, Any]:
         values["sensitivity"].pop(key, None)
     if values.get("budget") == "all":  # the default, as before the key existed: older checkpoints still resume
         values.pop("budget")
-    for key in ("depth", "heads"):  # likewise
+    for key in ("depth", "heads", "target_decode"):  # likewise
         if values.get(key) is None:
             values.pop(key, None)
     if isinstance(values.get("mlp"), dict) and values["mlp"].get("shared_kept") is None:  # likewise
@@ -200,3 +201,27 @@ def baseline_tasks_key(
             "suites": [suite_digest(suite) for suite in suites],
         }
     )
+
+
+DECODE_FILE = "decode_budget.json"
+"""In the checkpoint folder: the budgets `target_decode`'s search found (`run.decode_budget`), with
+the recipe's fingerprint: timings differ from one measurement to the next, and a resumed run must
+plan at the widths its checkpoint holds."""
+
+
+def stored_decode_budget(output: Path, recipe: Recipe) -> DecodeBudget | None:
+    """The budgets an interrupted run to `output` found with this recipe (None: none kept, or another recipe's)."""
+    try:
+        saved = json.loads((staging_folder(output) / CHECKPOINT_FOLDER / DECODE_FILE).read_text())
+        if saved.get("recipe") != recipe_fingerprint(recipe):
+            return None
+        return DecodeBudget.model_validate({**saved["budget"], "reused": True})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def keep_decode_budget(folder: Path, recipe: Recipe, record: DecodeBudget) -> None:
+    """The budgets into the checkpoint `folder`, for a resumed run to plan at the same widths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {"recipe": recipe_fingerprint(recipe), "budget": record.model_dump(exclude={"reused"})}
+    (folder / DECODE_FILE).write_text(json.dumps(values, indent=2) + "\n")

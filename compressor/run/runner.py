@@ -24,6 +24,7 @@ from compressor.engine.checkpoint import Checkpoint
 from compressor.errors import Interrupts, ProgressKept, UserError
 from compressor.recipe.schema import Recipe
 from compressor.run.checks import check_device_settings, plan
+from compressor.run.decode_budget import resolve as resolve_decode
 from compressor.run.follower import follow
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources, resolve_device
@@ -73,13 +74,16 @@ def run(
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)  # every stage's own preconditions among its checks
-    for warning in checked.warnings if warn is not None else ():
-        warn(warning)
     device = resolve_device(recipe.device)
     check_device_settings(recipe, device, save_model, checked.stages)
     ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
     if recipe.threads is not None:  # else the caller's count (the command line's: `threads.command_threads`)
         use_threads(recipe.threads)
+    decode = None
+    if recipe.target_decode is not None:  # the budgets timed with the threads the run has
+        checked, decode = resolve_decode(recipe, registry, device, report_progress, restart)
+    for warning in checked.warnings if warn is not None else ():
+        warn(warning)
     machine = machine_memory(device)
     recipe, chosen = resolved_load(recipe, checked, device, machine, save_model)
     if chosen is not None and warn is not None:
@@ -111,7 +115,10 @@ def run(
         started=started,
         writes=writes_as_it_goes(recipe, checked.layout, save_model),
         estimate=None if planned is None else planned.record(),
+        decode=decode,
     )
+    if decode is not None:
+        state.timings["decode_budget_s"] = 0.0 if decode.reused else decode.seconds
     return _run_staged(state, overwrite, restart)
 
 

@@ -29,7 +29,7 @@ from compressor.models.stock import head_stream, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
-from compressor.run.report_model import DepthReport, Estimate, RunReport, SplitRecord
+from compressor.run.report_model import DecodeBudget, DepthReport, Estimate, RunReport, SplitRecord
 from compressor.run.resume import fisher_key
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class RunState:
     """Said during the run (a guarded step handed back), beside the plan's warnings in the report."""
     guards: list[GuardRecord] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    decode: DecodeBudget | None = None
+    """`target_decode`: the budgets the decode search found (`run.decode_budget`), kept in the checkpoint."""
     heldout: list[Batch] = field(default_factory=list)
     """The guard's held-out windows."""
     measuring_windows: dict[str, list[Batch]] = field(default_factory=dict)

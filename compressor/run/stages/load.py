@@ -6,7 +6,7 @@ from __future__ import annotations
 from compressor.engine.checkpoint import model_digest
 from compressor.evaluation.metrics import parameter_count
 from compressor.evaluation.throughput import model_size
-from compressor.run.resume import data_fingerprint, recipe_fingerprint, save_recipe_values
+from compressor.run.resume import data_fingerprint, keep_decode_budget, recipe_fingerprint, save_recipe_values
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.timing import TimedPhase, Work
@@ -43,3 +43,5 @@ class StartCheckpoint(Stage):
         }
         state.checkpoint.start(state.fingerprint)
         save_recipe_values(state.checkpoint, state.recipe)
+        if state.decode is not None and state.checkpoint.writable:  # a resumed run plans at the same widths
+            keep_decode_budget(state.checkpoint.folder, state.recipe, state.decode)

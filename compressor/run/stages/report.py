@@ -71,6 +71,7 @@ def write_report(state: RunState) -> RunReport:
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         target_active_params=recipe.target_active_params,
+        **({} if state.decode is None else {"decode": state.decode}),
         kept_width=layout.kept,
         layout=recipe.slicing.layout,
         stock=state.stock

@@ -1,0 +1,210 @@
+"""`target_decode` (issue 49, item 5): a budget given as a fraction of the dense model's decode time,
+met by measurement. The search finds, per candidate group (blocks removed, experts, heads), the
+largest parameter budget at which every candidate of the group was measured within the target;
+the run plans each group at its own budget, keeps the budgets in its checkpoint for a resumed run,
+and refuses what it cannot do in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from compressor.cli import main
+from compressor.errors import UserError
+from compressor.models.stock import meta_params
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import candidate_groups, group_layouts, plan
+from compressor.run.decode_budget import DecodeSettings, candidate_label, resolve, search_group
+from compressor.run.report_model import RunReport
+from compressor.run.resume import keep_decode_budget, stored_decode_budget
+from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+from compressor.strategies.registry import PluginRegistry
+from tests.conftest import save_tiny_checkpoint
+from tests.run.test_cli import write_recipe
+
+SETTINGS = DecodeSettings(steps=5)
+
+
+def test_the_search_returns_the_largest_budget_it_measured_within_the_target() -> None:
+    """On a monotone made-up cost, the budget found meets the target and the budget one bisection gap
+    above it does not; every trial is recorded; a ceiling within the target is returned at once."""
+    target = 0.6
+
+    def probe(budget: float) -> dict[str, float]:
+        return {"a": budget**0.8, "b": 0.9 * budget**0.8}  # the group's slowest candidate decides
+
+    found, trials = search_group(probe, target, 1.0, SETTINGS)
+    assert found**0.8 <= target
+    gap = max(abs(a.target_params - b.target_params) for a, b in zip(trials[-2:], trials[-1:]))
+    assert (found + 2 * gap) ** 0.8 > target  # within two of the last gaps of the best budget
+    assert trials[0].target_params == 1.0 and all(t.ratios is not None for t in trials)
+    assert found in [t.target_params for t in trials if max(t.ratios.values()) <= target]
+    assert max(t.target_params for t in trials if max(t.ratios.values()) <= target) == found
+    ceiling, one = search_group(probe, 0.99, 0.9, SETTINGS)
+    assert ceiling == 0.9 and len(one) == 1
+
+
+def test_a_budget_without_width_counts_as_slower_and_an_unreachable_target_is_refused() -> None:
+    def probe(budget: float) -> dict[str, float] | str:
+        return "no width left" if budget < 0.3 else {"a": 0.5 + budget / 2}
+
+    with pytest.raises(UserError, match=r"target_decode 0.5: no budget .* raise target_decode, or give target_params"):
+        search_group(probe, 0.5, 1.0, SETTINGS)
+
+
+def _layer_bound_timer(cost_per_layer: float):
+    """A made-up decode cost: the non-embedding parameters plus a fixed cost per decoder block (a
+    block's kernel launches and reads), over the dense model's. Records every shape it times."""
+    calls: list[str] = []
+
+    def cost(config: PretrainedConfig) -> float:
+        params, embedding = meta_params(config)
+        return params - embedding + cost_per_layer * config.num_hidden_layers
+
+    def timer(dense: PretrainedConfig, configs: Sequence[PretrainedConfig]) -> list[float]:
+        calls.extend(config.to_json_string() for config in configs)
+        return [cost(config) / cost(dense) for config in configs]
+
+    return timer, calls
+
+
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide enough (256) that a budget's width steps (8) are fine beside it."""
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("llama4"), "llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512
+    )
+
+
+def _recipe(tmp_path: Path, checkpoint: Path, **changes):
+    registry = PluginRegistry()
+    path = write_recipe(tmp_path, checkpoint, sparsity=None, target_decode=0.7, slicing={"layout": "global"}, **changes)
+    return load_recipe(path, registry), registry
+
+
+def test_each_group_gets_its_own_budget_and_the_plan_holds_every_candidate_within_it(
+    four_blocks: Path, tmp_path: Path
+) -> None:
+    """With depth and the MLP open, the group without a block keeps more parameters at the same
+    decode time (a block has a fixed cost); every candidate of each group is within the target at
+    its budget; the plan's candidates are planned at those budgets, and `replan` keeps them."""
+    recipe, registry = _recipe(tmp_path, four_blocks, mlp={}, depth={"max_removed": 1, "selector": "influence"})
+    timer, calls = _layer_bound_timer(cost_per_layer=400_000)
+    checked, record = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    budgets = record.budgets()
+    assert list(budgets) == ["every block", "1 blocks removed"] == candidate_groups(recipe, plan(recipe, registry))
+    assert budgets["1 blocks removed"] > budgets["every block"]
+    for group in record.groups:
+        assert max(group.ratios.values()) <= 0.7
+        layouts = group_layouts(recipe, checked, group.group, group.target_params)
+        assert sorted(group.ratios) == sorted(candidate_label(layout) for layout in layouts)
+    original = checked.splits[0].counted.original
+    for layout in checked.splits:
+        key = "1 blocks removed" if layout.removed_blocks else "every block"
+        assert layout.budget == int(budgets[key] * original)
+        assert layout.counted.count(layout.widths) <= layout.budget
+    assert {bool(layout.removed_blocks) for layout in checked.splits} == {False, True}
+    assert len(calls) == len(set(calls))  # a probe that plans shapes already timed does not time them again
+
+
+def test_a_candidates_saved_config_has_the_shape_the_run_saves(four_blocks: Path, tmp_path: Path) -> None:
+    """`SlicedLayout.saved_config`, what the search builds and times, is the config of the model a
+    run of that layout saves: its width, blocks, MLP and heads."""
+    registry = PluginRegistry()
+    path = write_recipe(
+        tmp_path,
+        four_blocks,
+        sparsity=None,
+        target_params=0.6,
+        slicing={"layout": "global"},
+        mlp={"kept": 96},
+        heads={"kept": 2},
+        depth={"removed": 1, "selector": "influence"},
+    )
+    assert main(["run", str(path)]) == 0
+    shape = plan(load_recipe(path, registry), registry).layout.saved_config()
+    saved = AutoConfig.from_pretrained(tmp_path / "out" / "model")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(shape, key) == getattr(saved, key), key
+    assert shape.head_dim == saved.head_dim and saved.hidden_size < 256 and saved.num_hidden_layers == 3
+
+
+def test_an_interrupted_runs_budgets_are_read_back_unless_restarted(four_blocks: Path, tmp_path: Path) -> None:
+    recipe, registry = _recipe(tmp_path, four_blocks)
+    timer, calls = _layer_bound_timer(cost_per_layer=0)
+    checked, record = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    folder = staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER
+    keep_decode_budget(folder, recipe, record)
+    timed = len(calls)
+    again, reused = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    assert reused.reused and reused.budgets() == record.budgets() and len(calls) == timed
+    assert again.layout.widths == checked.layout.widths
+    other = dataclasses.replace(recipe, target_decode=0.8)
+    assert stored_decode_budget(Path(other.output), other) is None  # another recipe's budgets are not taken
+    _, fresh = resolve(recipe, registry, torch.device("cpu"), restart=True, timer=timer, settings=SETTINGS)
+    assert not fresh.reused and len(calls) > timed
+
+
+def test_a_run_times_real_models_and_reports_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """End to end with the real timer, on a model whose decode step is bound by its matmuls (wide
+    enough that its width shows in its speed): the run meets a loose target, reports every probe,
+    keeps the budgets in its checkpoint until it publishes, and saves at the budget it found."""
+    checkpoint = save_tiny_checkpoint(
+        tmp_path / "wide", "llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64,
+    )  # fmt: skip
+    recipe = write_recipe(tmp_path, checkpoint, sparsity=None, target_decode=0.9, slicing={"layout": "global"})
+    assert main(["run", str(recipe)]) == 0
+    report = RunReport.read(tmp_path / "out" / "report.json")
+    decode = report.decode
+    assert decode is not None and decode.target == 0.9 and not decode.reused
+    (group,) = decode.groups
+    assert group.group == "every block" and max(group.ratios.values()) <= 0.9
+    assert 0.02 <= group.target_params < 1.0 and report.params.ratio <= group.target_params + 1e-9
+    saved = AutoConfig.from_pretrained(tmp_path / "out" / "model")
+    assert f"width {saved.hidden_size}, MLP all" in group.ratios
+    assert report.timings["decode_budget_s"] > 0
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "decode time per token (target_decode)" in markdown and "at most 0.9" in markdown
+    assert not (staging_folder(tmp_path / "out")).exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"sparsity": 0.25},
+            "give one of sparsity (the fraction of the hidden width removed) or targets (target_params, "
+            "target_active_params, target_decode), not both",
+        ),
+        ({"slicing": {"layout": "per_site"}}, "target_decode times the stock model each candidate saves"),
+        ({"target_decode": 1.5}, "target_decode"),
+    ],
+)
+def test_bad_settings_are_one_line_exit_2_and_nothing_written(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, changes: dict, message: str
+) -> None:
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        **{"sparsity": None, "target_decode": 0.7, "slicing": {"layout": "global"}, **changes},
+    )
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not staging_folder(tmp_path / "out").exists()
+
+
+def test_an_unreachable_target_is_one_line_and_nothing_written(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    recipe = write_recipe(tmp_path, tiny_checkpoint, sparsity=None, target_decode=0.001, slicing={"layout": "global"})
+    assert main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "target_decode 0.001: no budget" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not staging_folder(tmp_path / "out").exists()
