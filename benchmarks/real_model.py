@@ -348,6 +348,7 @@ def table(args: argparse.Namespace) -> None:
                 "mlp_kept": report.mlp.kept if report.mlp else None,
                 "split": report.mlp.split.model_dump() if report.mlp and report.mlp.split else None,
                 "depth": report.depth.model_dump() if report.depth else None,
+                "decode": report.decode.model_dump() if report.decode else None,
                 "head": (stock["head"] + (f" ({stock['tied_fit']})" if "tied_fit" in stock else ""))
                 if stock
                 else "untied (per site)",

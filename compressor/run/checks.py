@@ -67,9 +67,10 @@ class Plan:
     `depth.removed` of them, which the stage's choice replaces (`replan`)."""
     families: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The registered families by model_type, for `replan`."""
-    decode_budgets: dict[str, float] | None = None
-    """`target_decode`: the parameter budget (a fraction of the original's) of each candidate group
-    (`group_key`), found by timing models of their shapes (`run.decode_budget`); None: the recipe's."""
+    decode_budgets: dict[str, dict[int | None, float]] | None = None
+    """`target_decode`: the parameter budget (a fraction of the original's) of each candidate, by its
+    group (`group_key`) and its place in the group, found by timing models of their shapes
+    (`run.decode_budget`); None: the recipe's."""
 
     @property
     def chooses_split(self) -> bool:
@@ -112,11 +113,11 @@ def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
         )
 
 
-def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Mapping[str, float] | None = None) -> Plan:
+def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | None = None) -> Plan:
     """Read the model's config and check family, layout, widths and strategy options; load no weights.
-    `decode_budgets`: with `target_decode`, each candidate group's parameter budget as the decode
-    search found it (`run.decode_budget`); without them such a plan is its ceiling (`target_params`
-    or every parameter), what the search starts from and what a sweep checks."""
+    `decode_budgets`: with `target_decode`, each candidate's parameter budget as the decode search
+    found it (`run.decode_budget`); without them such a plan is its ceiling (`target_params` or
+    every parameter), what the search starts from and what a sweep checks."""
     config = load_config(recipe.model)
     tower = tower_for(config)
     if tower is not None:
@@ -167,7 +168,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Mapping[str, 
         head_selector=head_selector,
         removed_blocks=removed,
         families=families,
-        decode_budgets=None if decode_budgets is None else dict(decode_budgets),
+        decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
     )
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch
@@ -229,15 +230,15 @@ def _layout(
     tower: TextTower | None,
     removed: tuple[int, ...] = (),
     removed_sets: Sequence[tuple[int, ...]] | None = None,
-    budgets: Mapping[str, float] | None = None,
+    budgets: Budgets | None = None,
     only: str | None = None,
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """The run's layout from the recipe and the config, and the splits of the budget it measures
     (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole;
     without the decoder blocks `removed` (`depth`), or, with `depth` open, each candidate without
     its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count).
-    `budgets`: `target_decode`'s parameter budget of each candidate group (`group_key`); `only`:
-    that group's candidates alone (the decode search's probes)."""
+    `budgets`: `target_decode`'s parameter budget of each candidate, by group (`group_key`) and place
+    in it; `only`: that group's candidates alone (the decode search's probes)."""
     slicing = recipe.slicing
     options = dict(
         layout=slicing.layout,
@@ -276,7 +277,7 @@ def _layout(
             reason,
             pruned_mlp=mlp is not None,
             sparsity=recipe.sparsity,
-            target_params=group_target(recipe, budgets, group_key((), None, None)),
+            target_params=_only_target(group_targets(recipe, budgets, group_key((), None, None))),
             mlp_kept=mlp.kept if mlp is not None else None,
             mlp_round_to=mlp.round_to if mlp is not None else 1,
             min_kept=mlp.min_kept if mlp is not None else 0.0,
@@ -297,7 +298,7 @@ def _layout(
             families.values(),
             mlp_kept=mlp.kept if mlp is not None else None,
             mlp_round_to=mlp.round_to if mlp is not None else 1,
-            **{**options, "target_params": group_target(recipe, budgets, key)},
+            **{**options, "target_params": _only_target(group_targets(recipe, budgets, key))},
         )
     return layout, splits
 
@@ -314,14 +315,32 @@ def group_key(blocks: Sequence[int], experts: int | None, heads: float | None) -
     return ", ".join(parts)
 
 
-def group_target(recipe: Recipe, budgets: Mapping[str, float] | None, key: str) -> float | None:
-    """The `target_params` a candidate group is planned at: the recipe's; with `target_decode` the
-    group's decode budget, or before the search has found it the ceiling it starts from."""
+Budgets = Mapping[str, Mapping[int | None, float]]
+"""`target_decode`'s budgets: each candidate's `target_params`, by group (`group_key`) and its place
+among the group's splits at that budget (a place or a group the target leaves no width is absent;
+None: every split at that budget, the search's probe)."""
+
+
+def group_targets(recipe: Recipe, budgets: Budgets | None, key: str) -> dict[int | None, float | None]:
+    """The `target_params` a candidate group is planned at, by place: the recipe's for the whole group
+    (None: every split); with `target_decode` each candidate's decode budget, or before the search has
+    found them the ceiling it starts from."""
     if recipe.target_decode is None:
-        return recipe.target_params
+        return {None: recipe.target_params}
     if budgets is None:
-        return recipe.target_params or 1.0
-    return budgets[key]
+        return {None: recipe.target_params or 1.0}
+    return dict(budgets.get(key, {}))
+
+
+def _only_target(targets: dict[int | None, float | None]) -> float | None:
+    """The one target of a group that has one candidate."""
+    assert len(targets) == 1, "a group without splits has one candidate"
+    return next(iter(targets.values()))
+
+
+def candidate_places(recipe: Recipe) -> int:
+    """How many candidates a group may hold: the MLP's splits (`mlp.candidates`), or one."""
+    return recipe.mlp.candidates if recipe.mlp is not None and recipe.mlp.kept is None else 1
 
 
 def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
@@ -343,8 +362,8 @@ def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
 
 
 def group_layouts(recipe: Recipe, checked: Plan, key: str, target_params: float) -> list[SlicedLayout]:
-    """The candidates of group `key` at `target_params` (the decode search's probe); refused in one
-    line where the budget leaves them no width."""
+    """The candidates of group `key` all at `target_params` (the decode search's probe); refused in
+    one line where the budget leaves them no width."""
     config = load_config(recipe.model)
     if checked.tower is not None:
         config = text_config(config)
@@ -355,7 +374,7 @@ def group_layouts(recipe: Recipe, checked: Plan, key: str, target_params: float)
         checked.families,
         checked.tower,
         checked.removed_blocks,
-        budgets={key: target_params},
+        budgets={key: {None: target_params}},
         only=key,
     )
     return list(splits) or [layout]
@@ -409,7 +428,7 @@ def _splits(
     families: dict[str, Any],
     options: dict[str, Any],
     removed_sets: Sequence[tuple[int, ...]],
-    budgets: Mapping[str, float] | None = None,
+    budgets: Budgets | None = None,
     only: str | None = None,
 ) -> tuple[SlicedLayout, ...]:
     """The candidates the run measures when `mlp`, `experts`, `heads` or `depth` leaves its count
@@ -432,32 +451,42 @@ def _splits(
         key = group_key(blocks, count, head_count)
         if only is not None and key != only:
             continue
-        target = group_target(recipe, budgets, key)
-        fixed = {**options, "experts": count, "heads": head_count, "removed_blocks": blocks, "target_params": target}
-        try:
-            if mlp is not None and mlp.kept is None:
-                splits += split_layouts(
-                    config,
-                    family,
-                    families.values(),
-                    min_kept=mlp.min_kept,
-                    candidates=mlp.candidates,
-                    mlp_round_to=mlp.round_to,
-                    **fixed,
-                )
-            else:
-                splits.append(
-                    sliced_layout(
+        targets = group_targets(recipe, budgets, key)
+        for place, target in targets.items():  # one target for the group, or (target_decode) one each
+            fixed = {
+                **options,
+                "experts": count,
+                "heads": head_count,
+                "removed_blocks": blocks,
+                "target_params": target,
+            }
+            try:
+                if mlp is not None and mlp.kept is None:
+                    layouts = split_layouts(
                         config,
                         family,
                         families.values(),
-                        mlp_kept=mlp.kept if mlp is not None else None,
-                        mlp_round_to=mlp.round_to if mlp is not None else 1,
+                        min_kept=mlp.min_kept,
+                        candidates=mlp.candidates,
+                        mlp_round_to=mlp.round_to,
                         **fixed,
                     )
-                )
-        except UserError as error:  # this count cannot meet the budget at any width: the others may
-            refusal = error  # the last, the fewest experts: the most reachable, what a refusal names
+                else:
+                    mlp_kept = mlp.kept if mlp is not None else None
+                    layouts = [
+                        sliced_layout(
+                            config,
+                            family,
+                            families.values(),
+                            mlp_kept=mlp_kept,
+                            mlp_round_to=mlp.round_to if mlp is not None else 1,
+                            **fixed,
+                        )
+                    ]
+            except UserError as error:  # this count cannot meet the budget at any width: the others may
+                refusal = error  # the last, the fewest experts: the most reachable, what a refusal names
+                continue
+            splits += layouts if place is None else layouts[place : place + 1]
     if not splits:
         assert refusal is not None
         raise refusal

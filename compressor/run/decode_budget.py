@@ -5,11 +5,12 @@ A parameter budget stands in for speed; whoever serves the model cares about the
 its dtype and attention kernel) takes at most f of the dense model's. A model's speed follows from
 its shape, not its weights, so the search times models of the candidates' shapes built with random
 weights, each beside a dense model in alternating rounds (`evaluation.throughput`: a load that
-comes and goes falls on both), and finds for every candidate group (`checks.group_key`: the blocks
-removed, the experts and heads kept) the largest parameter budget at which every candidate of the
-group decodes within f, by bisection. A group without two blocks is faster per parameter than one
-with every block, so it keeps more parameters at the same decode time: the split choice then
-compares its candidates at equal speed, not at equal size.
+comes and goes falls on both), and finds for every candidate (each split of each group,
+`checks.group_key`: the blocks removed, the experts and heads kept) the largest parameter budget
+at which it decodes within f (`search_budget`). A model without two blocks is faster per parameter
+than one with every block, and shapes of the same size differ in speed (a kernel's efficiency
+depends on its widths), so each candidate keeps what its own speed allows: the split choice then
+compares candidates at equal decode time, not at equal size.
 
 The budgets are kept in the run's checkpoint: a resumed run plans at the same widths (timings
 differ from one measurement to the next), and `--restart` measures again.
@@ -30,9 +31,9 @@ from compressor.evaluation.throughput import fitting_lengths, measure_side_by_si
 from compressor.models.layout import SlicedLayout
 from compressor.models.towers import text_config
 from compressor.recipe.schema import Recipe
-from compressor.run.checks import Plan, candidate_groups, group_layouts, launched_processes, plan
+from compressor.run.checks import Plan, candidate_groups, candidate_places, group_layouts, launched_processes, plan
 from compressor.run.loading import load_config
-from compressor.run.report_model import DecodeBudget, DecodeGroup, DecodeTrial
+from compressor.run.report_model import DecodeBudget, DecodeCandidate, DecodeTrial
 from compressor.run.resume import stored_decode_budget
 from compressor.strategies.registry import PluginRegistry
 
@@ -45,11 +46,13 @@ class DecodeSettings:
     decode_tokens: int = 32
     """The report's own decode timing's lengths (`evaluation.throughput.fitting_lengths`), so that
     the run's evaluation checks the saved model under the conditions the search timed."""
-    repeats: int = 5
+    repeats: int = 3
     """Timed rounds per pair (dense, candidate); their median is compared."""
-    steps: int = 5
-    """Bisection steps per group after the target has been bracketed (the last halves a gap of
-    1/32 of the first bracket)."""
+    steps: int = 4
+    """Probes per group between the budgets that bracket the target (`search_group`)."""
+    close: float = 0.01
+    """A budget whose first candidate is within this share below the target ends the search (the
+    timings' own noise is larger)."""
     floor: float = 0.02
     """The smallest parameter budget probed before the target is refused as out of reach."""
 
@@ -105,42 +108,62 @@ def candidate_label(layout: SlicedLayout) -> str:
     return f"width {layout.kept}, MLP {mlp}"
 
 
-def search_group(
-    probe: Callable[[float], dict[str, float] | str], target: float, ceiling: float, settings: DecodeSettings
+Probe = Callable[[float], "tuple[str, float] | str"]
+"""A budget → one candidate's label and decode ratio there, or why the budget leaves it no width."""
+
+
+def search_budget(
+    probe: Probe, target: float, ceiling: float, settings: DecodeSettings
 ) -> tuple[float, list[DecodeTrial]]:
-    """The largest parameter budget in (0, `ceiling`] at which `probe` (a budget → each candidate's
-    decode ratio, or why the budget leaves no width) measures every candidate within `target`:
-    the ceiling if it does; else a guess at `target` of it, halved until it does, then bisection.
-    Refused in one line where nothing from `settings.floor` up does."""
+    """The largest parameter budget in (0, `ceiling`] found at which a candidate decodes within
+    `target`: the ceiling if it does; else a guess at `target` of it, halved until it does; then up
+    to `settings.steps` probes of shapes not timed before (one that plans a shape already probed
+    costs nothing and does not count: a candidate whose width steps coarsely still reaches its
+    next shape) between the highest budget that met the target and the lowest that
+    did not (until one is within `settings.close` below it), each where a straight line through their
+    ratios meets the target (decode time is close to affine in the parameters), kept off either end.
+    Refused in one line where nothing from `settings.floor` up meets the target."""
     trials: list[DecodeTrial] = []
 
-    def meets(budget: float) -> bool:
+    def timed(budget: float) -> float | None:
         measured = probe(budget)
         if isinstance(measured, str):
-            trials.append(DecodeTrial(target_params=budget, ratios=None, refused=measured))
-            return False
-        trials.append(DecodeTrial(target_params=budget, ratios=measured))
-        return max(measured.values()) <= target
+            trials.append(DecodeTrial(target_params=budget, refused=measured))
+            return None
+        label, ratio = measured
+        trials.append(DecodeTrial(target_params=budget, label=label, ratio=ratio))
+        return ratio
 
-    if meets(ceiling):
+    high, high_ratio = ceiling, timed(ceiling)
+    if high_ratio is not None and high_ratio <= target:
         return ceiling, trials
-    high, low = ceiling, ceiling * min(target, 0.95)  # decode time is close to proportional to the parameters
-    while not meets(low):
-        high, low = low, low / 2
+    low = ceiling * min(target, 0.95)  # decode time is close to proportional to the parameters
+    while (low_ratio := timed(low)) is None or low_ratio > target:
+        high, high_ratio = low, low_ratio
+        low /= 2
         if low < settings.floor:
-            fastest = min((min(t.ratios.values()) for t in trials if t.ratios), default=None)
-            reached = "" if fastest is None else f" (the fastest candidate measured took {fastest:.2f} of it)"
+            fastest = min((t.ratio for t in trials if t.ratio is not None), default=None)
+            reached = "" if fastest is None else f" (the fastest shape measured took {fastest:.2f} of it)"
             raise UserError(
                 f"target_decode {target}: no budget from {settings.floor} of the parameters up decodes within "
                 f"{target} of the dense model's time on this device{reached}; raise target_decode, or give "
                 f"target_params"
             )
-    for _ in range(settings.steps):
-        middle = (low + high) / 2
-        if meets(middle):
-            low = middle
+    steps = 0
+    while steps < settings.steps:
+        gap = high - low
+        if gap < 1e-3 or target - low_ratio <= settings.close * target:
+            break
+        middle = low + gap / 2
+        if high_ratio is not None and high_ratio > low_ratio:
+            middle = low + (target - low_ratio) * gap / (high_ratio - low_ratio)
+        middle = min(max(middle, low + gap / 8), high - gap / 8)
+        ratio = timed(middle)
+        steps += trials[-1].label not in {trial.label for trial in trials[:-1]}  # a shape probed before is free
+        if ratio is not None and ratio <= target:
+            low, low_ratio = middle, ratio
         else:
-            high = middle
+            high, high_ratio = middle, ratio
     return low, trials
 
 
@@ -177,30 +200,45 @@ def resolve(
         dense = text_config(dense)
     ceiling = recipe.target_params or 1.0
     groups = candidate_groups(recipe, ceiling_plan)
-    found: list[DecodeGroup] = []
-    measured: dict[str, float] = {}  # by the shape's config: a probe that plans the same shapes is not timed again
+    found: list[DecodeCandidate] = []
+    measured: dict[str, float] = {}  # by the shape's config: a probe that plans a shape already timed does not time it
+    places = candidate_places(recipe)
+    refusal: UserError | None = None
     for index, key in enumerate(groups):
-        phase = f"target_decode: timing decode of {key}"
-
-        def probe(budget: float, key: str = key, phase: str = phase, index: int = index) -> dict[str, float] | str:
-            try:
-                layouts = group_layouts(recipe, ceiling_plan, key, budget)
-            except UserError as error:
-                return str(error)
-            configs = [layout.saved_config() for layout in layouts]
-            shapes = [config.to_json_string() for config in configs]
-            fresh = [i for i, shape in enumerate(shapes) if shape not in measured]
+        for place in range(places):
             if progress is not None:
-                progress(phase, index, len(groups))
-            for i, ratio in zip(fresh, timer(dense, [configs[i] for i in fresh])):
-                measured[shapes[i]] = ratio
-            return {candidate_label(layout): measured[shape] for layout, shape in zip(layouts, shapes)}
+                progress(f"target_decode: timing decode of {key}", index * places + place, len(groups) * places)
 
-        budget, trials = search_group(probe, recipe.target_decode, ceiling, settings)
-        ratios = next(t.ratios for t in reversed(trials) if t.target_params == budget and t.ratios is not None)
-        found.append(DecodeGroup(group=key, target_params=budget, ratios=ratios, trials=trials))
+            def probe(budget: float, key: str = key, place: int = place) -> tuple[str, float] | str:
+                try:
+                    layouts = group_layouts(recipe, ceiling_plan, key, budget)
+                except UserError as error:
+                    return str(error)
+                if place >= len(layouts):
+                    return f"the budget leaves {len(layouts)} split(s) of the MLP, not {place + 1}"
+                config = layouts[place].saved_config()
+                shape = config.to_json_string()
+                if shape not in measured:
+                    (measured[shape],) = timer(dense, [config])
+                return candidate_label(layouts[place]), measured[shape]
+
+            try:
+                budget, trials = search_budget(probe, recipe.target_decode, ceiling, settings)
+            except UserError as error:  # this candidate cannot meet the target: the others may
+                refusal = error
+                continue
+            last = next(t for t in reversed(trials) if t.target_params == budget and t.ratio is not None)
+            assert last.label is not None and last.ratio is not None
+            found.append(
+                DecodeCandidate(
+                    group=key, place=place, label=last.label, target_params=budget, ratio=last.ratio, trials=trials
+                )
+            )
+    if not found:
+        assert refusal is not None
+        raise refusal
     if progress is not None:
-        progress("target_decode: timing decode", len(groups), len(groups))
+        progress("target_decode: timing decode", 1, 1)
     record = DecodeBudget(
         target=recipe.target_decode,
         ceiling=ceiling,
@@ -209,7 +247,7 @@ def resolve(
         prompt_len=settings.prompt_len,
         decode_tokens=settings.decode_tokens,
         repeats=settings.repeats,
-        groups=found,
+        candidates=found,
         seconds=time.perf_counter() - started,
     )
     return plan(recipe, registry, record.budgets()), record

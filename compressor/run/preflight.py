@@ -26,6 +26,7 @@ from compressor.run.checks import Plan, check_device_settings, plan
 from compressor.run.decode_budget import resolve as resolve_decode
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
 from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
+from compressor.run.report import decode_summary
 from compressor.run.report_model import DecodeBudget
 from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.stages.data import heldout_counts
@@ -173,13 +174,12 @@ def active_line(layout: SlicedLayout, what: str) -> str:
 
 
 def decode_line(decode: DecodeBudget) -> str:
-    """What `target_decode`'s search found: each candidate group's parameter budget."""
+    """What `target_decode`'s search found: the candidates' parameter budgets and measured decode times."""
     how = "read back from the interrupted run" if decode.reused else f"timed in {decode.seconds:.0f} s"
-    groups = "; ".join(
-        f"{group.group}: {group.target_params:.1%} of the parameters ({max(group.ratios.values()):.2f} of its time)"
-        for group in decode.groups
+    return (
+        f"target_decode {decode.target:g} of the dense model's decode time on {decode.device} ({how}): "
+        f"{decode_summary(decode)}"
     )
-    return f"target_decode {decode.target:g} of the dense model's decode time on {decode.device} ({how}): {groups}"
 
 
 def _model(

@@ -13,7 +13,7 @@ from compressor.engine.experts import ExpertRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.evaluation.throughput import rate_range, rounds, speedup_bounds, under_load
 from compressor.run.guard import GuardRecord
-from compressor.run.report_model import Metrics, RunReport, Sizes, SplitRecord
+from compressor.run.report_model import DecodeBudget, Metrics, RunReport, Sizes, SplitRecord
 from compressor.training.distill import DistillationRecord
 
 
@@ -53,19 +53,31 @@ def summary_rows(report: RunReport) -> list[tuple[str, str, str]]:
 
 
 def decode_rows(report: RunReport) -> list[tuple[str, str, str]]:
-    """`target_decode`: the target, and the budget the search found for the saved model's group."""
+    """`target_decode`: the target, what the search gave the candidates, and the saved model's own timing."""
     decode = report.decode
     if decode is None:
         return []
-    groups = "; ".join(
-        f"{group.group}: {group.target_params:.1%} of the parameters, {max(group.ratios.values()):.2f} measured"
-        for group in decode.groups
-    )
-    rows = [("  decode time per token (target_decode)", "1", f"at most {decode.target:g}; {groups}")]
+    rows = [("  decode time per token (target_decode)", "1", f"at most {decode.target:g}: {decode_summary(decode)}")]
     speedup = (report.speed or {}).get("speedup", {}).get("1", {}).get("decode")
     if speedup:
         rows.append(("  decode time per token, the saved model (evaluation, batch 1)", "1", f"{1 / speedup:.2f}"))
     return rows
+
+
+def decode_summary(decode: DecodeBudget) -> str:
+    """`4 candidates at 52.9–62.5% of the parameters, measured 0.66–0.70`."""
+    budgets = [candidate.target_params for candidate in decode.candidates]
+    ratios = [candidate.ratio for candidate in decode.candidates]
+    count = len(budgets)
+    return (
+        f"{count} candidate{'s' if count > 1 else ''} at {_span(budgets, '.1%')} of the parameters, "
+        f"measured {_span(ratios, '.2f')}"
+    )
+
+
+def _span(values: list[float], spec: str) -> str:
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}–{high}"
 
 
 def active_rows(report: RunReport) -> list[tuple[str, str, str]]:

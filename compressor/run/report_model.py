@@ -342,29 +342,33 @@ class Estimate(_Section):
 
 
 class DecodeTrial(_Section):
-    """One probe of the decode search: a group's candidates planned at `target_params` and timed."""
+    """One probe of the decode search: a candidate planned at `target_params` and timed."""
 
     target_params: float
-    ratios: dict[str, float] | None
-    """Each candidate's decode time over the dense model's, by its label; None: the budget left
-    the group no width (`refused`)."""
+    label: str | None = None
+    """The candidate's shape at that budget (`width 504, MLP 1160`)."""
+    ratio: float | None = None
+    """Its decode time per token over the dense model's; None: the budget left it no width (`refused`)."""
     refused: str | None = None
 
 
-class DecodeGroup(_Section):
-    """One candidate group's decode budget (`run.checks.group_key`: its blocks, experts and heads)."""
+class DecodeCandidate(_Section):
+    """One candidate's decode budget: its group (`run.checks.group_key`: blocks, experts, heads) and
+    its place among the group's splits."""
 
     group: str
+    place: int
+    label: str
     target_params: float
-    """The largest parameter budget probed at which every candidate of the group decoded within the target."""
-    ratios: dict[str, float]
-    """Its candidates' measured decode time over the dense model's, at that budget."""
+    """The largest parameter budget probed at which it decoded within the target."""
+    ratio: float
+    """Its measured decode time over the dense model's, at that budget."""
     trials: list[DecodeTrial]
 
 
 class DecodeBudget(_Section):
-    """`target_decode`: the parameter budget of each candidate group, found by timing models of
-    their shapes against the dense model (`run.decode_budget`)."""
+    """`target_decode`: the parameter budget of each candidate, found by timing models of its shape
+    against the dense model (`run.decode_budget`)."""
 
     target: float
     """The most of the dense model's decode time per token the pruned model may take."""
@@ -375,15 +379,18 @@ class DecodeBudget(_Section):
     prompt_len: int
     decode_tokens: int
     repeats: int
-    groups: list[DecodeGroup]
+    candidates: list[DecodeCandidate]
     seconds: float
     """What the search took (building and timing the models)."""
     reused: bool = False
     """Read back from an interrupted run's checkpoint instead of measured again."""
 
-    def budgets(self) -> dict[str, float]:
-        """Each group's parameter budget, what `run.checks.plan` plans it at."""
-        return {group.group: group.target_params for group in self.groups}
+    def budgets(self) -> dict[str, dict[int | None, float]]:
+        """Each candidate's parameter budget by group and place, what `run.checks.plan` plans it at."""
+        budgets: dict[str, dict[int | None, float]] = {}
+        for candidate in self.candidates:
+            budgets.setdefault(candidate.group, {})[candidate.place] = candidate.target_params
+        return budgets
 
 
 class RunReport(_Section):

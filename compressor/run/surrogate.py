@@ -483,7 +483,7 @@ def check_recipe(
         raise UserError("the surrogate check measures KL on the recipe's evaluation data: add an evaluation section")
     if directions < 1:
         raise UserError(f"--directions must be at least 1, got {directions}")
-    for section in ("depth", "heads"):
+    for section in ("depth", "heads", "target_decode"):
         if getattr(recipe, section) is not None:
             raise UserError(
                 f"the surrogate check measures one site of the original model: remove {section} from the recipe"

@@ -7,6 +7,7 @@ and refuses what it cannot do in one line."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from compressor.errors import UserError
 from compressor.models.stock import meta_params
 from compressor.recipe.schema import load_recipe
 from compressor.run.checks import candidate_groups, group_layouts, plan
-from compressor.run.decode_budget import DecodeSettings, candidate_label, resolve, search_group
+from compressor.run.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
 from compressor.run.report_model import RunReport
 from compressor.run.resume import keep_decode_budget, stored_decode_budget
 from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
@@ -27,34 +28,48 @@ from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import write_recipe
 
-SETTINGS = DecodeSettings(steps=5)
+SETTINGS = DecodeSettings(steps=4)
 
 
-def test_the_search_returns_the_largest_budget_it_measured_within_the_target() -> None:
-    """On a monotone made-up cost, the budget found meets the target and the budget one bisection gap
-    above it does not; every trial is recorded; a ceiling within the target is returned at once."""
+def test_the_search_returns_a_budget_within_the_target_close_to_the_best() -> None:
+    """On a made-up monotone cost: the budget found meets the target and is within 3% of the largest
+    that does; every probe is recorded with the shape it timed; a ceiling within the target is taken
+    at once."""
     target = 0.6
 
-    def probe(budget: float) -> dict[str, float]:
-        return {"a": budget**0.8, "b": 0.9 * budget**0.8}  # the group's slowest candidate decides
+    def probe(budget: float) -> tuple[str, float]:
+        return f"at {budget:.3f}", budget**0.8
 
-    found, trials = search_group(probe, target, 1.0, SETTINGS)
-    assert found**0.8 <= target
-    gap = max(abs(a.target_params - b.target_params) for a, b in zip(trials[-2:], trials[-1:]))
-    assert (found + 2 * gap) ** 0.8 > target  # within two of the last gaps of the best budget
-    assert trials[0].target_params == 1.0 and all(t.ratios is not None for t in trials)
-    assert found in [t.target_params for t in trials if max(t.ratios.values()) <= target]
-    assert max(t.target_params for t in trials if max(t.ratios.values()) <= target) == found
-    ceiling, one = search_group(probe, 0.99, 0.9, SETTINGS)
+    found, trials = search_budget(probe, target, 1.0, SETTINGS)
+    assert found**0.8 <= target and found >= 0.97 * target**1.25
+    assert trials[0].target_params == 1.0 and len(trials) <= 3 + SETTINGS.steps
+    assert found == max(t.target_params for t in trials if t.ratio <= target)
+    assert all(t.label == f"at {t.target_params:.3f}" for t in trials)
+    ceiling, one = search_budget(probe, 0.99, 0.9, SETTINGS)
     assert ceiling == 0.9 and len(one) == 1
 
 
+def test_a_candidate_whose_shape_steps_coarsely_reaches_its_widest_shape_within_the_target() -> None:
+    """Shapes in steps of 1/8 of the budget (the residual width alone steps by the heads' multiple):
+    probes that plan a shape timed before are free, so the search still reaches the widest shape
+    within the target (3/8 here) with one timed step, not the one its halving landed on (2/8)."""
+
+    def probe(budget: float) -> tuple[str, float]:
+        shape = math.floor(budget * 8) / 8
+        return f"shape {shape}", shape + 0.1
+
+    found, trials = search_budget(probe, 0.58, 1.0, DecodeSettings(steps=1))
+    assert math.floor(found * 8) == 3
+    timed = {trial.label for trial in trials}
+    assert timed == {"shape 1.0", "shape 0.5", "shape 0.25", "shape 0.375"}
+
+
 def test_a_budget_without_width_counts_as_slower_and_an_unreachable_target_is_refused() -> None:
-    def probe(budget: float) -> dict[str, float] | str:
-        return "no width left" if budget < 0.3 else {"a": 0.5 + budget / 2}
+    def probe(budget: float) -> tuple[str, float] | str:
+        return "no width left" if budget < 0.3 else ("a", 0.5 + budget / 2)
 
     with pytest.raises(UserError, match=r"target_decode 0.5: no budget .* raise target_decode, or give target_params"):
-        search_group(probe, 0.5, 1.0, SETTINGS)
+        search_budget(probe, 0.5, 1.0, SETTINGS)
 
 
 def _layer_bound_timer(cost_per_layer: float):
@@ -98,18 +113,21 @@ def test_each_group_gets_its_own_budget_and_the_plan_holds_every_candidate_withi
     checked, record = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
     budgets = record.budgets()
     assert list(budgets) == ["every block", "1 blocks removed"] == candidate_groups(recipe, plan(recipe, registry))
-    assert budgets["1 blocks removed"] > budgets["every block"]
-    for group in record.groups:
-        assert max(group.ratios.values()) <= 0.7
-        layouts = group_layouts(recipe, checked, group.group, group.target_params)
-        assert sorted(group.ratios) == sorted(candidate_label(layout) for layout in layouts)
+    assert budgets["1 blocks removed"][0] > budgets["every block"][0]  # the residual width alone, with and without
+    for candidate in record.candidates:
+        assert candidate.ratio <= 0.7
+        layouts = group_layouts(recipe, checked, candidate.group, candidate.target_params)
+        assert candidate_label(layouts[candidate.place]) == candidate.label
+    places = [(key, place) for key, targets in budgets.items() for place in targets]
+    assert len(checked.splits) == len(places) == len(record.candidates)
+    assert {key for key, place in places if place > 0} == set(budgets)  # each group has splits of the MLP too
     original = checked.splits[0].counted.original
-    for layout in checked.splits:
-        key = "1 blocks removed" if layout.removed_blocks else "every block"
-        assert layout.budget == int(budgets[key] * original)
+    for layout, (key, place) in zip(checked.splits, places):
+        assert bool(layout.removed_blocks) == (key == "1 blocks removed")
+        assert layout.budget == int(budgets[key][place] * original)
         assert layout.counted.count(layout.widths) <= layout.budget
-    assert {bool(layout.removed_blocks) for layout in checked.splits} == {False, True}
-    assert len(calls) == len(set(calls))  # a probe that plans shapes already timed does not time them again
+        assert candidate_label(layout) == record.candidates[places.index((key, place))].label
+    assert len(calls) == len(set(calls))  # a probe that plans a shape already timed does not time it again
 
 
 def test_a_candidates_saved_config_has_the_shape_the_run_saves(four_blocks: Path, tmp_path: Path) -> None:
@@ -163,11 +181,11 @@ def test_a_run_times_real_models_and_reports_the_budget(tmp_path: Path, capsys: 
     report = RunReport.read(tmp_path / "out" / "report.json")
     decode = report.decode
     assert decode is not None and decode.target == 0.9 and not decode.reused
-    (group,) = decode.groups
-    assert group.group == "every block" and max(group.ratios.values()) <= 0.9
-    assert 0.02 <= group.target_params < 1.0 and report.params.ratio <= group.target_params + 1e-9
+    (candidate,) = decode.candidates
+    assert candidate.group == "every block" and candidate.ratio <= 0.9
+    assert 0.02 <= candidate.target_params < 1.0 and report.params.ratio <= candidate.target_params + 1e-9
     saved = AutoConfig.from_pretrained(tmp_path / "out" / "model")
-    assert f"width {saved.hidden_size}, MLP all" in group.ratios
+    assert candidate.label == f"width {saved.hidden_size}, MLP all"
     assert report.timings["decode_budget_s"] > 0
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "decode time per token (target_decode)" in markdown and "at most 0.9" in markdown
@@ -208,3 +226,15 @@ def test_an_unreachable_target_is_one_line_and_nothing_written(
     err = capsys.readouterr().err.strip()
     assert "target_decode 0.001: no budget" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists() and not staging_folder(tmp_path / "out").exists()
+
+
+def test_the_surrogate_check_refuses_a_decode_budget(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The surrogate check measures one site of the original at one width; a budget in decode time
+    plans no such width: refused in one line, nothing written."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, sparsity=None, target_decode=0.7, slicing={"layout": "global"})
+    assert main(["surrogate", str(recipe), "--site", "layers.0.mlp", "--output", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "remove target_decode from the recipe" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x").exists()
