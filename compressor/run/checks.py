@@ -205,21 +205,29 @@ def replan(
     recipe's layout, splits and allocator on that model's config, the budget still the original's.
     `removed_sets`: `depth` without `removed`, the blocks each candidate count removes (the stage's
     choice for each; the first none), each with its splits."""
-    config = load_config(recipe.model)
-    if checked.tower is not None:
-        config = text_config(config)
-    layout, splits = _layout(
-        recipe,
-        config,
-        checked.layout.family,
-        checked.families,
-        checked.tower,
-        removed,
-        removed_sets,
-        budgets=checked.decode_budgets,
-    )
+    layout, splits = _relayout(recipe, checked, removed, removed_sets, checked.decode_budgets)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
+
+
+def _plan_config(recipe: Recipe, checked: Plan) -> PretrainedConfig:
+    """The config `checked` was made on: the model's, or its text tower's."""
+    config = load_config(recipe.model)
+    return config if checked.tower is None else text_config(config)
+
+
+def _relayout(
+    recipe: Recipe,
+    checked: Plan,
+    removed: tuple[int, ...],
+    removed_sets: Sequence[tuple[int, ...]] | None = None,
+    budgets: Budgets | None = None,
+    only: str | None = None,
+) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
+    """`_layout` for the model `checked` was made on."""
+    config = _plan_config(recipe, checked)
+    family, families, tower = checked.layout.family, checked.families, checked.tower
+    return _layout(recipe, config, family, families, tower, removed, removed_sets, budgets=budgets, only=only)
 
 
 def _layout(
@@ -346,9 +354,7 @@ def candidate_places(recipe: Recipe) -> int:
 def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
     """The candidate groups (`group_key`) of a plan: each combination of removed-block count, expert
     count and head count the run may measure (one where none is open)."""
-    config = load_config(recipe.model)
-    if checked.tower is not None:
-        config = text_config(config)
+    config = _plan_config(recipe, checked)
     family = checked.layout.family
     if kept_stream(family, recipe.slicing.layout, checked.tower) is not None:
         return [group_key((), None, None)]
@@ -364,19 +370,7 @@ def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
 def group_layouts(recipe: Recipe, checked: Plan, key: str, target_params: float) -> list[SlicedLayout]:
     """The candidates of group `key` all at `target_params` (the decode search's probe); refused in
     one line where the budget leaves them no width."""
-    config = load_config(recipe.model)
-    if checked.tower is not None:
-        config = text_config(config)
-    layout, splits = _layout(
-        recipe,
-        config,
-        checked.layout.family,
-        checked.families,
-        checked.tower,
-        checked.removed_blocks,
-        budgets={key: {None: target_params}},
-        only=key,
-    )
+    layout, splits = _relayout(recipe, checked, checked.removed_blocks, budgets={key: {None: target_params}}, only=key)
     return list(splits) or [layout]
 
 

@@ -19,7 +19,7 @@ differ from one measurement to the next), and `--restart` measures again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,16 +49,15 @@ class DecodeSettings:
     repeats: int = 3
     """Timed rounds per pair (dense, candidate); their median is compared."""
     steps: int = 4
-    """Probes per group between the budgets that bracket the target (`search_group`)."""
+    """Probes of new shapes per candidate between the budgets that bracket the target (`search_budget`)."""
     close: float = 0.01
-    """A budget whose first candidate is within this share below the target ends the search (the
-    timings' own noise is larger)."""
+    """A budget timed within this share below the target ends the search (the timings' own noise is larger)."""
     floor: float = 0.02
     """The smallest parameter budget probed before the target is refused as out of reach."""
 
 
-Timer = Callable[[PretrainedConfig, Sequence[PretrainedConfig]], list[float]]
-"""(the dense model's config, candidates' configs) → each candidate's decode time per token over
+Timer = Callable[[PretrainedConfig, PretrainedConfig], float]
+"""(the dense model's config, a candidate's config) → the candidate's decode time per token over
 the dense model's."""
 
 
@@ -76,28 +75,23 @@ def shape_timer(recipe: Recipe, device: torch.device, settings: DecodeSettings) 
             )
         return model.eval().requires_grad_(False)
 
-    def timer(dense: PretrainedConfig, configs: Sequence[PretrainedConfig]) -> list[float]:
+    def timer(dense: PretrainedConfig, config: PretrainedConfig) -> float:
         key = dense.to_json_string()
         if key not in dense_models:
             dense_models.clear()
             dense_models[key] = build(dense)
-        reference = dense_models[key]
-        ratios = []
-        for config in configs:
-            candidate = build(config)
-            lengths = fitting_lengths([reference, candidate], settings.prompt_len, settings.decode_tokens)
-            speeds = measure_side_by_side(
-                {"dense": reference, "candidate": candidate},
-                device,
-                batch_sizes=(1,),
-                repeats=settings.repeats,
-                warmup=1,
-                **lengths,
-            )
-            seconds = {name: side["throughput"]["batch"]["1"]["decode_s"] for name, side in speeds.items()}
-            ratios.append(seconds["candidate"] / seconds["dense"])
-            del candidate
-        return ratios
+        reference, candidate = dense_models[key], build(config)
+        lengths = fitting_lengths([reference, candidate], settings.prompt_len, settings.decode_tokens)
+        speeds = measure_side_by_side(
+            {"dense": reference, "candidate": candidate},
+            device,
+            batch_sizes=(1,),
+            repeats=settings.repeats,
+            warmup=1,
+            **lengths,
+        )
+        seconds = {name: side["throughput"]["batch"]["1"]["decode_s"] for name, side in speeds.items()}
+        return seconds["candidate"] / seconds["dense"]
 
     return timer
 
@@ -176,8 +170,8 @@ def resolve(
     timer: Timer | None = None,
     settings: DecodeSettings = DecodeSettings(),
 ) -> tuple[Plan, DecodeBudget]:
-    """The plan of a `target_decode` recipe, each candidate group at its decode budget, and the
-    search's record; an interrupted run's budgets are read back unless `restart`."""
+    """The plan of a `target_decode` recipe, each candidate at its decode budget, and the search's
+    record; an interrupted run's budgets are read back unless `restart`."""
     assert recipe.target_decode is not None
     ceiling_plan = plan(recipe, registry)  # every check, at the ceiling the search starts from
     if launched_processes() > 1:
@@ -219,7 +213,7 @@ def resolve(
                 config = layouts[place].saved_config()
                 shape = config.to_json_string()
                 if shape not in measured:
-                    (measured[shape],) = timer(dense, [config])
+                    measured[shape] = timer(dense, config)
                 return candidate_label(layouts[place]), measured[shape]
 
             try:
