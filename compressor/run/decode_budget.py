@@ -161,6 +161,33 @@ def search_budget(
     return low, trials
 
 
+def _candidate_probe(
+    recipe: Recipe,
+    ceiling_plan: Plan,
+    key: str,
+    place: int,
+    time_shape: Callable[[PretrainedConfig], float],
+    measured: dict[str, float],
+) -> Probe:
+    """The probe of group `key`'s candidate at `place`: planned at a budget, its shape timed unless
+    `measured` (by the shape's config) has it already."""
+
+    def probe(budget: float) -> tuple[str, float] | str:
+        try:
+            layouts = group_layouts(recipe, ceiling_plan, key, budget)
+        except UserError as error:
+            return str(error)
+        if place >= len(layouts):
+            return f"the budget leaves {len(layouts)} split(s) of the MLP, not {place + 1}"
+        config = layouts[place].saved_config()
+        shape = config.to_json_string()
+        if shape not in measured:
+            measured[shape] = time_shape(config)
+        return candidate_label(layouts[place]), measured[shape]
+
+    return probe
+
+
 def resolve(
     recipe: Recipe,
     registry: PluginRegistry,
@@ -203,19 +230,7 @@ def resolve(
             if progress is not None:
                 progress(f"target_decode: timing decode of {key}", index * places + place, len(groups) * places)
 
-            def probe(budget: float, key: str = key, place: int = place) -> tuple[str, float] | str:
-                try:
-                    layouts = group_layouts(recipe, ceiling_plan, key, budget)
-                except UserError as error:
-                    return str(error)
-                if place >= len(layouts):
-                    return f"the budget leaves {len(layouts)} split(s) of the MLP, not {place + 1}"
-                config = layouts[place].saved_config()
-                shape = config.to_json_string()
-                if shape not in measured:
-                    measured[shape] = timer(dense, config)
-                return candidate_label(layouts[place]), measured[shape]
-
+            probe = _candidate_probe(recipe, ceiling_plan, key, place, lambda config: timer(dense, config), measured)
             try:
                 budget, trials = search_budget(probe, recipe.target_decode, ceiling, settings)
             except UserError as error:  # this candidate cannot meet the target: the others may
