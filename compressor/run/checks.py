@@ -210,7 +210,7 @@ def replan(
     return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
 
 
-def _plan_config(recipe: Recipe, checked: Plan) -> PretrainedConfig:
+def plan_config(recipe: Recipe, checked: Plan) -> PretrainedConfig:
     """The config `checked` was made on: the model's, or its text tower's."""
     config = load_config(recipe.model)
     return config if checked.tower is None else text_config(config)
@@ -225,7 +225,7 @@ def _relayout(
     only: str | None = None,
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """`_layout` for the model `checked` was made on."""
-    config = _plan_config(recipe, checked)
+    config = plan_config(recipe, checked)
     family, families, tower = checked.layout.family, checked.families, checked.tower
     return _layout(recipe, config, family, families, tower, removed, removed_sets, budgets=budgets, only=only)
 
@@ -354,7 +354,7 @@ def candidate_places(recipe: Recipe) -> int:
 def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
     """The candidate groups (`group_key`) of a plan: each combination of removed-block count, expert
     count and head count the run may measure (one where none is open)."""
-    config = _plan_config(recipe, checked)
+    config = plan_config(recipe, checked)
     family = checked.layout.family
     if kept_stream(family, recipe.slicing.layout, checked.tower) is not None:
         return [group_key((), None, None)]

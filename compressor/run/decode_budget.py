@@ -29,10 +29,16 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from compressor.errors import UserError
 from compressor.evaluation.throughput import fitting_lengths, measure_side_by_side
 from compressor.models.layout import SlicedLayout
-from compressor.models.towers import text_config
 from compressor.recipe.schema import Recipe
-from compressor.run.checks import Plan, candidate_groups, candidate_places, group_layouts, launched_processes, plan
-from compressor.run.loading import load_config
+from compressor.run.checks import (
+    Plan,
+    candidate_groups,
+    candidate_places,
+    group_layouts,
+    launched_processes,
+    plan,
+    plan_config,
+)
 from compressor.run.report_model import DecodeBudget, DecodeCandidate, DecodeTrial
 from compressor.run.resume import stored_decode_budget
 from compressor.strategies.registry import PluginRegistry
@@ -216,9 +222,7 @@ def resolve(
         return plan(recipe, registry, stored.budgets()), stored
     started = time.perf_counter()
     timer = timer or shape_timer(recipe, device, settings)
-    dense = load_config(recipe.model)
-    if ceiling_plan.tower is not None:
-        dense = text_config(dense)
+    dense = plan_config(recipe, ceiling_plan)
     ceiling = recipe.target_params or 1.0
     groups = candidate_groups(recipe, ceiling_plan)
     found: list[DecodeCandidate] = []
