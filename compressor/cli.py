@@ -143,7 +143,10 @@ def _parser() -> argparse.ArgumentParser:
         "--apply-chat-template", action="store_true", help="format lm-eval prompts with the chat template"
     )
     evaluate.add_argument(
-        "--no-throughput", action="store_true", help="skip measuring prefill and decode tokens/s (batch 1 and 8)"
+        "--throughput",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure prefill and decode tokens/s, batch 1 and 8 (default: a run's own evaluation.throughput, else on)",
     )
     evaluate.add_argument("--output", help="also write the report to this JSON file")
     sweep = commands.add_parser(
@@ -448,7 +451,7 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
         limit=args.limit,
         task_batch_size=args.task_batch_size,
         apply_chat_template=args.apply_chat_template,
-        throughput=False if args.no_throughput else None,
+        throughput=args.throughput,
         threads=args.threads,
     )
     with _progress_display(console) as progress:

@@ -609,6 +609,17 @@ def test_eval_of_a_run_reproduces_the_runs_own_figures(
     for side, key in (("baseline", "ppl"), ("pruned", "ppl"), ("pruned", "kl")):
         assert evaluated["metrics"][side][key] == pytest.approx(ran["metrics"][side][key], rel=1e-6)
     assert "KL to reference" in capsys.readouterr().out
+    assert evaluated["speed"] is None  # the run's own evaluation.throughput: false
+
+
+def test_eval_times_a_run_whose_own_evaluation_did_not(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`--throughput` overrides a run's `evaluation.throughput: false` (a run benchmarked without
+    speed can be timed afterwards); `--no-throughput` the other way."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    assert main(["run", str(recipe)]) == 0
+    assert main(["eval", str(tmp_path / "out"), "--throughput", "--output", str(tmp_path / "timed.json")]) == 0
+    speed = json.loads((tmp_path / "timed.json").read_text())["speed"]
+    assert speed is not None and set(speed["speedup"]) == {"1", "8"}
 
 
 def test_eval_of_a_model_alone_and_with_fewer_windows(tiny_checkpoint: Path, tmp_path: Path) -> None:
