@@ -1,0 +1,230 @@
+"""Every axis at one budget, side by side (issue 49's table): the two-axis model the run chose before
+heads and depth existed, each new axis beside the residual width, every axis chosen by the run, and
+the heterogeneous layout (DeciLM), each as a `compress run` of one base recipe, then (optionally)
+converted by llama.cpp's own converter and timed there.
+
+Rows, at each `--targets` budget (`target_params`), all saved as the original class except the last:
+- `two axes`: residual width and MLP neurons, the split chosen by measuring every candidate (`mlp: {}`);
+- `depth`: `depth.removed` blocks (`kl` selector) and the residual width taking the rest;
+- `heads`: `heads.kept` of each KV group's query heads (`obs`) and the residual width taking the rest;
+- `every axis`: `mlp: {}`, `heads: {}` and `depth: {}` together, the `--best` predicted candidates measured;
+- `heterogeneous`: per-layer MLP widths, attention removable (the stream whole; refused where the
+  MLPs cannot hold the budget).
+
+Times: "run s" is the run less loading, saving and evaluation (H, choosing and pruning); "choosing
+s" the split and depth stages; "chosen's pruning s" the saved model's walk (less H), heads and MLP
+stages, inside "choosing s" where the run adopted the chosen trial (every calibration window).
+
+    python benchmarks/every_axis.py                                   # ref-llama at 0.75 and 0.6
+    python benchmarks/every_axis.py --model benchmarks/results/ref-llama-tied --name ref-llama-tied
+    python benchmarks/every_axis.py --reuse --gguf-python /work/gguf-venv/bin/python \\
+        --converter /work/gguf-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
+
+Each run's folder stays under benchmarks/results/every_axis_<name>/ (`--reuse` reads a finished
+one back instead of running it again). With `--gguf-python` (a venv with llama-cpp-python, see
+`gguf_check.py`) the dense model and every saved model are converted, their perplexity compared
+with transformers' and their prefill and decode timed in llama.cpp. Writes
+benchmarks/results/every_axis_<name>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from axis_runs import EVALUATION, ROOT, common, run_report, write_tables
+from rich.console import Console
+
+ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
+
+
+def configurations(target: float, removed: int, heads: float, best: int) -> list[tuple[str, list[str]]]:
+    """(label, --set changes) of every row at one budget."""
+    budget = [f"target_params={target}", "sparsity=null"]
+    stock = [*budget, "slicing.layout=global"]
+    return [
+        (f"{target}: two axes, chosen", [*stock, "mlp={}"]),
+        (f"{target}: depth ({removed} block) + width", [*stock, f"depth={{removed: {removed}}}"]),
+        (f"{target}: heads ({heads:g}) + width", [*stock, f"heads.kept={heads}"]),
+        (
+            f"{target}: every axis, chosen",
+            [*stock, "mlp={}", f"mlp.measure_best={best}", "heads={}", "depth={}"],
+        ),
+        (
+            f"{target}: heterogeneous",
+            [*budget, "slicing.layout=heterogeneous", "mlp={}", "mlp.remove_attention=true"],
+        ),
+    ]
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """What each row shows beyond `common`: the axes' choices and the time spent choosing."""
+    mlp, heads, depth = report.get("mlp") or {}, report.get("heads") or {}, report.get("depth") or {}
+    timings = report["timings"]
+    work = timings["total_s"] - sum(timings.get(key, 0.0) for key in ("data_s", "load_s", "save_s", "eval_s"))
+    return {
+        "widths": mlp.get("widths"),
+        "mlp_kept": mlp.get("kept"),
+        "mlp_of": mlp.get("of"),
+        "attention_removed": mlp.get("attention_removed"),
+        "heads_kept": heads.get("kept"),
+        "heads_of": heads.get("of"),
+        "blocks_removed": depth.get("removed") or [],
+        "blocks_of": depth.get("of") or report["model"].get("num_hidden_layers"),
+        "choosing_s": timings.get("split_s", 0.0) + timings.get("depth_s", 0.0),
+        "own_s": sum(timings.get(key, 0.0) for key in ("prune_s", "experts_s", "heads_s", "mlp_s")),
+        "work_s": work,
+    }
+
+
+def run_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
+    """Each configuration's run (or, with --reuse, its finished report), as a row."""
+    base = [*EVALUATION, *([f"model.path={args.model.resolve()}"] if args.model else [])]
+    rows = []
+    runs = [
+        (label, [*changes, *args.set])
+        for target in args.targets
+        for kind, (label, changes) in zip(ROWS, configurations(target, args.removed, args.heads, args.best))
+        if kind in args.rows
+    ]
+    for index, (label, changes) in enumerate(runs):
+        folder = args.folder / re.sub(r"[^a-z0-9.]+", "-", label.lower()).strip("-")
+        console.print(f"[{index + 1}/{len(runs)}] {label}")
+        if args.reuse and (folder / "report.json").is_file():
+            report = json.loads((folder / "report.json").read_text())
+        else:
+            try:
+                report = run_report(args.recipe, [*base, *changes], folder)
+            except SystemExit as refusal:
+                console.print(f"  refused: {refusal}")
+                rows.append({"label": label, "changes": changes, "refused": str(refusal)})
+                continue
+        rows.append({"label": label, "changes": changes, "model_dir": str(folder / "model"), **common(report)})
+        rows[-1].update(figures(report))
+    return rows
+
+
+def llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], dense: Path) -> dict[str, Any]:
+    """gguf_check.py over the dense model and every saved one, in the llama-cpp-python venv."""
+    out = args.folder / "gguf"
+    command = [str(args.gguf_python), str(ROOT / "benchmarks" / "gguf_check.py"), "--converter", str(args.converter)]
+    command += ["--output", str(out), "--json", str(out / "check.json"), "--trust-remote-code", "--reuse-gguf"]
+    command += ["--windows", str(args.windows), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    command += ["--decode-steps", str(args.decode_steps)]
+    for model in [dense, *(Path(row["model_dir"]) for row in rows if "model_dir" in row)]:
+        command += ["--model", str(model)]
+    subprocess.run(command, cwd=ROOT, check=False)
+    checked = json.loads((out / "check.json").read_text())["models"]
+    return {str(Path(entry["model"]).resolve()): entry for entry in checked}
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    if "refused" in row:
+        return [row["label"], "refused", *["–"] * 12]
+    if row["widths"] is not None:
+        mlp = " ".join(str(w) for w in row["widths"])
+    else:
+        mlp = "all" if row["mlp_kept"] in (None, row["mlp_of"]) else f"{row['mlp_kept']} of {row['mlp_of']}"
+    heads = "all" if row["heads_kept"] is None else f"{row['heads_kept']} of {row['heads_of']}"
+    blocks = ",".join(map(str, row["blocks_removed"])) or "none"
+    gguf = row.get("gguf") or {}
+    speed = ["–", "–", "–"]
+    if gguf and not gguf.get("error"):
+        ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
+        speed = [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
+    elif gguf:
+        speed = [gguf["error"][:40], "–", "–"]
+    return [
+        row["label"],
+        f"{row['share']:.1%}",
+        str(row["width"]),
+        mlp,
+        heads,
+        blocks,
+        f"{row['kl']:.4f}",
+        f"{row['ppl']:.2f}",
+        f"{row['work_s']:.0f}",
+        f"{row['choosing_s']:.0f}",
+        f"{row['own_s']:.0f}",
+        *speed,
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "ref_llama_sens.yaml")
+    parser.add_argument("--model", type=Path, default=None, help="another model folder in place of the recipe's")
+    parser.add_argument("--name", default="ref-llama")
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.75, 0.6])
+    parser.add_argument("--removed", type=int, default=1, help="blocks the depth row removes")
+    parser.add_argument("--heads", type=float, default=0.5, help="the share of query heads the heads row keeps")
+    parser.add_argument("--best", type=int, default=2, help="candidates the every-axis row measures")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run")
+    parser.add_argument("--set", action="append", default=[], help="a recipe change every row takes (key=value)")
+    parser.add_argument("--label", default="", help="appended to --name in the results' names")
+    parser.add_argument("--reuse", action="store_true", help="read finished runs back instead of rerunning")
+    parser.add_argument("--gguf-python", type=Path, default=None, help="a venv's python with llama-cpp-python")
+    parser.add_argument("--converter", type=Path, default=None, help="llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows for the llama.cpp perplexity")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=64, help="tokens timed one at a time in llama.cpp")
+    args = parser.parse_args()
+    args.name += args.label
+    args.folder = ROOT / "benchmarks" / "results" / f"every_axis_{args.name}"
+    console = Console()
+    rows = run_rows(args, console)
+    if args.gguf_python:
+        dense = (args.model or ROOT / "recipes" / "../../shared/models/ref-llama").resolve()
+        checked = llama_cpp(args, rows, dense)
+        ppl = next((row["baseline_ppl"] for row in rows if "baseline_ppl" in row), float("nan"))
+        dense_row = {"label": "dense", "gguf": checked.get(str(dense)), "ppl": ppl}
+        rows = [dense_row, *rows]
+        for row in rows[1:]:
+            row["gguf"] = checked.get(str(Path(row.get("model_dir", "-")).resolve()))
+    columns = (
+        "configuration",
+        "params",
+        "width",
+        "MLP",
+        "heads",
+        "blocks removed",
+        "KL",
+        "ppl",
+        "run s",
+        "choosing s",
+        "chosen's pruning s",
+        "ppl HF / llama.cpp",
+        "prefill tok/s",
+        "decode tok/s",
+    )
+    title = f"{args.name}: every axis at one budget (held-out KL; llama.cpp on this CPU)"
+    write_tables(
+        rows,
+        columns,
+        lambda row: dense_cells(row) or cells(row),
+        title,
+        f"every_axis_{args.name}",
+        args.recipe,
+        console,
+    )
+
+
+def dense_cells(row: dict[str, Any]) -> list[str] | None:
+    """The dense model's row: only its llama.cpp figures."""
+    if row["label"] != "dense":
+        return None
+    gguf = row.get("gguf") or {}
+    if not gguf or gguf.get("error"):
+        return ["dense", "100%", *["–"] * 12]
+    ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
+    speed = [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
+    return ["dense", "100%", "", "all", "all", "none", "0", f"{row['ppl']:.2f}", "", "", "", *speed]
+
+
+if __name__ == "__main__":
+    main()
