@@ -604,6 +604,11 @@ def _export(args: argparse.Namespace, console: Console) -> None:
             f"; {wider} of {of} tensors stayed wider: their widths are not multiples of {exported.quantized}'s "
             f"block (slicing.round_to: 32, or 256 for k-quants)"
         )
+    if exported.misaligned_width is not None:
+        named += (
+            f"; hidden size {exported.misaligned_width} is not a multiple of 16, where llama.cpp's CPU prefill "
+            f"measured up to 2.8x slower on AVX-512 (docs/benchmarks.md): prune with slicing.round_to: 16 or more"
+        )
     console.print(
         f"wrote {exported.path} ({exported.bytes / 2**20:.1f} MiB, {what}{named})",
         markup=False,

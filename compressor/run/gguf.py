@@ -215,6 +215,21 @@ class Exported:
     quantize_s: float | None
     fallbacks: tuple[int, int] | None = None
     """(tensors the quantizer kept wider, tensors): widths not a multiple of the quantized type's block."""
+    misaligned_width: int | None = None
+    """The model's hidden size where it is not a multiple of `ALIGNED_WIDTH` (`misaligned_width`)."""
+
+
+ALIGNED_WIDTH = 16
+"""llama.cpp's float32 CPU prefill ran 1.5-2.8x slower at residual widths that are odd multiples of 8
+than at multiples of 16 on an AVX-512 machine, whose registers hold 16 floats (docs/benchmarks.md,
+"Every axis at one budget")."""
+
+
+def misaligned_width(model: Path) -> int | None:
+    """The model's hidden size (its text tower's) where it is not a multiple of `ALIGNED_WIDTH`; else None."""
+    config = json.loads((model / "config.json").read_text())
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    return hidden if isinstance(hidden, int) and hidden % ALIGNED_WIDTH else None
 
 
 def export_gguf(
@@ -278,6 +293,7 @@ def export_gguf(
         converted.seconds,
         seconds,
         wider,
+        misaligned_width(model),
     )
 
 

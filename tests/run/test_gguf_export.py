@@ -46,14 +46,14 @@ print(math.exp(-logp[np.arange(n - 1), tokens[1:]].mean()))
 """llama.cpp's perplexity of the token ids given, scoring tokens 1..n-1 from positions 0..n-2."""
 
 
-def _model(folder: Path, model_type: str = "llama") -> Path:
+def _model(folder: Path, model_type: str = "llama", hidden: int = 256) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": hidden}))
     return folder
 
 
-def _run(folder: Path, model_type: str = "llama") -> Path:
-    _model(folder / "model", model_type)
+def _run(folder: Path, model_type: str = "llama", hidden: int = 256) -> Path:
+    _model(folder / "model", model_type, hidden)
     (folder / "report.json").write_text("{}")
     return folder
 
@@ -83,6 +83,20 @@ def test_a_run_folder_s_model_is_converted_by_the_converter_and_written_whole(
     finally:
         del os.environ["GGUF_CONVERTER"]
     assert out.read_bytes().startswith(b"GGUFf16|")
+
+
+@pytest.mark.parametrize(("hidden", "noted"), [(216, True), (224, False), (576, False)])
+def test_a_width_llama_cpp_prefills_slowly_is_named_with_the_fix(
+    hidden: int, noted: bool, converter: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """An odd multiple of 8 (the default round_to's widths) is exported, with a note saying so."""
+    run = _run(tmp_path / "run", hidden=hidden)
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(run), "--gguf", str(out), "--converter", str(converter)]) == 0
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert out.is_file()
+    assert (f"hidden size {hidden} is not a multiple of 16" in said) is noted
+    assert ("slicing.round_to: 16 or more" in said) is noted
 
 
 def test_a_failing_converter_is_one_line_with_its_last_words_and_leaves_nothing(
