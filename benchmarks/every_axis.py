@@ -36,6 +36,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
 from axis_runs import EVALUATION, ROOT, common, run_report, write_tables
 from rich.console import Console
 
@@ -117,12 +118,14 @@ def llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], dense: Path)
     command += ["--decode-steps", str(args.decode_steps)]
     for model in [dense, *(Path(row["model_dir"]) for row in rows if "model_dir" in row)]:
         command += ["--model", str(model)]
-    subprocess.run(command, cwd=ROOT, check=False)
+    (out / "check.json").unlink(missing_ok=True)  # never read an earlier call's figures
+    subprocess.run(command, cwd=ROOT, check=False)  # a model that fails is a row with its error
     checked = json.loads((out / "check.json").read_text())["models"]
     return {str(Path(entry["model"]).resolve()): entry for entry in checked}
 
 
 def cells(row: dict[str, Any]) -> list[str]:
+    """A pruned model's row of the table (a refused configuration's: its label alone)."""
     if "refused" in row:
         return [row["label"], "refused", *["–"] * 12]
     if row["widths"] is not None:
@@ -179,7 +182,8 @@ def main() -> None:
     console = Console()
     rows = run_rows(args, console)
     if args.gguf_python:
-        dense = (args.model or ROOT / "recipes" / "../../shared/models/ref-llama").resolve()
+        recipe_model = yaml.safe_load(args.recipe.read_text())["model"]["path"]
+        dense = (args.model or args.recipe.parent / recipe_model).resolve()
         checked = llama_cpp(args, rows, dense)
         ppl = next((row["baseline_ppl"] for row in rows if "baseline_ppl" in row), float("nan"))
         dense_row = {"label": "dense", "gguf": checked.get(str(dense)), "ppl": ppl}

@@ -577,7 +577,7 @@ def _write_output(console: Console, output: Path, text: str) -> None:
 
 
 def _export(args: argparse.Namespace, console: Console) -> None:
-    from compressor.run.gguf import export_gguf
+    from compressor.run.gguf import ALIGNED_WIDTH, export_gguf
     from compressor.run.threads import available_cpus
 
     def starting(model: Path) -> None:
@@ -605,9 +605,11 @@ def _export(args: argparse.Namespace, console: Console) -> None:
             f"block (slicing.round_to: 32, or 256 for k-quants)"
         )
     if exported.misaligned_width is not None:
+        step = ALIGNED_WIDTH
         named += (
-            f"; hidden size {exported.misaligned_width} is not a multiple of 16, where llama.cpp's CPU prefill "
-            f"measured up to 2.8x slower on AVX-512 (docs/benchmarks.md): prune with slicing.round_to: 16 or more"
+            f"; hidden size {exported.misaligned_width} is not a multiple of {step}, where llama.cpp's float32 "
+            f"prefill ran up to 2.8x slower on an AVX-512 CPU (docs/benchmarks.md): prune with a slicing.round_to "
+            f"that is a multiple of {step}"
         )
     console.print(
         f"wrote {exported.path} ({exported.bytes / 2**20:.1f} MiB, {what}{named})",

@@ -228,7 +228,7 @@ than at multiples of 16 on an AVX-512 machine, whose registers hold 16 floats (d
 def misaligned_width(model: Path) -> int | None:
     """The model's hidden size (its text tower's) where it is not a multiple of `ALIGNED_WIDTH`; else None."""
     config = json.loads((model / "config.json").read_text())
-    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    hidden = (config.get("text_config") or config).get("hidden_size")
     return hidden if isinstance(hidden, int) and hidden % ALIGNED_WIDTH else None
 
 
@@ -250,6 +250,7 @@ def export_gguf(
     problem found before converting is a one-line UserError; `starting(model)` hears when the checks
     have passed and the converter starts."""
     model = model_folder(source)
+    misaligned = misaligned_width(model)  # read before converting: the file is the model's, not the GGUF's
     converter = converter_script(converter)
     if output.suffix != ".gguf":
         raise UserError(f"--gguf must name a .gguf file, got '{output.name}'")
@@ -293,7 +294,7 @@ def export_gguf(
         converted.seconds,
         seconds,
         wider,
-        misaligned_width(model),
+        misaligned,
     )
 
 

@@ -620,6 +620,12 @@ def test_eval_times_a_run_whose_own_evaluation_did_not(tiny_checkpoint: Path, tm
     assert main(["eval", str(tmp_path / "out"), "--throughput", "--output", str(tmp_path / "timed.json")]) == 0
     speed = json.loads((tmp_path / "timed.json").read_text())["speed"]
     assert speed is not None and set(speed["speedup"]) == {"1", "8"}
+    data = str(EXAMPLES / "data" / "valid-demo.jsonl")
+    bare = ["eval", str(tiny_checkpoint), "--data", data, "--num-samples", "2", "--seq-len", "32"]
+    assert (
+        main([*bare, "--no-throughput", "--output", str(tmp_path / "untimed.json")]) == 0
+    )  # a model is timed unless told
+    assert json.loads((tmp_path / "untimed.json").read_text())["speed"] is None
 
 
 def test_eval_of_a_model_alone_and_with_fewer_windows(tiny_checkpoint: Path, tmp_path: Path) -> None:
