@@ -605,11 +605,10 @@ def _export(args: argparse.Namespace, console: Console) -> None:
             f"block (slicing.round_to: 32, or 256 for k-quants)"
         )
     if exported.misaligned_width is not None:
-        step = ALIGNED_WIDTH
         named += (
-            f"; hidden size {exported.misaligned_width} is not a multiple of {step}, where llama.cpp's float32 "
-            f"prefill ran up to 2.8x slower on an AVX-512 CPU (docs/benchmarks.md): prune with a slicing.round_to "
-            f"that is a multiple of {step}"
+            f"; hidden size {exported.misaligned_width} is not a multiple of {ALIGNED_WIDTH}, where llama.cpp's "
+            f"float32 prefill ran up to 2.8x slower on an AVX-512 CPU (docs/benchmarks.md): prune with a "
+            f"slicing.round_to that is a multiple of {ALIGNED_WIDTH}"
         )
     console.print(
         f"wrote {exported.path} ({exported.bytes / 2**20:.1f} MiB, {what}{named})",

@@ -21,6 +21,7 @@ import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,6 +81,13 @@ def tower_for(config: PretrainedConfig) -> TextTower | None:
             f"tower cannot be pruned; vision-language model types it can prune: {', '.join(known)}"
         )
     return None
+
+
+def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's fields the text model reads: its `text_config` in a vision-language
+    checkpoint, else the whole file (for code that reads the file without transformers)."""
+    text = raw.get("text_config")
+    return text if isinstance(text, dict) else raw
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -228,7 +228,8 @@ than at multiples of 16 on an AVX-512 machine, whose registers hold 16 floats (d
 def misaligned_width(model: Path) -> int | None:
     """The model's hidden size (its text tower's) where it is not a multiple of `ALIGNED_WIDTH`; else None."""
     config = json.loads((model / "config.json").read_text())
-    hidden = (config.get("text_config") or config).get("hidden_size")
+    text = config.get("text_config")  # `models.towers.text_fields`, which this stdlib-only module cannot import
+    hidden = (text if isinstance(text, dict) else config).get("hidden_size")
     return hidden if isinstance(hidden, int) and hidden % ALIGNED_WIDTH else None
 
 

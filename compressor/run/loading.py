@@ -25,7 +25,7 @@ from compressor.data.text import batches_of, first_record, load_records, token_w
 from compressor.engine.refine import rebatch
 from compressor.errors import UserError, first_line
 from compressor.hub import cached, model_advice, unreachable
-from compressor.models.towers import text_model, tower_for
+from compressor.models.towers import text_fields, text_model, tower_for
 from compressor.recipe.sections.data import DataSpec
 from compressor.recipe.sections.model import ModelSpec
 from compressor.run.staging import RUN_MARKER
@@ -85,8 +85,7 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
             raise UserError(f"cannot load {what}: {local} is not JSON ({first_line(error)})") from None
         if not isinstance(raw, dict):
             raise UserError(f"cannot load {what}: {local} must be a JSON object of fields, got {type(raw).__name__}")
-        text = raw.get("text_config")
-        check_dimensions(text if isinstance(text, dict) else raw, what)  # before transformers divides by them
+        check_dimensions(text_fields(raw), what)  # before transformers divides by them
     try:
         config = _load(
             what,

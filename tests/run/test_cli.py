@@ -622,9 +622,8 @@ def test_eval_times_a_run_whose_own_evaluation_did_not(tiny_checkpoint: Path, tm
     assert speed is not None and set(speed["speedup"]) == {"1", "8"}
     data = str(EXAMPLES / "data" / "valid-demo.jsonl")
     bare = ["eval", str(tiny_checkpoint), "--data", data, "--num-samples", "2", "--seq-len", "32"]
-    assert (
-        main([*bare, "--no-throughput", "--output", str(tmp_path / "untimed.json")]) == 0
-    )  # a model is timed unless told
+    # a model alone is timed unless told
+    assert main([*bare, "--no-throughput", "--output", str(tmp_path / "untimed.json")]) == 0
     assert json.loads((tmp_path / "untimed.json").read_text())["speed"] is None
 
 

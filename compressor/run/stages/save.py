@@ -14,7 +14,7 @@ from compressor.models.decilm import save_decilm
 from compressor.models.export import write_remote_code
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import load_stock, save_own_class, to_stock
-from compressor.models.towers import copy_processor_files, save_tower
+from compressor.models.towers import copy_processor_files, save_tower, text_fields
 from compressor.run.loading import load_model, load_whole
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
@@ -96,8 +96,7 @@ def write_expert_count(path: Path, experts: int) -> None:
     """`path` (a saved config.json) with the expert count under every key engines read (in a
     vision-language checkpoint's `text_config`, where its text model reads them)."""
     config = json.loads(path.read_text())
-    text = config.get("text_config")
-    (text if isinstance(text, dict) else config).update(dict.fromkeys(EXPERT_COUNT_KEYS, experts))
+    text_fields(config).update(dict.fromkeys(EXPERT_COUNT_KEYS, experts))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
