@@ -36,6 +36,15 @@ def run_report(
     return json.loads((output / "report.json").read_text())
 
 
+NOT_PRUNING = ("data_s", "load_s", "save_s", "eval_s")
+"""A run's phases that neither choose nor prune."""
+
+
+def working_seconds(timings: dict[str, float]) -> float:
+    """A run's time less loading, saving and evaluation: H, choosing and pruning."""
+    return timings["total_s"] - sum(timings.get(key, 0.0) for key in NOT_PRUNING)
+
+
 def common(report: dict[str, Any]) -> dict[str, Any]:
     """The figures every axis table shows: parameters, width, KL, perplexity and prune time."""
     return {

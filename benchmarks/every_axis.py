@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from axis_runs import EVALUATION, ROOT, common, run_report, write_tables
+from axis_runs import EVALUATION, ROOT, common, run_report, working_seconds, write_tables
 from rich.console import Console
+
+from compressor.run.stages.split import TRIAL_TIMINGS
 
 ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
 
@@ -66,7 +68,6 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     """What each row shows beyond `common`: the axes' choices and the time spent choosing."""
     mlp, heads, depth = report.get("mlp") or {}, report.get("heads") or {}, report.get("depth") or {}
     timings = report["timings"]
-    work = timings["total_s"] - sum(timings.get(key, 0.0) for key in ("data_s", "load_s", "save_s", "eval_s"))
     return {
         "widths": mlp.get("widths"),
         "mlp_kept": mlp.get("kept"),
@@ -75,10 +76,9 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "heads_kept": heads.get("kept"),
         "heads_of": heads.get("of"),
         "blocks_removed": depth.get("removed") or [],
-        "blocks_of": depth.get("of") or report["model"].get("num_hidden_layers"),
         "choosing_s": timings.get("split_s", 0.0) + timings.get("depth_s", 0.0),
-        "own_s": sum(timings.get(key, 0.0) for key in ("prune_s", "experts_s", "heads_s", "mlp_s")),
-        "work_s": work,
+        "own_s": sum(timings.get(key, 0.0) for key in TRIAL_TIMINGS),
+        "work_s": working_seconds(timings),
     }
 
 
@@ -124,8 +124,22 @@ def llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], dense: Path)
     return {str(Path(entry["model"]).resolve()): entry for entry in checked}
 
 
+def llama_cpp_cells(gguf: dict[str, Any] | None) -> list[str]:
+    """The last three cells of a row: llama.cpp's perplexity beside transformers', prefill and decode."""
+    if not gguf:
+        return ["–", "–", "–"]
+    if gguf.get("error"):
+        return [gguf["error"][:40], "–", "–"]
+    ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
+    return [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
+
+
 def cells(row: dict[str, Any]) -> list[str]:
-    """A pruned model's row of the table (a refused configuration's: its label alone)."""
+    """A row of the table: the dense model's (its perplexity and llama.cpp's figures), a pruned
+    model's, or a refused configuration's (its label alone)."""
+    if row["label"] == "dense":
+        dense = ["dense", "100%", "", "all", "all", "none", "0", f"{row['ppl']:.2f}", "", "", ""]
+        return [*dense, *llama_cpp_cells(row["gguf"])]
     if "refused" in row:
         return [row["label"], "refused", *["–"] * 12]
     if row["widths"] is not None:
@@ -134,13 +148,6 @@ def cells(row: dict[str, Any]) -> list[str]:
         mlp = "all" if row["mlp_kept"] in (None, row["mlp_of"]) else f"{row['mlp_kept']} of {row['mlp_of']}"
     heads = "all" if row["heads_kept"] is None else f"{row['heads_kept']} of {row['heads_of']}"
     blocks = ",".join(map(str, row["blocks_removed"])) or "none"
-    gguf = row.get("gguf") or {}
-    speed = ["–", "–", "–"]
-    if gguf and not gguf.get("error"):
-        ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
-        speed = [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
-    elif gguf:
-        speed = [gguf["error"][:40], "–", "–"]
     return [
         row["label"],
         f"{row['share']:.1%}",
@@ -153,7 +160,7 @@ def cells(row: dict[str, Any]) -> list[str]:
         f"{row['work_s']:.0f}",
         f"{row['choosing_s']:.0f}",
         f"{row['own_s']:.0f}",
-        *speed,
+        *llama_cpp_cells(row.get("gguf")),
     ]
 
 
@@ -207,27 +214,7 @@ def main() -> None:
         "decode tok/s",
     )
     title = f"{args.name}: every axis at one budget (held-out KL; llama.cpp on this CPU)"
-    write_tables(
-        rows,
-        columns,
-        lambda row: dense_cells(row) or cells(row),
-        title,
-        f"every_axis_{args.name}",
-        args.recipe,
-        console,
-    )
-
-
-def dense_cells(row: dict[str, Any]) -> list[str] | None:
-    """The dense model's row: only its llama.cpp figures."""
-    if row["label"] != "dense":
-        return None
-    gguf = row.get("gguf") or {}
-    if not gguf or gguf.get("error"):
-        return ["dense", "100%", *["–"] * 12]
-    ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
-    speed = [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
-    return ["dense", "100%", "", "all", "all", "none", "0", f"{row['ppl']:.2f}", "", "", "", *speed]
+    write_tables(rows, columns, cells, title, f"every_axis_{args.name}", args.recipe, console)
 
 
 if __name__ == "__main__":

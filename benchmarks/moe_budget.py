@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from axis_runs import working_seconds
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig
@@ -42,7 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHARED = ROOT.parent / "shared"
 KEYS = {"total": "target_params", "active": "target_active_params"}
-NOT_PRUNING = ("data_s", "load_s", "save_s", "eval_s")
 
 
 def _args() -> argparse.Namespace:
@@ -126,7 +126,7 @@ def measure(recipe: dict[str, Any], scratch: Path, name: str) -> dict[str, Any]:
         "kl": report["metrics"]["pruned"]["kl"],
         "ppl": report["metrics"]["pruned"]["ppl"],
         "baseline_ppl": report["metrics"]["baseline"]["ppl"],
-        "prune_s": timings["total_s"] - sum(timings.get(key, 0.0) for key in NOT_PRUNING),
+        "prune_s": working_seconds(timings),
         "split_s": timings.get("split_s"),
         "split": split,
         "wall_s": wall,
