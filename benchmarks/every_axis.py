@@ -45,17 +45,25 @@ from compressor.run.stages.split import TRIAL_TIMINGS
 ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
 
 
-def configurations(target: float, removed: int, heads: float, best: int) -> list[tuple[str, list[str]]]:
-    """(label, --set changes) of every row at one budget."""
+def configurations(
+    target: float, removed: int, heads: float, best: int, shortlist: int | None = None, open_depth: str = ""
+) -> list[tuple[str, list[str]]]:
+    """(label, --set changes) of every row at one budget. `shortlist`: both depth rows' `kl` selector
+    measures only that many blocks per step (a model of many blocks is not measured once per block
+    and step); `open_depth`: what the every-axis row's open `depth` section adds (`max_removed: 4`)."""
     budget = [f"target_params={target}", "sparsity=null"]
     stock = [*budget, "slicing.layout=global"]
+    options = [] if shortlist is None else [f"shortlist: {shortlist}"]
+    fixed = ", ".join([f"removed: {removed}", *options])
+    open_section = ", ".join([*options, *([open_depth] if open_depth else [])])
+    blocks = "block" if removed == 1 else "blocks"
     return [
         (f"{target}: two axes, chosen", [*stock, "mlp={}"]),
-        (f"{target}: depth ({removed} block) + width", [*stock, f"depth={{removed: {removed}}}"]),
+        (f"{target}: depth ({removed} {blocks}) + width", [*stock, f"depth={{{fixed}}}"]),
         (f"{target}: heads ({heads:g}) + width", [*stock, f"heads.kept={heads}"]),
         (
             f"{target}: every axis, chosen",
-            [*stock, "mlp={}", f"mlp.measure_best={best}", "heads={}", "depth={}"],
+            [*stock, "mlp={}", f"mlp.measure_best={best}", "heads={}", f"depth={{{open_section}}}"],
         ),
         (
             f"{target}: heterogeneous",
@@ -89,7 +97,9 @@ def run_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
     runs = [
         (label, [*changes, *args.set])
         for target in args.targets
-        for kind, (label, changes) in zip(ROWS, configurations(target, args.removed, args.heads, args.best))
+        for kind, (label, changes) in zip(
+            ROWS, configurations(target, args.removed, args.heads, args.best, args.shortlist, args.open_depth)
+        )
         if kind in args.rows
     ]
     for index, (label, changes) in enumerate(runs):
@@ -173,6 +183,8 @@ def main() -> None:
     parser.add_argument("--removed", type=int, default=1, help="blocks the depth row removes")
     parser.add_argument("--heads", type=float, default=0.5, help="the share of query heads the heads row keeps")
     parser.add_argument("--best", type=int, default=2, help="candidates the every-axis row measures")
+    parser.add_argument("--shortlist", type=int, default=None, help="blocks the depth rows measure per step")
+    parser.add_argument("--open-depth", default="", help="the every-axis row's depth options, e.g. 'max_removed: 4'")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run")
     parser.add_argument("--set", action="append", default=[], help="a recipe change every row takes (key=value)")
     parser.add_argument("--label", default="", help="appended to --name in the results' names")

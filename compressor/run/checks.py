@@ -29,7 +29,7 @@ from compressor.run.loading import load_config
 from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.order import BUILTIN_STAGES, run_order
-from compressor.run.stages.split import fixing_keys, open_sections
+from compressor.run.stages.split import fixing_keys, open_sections, resolved_choice
 from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.head_contract import HeadSelector
@@ -71,6 +71,12 @@ class Plan:
     """`target_decode`: the parameter budget (a fraction of the original's) of each candidate, by its
     group (`group_key`) and its place in the group, found by timing models of their shapes
     (`run.decode_budget`); None: the recipe's."""
+    measure_best: int | None = None
+    """`mlp.measure_best` decided (`auto` resolved by `stages.split.resolved_choice`): how many
+    splits, those predicted best, are measured; None: every split, unpredicted."""
+    screen_windows: int | None = None
+    """`mlp.screen_windows` decided likewise: the calibration windows each split is pruned on while
+    choosing; None: every window (the chosen trial kept)."""
 
     @property
     def chooses_split(self) -> bool:
@@ -170,6 +176,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
         families=families,
         decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
     )
+    checked = resolved_choice(recipe, checked)
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch
         if not stage.wanted(recipe):

@@ -139,6 +139,8 @@ class PlanSettings:
     refinement: bool = False
     split_choice: bool = False
     """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
+    predicts_splits: bool = False
+    """The plan's `measure_best`: every site's C and H held on the host to predict the splits."""
     depth_windows: int = 0
     """The held-out windows a measuring `depth` selector runs the whole original on (0: none)."""
     distillation: tuple[str, str] | None = None
@@ -576,6 +578,7 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
     settings = dataclasses.replace(
         PlanSettings.of(recipe),
         split_choice=checked.may_choose_split,
+        predicts_splits=checked.measure_best is not None,
         depth_windows=recipe.depth.heldout_windows
         if recipe.depth is not None
         and checked.block_selector is not None

@@ -32,7 +32,6 @@ from compressor.run.resume import check_interrupted, progress_summary
 from compressor.run.stages.data import heldout_counts
 from compressor.run.stages.evaluate import check_evaluation_tasks
 from compressor.run.stages.order import run_order
-from compressor.run.stages.split import measure_best, screen_windows
 from compressor.run.staging import check_output, check_writable
 from compressor.run.threads import planned_threads
 from compressor.run.timing import time_plan
@@ -261,9 +260,9 @@ def split_line(checked: Plan, recipe: Recipe) -> str:
         + f" ({split.counted.count(split.widths or {}):,})"
         for split in checked.splits
     )
-    screen = screen_windows(recipe)
+    screen = checked.screen_windows
     pruned_on = "" if screen is None else f", each pruned on {screen} calibration windows (the chosen one on all)"
-    best, count = measure_best(recipe), len(checked.splits)
+    best, count = checked.measure_best, len(checked.splits)
     measures = (
         f"measures {count} splits"
         if best is None

@@ -275,7 +275,7 @@ def test_depth_without_removed_is_a_candidate_of_the_split_and_the_chosen_blocks
 
     checkpoint = _with_a_silent_block(tmp_path / "llama")
     (tmp_path / "a").mkdir()
-    mlp = {"heldout_windows": 2, "candidates": 2}
+    mlp = {"heldout_windows": 2, "candidates": 2, "measure_best": None}  # every candidate measured
     depth = {"heldout_windows": 2}
     path = write_recipe(tmp_path / "a", checkpoint, output=str(tmp_path / "chosen"), mlp=mlp, depth=depth, **OPEN)
     assert main(["run", str(path)]) == 0

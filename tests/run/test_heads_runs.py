@@ -140,7 +140,7 @@ def test_heads_without_kept_are_chosen_with_the_split_and_predicted_where_asked(
         slicing={"layout": "global"},
         pipeline=[{"strategy": "sensitivity"}],
     )
-    mlp = {"heldout_windows": 2, "candidates": 2}
+    mlp = {"heldout_windows": 2, "candidates": 2, "measure_best": None}  # every candidate measured
     (tmp_path / "a").mkdir()
     path = write_recipe(tmp_path / "a", checkpoint, output=str(tmp_path / "chosen"), mlp=mlp, heads={}, **common)
     assert main(["run", str(path)]) == 0

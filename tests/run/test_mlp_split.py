@@ -16,8 +16,11 @@ from transformers import AutoModelForCausalLM
 from compressor.cli import main
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
+from compressor.recipe.schema import load_recipe
+from compressor.run.checks import plan
 from compressor.run.compare import compare_runs
 from compressor.run.split_choice import choose
+from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
 from tests.run.test_resume import compress
@@ -136,7 +139,7 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    screened = {**SPLIT, "screen_windows": 2}
+    screened = {**SPLIT, "screen_windows": 2, "measure_best": None}  # every split measured
     sensitivity = [{"strategy": "sensitivity"}]  # H: the trials' on their windows, the run's on all
     recipe = write_recipe(
         tmp_path / "a", wide_mlp, output=str(tmp_path / "chosen"), mlp=screened, pipeline=sensitivity, **COMMON
@@ -335,3 +338,53 @@ def test_a_budget_with_no_split_but_the_residual_width_alone_says_so_and_measure
     report = _report(tmp_path / "out")
     assert report["mlp"]["kept"] == report["mlp"]["of"] == 128 and "split" not in report["mlp"]
     assert "split_s" not in report["timings"]
+
+
+SENSITIVITY = [{"strategy": "sensitivity"}]
+
+
+@pytest.mark.parametrize(
+    ("changes", "decided"),
+    [
+        ({}, (None, None)),  # PCA estimates no H to predict with; 4 windows are too few to screen
+        ({"pipeline": SENSITIVITY}, (2, None)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 64}, (2, 16)),
+        ({"calibration__num_samples": 63}, (None, None)),  # a quarter is 15, under 16
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128}, (2, 32)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128, "mlp__measure_best": None}, (None, 32)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128, "mlp__screen_windows": None}, (2, None)),
+        ({"pipeline": SENSITIVITY, "mlp__candidates": 2}, (None, None)),  # 2 splits: predicting saves nothing
+        ({"mlp__measure_best": 3, "mlp__screen_windows": 3}, (3, 3)),  # as given, H or not
+    ],
+)
+def test_auto_choice_settings_are_decided_by_the_plan(
+    changes: dict, decided: tuple, wide_mlp: Path, tmp_path: Path
+) -> None:
+    """`mlp.measure_best` and `mlp.screen_windows` default to `auto`: the plan measures the 2 predicted
+    best where a sensitivity pipeline estimates H and there are more than 2 splits, and screens on a
+    quarter of the calibration windows where that is 16 or more; a number or null is taken as given."""
+    registry = PluginRegistry()
+    path = write_recipe(tmp_path, wide_mlp, mlp={**SPLIT}, **{**COMMON, **changes})
+    checked = plan(load_recipe(path, registry), registry)
+    assert len(checked.splits) == changes.get("mlp__candidates", 3)
+    assert (checked.measure_best, checked.screen_windows) == decided
+
+
+def test_auto_choice_settings_stay_off_where_they_were_not_measured(tmp_path: Path) -> None:
+    """Routed experts: neither the prediction (expert widths) nor screening (routing on fewer tokens)
+    was measured there, so `auto` is null; the explicit settings are refused as before."""
+    registry = PluginRegistry()
+    checkpoint = save_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", mlp_only_layers=[])
+    choose = {"heldout_windows": 2}
+    path = write_recipe(
+        tmp_path,
+        checkpoint,
+        experts=choose,
+        mlp={**choose, "candidates": 2},
+        pipeline=SENSITIVITY,
+        calibration__num_samples=64,
+        **COMMON,
+    )
+    checked = plan(load_recipe(path, registry), registry)
+    assert len(checked.splits) > 2 and checked.layout.active is not None
+    assert (checked.measure_best, checked.screen_windows) == (None, None)

@@ -83,18 +83,26 @@ class MlpSpec:
     """Without `kept`: the windows each split's KL to the original is measured on, read from the
     calibration dataset after its `num_samples` windows (text the walk never saw)."""
     screen_windows: (
-        Annotated[StrictInt, described("calibration windows each split is pruned on while choosing", ge=1)] | None
-    ) = None
+        Annotated[StrictInt, described("calibration windows each split is pruned on while choosing", ge=1)]
+        | Literal["auto"]
+        | None
+    ) = "auto"
     """Without `kept`: prune each split on this many calibration windows (evenly spread) while
     choosing, then prune the chosen one on every window with the run's own walk and MLP stage;
     choosing then costs about this share of the calibration per split instead of a whole pruning
-    each. None: every split is pruned on every window and the chosen one's trial is kept."""
-    measure_best: Annotated[StrictInt, described("splits measured: those of lowest predicted KL", ge=1)] | None = None
+    each. None: every split is pruned on every window and the chosen one's trial is kept. auto:
+    a quarter of `calibration.num_samples` in a global layout of a dense model with at least 64
+    windows (16 or more each), else None (`run.stages.split.resolved_choice`)."""
+    measure_best: (
+        Annotated[StrictInt, described("splits measured: those of lowest predicted KL", ge=1)] | Literal["auto"] | None
+    ) = "auto"
     """Without `kept`, in a global layout: before any split is pruned, predict each one's KL from
     second-order estimates (the residual width's from the survey the walk runs anyway, the MLP's
     from each layer's refit error at the split's width, both weighed by H: `run.stages.split_prediction`),
     then prune and measure only this many, those predicted best (as many as `candidates`: every
-    split predicted and measured, to check the prediction). None: every split is measured."""
+    split predicted and measured, to check the prediction). None: every split is measured. auto: 2
+    where the prediction applies and saves a measurement (a global layout of a dense model, no
+    expert counts open, more than 2 splits, and a pipeline that estimates H anyway), else None."""
 
 
 def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec:
@@ -129,17 +137,17 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
             "slicing.layout: heterogeneous"
         )
     windows = recipe.calibration.num_samples
-    if spec.screen_windows is not None and spec.screen_windows >= windows:
+    if isinstance(spec.screen_windows, int) and spec.screen_windows >= windows:
         raise UserError(
             f"mlp.screen_windows {spec.screen_windows} is not fewer than the {windows} calibration windows "
             "(calibration.num_samples); lower it, or remove it to prune every split on every window"
         )
-    if spec.measure_best is not None and spec.measure_best > spec.candidates:
+    if isinstance(spec.measure_best, int) and spec.measure_best > spec.candidates:
         raise UserError(
             f"mlp.measure_best {spec.measure_best} is more than the {spec.candidates} candidate splits "
             "(mlp.candidates); lower it (equal: every split predicted and measured)"
         )
-    if spec.measure_best is not None and recipe.slicing.layout != "global":
+    if isinstance(spec.measure_best, int) and recipe.slicing.layout != "global":
         raise UserError(
             "mlp.measure_best predicts the splits of one basis kept everywhere, and this recipe's layout is "
             f"{recipe.slicing.layout}; set slicing.layout: global, or remove mlp.measure_best"

@@ -74,7 +74,7 @@ class PruneDepth(Stage):
         count's removal is measured on for the prediction, whatever the selector."""
         if recipe.depth is None or plan.block_selector is None:
             return 0
-        return recipe.depth.heldout_windows if measures(recipe, plan.block_selector) else 0
+        return recipe.depth.heldout_windows if measures(recipe, plan, plan.block_selector) else 0
 
     def memory(self, footprint: Footprint) -> list[Phase]:
         fp = footprint
@@ -148,11 +148,12 @@ class PruneDepth(Stage):
         state.config = state.checked.layout.config
 
 
-def measures(recipe: Recipe, selector: BlockSelector) -> bool:
+def measures(recipe: Recipe, checked: Plan, selector: BlockSelector) -> bool:
     """The stage measures removals on held-out windows: for a selector that requires it, or, with
-    `depth` open and `mlp.measure_best`, each count's blocks for the split prediction."""
+    `depth` open and `mlp.measure_best` (as the plan decided it), each count's blocks for the split
+    prediction."""
     assert recipe.depth is not None
-    predicts = recipe.depth.removed is None and recipe.mlp is not None and recipe.mlp.measure_best is not None
+    predicts = recipe.depth.removed is None and checked.measure_best is not None
     return "measure" in selector.requires or predicts
 
 

@@ -64,12 +64,13 @@ class ChooseSplit(Stage):
             raise UserError(
                 f"choosing the split of the budget runs in one process: fix {fixing_keys(recipe)}, or launch one process"
             )
-        if measure_best(recipe) is not None and len({split.experts for split in plan.splits}) > 1:
+        explicit = recipe.mlp is not None and isinstance(recipe.mlp.measure_best, int)  # auto: resolved to fit
+        if explicit and len({split.experts for split in plan.splits}) > 1:
             raise UserError(
                 "mlp.measure_best predicts the splits between the residual width and the MLP's, and experts "
                 "without kept adds expert counts it cannot predict; set experts.kept, or remove mlp.measure_best"
             )
-        if measure_best(recipe) is not None and plan.layout.active is not None:
+        if explicit and plan.layout.active is not None:
             raise UserError(
                 "mlp.measure_best predicts dense MLPs' widths, and this model's MLPs are routed experts; "
                 "remove mlp.measure_best"
@@ -97,8 +98,7 @@ class ChooseSplit(Stage):
                 whole_model=True,
             )
         ]
-        recipe = footprint.recipe
-        if recipe is not None and measure_best(recipe) is not None:  # every site's C and H, float32, on the host
+        if footprint.settings.predicts_splits:  # every site's C and H, float32, on the host
             sites = 2 * footprint.layers + 1
             statistics = sites * 2 * footprint.d * footprint.d * 4 + 4 * footprint.d * footprint.d * 8
             phases.append(
@@ -106,7 +106,7 @@ class ChooseSplit(Stage):
                     "predicting the splits (every site's C and H on the host)",
                     weights + footprint.store + footprint.positions + statistics,
                     footprint.measured["walk"],
-                    "no mlp.measure_best (every split measured), or a machine with more memory",
+                    "mlp.measure_best: null (every split measured), or a machine with more memory",
                 )
             )
         return phases
@@ -119,9 +119,9 @@ class ChooseSplit(Stage):
         if not checked.may_choose_split:
             return []
         splits = checked.splits
-        best = measure_best(recipe)
+        best = checked.measure_best
         measured = len(splits) if best is None else min(best, len(splits))
-        screen = screen_windows(recipe)
+        screen = checked.screen_windows
         tokens = work.tokens if screen is None else screen * recipe.calibration.seq_len
         heldout = work.heldout.get(self.name, 0)
         trials = []
@@ -195,13 +195,13 @@ def fresh_choice(state: RunState, splits: tuple[SlicedLayout, ...], stage: str) 
         lambda index, layout: measured_split(state, index, layout, original, rng),
         sum(len(batch.input_ids) for batch in state.measuring_windows[stage]),
         state.progress,
-        None if prediction is None else best_predicted(prediction.kls, measure_best(state.recipe) or 0),
+        None if prediction is None else best_predicted(prediction.kls, state.checked.measure_best or 0),
         None if prediction is None else prediction.kls,
     )
     torch.set_rng_state(rng)
-    split = timed_split(split, state.split_prune_s, state.survey.passes, screen_windows(state.recipe))
+    split = timed_split(split, state.split_prune_s, state.survey.passes, state.checked.screen_windows)
     predict_s = None if prediction is None else prediction.seconds
-    return split.model_copy(update={"measure_best": measure_best(state.recipe), "predict_s": predict_s})
+    return split.model_copy(update={"measure_best": state.checked.measure_best, "predict_s": predict_s})
 
 
 CHOICE_KEYS = {"mlp": "kept", "experts": "kept", "heads": "kept", "depth": "removed"}
@@ -287,7 +287,7 @@ def measured_split(
         state.resources,
         state.ranks,
     )
-    screen = screen_windows(state.recipe)
+    screen = state.checked.screen_windows
     trial.tokenizer, trial.calibration = state.tokenizer, screened(state)
     trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], list(layout.removed_blocks)
     trial.model = trial.model_to_prune()
@@ -326,20 +326,15 @@ def measured_split(
     return kl
 
 
-def measure_best(recipe: Recipe) -> int | None:
-    """`mlp.measure_best`: how many splits, the best predicted, are measured (None: all, unpredicted)."""
-    return None if recipe.mlp is None else recipe.mlp.measure_best
-
-
 def predicted(state: RunState, splits: tuple[SlicedLayout, ...]) -> Prediction | None:
     """With `mlp.measure_best`, every split's predicted KL (`split_prediction`) on the windows its
     trial is pruned on, H kept (and checkpointed, on every window) for the trials' walks."""
-    if measure_best(state.recipe) is None:
+    if state.checked.measure_best is None:
         return None
     prediction = predict_splits(state, splits, screened(state), state.fisher_key(trial_fingerprint(state)["data"]))
     survey = prediction.survey
     uses_h = "H" in required_statistics(state.checked.pipeline)  # else the run's own stages choose without it
-    if uses_h and screen_windows(state.recipe) is None and not state.checkpoint.has_fisher():
+    if uses_h and state.checked.screen_windows is None and not state.checkpoint.has_fisher():
         state.checkpoint.save_fisher(dict(survey.fisher))
         if survey.fisher_source == "computed":
             state.split_fisher_source = "computed"
@@ -349,21 +344,16 @@ def predicted(state: RunState, splits: tuple[SlicedLayout, ...]) -> Prediction |
 
 def trial_fingerprint(state: RunState) -> dict[str, str]:
     """A trial's fingerprint: the run's, with its own data when screened (H of other windows)."""
-    screen = screen_windows(state.recipe)
+    screen = state.checked.screen_windows
     if screen is None:
         return state.fingerprint  # the same recipe, model and data: not hashed again
     return {**state.fingerprint, "data": f"{state.fingerprint['data']}/screen-{screen}"}
 
 
-def screen_windows(recipe: Recipe) -> int | None:
-    """`mlp.screen_windows`: the calibration windows each split is pruned on while choosing (None: all)."""
-    return None if recipe.mlp is None else recipe.mlp.screen_windows
-
-
 def screened(state: RunState) -> list[Batch]:
     """The calibration windows a split's trial is pruned on: all, or `mlp.screen_windows` of them
     evenly spread through the set, in batches of the calibration's size."""
-    windows = screen_windows(state.recipe)
+    windows = state.checked.screen_windows
     if windows is None:
         return state.calibration
     return rebatch(state.calibration, state.recipe.calibration.batch_size, windows)
@@ -378,7 +368,7 @@ def adoptable_trials(recipe: Recipe, checked: Plan) -> bool:
     """The chosen trial's walk, expert, head and MLP stages can be the run's: pruned on every calibration
     window (not screened), and no other stage between the walk and the MLP's changes the model
     (refinement, a plugin's), so the run would make the same calls."""
-    if screen_windows(recipe) is not None:
+    if checked.screen_windows is not None:
         return False
     own = (PruneExperts.name, PruneHeads.name)  # the trial's own
     stages = tuple(stage for stage in checked.stages if stage.name not in own)
@@ -389,3 +379,35 @@ def adopts(recipe: Recipe, checked: Plan) -> bool:
     """The run will adopt a trial (it chooses a split, and the trials are adoptable): its walk, experts,
     heads and MLP stage are then within the choice's time."""
     return checked.may_choose_split and adoptable_trials(recipe, checked)
+
+
+AUTO_MEASURED = 2
+"""`mlp.measure_best: auto`: the splits measured, of those predicted best, where the prediction applies."""
+AUTO_SCREEN_SHARE = 4
+"""`mlp.screen_windows: auto`: a split is pruned on this fraction (one in four) of the calibration windows..."""
+AUTO_SCREEN_FEWEST = 16
+"""... and never on fewer windows than this (below 4 × 16 calibration windows, every split is pruned on all):
+on SmolLM2-135M 8 of 64 windows ranked two close splits wrongly, 16 rightly (docs/benchmarks.md)."""
+
+
+def resolved_choice(recipe: Recipe, checked: Plan) -> Plan:
+    """The plan with `mlp.measure_best` and `mlp.screen_windows` decided: a number or None as the recipe
+    gives it, or for `auto` (the default) what the benchmarks measured to keep choosing within 1.5x the
+    chosen split's own pruning without changing the choice ("What choosing costs by default",
+    docs/benchmarks.md), where it was measured: a global layout of a dense model (no routed experts),
+    with the prediction only where it saves a measurement and H is estimated anyway."""
+    spec = recipe.mlp
+    if spec is None or not checked.splits:
+        return checked
+    measured = recipe.slicing.layout == "global" and checked.layout.active is None
+    best, screen = spec.measure_best, spec.screen_windows
+    if best == "auto":
+        experts_open = len({split.experts for split in checked.splits}) > 1
+        with_h = "H" in required_statistics(checked.pipeline)
+        predicts = measured and not experts_open and with_h and len(checked.splits) > AUTO_MEASURED
+        best = AUTO_MEASURED if predicts else None
+    if screen == "auto":
+        share = recipe.calibration.num_samples // AUTO_SCREEN_SHARE
+        screen = share if measured and share >= AUTO_SCREEN_FEWEST else None
+    assert not isinstance(best, str) and not isinstance(screen, str)
+    return dataclasses.replace(checked, measure_best=best, screen_windows=screen)
