@@ -4,7 +4,8 @@ the heterogeneous layout (DeciLM), each as a `compress run` of one base recipe, 
 converted by llama.cpp's own converter and timed there.
 
 Rows, at each `--targets` budget (`target_params`), all saved as the original class except the last:
-- `two axes`: residual width and MLP neurons, the split chosen by measuring every candidate (`mlp: {}`);
+- `two axes`: residual width and MLP neurons, the split chosen by measuring every candidate on every
+  window (`mlp: {}`; `--choice default`: as the run decides by default, the 2 predicted best screened);
 - `depth`: `depth.removed` blocks (`kl` selector) and the residual width taking the rest;
 - `heads`: `heads.kept` of each KV group's query heads (`obs`) and the residual width taking the rest;
 - `every axis`: `mlp: {}`, `heads: {}` and `depth: {}` together, the `--best` predicted candidates measured;
@@ -17,6 +18,8 @@ stages, inside "choosing s" where the run adopted the chosen trial (every calibr
 
     python benchmarks/every_axis.py                                   # ref-llama at 0.75 and 0.6
     python benchmarks/every_axis.py --model benchmarks/results/ref-llama-tied --name ref-llama-tied
+    python benchmarks/every_axis.py --recipe <smollm2 recipe> --name smollm2 --targets 0.75 --removed 2 \\
+        --shortlist 4 --open-depth 'max_removed: 4, candidates: 3' --heads 0.67 --choice default
     python benchmarks/every_axis.py --reuse --gguf-python /work/gguf-venv/bin/python \\
         --converter /work/gguf-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
 
@@ -46,11 +49,23 @@ ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
 
 
 def configurations(
-    target: float, removed: int, heads: float, best: int, shortlist: int | None = None, open_depth: str = ""
+    target: float,
+    removed: int,
+    heads: float,
+    best: int,
+    shortlist: int | None = None,
+    open_depth: str = "",
+    choice: str = "every",
 ) -> list[tuple[str, list[str]]]:
     """(label, --set changes) of every row at one budget. `shortlist`: both depth rows' `kl` selector
     measures only that many blocks per step (a model of many blocks is not measured once per block
-    and step); `open_depth`: what the every-axis row's open `depth` section adds (`max_removed: 4`)."""
+    and step); `open_depth`: what the every-axis row's open `depth` section adds (`max_removed: 4`);
+    `choice`: every (the two-axis row measures every split on every window, the every-axis row its
+    `best` predicted on every window) or default (`mlp.measure_best` and `mlp.screen_windows` as the
+    run decides them, `auto`, the every-axis row measuring its `best`)."""
+    every = choice == "every"
+    thorough = ["mlp.measure_best=null", "mlp.screen_windows=null"] if every else []
+    whole = ["mlp.screen_windows=null"] if every else []
     budget = [f"target_params={target}", "sparsity=null"]
     stock = [*budget, "slicing.layout=global"]
     options = [] if shortlist is None else [f"shortlist: {shortlist}"]
@@ -58,12 +73,12 @@ def configurations(
     open_section = ", ".join([*options, *([open_depth] if open_depth else [])])
     blocks = "block" if removed == 1 else "blocks"
     return [
-        (f"{target}: two axes, chosen", [*stock, "mlp={}"]),
+        (f"{target}: two axes, chosen", [*stock, "mlp={}", *thorough]),
         (f"{target}: depth ({removed} {blocks}) + width", [*stock, f"depth={{{fixed}}}"]),
         (f"{target}: heads ({heads:g}) + width", [*stock, f"heads.kept={heads}"]),
         (
             f"{target}: every axis, chosen",
-            [*stock, "mlp={}", f"mlp.measure_best={best}", "heads={}", f"depth={{{open_section}}}"],
+            [*stock, "mlp={}", f"mlp.measure_best={best}", *whole, "heads={}", f"depth={{{open_section}}}"],
         ),
         (
             f"{target}: heterogeneous",
@@ -98,7 +113,8 @@ def run_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
         (label, [*changes, *args.set])
         for target in args.targets
         for kind, (label, changes) in zip(
-            ROWS, configurations(target, args.removed, args.heads, args.best, args.shortlist, args.open_depth)
+            ROWS,
+            configurations(target, args.removed, args.heads, args.best, args.shortlist, args.open_depth, args.choice),
         )
         if kind in args.rows
     ]
@@ -183,6 +199,9 @@ def main() -> None:
     parser.add_argument("--removed", type=int, default=1, help="blocks the depth row removes")
     parser.add_argument("--heads", type=float, default=0.5, help="the share of query heads the heads row keeps")
     parser.add_argument("--best", type=int, default=2, help="candidates the every-axis row measures")
+    parser.add_argument(
+        "--choice", choices=("every", "default"), default="every", help="how the chosen rows choose (configurations)"
+    )
     parser.add_argument("--shortlist", type=int, default=None, help="blocks the depth rows measure per step")
     parser.add_argument("--open-depth", default="", help="the every-axis row's depth options, e.g. 'max_removed: 4'")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run")

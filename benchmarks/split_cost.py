@@ -116,6 +116,8 @@ def main() -> None:
         "distillation=null",
         "pipeline=[{strategy: sensitivity, include_pca: true}]",
         "mlp={}",
+        "mlp.measure_best=null",  # every row says what it predicts and screens (the defaults are auto)
+        "mlp.screen_windows=null",
         *EVALUATION,
         *args.set,
     ]

@@ -214,7 +214,8 @@ def replan(
     choice for each; the first none), each with its splits."""
     layout, splits = _relayout(recipe, checked, removed, removed_sets, checked.decode_budgets)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
-    return dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
+    replanned = dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
+    return resolved_choice(recipe, replanned)  # the splits may be others now
 
 
 def plan_config(recipe: Recipe, checked: Plan) -> PretrainedConfig:

@@ -359,7 +359,7 @@ def test_a_run_killed_after_choosing_blocks_with_the_split_resumes_without_them_
     recipe = write_recipe(
         tmp_path,
         checkpoint,
-        mlp={"heldout_windows": 2, "candidates": 2, **({} if screen is None else {"screen_windows": screen})},
+        mlp={"heldout_windows": 2, "candidates": 2, "measure_best": None, "screen_windows": screen},
         depth={"heldout_windows": 2},
         **OPEN,
     )

@@ -343,18 +343,23 @@ def test_a_budget_with_no_split_but_the_residual_width_alone_says_so_and_measure
 SENSITIVITY = [{"strategy": "sensitivity"}]
 
 
+LONG = {"calibration__seq_len": 128}  # the tiny model's positions: 64 windows make the fewest tokens a screen takes
+
+
 @pytest.mark.parametrize(
     ("changes", "decided"),
     [
         ({}, (None, None)),  # PCA estimates no H to predict with; 4 windows are too few to screen
         ({"pipeline": SENSITIVITY}, (2, None)),
-        ({"pipeline": SENSITIVITY, "calibration__num_samples": 64}, (2, 16)),
-        ({"calibration__num_samples": 63}, (None, None)),  # a quarter is 15, under 16
-        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128}, (2, 32)),
-        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128, "mlp__measure_best": None}, (None, 32)),
-        ({"pipeline": SENSITIVITY, "calibration__num_samples": 128, "mlp__screen_windows": None}, (2, None)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 256, **LONG}, (2, 64)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 256}, (2, None)),  # 64 windows of 64 tokens: too few
+        ({"calibration__num_samples": 252, **LONG}, (None, None)),  # a quarter is 63 windows, 8,064 tokens
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 512, **LONG}, (2, 128)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 512, **LONG, "mlp__measure_best": None}, (None, 128)),
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 512, **LONG, "mlp__screen_windows": None}, (2, None)),
         ({"pipeline": SENSITIVITY, "mlp__candidates": 2}, (None, None)),  # 2 splits: predicting saves nothing
         ({"mlp__measure_best": 3, "mlp__screen_windows": 3}, (3, 3)),  # as given, H or not
+        ({"pipeline": SENSITIVITY, "calibration__num_samples": 512, **LONG, "slicing": {}}, (None, None)),  # per site
     ],
 )
 def test_auto_choice_settings_are_decided_by_the_plan(
@@ -368,6 +373,27 @@ def test_auto_choice_settings_are_decided_by_the_plan(
     checked = plan(load_recipe(path, registry), registry)
     assert len(checked.splits) == changes.get("mlp__candidates", 3)
     assert (checked.measure_best, checked.screen_windows) == decided
+
+
+def test_auto_screens_on_at_least_four_tokens_per_neuron_and_not_where_kept_fixes_the_mlp(tmp_path: Path) -> None:
+    """MLPs of 4,096 neurons: a screen needs 16,384 tokens, so 256 windows of 128 (a quarter: 8,192) are
+    pruned whole and 512 are screened on 128. With `mlp.kept` the MLP is not chosen: auto is null there
+    (and an explicit null is not refused), while `heads: {}` still chooses its counts."""
+    registry = PluginRegistry()
+    wide = save_tiny_checkpoint(tmp_path / "wide", intermediate_size=4096)
+    decided = {}
+    for windows in (256, 512):
+        path = write_recipe(
+            tmp_path, wide, mlp={**SPLIT}, pipeline=SENSITIVITY, calibration__num_samples=windows, **LONG, **COMMON
+        )
+        decided[windows] = plan(load_recipe(path, registry), registry).screen_windows
+    assert decided == {256: None, 512: 128}
+    for kept in ({"kept": 0.5}, {"kept": 0.5, "measure_best": None, "screen_windows": None}):
+        path = write_recipe(
+            tmp_path, wide, mlp=kept, heads={}, pipeline=SENSITIVITY, calibration__num_samples=512, **LONG, **COMMON
+        )
+        checked = plan(load_recipe(path, registry), registry)
+        assert checked.chooses_split and (checked.measure_best, checked.screen_windows) == (None, None)
 
 
 def test_auto_choice_settings_stay_off_where_they_were_not_measured(tmp_path: Path) -> None:

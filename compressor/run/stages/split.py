@@ -21,7 +21,7 @@ from compressor.engine.refine import rebatch
 from compressor.engine.walk import SurveyMemo
 from compressor.errors import ProgressKept, UserError
 from compressor.models.depth import remove_blocks
-from compressor.models.layout import SlicedLayout
+from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
 from compressor.run.report import without_blocks
@@ -384,20 +384,22 @@ def adopts(recipe: Recipe, checked: Plan) -> bool:
 AUTO_MEASURED = 2
 """`mlp.measure_best: auto`: the splits measured, of those predicted best, where the prediction applies."""
 AUTO_SCREEN_SHARE = 4
-"""`mlp.screen_windows: auto`: a split is pruned on this fraction (one in four) of the calibration windows..."""
-AUTO_SCREEN_FEWEST = 16
-"""... and never on fewer windows than this (below 4 × 16 calibration windows, every split is pruned on all):
-on SmolLM2-135M 8 of 64 windows ranked two close splits wrongly, 16 rightly (docs/benchmarks.md)."""
+"""`mlp.screen_windows: auto`: a split is pruned on one in this many calibration windows, where they hold
+at least `AUTO_SCREEN_TOKENS` tokens and `AUTO_SCREEN_PER_NEURON` per neuron of the MLP (else on all)."""
+AUTO_SCREEN_TOKENS = 8192
+"""On SmolLM2-135M (MLPs of 1,536) 8 windows of 512 tokens ranked two close splits wrongly and 16 rightly
+(docs/benchmarks.md, "What choosing the split costs"): 5.3 tokens a neuron did, 2.7 did not."""
+AUTO_SCREEN_PER_NEURON = 4
 
 
 def resolved_choice(recipe: Recipe, checked: Plan) -> Plan:
     """The plan with `mlp.measure_best` and `mlp.screen_windows` decided: a number or None as the recipe
-    gives it, or for `auto` (the default) what the benchmarks measured to keep choosing within 1.5x the
-    chosen split's own pruning without changing the choice ("What choosing costs by default",
+    gives it, or for `auto` (the default) what the benchmarks measured to keep choosing near the chosen
+    split's own pruning without changing the choice beyond 6% ("What choosing costs by default",
     docs/benchmarks.md), where it was measured: a global layout of a dense model (no routed experts),
-    with the prediction only where it saves a measurement and H is estimated anyway."""
+    `mlp` without `kept`, with the prediction only where it saves a measurement and H is estimated anyway."""
     spec = recipe.mlp
-    if spec is None or not checked.splits:
+    if spec is None or spec.kept is not None or not checked.splits:
         return checked
     measured = recipe.slicing.layout == "global" and checked.layout.active is None
     best, screen = spec.measure_best, spec.screen_windows
@@ -408,6 +410,13 @@ def resolved_choice(recipe: Recipe, checked: Plan) -> Plan:
         best = AUTO_MEASURED if predicts else None
     if screen == "auto":
         share = recipe.calibration.num_samples // AUTO_SCREEN_SHARE
-        screen = share if measured and share >= AUTO_SCREEN_FEWEST else None
+        screen = share if measured and share * recipe.calibration.seq_len >= screen_tokens(checked) else None
     assert not isinstance(best, str) and not isinstance(screen, str)
     return dataclasses.replace(checked, measure_best=best, screen_windows=screen)
+
+
+def screen_tokens(checked: Plan) -> int:
+    """The fewest calibration tokens `screen_windows: auto` prunes a split on: `AUTO_SCREEN_TOKENS`, and
+    `AUTO_SCREEN_PER_NEURON` for each neuron of the MLP (whose refit they must determine)."""
+    neurons = max(mlp_neurons(split.config, split.family) for split in checked.splits)
+    return max(AUTO_SCREEN_TOKENS, AUTO_SCREEN_PER_NEURON * neurons)
