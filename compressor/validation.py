@@ -148,16 +148,46 @@ def _range(owner: Any, loc: tuple[Any, ...]) -> str | None:
     return next((f"{words[key]} {bounds[key]:g}" for key in words if key in bounds), None)
 
 
+def _field_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A pydantic error's location without its validators' and union members' tags
+    (`function-after[...]`, `constrained-int`, `literal['auto']`): the keys and indices a user wrote."""
+    return tuple(part for part in loc if isinstance(part, int) or not _tag(str(part)))
+
+
+_UNION_TAGS = ("function-", "constrained-", "literal[", "list[", "dict[", "tuple[")
+_TYPE_TAGS = {"int", "float", "str", "bool", "none"}
+
+
+def _tag(part: str) -> bool:
+    """A location part that pydantic added (a validator's or a union member's name), not a key."""
+    return part.startswith(_UNION_TAGS) or part in _TYPE_TAGS
+
+
+def _alternatives(errors: list[Any], loc: tuple[Any, ...], owner: Any, kind: str) -> str:
+    """`, or auto or null`: the literal values a union field also takes, where its first error is another
+    member's (a number out of range), so the message names every form the field accepts."""
+    if kind == "literal_error":
+        return ""
+    words = [
+        str(e["ctx"]["expected"]).replace("'", "")
+        for e in errors
+        if e["type"] == "literal_error" and _field_loc(e["loc"]) == loc and e.get("ctx")
+    ]
+    if not words:
+        return ""
+    return ", or " + " or ".join([*words, *(["null"] if _nullable(owner, loc) else [])])
+
+
 def message(error: ValidationError, cls: type, prefix: str = "") -> str:
     """One line for the first problem of `error`, raised validating `cls`; `prefix` goes before
     every key (e.g. "--set " or a strategy's name)."""
     errors = error.errors()
     first = next((e for e in errors if e["type"] in UNKNOWN_KEY), errors[0])  # a misspelt key also goes missing
-    loc = tuple(part for part in first["loc"] if isinstance(part, int) or not str(part).startswith(("function-",)))
+    loc = _field_loc(first["loc"])
     key = ".".join(str(part) for part in loc)
     kind, value, ctx = first["type"], first.get("input"), first.get("ctx") or {}
     owner = _owner(cls, loc) if loc else None
-    meaning = _description(owner, loc)
+    meaning = _description(owner, loc) + _alternatives(errors, loc, owner, kind)
     where = f"{prefix}{key}" if key else (prefix.strip() or "the recipe")
     if kind in UNKNOWN_KEY:
         parent = ".".join(str(part) for part in loc[:-1])

@@ -351,6 +351,17 @@ BAD_INPUTS = {
         "evaluation.throughput must be true or false",
     ),
     "negative refinement top_k": (dict(refinement={"top_k": -1}), None, "refinement.top_k must be at least 0"),
+    "a word for a count that takes auto": (
+        dict(mlp={"measure_best": "foo"}),
+        None,
+        "mlp.measure_best must be an integer (splits measured: those of lowest predicted KL), or auto or null, got 'foo'",
+    ),
+    "a count out of range that takes auto": (
+        dict(mlp={"screen_windows": 0}),
+        None,
+        "mlp.screen_windows must be at least 1 (calibration windows each split is pruned on while choosing), "
+        "or auto or null, got 0",
+    ),
     "unknown refinement key": (dict(refinement={"steps": 5}), None, "unknown key 'refinement.steps'"),
     "refinement after corrected readers": (
         dict(refinement={}, slicing={"correct_readers": True}),
