@@ -245,12 +245,12 @@ def _model(
         )
     found.checked += mlp_lines(checked, recipe)
     if checked.chooses_split:
-        found.checked.append(split_line(checked, recipe))
+        found.checked.append(split_line(checked))
     found.checked.append(f"strategies {' + '.join(s.strategy for s in recipe.pipeline)} and their options")
     return checked
 
 
-def split_line(checked: Plan, recipe: Recipe) -> str:
+def split_line(checked: Plan) -> str:
     """The splits of the budget the run chooses from, and how many it predicts and measures."""
     splits = ", ".join(
         f"width {split.kept} with MLP {split.mlp_width or 'whole'}"

@@ -91,8 +91,8 @@ class MlpSpec:
     choosing, then prune the chosen one on every window with the run's own walk and MLP stage;
     choosing then costs about this share of the calibration per split instead of a whole pruning
     each. None: every split is pruned on every window and the chosen one's trial is kept. auto:
-    a quarter of `calibration.num_samples` in a global layout of a dense model with at least 64
-    windows (16 or more each), else None (`run.stages.split.resolved_choice`)."""
+    a quarter of `calibration.num_samples` in a global layout of a dense model, where that quarter
+    holds at least 8,192 tokens and 4 per MLP neuron, else None (`run.stages.split.resolved_choice`)."""
     measure_best: (
         Annotated[StrictInt, described("splits measured: those of lowest predicted KL", ge=1)] | Literal["auto"] | None
     ) = "auto"
