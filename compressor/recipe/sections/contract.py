@@ -9,7 +9,7 @@ stage's section is checked by its own options class the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,13 +53,23 @@ class Section:
     """Edits the JSON schema's `$defs` to admit the shorthand."""
 
 
-def refuse_choice_keys(section: str, spec: Any, keys: Sequence[str], chooses: str, count: str = "kept") -> None:
+def refuse_choice_keys(
+    section: str,
+    spec: Any,
+    keys: Sequence[str],
+    chooses: str,
+    count: str = "kept",
+    idle: Mapping[str, tuple[Any, ...]] | None = None,
+) -> None:
     """A section whose `count` (`kept`; `removed` for depth) fixes the count the run would otherwise
     choose (`mlp`, `experts`, `heads`, `depth`): each of the choice's `keys` away from its default
-    is refused in one line."""
+    is refused in one line, unless its value is one of those `idle` names for it (values that mean
+    nothing where the count is fixed, such as `auto` or `null`)."""
     fixed = type(spec)(**{count: getattr(spec, count)})
+    idle = idle or {}
     for key in keys:
-        if getattr(spec, key) != getattr(fixed, key):
+        value = getattr(spec, key)
+        if value != getattr(fixed, key) and value not in idle.get(key, ()):
             raise UserError(
                 f"{section}.{key} applies when {chooses}, but {section}.{count} fixes it; remove one of them"
             )

@@ -113,12 +113,9 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         if value is not None and value >= 1 and value != int(value):
             raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
-        refuse_choice_keys("mlp", spec, ("min_kept", "candidates", "heldout_windows"), "the plan chooses the split")
-        for key in ("screen_windows", "measure_best"):  # auto (the default) and null mean nothing here
-            if isinstance(getattr(spec, key), int):
-                raise UserError(
-                    f"mlp.{key} applies when the plan chooses the split, but mlp.kept fixes it; remove one of them"
-                )
+        keys = ("min_kept", "candidates", "heldout_windows", "screen_windows", "measure_best")
+        idle = {"screen_windows": ("auto", None), "measure_best": ("auto", None)}  # what means nothing here
+        refuse_choice_keys("mlp", spec, keys, "the plan chooses the split", idle=idle)
     if spec.allocate_by != "fisher" and recipe.slicing.layout != "heterogeneous":
         raise UserError(
             "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous, and this recipe's "
