@@ -18,7 +18,10 @@ stages, inside "choosing s" where the run adopted the chosen trial (every calibr
 
     python benchmarks/every_axis.py                                   # ref-llama at 0.75 and 0.6
     python benchmarks/every_axis.py --model benchmarks/results/ref-llama-tied --name ref-llama-tied
-    python benchmarks/every_axis.py --recipe <smollm2 recipe> --name smollm2 --targets 0.75 --removed 2 \\
+    python benchmarks/real_model.py recipe --only global-beyond-tied --set refinement=null \\
+        --output benchmarks/results/smollm2-protocol.yaml           # SmolLM2's protocol as a recipe
+    python benchmarks/every_axis.py --recipe benchmarks/results/smollm2-protocol.yaml --name smollm2 \\
+        --targets 0.75 --removed 2 \\
         --shortlist 4 --open-depth 'max_removed: 4, candidates: 3' --heads 0.67 --choice default
     python benchmarks/every_axis.py --reuse --gguf-python /work/gguf-venv/bin/python \\
         --converter /work/gguf-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py

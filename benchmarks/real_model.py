@@ -13,6 +13,8 @@ held-out windows of valid.jsonl for the KL and perplexity, float32, `target_para
     .venv/bin/python benchmarks/real_model.py diagnose           # what refinement optimises vs what is saved
     .venv/bin/python benchmarks/real_model.py table              # layouts x head x refinement, one table
     .venv/bin/python benchmarks/real_model.py table --target 0.6 --only global-beyond-tied global-beyond-untied
+    .venv/bin/python benchmarks/real_model.py recipe --only global-beyond-tied --set refinement=null \\
+        --output benchmarks/results/smollm2-protocol.yaml    # one run's recipe, for every_axis.py --recipe
 
 `diagnose` walks once (the stock recipe's global layout, tied head), then refines the walk's basis
 twice: as refinement did before issue 32 (the untied head in its objective; the saved model's tied
@@ -425,9 +427,37 @@ def table(args: argparse.Namespace) -> None:
     )
 
 
+def recipe(args: argparse.Namespace) -> None:
+    """One table run's recipe as YAML (the protocol, `--only`'s one configuration, `--set`), checked,
+    for the benchmarks that take a base recipe (`every_axis.py --recipe`)."""
+    import yaml
+
+    from compressor.errors import UserError
+    from compressor.recipe.reading import apply_override
+    from compressor.recipe.schema import validate
+    from compressor.strategies.registry import PluginRegistry
+
+    if not args.only or len(args.only) != 1:
+        raise SystemExit("recipe: name one configuration with --only")
+    raw = base_recipe(Path(args.model), args.target, args.calibration, args.heldout, RESULTS / "unused")
+    raw.update(CONFIGS[args.only[0]])
+    try:  # a wrong --set fails here, in one line, not in the benchmark that reads the file
+        for assignment in args.overrides:
+            apply_override(raw, assignment)
+        validate(raw, ROOT, PluginRegistry())
+    except UserError as error:
+        raise SystemExit(f"error: {error}") from None
+    text = yaml.safe_dump(raw, sort_keys=False)
+    if args.output is None:
+        print(text, end="")
+    else:
+        args.output.write_text(text)
+        print(f"wrote {args.output}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "diagnose", "table"])
+    parser.add_argument("command", choices=["prepare", "diagnose", "table", "recipe"])
     parser.add_argument("--model", default=str(MODEL), help="the plain folder `prepare` writes")
     parser.add_argument("--target", type=float, default=0.75, help="target_params")
     parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
@@ -440,11 +470,12 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="table: a recipe override for every run (as compress run --set)",
+        help="table, recipe: a recipe override for every run (as compress run --set)",
     )
+    parser.add_argument("--output", type=Path, default=None, help="recipe: the YAML file (default: printed)")
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
-    {"prepare": prepare, "diagnose": diagnose, "table": table}[args.command](args)
+    {"prepare": prepare, "diagnose": diagnose, "table": table, "recipe": recipe}[args.command](args)
 
 
 if __name__ == "__main__":
