@@ -19,6 +19,8 @@ from compressor.errors import Interrupts, UserError, first_line
 if TYPE_CHECKING:  # rich is imported inside main's handlers, so Ctrl-C while it loads is one line too
     from rich.console import Console
 
+    from compressor.run.gguf import Exported
+
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command Ctrl-C stopped."""
@@ -576,6 +578,28 @@ def _write_output(console: Console, output: Path, text: str) -> None:
     console.print(f"wrote {output}", markup=False, highlight=False)
 
 
+def _wider_line(exported: Exported) -> str:
+    """What the quantizer kept wider, why, and the rounding keys that would have avoided it."""
+    from compressor.run.gguf import QUANT_BLOCK, ROUNDING_KEYS, quant_block
+
+    assert exported.fallbacks is not None and exported.quantized is not None
+    wider, of = exported.fallbacks
+    block = quant_block(exported.quantized)
+    went = (
+        "stayed F16"
+        if block == QUANT_BLOCK
+        else "fell back to a 32-block type, or F16 where a row is not a multiple of 32"
+    )
+    line = f"{wider} of {of} tensors {went}"
+    if not exported.off_block:
+        return f"{line}: rows not multiples of {exported.quantized}'s block of {block}"
+    widths = " and ".join(f"{ROUNDING_KEYS[key][1]} {width}" for key, width in exported.off_block.items())
+    keys = ", ".join(f"{key}: {block}" for key in exported.off_block)
+    multiple = "is not a multiple" if len(exported.off_block) == 1 else "are not multiples"
+    also = "" if block == QUANT_BLOCK else f" ({QUANT_BLOCK} keeps them quantized, in the 32-block type)"
+    return f"{line}: {widths} {multiple} of {exported.quantized}'s block of {block}; prune with {keys}{also}"
+
+
 def _export(args: argparse.Namespace, console: Console) -> None:
     from compressor.run.gguf import ALIGNED_WIDTH, export_gguf
     from compressor.run.threads import available_cpus
@@ -599,11 +623,7 @@ def _export(args: argparse.Namespace, console: Console) -> None:
     what = exported.outtype + (f", quantized to {exported.quantized}" if exported.quantized else "")
     named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""
     if exported.fallbacks is not None:
-        wider, of = exported.fallbacks
-        named += (
-            f"; {wider} of {of} tensors stayed wider: their widths are not multiples of {exported.quantized}'s "
-            f"block (slicing.round_to: 32, or 256 for k-quants)"
-        )
+        named += "; " + _wider_line(exported)
     if exported.misaligned_width is not None:
         named += (
             f"; hidden size {exported.misaligned_width} is not a multiple of {ALIGNED_WIDTH}, where llama.cpp's "

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from compressor.errors import UserError
@@ -217,12 +217,41 @@ class Exported:
     """(tensors the quantizer kept wider, tensors): widths not a multiple of the quantized type's block."""
     misaligned_width: int | None = None
     """The model's hidden size where it is not a multiple of `ALIGNED_WIDTH` (`misaligned_width`)."""
+    off_block: dict[str, int] = field(default_factory=dict)
+    """Quantized: the rounding keys whose widths are not multiples of the type's block (`widths_off_block`)."""
 
 
 ALIGNED_WIDTH = 16
 """llama.cpp's float32 CPU prefill ran 1.5-2.8x slower at residual widths that are odd multiples of 8
 than at multiples of 16 on an AVX-512 machine, whose registers hold 16 floats (docs/benchmarks.md,
 "Every axis at one budget")."""
+
+
+QUANT_BLOCK, K_QUANT_BLOCK = 32, 256
+"""The row lengths llama.cpp's quantized types need: a multiple of 32 (q8_0, q4_0, ...), of 256 for
+the k-quants; its quantizer falls a k-quant's misfit row back to a 32-block type of a bit or two more,
+and a row not a multiple of 32 to F16 (`tensor_type_fallback` in its llama-quant.cpp)."""
+
+ROUNDING_KEYS = {"slicing.round_to": ("hidden_size", "hidden size"), "mlp.round_to": ("intermediate_size", "MLP width")}
+"""The recipe keys that round a pruned width: the saved config's field each rounds, and its name."""
+
+
+def quant_block(kind: str) -> int:
+    """The row length `kind` (a `QUANT_TYPES` name) quantizes in blocks of."""
+    return K_QUANT_BLOCK if "_k" in kind else QUANT_BLOCK
+
+
+def widths_off_block(model: Path, block: int) -> dict[str, int]:
+    """The recipe's rounding keys (`ROUNDING_KEYS`) whose widths in `model`'s config (its text
+    tower's) are not multiples of `block`, with those widths: what to round for a quantized file."""
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config")
+    fields = text if isinstance(text, dict) else config
+    return {
+        key: fields[name]
+        for key, (name, _) in ROUNDING_KEYS.items()
+        if isinstance(fields.get(name), int) and fields[name] % block
+    }
 
 
 def misaligned_width(model: Path) -> int | None:
@@ -296,6 +325,7 @@ def export_gguf(
         seconds,
         wider,
         misaligned,
+        {} if quantize_to is None else widths_off_block(model, quant_block(quantize_to)),
     )
 
 

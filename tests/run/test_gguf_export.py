@@ -232,5 +232,18 @@ def test_a_quantizer_binary_quantizes_and_the_tensors_it_kept_wider_are_said(
     assert main([*command, "--quantize", "q4_k_m", "--quantizer", str(quantizer)]) == 0
     assert out.read_bytes().endswith(b"Q4_K_M") and out.read_bytes().startswith(b"GGUFf16|")
     said = capsys.readouterr().out
-    assert "quantized to q4_k_m" in said and "38 of 57 tensors stayed wider" in said
+    assert "quantized to q4_k_m" in said and "38 of 57 tensors fell back to a 32-block type" in said
     assert [p.name for p in out.parent.iterdir()] == ["model.gguf"]
+    # the widths the run chose are read from the saved config: those off the type's block are named with their key
+    sliced = _run(tmp_path / "sliced", hidden_size=216, intermediate_size=512)
+    command = ["export", str(sliced), "--gguf", str(tmp_path / "sliced.gguf"), "--converter", str(converter)]
+    assert main([*command, "--quantize", "q4_k_m", "--quantizer", str(quantizer)]) == 0
+    said = " ".join(capsys.readouterr().out.split())  # rich folds the line
+    assert "hidden size 216 is not a multiple of q4_k_m's block of 256; prune with slicing.round_to: 256" in said
+    assert "mlp.round_to" not in said  # 512 is a multiple of 256
+    both = _run(tmp_path / "both", hidden_size=216, intermediate_size=552)
+    command = ["export", str(both), "--gguf", str(tmp_path / "both.gguf"), "--converter", str(converter)]
+    assert main([*command, "--quantize", "q8_0", "--quantizer", str(quantizer)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "hidden size 216 and MLP width 552 are not multiples of q8_0's block of 32" in said
+    assert "38 of 57 tensors stayed F16" in said and "prune with slicing.round_to: 32, mlp.round_to: 32" in said
