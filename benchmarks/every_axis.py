@@ -29,7 +29,8 @@ stages, inside "choosing s" where the run adopted the chosen trial (every calibr
 Each run's folder stays under benchmarks/results/every_axis_<name>/ (`--reuse` reads a finished
 one back instead of running it again). With `--gguf-python` (a venv with llama-cpp-python, see
 `gguf_check.py`) the dense model and every saved model are converted, their perplexity compared
-with transformers' and their prefill and decode timed in llama.cpp. Writes
+with transformers' and their prefill and decode timed in llama.cpp (`--quantize q4_k_m`: each file
+quantized by llama.cpp's quantizer first, the tables named `-q4_k_m`). Writes
 benchmarks/results/every_axis_<name>.json and .md.
 """
 
@@ -142,25 +143,29 @@ def llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], dense: Path)
     """gguf_check.py over the dense model and every saved one, in the llama-cpp-python venv."""
     out = args.folder / "gguf"
     command = [str(args.gguf_python), str(ROOT / "benchmarks" / "gguf_check.py"), "--converter", str(args.converter)]
-    command += ["--output", str(out), "--json", str(out / "check.json"), "--trust-remote-code", "--reuse-gguf"]
+    report = out / f"check{'' if args.quantize is None else '-' + args.quantize}.json"
+    command += ["--output", str(out), "--json", str(report), "--trust-remote-code", "--reuse-gguf"]
     command += ["--windows", str(args.windows), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     command += ["--decode-steps", str(args.decode_steps)]
+    command += [] if args.quantize is None else ["--quantize", args.quantize]
     for model in [dense, *(Path(row["model_dir"]) for row in rows if "model_dir" in row)]:
         command += ["--model", str(model)]
-    (out / "check.json").unlink(missing_ok=True)  # never read an earlier call's figures
+    report.unlink(missing_ok=True)  # never read an earlier call's figures
     subprocess.run(command, cwd=ROOT, check=False)  # a model that fails is a row with its error
-    checked = json.loads((out / "check.json").read_text())["models"]
+    checked = json.loads(report.read_text())["models"]
     return {str(Path(entry["model"]).resolve()): entry for entry in checked}
 
 
 def llama_cpp_cells(gguf: dict[str, Any] | None) -> list[str]:
-    """The last three cells of a row: llama.cpp's perplexity beside transformers', prefill and decode."""
+    """The last four cells of a row: the GGUF's size, llama.cpp's perplexity beside transformers'
+    (float32: a quantized file's difference is what quantizing cost), prefill and decode."""
     if not gguf:
-        return ["–", "–", "–"]
+        return ["–", "–", "–", "–"]
     if gguf.get("error"):
-        return [gguf["error"][:40], "–", "–"]
+        return ["–", gguf["error"][:40], "–", "–"]
     ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
-    return [ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
+    size = f"{gguf['gguf_bytes'] / 1e6:.1f}"
+    return [size, ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
 
 
 def cells(row: dict[str, Any]) -> list[str]:
@@ -170,7 +175,7 @@ def cells(row: dict[str, Any]) -> list[str]:
         dense = ["dense", "100%", "", "all", "all", "none", "0", f"{row['ppl']:.2f}", "", "", ""]
         return [*dense, *llama_cpp_cells(row["gguf"])]
     if "refused" in row:
-        return [row["label"], "refused", *["–"] * 12]
+        return [row["label"], "refused", *["–"] * 13]
     if row["widths"] is not None:
         mlp = " ".join(str(w) for w in row["widths"])
     else:
@@ -217,6 +222,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens timed one at a time in llama.cpp")
+    parser.add_argument("--quantize", default=None, help="llama.cpp's quantizer type (q8_0, q4_k_m, ...) timed")
     args = parser.parse_args()
     args.name += args.label
     args.folder = ROOT / "benchmarks" / "results" / f"every_axis_{args.name}"
@@ -243,12 +249,15 @@ def main() -> None:
         "run s",
         "choosing s",
         "chosen's pruning s",
+        "GGUF MB",
         "ppl HF / llama.cpp",
         "prefill tok/s",
         "decode tok/s",
     )
-    title = f"{args.name}: every axis at one budget (held-out KL; llama.cpp on this CPU)"
-    write_tables(rows, columns, cells, title, f"every_axis_{args.name}", args.recipe, console)
+    kind = "float32" if args.quantize is None else args.quantize
+    title = f"{args.name}: every axis at one budget (held-out KL; llama.cpp on this CPU, {kind} GGUF)"
+    stem = f"every_axis_{args.name}" + ("" if args.quantize is None else f"-{args.quantize}")
+    write_tables(rows, columns, cells, title, stem, args.recipe, console)
 
 
 if __name__ == "__main__":
