@@ -47,6 +47,7 @@ import yaml
 from axis_runs import EVALUATION, ROOT, common, run_report, working_seconds, write_tables
 from rich.console import Console
 
+from compressor.run.gguf import QUANT_TYPES
 from compressor.run.stages.split import TRIAL_TIMINGS
 
 ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
@@ -164,7 +165,7 @@ def llama_cpp_cells(gguf: dict[str, Any] | None) -> list[str]:
     if gguf.get("error"):
         return ["–", gguf["error"][:40], "–", "–"]
     ppl = f"{gguf['ppl_transformers']:.3f} / {gguf['ppl_llama_cpp']:.3f}"
-    size = f"{gguf['gguf_bytes'] / 1e6:.1f}"
+    size = f"{gguf['gguf_bytes'] / 2**20:.1f}"
     return [size, ppl, f"{gguf['prefill_tokens_per_s']:.0f}", f"{gguf['decode_tokens_per_s']:.1f}"]
 
 
@@ -222,8 +223,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens timed one at a time in llama.cpp")
-    parser.add_argument("--quantize", default=None, help="llama.cpp's quantizer type (q8_0, q4_k_m, ...) timed")
+    parser.add_argument("--quantize", choices=QUANT_TYPES, default=None, help="llama.cpp's quantizer type timed")
     args = parser.parse_args()
+    if args.quantize is not None and args.gguf_python is None:
+        parser.error("--quantize quantizes the GGUF files that --gguf-python converts; give --gguf-python too")
     args.name += args.label
     args.folder = ROOT / "benchmarks" / "results" / f"every_axis_{args.name}"
     console = Console()
@@ -249,7 +252,7 @@ def main() -> None:
         "run s",
         "choosing s",
         "chosen's pruning s",
-        "GGUF MB",
+        "GGUF MiB",
         "ppl HF / llama.cpp",
         "prefill tok/s",
         "decode tok/s",

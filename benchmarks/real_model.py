@@ -101,6 +101,7 @@ measured by the run itself (`metrics.unrefined`), so its row gives both."""
 
 
 def base_recipe(model: Path, target: float, calibration: int, heldout: int, output: Path) -> dict[str, Any]:
+    """The protocol's recipe at `target`, before a configuration of `CONFIGS` is laid over it."""
     return {
         "model": {"path": str(model), "dtype": "float32"},
         "calibration": {
@@ -119,6 +120,18 @@ def base_recipe(model: Path, target: float, calibration: int, heldout: int, outp
         },
         "output": str(output),
     }
+
+
+def configured(args: argparse.Namespace, name: str, output: Path) -> dict[str, Any]:
+    """One table run's raw recipe: the protocol, the configuration `name`, then `--set`; the model's
+    path absolute, so the recipe means the same from any folder."""
+    from compressor.recipe.reading import apply_override
+
+    raw = base_recipe(Path(args.model).resolve(), args.target, args.calibration, args.heldout, output)
+    raw.update(CONFIGS[name])
+    for assignment in args.overrides:
+        apply_override(raw, assignment)
+    return raw
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -311,7 +324,6 @@ def diagnose(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     """Whole runs, sharing data, model and H: held-out KL and perplexity before and after refinement."""
     from compressor.cli import phase_logger
-    from compressor.recipe.reading import apply_override
     from compressor.recipe.schema import validate
     from compressor.run.runner import run
     from compressor.run.sweep import SharedResources
@@ -324,11 +336,7 @@ def table(args: argparse.Namespace) -> None:
     rows = []
     for name in args.only or list(CONFIGS):
         output = RESULTS / "real_model_runs" / f"{name}-{args.target}{args.label}"
-        raw = base_recipe(Path(args.model), args.target, args.calibration, args.heldout, output)
-        raw.update(CONFIGS[name])
-        for assignment in args.overrides:
-            apply_override(raw, assignment)
-        recipe = validate(raw, ROOT, registry)
+        recipe = validate(configured(args, name, output), ROOT, registry)
         report = run(
             recipe,
             registry,
@@ -433,17 +441,13 @@ def recipe(args: argparse.Namespace) -> None:
     import yaml
 
     from compressor.errors import UserError
-    from compressor.recipe.reading import apply_override
     from compressor.recipe.schema import validate
     from compressor.strategies.registry import PluginRegistry
 
     if not args.only or len(args.only) != 1:
         raise SystemExit("recipe: name one configuration with --only")
-    raw = base_recipe(Path(args.model), args.target, args.calibration, args.heldout, RESULTS / "unused")
-    raw.update(CONFIGS[args.only[0]])
     try:  # a wrong --set fails here, in one line, not in the benchmark that reads the file
-        for assignment in args.overrides:
-            apply_override(raw, assignment)
+        raw = configured(args, args.only[0], RESULTS / "unused")
         validate(raw, ROOT, PluginRegistry())
     except UserError as error:
         raise SystemExit(f"error: {error}") from None
@@ -462,7 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float, default=0.75, help="target_params")
     parser.add_argument("--calibration", type=int, default=64, help="calibration windows of 512 tokens")
     parser.add_argument("--heldout", type=int, default=32, help="valid.jsonl windows of 512 tokens for KL and ppl")
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="table: these runs only")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(CONFIGS), help="table: these runs only; recipe: the one written"
+    )
     parser.add_argument("--label", default="", help="table: a suffix for its result files and run folders")
     parser.add_argument(
         "--set",

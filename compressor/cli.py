@@ -579,25 +579,17 @@ def _write_output(console: Console, output: Path, text: str) -> None:
 
 
 def _wider_line(exported: Exported) -> str:
-    """What the quantizer kept wider, why, and the rounding keys that would have avoided it."""
-    from compressor.run.gguf import QUANT_BLOCK, ROUNDING_KEYS, quant_block
+    """What the quantizer kept wider, why, and the rounding that would have avoided it."""
+    from compressor.run.gguf import FALLBACK_BLOCK, QUANT_BLOCKS, rounding_advice
 
     assert exported.fallbacks is not None and exported.quantized is not None
     wider, of = exported.fallbacks
-    block = quant_block(exported.quantized)
     went = (
-        "stayed F16"
-        if block == QUANT_BLOCK
-        else "fell back to a 32-block type, or F16 where a row is not a multiple of 32"
+        "went to F16"
+        if QUANT_BLOCKS[exported.quantized] <= FALLBACK_BLOCK
+        else f"fell back to a {FALLBACK_BLOCK}-block type, or to F16 where a row is not a multiple of {FALLBACK_BLOCK}"
     )
-    line = f"{wider} of {of} tensors {went}"
-    if not exported.off_block:
-        return f"{line}: rows not multiples of {exported.quantized}'s block of {block}"
-    widths = " and ".join(f"{ROUNDING_KEYS[key][1]} {width}" for key, width in exported.off_block.items())
-    keys = ", ".join(f"{key}: {block}" for key in exported.off_block)
-    multiple = "is not a multiple" if len(exported.off_block) == 1 else "are not multiples"
-    also = "" if block == QUANT_BLOCK else f" ({QUANT_BLOCK} keeps them quantized, in the 32-block type)"
-    return f"{line}: {widths} {multiple} of {exported.quantized}'s block of {block}; prune with {keys}{also}"
+    return f"{wider} of {of} tensors {went}: {rounding_advice(exported.off_block, exported.quantized)}"
 
 
 def _export(args: argparse.Namespace, console: Console) -> None:
@@ -624,7 +616,8 @@ def _export(args: argparse.Namespace, console: Console) -> None:
     named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""
     if exported.fallbacks is not None:
         named += "; " + _wider_line(exported)
-    if exported.misaligned_width is not None:
+    rounded = any(o.fix == "slicing.round_to" for o in exported.off_block)  # to 32 or 256: multiples of 16
+    if exported.misaligned_width is not None and not rounded:
         named += (
             f"; hidden size {exported.misaligned_width} is not a multiple of {ALIGNED_WIDTH}, where llama.cpp's "
             f"float32 prefill ran up to 2.8x slower on an AVX-512 CPU (docs/benchmarks.md): prune with a "

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from compressor.errors import UserError
 
@@ -34,8 +35,15 @@ CONVERTER_ENV = "GGUF_CONVERTER"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 """What the converter itself writes (its `--outtype`)."""
 
-QUANT_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m")
-"""`--quantize` types: llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs)."""
+QUANT_BLOCKS = {"q8_0": 32, "q6_k": 256, "q5_k_m": 256, "q4_k_m": 256}
+"""`--quantize` types (llama.cpp's own quantizer, `llama_model_quantize`, what `llama-quantize` runs),
+and the row length each quantizes in blocks of. A row that misses a k-quant's 256 falls back to a
+32-block type (q4_K to q5_0, q5_K to q5_1, q6_K to q8_0), and one that misses 32 to F16
+(`tensor_type_fallback` in llama.cpp's llama-quant.cpp)."""
+
+QUANT_TYPES = tuple(QUANT_BLOCKS)
+FALLBACK_BLOCK = 32
+"""The block of the types a k-quant's misfit row falls back to."""
 
 CONVERTER_BOOTSTRAP = r"""
 import os, runpy, sys
@@ -217,8 +225,8 @@ class Exported:
     """(tensors the quantizer kept wider, tensors): widths not a multiple of the quantized type's block."""
     misaligned_width: int | None = None
     """The model's hidden size where it is not a multiple of `ALIGNED_WIDTH` (`misaligned_width`)."""
-    off_block: dict[str, int] = field(default_factory=dict)
-    """Quantized: the rounding keys whose widths are not multiples of the type's block (`widths_off_block`)."""
+    off_block: list[OffBlock] = field(default_factory=list)
+    """Quantized: the widths that miss the type's block (`widths_off_block`)."""
 
 
 ALIGNED_WIDTH = 16
@@ -227,38 +235,63 @@ than at multiples of 16 on an AVX-512 machine, whose registers hold 16 floats (d
 "Every axis at one budget")."""
 
 
-QUANT_BLOCK, K_QUANT_BLOCK = 32, 256
-"""The row lengths llama.cpp's quantized types need: a multiple of 32 (q8_0, q4_0, ...), of 256 for
-the k-quants; its quantizer falls a k-quant's misfit row back to a 32-block type of a bit or two more,
-and a row not a multiple of 32 to F16 (`tensor_type_fallback` in its llama-quant.cpp)."""
+@dataclass(frozen=True)
+class OffBlock:
+    """A width of the saved model that misses a quantized type's block, and what rounds it (None:
+    nothing in a recipe can, e.g. the heterogeneous layout's residual width, the original's)."""
 
-ROUNDING_KEYS = {"slicing.round_to": ("hidden_size", "hidden size"), "mlp.round_to": ("intermediate_size", "MLP width")}
-"""The recipe keys that round a pruned width: the saved config's field each rounds, and its name."""
-
-
-def quant_block(kind: str) -> int:
-    """The row length `kind` (a `QUANT_TYPES` name) quantizes in blocks of."""
-    return K_QUANT_BLOCK if "_k" in kind else QUANT_BLOCK
+    name: str
+    width: int
+    fix: str | None
 
 
-def widths_off_block(model: Path, block: int) -> dict[str, int]:
-    """The recipe's rounding keys (`ROUNDING_KEYS`) whose widths in `model`'s config (its text
-    tower's) are not multiples of `block`, with those widths: what to round for a quantized file."""
+def text_fields(model: Path) -> dict[str, Any]:
+    """The saved config's text fields (a vision-language config's `text_config`; the rest's own):
+    `models.towers.text_fields`, which this stdlib-only module cannot import."""
     config = json.loads((model / "config.json").read_text())
     text = config.get("text_config")
-    fields = text if isinstance(text, dict) else config
-    return {
-        key: fields[name]
-        for key, (name, _) in ROUNDING_KEYS.items()
-        if isinstance(fields.get(name), int) and fields[name] % block
-    }
+    return text if isinstance(text, dict) else config
 
 
-def misaligned_width(model: Path) -> int | None:
-    """The model's hidden size (its text tower's) where it is not a multiple of `ALIGNED_WIDTH`; else None."""
-    config = json.loads((model / "config.json").read_text())
-    text = config.get("text_config")  # `models.towers.text_fields`, which this stdlib-only module cannot import
-    hidden = (text if isinstance(text, dict) else config).get("hidden_size")
+def widths_off_block(fields: dict[str, Any], block: int) -> list[OffBlock]:
+    """The widths llama.cpp's quantizer reads rows of (the residual, the MLP's or routed experts',
+    a shared expert's, the attention's heads × head_dim) that are not multiples of `block`."""
+    hidden, heads, head_dim = fields.get("hidden_size"), fields.get("num_attention_heads"), fields.get("head_dim")
+    heterogeneous = "block_configs" in fields  # DeciLM: the stream is the original's, FFN widths steps of 256
+    mlp = fields.get("moe_intermediate_size") or fields.get("intermediate_size")
+    attention = heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else None
+    widths = [
+        ("hidden size", hidden, None if heterogeneous else "slicing.round_to"),
+        ("MLP width", mlp, "mlp.round_to, or a whole mlp.kept"),
+        ("shared expert width", fields.get("shared_expert_intermediate_size"), "a whole mlp.shared_kept"),
+        ("attention width (heads × head_dim)", None if attention == hidden else attention, "heads.kept"),
+    ]
+    return [OffBlock(name, width, fix) for name, width, fix in widths if isinstance(width, int) and width % block]
+
+
+def rounding_advice(off: list[OffBlock], kind: str) -> str:
+    """Why the quantizer kept tensors wider, in words, and what would have avoided it."""
+    block = QUANT_BLOCKS[kind]
+    if not off:
+        return f"rows not multiples of {kind}'s block of {block}"
+    named = " and ".join(f"{o.name} {o.width}" for o in off)
+    said = f"{named} {'is not a multiple' if len(off) == 1 else 'are not multiples'} of {kind}'s block of {block}"
+    fixes = [o.fix for o in off if o.fix is not None]
+    if fixes:
+        said += f"; round to {block} with {', '.join(fixes)}"
+        if block > FALLBACK_BLOCK and any(o.width % FALLBACK_BLOCK for o in off if o.fix is not None):
+            said += f" ({FALLBACK_BLOCK} keeps them quantized, in a {FALLBACK_BLOCK}-block type)"
+    if any(o.fix is None for o in off):
+        said += (
+            "; slicing.layout: heterogeneous keeps the original residual width, which no key rounds "
+            "(slicing.layout: global does, with slicing.round_to)"
+        )
+    return said
+
+
+def misaligned_width(fields: dict[str, Any]) -> int | None:
+    """The hidden size of a config's `text_fields` where it is not a multiple of `ALIGNED_WIDTH`; else None."""
+    hidden = fields.get("hidden_size")
     return hidden if isinstance(hidden, int) and hidden % ALIGNED_WIDTH else None
 
 
@@ -280,7 +313,8 @@ def export_gguf(
     problem found before converting is a one-line UserError; `starting(model)` hears when the checks
     have passed and the converter starts."""
     model = model_folder(source)
-    misaligned = misaligned_width(model)  # read before converting: the file is the model's, not the GGUF's
+    fields = text_fields(model)  # read before converting: the file is the model's, not the GGUF's
+    misaligned = misaligned_width(fields)
     converter = converter_script(converter)
     if output.suffix != ".gguf":
         raise UserError(f"--gguf must name a .gguf file, got '{output.name}'")
@@ -325,7 +359,7 @@ def export_gguf(
         seconds,
         wider,
         misaligned,
-        {} if quantize_to is None else widths_off_block(model, quant_block(quantize_to)),
+        [] if quantize_to is None else widths_off_block(fields, QUANT_BLOCKS[quantize_to]),
     )
 
 

@@ -234,16 +234,68 @@ def test_a_quantizer_binary_quantizes_and_the_tensors_it_kept_wider_are_said(
     said = capsys.readouterr().out
     assert "quantized to q4_k_m" in said and "38 of 57 tensors fell back to a 32-block type" in said
     assert [p.name for p in out.parent.iterdir()] == ["model.gguf"]
-    # the widths the run chose are read from the saved config: those off the type's block are named with their key
-    sliced = _run(tmp_path / "sliced", hidden_size=216, intermediate_size=512)
-    command = ["export", str(sliced), "--gguf", str(tmp_path / "sliced.gguf"), "--converter", str(converter)]
-    assert main([*command, "--quantize", "q4_k_m", "--quantizer", str(quantizer)]) == 0
-    said = " ".join(capsys.readouterr().out.split())  # rich folds the line
-    assert "hidden size 216 is not a multiple of q4_k_m's block of 256; prune with slicing.round_to: 256" in said
-    assert "mlp.round_to" not in said  # 512 is a multiple of 256
+    # the widths the run chose are read from the saved config, and the line names those off the block
     both = _run(tmp_path / "both", hidden_size=216, intermediate_size=552)
     command = ["export", str(both), "--gguf", str(tmp_path / "both.gguf"), "--converter", str(converter)]
     assert main([*command, "--quantize", "q8_0", "--quantizer", str(quantizer)]) == 0
-    said = " ".join(capsys.readouterr().out.split())
-    assert "hidden size 216 and MLP width 552 are not multiples of q8_0's block of 32" in said
-    assert "38 of 57 tensors stayed F16" in said and "prune with slicing.round_to: 32, mlp.round_to: 32" in said
+    said = " ".join(capsys.readouterr().out.split())  # rich folds the line
+    assert "38 of 57 tensors went to F16: hidden size 216 and MLP width 552 are not multiples of q8_0's block" in said
+    assert "round to 32 with slicing.round_to, mlp.round_to, or a whole mlp.kept" in said
+    assert "not a multiple of 16" not in said  # rounding to 32 is rounding to 16: said once
+
+
+@pytest.mark.parametrize(
+    ("config", "kind", "said", "unsaid"),
+    [
+        (  # a global layout's residual width: its key, and the 32-block fallback it would keep
+            {"hidden_size": 216, "intermediate_size": 512},
+            "q4_k_m",
+            "hidden size 216 is not a multiple of q4_k_m's block of 256; round to 256 with slicing.round_to "
+            "(32 keeps them quantized, in a 32-block type)",
+            "mlp.round_to",
+        ),
+        (  # widths already multiples of 32: the fallback keeps them quantized, so no note of it
+            {"hidden_size": 224, "intermediate_size": 576},
+            "q4_k_m",
+            "hidden size 224 and MLP width 576 are not multiples of q4_k_m's block of 256; round to 256 with "
+            "slicing.round_to, mlp.round_to, or a whole mlp.kept",
+            "32 keeps",
+        ),
+        (  # DeciLM keeps the original stream: no key rounds it
+            {"hidden_size": 576, "intermediate_size": None, "block_configs": [{}], "num_attention_heads": 9},
+            "q4_k_m",
+            "hidden size 576 is not a multiple of q4_k_m's block of 256; slicing.layout: heterogeneous keeps the "
+            "original residual width, which no key rounds (slicing.layout: global does, with slicing.round_to)",
+            "round to 256",
+        ),
+        (  # a vision-language checkpoint: its text tower's widths
+            {"text_config": {"hidden_size": 200, "intermediate_size": 512}, "hidden_size": 1024},
+            "q8_0",
+            "hidden size 200 is not a multiple of q8_0's block of 32",
+            "1024",
+        ),
+        (  # routed experts: their width, not the dense layers'
+            {"hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 552},
+            "q8_0",
+            "MLP width 552 is not a multiple of q8_0's block of 32; round to 32 with mlp.round_to, or a whole mlp.kept",
+            "768",
+        ),
+        (  # fewer query heads beside an explicit head_dim
+            {"hidden_size": 256, "num_attention_heads": 2, "head_dim": 64, "intermediate_size": 768},
+            "q4_k_m",
+            "attention width (heads × head_dim) 128 is not a multiple of q4_k_m's block of 256; round to 256 with "
+            "heads.kept",
+            "hidden size",
+        ),
+    ],
+)
+def test_the_widths_a_quantized_type_cannot_hold_are_named_with_what_rounds_them(
+    config: dict[str, Any], kind: str, said: str, unsaid: str, tmp_path: Path
+) -> None:
+    """llama.cpp quantizes rows in blocks (32; 256 for the k-quants): each saved width that misses the
+    block is named with the recipe key that rounds it, read from the config the run saved."""
+    from compressor.run.gguf import QUANT_BLOCKS, rounding_advice, text_fields, widths_off_block
+
+    fields = text_fields(_model(tmp_path / "model", **config))
+    advice = rounding_advice(widths_off_block(fields, QUANT_BLOCKS[kind]), kind)
+    assert said in advice and unsaid not in advice
