@@ -182,7 +182,10 @@ def test_a_run_times_real_models_and_reports_the_budget(tmp_path: Path, capsys: 
     assert decode is not None and decode.target == 0.9 and not decode.reused
     (candidate,) = decode.candidates
     assert candidate.group == "every block" and candidate.ratio <= 0.9
-    assert 0.02 <= candidate.target_params < 1.0 and report.params.ratio <= candidate.target_params + 1e-9
+    # the budget found meets the target as timed; where the timer finds the unsliced width already within
+    # it (a real timer's noise: CI once timed it at 0.893 of the dense model), every parameter may stay
+    assert 0.02 <= candidate.target_params <= 1.0 and report.params.ratio <= candidate.target_params + 1e-9
+    assert all(t.ratio is None or t.ratio <= 0.9 or t.target_params > candidate.target_params for t in candidate.trials)
     saved = AutoConfig.from_pretrained(tmp_path / "out" / "model")
     assert candidate.label == f"width {saved.hidden_size}, MLP all"
     assert report.timings["decode_budget_s"] > 0
