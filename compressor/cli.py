@@ -19,8 +19,6 @@ from compressor.errors import Interrupts, UserError, first_line
 if TYPE_CHECKING:  # rich is imported inside main's handlers, so Ctrl-C while it loads is one line too
     from rich.console import Console
 
-    from compressor.run.gguf import Exported
-
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, as a shell reports a command Ctrl-C stopped."""
@@ -69,6 +67,8 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from compressor.run.gguf import OUTTYPES, QUANT_TYPES  # stdlib only: `compress --help` stays cheap
+
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the versions and exit")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -198,10 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--converter", help="llama.cpp's convert_hf_to_gguf.py (default: $GGUF_CONVERTER; docs/serving.md)"
     )
-    export.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"], help="the converter's type")
-    export.add_argument(
-        "--quantize", choices=["q8_0", "q6_k", "q5_k_m", "q4_k_m"], help="then quantize with llama.cpp's quantizer"
-    )
+    export.add_argument("--outtype", default="f16", choices=OUTTYPES, help="the converter's type")
+    export.add_argument("--quantize", choices=QUANT_TYPES, help="then quantize with llama.cpp's quantizer")
     export.add_argument(
         "--quantizer", help="llama.cpp's llama-quantize binary (default: the llama-cpp-python library's quantizer)"
     )
@@ -578,22 +576,8 @@ def _write_output(console: Console, output: Path, text: str) -> None:
     console.print(f"wrote {output}", markup=False, highlight=False)
 
 
-def _wider_line(exported: Exported) -> str:
-    """What the quantizer kept wider, why, and the rounding that would have avoided it."""
-    from compressor.run.gguf import FALLBACK_BLOCK, QUANT_BLOCKS, rounding_advice
-
-    assert exported.fallbacks is not None and exported.quantized is not None
-    wider, of = exported.fallbacks
-    went = (
-        "went to F16"
-        if QUANT_BLOCKS[exported.quantized] <= FALLBACK_BLOCK
-        else f"fell back to a {FALLBACK_BLOCK}-block type, or to F16 where a row is not a multiple of {FALLBACK_BLOCK}"
-    )
-    return f"{wider} of {of} tensors {went}: {rounding_advice(exported.off_block, exported.quantized)}"
-
-
 def _export(args: argparse.Namespace, console: Console) -> None:
-    from compressor.run.gguf import ALIGNED_WIDTH, export_gguf
+    from compressor.run.gguf import ALIGNED_WIDTH, export_gguf, wider_line
     from compressor.run.threads import available_cpus
 
     def starting(model: Path) -> None:
@@ -614,8 +598,8 @@ def _export(args: argparse.Namespace, console: Console) -> None:
     )
     what = exported.outtype + (f", quantized to {exported.quantized}" if exported.quantized else "")
     named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""
-    if exported.fallbacks is not None:
-        named += "; " + _wider_line(exported)
+    if exported.fallbacks is not None and exported.quantized is not None:
+        named += "; " + wider_line(exported.fallbacks, exported.off_block, exported.quantized)
     rounded = any(o.fix == "slicing.round_to" for o in exported.off_block)  # to 32 or 256: multiples of 16
     if exported.misaligned_width is not None and not rounded:
         named += (

@@ -269,6 +269,18 @@ def widths_off_block(fields: dict[str, Any], block: int) -> list[OffBlock]:
     return [OffBlock(name, width, fix) for name, width, fix in widths if isinstance(width, int) and width % block]
 
 
+def wider_line(fallbacks: tuple[int, int], off: list[OffBlock], kind: str) -> str:
+    """The quantizer's fallbacks (tensors kept wider, tensors) in words: what they went to, why
+    (`rounding_advice`), and what would have avoided it."""
+    wider, of = fallbacks
+    went = (
+        "went to F16"
+        if QUANT_BLOCKS[kind] <= FALLBACK_BLOCK
+        else f"fell back to a {FALLBACK_BLOCK}-block type, or to F16 where a row is not a multiple of {FALLBACK_BLOCK}"
+    )
+    return f"{wider} of {of} tensors {went}: {rounding_advice(off, kind)}"
+
+
 def rounding_advice(off: list[OffBlock], kind: str) -> str:
     """Why the quantizer kept tensors wider, in words, and what would have avoided it."""
     block = QUANT_BLOCKS[kind]
