@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compressor.engine.kv_merge import KvMerge
+from compressor.engine.width_search import WidthSolution
 from compressor.errors import UserError
 
 
@@ -43,12 +44,15 @@ def weighted_error(
 @dataclass(frozen=True)
 class WidthCurve:
     """One layer's predicted error at each width of the grid (0: the FFN removed), of removing its
-    attention (None: the attention stays), and of each fewer KV-head count it may keep."""
+    attention (None: the attention stays), and of each fewer KV-head count it may keep; with
+    `solutions`, the kept neurons and refitted down projection at each width below the layer's own
+    (`engine.width_search` assembles models from them)."""
 
     layer: int
     errors: dict[int, float]
     attention: float | None = None
     kv_merges: tuple[KvMerge, ...] = ()
+    solutions: dict[int, WidthSolution] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from compressor.engine.refit import (
     output_error,
     refit_down,
 )
+from compressor.engine.width_search import WidthSolution
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts, is_fused_experts
 from compressor.models.families import ModelFamily
@@ -398,13 +399,16 @@ def mlp_width_curves(
     widths: Sequence[int] | None = None,
     kv_counts: Sequence[int] = (),
     kv_weights: Mapping[int, torch.Tensor | None] | None = None,
+    keep_solutions: bool = False,
 ) -> list[WidthCurve]:
     """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
     (`engine.mlp_widths`; `widths`: at those alone), measured on `model` unpruned, in one pass; the
     model is not changed. With `attention` (per layer, G where its attention writes, or None for
     the identity), each curve also holds the error of removing the layer's attention, and with
     `kv_counts` that of keeping each of those KV-head counts (`engine.kv_merge`, weighed by
-    `kv_weights`, G where each attention writes, or else by `attention`'s; the refit damped as the MLP's)."""
+    `kv_weights`, G where each attention writes, or else by `attention`'s; the refit damped as the MLP's).
+    `keep_solutions`: each curve also keeps every width's kept neurons and down projection, in the
+    layer's dtype on the host (`engine.width_search` assembles models from them)."""
     device, ranks = torch.device(device), ranks or Ranks.current()
     report = progress or (lambda *_: None)
     model.eval()
@@ -420,16 +424,21 @@ def mlp_width_curves(
             problem, _, W = _dense_problem(
                 layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks, advance
             )
-            errors = {}
+            errors, solutions = {}, {}
+            dtype = mlp_linears(layer, family)[1].weight.dtype
             if widths is None:
                 for width in width_grid(problem.width, step):
                     _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
                     down = refitted if refitted is not None else W[:, kept]
                     errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+                    if keep_solutions and width < problem.width:
+                        solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
             else:  # one selector path for every width (`NeuronSelector.select_widths`)
                 for width, kept in choose_neurons_at(selector, problem, widths, ranks).items():
                     down = refit_down(problem.down, problem.C, kept, problem.damping) if refit else W[:, kept]
                     errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+                    if keep_solutions and width < problem.width:
+                        solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
             del problem
             attended = layer_attention(family, layer) if measures_attention else None
             output = None if attended is None or attention is None else attended.get_submodule(family.attn_output)
@@ -446,7 +455,7 @@ def mlp_width_curves(
             weights = kv_weights if kv_weights is not None else attention
             G_written = None if weights is None else weights[index]
             kv = () if merges is None else tuple(merges.results(G_written, damping, ranks))
-            curves.append(WidthCurve(index, errors, removal, kv))
+            curves.append(WidthCurve(index, errors, removal, kv, solutions))
         report(f"MLP width curves: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()

@@ -274,7 +274,7 @@ def split_line(checked: Plan) -> str:
 def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
     """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's; in
     `slicing.layout: heterogeneous` the MLPs share the uniform width's neurons, and with
-    `mlp.remove_attention` the attentions may go too."""
+    `mlp.remove_attention` the attentions may go too (`mlp.search`: allocations measured)."""
     layout, selector, lines = checked.layout, checked.selector, []
     if selector is None:
         return lines
@@ -300,6 +300,11 @@ def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
                 lines.append(
                     "mlp.merge_kv_heads: a layer may keep fewer key-value heads (DeciLM n_heads_in_group), its "
                     "neighbours merged and its output projection refitted, where that costs less than its neurons buy"
+                )
+            if recipe.mlp is not None and recipe.mlp.search is not None:
+                lines.append(
+                    f"mlp.search: up to {recipe.mlp.search} allocations measured from the predicted one on "
+                    f"{recipe.mlp.heldout_windows} held-out windows, the lowest KL kept"
                 )
             return lines
         lines.append(

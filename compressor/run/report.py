@@ -119,6 +119,19 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
         from_kv = sum((mlp.attention_units or 0) - (mlp.kv_units or {})[kv] for kv in merged)
         given += f" and {from_kv:,} from merged KV heads" if from_kv else ""
         rows.append(("  neurons allocated (heterogeneous)", "", f"{sum(mlp.widths):,} of the uniform {total:,}{given}"))
+    if mlp.search is not None:
+        found = mlp.search
+        moved = (
+            "moved from the predicted allocation" if found.predicted != mlp.widths else "kept the predicted allocation"
+        )
+        rows.append(
+            (
+                "  mlp.search (allocations measured)",
+                "",
+                f"{found.measured} on {found.windows} windows, {moved}: KL {found.predicted_kl:.4g} → {found.kl:.4g} "
+                "(each MLP as its curve's solution)",
+            )
+        )
     if mlp.attention_removed is not None:
         gone = ", ".join(map(str, mlp.attention_removed)) or "none"
         each = f"each counted as {mlp.attention_units} neurons"

@@ -195,6 +195,20 @@ class SplitRecord(_Section):
     """Seconds spent predicting the splits (the survey and the MLPs' curves, less H), part of choosing."""
 
 
+class WidthSearchRecord(_Section):
+    """`mlp.search` (`engine.width_search`): allocations measured on held-out windows from the
+    predicted one (`predicted`, KL `predicted_kl`); `widths` in `mlp` are where it ended (KL `kl`,
+    each MLP as the curves' solution on the unpruned model: the saved model is then pruned in order)."""
+
+    measured: int
+    accepted: int
+    windows: int
+    tokens: int
+    predicted: list[int]
+    predicted_kl: float
+    kl: float
+
+
 class MlpReport(_Section):
     """`mlp`: the MLP's width, the second axis (`engine.neurons`); no layers when the choice kept
     every neuron (the residual width alone was the best split)."""
@@ -230,6 +244,8 @@ class MlpReport(_Section):
     """`mlp.merge_kv_heads`: per layer, the predicted error at each fewer KV-head count (its output projection refitted)."""
     kv_units: dict[int, int] | None = None
     """`mlp.merge_kv_heads`: the neurons one layer's attention counted as at each fewer KV-head count."""
+    search: WidthSearchRecord | None = None
+    """`mlp.search`: the allocations measured from the predicted one, and what they found."""
 
 
 class ExpertsReport(_Section):

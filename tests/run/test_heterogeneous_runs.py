@@ -8,11 +8,13 @@ and its parameters go to the MLPs, within the same budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
@@ -155,6 +157,11 @@ def test_the_dry_run_names_the_format_and_the_shared_neurons(
         main(["run", str(_recipe(tmp_path, _checkpoint(tmp_path), mlp={"remove_attention": True})), "--dry-run"]) == 0
     )
     assert "mlp.remove_attention: a layer's attention may go too (DeciLM no_op)" in capsys.readouterr().out
+    searching = _recipe(tmp_path, _checkpoint(tmp_path), mlp={"search": 5, "heldout_windows": 2})
+    assert main(["run", str(searching), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp.search: up to 5 allocations measured from the predicted one on 2 held-out windows" in out
+    assert "mlp.search: measured allocations" in out  # its phase of the memory plan
 
 
 @pytest.mark.parametrize(
@@ -163,6 +170,7 @@ def test_the_dry_run_names_the_format_and_the_shared_neurons(
         ({"allocate_by": "energy"}, "mlp.allocate_by weighs the per-layer widths of slicing.layout: heterogeneous"),
         ({"remove_attention": True}, "mlp.remove_attention removes attentions in slicing.layout: heterogeneous"),
         ({"merge_kv_heads": True}, "mlp.merge_kv_heads gives layers their own key-value heads in slicing.layout: het"),
+        ({"search": 4}, "mlp.search measures allocations of the per-layer widths of slicing.layout: heterogeneous"),
     ],
 )
 def test_the_allocations_keys_are_refused_beside_another_layout(
@@ -257,3 +265,51 @@ def test_merging_kv_heads_where_each_attention_holds_one_is_one_line(
     assert "mlp.merge_kv_heads: this model's attentions hold one key-value head each" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def _wide_checkpoint(tmp_path: Path) -> Path:
+    """Four MLPs of 1,024 neurons: grids of five widths, room for the search to move steps."""
+    return save_tiny_checkpoint(tmp_path / "wide", "llama", intermediate_size=1024, num_hidden_layers=4)
+
+
+def test_the_search_measures_allocations_and_the_model_saves_where_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compressor.engine import width_search
+    from compressor.run.stages import mlp as stage
+
+    seen: dict[str, object] = {}
+
+    def evolve(start, grids, fitness, evaluations, **options):  # the real search, then one move it must save
+        result = width_search.evolve(start, grids, fitness, evaluations, **options)
+        moved = width_search.mutate(result.widths, grids, __import__("random").Random(1), 1)
+        seen.update(start=list(start), moved=moved, kl=fitness(moved), result=result)
+        return dataclasses.replace(result, widths=moved, kl=seen["kl"])
+
+    monkeypatch.setattr(stage, "evolve", evolve)
+    recipe = _recipe(tmp_path, _wide_checkpoint(tmp_path), target_params=0.75, mlp={"search": 6, "heldout_windows": 3})
+    assert main(["run", str(recipe)]) == 0
+    mlp = json.loads((tmp_path / "out" / "report.json").read_text())["mlp"]
+    search, result = mlp["search"], seen["result"]
+    assert mlp["widths"] == seen["moved"] != seen["start"] and search["predicted"] == seen["start"]
+    assert sum(mlp["widths"]) == sum(search["predicted"]) and search["kl"] == seen["kl"]
+    seq_len = yaml.safe_load(recipe.read_text())["calibration"]["seq_len"]
+    assert search["windows"] == 3 and search["tokens"] == 3 * seq_len and search["measured"] == result.measured <= 6
+    assert result.kl <= result.start_kl == search["predicted_kl"]
+    saved = _load(tmp_path / "out" / "model")
+    assert [layer.mlp.down_proj.in_features if layer.ffn_kept else 0 for layer in saved.model.layers] == mlp["widths"]
+    assert "mlp.search" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_searching_run_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
+    from tests.run.test_resume import killed_and_resumed_is_whole
+
+    recipe = _recipe(
+        tmp_path,
+        _wide_checkpoint(tmp_path),
+        target_params=0.75,
+        evaluation=None,
+        mlp={"search": 4, "heldout_windows": 2},
+    )
+    killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["mlp"]["search"]["measured"] >= 2

@@ -77,11 +77,21 @@ class MlpSpec:
     merge into their mean and the output projection is refitted to what the attention wrote
     (`engine.kv_merge`), weighing the predicted error against the neurons the saved parameters buy;
     off: every attention keeps its KV heads."""
+    search: (
+        Annotated[StrictInt, described("allocations of the per-layer widths measured, the predicted one first", ge=2)]
+        | None
+    ) = None
+    """slicing.layout: heterogeneous: after predicting the allocation, measure up to this many
+    allocations from it (the predicted one first) on `heldout_windows` windows and keep the one of
+    lowest KL (`engine.width_search`: an evolution that moves grid steps of neurons between layers'
+    MLPs, each model assembled from the width curves' own solutions, so nothing is selected again).
+    Each measurement is one pass of the model over the windows. None: the predicted allocation."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16
     """Without `kept`: the windows each split's KL to the original is measured on, read from the
-    calibration dataset after its `num_samples` windows (text the walk never saw)."""
+    calibration dataset after its `num_samples` windows (text the walk never saw); with `search`,
+    those each allocation is measured on."""
     screen_windows: (
         Annotated[StrictInt, described("calibration windows each split is pruned on while choosing", ge=1)]
         | Literal["auto"]
@@ -113,7 +123,8 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
         if value is not None and value >= 1 and value != int(value):
             raise UserError(f"mlp.{key} {value:g}: give a whole number of neurons, or a fraction below 1")
     if spec.kept is not None:
-        keys = ("min_kept", "candidates", "heldout_windows", "screen_windows", "measure_best")
+        measured = ("heldout_windows",) if spec.search is None else ()  # the search's windows
+        keys = ("min_kept", "candidates", *measured, "screen_windows", "measure_best")
         idle = {"screen_windows": ("auto", None), "measure_best": ("auto", None)}  # what means nothing here
         refuse_choice_keys("mlp", spec, keys, "the plan chooses the split", idle=idle)
     if spec.allocate_by != "fisher" and recipe.slicing.layout != "heterogeneous":
@@ -132,6 +143,11 @@ def check_mlp(spec: MlpSpec, recipe: Recipe, context: SectionContext) -> MlpSpec
             "mlp.merge_kv_heads gives layers their own key-value heads in slicing.layout: heterogeneous (saved as "
             f"DeciLM), and this recipe's layout is {recipe.slicing.layout}; remove mlp.merge_kv_heads, or set "
             "slicing.layout: heterogeneous"
+        )
+    if spec.search is not None and recipe.slicing.layout != "heterogeneous":
+        raise UserError(
+            "mlp.search measures allocations of the per-layer widths of slicing.layout: heterogeneous, and this "
+            f"recipe's layout is {recipe.slicing.layout}; remove mlp.search, or set slicing.layout: heterogeneous"
         )
     windows = recipe.calibration.num_samples
     if isinstance(spec.screen_windows, int) and spec.screen_windows >= windows:

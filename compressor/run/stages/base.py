@@ -29,7 +29,14 @@ from compressor.models.stock import head_stream, to_stock
 from compressor.recipe.schema import Recipe
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
-from compressor.run.report_model import DecodeBudget, DepthReport, Estimate, RunReport, SplitRecord
+from compressor.run.report_model import (
+    DecodeBudget,
+    DepthReport,
+    Estimate,
+    RunReport,
+    SplitRecord,
+    WidthSearchRecord,
+)
 from compressor.run.resume import fisher_key
 
 if TYPE_CHECKING:
@@ -130,6 +137,8 @@ class RunState:
     """`mlp.merge_kv_heads`: the neurons an attention counts as at each fewer KV-head count."""
     width_curves: list[WidthCurve] = field(default_factory=list)
     """`slicing.layout: heterogeneous`: each layer's predicted error by width, that chose them."""
+    width_search: WidthSearchRecord | None = None
+    """`mlp.search`: what measuring allocations found."""
     heads: list[HeadRecord] = field(default_factory=list)
     """`heads`: what each attention layer kept."""
     heads_weighed_by_h: bool = False

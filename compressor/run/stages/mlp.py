@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,9 @@ from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curve
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PruneResult
+from compressor.engine.width_search import assembled, evolve
 from compressor.errors import UserError
+from compressor.evaluation.metrics import Tally, model_log_probs
 from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
 from compressor.models.heads import head_dim, kv_heads, remove_attention
@@ -42,7 +45,7 @@ from compressor.models.sites import layer_site_ids
 from compressor.models.sliced import layer_attention
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
-from compressor.run.report_model import MlpReport
+from compressor.run.report_model import MlpReport, WidthSearchRecord
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
@@ -74,6 +77,12 @@ class PruneMlp(Stage):
                 "slicing.layout: heterogeneous allocates the MLP widths in one process; launch one process, "
                 "or set slicing.layout: global"
             )
+
+    def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
+        """`mlp.search`: the windows each allocation of the heterogeneous layout is measured on."""
+        spec = recipe.mlp
+        searches = spec is not None and spec.search is not None and recipe.slicing.layout == "heterogeneous"
+        return spec.heldout_windows if searches and spec is not None else 0
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
@@ -114,6 +123,8 @@ class PruneMlp(Stage):
                 totals = (2 * fp.layers + 1) * fp.d * fp.d * fp.h_item
                 host = 2 * fp.weights + fp.store + fp.positions + fp.stored + totals
                 phases.append(fp.phase("H pass on a fused copy (MLP widths)", host, fp.measured["fisher"], fp.disk))
+            if recipe.mlp.search is not None:
+                phases.append(search_phase(fp, recipe.mlp))
         return phases + [
             fp.phase(
                 "mlp (one layer at a time)",
@@ -155,6 +166,25 @@ class PruneMlp(Stage):
         state.config = layout.mlp_config(state.config)
 
 
+def search_phase(fp: Footprint, spec: MlpSpec) -> Phase:
+    """`mlp.search`: every layer's solution at each width of the grid below its own (kept neurons
+    and a d × m down projection in the model's dtype) and the original's float32 log-probabilities
+    of every window on the host; the model whole on the device with a batch's outputs, as the depth
+    stage's measured removals count them."""
+    step = math.lcm(FFN_STEP, spec.round_to)
+    below = sum(range(step, fp.f, step))
+    solutions = fp.layers * below * (fp.d * fp.item + 8)
+    references = spec.heldout_windows * fp.seq_len * fp.vocab * 4
+    outputs = 5 * fp.batch * fp.seq_len * fp.vocab * 4
+    return fp.phase(
+        "mlp.search: measured allocations (the model whole on the device)",
+        fp.weights + fp.store + solutions + references,
+        fp.weights + outputs,
+        "fewer mlp.heldout_windows, or no mlp.search",
+        whole_model=True,
+    )
+
+
 def kv_merge_bytes(config: Any, tokens: int, item: int) -> int:
     """`mlp.merge_kv_heads` in the width curves' pass: a merged copy of the attention per KV-head
     count, its two A × A float64 moments and the shared one (A = heads × head_dim), and one batch's
@@ -179,6 +209,8 @@ def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
         seconds += tokens * (layers * (costs.layer_backward + costs.layer_forward) + costs.head_backward)
         if work.recipe.mlp is not None and work.recipe.mlp.merge_kv_heads:
             seconds += tokens * layers * len(kv_options(layout.config)) * costs.layer_forward
+        if work.recipe.mlp is not None and work.recipe.mlp.search is not None:  # the original's pass, then each
+            seconds += work.heldout.get(PruneMlp.name, 0) * (work.recipe.mlp.search + 1) * costs.model_forward(layers)
     return [TimedPhase("MLP neurons", seconds, "mlp_s")]
 
 
@@ -229,6 +261,7 @@ def mlp_report(state: RunState) -> MlpReport:
             if state.attention_removed is None and state.kv_heads is None
             else {"attention_units": state.attention_units}
         ),
+        **({} if state.width_search is None else {"search": state.width_search}),
     )
 
 
@@ -288,6 +321,8 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     spec, layout, selector = state.recipe.mlp, state.checked.layout, state.checked.selector
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
+    windows = state.measuring_windows.get(PruneMlp.name, []) if spec.search is not None else []
+    references = original_outputs(state, windows)  # before the allocation changes the model
     adjusts = spec.remove_attention or spec.merge_kv_heads
     fisher = None if spec.allocate_by == "energy" else stream_fishers(state, adjusts)
     layers = decoder_layers(state.pruned, state.family)
@@ -315,6 +350,7 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         ranks=state.ranks,
         kv_counts=counts,
         kv_weights=written,
+        keep_solutions=bool(windows),
     )
     adjustable = sum(curve.attention is not None or bool(curve.kv_merges) for curve in curves)
     total = layout.mlp_width * len(curves) + state.attention_units * adjustable
@@ -329,11 +365,74 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         merge = next(merge for merge in curves[index].kv_merges if merge.kv == kv)
         merge_kv_heads(attention_module, state.pruned.config, kv)
         set_output(attention_module, state.family, merge.output)
+    if windows:
+        allocation = dataclasses.replace(allocation, widths=search_widths(state, curves, allocation.widths, references))
     state.mlp_widths, state.width_curves = allocation.widths, [without_refits(curve) for curve in curves]
     state.attention_removed = allocation.attention_removed if spec.remove_attention else None
     state.kv_heads = kv_heads_kept(state.pruned, state.family) if spec.merge_kv_heads else None
     state.kv_units = units_at
     return None if fisher is None else fisher[0]
+
+
+def original_outputs(state: RunState, windows: list[Batch]) -> list[torch.Tensor]:
+    """The model's own log-probabilities on `windows`, on the host (the search's reference)."""
+    assert state.pruned is not None
+    if not windows:
+        return []
+    state.progress("MLP width search: the original's outputs", 0, 1)
+    with on_device(state.pruned, state.device):
+        return [model_log_probs(state.pruned, batch, state.device).cpu() for batch in windows]
+
+
+def search_widths(
+    state: RunState, curves: list[WidthCurve], start: list[int], references: list[torch.Tensor]
+) -> list[int]:
+    """`mlp.search`: the widths of lowest measured KL from the predicted `start` (`engine.width_search`),
+    the model as the allocation left its attentions, each MLP assembled from its curve's solutions;
+    the search's record goes on `state`."""
+    spec, model, windows = state.recipe.mlp, state.pruned, state.measuring_windows[PruneMlp.name]
+    assert spec is not None and spec.search is not None and model is not None
+    layers = decoder_layers(model, state.family)
+    mlps = [mlp_linears(layer, state.family) for layer in layers]
+    grids = [sorted(curve.errors) for curve in curves]
+    solutions = [curve.solutions for curve in curves]
+
+    def fitness(widths: list[int]) -> float:
+        tally = Tally()
+        with assembled(mlps, solutions, widths):
+            for batch, reference in zip(windows, references):
+                candidate = model_log_probs(model, batch, state.device)
+                tally.add(reference.to(state.device), candidate, batch, state.device)
+        return tally.result(True)["pruned"]["kl"]
+
+    def progress(done: int, total: int) -> None:
+        state.progress("MLP width search: measuring allocations", done, total)
+
+    with on_device(model, state.device):
+        result = evolve(start, grids, fitness, spec.search, seed=state.recipe.seed, progress=progress)
+    tokens = sum(int(batch.attention_mask.sum()) for batch in windows)
+    state.width_search = WidthSearchRecord(
+        measured=result.measured,
+        accepted=result.accepted,
+        windows=sum(len(batch.input_ids) for batch in windows),
+        tokens=tokens,
+        predicted=list(start),
+        predicted_kl=result.start_kl,
+        kl=result.kl,
+    )
+    return result.widths
+
+
+@contextmanager
+def on_device(model: PreTrainedModel, device: torch.device) -> Iterator[None]:
+    """`model` whole on `device` while the block runs, then back where it was (and in eval mode, no grad)."""
+    home = next(model.parameters()).device
+    model.to(device)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.to(home)
 
 
 def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
@@ -371,12 +470,13 @@ def merged_units(model: PreTrainedModel, family: ModelFamily, counts: list[int],
 
 
 def without_refits(curve: WidthCurve) -> WidthCurve:
-    """`curve` with its KV merges' refitted output projections dropped (applied or not chosen):
-    the report keeps their errors, and host memory need not keep a d × A matrix per count and layer."""
-    if not curve.kv_merges:
+    """`curve` with its KV merges' refitted output projections and its width solutions dropped
+    (applied or not chosen): the report keeps their errors, and host memory need not keep a d × A
+    matrix per count and layer."""
+    if not curve.kv_merges and not curve.solutions:
         return curve
     kept = tuple(dataclasses.replace(merge, output=torch.empty(0)) for merge in curve.kv_merges)
-    return dataclasses.replace(curve, kv_merges=kept)
+    return dataclasses.replace(curve, kv_merges=kept, solutions={})
 
 
 def kv_heads_kept(model: PreTrainedModel, family: ModelFamily) -> list[int]:
