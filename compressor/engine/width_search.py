@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compressor.engine.refit import drop_neurons
+
 
 @dataclass(frozen=True)
 class WidthSolution:
@@ -122,24 +124,13 @@ def assembled(
     width, or a width without a solution, stays as it is)."""
     saved: list[tuple[nn.Linear, nn.Parameter, nn.Parameter | None, int, int]] = []
     try:
-        for (inputs, output), options, width in zip(mlps, solutions, widths):
+        for (inputs, output), options, width in zip(mlps, solutions, widths, strict=True):
             solution = options.get(width)
             if solution is None or width == output.in_features:
                 continue
-            full = output.in_features
-            for linear in inputs:
+            for linear in (*inputs, output):
                 saved.append((linear, linear.weight, linear.bias, linear.in_features, linear.out_features))
-                blocks = linear.out_features // full
-                kept = solution.kept.to(linear.weight.device)
-                rows = torch.cat([kept + block * full for block in range(blocks)])
-                linear.weight = nn.Parameter(linear.weight.data[rows], requires_grad=False)
-                if linear.bias is not None:
-                    linear.bias = nn.Parameter(linear.bias.data[rows], requires_grad=False)
-                linear.out_features = len(rows)
-            saved.append((output, output.weight, output.bias, output.in_features, output.out_features))
-            down = solution.down.to(output.weight.device, output.weight.dtype)
-            output.weight = nn.Parameter(down, requires_grad=False)
-            output.in_features = len(solution.kept)
+            drop_neurons(inputs, output, solution.kept, solution.down)
         yield
     finally:
         for linear, weight, bias, in_features, out_features in reversed(saved):

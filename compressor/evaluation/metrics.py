@@ -78,6 +78,17 @@ def compare(
     return tally.result(original is not None)
 
 
+def kl_to_references(
+    references: list[torch.Tensor], model: PreTrainedModel, windows: list[Batch], device: torch.device
+) -> float:
+    """KL(reference ‖ `model`) on `windows`, from the reference's log-probabilities of each (on any
+    device): what a stage that measures candidates against the original computes for each."""
+    tally = Tally()
+    for batch, reference in zip(windows, references, strict=True):
+        tally.add(reference.to(device), model_log_probs(model, batch, device), batch, device)
+    return tally.result(True)["pruned"]["kl"]
+
+
 def evaluate_models(
     original: PreTrainedModel | None,
     pruned: PreTrainedModel,

@@ -40,10 +40,8 @@ def _interacting(widths: list[int]) -> float:
 
 
 def test_the_search_finds_the_measured_best_where_the_summed_errors_point_elsewhere() -> None:
-    start = [512, 512, 512, 512]  # every layer's own error alike: the sum is indifferent to the split
-    everything = [
-        list(ws) for ws in itertools.product(GRID, repeat=4) if sum(ws) == sum(start)
-    ]  # every allocation of the total
+    start = [512] * 6  # every layer's own error alike: the sum is indifferent to the split
+    everything = [list(ws) for ws in itertools.product(GRID, repeat=6) if sum(ws) == sum(start)]
     best = min(_interacting(ws) for ws in everything)
     calls: list[list[int]] = []
 
@@ -51,12 +49,13 @@ def test_the_search_finds_the_measured_best_where_the_summed_errors_point_elsewh
         calls.append(list(widths))
         return _interacting(widths)
 
-    result = evolve(start, [GRID] * 4, fitness, evaluations=60, seed=0)
+    result = evolve(start, [GRID] * 6, fitness, evaluations=60, seed=0)
+    assert len(everything) > 10 * 60  # the search measures a small share of the allocations
     assert calls[0] == start and result.start_kl == _interacting(start)
     assert result.kl == pytest.approx(best) and result.widths[:2] == [1024, 1024]
     assert sum(result.widths) == sum(start) and result.kl == _interacting(result.widths)
     assert len(calls) == result.measured <= 60 and len({tuple(c) for c in calls}) == len(calls)  # each once
-    assert result.accepted >= 1 and result.history == sorted(result.history, reverse=True)
+    assert result.accepted >= 1
 
 
 def test_where_nothing_measures_better_the_start_is_kept() -> None:
@@ -96,3 +95,8 @@ def test_an_assembled_model_computes_the_pruned_models_logits_and_is_restored_af
         expected = pruned(batch.input_ids).logits
     assert torch.equal(before, after)
     assert torch.allclose(inside, expected, atol=1e-6, rtol=0) and not torch.allclose(inside, before)
+    mlps = [mlp_linears(layer, family) for layer in layers]
+    with pytest.raises(RuntimeError, match="a candidate failed"), assembled(mlps, solutions, widths):
+        raise RuntimeError("a candidate failed")
+    with torch.no_grad():
+        assert torch.equal(model(batch.input_ids).logits, before)  # restored when the block raised too

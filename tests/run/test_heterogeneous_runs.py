@@ -295,21 +295,20 @@ def test_the_search_measures_allocations_and_the_model_saves_where_it_ended(
     assert sum(mlp["widths"]) == sum(search["predicted"]) and search["kl"] == seen["kl"]
     seq_len = yaml.safe_load(recipe.read_text())["calibration"]["seq_len"]
     assert search["windows"] == 3 and search["tokens"] == 3 * seq_len and search["measured"] == result.measured <= 6
-    assert result.kl <= result.start_kl == search["predicted_kl"]
+    assert result.start_kl == search["predicted_kl"]
     saved = _load(tmp_path / "out" / "model")
     assert [layer.mlp.down_proj.in_features if layer.ffn_kept else 0 for layer in saved.model.layers] == mlp["widths"]
     assert "mlp.search" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_a_searching_run_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
+def test_a_run_searching_beside_a_removed_attention_killed_in_the_mlp_stage_resumes_to_the_same_model(
+    tmp_path: Path,
+) -> None:
     from tests.run.test_resume import killed_and_resumed_is_whole
 
-    recipe = _recipe(
-        tmp_path,
-        _wide_checkpoint(tmp_path),
-        target_params=0.75,
-        evaluation=None,
-        mlp={"search": 4, "heldout_windows": 2},
-    )
+    spec = {"remove_attention": True, "search": 4, "heldout_windows": 2}
+    recipe = _recipe(tmp_path, _quiet_checkpoint(tmp_path), evaluation=None, mlp=spec)
     killed_and_resumed_is_whole(recipe, tmp_path, "mlp:1", sites=0)
-    assert json.loads((tmp_path / "run" / "report.json").read_text())["mlp"]["search"]["measured"] >= 2
+    mlp = json.loads((tmp_path / "run" / "report.json").read_text())["mlp"]
+    assert mlp["attention_removed"] == [1] and mlp["search"]["measured"] >= 2
+    assert sum(mlp["widths"]) == sum(mlp["search"]["predicted"])

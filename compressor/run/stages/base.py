@@ -218,3 +218,16 @@ class RunState:
         if not guard.kept:
             self.warnings.append(guard.line())
             self.warn(guard.line())
+
+
+@contextmanager
+def on_device(model: PreTrainedModel, device: torch.device) -> Iterator[None]:
+    """`model` whole on `device`, without gradients, while the block runs (a stage that measures
+    candidates on held-out windows), then back where it was."""
+    home = next(model.parameters()).device
+    model.to(device)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.to(home)

@@ -9,7 +9,7 @@ checkpointed, so a resumed run removes the same blocks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -17,7 +17,7 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.depth import block_influence
 from compressor.errors import ProgressKept, UserError
-from compressor.evaluation.metrics import Tally, model_log_probs
+from compressor.evaluation.metrics import kl_to_references, model_log_probs
 from compressor.models.depth import kept_blocks, remove_blocks, skipping
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.depth import DepthSpec
@@ -240,15 +240,11 @@ def measured_kl(
     key = tuple(sorted({int(i) for i in blocks}))
     if key not in measured:
         state.progress("depth: measuring removals", len(measured), total)
-        tally = Tally()
         for index, batch in enumerate(windows):
-            own = reference[index]
-            if own is None:  # the original's own, once
-                own = reference[index] = model_log_probs(original, batch, state.device).cpu()
-            with skipping(original, state.family, key):
-                candidate = model_log_probs(original, batch, state.device)
-            tally.add(own.to(state.device), candidate, batch, state.device)
-        measured[key] = tally.result(True)["pruned"]["kl"]
+            if reference[index] is None:  # the original's own, once
+                reference[index] = model_log_probs(original, batch, state.device).cpu()
+        with skipping(original, state.family, key):
+            measured[key] = kl_to_references(cast(list[torch.Tensor], reference), original, windows, state.device)
     return measured[key]
 
 

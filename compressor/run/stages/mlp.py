@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import PruneResult
 from compressor.engine.width_search import assembled, evolve
 from compressor.errors import UserError
-from compressor.evaluation.metrics import Tally, model_log_probs
+from compressor.evaluation.metrics import kl_to_references, model_log_probs
 from compressor.models.decilm import FFN_STEP
 from compressor.models.families import ModelFamily
 from compressor.models.heads import head_dim, kv_heads, remove_attention
@@ -46,7 +45,7 @@ from compressor.models.sliced import layer_attention
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
 from compressor.run.report_model import MlpReport, WidthSearchRecord
-from compressor.run.stages.base import Progress, RunState
+from compressor.run.stages.base import Progress, RunState, on_device
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
 from compressor.run.timing import TimedPhase, Work
@@ -170,16 +169,17 @@ def search_phase(fp: Footprint, spec: MlpSpec) -> Phase:
     """`mlp.search`: every layer's solution at each width of the grid below its own (kept neurons
     and a d × m down projection in the model's dtype) and the original's float32 log-probabilities
     of every window on the host; the model whole on the device with a batch's outputs, as the depth
-    stage's measured removals count them."""
+    stage's measured removals count them, and a candidate's cut MLP weights beside the originals."""
     step = math.lcm(FFN_STEP, spec.round_to)
     below = sum(range(step, fp.f, step))
     solutions = fp.layers * below * (fp.d * fp.item + 8)
     references = spec.heldout_windows * fp.seq_len * fp.vocab * 4
     outputs = 5 * fp.batch * fp.seq_len * fp.vocab * 4
+    cut = fp.layers * 3 * fp.d * fp.f * fp.item  # a candidate's cut MLP weights beside the originals, at most
     return fp.phase(
         "mlp.search: measured allocations (the model whole on the device)",
         fp.weights + fp.store + solutions + references,
-        fp.weights + outputs,
+        fp.weights + cut + outputs,
         "fewer mlp.heldout_windows, or no mlp.search",
         whole_model=True,
     )
@@ -322,7 +322,6 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     assert spec is not None and layout.mlp_width is not None and selector is not None and state.pruned is not None
     step = math.lcm(FFN_STEP, spec.round_to)
     windows = state.measuring_windows.get(PruneMlp.name, []) if spec.search is not None else []
-    references = original_outputs(state, windows)  # before the allocation changes the model
     adjusts = spec.remove_attention or spec.merge_kv_heads
     fisher = None if spec.allocate_by == "energy" else stream_fishers(state, adjusts)
     layers = decoder_layers(state.pruned, state.family)
@@ -352,6 +351,7 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         kv_weights=written,
         keep_solutions=bool(windows),
     )
+    references = original_outputs(state, windows)  # the model unchanged still; after H and the curves' pass
     adjustable = sum(curve.attention is not None or bool(curve.kv_merges) for curve in curves)
     total = layout.mlp_width * len(curves) + state.attention_units * adjustable
     allocation = allocate(curves, total, state.attention_units, units_at)
@@ -381,7 +381,9 @@ def original_outputs(state: RunState, windows: list[Batch]) -> list[torch.Tensor
         return []
     state.progress("MLP width search: the original's outputs", 0, 1)
     with on_device(state.pruned, state.device):
-        return [model_log_probs(state.pruned, batch, state.device).cpu() for batch in windows]
+        references = [model_log_probs(state.pruned, batch, state.device).cpu() for batch in windows]
+    state.progress("MLP width search: the original's outputs", 1, 1)
+    return references
 
 
 def search_widths(
@@ -398,12 +400,8 @@ def search_widths(
     solutions = [curve.solutions for curve in curves]
 
     def fitness(widths: list[int]) -> float:
-        tally = Tally()
         with assembled(mlps, solutions, widths):
-            for batch, reference in zip(windows, references):
-                candidate = model_log_probs(model, batch, state.device)
-                tally.add(reference.to(state.device), candidate, batch, state.device)
-        return tally.result(True)["pruned"]["kl"]
+            return kl_to_references(references, model, windows, state.device)
 
     def progress(done: int, total: int) -> None:
         state.progress("MLP width search: measuring allocations", done, total)
@@ -421,18 +419,6 @@ def search_widths(
         kl=result.kl,
     )
     return result.widths
-
-
-@contextmanager
-def on_device(model: PreTrainedModel, device: torch.device) -> Iterator[None]:
-    """`model` whole on `device` while the block runs, then back where it was (and in eval mode, no grad)."""
-    home = next(model.parameters()).device
-    model.to(device)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.to(home)
 
 
 def attention_units(model: PreTrainedModel, family: ModelFamily, step: int) -> int:
