@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,8 +42,6 @@ class SearchResult:
     kl: float
     measured: int
     accepted: int
-    history: list[float] = field(default_factory=list)
-    """The parent's KL after each generation."""
 
 
 def mutate(widths: Sequence[int], grids: Sequence[Sequence[int]], rng: random.Random, moves: int) -> list[int]:
@@ -96,7 +94,7 @@ def evolve(
 
     parent = list(start)
     start_kl = best = measure(parent)
-    accepted, history, stale = 0, [], 0
+    accepted, stale = 0, 0
     while len(seen) < evaluations and stale < 8:
         children = []
         for _ in range(min(offspring, evaluations - len(seen))):
@@ -109,8 +107,7 @@ def evolve(
             kl, child = min(scored, key=lambda pair: pair[0])
             if kl < best:
                 parent, best, accepted = child, kl, accepted + 1
-        history.append(best)
-    return SearchResult(parent, start_kl, best, len(seen), accepted, history)
+    return SearchResult(parent, start_kl, best, len(seen), accepted)
 
 
 @contextmanager

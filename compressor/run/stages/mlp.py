@@ -80,8 +80,9 @@ class PruneMlp(Stage):
     def heldout_windows(self, recipe: Recipe, plan: Plan) -> int:
         """`mlp.search`: the windows each allocation of the heterogeneous layout is measured on."""
         spec = recipe.mlp
-        searches = spec is not None and spec.search is not None and recipe.slicing.layout == "heterogeneous"
-        return spec.heldout_windows if searches and spec is not None else 0
+        if spec is None or spec.search is None or recipe.slicing.layout != "heterogeneous":
+            return 0
+        return spec.heldout_windows
 
     def check_device(self, recipe: Recipe, device: torch.device, save_model: bool) -> None:
         if not save_model:
