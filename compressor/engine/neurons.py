@@ -51,6 +51,7 @@ from compressor.engine.calibration import LayerInputs, SecondMoment, capture_lay
 from compressor.engine.expert_width import prune_expert_widths
 from compressor.engine.kv_merge import KvMeasure
 from compressor.engine.layerwise import decoder_layers, visit_layers
+from compressor.engine.mlp_reconstruct import ReconstructSettings, TokenPairs, reconstruct_mlp
 from compressor.engine.mlp_widths import WidthCurve, weighted_error, width_grid
 from compressor.engine.parallel import Ranks
 from compressor.engine.refit import (
@@ -147,6 +148,7 @@ def prune_mlp(
     progress: Progress | None = None,
     store: ActivationStore | None = None,
     ranks: Ranks | None = None,
+    reconstruct: ReconstructSettings | None = None,
 ) -> list[NeuronRecord]:
     """Keep `keep` intermediate neurons in every layer's MLP of `model` (a sequence: layer i keeps
     `keep[i]`, 0 removing its output; every routed expert's in an
@@ -155,7 +157,9 @@ def prune_mlp(
     model's current coordinates) for selectors that use it. Returns one record per layer. The
     model's config is not changed: the caller sets its MLP width where the saved class reads it.
     `feedback` is the share α of the stream's error the refit takes back (see the module docstring).
-    `ranks` (default: the initialised process group, if any) share `batches` as the walk does."""
+    `ranks` (default: the initialised process group, if any) share `batches` as the walk does.
+    `reconstruct`: each dense MLP's kept weights are then trained on its refit's target
+    (`engine.mlp_reconstruct`)."""
     if not 0 <= feedback <= 1:
         raise UserError(f"mlp.feedback {feedback:g}: give a share of the stream's error from 0 to 1")
     feedback = feedback if family.mlp_post_norm is None and family.experts is None else 0.0
@@ -189,9 +193,26 @@ def prune_mlp(
             elif family.experts is None:
                 assert keep is not None, "a dense MLP's width is given"
                 kept = keep if isinstance(keep, int) else keep[index]
+                pairs = TokenPairs(layer_mlp(family, layer)) if reconstruct is not None and kept > 0 else None
                 dense = _prune_dense(
-                    layer, family, inputs, index, kept, selector, device, refit, damping, feedback, G, reference, ranks
+                    layer,
+                    family,
+                    inputs,
+                    index,
+                    kept,
+                    selector,
+                    device,
+                    refit,
+                    damping,
+                    feedback,
+                    G,
+                    reference,
+                    ranks,
+                    pairs,
                 )
+                if pairs is not None and reconstruct is not None:  # H weighs it where the MLP's output meets the stream
+                    weighing = G if family.mlp_post_norm is None else None
+                    dense.reconstruction = reconstruct_mlp(pairs, weighing, reconstruct, index, device, ranks)
                 records.append(dense)
             # else a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers) keeps its width: the config's is the experts'
             _next_inputs(layer, inputs, index, device, None)  # the pruned layer gives the next one its input
@@ -212,12 +233,15 @@ def _measure(
     device: torch.device,
     reference: ActivationStore | None = None,
     advance: bool = False,
+    pairs: TokenPairs | None = None,
+    feedback: float = 0.0,
 ) -> _MlpMoment:
     """Run the layer on every stored batch, measuring the down projection's input. With a
     `reference` stream the layer, not yet pruned, also runs on it: its output there becomes the
     reference for the next layer, and its difference from the output on the pruned stream is the
     error e that feedback adds. `advance`: each stored batch is then replaced by the layer's
-    output (the next layer's input), for a caller that leaves the layer as it is."""
+    output (the next layer's input), for a caller that leaves the layer as it is. `pairs`: each
+    counted token's MLP input and target (its output plus `feedback` times the error) are kept."""
     stats = _MlpMoment(output.in_features, device, None if reference is None else output.out_features)
     current: dict[str, Any] = {"measuring": True}
 
@@ -227,7 +251,12 @@ def _measure(
             if reference is not None:  # kept for the error's cross moment with h
                 current["h"] = args[0]
 
+    def keep_pair(_: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        if current["measuring"] and pairs is not None:
+            pairs.add(args[0], _stream(out), current["mask"], current["count"])
+
     handle = output.register_forward_pre_hook(record)
+    pair_handle = None if pairs is None else pairs.module.register_forward_hook(keep_pair)
     try:
         for b in range(len(inputs)):
             mask, count = inputs.token_masks[b].to(device), inputs.token_counts[b]
@@ -241,9 +270,13 @@ def _measure(
             reference_out = _stream(layer(reference.get(b, device), **inputs.kwargs(b, index, device)))
             current["measuring"] = True
             stats.add_error(current.pop("h"), reference_out - out, mask, count)
+            if pairs is not None and feedback:
+                pairs.add_error(b, reference_out - out, mask, count, feedback)
             reference.put(b, reference_out)
     finally:
         handle.remove()
+        if pair_handle is not None:
+            pair_handle.remove()
     return stats
 
 
@@ -302,6 +335,7 @@ def _dense_problem(
     reference: ActivationStore | None,
     ranks: Ranks,
     advance: bool = False,
+    pairs: TokenPairs | None = None,
 ) -> tuple[NeuronProblem, RefitTarget, torch.Tensor]:
     """One dense MLP's problem, measured on the stored batches: the selector's view, what the refit
     reproduces, and the down projection W (d × f, float64). `advance`: as `_measure`'s."""
@@ -309,7 +343,7 @@ def _dense_problem(
     width = output.in_features
     if not 0 <= keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-    stats = _measure(layer, output, inputs, index, device, reference, advance).sum_over(ranks)
+    stats = _measure(layer, output, inputs, index, device, reference, advance, pairs, feedback).sum_over(ranks)
     if stats.moment.tokens == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
     C = stats.moment.value()  # divided in place: f × f float64 is large
@@ -354,12 +388,14 @@ def _prune_dense(
     G: torch.Tensor | None,
     reference: ActivationStore | None,
     ranks: Ranks,
+    pairs: TokenPairs | None = None,
 ) -> NeuronRecord:
-    """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring)."""
+    """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring);
+    `pairs` records its inputs and the refit's target per token on the way."""
     linears, output = mlp_linears(layer, family)
     width = output.in_features
     problem, goal, W = _dense_problem(
-        layer, family, inputs, index, keep, device, damping, feedback, G, reference, ranks
+        layer, family, inputs, index, keep, device, damping, feedback, G, reference, ranks, pairs=pairs
     )
     C = problem.C
     objectives, kept, refitted = _kept_and_down(problem, selector, refit, ranks)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compressor.engine.mlp_reconstruct import ReconstructionRecord
 from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector
@@ -57,6 +58,8 @@ class NeuronRecord:
     routed experts kept their width)."""
     shared_expert: SharedExpertRecord | None = None
     """The layer's shared expert, where `mlp.shared_kept` narrowed it."""
+    reconstruction: ReconstructionRecord | None = None
+    """`mlp.reconstruct`: the kept weights trained after the refit (`engine.mlp_reconstruct`)."""
 
 
 @dataclass

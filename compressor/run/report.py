@@ -142,6 +142,18 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
         rows.append(("  KV heads per layer (merged)", "", f"{heads} (neurons an attention counts as at {counted})"))
     if errors:
         rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
+    rebuilt = [r.reconstruction for r in mlp.layers if r.reconstruction is not None]
+    if rebuilt:
+        before = sum(r.heldout_before for r in rebuilt) / len(rebuilt)
+        after = sum(r.heldout_after for r in rebuilt) / len(rebuilt)
+        weighed = "weighed by H, " if rebuilt[0].weighed_by_h else ""
+        rows.append(
+            (
+                "  mlp.reconstruct (held-out error, mean over layers)",
+                "",
+                f"{before:.4f} → {after:.4f} ({weighed}{rebuilt[0].steps} steps, {rebuilt[0].heldout_tokens:,} tokens held out)",
+            )
+        )
     fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]
     if experts and fewest:
         rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{min(fewest):,}"))

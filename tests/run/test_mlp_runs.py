@@ -59,10 +59,51 @@ def test_a_per_site_run_with_mlp_weighs_by_h_and_reloads(tiny_checkpoint: Path, 
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
+def test_a_run_with_mlp_reconstruct_trains_the_kept_weights_and_reports_it(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`mlp.reconstruct`: the same run as without it up to the refit, then each MLP's kept weights
+    trained: the saved model reloads as the original class at the same widths, its MLP weights
+    differ from the refit's, every layer's held-out error is no higher than the refit's, and
+    report.md says so."""
+    common = dict(pipeline=[{"strategy": "sensitivity"}], evaluation=None, calibration__num_samples=16)
+    runs = {}
+    for name, extra in (("refit", {}), ("rebuilt", {"reconstruct": {"steps": 100, "batch_tokens": 256, "lr": 0.05}})):
+        (tmp_path / name).mkdir()
+        recipe = write_recipe(
+            tmp_path / name, tiny_checkpoint, output=str(tmp_path / name / "out"), mlp={"kept": 64, **extra}, **common
+        )
+        assert main(["run", str(recipe)]) == 0
+        runs[name] = (
+            _report(tmp_path / name / "out"),
+            AutoModelForCausalLM.from_pretrained(tmp_path / name / "out" / "model"),
+        )
+    (plain, refit), (report, rebuilt) = runs["refit"], runs["rebuilt"]
+    assert rebuilt.config.intermediate_size == refit.config.intermediate_size == 64
+    assert report["params"]["pruned"] == plain["params"]["pruned"] == parameter_count(rebuilt)
+    layers = report["mlp"]["layers"]
+    assert all(
+        layer["reconstruction"]["heldout_after"] <= layer["reconstruction"]["heldout_before"] for layer in layers
+    )
+    assert all(layer["reconstruction"]["weighed_by_h"] for layer in layers)
+    assert all(layer.get("reconstruction") is None for layer in plain["mlp"]["layers"])
+    moved = [
+        not torch.equal(a.mlp.gate_proj.weight, b.mlp.gate_proj.weight)
+        for a, b in zip(rebuilt.model.layers, refit.model.layers)
+    ]
+    trained = [layer["reconstruction"]["best_step"] > 0 for layer in layers]
+    assert moved == trained and any(trained)
+    assert (
+        "mlp.reconstruct (held-out error, mean over layers)" in (tmp_path / "rebuilt" / "out" / "report.md").read_text()
+    )
+
+
 @pytest.mark.parametrize(
     ("mlp", "family", "message"),
     [
         ({"kept": 1.5}, "llama", "mlp.kept 1.5: give a whole number of neurons, or a fraction below 1"),
+        ({"kept": 0.5, "reconstruct": {"steps": 0}}, "llama", "mlp.reconstruct.steps"),
+        ({"kept": 0.5, "reconstruct": {}}, "qwen3_moe", "mlp.reconstruct trains each dense MLP module"),
         ({"kept": 200}, "llama", "mlp.kept 200 keeps 200 of the MLP's 128 neurons; keep between 1 and 128"),
         ({"kept": 0.5, "selector": "obss"}, "llama", "unknown neuron selector 'obss' (did you mean 'obs'?)"),
         ({}, "gpt2", "does not describe its MLP's width (ModelFamily.mlp_width)"),

@@ -15,6 +15,22 @@ if TYPE_CHECKING:
 
 
 @options(frozen=True, config=FORBID)
+class ReconstructSpec:
+    """`mlp.reconstruct`: after each dense MLP is chosen and refitted, its kept weights (the input
+    rows the refit cannot reach, and the down projection) are trained with Adam on the refit's own
+    target per calibration token, weighed by H where the MLP writes (`engine.mlp_reconstruct`).
+    Local to each MLP: no model output is involved. A share of the tokens is held out, and the
+    weights of lowest error there are kept (the refit's among them)."""
+
+    steps: Annotated[StrictInt, described("Adam steps per MLP", ge=1)] = 300
+    lr: Annotated[Number, described("step size, times each weight's root mean square", gt=0)] = 0.005
+    """Adam's step size for each parameter, relative to its root mean square, so that one value
+    suits models whose weights differ in scale."""
+    batch_tokens: Annotated[StrictInt, described("calibration tokens per step", ge=1)] = 2048
+    heldout: Annotated[Number, described("share of the tokens held out to keep the best weights", gt=0, lt=1)] = 0.125
+
+
+@options(frozen=True, config=FORBID)
 class MlpSpec:
     """The MLP's width as a second axis (`compressor.engine.neurons`): every layer keeps `kept` of
     its intermediate neurons, chosen by `selector`, the down projection refitted to what the
@@ -86,6 +102,9 @@ class MlpSpec:
     lowest KL (`engine.width_search`: an evolution that moves grid steps of neurons between layers'
     MLPs, each model assembled from the width curves' own solutions, so nothing is selected again).
     Each measurement is one pass of the model over the windows. None: the predicted allocation."""
+    reconstruct: ReconstructSpec | None = None
+    """Train each pruned dense MLP's kept weights on its refit's target after the refit (see
+    `ReconstructSpec`; `{}` takes its defaults); None: the refit's weights are saved."""
     heldout_windows: Annotated[
         StrictInt, described("calibration-dataset windows after the calibration set, to measure the splits", ge=1)
     ] = 16

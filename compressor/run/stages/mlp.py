@@ -21,6 +21,7 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import decoder_layers
+from compressor.engine.mlp_reconstruct import ReconstructSettings
 from compressor.engine.mlp_widths import WidthCurve, allocate
 from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
@@ -43,7 +44,7 @@ from compressor.models.layout import expert_count, mlp_neurons, set_mlp_widths, 
 from compressor.models.sites import layer_site_ids
 from compressor.models.sliced import layer_attention
 from compressor.recipe.schema import Recipe
-from compressor.recipe.sections.mlp import MlpSpec
+from compressor.recipe.sections.mlp import MlpSpec, ReconstructSpec
 from compressor.run.report_model import MlpReport, WidthSearchRecord
 from compressor.run.stages.base import Progress, RunState, on_device
 from compressor.run.stages.contract import Stage
@@ -70,6 +71,17 @@ class PruneMlp(Stage):
             raise UserError(
                 "mlp.merge_kv_heads: this model's attentions hold one key-value head each, so there is none to "
                 "merge; remove mlp.merge_kv_heads"
+            )
+        family = plan.layout.family
+        if (
+            recipe.mlp is not None
+            and recipe.mlp.reconstruct is not None
+            and (family.experts is not None or family.build_mlp is not None)
+        ):
+            what = "routed experts" if family.experts is not None else "linears of the decoder layer, not one module"
+            raise UserError(
+                f"mlp.reconstruct trains each dense MLP module, and {family.name}'s MLPs are {what}; "
+                "remove mlp.reconstruct"
             )
         if recipe.slicing.layout == "heterogeneous" and world > 1:
             raise UserError(
@@ -116,6 +128,14 @@ class PruneMlp(Stage):
             refits = (
                 fp.layers * len(kv_options(config)) * fp.d * config.num_attention_heads * head_dim(config) * fp.item
             )
+        pairs = 0  # `mlp.reconstruct`: every token's MLP input and target (float32, host); Adam's float32 state
+        if recipe is not None and recipe.mlp is not None and recipe.mlp.reconstruct is not None:
+            pairs = settings.samples * fp.seq_len * 2 * fp.d * 4
+            rows = max(recipe.mlp.reconstruct.batch_tokens, 4096)  # a step's batch, or a held-out chunk
+            device += (
+                4 * len(family.mlp_inputs + (family.mlp_output,)) * fp.d * fp.f * 4
+                + 2 * rows * (2 * fp.d + 3 * fp.f) * 4
+            )
         phases = []
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
             assert recipe.mlp is not None
@@ -128,7 +148,7 @@ class PruneMlp(Stage):
         return phases + [
             fp.phase(
                 "mlp (one layer at a time)",
-                fp.walked + copies * fp.store + fp.positions + refits,
+                fp.walked + copies * fp.store + fp.positions + refits + pairs,
                 device,
                 f"{fp.disk}, or mlp.feedback: 0 (one copy of the stream)",
             )
@@ -199,13 +219,23 @@ def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     """The MLP stage on `tokens` calibration tokens: a pass layer by layer (the pruned stream and, with
     `mlp.feedback`, the unpruned one; each MLP's input C and the refit's moments) and the selector at
     every layer; the heterogeneous layout's H on a fused copy and its width curves, a pass more
-    (and with `mlp.merge_kv_heads` a merged attention per KV-head count, counted as a layer's forward)."""
+    (and with `mlp.merge_kv_heads` a merged attention per KV-head count, counted as a layer's forward);
+    `mlp.reconstruct`'s steps and held-out checks."""
     if not layout.prunes_mlp:
         return []
     costs, layers = work.costs, layout.config.num_hidden_layers
     streams = 2 if work.recipe.mlp is not None and work.recipe.mlp.feedback else 1
     per_token = streams * costs.layer_forward + 2 * costs.moment_mlp
     seconds = tokens * layers * per_token + layers * costs.neurons
+    rebuild = work.recipe.mlp.reconstruct if work.recipe.mlp is not None else None
+    if rebuild is not None:  # each step a forward and backward of the pruned MLP, a layer's share by its parameters
+        config, d = layout.config, layout.config.hidden_size
+        mlp = len((*layout.family.mlp_inputs, layout.family.mlp_output)) * d * (layout.mlp_width or 1)
+        attention = 2 * d * head_dim(config) * (config.num_attention_heads + kv_heads(config))
+        share = mlp / (mlp + attention)
+        checks = (rebuild.steps // 25 + 2) * tokens * float(rebuild.heldout) * costs.layer_forward
+        steps = rebuild.steps * rebuild.batch_tokens * (costs.layer_forward + costs.layer_backward)
+        seconds += layers * share * (steps + checks)
     if work.recipe.slicing.layout == "heterogeneous":
         seconds += tokens * (layers * (costs.layer_backward + costs.layer_forward) + costs.head_backward)
         if work.recipe.mlp is not None and work.recipe.mlp.merge_kv_heads:
@@ -306,9 +336,17 @@ def prune_mlps(
         progress=progress,
         store=ActivationStore(device, recipe.activations, scratch),
         ranks=ranks,
+        reconstruct=None if spec.reconstruct is None else reconstruct_settings(spec.reconstruct),
     )
     set_mlp_widths(pruned.config, family, layout.mlp_width, layout.shared_width)
     return records, sensitivity is not None
+
+
+def reconstruct_settings(spec: ReconstructSpec) -> ReconstructSettings:
+    """The recipe's `mlp.reconstruct` as the engine reads it."""
+    return ReconstructSettings(
+        steps=spec.steps, lr=float(spec.lr), batch_tokens=spec.batch_tokens, heldout=float(spec.heldout)
+    )
 
 
 def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:

@@ -1,0 +1,157 @@
+"""A pruned MLP's kept weights trained to reproduce what it should write (`mlp.reconstruct`).
+
+The least-squares refit (`engine.refit`) can only move the down projection: the input rows of the
+kept neurons sit before the nonlinearity. Here every weight the MLP kept (its input rows and its
+output projection, starting from the refit) is trained with Adam on the same target as the refit,
+t = y + α e per calibration token (y what the unpruned MLP wrote, e the error feedback), weighed by
+G (H where the MLP writes: the loss is then the second-order estimate of the KL it adds). The loss
+stays local to one MLP on its own calibration inputs, so no model output or other layer is
+involved; it is the refit's problem, solved over more weights, not distillation.
+A share of the tokens is held out: every `check_every` steps the weighed error there is measured,
+and the best weights seen are kept, the refit's among them, so held-out error never rises.
+Each parameter's step size is `lr` times its root mean square, so one setting suits models whose
+weights differ in scale. Deterministic on one device (seeded by the layer index); data-parallel
+ranks average their gradients and sum their held-out errors, so all keep the same weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from compressor.engine.calibration import counted_rows
+from compressor.engine.parallel import Ranks
+
+
+@dataclass(frozen=True)
+class ReconstructSettings:
+    """The recipe's `mlp.reconstruct`, as the engine reads it."""
+
+    steps: int
+    lr: float
+    batch_tokens: int
+    heldout: float
+    check_every: int = 25
+
+
+@dataclass
+class ReconstructionRecord:
+    """One MLP's reconstruction, for the report: the weighed relative error on its held-out tokens,
+    E[(y' − t)ᵀG(y' − t)] / E[tᵀGt], with the refit's weights (`heldout_before`) and with those kept
+    (`heldout_after`; `best_step` 0: the refit's)."""
+
+    steps: int
+    best_step: int
+    heldout_before: float
+    heldout_after: float
+    tokens: int
+    heldout_tokens: int
+    weighed_by_h: bool
+
+
+class TokenPairs:
+    """Per counted calibration token, the MLP's input x and its target t (float32, on the host):
+    what the MLP wrote on the pruned stream before pruning, plus α times the layer's error against
+    the reference stream (`add_error`, the same e the refit's feedback takes back)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        """The MLP whose calls are recorded (its forward maps x to what it writes)."""
+        self.inputs: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        self.inputs.append(counted_rows(x.reshape(*mask.shape, x.shape[-1]), mask, count).float().cpu())
+        self.targets.append(counted_rows(y.reshape(*mask.shape, y.shape[-1]), mask, count).float().cpu())
+
+    def add_error(self, batch: int, error: torch.Tensor, mask: torch.Tensor, count: int, feedback: float) -> None:
+        self.targets[batch] += feedback * counted_rows(error, mask, count).float().cpu()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.inputs), torch.cat(self.targets)
+
+
+def _weighed_error(mlp: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor, L: torch.Tensor):
+    """Σ‖(y' − t)L‖² and Σ‖tL‖² over the rows (G = L Lᵀ)."""
+    y = functional_call(mlp, params, (x.to(next(iter(params.values())).dtype),))
+    return (((y - t) @ L) ** 2).sum(), ((t @ L) ** 2).sum()
+
+
+def _heldout_error(
+    mlp: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor, L: torch.Tensor, ranks: Ranks
+) -> float:
+    """The weighed relative error on the held-out rows, summed over the ranks, in chunks."""
+    sums = torch.zeros(2, dtype=torch.float64, device=L.device)
+    with torch.no_grad():
+        for start in range(0, len(x), 4096):
+            error, energy = _weighed_error(
+                mlp, params, x[start : start + 4096].to(L.device), t[start : start + 4096].to(L.device), L
+            )
+            sums += torch.stack([error, energy]).double()
+    ranks.sum_(sums)
+    return float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+
+
+def reconstruct_mlp(
+    pairs: TokenPairs,
+    G: torch.Tensor | None,
+    settings: ReconstructSettings,
+    seed: int,
+    device: torch.device,
+    ranks: Ranks | None = None,
+) -> ReconstructionRecord:
+    """Train every parameter of `pairs.module` (already pruned and refitted) on `pairs`, in float32,
+    and set it to the weights of lowest held-out error (see the module docstring)."""
+    ranks, mlp = ranks or Ranks.current(), pairs.module
+    x, t = pairs.tensors()
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=generator)
+    held = max(1, int(len(x) * settings.heldout))
+    fit, check = order[held:], order[:held]
+    d = t.shape[1]
+    weight = torch.eye(d, dtype=torch.float64) if G is None else G.detach().to("cpu", torch.float64)
+    weight = weight + 1e-8 * float(weight.diagonal().mean()) * torch.eye(d, dtype=torch.float64)
+    L = torch.linalg.cholesky(weight).float().to(device)
+    names = [name for name, p in mlp.named_parameters()]
+    params = {
+        name: p.detach().to(device, torch.float32).clone().requires_grad_(True) for name, p in mlp.named_parameters()
+    }
+    groups = [
+        {"params": [p], "lr": settings.lr * float(p.detach().pow(2).mean().sqrt()) or settings.lr}
+        for p in params.values()
+    ]
+    x_check, t_check = x[check], t[check]
+    start = best = _heldout_error(mlp, params, x_check, t_check, L, ranks)
+    kept = {name: p.detach().clone() for name, p in params.items()}
+    best_step = 0
+    with torch.enable_grad():
+        optimizer = torch.optim.Adam(groups)
+        for step in range(1, settings.steps + 1):
+            rows = fit[torch.randint(0, len(fit), (min(settings.batch_tokens, len(fit)),), generator=generator)]
+            error, energy = _weighed_error(mlp, params, x[rows].to(device), t[rows].to(device), L)
+            optimizer.zero_grad()
+            (error / energy.clamp_min(1e-30)).backward()
+            for p in params.values():
+                if ranks.world > 1:
+                    ranks.sum_(p.grad).div_(ranks.world)
+            optimizer.step()
+            if step % settings.check_every == 0 or step == settings.steps:
+                now = _heldout_error(mlp, params, x_check, t_check, L, ranks)
+                if now < best:
+                    best, best_step = now, step
+                    kept = {name: p.detach().clone() for name, p in params.items()}
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            p.copy_(kept[name].to(p.device, p.dtype))
+    assert set(names) == set(kept)
+    return ReconstructionRecord(
+        steps=settings.steps,
+        best_step=best_step,
+        heldout_before=start,
+        heldout_after=best,
+        tokens=len(fit),
+        heldout_tokens=held,
+        weighed_by_h=G is not None,
+    )
