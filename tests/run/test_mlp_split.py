@@ -155,6 +155,35 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     _a_fixed_run_saves_the_same(tmp_path, wide_mlp, chosen, pipeline=sensitivity)
 
 
+@pytest.mark.parametrize("screen", [2, None])
+def test_screened_trials_rank_splits_by_the_refit_and_the_saved_split_is_reconstructed(
+    screen: int | None, wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mlp.reconstruct` with the split open: screened trials are not trained (the chosen split is, by
+    the run's own MLP stage, on every window); unscreened, every trial is trained, the chosen one is
+    the saved model, and nothing trains after it. The saved model's layers carry their records."""
+    import compressor.engine.neurons as neurons
+
+    calls: list[int] = []
+    real = neurons.reconstruct_mlp
+    monkeypatch.setattr(neurons, "reconstruct_mlp", lambda *args: calls.append(len(args[0].inputs)) or real(*args))
+    mlp = {**SPLIT, "screen_windows": screen, "measure_best": None, "reconstruct": {"steps": 4, "batch_tokens": 32}}
+    recipe = write_recipe(tmp_path, wide_mlp, output=str(tmp_path / "out"), mlp=mlp, **COMMON)
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    split, layers = report["mlp"]["split"], report["mlp"]["layers"]
+    trained = [c for c in split["candidates"] if c["mlp_kept"] < 1024]  # the trials that prune the MLP
+    chosen = split["candidates"][split["chosen"]]
+    assert (
+        chosen["mlp_kept"] < 1024 and len(trained) >= 2
+    )  # the tiny model's choice, so the counts below mean something
+    assert all(layer["reconstruction"] is not None for layer in layers)
+    if screen is None:
+        assert len(calls) == len(trained) * len(layers)
+    else:
+        assert len(calls) == len(layers) and set(calls) == {2}  # the run's own stage: both batches of 4 windows
+
+
 def test_measure_best_prunes_only_the_best_predicted_splits_and_saves_what_a_fixed_run_saves(
     wide_mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,9 +125,10 @@ class ChooseSplit(Stage):
         tokens = work.tokens if screen is None else screen * recipe.calibration.seq_len
         heldout = work.heldout.get(self.name, 0)
         trials = []
+        trial_work = dataclasses.replace(work, recipe=trial_recipe(recipe, screen))
         for split in splits:
             trial = walk_seconds(work, split, tokens, with_h=False) + heads_seconds(work, split, tokens)
-            trial += mlp_seconds(work, split, tokens)
+            trial += mlp_seconds(trial_work, split, tokens)
             layers = split.config.num_hidden_layers
             trials.append(sum(p.seconds or 0.0 for p in trial) + work.measured_kl(heldout, layers))
         models = min(measured, len({split.removed_blocks for split in splits}))  # H of each set of blocks kept
@@ -277,9 +278,10 @@ def measured_split(
     distillation) in a scratch folder, and its KL to `original` on the split's windows, saved as it would be."""
     label = f"split {index + 1}/{len(state.checked.splits)} ({split_label(layout)})"
     folder = state.staging / SCRATCH_FOLDER / f"split-{index}"
+    screen = state.checked.screen_windows
     trial = RunState(
         folder,
-        state.recipe,
+        trial_recipe(state.recipe, screen),
         dataclasses.replace(state.checked, layout=layout),
         state.device,
         Checkpoint(folder / CHECKPOINT_FOLDER, writable=False),  # H goes to the run's checkpoint
@@ -287,7 +289,6 @@ def measured_split(
         state.resources,
         state.ranks,
     )
-    screen = state.checked.screen_windows
     trial.tokenizer, trial.calibration = state.tokenizer, screened(state)
     trial.heldout, trial.removed_blocks = state.measuring_windows[ChooseSplit.name], list(layout.removed_blocks)
     trial.model = trial.model_to_prune()
@@ -324,6 +325,16 @@ def measured_split(
         trial.result = dataclasses.replace(trial.result, fisher=None, model=trial.pruned)
         state.best_trial = (kl, index, trial)
     return kl
+
+
+def trial_recipe(recipe: Recipe, screen: int | None) -> Recipe:
+    """A split trial's recipe: the run's, less `mlp.reconstruct` where trials are screened: they rank
+    the splits by the refit alone, on a share of the windows (training on those would fit them and
+    cost as much as on all), and the chosen split is pruned on every window by the run's own MLP
+    stage, reconstruction included. Unscreened, the chosen trial is the saved model, so it is trained."""
+    if screen is None or recipe.mlp is None or recipe.mlp.reconstruct is None:
+        return recipe
+    return dataclasses.replace(recipe, mlp=dataclasses.replace(recipe.mlp, reconstruct=None))
 
 
 def predicted(state: RunState, splits: tuple[SlicedLayout, ...]) -> Prediction | None:
