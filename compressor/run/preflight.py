@@ -274,10 +274,18 @@ def split_line(checked: Plan) -> str:
 def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
     """What `mlp` keeps: every MLP's (each routed expert's) neurons, and every shared expert's; in
     `slicing.layout: heterogeneous` the MLPs share the uniform width's neurons, and with
-    `mlp.remove_attention` the attentions may go too (`mlp.search`: allocations measured)."""
+    `mlp.remove_attention` the attentions may go too (`mlp.search`: allocations measured); then
+    `mlp.reconstruct`'s training."""
     layout, selector, lines = checked.layout, checked.selector, []
     if selector is None:
         return lines
+    rebuild, after = recipe.mlp.reconstruct if recipe.mlp is not None else None, []
+    if rebuild is not None:
+        after.append(
+            f"mlp.reconstruct: after the refit, each MLP's kept weights take {rebuild.steps} Adam steps of "
+            f"{rebuild.batch_tokens} tokens on its target, weighed by H, the best on {float(rebuild.heldout):.1%} "
+            "of the tokens held out kept"
+        )
     if layout.shared_width is not None:
         of = shared_expert_neurons(layout.config, layout.family)
         lines.append(f"mlp: every shared expert keeps {layout.shared_width} of its {of} neurons ({selector.name})")
@@ -306,12 +314,12 @@ def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
                     f"mlp.search: up to {recipe.mlp.search} allocations measured from the predicted one on "
                     f"{recipe.mlp.heldout_windows} held-out windows, the lowest KL kept"
                 )
-            return lines
+            return lines + after
         lines.append(
             f"mlp: every {what} keeps {layout.mlp_width} of its "
             f"{getattr(layout.config, family.mlp_width)} neurons ({selector.name})"
         )
-    return lines
+    return lines + after
 
 
 def _memory(recipe: Recipe, checked: Plan, device: Any, found: DryRun, check: bool) -> None:
