@@ -10,7 +10,8 @@ involved; it is the refit's problem, solved over more weights, not distillation.
 A share of the tokens is held out: every `check_every` steps the weighed error there is measured,
 and the best weights seen are kept, the refit's among them, so held-out error never rises.
 Each parameter's step size is `lr` times its root mean square, so one setting suits models whose
-weights differ in scale. Deterministic on one device (seeded by the layer index); data-parallel
+weights differ in scale (a parameter of zeros, e.g. a bias, takes `lr` itself). Weights are scored as
+they will be written back (rounded to the model's dtype), so the kept ones are what the check saw. Deterministic on one device (seeded by the layer index); data-parallel
 ranks average their gradients and sum their held-out errors, so all keep the same weights."""
 
 from __future__ import annotations
@@ -70,13 +71,35 @@ class TokenPairs:
         self.targets[batch] += feedback * counted_rows(error, mask, count).float().cpu()
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat(self.inputs), torch.cat(self.targets)
+        """Every token's x and t, concatenated; the per-batch rows are let go (the memory plan counts
+        both at the peak of the concatenation)."""
+        x, t = torch.cat(self.inputs), torch.cat(self.targets)
+        self.inputs, self.targets = [], []
+        return x, t
 
 
-def _weighed_error(mlp: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor, L: torch.Tensor):
+def _weighed_error(
+    mlp: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor, L: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ‖(y' − t)L‖² and Σ‖tL‖² over the rows (G = L Lᵀ)."""
     y = functional_call(mlp, params, (x.to(next(iter(params.values())).dtype),))
+    y = y[0] if isinstance(y, tuple) else y
     return (((y - t) @ L) ** 2).sum(), ((t @ L) ** 2).sum()
+
+
+def weighing_factor(G: torch.Tensor | None, d: int, device: torch.device) -> torch.Tensor:
+    """L (float32, on `device`) with L Lᵀ = G: V·√λ from G's eigendecomposition in float64, negative
+    eigenvalues (round-off of an estimated H) set to 0, so a G that is singular or slightly
+    indefinite weighs as well as it can instead of failing; the identity for G None."""
+    if G is None:
+        return torch.eye(d, device=device)
+    values, vectors = torch.linalg.eigh(G.detach().to(device, torch.float64))
+    return (vectors * values.clamp_min(0).sqrt()).float()
+
+
+def _as_saved(params: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """The weights as they will be written back (rounded to each parameter's dtype), in float32."""
+    return {name: p.detach().to(dtypes[name]).float() for name, p in params.items()}
 
 
 def _heldout_error(
@@ -110,11 +133,8 @@ def reconstruct_mlp(
     order = torch.randperm(len(x), generator=generator)
     held = max(1, int(len(x) * settings.heldout))
     fit, check = order[held:], order[:held]
-    d = t.shape[1]
-    weight = torch.eye(d, dtype=torch.float64) if G is None else G.detach().to("cpu", torch.float64)
-    weight = weight + 1e-8 * float(weight.diagonal().mean()) * torch.eye(d, dtype=torch.float64)
-    L = torch.linalg.cholesky(weight).float().to(device)
-    names = [name for name, p in mlp.named_parameters()]
+    L = weighing_factor(G, t.shape[1], device)
+    dtypes = {name: p.dtype for name, p in mlp.named_parameters()}
     params = {
         name: p.detach().to(device, torch.float32).clone().requires_grad_(True) for name, p in mlp.named_parameters()
     }
@@ -123,8 +143,8 @@ def reconstruct_mlp(
         for p in params.values()
     ]
     x_check, t_check = x[check], t[check]
-    start = best = _heldout_error(mlp, params, x_check, t_check, L, ranks)
-    kept = {name: p.detach().clone() for name, p in params.items()}
+    start = best = _heldout_error(mlp, _as_saved(params, dtypes), x_check, t_check, L, ranks)
+    kept = _as_saved(params, dtypes)
     best_step = 0
     with torch.enable_grad():
         optimizer = torch.optim.Adam(groups)
@@ -137,21 +157,20 @@ def reconstruct_mlp(
                 if ranks.world > 1:
                     ranks.sum_(p.grad).div_(ranks.world)
             optimizer.step()
-            if step % settings.check_every == 0 or step == settings.steps:
-                now = _heldout_error(mlp, params, x_check, t_check, L, ranks)
+            if step % settings.check_every == 0 or step == settings.steps:  # scored as they would be saved
+                saved = _as_saved(params, dtypes)
+                now = _heldout_error(mlp, saved, x_check, t_check, L, ranks)
                 if now < best:
-                    best, best_step = now, step
-                    kept = {name: p.detach().clone() for name, p in params.items()}
+                    best, best_step, kept = now, step, saved
     with torch.no_grad():
         for name, p in mlp.named_parameters():
             p.copy_(kept[name].to(p.device, p.dtype))
-    assert set(names) == set(kept)
     return ReconstructionRecord(
         steps=settings.steps,
         best_step=best_step,
         heldout_before=start,
         heldout_after=best,
-        tokens=len(fit),
-        heldout_tokens=held,
+        tokens=ranks.sum_count(len(fit), device),
+        heldout_tokens=ranks.sum_count(held, device),
         weighed_by_h=G is not None,
     )

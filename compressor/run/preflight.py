@@ -283,8 +283,8 @@ def mlp_lines(checked: Plan, recipe: Recipe) -> list[str]:
     if rebuild is not None:
         after.append(
             f"mlp.reconstruct: after the refit, each MLP's kept weights take {rebuild.steps} Adam steps of "
-            f"{rebuild.batch_tokens} tokens on its target, weighed by H, the best on {float(rebuild.heldout):.1%} "
-            "of the tokens held out kept"
+            f"{rebuild.batch_tokens} tokens on its target (weighed by H where the MLP writes, where the run has "
+            f"it), the best on {float(rebuild.heldout):.1%} of the tokens held out kept"
         )
     if layout.shared_width is not None:
         of = shared_expert_neurons(layout.config, layout.family)

@@ -11,7 +11,13 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import compressor.engine.neurons as neurons
-from compressor.engine.mlp_reconstruct import ReconstructionRecord, ReconstructSettings, TokenPairs, reconstruct_mlp
+from compressor.engine.mlp_reconstruct import (
+    ReconstructionRecord,
+    ReconstructSettings,
+    TokenPairs,
+    reconstruct_mlp,
+    weighing_factor,
+)
 from compressor.engine.neurons import prune_mlp
 from compressor.engine.refit import drop_neurons, refit_down
 from compressor.models.families import family_for
@@ -117,3 +123,31 @@ def test_the_pairs_hold_the_refits_target(feedback: float, monkeypatch: pytest.M
             h = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
         fitted = torch.linalg.lstsq(h.double(), t.double()).solution.T
         assert torch.allclose(fitted, down.double(), rtol=1e-3, atol=1e-4)
+
+
+def test_a_singular_or_slightly_indefinite_g_weighs_without_failing() -> None:
+    """H estimated in float32 can be singular or have tiny negative eigenvalues: L Lᵀ is then G with
+    those set to 0 (a Cholesky factor would raise), and the identity where there is no G."""
+    generator = torch.Generator().manual_seed(3)
+    A = torch.randn(8, 5, generator=generator, dtype=torch.float64)
+    G = A @ A.T  # rank 5
+    G[0, 0] -= 1e-9 * float(G.diagonal().mean())  # a round-off's worth below semidefinite
+    L = weighing_factor(G, 8, torch.device("cpu")).double()
+    assert torch.allclose(L @ L.T, G, atol=1e-5 * float(G.abs().max()))
+    assert torch.equal(weighing_factor(None, 8, torch.device("cpu")), torch.eye(8))
+
+
+def test_a_bfloat16_mlp_keeps_the_weights_its_record_scored() -> None:
+    """In a bfloat16 model the weights are scored as they are written back: the record's held-out
+    error is what the module's own bfloat16 weights give on the held-out tokens, recomputed here."""
+    teacher = _teacher()
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2048, 16, generator=generator)
+    student = _pruned(teacher, x, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        t = teacher(x)
+    record = reconstruct_mlp(_pairs(student, x, t), None, SETTINGS, seed=5, device=torch.device("cpu"))
+    assert {p.dtype for p in student.parameters()} == {torch.bfloat16} and record.best_step > 0
+    check = torch.randperm(len(x), generator=torch.Generator().manual_seed(5))[: record.heldout_tokens]
+    as_float = copy.deepcopy(student).float()
+    assert record.heldout_after == pytest.approx(_error(as_float, x[check], t[check], torch.eye(16)), rel=1e-5)

@@ -128,14 +128,16 @@ class PruneMlp(Stage):
             refits = (
                 fp.layers * len(kv_options(config)) * fp.d * config.num_attention_heads * head_dim(config) * fp.item
             )
-        pairs = 0  # `mlp.reconstruct`: every token's MLP input and target (float32, host); Adam's float32 state
-        if recipe is not None and recipe.mlp is not None and recipe.mlp.reconstruct is not None:
-            pairs = settings.samples * fp.seq_len * 2 * fp.d * 4
-            rows = max(recipe.mlp.reconstruct.batch_tokens, 4096)  # a step's batch, or a held-out chunk
-            device += (
-                4 * len(family.mlp_inputs + (family.mlp_output,)) * fp.d * fp.f * 4
-                + 2 * rows * (2 * fp.d + 3 * fp.f) * 4
-            )
+        pairs = 0  # `mlp.reconstruct`: every token's MLP input and target (float32, host), twice while they
+        # are joined, and the held-out share's copy; on the device the float32 weights 7 times (themselves,
+        # gradient, Adam's two moments, the best kept and the one replacing it, a step's temporaries), L,
+        # and a step's batch (or a held-out chunk) through the MLP with its gradients
+        rebuild = recipe.mlp.reconstruct if recipe is not None and recipe.mlp is not None else None
+        if rebuild is not None:
+            pairs = settings.samples * fp.seq_len * 2 * fp.d * 4 * 9 // 4
+            rows, kept = max(rebuild.batch_tokens, 4096), fp.layout.mlp_width or fp.f
+            device += 7 * len((*family.mlp_inputs, family.mlp_output)) * fp.d * kept * 4 + 4 * fp.d * fp.d
+            device += 2 * rows * (2 * fp.d + 3 * kept) * 4
         phases = []
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
             assert recipe.mlp is not None
@@ -150,7 +152,8 @@ class PruneMlp(Stage):
                 "mlp (one layer at a time)",
                 fp.walked + copies * fp.store + fp.positions + refits + pairs,
                 device,
-                f"{fp.disk}, or mlp.feedback: 0 (one copy of the stream)",
+                f"{fp.disk}, or mlp.feedback: 0 (one copy of the stream)"
+                + (", or no mlp.reconstruct (its tokens' pairs)" if pairs else ""),
             )
         ]
 
