@@ -10,9 +10,10 @@ involved; it is the refit's problem, solved over more weights, not distillation.
 A share of the tokens is held out: every `check_every` steps the weighed error there is measured,
 and the best weights seen are kept, the refit's among them, so held-out error never rises.
 Each parameter's step size is `lr` times its root mean square, so one setting suits models whose
-weights differ in scale (a parameter of zeros, e.g. a bias, takes `lr` itself). Weights are scored as
-they will be written back (rounded to the model's dtype), so the kept ones are what the check saw. Deterministic on one device (seeded by the layer index); data-parallel
-ranks average their gradients and sum their held-out errors, so all keep the same weights."""
+weights differ in scale (a parameter of zeros, e.g. a bias, takes `lr` itself). Weights are scored
+as they will be written back (rounded to the model's dtype), so the kept ones are what the check
+saw. Deterministic on one device (seeded by the layer index); data-parallel ranks average their
+gradients and sum their held-out errors, so all keep the same weights."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from torch.func import functional_call
 from compressor.engine.calibration import counted_rows
 from compressor.engine.parallel import Ranks
 
+CHECK_EVERY = 25
+"""Steps between two measurements of the held-out error."""
+CHUNK_ROWS = 4096
+"""Held-out tokens measured at once (the memory plan counts a chunk's pass)."""
+
 
 @dataclass(frozen=True)
 class ReconstructSettings:
@@ -34,7 +40,7 @@ class ReconstructSettings:
     lr: float
     batch_tokens: int
     heldout: float
-    check_every: int = 25
+    check_every: int = CHECK_EVERY
 
 
 @dataclass
@@ -108,10 +114,9 @@ def _heldout_error(
     """The weighed relative error on the held-out rows, summed over the ranks, in chunks."""
     sums = torch.zeros(2, dtype=torch.float64, device=L.device)
     with torch.no_grad():
-        for start in range(0, len(x), 4096):
-            error, energy = _weighed_error(
-                mlp, params, x[start : start + 4096].to(L.device), t[start : start + 4096].to(L.device), L
-            )
+        for start in range(0, len(x), CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            error, energy = _weighed_error(mlp, params, x[rows].to(L.device), t[rows].to(L.device), L)
             sums += torch.stack([error, energy]).double()
     ranks.sum_(sums)
     return float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
@@ -143,8 +148,8 @@ def reconstruct_mlp(
         for p in params.values()
     ]
     x_check, t_check = x[check], t[check]
-    start = best = _heldout_error(mlp, _as_saved(params, dtypes), x_check, t_check, L, ranks)
     kept = _as_saved(params, dtypes)
+    start = best = _heldout_error(mlp, kept, x_check, t_check, L, ranks)
     best_step = 0
     with torch.enable_grad():
         optimizer = torch.optim.Adam(groups)
@@ -153,8 +158,8 @@ def reconstruct_mlp(
             error, energy = _weighed_error(mlp, params, x[rows].to(device), t[rows].to(device), L)
             optimizer.zero_grad()
             (error / energy.clamp_min(1e-30)).backward()
-            for p in params.values():
-                if ranks.world > 1:
+            if ranks.world > 1:
+                for p in params.values():
                     ranks.sum_(p.grad).div_(ranks.world)
             optimizer.step()
             if step % settings.check_every == 0 or step == settings.steps:  # scored as they would be saved

@@ -269,9 +269,10 @@ def _measure(
             current["measuring"] = False
             reference_out = _stream(layer(reference.get(b, device), **inputs.kwargs(b, index, device)))
             current["measuring"] = True
-            stats.add_error(current.pop("h"), reference_out - out, mask, count)
+            error = reference_out - out
+            stats.add_error(current.pop("h"), error, mask, count)
             if pairs is not None and feedback:
-                pairs.add_error(b, reference_out - out, mask, count, feedback)
+                pairs.add_error(b, error, mask, count, feedback)
             reference.put(b, reference_out)
     finally:
         handle.remove()

@@ -21,7 +21,7 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import decoder_layers
-from compressor.engine.mlp_reconstruct import ReconstructSettings
+from compressor.engine.mlp_reconstruct import CHECK_EVERY, CHUNK_ROWS, ReconstructSettings
 from compressor.engine.mlp_widths import WidthCurve, allocate
 from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
@@ -135,8 +135,8 @@ class PruneMlp(Stage):
         rebuild = recipe.mlp.reconstruct if recipe is not None and recipe.mlp is not None else None
         if rebuild is not None:
             pairs = settings.samples * fp.seq_len * 2 * fp.d * 4 * 9 // 4
-            rows, kept = max(rebuild.batch_tokens, 4096), fp.layout.mlp_width or fp.f
-            device += 7 * len((*family.mlp_inputs, family.mlp_output)) * fp.d * kept * 4 + 4 * fp.d * fp.d
+            rows, kept = max(rebuild.batch_tokens, CHUNK_ROWS), fp.layout.mlp_width or fp.f
+            device += 7 * mlp_weights(family, fp.d, kept) * 4 + 4 * fp.d * fp.d
             device += 2 * rows * (2 * fp.d + 3 * kept) * 4
         phases = []
         if recipe is not None and recipe.slicing.layout == "heterogeneous" and settings.mlp_feedback is not None:
@@ -218,6 +218,12 @@ def kv_merge_bytes(config: Any, tokens: int, item: int) -> int:
     return len(counts) * (copy_bytes + 2 * width * width * 8 + 2 * tokens * width * 8) + width * width * 8
 
 
+def mlp_weights(family: ModelFamily, d: int, width: int) -> int:
+    """The weights of one MLP `width` neurons wide, counted as one d × width matrix per linear of
+    the family's (a fused gate_up counted once: an estimate's unit, not a parameter count)."""
+    return len((*family.mlp_inputs, family.mlp_output)) * d * width
+
+
 def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     """The MLP stage on `tokens` calibration tokens: a pass layer by layer (the pruned stream and, with
     `mlp.feedback`, the unpruned one; each MLP's input C and the refit's moments) and the selector at
@@ -233,10 +239,10 @@ def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     rebuild = work.recipe.mlp.reconstruct if work.recipe.mlp is not None else None
     if rebuild is not None:  # each step a forward and backward of the pruned MLP, a layer's share by its parameters
         config, d = layout.config, layout.config.hidden_size
-        mlp = len((*layout.family.mlp_inputs, layout.family.mlp_output)) * d * (layout.mlp_width or 1)
+        mlp = mlp_weights(layout.family, d, layout.mlp_width or 1)
         attention = 2 * d * head_dim(config) * (config.num_attention_heads + kv_heads(config))
         share = mlp / (mlp + attention)
-        checks = (rebuild.steps // 25 + 2) * tokens * float(rebuild.heldout) * costs.layer_forward
+        checks = (rebuild.steps // CHECK_EVERY + 2) * tokens * float(rebuild.heldout) * costs.layer_forward
         steps = rebuild.steps * rebuild.batch_tokens * (costs.layer_forward + costs.layer_backward)
         seconds += layers * share * (steps + checks)
     if work.recipe.slicing.layout == "heterogeneous":
