@@ -211,3 +211,28 @@ def test_merging_kv_heads_adds_a_merged_attention_per_count_to_the_heterogeneous
     merging = _plan(tmp_path, checkpoint, mlp={"merge_kv_heads": True}, **heterogeneous)
     tokens, layers = 4 * 64, 2  # write_recipe's calibration
     assert merging["MLP neurons"] - whole["MLP neurons"] == pytest.approx(tokens * layers * 1 * COSTS.layer_forward)
+
+
+def test_mlp_reconstruct_counts_each_step_as_the_pruned_mlp_s_share_of_the_timed_layer(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A step is a forward and backward of the pruned MLP on `batch_tokens` tokens (and every
+    `CHECK_EVERY` steps a forward of the held-out tokens), costed at the unit costs' layer, the
+    original's, by parameters: the kept MLP (kept stream × kept neurons) over the whole MLP and the
+    attention (the timed layer's; not the pruned MLP and the attention, which counted it twice over)."""
+    stock = dict(slicing={"layout": "global"}, sparsity=0.5, **SENSITIVITY)
+    rebuild = {"steps": 100, "batch_tokens": 512, "lr": 0.01, "heldout": 0.25}
+    tokens, layers, d, neurons, attention = 4 * 64, 2, 64, 1024, 2 * 64 * 16 * (4 + 2)  # 4 query, 2 KV heads of 16
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (d, neurons, 2)
+    for kept in (256, 512):
+        registry = PluginRegistry()
+        layout = plan(load_recipe(write_recipe(tmp_path, checkpoint, mlp={"kept": kept}, **stock), registry), registry)
+        kept_stream = layout.layout.kept  # what the budget leaves the residual stream
+        assert kept_stream is not None and kept_stream < d
+        plain = _plan(tmp_path, checkpoint, mlp={"kept": kept}, **stock)["MLP neurons"]
+        trained = _plan(tmp_path, checkpoint, mlp={"kept": kept, "reconstruct": rebuild}, **stock)["MLP neurons"]
+        share = 3 * kept_stream * kept / (3 * d * neurons + attention)
+        steps = 100 * 512 * (COSTS.layer_forward + COSTS.layer_backward)
+        checks = (100 // 25 + 2) * tokens * 0.25 * COSTS.layer_forward
+        assert trained - plain == pytest.approx(layers * share * (steps + checks))

@@ -237,11 +237,11 @@ def mlp_seconds(work: Work, layout: Any, tokens: int) -> list[TimedPhase]:
     per_token = streams * costs.layer_forward + 2 * costs.moment_mlp
     seconds = tokens * layers * per_token + layers * costs.neurons
     rebuild = work.recipe.mlp.reconstruct if work.recipe.mlp is not None else None
-    if rebuild is not None:  # each step a forward and backward of the pruned MLP, a layer's share by its parameters
-        config, d = layout.config, layout.config.hidden_size
-        mlp = mlp_weights(layout.family, d, layout.mlp_width or 1)
+    if rebuild is not None:  # each step a forward and backward of the pruned MLP: its share of the timed layer
+        config, family, d = layout.config, layout.family, layout.config.hidden_size
         attention = 2 * d * head_dim(config) * (config.num_attention_heads + kv_heads(config))
-        share = mlp / (mlp + attention)
+        timed = mlp_weights(family, d, mlp_neurons(config, family)) + attention  # the original's layer (`UnitCosts`)
+        share = mlp_weights(family, layout.kept or d, layout.mlp_width or 1) / timed
         checks = (rebuild.steps // CHECK_EVERY + 2) * tokens * float(rebuild.heldout) * costs.layer_forward
         steps = rebuild.steps * rebuild.batch_tokens * (costs.layer_forward + costs.layer_backward)
         seconds += layers * share * (steps + checks)
