@@ -40,8 +40,6 @@ class ReconstructSettings:
     lr: float
     batch_tokens: int
     heldout: float
-    schedule: str = "constant"
-    """`cosine`: the step decays to 0 over `steps` (torch's `CosineAnnealingLR`); `constant`."""
     check_every: int = CHECK_EVERY
 
 
@@ -155,7 +153,6 @@ def reconstruct_mlp(
     best_step = 0
     with torch.enable_grad():
         optimizer = torch.optim.Adam(groups)
-        decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, settings.steps)
         for step in range(1, settings.steps + 1):
             rows = fit[torch.randint(0, len(fit), (min(settings.batch_tokens, len(fit)),), generator=generator)]
             error, energy = _weighed_error(mlp, params, x[rows].to(device), t[rows].to(device), L)
@@ -165,8 +162,6 @@ def reconstruct_mlp(
                 for p in params.values():
                     ranks.sum_(p.grad).div_(ranks.world)
             optimizer.step()
-            if settings.schedule == "cosine":
-                decay.step()
             if step % settings.check_every == 0 or step == settings.steps:  # scored as they would be saved
                 saved = _as_saved(params, dtypes)
                 now = _heldout_error(mlp, saved, x_check, t_check, L, ranks)

@@ -28,8 +28,6 @@ class ReconstructSpec:
     suits models whose weights differ in scale."""
     batch_tokens: Annotated[StrictInt, described("calibration tokens per step", ge=1)] = 2048
     heldout: Annotated[Number, described("share of the tokens held out to keep the best weights", gt=0, lt=1)] = 0.125
-    schedule: Literal["constant", "cosine"] = "constant"
-    """The step size over the steps: `constant`, or `cosine` (decaying to 0 by the last step)."""
 
 
 @options(frozen=True, config=FORBID)

@@ -354,11 +354,7 @@ def prune_mlps(
 def reconstruct_settings(spec: ReconstructSpec) -> ReconstructSettings:
     """The recipe's `mlp.reconstruct` as the engine reads it."""
     return ReconstructSettings(
-        steps=spec.steps,
-        lr=float(spec.lr),
-        batch_tokens=spec.batch_tokens,
-        heldout=float(spec.heldout),
-        schedule=spec.schedule,
+        steps=spec.steps, lr=float(spec.lr), batch_tokens=spec.batch_tokens, heldout=float(spec.heldout)
     )
 
 
