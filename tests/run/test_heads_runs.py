@@ -238,6 +238,8 @@ def test_a_run_killed_while_choosing_predicted_head_counts_resumes_to_the_same_m
         ("phi3", {"heads": {"kept": 2}}, "computes queries in one linear"),
         ("llama", {"heads": {"kept": 2, "candidates": 3}}, "heads.candidates applies when the run chooses"),
         ("olmo2", {"heads": {}}, "heads: olmo2 models cannot hold fewer query heads"),
+        ("opt", {"heads": {"kept": 2}}, "does not read head_dim from the config"),
+        ("opt", {"heads": {}}, "does not read head_dim from the config"),
     ],
 )
 def test_bad_heads_settings_are_one_line_and_write_nothing(
