@@ -136,9 +136,15 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
             )
         recipe = load_recipe(folder / "recipe.yaml", registry)
         dtype = request.dtype or recipe.model.dtype
-        if has_model:
+        if has_model:  # a heterogeneous run's model/ is DeciLM with modelling code the run itself wrote
+            own_code = recipe.model.trust_remote_code or recipe.slicing.layout == "heterogeneous"
             target = dataclasses.replace(
-                recipe.model, path=str((folder / "model").resolve()), revision=None, dtype=dtype, load="memory"
+                recipe.model,
+                path=str((folder / "model").resolve()),
+                revision=None,
+                dtype=dtype,
+                load="memory",
+                trust_remote_code=own_code,
             )
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype, load="memory")

@@ -126,6 +126,20 @@ def test_an_attention_that_writes_little_is_removed_and_its_parameters_go_to_the
     )
 
 
+def test_eval_of_a_run_reloads_its_decilm_folder_and_reproduces_the_runs_figures(tmp_path: Path) -> None:
+    """`compress eval` of a heterogeneous run (an attention removed, widths per layer) loads model/
+    with the DeciLM code the run wrote, though the original's recipe trusts no remote code, and
+    its perplexity and KL are the run's."""
+    recipe = _recipe(tmp_path, _quiet_checkpoint(tmp_path), mlp={"remove_attention": True})
+    assert main(["run", str(recipe)]) == 0
+    assert main(["eval", str(tmp_path / "out"), "--output", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    ran = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert ran["mlp"]["attention_removed"] == [1]
+    for side, key in (("baseline", "ppl"), ("pruned", "ppl"), ("pruned", "kl")):
+        assert evaluated["metrics"][side][key] == pytest.approx(ran["metrics"][side][key], rel=1e-6)
+
+
 def test_a_run_killed_in_the_mlp_stage_resumes_to_the_same_model(tmp_path: Path) -> None:
     from tests.run.test_resume import killed_and_resumed_is_whole
 
