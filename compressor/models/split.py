@@ -1,7 +1,8 @@
 """One parameter budget, two axes: the splits between the residual width and the MLP's width
 that a run with `mlp:` but no `mlp.kept` chooses from (issue 34), and the expert and query-head
 counts a run without `experts.kept` or `heads.kept` tries beside them, and the counts of
-decoder blocks a run without `depth.removed` removes (issues 48, 49).
+decoder blocks a run without `depth.removed` removes (issues 48, 49); with `slicing.kept` the one
+split at that residual width (`stream_layout`).
 
 Each candidate is a `SlicedLayout` that spends the budget: the MLP keeps m neurons and the
 residual stream the widest width k the rest allows, then m is raised back to the most the budget
@@ -13,6 +14,7 @@ lists them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -58,6 +60,50 @@ def split_layouts(
         assert layout.kept == by_neurons[neurons], "the parameter count is affine in the MLP's width"
         splits.append(layout)
     return splits
+
+
+def stream_layout(
+    config: PretrainedConfig,
+    family: ModelFamily,
+    families: Iterable[ModelFamily],
+    stream: int,
+    *,
+    mlp_round_to: int = 1,
+    **slicing: Any,
+) -> SlicedLayout:
+    """The layout of `slicing.kept`: the residual width fixed at `stream`, the MLP keeping the most
+    neurons (a multiple of `mlp_round_to`) the budget leaves at that width: one split, nothing to
+    choose. At the width the budget gives the residual axis alone it is that layout (every neuron)."""
+    families = list(families)
+    alone = sliced_layout(config, family, families, **slicing)
+    assert alone.kept is not None and alone.rounding is not None, "a fixed stream is a uniform width"
+    d, step = config.hidden_size, alone.rounding["step"]
+    if stream > d or stream % step:
+        raise UserError(
+            f"slicing.kept {stream}: give a multiple of {step} (slicing.round_to and what the saved class needs) "
+            f"up to the hidden size {d}"
+        )
+    if stream == alone.kept:
+        return alone
+    if stream < alone.kept:
+        raise UserError(
+            f"slicing.kept {stream} is narrower than the {alone.kept} the budget keeps with every MLP neuron, so "
+            f"the MLPs would have nothing to give; set slicing.kept to at least {alone.kept}, or lower the budget"
+        )
+    width = mlp_neurons(config, family)
+    low = min(width, mlp_round_to)
+    narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)
+    neurons = _most_neurons(alone, narrow, alone.uniform(stream), low, width, mlp_round_to)
+    if neurons < low:
+        raise UserError(
+            f"slicing.kept {stream}: even with {low} neuron(s) per MLP the model is over the budget at that width; "
+            f"narrow slicing.kept, or raise the budget"
+        )
+    layout = sliced_layout(config, family, families, mlp_kept=neurons, **slicing)
+    assert layout.kept is not None and layout.kept >= stream and layout.rounding is not None
+    widths = layout.uniform(stream)  # the budget may allow a wider stream at these neurons: the recipe's stands
+    rounding = {**layout.rounding, "width": stream, "params": layout.counted.count(widths)}
+    return dataclasses.replace(layout, widths=widths, rounding=rounding)
 
 
 def _most_neurons(

@@ -22,7 +22,7 @@ from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
-from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts
+from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts, stream_layout
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
 from compressor.run.loading import load_config
@@ -409,6 +409,11 @@ def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reaso
             f"target_active_params: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), "
             f"where only target_params is counted yet; give target_params, or set slicing.layout: per_site"
         )
+    if recipe.slicing.kept not in (None, config.hidden_size):
+        raise UserError(
+            f"slicing.kept {recipe.slicing.kept}: a {recipe.slicing.layout} {config.model_type} keeps its stream "
+            f"whole ({reason}), {config.hidden_size} wide; remove slicing.kept, or set slicing.layout: per_site"
+        )
 
 
 def planned_block_sets(recipe: Recipe, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
@@ -463,7 +468,12 @@ def _splits(
                 "target_params": target,
             }
             try:
-                if mlp is not None and mlp.kept is None:
+                if mlp is not None and mlp.kept is None and recipe.slicing.kept is not None:
+                    stream = recipe.slicing.kept
+                    layouts = [
+                        stream_layout(config, family, families.values(), stream, mlp_round_to=mlp.round_to, **fixed)
+                    ]
+                elif mlp is not None and mlp.kept is None:
                     layouts = split_layouts(
                         config,
                         family,
@@ -561,7 +571,7 @@ def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
             "experts: the budget leaves one expert count to measure, so the run does not choose it; lower "
             "experts.min_kept or raise the target to give it more"
         )
-    one_split = len(checked.splits) == 1 and "mlp" in open_sections(recipe)
+    one_split = len(checked.splits) == 1 and "mlp" in open_sections(recipe) and recipe.slicing.kept is None
     besides = "" if checked.layout.shared_width is None else " (and the shared experts' fixed width)"
     if one_split and checked.layout.kept == checked.layout.config.hidden_size:
         warnings.append(

@@ -103,6 +103,7 @@ def test_run_writes_model_recipe_and_report(
         "layout": "per_site",
         "pooling": "trace",
         "round_to": 8,
+        "kept": None,
         "slice_head": False,
         "correct_readers": False,
         "shared_bases": False,

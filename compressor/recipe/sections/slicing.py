@@ -34,6 +34,10 @@ class SlicingSpec:
     (every site counts alike), or raw sums."""
     round_to: Annotated[StrictInt, described("kept widths are multiples of it", ge=1)] = 8
     """Kept widths are multiples of it: 64 or 128 suit tensor cores, 256 llama.cpp's k-quants."""
+    kept: Annotated[StrictInt, described("the residual width every site keeps", ge=1)] | None = None
+    """The residual width fixed (the hidden size: the stream kept whole), the MLP's neurons taking
+    what `target_params` leaves (`models.split.stream_layout`); with `mlp` open and a uniform width.
+    None: the budget (or the split the run chooses) decides it."""
     slice_head: StrictBool = False
     correct_readers: StrictBool = False
     """Read each site's stream through the least-squares map C·V(VᵀCV)⁻¹ instead of V (no parameter cost)."""
@@ -77,7 +81,10 @@ def check_allocation(spec: AllocationSpec, recipe: Recipe, context: SectionConte
 
 
 def check_slicing(slicing: SlicingSpec, recipe: Recipe, context: SectionContext) -> SlicingSpec:
-    """What a global layout (one basis, one width) cannot be combined with."""
+    """What a fixed residual width needs, and what a global layout (one basis, one width) cannot be
+    combined with."""
+    if slicing.kept is not None:
+        check_fixed_stream(slicing, recipe)
     if slicing.layout != "global":
         return slicing
     if slicing.shared_bases:
@@ -91,6 +98,24 @@ def check_slicing(slicing: SlicingSpec, recipe: Recipe, context: SectionContext)
             f"(got {recipe.allocation.method}); use slicing.layout: per_site for per-site widths"
         )
     return slicing
+
+
+def check_fixed_stream(slicing: SlicingSpec, recipe: Recipe) -> None:
+    """`slicing.kept` fixes the residual axis, so another must take the budget: the MLP's width,
+    chosen by the budget (`mlp` without `kept`), under `target_params`, at one uniform width."""
+    fix = f"slicing.kept {slicing.kept} fixes the residual width"
+    if slicing.layout == "heterogeneous":
+        raise UserError(f"{fix}, but slicing.layout: heterogeneous keeps the stream whole; remove slicing.kept")
+    if recipe.sparsity is not None:
+        raise UserError(f"{fix}, and sparsity sets it too; remove one, or give target_params for the MLPs to spend")
+    if recipe.target_decode is not None:
+        raise UserError(f"{fix}, and target_decode chooses the widths by measured decode time; remove one")
+    if recipe.target_params is None:
+        raise UserError(f"{fix}: give target_params (a parameter budget) for the MLP's width to spend")
+    if recipe.mlp is None or recipe.mlp.kept is not None:
+        raise UserError(f"{fix}, so the MLP's width takes the budget: add mlp: {{}} without mlp.kept")
+    if recipe.allocation.method != "uniform":
+        raise UserError(f"{fix} at every site; remove allocation.method {recipe.allocation.method}")
 
 
 SLICING = Section("slicing", SlicingSpec, check_slicing)
