@@ -365,3 +365,25 @@ def test_a_sweep_s_dry_run_refuses_what_its_runs_would_refuse_on_this_device(
     assert main(["sweep", str(sweep), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "distillation changes the weights, which bases alone cannot rebuild" in err
+
+
+def test_a_sweep_over_heads_and_depth_saves_each_point_s_model(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 49's `compress sweep` over the new axes: a grid of removed blocks and kept query heads,
+    the residual width taking the rest of one budget; each run saves the original class with the
+    blocks and heads its point names, and the table has a column for each axis."""
+    from transformers import AutoConfig
+
+    base = write_recipe(tmp_path, tiny_checkpoint, sparsity=None, target_params=0.85, slicing={"layout": "global"})
+    grid = {"depth": [None, {"removed": 1}], "heads": [None, {"kept": 0.5}]}
+    assert main(["sweep", str(_write_sweep(tmp_path, base, grid=grid, save_models=True))]) == 0
+    out = tmp_path / "sweep-out"
+    with open(out / "results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 4 and {"depth", "heads"} <= set(table[0])
+    found = []
+    for name in ("000", "001", "002", "003"):
+        config = AutoConfig.from_pretrained(out / "runs" / name / "model")
+        report = json.loads((out / "runs" / name / "report.json").read_text())
+        assert report["params"]["pruned"] <= report["allocation"]["budget"]
+        found.append((config.num_hidden_layers, config.num_attention_heads, config.head_dim))
+    assert found == [(2, 4, 16), (2, 2, 16), (1, 4, 16), (1, 2, 16)]  # grid order: depth, then heads
