@@ -61,7 +61,8 @@ _DELETE = object()
 def test_run_writes_model_recipe_and_report(
     tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    recipe = write_recipe(tmp_path, tiny_checkpoint)
+    # threads fixed: where other work holds the cores, a note on the count would come before the plan
+    recipe = write_recipe(tmp_path, tiny_checkpoint, threads=2)
     assert main(["run", str(recipe)]) == 0
     out = tmp_path / "out"  # relative output resolves against the recipe's folder
     assert sorted(p.name for p in out.iterdir()) == [

@@ -26,7 +26,10 @@ from tests.run.test_cli import _DELETE, write_recipe
 from tests.run.test_resume import compress
 
 SPLIT = {"heldout_windows": 2, "candidates": 3}
-COMMON: dict[str, Any] = dict(sparsity=_DELETE, target_params=0.8, slicing={"layout": "global"}, evaluation=None)
+# threads fixed: runs compared tensor for tensor must not pick different counts (and float sums) under load
+COMMON: dict[str, Any] = dict(
+    sparsity=_DELETE, target_params=0.8, slicing={"layout": "global"}, evaluation=None, threads=2
+)
 
 
 @pytest.fixture(scope="module")
