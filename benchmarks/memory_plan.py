@@ -30,7 +30,8 @@ import compressor  # noqa: F401
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
 from compressor.recipe.sections.sensitivity import SensitivityOptions
-from compressor.run.memory import GiB, PlanSettings, memory_plan
+from compressor.run.costs import GiB
+from compressor.run.memory import PlanSettings, memory_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -331,7 +331,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         console.print(f"resumed: {report.resume.sites_loaded} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
     if report.estimate is not None:
-        from compressor.run.timing import duration
+        from compressor.run.costs import duration
 
         took = report.timings.get("total_s", 0.0)
         console.print(

@@ -72,6 +72,97 @@ def test_every_room_imports_only_the_rooms_below_it() -> None:
     assert not upward, "\n".join(upward)
 
 
+def _module_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it runs: at its top or inside functions, but
+    not under `if TYPE_CHECKING:` (annotations only, never executed). `from a.b import c` names
+    the module `a.b.c` where that is one, else `a.b`."""
+    modules = {".".join((package, *path.relative_to(root).with_suffix("").parts)): path for path in root.rglob("*.py")}
+    modules = {name.removesuffix(".__init__"): path for name, path in modules.items()}
+
+    def home(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {home(f"{node.module}.{alias.name}") for alias in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {home(alias.name) for alias in node.names}
+        graph[name] = {target for target in targets if target is not None and target != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_what_imports_it() -> None:
+    """No import cycle in compressor/, imports written inside functions counted: a cycle held open by
+    a late import is a module that cannot be read, tested or moved alone (issue 80)."""
+    cycles = _cycles(_module_graph(PACKAGE, "compressor"))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_held_open_by_an_import_inside_a_function(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "plan.py").write_text("from pkg.stage import Stage\n")
+    (package / "stage.py").write_text("class Stage:\n    def run(self):\n        from pkg import plan\n")
+    (package / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.plan import x\n"
+    )
+    (package / "cost.py").write_text("from pkg.typed import y\n")
+    assert _cycles(_module_graph(package, "pkg")) == [["pkg.plan", "pkg.stage"]]
+
+
 def test_every_package_folder_is_in_the_wheel() -> None:
     """setuptools lists the packages by hand: a folder left out installs in editable mode (as the
     suite runs) and is missing from a built wheel."""

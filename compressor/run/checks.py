@@ -89,6 +89,13 @@ class Plan:
         and MoE, two kinds of attention) may leave the plan made again more than one split."""
         return self.chooses_split or (bool(self.removed_blocks) and bool(self.splits))
 
+    def replanned(
+        self, recipe: Recipe, removed: tuple[int, ...], removed_sets: Sequence[tuple[int, ...]] | None = None
+    ) -> Plan:
+        """This plan for the model without the blocks `removed` (`replan`): what the depth stage asks of
+        the plan it was handed, without importing the module that imports the stages."""
+        return replan(recipe, self, removed, removed_sets)
+
 
 def check_device_settings(
     recipe: Recipe, device: torch.device, save_model: bool = True, stages: tuple[Stage, ...] = BUILTIN_STAGES

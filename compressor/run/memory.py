@@ -26,24 +26,7 @@ import torch
 
 from compressor.errors import UserError
 from compressor.recipe.schema import Recipe
-
-GiB = 2**30
-
-
-def size(count: int) -> str:
-    """Bytes as a person reads them: GiB, or MiB below one GiB."""
-    return f"{count / GiB:.1f} GiB" if count >= GiB else f"{count / 2**20:.1f} MiB"
-
-
-@dataclass(frozen=True)
-class Phase:
-    """One phase's peak: bytes in host memory and on the device (None: the device is the host)."""
-
-    name: str
-    host: int
-    device: int | None
-    fix: str
-    """What makes this phase smaller, said in the refusal when it is the one that does not fit."""
+from compressor.run.costs import GiB, Phase, size
 
 
 @dataclass(frozen=True)

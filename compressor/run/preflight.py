@@ -23,9 +23,10 @@ from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.data import DataSpec
 from compressor.run.checks import Plan, check_device_settings, plan
+from compressor.run.costs import size
 from compressor.run.decode_budget import resolve as resolve_decode
 from compressor.run.loading import check_fields, heldout_batches, load_tokenizer, resolve_device, token_batches
-from compressor.run.memory import machine_memory, resolved_load, run_memory_plan, size
+from compressor.run.memory import machine_memory, resolved_load, run_memory_plan
 from compressor.run.report import decode_summary
 from compressor.run.report_model import DecodeBudget
 from compressor.run.resume import check_interrupted, progress_summary

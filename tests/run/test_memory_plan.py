@@ -13,7 +13,8 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.run.memory import GiB, Machine, MemoryPlan, Phase, PlanSettings, fisher_peak, memory_plan
+from compressor.run.costs import GiB, Phase
+from compressor.run.memory import Machine, MemoryPlan, PlanSettings, fisher_peak, memory_plan
 from tests.conftest import COMMON, FAMILY_CONFIGS, tiny_model
 from tests.run.test_cli import write_recipe
 

@@ -16,8 +16,9 @@ import torch
 from compressor.cli import main
 from compressor.recipe.schema import load_recipe
 from compressor.run.checks import plan
+from compressor.run.costs import UnitCosts
 from compressor.run.stages.contract import Stage
-from compressor.run.timing import UnitCosts, time_plan
+from compressor.run.timing import time_plan
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe

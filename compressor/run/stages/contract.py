@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
     from compressor.recipe.schema import Recipe
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase, TimedPhase, Work
+    from compressor.run.memory import Footprint
     from compressor.run.stages.base import RunState
-    from compressor.run.timing import TimedPhase, Work
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from compressor.recipe.schema import Recipe
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.loading import heldout_batches
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
-from compressor.run.timing import TimedPhase, Work
 
 
 class ReadData(Stage):

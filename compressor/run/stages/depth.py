@@ -21,18 +21,19 @@ from compressor.evaluation.metrics import kl_to_references, model_log_probs
 from compressor.models.depth import kept_blocks, remove_blocks, skipping
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.depth import DepthSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report_model import DepthCandidate, DepthReport
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 from compressor.strategies.block_contract import BlockProblem, BlockSelector
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class PruneDepth(Stage):
@@ -134,17 +135,15 @@ class PruneDepth(Stage):
         else:
             state.depth = choose_blocks(state, counts)
             state.checkpoint.save_depth(state.depth.model_dump(exclude_unset=True))
-        from compressor.run.checks import replan  # noqa: PLC0415 (checks imports the stages)
-
         if spec.removed is None:  # every count's blocks: the split choice measures each, and removes the chosen
             assert state.depth.candidates is not None
             sets = [(), *(tuple(candidate.removed) for candidate in state.depth.candidates)]
-            state.checked = replan(state.recipe, state.checked, (), sets)
+            state.checked = state.checked.replanned(state.recipe, (), sets)
             return
         removed = state.depth.removed
         remove_blocks(state.model, state.family, removed)
         state.removed_blocks = list(removed)
-        state.checked = replan(state.recipe, state.checked, tuple(removed))
+        state.checked = state.checked.replanned(state.recipe, tuple(removed))
         state.config = state.checked.layout.config
 
 

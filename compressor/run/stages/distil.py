@@ -22,17 +22,18 @@ from compressor.models.layout import SlicedLayout
 from compressor.models.stock import to_stock
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.distillation import DistillationSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
 from compressor.run.resume import distillation_fingerprint
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class ToStudent(Stage):

@@ -14,18 +14,18 @@ from compressor.evaluation.throughput import compare_speed, cost_note, report_se
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.evaluation import EvaluationSpec, LmEvalSpec
 from compressor.recipe.sections.model import ModelSpec
+from compressor.run.costs import TimedPhase, Work, decode_seconds, size
 from compressor.run.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
-from compressor.run.memory import size
 from compressor.run.resume import baseline_tasks_key
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 from compressor.validation import replaced
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class Evaluate(Stage):
@@ -111,7 +111,6 @@ def throughput_seconds(work: Work) -> float:
     """The report's throughput: for each batch size both models prefill and decode once untimed, then
     timed rounds until the repeats or the budget run out (`evaluation.throughput.REPORT_*`)."""
     from compressor.evaluation.throughput import REPORT_BATCH_SIZES, REPORT_BUDGET_S, REPORT_REPEATS
-    from compressor.run.timing import decode_seconds
 
     costs, seconds = work.costs, 0.0
     for batch in REPORT_BATCH_SIZES:

@@ -15,19 +15,20 @@ from compressor.errors import UserError
 from compressor.models.layout import expert_count, with_experts
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.experts import ExpertsSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report_model import ExpertsReport
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.mlp import stream_sensitivity
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     import torch
 
     from compressor.models.layout import SlicedLayout
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class PruneExperts(Stage):
@@ -66,9 +67,7 @@ class PruneExperts(Stage):
     def seconds(self, work: Work) -> list[TimedPhase]:
         """A pass layer by layer (each expert's routed tokens, the selector's scores), twice where an
         output-aware sample goes through every expert; the router refit's search is not counted."""
-        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
-
-        if adopts(work.recipe, work.checked):
+        if work.adopts_trial:
             return []
 
         def experts(layout: SlicedLayout) -> list[TimedPhase]:

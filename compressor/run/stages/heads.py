@@ -17,16 +17,17 @@ from compressor.errors import UserError
 from compressor.models.heads import head_dim, query_heads, set_heads, with_heads
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.heads import HeadsSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report_model import HeadsReport
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.stages.mlp import stream_sensitivity
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class PruneHeads(Stage):
@@ -71,9 +72,7 @@ class PruneHeads(Stage):
         return [fp.phase("heads (one layer at a time)", fp.walked + fp.store + fp.positions, device, fp.disk)]
 
     def seconds(self, work: Work) -> list[TimedPhase]:
-        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
-
-        if adopts(work.recipe, work.checked):  # the chosen trial's heads are within the split's time
+        if work.adopts_trial:  # the chosen trial's heads are within the split's time
             return []
         return work.over_candidates(lambda layout: heads_seconds(work, layout, work.tokens))
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from compressor.engine.checkpoint import model_digest
 from compressor.evaluation.metrics import parameter_count
 from compressor.evaluation.throughput import model_size
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.resume import data_fingerprint, keep_decode_budget, recipe_fingerprint, save_recipe_values
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
-from compressor.run.timing import TimedPhase, Work
 
 
 class LoadModel(Stage):

@@ -45,15 +45,16 @@ from compressor.models.sites import layer_site_ids
 from compressor.models.sliced import layer_attention
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec, ReconstructSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report_model import MlpReport, WidthSearchRecord
 from compressor.run.stages.base import Progress, RunState, on_device
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class PruneMlp(Stage):
@@ -158,9 +159,7 @@ class PruneMlp(Stage):
         ]
 
     def seconds(self, work: Work) -> list[TimedPhase]:
-        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
-
-        if adopts(work.recipe, work.checked):  # the chosen trial's MLP stage is within the split's time
+        if work.adopts_trial:  # the chosen trial's MLP stage is within the split's time
             return []
         return work.over_candidates(lambda layout: mlp_seconds(work, layout, work.tokens))
 

@@ -12,14 +12,15 @@ from compressor.errors import UserError
 from compressor.models.stock import fitted_tied_scale
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.refinement import RefinementSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Candidate, Stage
 from compressor.run.stages.walk import stock_tied
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class Refine(Stage):

@@ -15,6 +15,7 @@ from compressor.evaluation.metrics import parameter_count
 from compressor.evaluation.plots import distillation_figure, split_figure
 from compressor.evaluation.throughput import model_size
 from compressor.recipe.schema import Recipe
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report import write_markdown
 from compressor.run.report_model import (
     Allocation,
@@ -38,7 +39,6 @@ from compressor.run.stages.contract import Stage
 from compressor.run.stages.experts import experts_report
 from compressor.run.stages.heads import heads_report
 from compressor.run.stages.mlp import mlp_report
-from compressor.run.timing import TimedPhase, Work
 
 
 class WriteReport(Stage):

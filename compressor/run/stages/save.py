@@ -15,10 +15,10 @@ from compressor.models.export import write_remote_code
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import load_stock, save_own_class, to_stock
 from compressor.models.towers import copy_processor_files, save_tower, text_fields
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.loading import load_model, load_whole
 from compressor.run.stages.base import RunState
 from compressor.run.stages.contract import Stage
-from compressor.run.timing import TimedPhase, Work
 from compressor.validation import replaced
 
 

@@ -24,6 +24,7 @@ from compressor.models.depth import remove_blocks
 from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.mlp import MlpSpec
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.report import without_blocks
 from compressor.run.report_model import SplitRecord
 from compressor.run.split_choice import choose, split_label
@@ -35,11 +36,11 @@ from compressor.run.stages.mlp import PruneMlp, mlp_seconds
 from compressor.run.stages.split_prediction import Prediction, best_predicted, predict_splits
 from compressor.run.stages.walk import walk, walk_seconds
 from compressor.run.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 TRIAL_TIMINGS = ("prune_s", "experts_s", "heads_s", "mlp_s")

@@ -20,16 +20,17 @@ from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, tied_rotation
 from compressor.recipe.schema import Recipe
+from compressor.run.costs import TimedPhase, Work
 from compressor.run.split_choice import KeptFisher
 from compressor.run.stages.base import Progress, RunState
 from compressor.run.stages.contract import Stage
 from compressor.run.staging import SCRATCH_FOLDER
-from compressor.run.timing import TimedPhase, Work
 
 if TYPE_CHECKING:
     from compressor.models.layout import SlicedLayout
     from compressor.run.checks import Plan
-    from compressor.run.memory import Footprint, Phase
+    from compressor.run.costs import Phase
+    from compressor.run.memory import Footprint
 
 
 class Walk(Stage):
@@ -87,9 +88,7 @@ class Walk(Stage):
         return phases
 
     def seconds(self, work: Work) -> list[TimedPhase]:
-        from compressor.run.stages.split import adopts  # noqa: PLC0415 (split imports this module)
-
-        if adopts(work.recipe, work.checked):  # the chosen trial's walk and H are within the split's time
+        if work.adopts_trial:  # the chosen trial's walk and H are within the split's time
             return []
         return work.over_candidates(lambda layout: walk_seconds(work, layout, work.tokens, with_h=True))
 
