@@ -89,7 +89,7 @@ def test_stiefel_default_steps_are_the_measured_ones() -> None:
         in Path(__file__)
         .parent.parent.parent.joinpath("docs", "benchmarks.md")
         .read_text()
-        .split("## Stiefel steps: what the default buys (issue 24)")[1]
+        .split("Stiefel steps: what the default buys (issue 24)")[1]
     )
 
 

@@ -400,7 +400,7 @@ AUTO_SCREEN_SHARE = 4
 at least `AUTO_SCREEN_TOKENS` tokens and `AUTO_SCREEN_PER_NEURON` per neuron of the MLP (else on all)."""
 AUTO_SCREEN_TOKENS = 8192
 """On SmolLM2-135M (MLPs of 1,536) 8 windows of 512 tokens ranked two close splits wrongly and 16 rightly
-(docs/benchmarks.md, "What choosing the split costs"): 5.3 tokens a neuron did, 2.7 did not."""
+(docs/history/benchmarks-notebook.md, "What choosing the split costs"): 5.3 tokens a neuron did, 2.7 did not."""
 AUTO_SCREEN_PER_NEURON = 4
 
 
