@@ -25,6 +25,7 @@ from compressor.models.mlp_only import kept_stream, mlp_only_layout
 from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts, stream_layout
 from compressor.models.towers import TextTower, text_config, tower_for
 from compressor.recipe.schema import Recipe
+from compressor.run.exporters import Exporter, model_exporter
 from compressor.run.loading import load_config
 from compressor.run.report import budget_label
 from compressor.run.stages.contract import Stage
@@ -77,6 +78,8 @@ class Plan:
     screen_windows: int | None = None
     """`mlp.screen_windows` decided likewise: the calibration windows each split is pruned on while
     choosing; None: every window (the chosen trial kept)."""
+    exporter: Exporter | None = None
+    """What the run saves its model as (`run.exporters.model_exporter`), chosen with the layout."""
 
     @property
     def chooses_split(self) -> bool:
@@ -182,6 +185,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
         removed_blocks=removed,
         families=families,
         decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
+        exporter=model_exporter(recipe, layout, tower),
     )
     checked = resolved_choice(recipe, checked)
     world = launched_processes()

@@ -11,6 +11,7 @@ and `metrics.pruned` (the evaluated model; `kl` when there is a reference; `task
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from compressor.recipe.sections.data import DataSpec, check_data
 from compressor.recipe.sections.evaluation import LmEvalSpec, check_lm_eval
 from compressor.recipe.sections.model import DTYPES, ModelSpec
 from compressor.run.checks import plan as plan_run
+from compressor.run.formats import saved_format
 from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.run.report_model import Environment, EvalReport, Metrics, Sizes
 from compressor.run.staging import RUN_MARKER
@@ -137,7 +139,8 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         recipe = load_recipe(folder / "recipe.yaml", registry)
         dtype = request.dtype or recipe.model.dtype
         if has_model:  # a heterogeneous run's model/ is DeciLM with modelling code the run itself wrote
-            own_code = recipe.model.trust_remote_code or recipe.slicing.layout == "heterogeneous"
+            saved = saved_format(json.loads((folder / "model" / "config.json").read_text()))
+            own_code = recipe.model.trust_remote_code or saved.own_code
             target = dataclasses.replace(
                 recipe.model,
                 path=str((folder / "model").resolve()),

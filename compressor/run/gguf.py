@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from compressor.errors import UserError
+from compressor.run.formats import saved_format
 
 CONVERTER_ENV = "GGUF_CONVERTER"
 """The environment variable naming llama.cpp's `convert_hf_to_gguf.py` (beside `--converter`)."""
@@ -377,19 +378,17 @@ def export_gguf(
 
 def model_folder(source: Path) -> Path:
     """The model a run folder saved (`model/`), or `source` itself when it is a model folder; refused in
-    one line when llama.cpp cannot read it (a per-site `sliced_*` model) or it is neither."""
+    one line when llama.cpp cannot read its format (`run.formats`: a per-site `sliced_*` model) or it is neither."""
     model = source / "model" if (source / "report.json").is_file() else source
     config = model / "config.json"
     if not config.is_file():
         raise UserError(
             f"{source} is neither a run folder (report.json and model/) nor a model folder (config.json); give one"
         )
-    model_type = str(json.loads(config.read_text()).get("model_type", ""))
-    if model_type.startswith("sliced_"):
-        raise UserError(
-            f"{model} is a per-site model ({model_type}), a class llama.cpp does not read; prune with "
-            f"slicing.layout: global (saved as the original class) or heterogeneous (DeciLM) to serve it"
-        )
+    fields = json.loads(config.read_text())
+    found = saved_format(fields)
+    if found.gguf_refusal is not None:
+        raise UserError(f"{model} is a {found.name} model ({fields.get('model_type', '')}), {found.gguf_refusal}")
     return model
 
 

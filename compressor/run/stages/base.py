@@ -25,7 +25,7 @@ from compressor.engine.walk import PruneResult, SurveyMemo
 from compressor.evaluation.metrics import compare
 from compressor.models.depth import remove_blocks
 from compressor.models.sites import EMBEDDING
-from compressor.models.stock import head_stream, to_stock
+from compressor.models.stock import head_stream
 from compressor.recipe.schema import Recipe
 from compressor.run.guard import GuardRecord
 from compressor.run.loading import Resources
@@ -199,13 +199,10 @@ class RunState:
         return head_stream(self.result.head_moment, self.bases[EMBEDDING])
 
     def as_saved(self, sliced: PreTrainedModel, scale: torch.Tensor | None) -> PreTrainedModel:
-        """The model as the run would save it: a global layout's stock model (its tied head with
-        the diagonal `scale`, or fitted), a per-site layout's sliced model itself."""
-        if not self.one_basis:
-            return sliced
-        return to_stock(
-            sliced, self.family, self.config, tie=self.checked.layout.tie_head, stream=self.head_stream(), scale=scale
-        )[0]
+        """The model as the run would save it, in the format the plan chose (`run.exporters`): a
+        global layout's stock model (its tied head with the diagonal `scale`, or fitted), a per-site
+        layout's sliced model itself."""
+        return self.checked.exporter.as_saved(self, sliced, scale)
 
     def heldout_kl(self, original: PreTrainedModel, sliced: PreTrainedModel, scale: torch.Tensor | None) -> float:
         """KL(original ‖ the model as it would be saved) on the guard's held-out windows."""
