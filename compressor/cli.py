@@ -653,6 +653,7 @@ def _strategies(console: Console) -> None:
 
 
 def _families(console: Console) -> None:
+    from compressor.models.axes import family_axes, stock_axes
     from compressor.models.decilm import FAMILIES as DECILM_TYPES
     from compressor.models.towers import BUILTIN_TOWERS
     from compressor.strategies.registry import PluginRegistry
@@ -663,8 +664,8 @@ def _families(console: Console) -> None:
             model_type,
             e.family.name,
             ", ".join(e.family.layouts() + (("heterogeneous",) if model_type in DECILM_TYPES else ())),
-            ", ".join(e.family.axes()),
-            ", ".join(e.family.stock_axes()) or "none",
+            ", ".join(axis.key for axis in family_axes(e.family, model_type)),
+            ", ".join(axis.key for axis in stock_axes(e.family, model_type)) or "none",
             e.plugin,
             e.source,
         )

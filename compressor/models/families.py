@@ -141,11 +141,6 @@ class ModelFamily:
         where it can prune some axis stock (`stock_axes`)."""
         return ("per_site", "global") if self.stock_axes() else ("per_site",)
 
-    def axes(self) -> tuple[str, ...]:
-        """What a run can prune: the residual width always, the MLP's width and the routed experts
-        where they are described."""
-        return ("residual",) + (("mlp",) if self.mlp_width is not None else ()) + (("experts",) if self.experts else ())
-
     def stock_axes(self) -> tuple[str, ...]:
         """What a global layout (saved as the original class) can prune: the residual width where the
         class can hold one rotated basis, the MLP's width wherever it is described (a class whose

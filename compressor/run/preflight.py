@@ -19,6 +19,7 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
+from compressor.models.axes import family_axes, stock_axes
 from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.data import DataSpec
@@ -149,8 +150,11 @@ def axes_line(checked: Plan) -> str:
         removed = sorted({len(split.removed_blocks) for split in checked.splits})
         count = f"{', '.join(map(str, removed))} measured" if len(removed) > 1 else str(len(checked.removed_blocks))
         axes += [f"depth ({count} of {blocks} blocks removed, by {checked.block_selector.name})"]
-    return f"axes: {', '.join(axes)} (this family allows {', '.join(layout.family.axes())}" + (
-        f"; saved stock: {', '.join(layout.family.stock_axes())})" if layout.one_basis else ")"
+    family, model_type = layout.family, layout.config.model_type
+    allowed = ", ".join(axis.key for axis in family_axes(family, model_type))
+    stock = ", ".join(axis.key for axis in stock_axes(family, model_type))
+    return f"axes: {', '.join(axes)} (this family allows {allowed}" + (
+        f"; saved stock: {stock})" if layout.one_basis else ")"
     )
 
 

@@ -16,9 +16,11 @@ from compressor.cli import main
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import prune
+from compressor.models.axes import AXES
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sliced import SlicedDecoderLayer
+from compressor.run.stages.order import BUILTIN_STAGES
 from compressor_plugins.pca import PCA
 from tests.conftest import (
     FAMILY_CONFIGS,
@@ -119,9 +121,25 @@ def test_compress_families_says_what_each_model_type_can_save_and_prune(
                 ", heterogeneous" if model_type == "llama" else ""
             )
             assert cells[2] == layouts  # GPT-2: nothing stock to prune; DeciLM: Llama's blocks
-            assert cells[3] == ", ".join(["residual"] + (["mlp"] if family.mlp_width else []) + experts)
+            shared = ["shared-expert"] if family.shared_expert_width else []
+            heads = ["heads"] if "q_proj" in family.attn_inputs else []  # GPT-2, Phi-3: one fused projection
+            per_layer = ["per-layer", "kv-heads"] if model_type == "llama" else []
+            mlp = ["mlp"] if family.mlp_width else []
+            assert cells[3] == ", ".join(["residual", *mlp, *experts, *shared, *heads, "depth", *per_layer])
+            stock += [*shared, *heads, "depth"] if stock else []
             assert cells[4] == (", ".join(stock) or "none")
     assert set(FAMILY_CONFIGS) == {t for f in BUILTIN_FAMILIES for t in f.model_types}  # every one in the suite
+    listed = {axis for line in rows.values() for axis in line.split("│")[4].strip().split(", ")}
+    assert listed == {axis.key for axis in AXES}, "an axis no family lists, or a listed one that is no axis"
+
+
+def test_every_section_a_pruning_stage_reads_is_an_axis_s() -> None:
+    """A new pruning stage (one that changes the model through a recipe section) needs its axis in
+    `models.axes.AXES`, else `compress families` and the dry run do not show it."""
+    pruning = {stage.section for stage in BUILTIN_STAGES if stage.section and stage.changes_model}
+    pruning.discard("distillation")  # trains the weights it is handed: no axis of its own
+    pruning.discard("refinement")
+    assert pruning and pruning <= {axis.section for axis in AXES}, pruning - {axis.section for axis in AXES}
 
 
 def test_the_dry_run_says_the_axes_and_the_embeddings_share(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -133,7 +151,7 @@ def test_the_dry_run_says_the_axes_and_the_embeddings_share(tmp_path: Path, caps
     model = tiny_model("gemma3_text", vocab_size=8192)
     share = model.model.embed_tokens.weight.numel() / sum(p.numel() for p in model.parameters())
     assert f"the embedding is {share:.0%} of the parameters" in out and share > 0.5
-    assert "checked: axes: residual width, MLP width (this family allows residual, mlp)" in out
+    assert "checked: axes: residual width, MLP width (this family allows residual, mlp, heads, depth)" in out
 
 
 def test_a_hybrid_layers_block_gets_the_arguments_its_own_layer_gives_it() -> None:

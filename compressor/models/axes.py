@@ -1,0 +1,111 @@
+"""Every axis a run can prune, in one list (`AXES`): its name, the recipe setting that opens or fixes
+it, and which model types allow it, read from what their `ModelFamily` describes (an MLP width, routed
+experts, a separate query projection) and from the saved formats that can hold it. `compress families`
+and the dry run list a family's axes from here; a new axis is an entry here (the issue after
+`docs/architecture.md`'s map adds quantization)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from compressor.models.decilm import FAMILIES as DECILM_TYPES
+from compressor.models.families import ModelFamily
+from compressor.models.heads import QUERY
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One prunable axis of a model."""
+
+    key: str
+    """What `compress families` lists and a report names it by."""
+    name: str
+    setting: str
+    """The recipe setting that opens or fixes it (`--set` speaks these)."""
+    section: str
+    """The recipe section that stage reads it from (`tests/test_architecture.py`: every pruning stage's is an axis's)."""
+    allows: Callable[[ModelFamily, str], bool]
+    """Whether a model of this family and model_type can be pruned on this axis (its config may still
+    refuse: a class that reads no `head_dim`, a per-layer list it does not know)."""
+    stock: Callable[[ModelFamily, str], bool]
+    """Whether a global layout, saved as the original class, can hold it."""
+
+
+def _always(family: ModelFamily, model_type: str) -> bool:
+    return True
+
+
+def _never(family: ModelFamily, model_type: str) -> bool:
+    return False
+
+
+def _rotated(family: ModelFamily, model_type: str) -> bool:
+    """The original class can hold one rotated basis (`ModelFamily.stock_refusal`)."""
+    return family.stock_refusal is None
+
+
+def _saved_stock(family: ModelFamily, model_type: str) -> bool:
+    """A global layout is open to this family at all (`ModelFamily.layouts`)."""
+    return "global" in family.layouts()
+
+
+def _mlp(family: ModelFamily, model_type: str) -> bool:
+    return family.mlp_width is not None
+
+
+def _experts(family: ModelFamily, model_type: str) -> bool:
+    return bool(family.experts)
+
+
+def _shared_expert(family: ModelFamily, model_type: str) -> bool:
+    return family.shared_expert_width is not None
+
+
+def _query_heads(family: ModelFamily, model_type: str) -> bool:
+    """Queries from a linear of their own: the one that loses heads' rows."""
+    return QUERY in family.attn_inputs
+
+
+def _decilm(family: ModelFamily, model_type: str) -> bool:
+    """Blocks that are DeciLM's, the format per-layer shapes are saved in (`models.decilm`)."""
+    return model_type in DECILM_TYPES
+
+
+AXES: tuple[Axis, ...] = (
+    Axis("residual", "residual width", "sparsity or target_params", "slicing", _always, _rotated),
+    Axis("mlp", "MLP width (each routed expert's on a MoE)", "mlp", "mlp", _mlp, _mlp),
+    Axis(
+        "experts",
+        "routed experts",
+        "experts",
+        "experts",
+        _experts,
+        lambda family, model_type: _experts(family, model_type) and _rotated(family, model_type),
+    ),
+    Axis("shared-expert", "a shared expert's width", "mlp.shared_kept", "mlp", _shared_expert, _shared_expert),
+    Axis(
+        "heads",
+        "query heads",
+        "heads",
+        "heads",
+        _query_heads,
+        lambda family, model_type: _query_heads(family, model_type) and _saved_stock(family, model_type),
+    ),
+    Axis("depth", "whole decoder blocks", "depth", "depth", _always, _saved_stock),
+    Axis(
+        "per-layer", "per-layer MLP widths, attentions removed", "slicing.layout: heterogeneous", "mlp", _decilm, _never
+    ),
+    Axis("kv-heads", "per-layer KV heads", "mlp.merge_kv_heads", "mlp", _decilm, _never),
+)
+"""Every axis, in the order a run prunes them where it matters."""
+
+
+def family_axes(family: ModelFamily, model_type: str) -> tuple[Axis, ...]:
+    """The axes a model of this family and model_type allows."""
+    return tuple(axis for axis in AXES if axis.allows(family, model_type))
+
+
+def stock_axes(family: ModelFamily, model_type: str) -> tuple[Axis, ...]:
+    """The axes a global layout (saved as the original class) of such a model can prune."""
+    return tuple(axis for axis in family_axes(family, model_type) if axis.stock(family, model_type))
