@@ -635,18 +635,18 @@ def _strategies(console: Console) -> None:
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
-    rows = [(name, e.plugin, e.source, e.strategy.description) for name, e in registry.strategies().items()]
+    rows = [(name, e.plugin, e.source, e.item.description) for name, e in registry.strategies().items()]
     _print_table(console, "registered strategies", ("name", "plugin", "from", "description"), rows)
-    selectors = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.selectors().items()]
+    selectors = [(name, e.plugin, e.source, e.item.description) for name, e in registry.selectors().items()]
     if selectors:
         _print_table(console, "MLP neuron selectors", ("name", "plugin", "from", "description"), selectors)
-    experts = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.expert_selectors().items()]
+    experts = [(name, e.plugin, e.source, e.item.description) for name, e in registry.expert_selectors().items()]
     if experts:
         _print_table(console, "MoE expert selectors", ("name", "plugin", "from", "description"), experts)
-    blocks = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.block_selectors().items()]
+    blocks = [(name, e.plugin, e.source, e.item.description) for name, e in registry.block_selectors().items()]
     if blocks:
         _print_table(console, "depth selectors", ("name", "plugin", "from", "description"), blocks)
-    heads = [(name, e.plugin, e.source, e.selector.description) for name, e in registry.head_selectors().items()]
+    heads = [(name, e.plugin, e.source, e.item.description) for name, e in registry.head_selectors().items()]
     if heads:
         _print_table(console, "attention-head selectors", ("name", "plugin", "from", "description"), heads)
     _note_skipped(console, registry)
@@ -662,10 +662,10 @@ def _families(console: Console) -> None:
     rows = [
         (
             model_type,
-            e.family.name,
-            ", ".join(e.family.layouts() + (("heterogeneous",) if model_type in DECILM_TYPES else ())),
-            ", ".join(axis.key for axis in family_axes(e.family, model_type)),
-            ", ".join(axis.key for axis in stock_axes(e.family, model_type)) or "none",
+            e.item.name,
+            ", ".join(e.item.layouts() + (("heterogeneous",) if model_type in DECILM_TYPES else ())),
+            ", ".join(axis.key for axis in family_axes(e.item, model_type)),
+            ", ".join(axis.key for axis in stock_axes(e.item, model_type)) or "none",
             e.plugin,
             e.source,
         )

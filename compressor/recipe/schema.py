@@ -273,7 +273,7 @@ def recipe_schema(registry: PluginRegistry) -> dict[str, Any]:
     definitions.pop("StepSpec", None)
     steps = []
     for name, entry in registry.strategies().items():
-        strategy = entry.strategy
+        strategy = entry.item
         step: dict[str, Any] = {
             "type": "object",
             "title": name,

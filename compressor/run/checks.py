@@ -139,7 +139,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
     if tower is not None:
         check_tower(recipe, config, tower)
         config = text_config(config)
-    families = {model_type: entry.family for model_type, entry in registry.families().items()}
+    families = {model_type: entry.item for model_type, entry in registry.families().items()}
     family = family_for(config.model_type, families)
     reason = family.refuse(config) if family.refuse is not None else None
     if reason:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pluggy
 
@@ -66,54 +66,35 @@ class CompressorHookSpecs:
         each placed after the stage its `after` names."""
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class RegisteredStrategy:
-    strategy: Strategy
+class Registered(Generic[T]):
+    """One entry of any plugin kind (a strategy, a selector of any axis, a stage, a family): what it
+    provides, the plugin that provided it, and the package (and version) that installed that."""
+
+    item: T
     plugin: str
     source: str
 
 
 @dataclass(frozen=True)
-class RegisteredSelector:
-    selector: NeuronSelector
-    plugin: str
-    source: str
+class Kind:
+    """One kind of plugin entry: the hook that provides it and what a refusal calls it."""
+
+    hook: str
+    name: str
 
 
-@dataclass(frozen=True)
-class RegisteredExpertSelector:
-    selector: ExpertSelector
-    plugin: str
-    source: str
-
-
-@dataclass(frozen=True)
-class RegisteredBlockSelector:
-    selector: BlockSelector
-    plugin: str
-    source: str
-
-
-@dataclass(frozen=True)
-class RegisteredHeadSelector:
-    selector: HeadSelector
-    plugin: str
-    source: str
-
-
-@dataclass(frozen=True)
-class RegisteredStage:
-    stage: Any
-    """A `compressor.plugin.Stage` (defined in the run room, which this registry does not import)."""
-    plugin: str
-    source: str
-
-
-@dataclass(frozen=True)
-class RegisteredFamily:
-    family: ModelFamily
-    plugin: str
-    source: str
+STRATEGY = Kind("compressor_strategies", "strategy")
+NEURON_SELECTOR = Kind("compressor_neuron_selectors", "neuron selector")
+EXPERT_SELECTOR = Kind("compressor_expert_selectors", "expert selector")
+BLOCK_SELECTOR = Kind("compressor_block_selectors", "depth selector")
+HEAD_SELECTOR = Kind("compressor_head_selectors", "head selector")
+STAGE = Kind("compressor_stages", "stage")
+KINDS = (STRATEGY, NEURON_SELECTOR, EXPERT_SELECTOR, BLOCK_SELECTOR, HEAD_SELECTOR, STAGE)
+"""Every kind a plugin provides by name, collected the same way (families are by model_type)."""
 
 
 @dataclass(frozen=True)
@@ -199,47 +180,29 @@ class PluginRegistry:
                     self._sources[plugin.name] = plugin.source
         for plugin in extra_plugins:
             self.manager.register(plugin)
-        self._strategies = self._collect()
-        self._selectors = self._collect_selectors()
-        self._expert_selectors = self._collect_named(
-            self.manager.hook.compressor_expert_selectors, "expert selector", RegisteredExpertSelector
-        )
-        self._block_selectors = self._collect_named(
-            self.manager.hook.compressor_block_selectors, "depth selector", RegisteredBlockSelector
-        )
-        self._head_selectors = self._collect_named(
-            self.manager.hook.compressor_head_selectors, "head selector", RegisteredHeadSelector
-        )
-        self._stages = self._collect_named(self.manager.hook.compressor_stages, "stage", RegisteredStage)
+        self._named = {kind: self._collect_named(kind) for kind in KINDS}
         self._families = self._collect_families()
 
     def _source(self, name: str, plugin: object) -> str:
         """The package (and version) that installed plugin `name`; else the plugin object's name."""
         return self._sources.get(name) or getattr(plugin, "__name__", type(plugin).__name__)
 
-    def _collect(self) -> dict[str, RegisteredStrategy]:
-        return self._collect_named(self.manager.hook.compressor_strategies, "strategy", RegisteredStrategy)
-
-    def _collect_selectors(self) -> dict[str, RegisteredSelector]:
-        return self._collect_named(self.manager.hook.compressor_neuron_selectors, "neuron selector", RegisteredSelector)
-
-    def _collect_named(self, hook: Any, kind: str, entry: Callable[[Any, str, str], Any]) -> dict[str, Any]:
-        """What each implementation of `hook` provides, by name, as `entry(item, plugin, source)`;
-        one name from two plugins is refused."""
-        found: dict[str, Any] = {}
-        for impl in hook.get_hookimpls():
+    def _collect_named(self, kind: Kind) -> dict[str, Registered[Any]]:
+        """What each implementation of `kind`'s hook provides, by name; one name from two plugins is refused."""
+        found: dict[str, Registered[Any]] = {}
+        for impl in getattr(self.manager.hook, kind.hook).get_hookimpls():
             for item in impl.function() or []:
                 if item.name in found:
                     raise UserError(
-                        f"{kind} '{item.name}' is provided twice, by plugins "
+                        f"{kind.name} '{item.name}' is provided twice, by plugins "
                         f"'{found[item.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
                     )
-                found[item.name] = entry(item, impl.plugin_name, self._source(impl.plugin_name, impl.plugin))
+                found[item.name] = Registered(item, impl.plugin_name, self._source(impl.plugin_name, impl.plugin))
         return found
 
-    def _collect_families(self) -> dict[str, RegisteredFamily]:
+    def _collect_families(self) -> dict[str, Registered[ModelFamily]]:
         """Built-in families plus plugin ones, by model_type; a plugin's get its sliced classes."""
-        found = {t: RegisteredFamily(f, "built-in", "compressor") for f in BUILTIN_FAMILIES for t in f.model_types}
+        found = {t: Registered(f, "built-in", "compressor") for f in BUILTIN_FAMILIES for t in f.model_types}
         for impl in self.manager.hook.compressor_model_families.get_hookimpls():
             for family in impl.function() or []:
                 for model_type in family.model_types:
@@ -248,7 +211,7 @@ class PluginRegistry:
                             f"model_type '{model_type}' is described twice, by '{found[model_type].plugin}' "
                             f"and plugin '{impl.plugin_name}'; uninstall one of them"
                         )
-                    found[model_type] = RegisteredFamily(
+                    found[model_type] = Registered(
                         family, impl.plugin_name, self._source(impl.plugin_name, impl.plugin)
                     )
                 from compressor.models.sliced import register_family  # the model stack, only for a plugin's family
@@ -260,56 +223,57 @@ class PluginRegistry:
         """Installed plugins that COMPRESS_PLUGINS kept from loading."""
         return [] if self.allowed is None else [name for name in self.installed if name not in self.allowed]
 
-    def families(self) -> dict[str, RegisteredFamily]:
+    def families(self) -> dict[str, Registered[ModelFamily]]:
         """Every supported model_type and the family that describes it."""
         return dict(sorted(self._families.items()))
 
-    def selectors(self) -> dict[str, RegisteredSelector]:
+    def entries(self, kind: Kind) -> dict[str, Registered[Any]]:
+        """Every entry of `kind`, by name."""
+        return dict(sorted(self._named[kind].items()))
+
+    def strategies(self) -> dict[str, Registered[Strategy]]:
+        return self.entries(STRATEGY)
+
+    def selectors(self) -> dict[str, Registered[NeuronSelector]]:
         """Every MLP neuron selector, by name."""
-        return dict(sorted(self._selectors.items()))
+        return self.entries(NEURON_SELECTOR)
 
-    def expert_selectors(self) -> dict[str, RegisteredExpertSelector]:
-        """Every Mixture-of-Experts expert selector, by name."""
-        return dict(sorted(self._expert_selectors.items()))
+    def expert_selectors(self) -> dict[str, Registered[ExpertSelector]]:
+        return self.entries(EXPERT_SELECTOR)
 
-    def expert_selector(self, name: str) -> ExpertSelector:
-        return _named(self._expert_selectors, name, "expert selector").selector
+    def block_selectors(self) -> dict[str, Registered[BlockSelector]]:
+        return self.entries(BLOCK_SELECTOR)
 
-    def block_selectors(self) -> dict[str, RegisteredBlockSelector]:
-        """Every depth selector, by name."""
-        return dict(sorted(self._block_selectors.items()))
-
-    def block_selector(self, name: str) -> BlockSelector:
-        return _named(self._block_selectors, name, "depth selector").selector
-
-    def head_selectors(self) -> dict[str, RegisteredHeadSelector]:
-        """Every attention-head selector, by name."""
-        return dict(sorted(self._head_selectors.items()))
-
-    def head_selector(self, name: str) -> HeadSelector:
-        return _named(self._head_selectors, name, "head selector").selector
+    def head_selectors(self) -> dict[str, Registered[HeadSelector]]:
+        return self.entries(HEAD_SELECTOR)
 
     def stages(self) -> list[Any]:
-        """The stages plugins add to a run, in the order the plugins registered them."""
-        return [entry.stage for entry in self._stages.values()]
+        """The stages plugins add to a run (`compressor.plugin.Stage`s), in the order the plugins registered them."""
+        return [entry.item for entry in self._named[STAGE].values()]
 
     def selector(self, name: str) -> NeuronSelector:
-        return _named(self._selectors, name, "neuron selector").selector
+        return _named(self._named[NEURON_SELECTOR], name, NEURON_SELECTOR.name).item
 
-    def strategies(self) -> dict[str, RegisteredStrategy]:
-        return dict(sorted(self._strategies.items()))
+    def expert_selector(self, name: str) -> ExpertSelector:
+        return _named(self._named[EXPERT_SELECTOR], name, EXPERT_SELECTOR.name).item
+
+    def block_selector(self, name: str) -> BlockSelector:
+        return _named(self._named[BLOCK_SELECTOR], name, BLOCK_SELECTOR.name).item
+
+    def head_selector(self, name: str) -> HeadSelector:
+        return _named(self._named[HEAD_SELECTOR], name, HEAD_SELECTOR.name).item
 
     def strategy(self, name: str) -> Strategy:
-        if name not in self._strategies:
-            known = ", ".join(sorted(self._strategies)) or "none (is compressor installed?)"
+        strategies = self._named[STRATEGY]
+        if name not in strategies:
+            known = ", ".join(sorted(strategies)) or "none (is compressor installed?)"
             restricted = (
                 "" if self.allowed is None else f" ({ALLOW_VARIABLE}={','.join(self.allowed)} limits the plugins)"
             )
             raise UserError(
-                f"unknown strategy '{name}'{did_you_mean(name, self._strategies)}; "
-                f"registered strategies: {known}{restricted}"
+                f"unknown strategy '{name}'{did_you_mean(name, strategies)}; registered strategies: {known}{restricted}"
             )
-        return self._strategies[name].strategy
+        return strategies[name].item
 
 
 def _named(table: Mapping[str, Any], name: str, kind: str) -> Any:

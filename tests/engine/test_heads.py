@@ -20,7 +20,7 @@ REGISTRY = PluginRegistry()
 HOLDS_FEWER_HEADS = [
     name
     for name in FAMILY_CONFIGS
-    if heads_refusal(tiny_model(name).config, REGISTRY.families()[tiny_model(name).config.model_type].family) is None
+    if heads_refusal(tiny_model(name).config, REGISTRY.families()[tiny_model(name).config.model_type].item) is None
 ]
 
 
@@ -37,7 +37,7 @@ class Fixed(HeadSelector):
 
 
 def _family(model):
-    return REGISTRY.families()[model.config.model_type].family
+    return REGISTRY.families()[model.config.model_type].item
 
 
 def _silenced(model, family, removed: list[int]):

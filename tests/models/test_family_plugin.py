@@ -59,7 +59,7 @@ def tiny_arcee(**overrides):
 
 def test_arcee_is_unknown_without_the_plugin() -> None:
     with pytest.raises(UserError, match="model_type 'arcee' is not supported; supported model types: gemma"):
-        family_for("arcee", {t: e.family for t, e in PluginRegistry().families().items()})
+        family_for("arcee", {t: e.item for t, e in PluginRegistry().families().items()})
 
 
 def test_a_known_family_not_described_yet_is_refused_with_its_reason() -> None:
@@ -72,8 +72,8 @@ def test_a_known_family_not_described_yet_is_refused_with_its_reason() -> None:
 def test_a_registered_family_prunes_exactly_and_reloads(arcee_plugin, tmp_path: Path) -> None:
     registry = PluginRegistry(extra_plugins=[arcee_plugin])
     entry = registry.families()["arcee"]
-    assert entry.family.mlp_inputs == ("up_proj",) and entry.plugin != "built-in"
-    family = entry.family
+    assert entry.item.mlp_inputs == ("up_proj",) and entry.plugin != "built-in"
+    family = entry.item
     original = tiny_arcee()
     d, layers = original.config.hidden_size, original.config.num_hidden_layers
     batches = random_batches(original.config.vocab_size, padded=True)
