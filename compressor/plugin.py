@@ -24,6 +24,7 @@ from __future__ import annotations
 from compressor._post_import import after_import
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
+from compressor.run.costs import Phase, TimedPhase, UnitCosts, Work
 from compressor.run.stages.contract import Candidate, Stage
 from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector, lowest
 from compressor.strategies.contract import (
@@ -81,6 +82,7 @@ __all__ = [
     "HeadProblem",
     "HeadSelector",
     "ModelFamily",
+    "Phase",
     "NeuronChoice",
     "NeuronProblem",
     "NeuronSelector",
@@ -90,7 +92,10 @@ __all__ = [
     "Stage",
     "Strategy",
     "StrategyOptionError",
+    "TimedPhase",
+    "UnitCosts",
     "UserError",
+    "Work",
     "complete_basis",
     "coupled_loss",
     "coupled_losses",
