@@ -340,6 +340,8 @@ def timing_rows(timings: dict[str, Any], autocast: str | None = None) -> list[tu
     rows.append(("prune time (s)", "", f"{timings['prune_s']:.1f}"))
     if "refine_s" in timings:
         rows.append(("refinement time (s)", "", f"{timings['refine_s']:.1f}"))
+    if "experts_s" in timings:
+        rows.append(("experts time (s)", "", f"{timings['experts_s']:.1f}"))
     if "heads_s" in timings:
         rows.append(("attention heads time (s)", "", f"{timings['heads_s']:.1f}"))
     if "mlp_s" in timings:
@@ -364,6 +366,8 @@ BUILT_IN_TIMINGS = frozenset(
         "split_s",
         "prune_s",
         "refine_s",
+        "experts_s",
+        "heads_s",
         "mlp_s",
         "distill_s",
         "save_s",

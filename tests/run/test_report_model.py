@@ -44,3 +44,16 @@ def test_an_undeclared_field_fails_where_it_is_written_and_where_it_is_read(tmp_
     (tmp_path / "report.json").write_text(json.dumps({**fields, "params": {"baseline": 1, "pruned": 1}}))
     with pytest.raises(UserError, match=r"is not a run report of compressor .* \(no params\.ratio\)"):
         read_report(tmp_path)
+
+
+def test_a_built_in_stage_s_time_is_never_shown_as_a_plugin_s() -> None:
+    """report.md's time rows: each built-in stage's key is one of the named rows' (a heads run showed
+    "attention heads time" and "heads time" both), and a plugin stage's key gets its own row."""
+    from compressor.run.report import BUILT_IN_TIMINGS, timing_rows
+    from compressor.run.stages.order import BUILTIN_STAGES
+
+    keys = {stage.timing for stage in BUILTIN_STAGES if stage.timing is not None}
+    assert keys <= BUILT_IN_TIMINGS, keys - BUILT_IN_TIMINGS
+    labels = [row[0] for row in timing_rows({**dict.fromkeys(keys, 1.0), "prune_s": 1.0, "my_stage_s": 2.0})]
+    assert len(labels) == len(set(labels)) and "my_stage time (s)" in labels
+    assert "attention heads time (s)" in labels and "experts time (s)" in labels
