@@ -113,7 +113,7 @@ def run(
         save_model=save_model,
         warn=warn or (lambda _: None),
         started=started,
-        writes=writes_as_it_goes(recipe, checked.layout, save_model),
+        writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
         estimate=None if planned is None else planned.record(),
         decode=decode,
     )

@@ -167,3 +167,15 @@ def test_a_misspelt_plugin_section_is_told_its_name(
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: unknown key 'scale_nrom' (did you mean 'scale_norm'?)"), error
     assert error.endswith(", scale_norm")
+
+
+def test_a_streamed_run_with_a_plugin_stage_that_changes_the_model_does_not_write_as_it_walks(
+    stage_plugin: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The walk writes model/ as it goes only when no stage after it changes the model: a plugin's
+    stage counts (its change would otherwise be lost, `Save` finding the model already written)."""
+    recipe = write_recipe(tmp_path, tiny_checkpoint, model__load="stream", scale_norm={"scale": 1.0})
+    assert main(["run", str(recipe)]) == 0
+    report = _report(tmp_path / "out")
+    assert report["stages"] == {"scale_norm": {"scale": 1.0}}
+    assert report["loading"]["load"] == "stream" and report["loading"]["written_as_it_goes"] is False
