@@ -31,9 +31,9 @@ from compressor.engine.walk import (
     WalkOptions,
     prune,
 )
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.runtime.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

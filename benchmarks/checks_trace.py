@@ -56,9 +56,9 @@ def visited(work: Callable[[], Any]) -> dict[str, Any]:
 def main() -> None:
     import torch
 
+    from compressor.plan.checks import check_device_settings, plan
+    from compressor.plan.memory import run_memory_plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run.checks import check_device_settings, plan
-    from compressor.run.memory import run_memory_plan
     from compressor.strategies.registry import PluginRegistry
 
     path = Path(sys.argv[1])

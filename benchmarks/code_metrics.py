@@ -24,7 +24,7 @@ from rich.table import Table
 
 LAYER_LOOP = re.compile(r"held_on\(\[\s*layers?\b|held_on\(\[layers\[")
 """A pass that holds one decoder layer on the device itself (`visit_layers` is the one that may)."""
-READERS = ("run/compare.py", "run/report.py", "cli.py", "run/sweep.py", "run/eval_command.py")
+READERS = ("commands/compare.py", "reports/report.py", "cli.py", "commands/sweep.py", "commands/eval_command.py")
 LOOKUP = re.compile(r"""report\[|report\.get|\["(metrics|params|speed|timings|size)"\]|\.get\(\"""")
 
 

@@ -47,8 +47,8 @@ import yaml
 from axis_runs import EVALUATION, ROOT, common, run_report, working_seconds, write_tables
 from rich.console import Console
 
-from compressor.run.gguf import QUANT_TYPES
-from compressor.run.stages.split import TRIAL_TIMINGS
+from compressor.commands.gguf import QUANT_TYPES
+from compressor.stages.split import TRIAL_TIMINGS
 
 ROWS = ("two axes", "depth", "heads", "every axis", "heterogeneous")
 

@@ -1,6 +1,6 @@
 """Does H predict the output KL of removing a whole subspace? (Figure 2a with k-dimensional U)
 
-The rank-one check is `compress surrogate` (compressor/run/surrogate.py, `check_recipe`). This
+The rank-one check is `compress surrogate` (compressor/commands/surrogate.py, `check_recipe`). This
 script keeps its subspace variant, built from the same pieces: at one site of the reference
 model (recipes/ref_llama_sens.yaml: its model, data and H options), for k-dimensional
 subspaces U (k = the width the recipe's sparsity removes: random ones, and the bottom
@@ -27,11 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from compressor.engine.calibration import capture_layer_inputs
-from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
-from compressor.run.surrogate import (
+from compressor.commands.surrogate import (
     check_site,
     ensure_fused,
     measure_kl,
@@ -40,6 +36,10 @@ from compressor.run.surrogate import (
     rank_correlation,
     site_statistics,
 )
+from compressor.engine.calibration import capture_layer_inputs
+from compressor.plan.checks import plan
+from compressor.recipe.schema import load_recipe
+from compressor.runtime.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.contract import eigh_descending, frobenius_normalised
 from compressor.strategies.registry import PluginRegistry
 

@@ -66,7 +66,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 # this venv has llama.cpp's tools, not necessarily compressor: its stdlib-only GGUF module, from the checkout
 sys.path.insert(0, str(REPO))
-from compressor.run.gguf import QUANT_TYPES, convert, quantize  # the converter and quantizer, as export runs them
+from compressor.commands.gguf import QUANT_TYPES, convert, quantize  # the converter and quantizer, as export runs them
 
 DEFAULT_DATA = REPO.parent / "shared" / "corpus" / "valid.jsonl"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gguf"

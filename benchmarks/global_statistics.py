@@ -38,9 +38,9 @@ from compressor.engine.walk import (
 from compressor.evaluation.metrics import compare
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, to_stock
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.runtime.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Peak device and host memory of each phase of a run, for real model configs, on a machine
-without a GPU: the plan `compress run --dry-run` prints (`compressor/run/memory.py`), for the
+without a GPU: the plan `compress run --dry-run` prints (`compressor/plan/memory.py`), for the
 published configs of 3B-70B models, with one GPU's memory beside it.
 
 The device side of the walk and the H pass is *measured*: the engine's own code runs one decoder
@@ -29,9 +29,9 @@ from transformers import AutoConfig
 import compressor  # noqa: F401
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
+from compressor.plan.memory import PlanSettings, memory_plan
 from compressor.recipe.sections.sensitivity import SensitivityOptions
-from compressor.run.costs import GiB
-from compressor.run.memory import PlanSettings, memory_plan
+from compressor.stages.costs import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,13 +123,13 @@ def plan(
 
 
 def recipe_plan(path: Path, model_path: str | None, overrides: list[str]) -> None:
-    """A recipe's plan as a run on a GPU makes it (`run.memory.run_memory_plan` with an accelerator),
+    """A recipe's plan as a run on a GPU makes it (`plan.memory.run_memory_plan` with an accelerator),
     printed phase by phase, without a GPU here."""
     import torch
 
+    from compressor.plan.checks import plan as checked_plan
+    from compressor.plan.memory import run_memory_plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run.checks import plan as checked_plan
-    from compressor.run.memory import run_memory_plan
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()

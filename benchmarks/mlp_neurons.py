@@ -36,7 +36,7 @@ from compressor.models.layout import fixed_layout
 from compressor.models.sites import layer_site_ids, site_ids
 from compressor.recipe.schema import validate
 from compressor.recipe.sections.sensitivity import SensitivityOptions
-from compressor.run.loading import Resources
+from compressor.runtime.loading import Resources
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -50,7 +50,7 @@ from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.families import family_for
 from compressor.models.layout import set_mlp_widths
 from compressor.recipe.schema import validate
-from compressor.run.loading import Resources
+from compressor.runtime.loading import Resources
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -120,7 +120,7 @@ def recipe(strategy: str, target: float, args: argparse.Namespace, output: Path)
 
 def run(args: argparse.Namespace) -> None:
     from compressor.recipe.schema import validate
-    from compressor.run.loading import load_tokenizer, token_batches
+    from compressor.runtime.loading import load_tokenizer, token_batches
     from compressor.strategies.registry import PluginRegistry
 
     rows, result = [], {"model": "google/gemma-3-270m (Q4_K_M GGUF, dequantised)", "target_params": args.target}

@@ -199,9 +199,9 @@ def diagnose(args: argparse.Namespace) -> None:
     from compressor.evaluation.metrics import compare
     from compressor.models.sites import EMBEDDING
     from compressor.models.stock import fitted_tied_scale, head_stream, to_stock
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import validate
-    from compressor.run.checks import plan
-    from compressor.run.loading import Resources, resolve_device
+    from compressor.runtime.loading import Resources, resolve_device
     from compressor.strategies.registry import PluginRegistry
 
     started = datetime.now(timezone.utc)
@@ -324,9 +324,9 @@ def diagnose(args: argparse.Namespace) -> None:
 def table(args: argparse.Namespace) -> None:
     """Whole runs, sharing data, model and H: held-out KL and perplexity before and after refinement."""
     from compressor.cli import phase_logger
+    from compressor.commands.sweep import SharedResources
     from compressor.recipe.schema import validate
     from compressor.run.runner import run
-    from compressor.run.sweep import SharedResources
     from compressor.strategies.registry import PluginRegistry
 
     started = datetime.now(timezone.utc)

@@ -44,9 +44,9 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.cli import phase_logger
+from compressor.commands.sweep import SharedResources
 from compressor.recipe.schema import load_recipe
 from compressor.run.runner import run
-from compressor.run.sweep import SharedResources
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -50,7 +50,7 @@ from rich.table import Table
 
 from compressor.cli import phase_logger
 from compressor.recipe.schema import load_recipe
-from compressor.run.report import kept_label
+from compressor.reports.report import kept_label
 from compressor.run.runner import run
 from compressor.strategies.registry import PluginRegistry
 

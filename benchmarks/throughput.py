@@ -58,9 +58,9 @@ from compressor.models.layout import (
 )
 from compressor.models.sites import EMBEDDING, site_ids, site_widths
 from compressor.models.stock import stock_param_model, to_stock, width_multiple
+from compressor.plan.checks import plan
 from compressor.recipe.schema import Recipe, load_recipe
-from compressor.run.checks import plan
-from compressor.run.loading import load_model, load_tokenizer, resolve_device, token_batches
+from compressor.runtime.loading import load_model, load_tokenizer, resolve_device, token_batches
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""How close is the time plan (`run.timing`, issue 50 item 4) to what runs take? Each configuration
+"""How close is the time plan (`plan.timing`, issue 50 item 4) to what runs take? Each configuration
 is one `compress run` (a fresh process, as a user starts it): its report holds the estimate made
 before it started (`estimate`, from one layer timed on this machine) and what each phase took
 (`timings`). The table gives both by the report's timing keys, and the total.

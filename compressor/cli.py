@@ -67,7 +67,7 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from compressor.run.gguf import OUTTYPES, QUANT_TYPES  # stdlib only: `compress --help` stays cheap
+    from compressor.commands.gguf import OUTTYPES, QUANT_TYPES  # stdlib only: `compress --help` stays cheap
 
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the versions and exit")
@@ -221,9 +221,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _set_threads(console: Console, requested: int | None, say: bool = True) -> None:
-    """torch's CPU threads for this command (`run.threads.command_threads`), and where other work
+    """torch's CPU threads for this command (`runtime.threads.command_threads`), and where other work
     lowered them, the warning that says so (`say`: this process speaks; a data-parallel rank 0)."""
-    from compressor.run.threads import command_threads
+    from compressor.runtime.threads import command_threads
 
     _, lowered = command_threads(requested)
     if lowered is not None and say:
@@ -250,12 +250,12 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     overrides = args.overrides + ([f"threads={args.threads}"] if args.threads is not None else [])
     recipe = load_recipe(Path(args.recipe), registry, overrides, args.output)  # before the heavy imports
     _quiet_libraries()
-    from compressor.run.report import budget_label, rich_table
+    from compressor.reports.report import budget_label, rich_table
     from compressor.run.runner import run
-    from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+    from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
 
     if args.dry_run:
-        from compressor.run.preflight import dry_run
+        from compressor.plan.preflight import dry_run
 
         found = dry_run(recipe, registry, args.overwrite, args.restart, not args.skip_memory_check)
         headline = (
@@ -279,7 +279,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             raise UserError(found.refusal)
         return
     from compressor.engine import parallel
-    from compressor.run.resume import check_interrupted, progress_summary
+    from compressor.runtime.resume import check_interrupted, progress_summary
 
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:  # a changed recipe is refused before "resuming" is said
@@ -331,7 +331,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         console.print(f"resumed: {report.resume.sites_loaded} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
     if report.estimate is not None:
-        from compressor.run.costs import duration
+        from compressor.stages.costs import duration
 
         took = report.timings.get("total_s", 0.0)
         console.print(
@@ -426,9 +426,9 @@ def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: l
 
 def _eval(args: argparse.Namespace, console: Console) -> None:
 
-    from compressor.run.eval_command import EvalRequest, evaluate_target
-    from compressor.run.report import speed_rows, task_rows
-    from compressor.run.report_model import to_json
+    from compressor.commands.eval_command import EvalRequest, evaluate_target
+    from compressor.reports.report import speed_rows, task_rows
+    from compressor.reports.report_model import to_json
 
     _quiet_libraries()
     _set_threads(console, args.threads)
@@ -479,8 +479,8 @@ def _eval(args: argparse.Namespace, console: Console) -> None:
 
 
 def _sweep(args: argparse.Namespace, console: Console) -> None:
-    from compressor.run.compare import render
-    from compressor.run.sweep import check, dump, load_sweep, run_sweep
+    from compressor.commands.compare import render
+    from compressor.commands.sweep import check, dump, load_sweep, run_sweep
     from compressor.strategies.registry import PluginRegistry
 
     _quiet_libraries()
@@ -525,8 +525,8 @@ def _sweep(args: argparse.Namespace, console: Console) -> None:
 
 
 def _surrogate(args: argparse.Namespace, console: Console) -> None:
+    from compressor.commands.surrogate import check_recipe
     from compressor.recipe.schema import load_recipe
-    from compressor.run.surrogate import check_recipe
     from compressor.strategies.registry import PluginRegistry
 
     _quiet_libraries()
@@ -550,7 +550,7 @@ def _surrogate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from compressor.run.compare import FORMATS, cell, columns, compare_runs, render
+    from compressor.commands.compare import FORMATS, cell, columns, compare_runs, render
 
     output = Path(args.output) if args.output else None
     if output is not None and output.suffix not in FORMATS:
@@ -577,8 +577,8 @@ def _write_output(console: Console, output: Path, text: str) -> None:
 
 
 def _export(args: argparse.Namespace, console: Console) -> None:
-    from compressor.run.gguf import ALIGNED_WIDTH, export_gguf, wider_line
-    from compressor.run.threads import available_cpus
+    from compressor.commands.gguf import ALIGNED_WIDTH, export_gguf, wider_line
+    from compressor.runtime.threads import available_cpus
 
     def starting(model: Path) -> None:
         said = f"converting {model} with llama.cpp's converter ({args.outtype})"

@@ -24,8 +24,8 @@ from __future__ import annotations
 from compressor._post_import import after_import
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
-from compressor.run.costs import Phase, TimedPhase, UnitCosts, Work
-from compressor.run.stages.contract import Candidate, Stage
+from compressor.stages.contract import Candidate, Stage
+from compressor.stages.costs import Phase, TimedPhase, UnitCosts, Work
 from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector, lowest
 from compressor.strategies.contract import (
     DEFAULT_TAUS,

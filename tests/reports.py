@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from compressor.run.report_model import RunReport
+from compressor.reports.report_model import RunReport
 
 _TEMPLATE: dict[str, Any] = {
     "compressor": "0.3.0",

@@ -28,7 +28,48 @@ BELOW: dict[str, set[str]] = {
     "evaluation": {"recipe", "data"},
     "engine": {"models", "strategies", "recipe", "data"},
     "training": {"models", "strategies", "recipe", "data", "engine"},
-    "run": {"models", "strategies", "recipe", "data", "engine", "evaluation", "training"},
+    "reports": {"models", "strategies", "recipe", "data", "engine", "evaluation", "training"},
+    "runtime": {"models", "strategies", "recipe", "data", "engine", "evaluation", "training", "reports"},
+    "stages": {"models", "strategies", "recipe", "data", "engine", "evaluation", "training", "reports", "runtime"},
+    "plan": {
+        "models",
+        "strategies",
+        "recipe",
+        "data",
+        "engine",
+        "evaluation",
+        "training",
+        "reports",
+        "runtime",
+        "stages",
+    },
+    "run": {
+        "models",
+        "strategies",
+        "recipe",
+        "data",
+        "engine",
+        "evaluation",
+        "training",
+        "reports",
+        "runtime",
+        "stages",
+        "plan",
+    },
+    "commands": {
+        "models",
+        "strategies",
+        "recipe",
+        "data",
+        "engine",
+        "evaluation",
+        "training",
+        "reports",
+        "runtime",
+        "stages",
+        "plan",
+        "run",
+    },
 }
 """Room -> the rooms it may import (besides itself and the base modules)."""
 
@@ -39,10 +80,25 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+    """The nodes under `if TYPE_CHECKING:`: imports for annotations, never executed."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+
+
 def _imports(path: Path) -> set[str]:
-    """Every `compressor.*` module a file imports, at its top or inside functions."""
+    """Every `compressor.*` module a file imports when it runs, at its top or inside functions (an
+    annotation may name a room above: a stage's `check_plan` is handed the `Plan`, under TYPE_CHECKING)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "compressor":
             if node.module == "compressor":
                 found.update(f"compressor.{alias.name}" for alias in node.names)
@@ -87,12 +143,7 @@ def _module_graph(root: Path, package: str) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for inner in ast.walk(node)
-        }
+        typing_only = _typing_only(tree)
         targets = set()
         for node in ast.walk(tree):
             if id(node) in typing_only:

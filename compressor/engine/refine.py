@@ -19,7 +19,7 @@ probable tokens per position plus the remaining mass as one bin (an exact KL bet
 tokens × vocabulary floats on the host). The objective over the refinement's windows (all
 calibration windows, or `windows` of them) is measured before and after; the refined bases are
 returned only if it went down, otherwise the received ones. That is a guarantee on this
-in-sample objective, not on held-out text: the runner's held-out guard (`run.guard`) decides
+in-sample objective, not on held-out text: the runner's held-out guard (`reports.guard`) decides
 whether the refined model is kept.
 
 The model optimised is the model that is saved. A one-basis model saved as the original class

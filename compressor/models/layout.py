@@ -127,7 +127,7 @@ class SlicedLayout:
     def saved_config(self) -> PretrainedConfig:
         """The config of the stock model this layout saves (a global layout, or one that keeps its
         stream): its width, MLPs, experts, heads and blocks. A model built from it has the saved
-        model's shape, which is all its speed depends on (`run.decode_budget` times such models)."""
+        model's shape, which is all its speed depends on (`plan.decode_budget` times such models)."""
         if not self.one_basis and self.residual:
             raise ValueError("a per-site layout saves a sliced_* class, not a stock one")
         config = self.mlp_config(self.config)

@@ -78,7 +78,7 @@ class Recipe:
     """Instead of `sparsity`, alone or beside `target_params`: the pruned model's decode step (batch
     1, this run's device and dtype) takes at most this fraction of the dense model's. Each
     candidate the run may choose gets the largest parameter budget whose model decodes within it,
-    measured on models of those shapes (`run.decode_budget`); a global layout (a stock class)."""
+    measured on models of those shapes (`plan.decode_budget`); a global layout (a stock class)."""
     budget: Literal["all", "non_embedding"] = "all"
     """Which parameters `target_params` counts: all of them, or all but the token and position
     embedding tables (how small-model users read "25% smaller": Gemma 3 270M is 63% embedding).
@@ -92,7 +92,7 @@ class Recipe:
     threads: Annotated[StrictInt, described("CPU threads torch uses", ge=1)] | None = None
     """CPU threads torch uses; None: on the command line, the CPUs this process is given (its
     affinity mask, capped by a cgroup CPU quota) less those other work keeps busy, or
-    `OMP_NUM_THREADS` (`run.threads.command_threads`); from Python, the caller's count."""
+    `OMP_NUM_THREADS` (`runtime.threads.command_threads`); from Python, the caller's count."""
     activations: Offload = "host"
     """Where calibration activations wait between layers: host memory, or disk (memory-mapped files)."""
     refinement: RefinementSpec | None = None

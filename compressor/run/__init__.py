@@ -1,3 +1,2 @@
-"""Runs and the commands built on them: a recipe from checks to a published folder (`runner`),
-its report (`report`), the dry run (`preflight`), sweeps (`sweep`), and `compress eval`,
-`compress compare` and `compress surrogate` (`eval_command`, `compare`, `surrogate`)."""
+"""A run: a recipe from its plan to a published folder (`runner`: staging, the stages in order, the
+held-out guard, publishing), and a data-parallel run's ranks above 0 (`follower`)."""

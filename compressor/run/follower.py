@@ -12,16 +12,16 @@ from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.parallel import Ranks
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, to_stock
+from compressor.plan.checks import Plan
+from compressor.plan.memory import writes_as_it_goes
 from compressor.recipe.schema import Recipe
-from compressor.run.checks import Plan
-from compressor.run.loading import Resources
-from compressor.run.memory import writes_as_it_goes
-from compressor.run.stages.base import Progress
-from compressor.run.stages.data import distillation_data
-from compressor.run.stages.distil import distil_student
-from compressor.run.stages.mlp import prune_mlps
-from compressor.run.stages.walk import prune_as_recipe, rotated_for_a_tied_head, rotates_for_a_tied_head
-from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+from compressor.runtime.loading import Resources
+from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
+from compressor.stages.base import Progress
+from compressor.stages.data import distillation_data
+from compressor.stages.distil import distil_student
+from compressor.stages.mlp import prune_mlps
+from compressor.stages.walk import prune_as_recipe, rotated_for_a_tied_head, rotates_for_a_tied_head
 
 
 def follow(

@@ -1,12 +1,12 @@
 """One `compress run`: check everything, then run the stages in order, then publish.
 
 All checks that need no weights (recipe, model config, family, widths, device, each stage's own
-preconditions) happen before any work (`run.checks`). The run writes into a hidden staging folder
+preconditions) happen before any work (`plan.checks`). The run writes into a hidden staging folder
 beside the output (`.<name>.partial`) and renames it into place only when everything succeeded,
 so a failed run leaves no half-written output. The staging folder also holds the run's
 checkpoint: a run that was killed or interrupted after H or a site was finished keeps it, and the
 same command continues from there (`restart=True` discards it). Folders, lock and publishing live
-in `run.staging`, fingerprints in `run.resume`, the stages in `run.stages`; here is the loop.
+in `runtime.staging`, fingerprints in `runtime.resume`, the stages in `stages`; here is the loop.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ from compressor import faults
 from compressor.engine import parallel
 from compressor.engine.checkpoint import Checkpoint
 from compressor.errors import Interrupts, ProgressKept, UserError
+from compressor.plan.checks import check_device_settings, plan
+from compressor.plan.decode_budget import resolve as resolve_decode
+from compressor.plan.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
+from compressor.plan.timing import TimePlan, time_plan
 from compressor.recipe.schema import Recipe
-from compressor.run.checks import check_device_settings, plan
-from compressor.run.decode_budget import resolve as resolve_decode
+from compressor.reports.guard import GuardRecord
+from compressor.reports.report_model import RunReport
 from compressor.run.follower import follow
-from compressor.run.guard import GuardRecord
-from compressor.run.loading import Resources, resolve_device
-from compressor.run.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
-from compressor.run.report_model import RunReport
-from compressor.run.resume import check_interrupted
-from compressor.run.split_choice import KeptFisher
-from compressor.run.stages.base import Progress, RunState
-from compressor.run.stages.contract import Candidate, Stage
-from compressor.run.staging import (
+from compressor.runtime.loading import Resources, resolve_device
+from compressor.runtime.resume import check_interrupted
+from compressor.runtime.staging import (
     CHECKPOINT_FOLDER,
     SCRATCH_FOLDER,
     check_output,
@@ -43,8 +41,10 @@ from compressor.run.staging import (
     prepare_staging,
     publish,
 )
-from compressor.run.threads import use_threads
-from compressor.run.timing import TimePlan, time_plan
+from compressor.runtime.threads import use_threads
+from compressor.stages.base import Progress, RunState
+from compressor.stages.contract import Candidate, Stage
+from compressor.stages.split_choice import KeptFisher
 from compressor.strategies.registry import PluginRegistry
 
 
@@ -69,7 +69,7 @@ def run(
     `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
     `warn` hears what the run goes on with but a user should know (a very large cut).
     `memory_check=False` runs a recipe whose memory plan is above this machine's memory.
-    `estimate` hears the time plan (`run.timing`, a layer timed first), which the report keeps.
+    `estimate` hears the time plan (`plan.timing`, a layer timed first), which the report keeps.
     """
     started = time.perf_counter()
     report_progress = progress or (lambda *_: None)

@@ -50,7 +50,7 @@ def test_the_guard_windows_follow_the_calibration_windows(tokenizer) -> None:
     """The held-out guard reads the windows after the calibration set: the same reader, so they
     continue the calibration windows' token stream and none of them is a calibration window."""
     from compressor.recipe.sections.data import DataSpec
-    from compressor.run.loading import heldout_batches, token_batches
+    from compressor.runtime.loading import heldout_batches, token_batches
 
     spec = DataSpec(
         dataset={"path": "json", "data_files": str(EXAMPLES / "data" / "calib-demo.jsonl")},

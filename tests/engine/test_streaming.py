@@ -99,7 +99,7 @@ def test_a_folder_without_safetensors_or_a_shard_without_its_tensor_is_one_line(
 def test_layerwise_evaluation_of_a_streamed_original_gives_the_whole_model_figures(tmp_path: Path, layout: str) -> None:
     from compressor.evaluation.metrics import compare
     from compressor.models.stock import to_stock
-    from compressor.run.layerwise_eval import layerwise_compare
+    from compressor.runtime.layerwise_eval import layerwise_compare
 
     folder = _saved(tmp_path / "model")
     family = family_for("llama")

@@ -415,9 +415,9 @@ def test_a_streamed_run_and_a_killed_run_give_the_run_in_memory(name: str, tmp_p
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_time_plan_times_one_layer_of_every_family(name: str) -> None:
-    """`run.timing.layer_costs` builds one real decoder layer of the family's shape (a small
+    """`plan.timing.layer_costs` builds one real decoder layer of the family's shape (a small
     vocabulary, the head timed apart) and times its forward, backward and a single-token call."""
-    from compressor.run.timing import layer_costs
+    from compressor.plan.timing import layer_costs
 
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name]})
     text = getattr(config, "text_config", None) if name in ("gemma3", "mistral3", "qwen3_5") else None

@@ -20,7 +20,7 @@ from compressor.models.axes import AXES
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sliced import SlicedDecoderLayer
-from compressor.run.stages.order import BUILTIN_STAGES
+from compressor.stages.order import BUILTIN_STAGES
 from compressor_plugins.pca import PCA
 from tests.conftest import (
     FAMILY_CONFIGS,

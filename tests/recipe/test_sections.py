@@ -55,7 +55,7 @@ def test_the_schema_module_defines_no_section_of_its_own() -> None:
 
 
 def test_every_built_in_stage_reads_its_section_s_options() -> None:
-    from compressor.run.stages.order import BUILTIN_STAGES
+    from compressor.stages.order import BUILTIN_STAGES
 
     options = {section.key: section.options for section in BUILTIN_SECTIONS}
     for stage in BUILTIN_STAGES:

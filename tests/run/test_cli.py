@@ -18,7 +18,7 @@ import compressor
 from compressor.cli import main
 from compressor.engine.bases import load_bases
 from compressor.models.families import BUILTIN_FAMILIES
-from compressor.run.staging import RUN_FILES
+from compressor.runtime.staging import RUN_FILES
 from tests.conftest import EXAMPLES, save_tiny_checkpoint
 
 

@@ -17,12 +17,12 @@ from transformers import AutoConfig, PretrainedConfig
 from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.stock import meta_params
+from compressor.plan.checks import candidate_groups, group_layouts, plan
+from compressor.plan.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import candidate_groups, group_layouts, plan
-from compressor.run.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
-from compressor.run.report_model import RunReport
-from compressor.run.resume import keep_decode_budget, stored_decode_budget
-from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+from compressor.reports.report_model import RunReport
+from compressor.runtime.resume import keep_decode_budget, stored_decode_budget
+from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import write_recipe

@@ -17,10 +17,10 @@ from compressor.cli import main
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.depth import remove_blocks
 from compressor.models.families import family_for
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.loading import heldout_batches
 from compressor.run.runner import run
+from compressor.runtime.loading import heldout_batches
 from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector
 from compressor.strategies.registry import PluginRegistry, hookimpl
 from tests.conftest import max_relative_logit_error, random_batches, save_tiny_checkpoint
@@ -230,7 +230,7 @@ def test_depth_keeps_the_model_in_memory_and_saved(four_blocks: Path, tmp_path: 
     fit, and a run that keeps only its bases (a sweep's `save_models: false`) is refused: the bases
     cannot rebuild the model without its blocks."""
     from compressor.errors import UserError
-    from compressor.run.memory import Machine, resolved_load
+    from compressor.plan.memory import Machine, resolved_load
 
     registry = PluginRegistry()
     recipe = load_recipe(write_recipe(tmp_path, four_blocks, model__load="auto", depth={"removed": 1}), registry)

@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
+from compressor.commands.compare import render
+from compressor.commands.compare import rows as compare_rows
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.evaluation.metrics import compare, parameter_count
-from compressor.run.compare import render
-from compressor.run.compare import rows as compare_rows
 from tests.conftest import EXAMPLES, save_tiny_checkpoint, tiny_model
 from tests.run.test_cli import _DELETE, write_recipe
 
@@ -219,7 +219,7 @@ def test_a_checkpoint_with_mxfp4_experts_is_asked_for_dequantized(tmp_path: Path
     """gpt-oss's hub checkpoints hold their experts in MXFP4: the run loads them in its dtype
     (transformers' kernels, where installed, would keep them packed); other checkpoints load as they are."""
     from compressor.recipe.sections.model import ModelSpec
-    from compressor.run.loading import dequantized
+    from compressor.runtime.loading import dequantized
 
     checkpoint = save_tiny_checkpoint(tmp_path / "gpt-oss", "gpt_oss")
     config_path = checkpoint / "config.json"

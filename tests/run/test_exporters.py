@@ -1,5 +1,5 @@
 """The exporter registry (issue 80, item 4): the plan chooses what a run saves its model as, `Save`
-writes that format, and `compress export`'s side (`run.formats`, stdlib only) tells the same format
+writes that format, and `compress export`'s side (`stages.formats`, stdlib only) tells the same format
 from the saved config; a plugin stage may follow saving when it only reads what was saved."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 
 from compressor.cli import main
 from compressor.errors import UserError
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.formats import FORMATS, saved_format
-from compressor.run.stages.contract import Stage
-from compressor.run.stages.order import BUILTIN_STAGES, run_order
+from compressor.stages.contract import Stage
+from compressor.stages.formats import FORMATS, saved_format
+from compressor.stages.order import BUILTIN_STAGES, run_order
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe

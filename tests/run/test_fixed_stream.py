@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
 from compressor.evaluation.metrics import parameter_count
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe

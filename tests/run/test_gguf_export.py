@@ -294,7 +294,7 @@ def test_the_widths_a_quantized_type_cannot_hold_are_named_with_what_rounds_them
 ) -> None:
     """llama.cpp quantizes rows in blocks (32; 256 for the k-quants): each saved width that misses the
     block is named with the recipe key that rounds it, read from the config the run saved."""
-    from compressor.run.gguf import QUANT_BLOCKS, rounding_advice, text_fields, widths_off_block
+    from compressor.commands.gguf import QUANT_BLOCKS, rounding_advice, text_fields, widths_off_block
 
     fields = text_fields(_model(tmp_path / "model", **config))
     advice = rounding_advice(widths_off_block(fields, QUANT_BLOCKS[kind]), kind)

@@ -331,8 +331,8 @@ def test_a_strategy_chain_needing_unknown_statistics_is_refused_before_loading(
     """A plugin strategy that requires a statistic the engine cannot compute is refused by
     `plan` (what --dry-run and a run call before loading weights), naming the statistic."""
     from compressor.errors import UserError
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run.checks import plan
     from compressor.strategies.contract import Strategy
     from compressor.strategies.registry import PluginRegistry, hookimpl
 
@@ -553,7 +553,7 @@ def test_the_dry_run_refuses_what_the_run_would_refuse_on_this_device(
     tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A float16 distillation on a CPU: the dry run said "recipe OK" and the run then refused it;
-    both now check the device's settings in one place (`run.checks.check_device_settings`)."""
+    both now check the device's settings in one place (`plan.checks.check_device_settings`)."""
     recipe = write_recipe(
         tmp_path, tiny_checkpoint, device="cpu", distillation={"tokens": 2048, "precision": "float16"}
     )

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
 from compressor.evaluation.metrics import parameter_count
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
 from compressor.run.runner import run
 from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector
 from compressor.strategies.registry import PluginRegistry, hookimpl

@@ -290,7 +290,7 @@ def test_the_search_measures_allocations_and_the_model_saves_where_it_ended(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from compressor.engine import width_search
-    from compressor.run.stages import mlp as stage
+    from compressor.stages import mlp as stage
 
     seen: dict[str, object] = {}
 

@@ -13,8 +13,8 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.run.costs import GiB, Phase
-from compressor.run.memory import Machine, MemoryPlan, PlanSettings, fisher_peak, memory_plan
+from compressor.plan.memory import Machine, MemoryPlan, PlanSettings, fisher_peak, memory_plan
+from compressor.stages.costs import GiB, Phase
 from tests.conftest import COMMON, FAMILY_CONFIGS, tiny_model
 from tests.run.test_cli import write_recipe
 
@@ -158,9 +158,9 @@ def test_a_written_walk_holds_one_layer_one_h_and_two_bases_and_its_weights_need
 def test_auto_streams_only_where_the_whole_model_does_not_fit(
     tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from compressor.plan import memory
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run import memory
-    from compressor.run.checks import plan
     from compressor.strategies.registry import PluginRegistry
 
     monkeypatch.setattr(memory, "process_rss", lambda: 0)  # the same base for every plan
@@ -192,9 +192,9 @@ def test_auto_streams_only_where_the_whole_model_does_not_fit(
 def test_the_plan_writes_as_it_goes_where_the_run_does(
     tiny_checkpoint: Path, tmp_path: Path, changes: dict, writes: bool
 ) -> None:
+    from compressor.plan import memory
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run import memory
-    from compressor.run.checks import plan
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()
@@ -210,9 +210,9 @@ def test_the_plan_writes_as_it_goes_where_the_run_does(
 def test_lm_eval_on_placed_models_is_planned_as_a_note_and_the_rest_layer_by_layer(
     tiny_checkpoint: Path, tmp_path: Path, load: str
 ) -> None:
+    from compressor.plan import memory
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run import memory
-    from compressor.run.checks import plan
     from compressor.strategies.registry import PluginRegistry
     from tests.evaluation.test_lm_eval import _write_task
 
@@ -250,8 +250,8 @@ def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_laye
 ) -> None:
     from types import SimpleNamespace
 
+    from compressor.plan import memory
     from compressor.recipe.schema import load_recipe
-    from compressor.run import memory
     from compressor.strategies.registry import PluginRegistry
 
     path = write_recipe(
@@ -269,7 +269,7 @@ def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_laye
 
 def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_the_host() -> None:
     from compressor.models.layout import sliced_layout
-    from compressor.run.memory import measure_device
+    from compressor.plan.memory import measure_device
 
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
     family = family_for("llama")
@@ -292,9 +292,9 @@ def test_whole_model_evaluation_counts_a_batch_of_vocabulary_wide_log_probabilit
     the plan's figure grows with the batch by what `compare` is measured to hold."""
     from compressor.evaluation.memtrack import LiveBytes
     from compressor.evaluation.metrics import compare
+    from compressor.plan import memory
+    from compressor.plan.checks import plan
     from compressor.recipe.schema import load_recipe
-    from compressor.run import memory
-    from compressor.run.checks import plan
     from compressor.strategies.registry import PluginRegistry
     from tests.conftest import random_batches
 

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from compressor.cli import main
+from compressor.commands.compare import compare_runs
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
+from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.compare import compare_runs
-from compressor.run.split_choice import choose
+from compressor.stages.split_choice import choose
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
@@ -59,7 +59,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _counted_walks_and_surveys(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
     """Lists that grow by one per walk (`prune_as_recipe`) and per survey pass of the original model."""
     from compressor.engine import walk as engine_walk
-    from compressor.run.stages import walk
+    from compressor.stages import walk
 
     walks: list[int] = []
     surveys: list[int] = []
@@ -129,7 +129,7 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     H; no trial is kept, so the run's walk then prunes the chosen split on every window, H and
     survey of its own, and saves what a run with that split fixed saves."""
     from compressor.engine import walk as engine_walk
-    from compressor.run.stages import walk
+    from compressor.stages import walk
 
     windows: list[int] = []
     surveys: list[int] = []
@@ -250,7 +250,7 @@ def test_when_the_residual_width_alone_measures_best_no_neuron_is_removed(
 ) -> None:
     """The MLP stage does not run and the model keeps its MLPs whole (the measurement is replaced
     by one that favours the first candidate: which split wins on a random model is chance)."""
-    from compressor.run.stages import split
+    from compressor.stages import split
 
     monkeypatch.setattr(split, "measured_split", lambda state, index, layout, original, rng: 1.0 + index)
     recipe = write_recipe(tmp_path, wide_mlp, mlp=SPLIT, **COMMON)

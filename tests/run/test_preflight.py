@@ -11,7 +11,7 @@ import torch
 
 from compressor.cli import main
 from compressor.engine.checkpoint import FINGERPRINT_FILE, FISHER_FILE
-from compressor.run.staging import CHECKPOINT_FOLDER, staging_folder
+from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
 from tests.conftest import save_tiny_checkpoint
 from tests.evaluation.test_lm_eval import _write_task
 from tests.run.test_cli import write_recipe

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from compressor.run import compare
-from compressor.run.compare import render, rows
-from compressor.run.report import summary_rows
+from compressor.commands import compare
+from compressor.commands.compare import render, rows
+from compressor.reports.report import summary_rows
 from tests.reports import report_dict, run_report
 
 RECIPE: dict[str, Any] = {
@@ -192,7 +192,7 @@ def _speed(baseline: tuple[float, float, float], pruned: tuple[float, float, flo
 
 
 def _speed_cells(speed: dict[str, Any]) -> tuple[str, str]:
-    from compressor.run.report import speed_rows
+    from compressor.reports.report import speed_rows
 
     (_, before, after), _ = speed_rows(None, speed)
     return before, after
@@ -224,7 +224,7 @@ def test_a_cell_of_one_round_says_so_and_judges_no_speedup() -> None:
 
 @pytest.mark.parametrize(("load", "named"), [(2.5, True), (1.9, False), (None, False)])
 def test_a_load_above_the_cpus_while_timing_is_named(load: float | None, named: bool) -> None:
-    from compressor.run.report import speed_rows
+    from compressor.reports.report import speed_rows
 
     speed = _speed((1000, 900, 1100), (930, 880, 1050))
     for side in ("baseline", "pruned"):

@@ -1,4 +1,4 @@
-"""`report.json` is one typed model (`run.report_model`): what the runner writes is what every
+"""`report.json` is one typed model (`reports.report_model`): what the runner writes is what every
 reader loads, field for field, and a field that is not declared fails where it is written or read."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from compressor.cli import main
+from compressor.commands.compare import read_report
 from compressor.errors import UserError
-from compressor.run.compare import read_report
-from compressor.run.report_model import RunReport, to_json
+from compressor.reports.report_model import RunReport, to_json
 from tests.reports import report_dict
 from tests.run.test_cli import write_recipe
 
@@ -49,8 +49,8 @@ def test_an_undeclared_field_fails_where_it_is_written_and_where_it_is_read(tmp_
 def test_a_built_in_stage_s_time_is_never_shown_as_a_plugin_s() -> None:
     """report.md's time rows: each built-in stage's key is one of the named rows' (a heads run showed
     "attention heads time" and "heads time" both), and a plugin stage's key gets its own row."""
-    from compressor.run.report import BUILT_IN_TIMINGS, timing_rows
-    from compressor.run.stages.order import BUILTIN_STAGES
+    from compressor.reports.report import BUILT_IN_TIMINGS, timing_rows
+    from compressor.stages.order import BUILTIN_STAGES
 
     keys = {stage.timing for stage in BUILTIN_STAGES if stage.timing is not None}
     assert keys <= BUILT_IN_TIMINGS, keys - BUILT_IN_TIMINGS

@@ -260,7 +260,7 @@ def test_the_default_budget_leaves_the_fingerprint_as_it_was_before_the_key(
     """A checkpoint written before `budget` existed still resumes: the default is left out of the
     digest, and a budget that changes the model changes it."""
     from compressor.recipe.schema import load_recipe
-    from compressor.run.resume import fingerprinted, recipe_fingerprint
+    from compressor.runtime.resume import fingerprinted, recipe_fingerprint
     from compressor.strategies.registry import PluginRegistry
 
     registry = PluginRegistry()

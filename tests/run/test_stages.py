@@ -9,10 +9,10 @@ import dataclasses
 from pathlib import Path
 
 import compressor.run.runner
-from compressor.run.stages import order
-from compressor.run.stages.base import RunState
-from compressor.run.stages.contract import Stage
-from compressor.run.stages.order import BUILTIN_STAGES
+from compressor.stages import order
+from compressor.stages.base import RunState
+from compressor.stages.contract import Stage
+from compressor.stages.order import BUILTIN_STAGES
 
 RUN = Path(compressor.run.runner.__file__).parent
 

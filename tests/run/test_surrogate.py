@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compressor.data.batches import Batch
-from compressor.engine.calibration import SecondMoment, capture_layer_inputs
-from compressor.engine.fisher import estimate_fisher, site_activations
-from compressor.errors import UserError
-from compressor.models.families import family_for
-from compressor.models.sites import site_ids
-from compressor.recipe.schema import load_recipe
-from compressor.recipe.sections.sensitivity import SensitivityOptions
-from compressor.run.surrogate import (
+from compressor.commands.surrogate import (
     JSON_FILE,
     PLOT_FILE,
     SurrogateResult,
@@ -27,6 +19,14 @@ from compressor.run.surrogate import (
     rank_correlation,
     surrogate_check,
 )
+from compressor.data.batches import Batch
+from compressor.engine.calibration import SecondMoment, capture_layer_inputs
+from compressor.engine.fisher import estimate_fisher, site_activations
+from compressor.errors import UserError
+from compressor.models.families import family_for
+from compressor.models.sites import site_ids
+from compressor.recipe.schema import load_recipe
+from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import random_batches, tiny_model
 from tests.run.test_cli import write_recipe

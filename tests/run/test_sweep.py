@@ -275,7 +275,7 @@ def test_results_of_a_grid_over_the_evaluation_carry_its_warning(tmp_path: Path)
     and settings under a grid key are not repeated as dotted columns of their own."""
     from types import SimpleNamespace
 
-    from compressor.run.sweep import Point, Sweep, results, warnings, write_results
+    from compressor.commands.sweep import Point, Sweep, results, warnings, write_results
 
     points = []
     for name, samples, ppl, windows in (("000", 64, 30.167, 8), ("001", 256, 20.314, 16)):

@@ -1,4 +1,4 @@
-"""CPU threads (`run.threads`, issue 50): the count is the affinity mask capped by a cgroup CPU
+"""CPU threads (`runtime.threads`, issue 50): the count is the affinity mask capped by a cgroup CPU
 quota (v2 and v1 files, read from a fake mount), less the CPUs other work keeps busy (sampled by a
 fresh command-line process only), shared among the machine's ranks; a recipe's `threads`,
 `--threads` or `OMP_NUM_THREADS` replaces it, torch runs with it, and the report and the dry run
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compressor.cli import main
-from compressor.run.threads import (
+from compressor.runtime.threads import (
     available_cpus,
     busy_jiffies,
     cgroup_cpus,
@@ -67,7 +67,7 @@ def test_the_available_cpus_are_the_affinity_capped_by_the_quota(tmp_path: Path)
 
 
 def test_use_threads_sets_torch_and_leaves_the_cpus_other_work_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 4)
+    monkeypatch.setattr("compressor.runtime.threads.available_cpus", lambda: 4)
     assert use_threads(3) == (3, None) and torch.get_num_threads() == 3
     assert use_threads(None) == (4, None) and torch.get_num_threads() == 4
     assert use_threads(None, processes=64) == (1, None)
@@ -82,8 +82,8 @@ def test_use_threads_sets_torch_and_leaves_the_cpus_other_work_holds(monkeypatch
 
 
 def test_the_command_line_honours_omp_num_threads_and_torchrun_s_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 8)
-    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: None)
+    monkeypatch.setattr("compressor.runtime.threads.available_cpus", lambda: 8)
+    monkeypatch.setattr("compressor.runtime.threads.others_busy", lambda: None)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert command_threads(None) == (8, None) and command_threads(3) == (3, None)
@@ -96,8 +96,8 @@ def test_the_command_line_honours_omp_num_threads_and_torchrun_s_local_ranks(mon
 def test_the_dry_run_plans_the_count_a_run_would_set_without_setting_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """`planned_threads`: the recipe's, OMP_NUM_THREADS, or the CPUs less those other work keeps
     busy, shared among torchrun's local ranks, each named; torch's own count is left alone."""
-    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 8)
-    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: 3.0)
+    monkeypatch.setattr("compressor.runtime.threads.available_cpus", lambda: 8)
+    monkeypatch.setattr("compressor.runtime.threads.others_busy", lambda: 3.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     torch.set_num_threads(2)
@@ -128,16 +128,16 @@ def test_only_a_fresh_process_without_a_quota_measures_other_work(
 ) -> None:
     age = process_age()
     assert age is not None and age > 0
-    monkeypatch.setattr("compressor.run.threads.process_age", lambda: 5.0)
+    monkeypatch.setattr("compressor.runtime.threads.process_age", lambda: 5.0)
     samples = iter([STAT.format(busy0=0, idle0=0, busy1=0, idle1=0), STAT.format(busy0=20, idle0=0, busy1=1, idle1=19)])
-    monkeypatch.setattr("compressor.run.threads.time.sleep", lambda _: None)
-    monkeypatch.setattr("compressor.run.threads.os.sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr("compressor.runtime.threads.time.sleep", lambda _: None)
+    monkeypatch.setattr("compressor.runtime.threads.os.sched_getaffinity", lambda _: {0, 1})
     monkeypatch.setattr(Path, "read_text", lambda self: next(samples) if str(self) == "/proc/stat" else "")
     assert others_busy(tmp_path) == pytest.approx(2 * 21 / 40)  # one CPU held, the other idle
     monkeypatch.undo()
-    monkeypatch.setattr("compressor.run.threads.process_age", lambda: 600.0)  # a test session: its own load
+    monkeypatch.setattr("compressor.runtime.threads.process_age", lambda: 600.0)  # a test session: its own load
     assert others_busy(tmp_path) is None
-    monkeypatch.setattr("compressor.run.threads.process_age", lambda: 5.0)
+    monkeypatch.setattr("compressor.runtime.threads.process_age", lambda: 5.0)
     assert others_busy(_cgroup(tmp_path / "quota", {"cpu.max": "200000 100000"})) is None
 
 
@@ -161,8 +161,8 @@ def test_a_run_uses_the_threads_it_is_told_and_says_so(
 def test_a_fresh_cli_run_on_a_busy_machine_runs_on_fewer_threads_and_says_why(
     tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("compressor.run.threads.available_cpus", lambda: 2)
-    monkeypatch.setattr("compressor.run.threads.others_busy", lambda: 1.1)
+    monkeypatch.setattr("compressor.runtime.threads.available_cpus", lambda: 2)
+    monkeypatch.setattr("compressor.runtime.threads.others_busy", lambda: 1.1)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     recipe = write_recipe(tmp_path, tiny_checkpoint, evaluation=None)
     assert main(["run", str(recipe)]) == 0

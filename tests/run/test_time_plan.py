@@ -1,5 +1,5 @@
 """The time plan (issue 50, item 4): `--dry-run` and `compress run` say about how long each phase
-will take, from unit costs timed on one layer (`run.timing`), and the run says what it took
+will take, from unit costs timed on one layer (`plan.timing`), and the run says what it took
 against it. What is tested is what the estimate counts, with the unit costs fixed by hand so that
 no clock decides: the work each phase scales with, the split choice's candidates as it measures
 them, phases inside the choice not counted twice, and a stage that gives no estimate named."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from compressor.cli import main
+from compressor.plan.checks import plan
+from compressor.plan.timing import time_plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.checks import plan
-from compressor.run.costs import UnitCosts
-from compressor.run.stages.contract import Stage
-from compressor.run.timing import time_plan
+from compressor.stages.contract import Stage
+from compressor.stages.costs import UnitCosts
 from compressor.strategies.registry import PluginRegistry
 from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
@@ -134,7 +134,7 @@ def test_a_strategy_that_refuses_a_synthetic_site_is_named_as_not_timed(
     def refuse(*_: object) -> None:
         raise ValueError("needs real statistics")
 
-    from compressor.run import timing
+    from compressor.plan import timing
 
     monkeypatch.setattr(PCA, "select", refuse)
     monkeypatch.setattr(timing, "_MEASURED", {})  # measured afresh, not remembered from another test
@@ -147,7 +147,7 @@ def test_a_strategy_that_refuses_a_synthetic_site_is_named_as_not_timed(
 
 def test_the_unit_costs_are_measured_once_per_shape_and_settings(checkpoint: Path, tmp_path: Path) -> None:
     """A sweep's runs (or a suite's) of one shape measure once; another pipeline measures again."""
-    from compressor.run import timing
+    from compressor.plan import timing
 
     registry = PluginRegistry()
     recipe = load_recipe(write_recipe(tmp_path, checkpoint, evaluation=None), registry)
@@ -163,7 +163,7 @@ def test_a_strategy_s_long_work_is_extrapolated_from_its_progress_not_waited_for
 ) -> None:
     """`sensitivity.refine: 1000000` (a million more eigendecompositions per site) is watched for
     `STRATEGY_SECONDS` and its time extrapolated from the share it reported done."""
-    from compressor.run import timing
+    from compressor.plan import timing
 
     monkeypatch.setattr(timing, "STRATEGY_SECONDS", 0.2)
     registry = PluginRegistry()
@@ -182,7 +182,7 @@ def test_a_layer_too_large_to_build_is_costed_by_its_multiply_adds(monkeypatch: 
     from transformers import LlamaConfig
 
     from compressor.models.families import family_for
-    from compressor.run import timing
+    from compressor.plan import timing
 
     def refuse(*_: object) -> None:
         raise AssertionError("the layer was built")

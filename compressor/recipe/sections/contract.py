@@ -1,6 +1,6 @@
 """What a recipe section is: its key, its options class and the checks past types and ranges.
 
-A section is the recipe-side half of a run's stage (`run.stages`): the stage declares the section
+A section is the recipe-side half of a run's stage (`stages`): the stage declares the section
 it reads, and the section says what a valid one is. Each built-in section lives in its own module
 here, beside its options class (the code below `run/` that reads the options imports them from
 there); `recipe.schema` assembles the recipe from them (`order.BUILTIN_SECTIONS`), and a plugin

@@ -20,7 +20,7 @@ class DepthSpec:
     model (`compressor.engine.depth`); the model without them is what the rest of the run prunes,
     and it saves as the original class with fewer layers. The residual width (and the MLP's, with
     `mlp`) then takes what the budget leaves. Without `removed` the count is a candidate axis of
-    the split choice (`run.split_choice`): every block kept, then up to `max_removed` blocks."""
+    the split choice (`stages.split_choice`): every block kept, then up to `max_removed` blocks."""
 
     removed: Annotated[StrictInt, described("decoder blocks removed", ge=1)] | None = None
     """How many blocks go (at least one block stays; the plan refuses more). None: the run chooses

@@ -138,7 +138,7 @@ def check_distillation(
 ) -> DistillationSpec:
     """Its data completed from the calibration's (dataset, format, fields, seq_len) and not the
     evaluation's; no trainer key that the section sets itself. (Target modules and the other
-    trainer keys are checked against the model and transformers in `run.checks.plan`.)"""
+    trainer keys are checked against the model and transformers in `plan.checks.plan`.)"""
     dataset = check_dataset(spec.dataset, "distillation", base) if spec.dataset is not None else None
     if evaluation is not None and (dataset or calibration.dataset) == evaluation.dataset:
         where = "distillation.dataset" if dataset is not None else "the calibration dataset (distillation's default)"

@@ -21,7 +21,7 @@ class ExpertsSpec:
     (`compressor.engine.experts`); the router loses the others' rows and each token re-picks its
     top-k among the rest. The residual width then takes what the budget leaves. Without `kept` the
     run measures `candidates` expert counts, each with the residual width (and, with `mlp` but no
-    `mlp.kept`, the experts' width) the budget leaves it, and keeps the best (`run.split_choice`)."""
+    `mlp.kept`, the experts' width) the budget leaves it, and keeps the best (`stages.split_choice`)."""
 
     kept: Annotated[StrictInt, described("routed experts every MoE layer keeps", ge=1)] | None = None
     """Experts kept per layer: at least the experts each token uses (num_experts_per_tok); None:

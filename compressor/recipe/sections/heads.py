@@ -29,7 +29,7 @@ class HeadsSpec:
     """Query heads every attention layer keeps, a multiple of the KV heads in grouped-query attention
     (every KV group keeps as many), or that fraction of them rounded down to such a multiple. In
     multi-head attention a KV head goes with its query head. None: the run chooses the count with
-    the split of the budget (`run.split_choice`), every head kept among the candidates."""
+    the split of the budget (`stages.split_choice`), every head kept among the candidates."""
     min_kept: Annotated[Number, described("the candidate counts keep at least this share of the heads", gt=0, lt=1)] = (
         0.5
     )

@@ -36,7 +36,7 @@ class MlpSpec:
     its intermediate neurons, chosen by `selector`, the down projection refitted to what the
     dropped ones wrote; the residual width then takes what the budget leaves. Without `kept` the
     run measures `candidates` splits of the budget (the residual width alone among them) and keeps
-    the best (`compressor.run.split_choice`)."""
+    the best (`compressor.stages.split_choice`)."""
 
     kept: (
         Annotated[Number, described("neurons kept per layer (a whole number), or a fraction of them below 1", gt=0)]
@@ -121,13 +121,13 @@ class MlpSpec:
     choosing then costs about this share of the calibration per split instead of a whole pruning
     each. None: every split is pruned on every window and the chosen one's trial is kept. auto:
     a quarter of `calibration.num_samples` in a global layout of a dense model, where that quarter
-    holds at least 8,192 tokens and 4 per MLP neuron, else None (`run.stages.split.resolved_choice`)."""
+    holds at least 8,192 tokens and 4 per MLP neuron, else None (`stages.split.resolved_choice`)."""
     measure_best: (
         Annotated[StrictInt, described("splits measured: those of lowest predicted KL", ge=1)] | Literal["auto"] | None
     ) = "auto"
     """Without `kept`, in a global layout: before any split is pruned, predict each one's KL from
     second-order estimates (the residual width's from the survey the walk runs anyway, the MLP's
-    from each layer's refit error at the split's width, both weighed by H: `run.stages.split_prediction`),
+    from each layer's refit error at the split's width, both weighed by H: `stages.split_prediction`),
     then prune and measure only this many, those predicted best (as many as `candidates`: every
     split predicted and measured, to check the prediction). None: every split is measured. auto: 2
     where the prediction applies and saves a measurement (a global layout of a dense model, no

@@ -1,0 +1,721 @@
+"""Checks before any work: the recipe against the model's config and family (the sliced layout,
+the budget, the strategies' options, the distillation settings), loading no weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from compressor.engine.allocation import CurveAllocator
+from compressor.engine.pooling import PipelineStep, refuse_without_h, required_statistics
+from compressor.engine.streaming import cannot_stream
+from compressor.errors import UserError
+from compressor.models.decilm import decilm_refusal
+from compressor.models.families import family_for
+from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
+from compressor.models.mlp_only import kept_stream, mlp_only_layout
+from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts, stream_layout
+from compressor.models.towers import TextTower, text_config, tower_for
+from compressor.recipe.schema import Recipe
+from compressor.reports.report import budget_label
+from compressor.runtime.loading import load_config
+from compressor.stages.contract import Stage
+from compressor.stages.exporters import Exporter, model_exporter
+from compressor.stages.order import BUILTIN_STAGES, run_order
+from compressor.stages.split import fixing_keys, open_sections, resolved_choice
+from compressor.strategies.block_contract import BlockSelector
+from compressor.strategies.expert_contract import ExpertSelector
+from compressor.strategies.head_contract import HeadSelector
+from compressor.strategies.neuron_contract import NeuronSelector
+from compressor.strategies.registry import PluginRegistry
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run decides from the recipe and the model's config alone (no weights): the
+    sliced layout (`compressor.models.layout`), the strategies and the allocator."""
+
+    layout: SlicedLayout
+    pipeline: list[PipelineStep]
+    allocator: CurveAllocator | None = None
+    selector: NeuronSelector | None = None
+    """`mlp`'s neuron selector (None without `mlp`)."""
+    warnings: tuple[str, ...] = ()
+    """What a run goes on with but its user should know (`budget_warnings`)."""
+    splits: tuple[SlicedLayout, ...] = ()
+    """`mlp` without `kept`: the splits of the budget the run measures (`models.split`), the
+    residual width alone first (`layout`, until the run has chosen)."""
+    tower: TextTower | None = None
+    """A vision-language checkpoint: the text tower the run prunes (`models.towers`)."""
+    expert_selector: ExpertSelector | None = None
+    """`experts`' selector (None without `experts`)."""
+    stages: tuple[Stage, ...] = BUILTIN_STAGES
+    """The run's stages in order, a plugin's among them (`stages.run_order`)."""
+    block_selector: BlockSelector | None = None
+    """`depth`'s selector (None without `depth`)."""
+    head_selector: HeadSelector | None = None
+    """`heads`' selector (None without `heads`)."""
+    removed_blocks: tuple[int, ...] = ()
+    """The decoder blocks the layout is without (`depth`): until the depth stage chooses, the last
+    `depth.removed` of them, which the stage's choice replaces (`replan`)."""
+    families: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The registered families by model_type, for `replan`."""
+    decode_budgets: dict[str, dict[int | None, float]] | None = None
+    """`target_decode`: the parameter budget (a fraction of the original's) of each candidate, by its
+    group (`group_key`) and its place in the group, found by timing models of their shapes
+    (`plan.decode_budget`); None: the recipe's."""
+    measure_best: int | None = None
+    """`mlp.measure_best` decided (`auto` resolved by `stages.split.resolved_choice`): how many
+    splits, those predicted best, are measured; None: every split, unpredicted."""
+    screen_windows: int | None = None
+    """`mlp.screen_windows` decided likewise: the calibration windows each split is pruned on while
+    choosing; None: every window (the chosen trial kept)."""
+    exporter: Exporter | None = None
+    """What the run saves its model as (`stages.exporters.model_exporter`), chosen with the layout."""
+
+    @property
+    def chooses_split(self) -> bool:
+        """The run measures splits and keeps one (a single split, the residual width alone, is no choice)."""
+        return len(self.splits) > 1
+
+    @property
+    def may_choose_split(self) -> bool:
+        """`chooses_split` now, or once `depth` has chosen its blocks: blocks of different sizes (dense
+        and MoE, two kinds of attention) may leave the plan made again more than one split."""
+        return self.chooses_split or (bool(self.removed_blocks) and bool(self.splits))
+
+    def replanned(
+        self, recipe: Recipe, removed: tuple[int, ...], removed_sets: Sequence[tuple[int, ...]] | None = None
+    ) -> Plan:
+        """This plan for the model without the blocks `removed` (`replan`): what the depth stage asks of
+        the plan it was handed, without importing the module that imports the stages."""
+        return replan(recipe, self, removed, removed_sets)
+
+
+def check_device_settings(
+    recipe: Recipe, device: torch.device, save_model: bool = True, stages: tuple[Stage, ...] = BUILTIN_STAGES
+) -> None:
+    """What the recipe's stages ask of the device it runs on and of what it keeps (`Stage.check_device`),
+    checked by the run and its dry run alike (the dry run said "recipe OK" to a float16 distillation
+    on a CPU, which the run then refused). `save_model=False`: a sweep that keeps only the bases."""
+    for stage in stages:
+        if stage.wanted(recipe):
+            stage.check_device(recipe, device, save_model)
+
+
+def launched_processes() -> int:
+    """The processes `torchrun` launched this run in (its WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_attention(recipe: Recipe, config: PretrainedConfig) -> None:
+    """The recipe's attention kernel is one the model's class has (Gemma 2 has no sdpa attention
+    in transformers 5): refused here, in one line, rather than by transformers at loading."""
+    if recipe.model.attn_implementation != "sdpa":
+        return
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        raise UserError(
+            f"model.attn_implementation: sdpa: {model_class.__name__} has no sdpa attention in this "
+            f"transformers; set model.attn_implementation: eager"
+        )
+
+
+def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | None = None) -> Plan:
+    """Read the model's config and check family, layout, widths and strategy options; load no weights.
+    `decode_budgets`: with `target_decode`, each candidate's parameter budget as the decode search
+    found it (`plan.decode_budget`); without them such a plan is its ceiling (`target_params` or
+    every parameter), what the search starts from and what a sweep checks."""
+    config = load_config(recipe.model)
+    tower = tower_for(config)
+    if tower is not None:
+        check_tower(recipe, config, tower)
+        config = text_config(config)
+    families = {model_type: entry.item for model_type, entry in registry.families().items()}
+    family = family_for(config.model_type, families)
+    reason = family.refuse(config) if family.refuse is not None else None
+    if reason:
+        raise UserError(reason)
+    check_attention(recipe, config)
+    check_positions(recipe, config)
+    if recipe.model.load == "stream" and (reason := cannot_stream(family)) is not None:
+        raise UserError(reason)
+    removed = planned_blocks(recipe, config)
+    layout, splits = _layout(recipe, config, family, families, tower, removed, budgets=decode_budgets)
+    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
+    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
+    estimates_h = (
+        recipe.slicing.layout == "heterogeneous" and recipe.mlp is not None and recipe.mlp.allocate_by == "fisher"
+    )
+    if selector is not None and "H" in selector.requires and not layout.residual and not estimates_h:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
+            f"residual stream (this {recipe.slicing.layout} {config.model_type}) does not estimate; choose another selector"
+        )
+    if layout.residual:
+        refuse_without_h("mlp.selector", selector, pipeline)
+    stages = run_order(registry.stages())
+    expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
+    block_selector = registry.block_selector(recipe.depth.selector) if recipe.depth is not None else None
+    head_selector = registry.head_selector(recipe.heads.selector) if recipe.heads is not None else None
+    checked = Plan(
+        layout,
+        pipeline,
+        allocator,
+        selector,
+        splits=splits,
+        tower=tower,
+        stages=stages,
+        expert_selector=expert_selector,
+        block_selector=block_selector,
+        head_selector=head_selector,
+        removed_blocks=removed,
+        families=families,
+        decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
+        exporter=model_exporter(recipe, layout, tower),
+    )
+    checked = resolved_choice(recipe, checked)
+    world = launched_processes()
+    for stage in stages:  # each stage's own preconditions, against the plan and the launch
+        if not stage.wanted(recipe):
+            continue
+        if world > 1 and stage not in BUILTIN_STAGES:  # the ranks above 0 follow the built-in stages only
+            raise UserError(
+                f"plugin stage '{stage.name}' runs in one process: remove {stage.section or stage.name} "
+                f"from the recipe, or launch one process"
+            )
+        stage.check_plan(recipe, checked, world)
+    return dataclasses.replace(checked, warnings=tuple(budget_warnings(recipe, checked)))
+
+
+def planned_blocks(recipe: Recipe, config: PretrainedConfig) -> tuple[int, ...]:
+    """The blocks the plan counts as removed before the depth stage has chosen: the last
+    `depth.removed` (the count is what the budget needs; the stage replans with its choice, which
+    for a model whose blocks differ in size may move the widths). Refused when none would stay."""
+    if recipe.depth is None or recipe.depth.removed is None:  # open: each candidate's own (`_splits`)
+        return ()
+    layers = int(config.num_hidden_layers)
+    if recipe.depth.removed >= layers:
+        raise UserError(
+            f"depth.removed {recipe.depth.removed} removes every one of the model's {layers} blocks; "
+            f"remove at most {layers - 1}"
+        )
+    return tuple(range(layers - recipe.depth.removed, layers))
+
+
+def replan(
+    recipe: Recipe, checked: Plan, removed: tuple[int, ...], removed_sets: Sequence[tuple[int, ...]] | None = None
+) -> Plan:
+    """`checked` for the model without the blocks `removed` (the depth stage's choice): the same
+    recipe's layout, splits and allocator on that model's config, the budget still the original's.
+    `removed_sets`: `depth` without `removed`, the blocks each candidate count removes (the stage's
+    choice for each; the first none), each with its splits."""
+    layout, splits = _relayout(recipe, checked, removed, removed_sets, checked.decode_budgets)
+    allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
+    replanned = dataclasses.replace(checked, layout=layout, splits=splits, allocator=allocator, removed_blocks=removed)
+    return resolved_choice(recipe, replanned)  # the splits may be others now
+
+
+def plan_config(recipe: Recipe, checked: Plan) -> PretrainedConfig:
+    """The config `checked` was made on: the model's, or its text tower's."""
+    config = load_config(recipe.model)
+    return config if checked.tower is None else text_config(config)
+
+
+def _relayout(
+    recipe: Recipe,
+    checked: Plan,
+    removed: tuple[int, ...],
+    removed_sets: Sequence[tuple[int, ...]] | None = None,
+    budgets: Budgets | None = None,
+    only: str | None = None,
+) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
+    """`_layout` for the model `checked` was made on."""
+    config = plan_config(recipe, checked)
+    family, families, tower = checked.layout.family, checked.families, checked.tower
+    return _layout(recipe, config, family, families, tower, removed, removed_sets, budgets=budgets, only=only)
+
+
+def _layout(
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    families: dict[str, Any],
+    tower: TextTower | None,
+    removed: tuple[int, ...] = (),
+    removed_sets: Sequence[tuple[int, ...]] | None = None,
+    budgets: Budgets | None = None,
+    only: str | None = None,
+) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
+    """The run's layout from the recipe and the config, and the splits of the budget it measures
+    (`mlp` without `kept`; else none): the MLP alone where the family keeps its stream whole;
+    without the decoder blocks `removed` (`depth`), or, with `depth` open, each candidate without
+    its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count).
+    `budgets`: `target_decode`'s parameter budget of each candidate, by group (`group_key`) and place
+    in it; `only`: that group's candidates alone (the decode search's probes)."""
+    slicing = recipe.slicing
+    options = dict(
+        layout=slicing.layout,
+        slice_head=slicing.slice_head,
+        tie_head=slicing.tie_head,
+        shared_bases=slicing.shared_bases,
+        round_to=slicing.round_to,
+        sparsity=recipe.sparsity,
+        target_params=recipe.target_params,
+        target_active_params=recipe.target_active_params,
+        allocated=recipe.allocation.method == "curves",
+        experts=recipe.experts.kept if recipe.experts is not None else None,
+        shared_kept=recipe.mlp.shared_kept if recipe.mlp is not None else None,
+        counts=recipe.budget,
+        removed_blocks=removed,
+        heads=recipe.heads.kept if recipe.heads is not None else None,
+    )
+    mlp = recipe.mlp
+    splits: tuple[SlicedLayout, ...] = ()
+    reason = kept_stream(family, slicing.layout, tower)
+    if reason is not None:
+        _refuse_beside_a_kept_stream(recipe, config, reason)
+    if recipe.target_active_params is not None and recipe.allocation.method == "curves":
+        raise UserError(
+            "target_active_params: allocation.method curves allocates widths under target_params alone; "
+            "give target_params, or remove allocation"
+        )
+    if slicing.layout == "heterogeneous":
+        refusal = decilm_refusal(config)
+        if refusal is not None:
+            raise UserError(f"slicing.layout: heterogeneous saves DeciLM: {refusal}; use slicing.layout: global")
+    if reason is not None:
+        layout = mlp_only_layout(
+            config,
+            family,
+            reason,
+            pruned_mlp=mlp is not None,
+            sparsity=recipe.sparsity,
+            target_params=_only_target(group_targets(recipe, budgets, group_key((), None, None))),
+            mlp_kept=mlp.kept if mlp is not None else None,
+            mlp_round_to=mlp.round_to if mlp is not None else 1,
+            min_kept=mlp.min_kept if mlp is not None else 0.0,
+            counts=recipe.budget,
+            layout=slicing.layout,
+        )
+        check_mlp_alone(recipe, layout)
+    elif open_sections(recipe):
+        if removed_sets is None:
+            removed_sets = planned_block_sets(recipe, config) or (removed,)
+        splits = _splits(recipe, config, family, families, options, removed_sets, budgets, only)
+        layout = splits[0]
+    else:
+        key = group_key(removed, options["experts"], options["heads"])
+        layout = sliced_layout(
+            config,
+            family,
+            families.values(),
+            mlp_kept=mlp.kept if mlp is not None else None,
+            mlp_round_to=mlp.round_to if mlp is not None else 1,
+            **{**options, "target_params": _only_target(group_targets(recipe, budgets, key))},
+        )
+    return layout, splits
+
+
+def group_key(blocks: Sequence[int], experts: int | None, heads: float | None) -> str:
+    """One combination of the counts a candidate fixes (decoder blocks removed, routed experts,
+    query heads), named: the candidates that share it differ only in how they split one parameter
+    budget between the residual width and the MLP's, so a `target_decode` budget is found per group."""
+    parts = [f"{len(blocks)} blocks removed" if blocks else "every block"]
+    if experts is not None:
+        parts.append(f"{experts} experts")
+    if heads is not None:
+        parts.append(f"heads {heads:g}")
+    return ", ".join(parts)
+
+
+Budgets = Mapping[str, Mapping[int | None, float]]
+"""`target_decode`'s budgets: each candidate's `target_params`, by group (`group_key`) and its place
+among the group's splits at that budget (a place or a group the target leaves no width is absent;
+None: every split at that budget, the search's probe)."""
+
+
+def group_targets(recipe: Recipe, budgets: Budgets | None, key: str) -> dict[int | None, float | None]:
+    """The `target_params` a candidate group is planned at, by place: the recipe's for the whole group
+    (None: every split); with `target_decode` each candidate's decode budget, or before the search has
+    found them the ceiling it starts from."""
+    if recipe.target_decode is None:
+        return {None: recipe.target_params}
+    if budgets is None:
+        return {None: recipe.target_params or 1.0}
+    return dict(budgets.get(key, {}))
+
+
+def _only_target(targets: dict[int | None, float | None]) -> float | None:
+    """The one target of a group that has one candidate."""
+    assert len(targets) == 1, "a group without splits has one candidate"
+    return next(iter(targets.values()))
+
+
+def candidate_places(recipe: Recipe) -> int:
+    """How many candidates a group may hold: the MLP's splits (`mlp.candidates`), or one."""
+    return recipe.mlp.candidates if recipe.mlp is not None and recipe.mlp.kept is None else 1
+
+
+def candidate_groups(recipe: Recipe, checked: Plan) -> list[str]:
+    """The candidate groups (`group_key`) of a plan: each combination of removed-block count, expert
+    count and head count the run may measure (one where none is open)."""
+    config = plan_config(recipe, checked)
+    family = checked.layout.family
+    if kept_stream(family, recipe.slicing.layout, checked.tower) is not None:
+        return [group_key((), None, None)]
+    if not open_sections(recipe):
+        experts = recipe.experts.kept if recipe.experts is not None else None
+        heads = recipe.heads.kept if recipe.heads is not None else None
+        return [group_key(checked.removed_blocks, experts, heads)]
+    removed_sets = planned_block_sets(recipe, config) or (checked.removed_blocks,)
+    keys = [group_key(*combination) for combination in _combinations(recipe, config, family, removed_sets)]
+    return list(dict.fromkeys(keys))
+
+
+def group_layouts(recipe: Recipe, checked: Plan, key: str, target_params: float) -> list[SlicedLayout]:
+    """The candidates of group `key` all at `target_params` (the decode search's probe); refused in
+    one line where the budget leaves them no width."""
+    layout, splits = _relayout(recipe, checked, checked.removed_blocks, budgets={key: {None: target_params}}, only=key)
+    return list(splits) or [layout]
+
+
+def _refuse_beside_a_kept_stream(recipe: Recipe, config: PretrainedConfig, reason: str) -> None:
+    """What a layout that keeps the stream whole (`models.mlp_only`) does not run with yet, in one line."""
+    if recipe.experts is not None:
+        raise UserError(
+            f"experts: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), which "
+            f"expert pruning does not run with yet; set slicing.layout: per_site"
+        )
+    if recipe.depth is not None:
+        raise UserError(
+            f"depth: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where blocks are "
+            f"not removed yet; set slicing.layout: per_site, or remove depth"
+        )
+    if recipe.heads is not None:
+        raise UserError(
+            f"heads: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where heads "
+            f"are not pruned yet; set slicing.layout: per_site, or remove heads"
+        )
+    if recipe.mlp is not None and recipe.mlp.shared_kept is not None:
+        raise UserError(
+            f"mlp.shared_kept: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), where "
+            f"shared experts are not pruned yet; set slicing.layout: per_site, or remove mlp.shared_kept"
+        )
+    if recipe.target_active_params is not None:
+        raise UserError(
+            f"target_active_params: a {recipe.slicing.layout} {config.model_type} keeps its stream whole ({reason}), "
+            f"where only target_params is counted yet; give target_params, or set slicing.layout: per_site"
+        )
+    if recipe.slicing.kept not in (None, config.hidden_size):
+        raise UserError(
+            f"slicing.kept {recipe.slicing.kept}: a {recipe.slicing.layout} {config.model_type} keeps its stream "
+            f"whole ({reason}), {config.hidden_size} wide; remove slicing.kept, or set slicing.layout: per_site"
+        )
+
+
+def planned_block_sets(recipe: Recipe, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
+    """The blocks each candidate removes before the depth stage has chosen them, with `depth` open:
+    the last blocks of each count `models.split.depth_counts` spaces (none first); else none."""
+    spec = recipe.depth
+    if spec is None or spec.removed is not None:
+        return ()
+    layers = int(config.num_hidden_layers)
+    return tuple(
+        tuple(range(layers - count, layers)) for count in depth_counts(layers, spec.max_removed, spec.candidates)
+    )
+
+
+def _splits(
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    families: dict[str, Any],
+    options: dict[str, Any],
+    removed_sets: Sequence[tuple[int, ...]],
+    budgets: Budgets | None = None,
+    only: str | None = None,
+) -> tuple[SlicedLayout, ...]:
+    """The candidates the run measures when `mlp`, `experts`, `heads` or `depth` leaves its count
+    open: for each set of removed blocks (`removed_sets`: the one the plan has, or with `depth` open
+    each candidate count's), each expert count (`experts.kept`, or the counts
+    `models.split.expert_counts` spaces) and each head count (`heads.kept`, or
+    `models.split.head_counts`), the MLP's splits of the budget (`mlp` without `kept`) or the one
+    layout its fixed width leaves; every block, expert and head kept first (None), so the first
+    candidate prunes the residual width alone (or with the fixed MLP). `budgets` and `only`: as `_layout`'s."""
+    mlp = recipe.mlp
+    if recipe.allocation.method == "curves":
+        keys = fixing_keys(recipe)
+        raise UserError(
+            f"without {keys} the run chooses the split of the budget at uniform widths, but allocation.method "
+            f"curves chooses widths per site; fix {keys}, or remove allocation"
+        )
+    splits: list[SlicedLayout] = []
+    refusal: UserError | None = None
+    for blocks, count, head_count in _combinations(recipe, config, family, removed_sets, options["heads"]):
+        key = group_key(blocks, count, head_count)
+        if only is not None and key != only:
+            continue
+        targets = group_targets(recipe, budgets, key)
+        for place, target in targets.items():  # one target for the group, or (target_decode) one each
+            fixed = {
+                **options,
+                "experts": count,
+                "heads": head_count,
+                "removed_blocks": blocks,
+                "target_params": target,
+            }
+            try:
+                if mlp is not None and mlp.kept is None and recipe.slicing.kept is not None:
+                    stream = recipe.slicing.kept
+                    layouts = [
+                        stream_layout(config, family, families.values(), stream, mlp_round_to=mlp.round_to, **fixed)
+                    ]
+                elif mlp is not None and mlp.kept is None:
+                    layouts = split_layouts(
+                        config,
+                        family,
+                        families.values(),
+                        min_kept=mlp.min_kept,
+                        candidates=mlp.candidates,
+                        mlp_round_to=mlp.round_to,
+                        **fixed,
+                    )
+                else:
+                    mlp_kept = mlp.kept if mlp is not None else None
+                    layouts = [
+                        sliced_layout(
+                            config,
+                            family,
+                            families.values(),
+                            mlp_kept=mlp_kept,
+                            mlp_round_to=mlp.round_to if mlp is not None else 1,
+                            **fixed,
+                        )
+                    ]
+            except UserError as error:  # this count cannot meet the budget at any width: the others may
+                refusal = error  # the last, the fewest experts: the most reachable, what a refusal names
+                continue
+            splits += layouts if place is None else layouts[place : place + 1]
+    if not splits:
+        assert refusal is not None
+        raise refusal
+    return tuple(splits)
+
+
+def _combinations(
+    recipe: Recipe,
+    config: PretrainedConfig,
+    family: Any,
+    removed_sets: Sequence[tuple[int, ...]],
+    fixed_heads: float | None = None,
+) -> list[tuple[tuple[int, ...], int | None, float | None]]:
+    """Each (removed blocks, expert count, head count) the candidates of an open choice combine,
+    every expert and head kept first (None)."""
+    experts = recipe.experts
+    counts: list[int | None] = [None]
+    if (
+        experts is not None
+        and experts.kept is None
+        and recipe.target_params is None
+        and recipe.sparsity is None
+        and recipe.target_decode is None
+    ):
+        raise UserError(
+            "experts: with target_active_params alone the run has no expert count to choose: removing experts "
+            "frees memory but none of a token's parameters except router rows, and only those are counted; "
+            "fix experts.kept, or add target_params"
+        )
+    if experts is not None and experts.kept is not None:
+        counts = [experts.kept]
+    elif experts is not None:
+        total = expert_count(config, family)
+        top_k = int(getattr(config, family.experts_per_token, None) or total)
+        counts = [
+            None if count == total else count
+            for count in expert_counts(total, top_k, experts.min_kept, experts.candidates)
+        ]
+    heads: list[float | None] = [recipe.heads.kept if recipe.heads is not None else fixed_heads]
+    if recipe.heads is not None and recipe.heads.kept is None:
+        spec = recipe.heads
+        heads = [*head_counts(config, family, spec.min_kept, spec.candidates)]
+    return list(itertools.product(removed_sets, counts, heads))
+
+
+WIDE_LOSS = 0.5
+"""Keeping less than this share of the hidden width (or of the parameters) warns: past it,
+pruning the residual stream alone costs a large part of the model's quality."""
+
+
+def budget_warnings(recipe: Recipe, checked: Plan) -> list[str]:
+    """A budget that keeps under half the width runs, with a warning that names what it keeps; an
+    `mlp` whose budget leaves no split but the residual width alone, with one that says so."""
+    warnings = []
+    if not checked.layout.residual:
+        warnings.append(
+            f"slicing.layout: {recipe.slicing.layout} keeps a {checked.layout.config.model_type} model's residual "
+            f"stream whole "
+            f"and prunes its MLPs alone, so the pipeline's strategies "
+            f"({' + '.join(step.strategy for step in recipe.pipeline)}), which choose residual bases, do not run"
+        )
+    open_experts = "experts" in open_sections(recipe)
+    if open_experts and checked.layout.residual and checked.splits and checked.splits[0].experts is not None:
+        warnings.append(
+            "experts: no width meets the budget with every expert kept, so the run measures fewer experts only "
+            "(the residual width alone is not among the candidates)"
+        )
+    if open_experts and len({split.experts for split in checked.splits}) == 1:
+        warnings.append(
+            "experts: the budget leaves one expert count to measure, so the run does not choose it; lower "
+            "experts.min_kept or raise the target to give it more"
+        )
+    one_split = len(checked.splits) == 1 and "mlp" in open_sections(recipe) and recipe.slicing.kept is None
+    besides = "" if checked.layout.shared_width is None else " (and the shared experts' fixed width)"
+    if one_split and checked.layout.kept == checked.layout.config.hidden_size:
+        warnings.append(
+            "mlp: the budget keeps the whole residual width, so there is no split to choose and the MLP keeps "
+            f"every neuron{besides and ' but the shared experts narrow'}; to prune the MLP within this budget, "
+            "fix mlp.kept"
+        )
+    elif one_split:
+        warnings.append(
+            "mlp: the budget leaves no wider residual stream whose MLPs keep mlp.min_kept of their neurons, "
+            f"so the run prunes the residual width alone{besides}; lower mlp.min_kept to let the MLP give more"
+        )
+    d = checked.layout.config.hidden_size
+    if checked.layout.kept is not None and checked.layout.kept < WIDE_LOSS * d:
+        what = f"keeps {checked.layout.kept} of {d} dimensions of the residual stream"
+    elif checked.layout.kept is None and checked.layout.budget < WIDE_LOSS * checked.layout.counted.original:
+        what = f"keeps {checked.layout.budget / checked.layout.counted.original:.0%} of the parameters"
+    else:
+        return warnings
+    budget = budget_label(recipe.sparsity, recipe.target_params, recipe.target_active_params)
+    return [
+        *warnings,
+        f"{budget} {what}: expect a large loss of quality (the report's KL and perplexity say how large); "
+        f"consider removing less{_tied_head_advice(recipe, checked)}",
+    ]
+
+
+def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
+    """A per-site layout unties a tied model's head (a second vocabulary × width matrix), which an
+    embedding-heavy model pays for with most of its width: name the width a tied head keeps."""
+    layout = checked.layout
+    if (
+        recipe.slicing.tie_head is not None
+        or layout.one_basis
+        or layout.kept is None
+        or not getattr(layout.config, "tie_word_embeddings", False)
+        or checked.removed_blocks  # its config is the model without them: the budget's reference is not
+    ):
+        return ""
+    try:
+        tied = sliced_layout(
+            layout.config,
+            layout.family,
+            [layout.family],
+            layout=recipe.slicing.layout,
+            tie_head=True,
+            round_to=recipe.slicing.round_to,
+            sparsity=recipe.sparsity,
+            target_params=recipe.target_params,
+            target_active_params=recipe.target_active_params,
+            mlp_kept=layout.mlp_width,
+            shared_kept=layout.shared_width,
+            experts=layout.experts,
+            counts=recipe.budget,
+            heads=layout.heads,
+        )
+    except UserError:  # this family's head cannot stay tied
+        return ""
+    if tied.kept is None or tied.kept <= layout.kept:
+        return ""
+    return (
+        f", or set slicing.tie_head: true (this per-site layout unties the head, a second "
+        f"{layout.config.vocab_size} × width matrix; tied, the budget keeps width {tied.kept})"
+    )
+
+
+def check_mlp_alone(recipe: Recipe, layout: SlicedLayout) -> None:
+    """A layout that keeps the residual stream (`models.mlp_only`) has no bases to refine, allocate
+    or share: those settings are refused rather than silently unused."""
+    name = layout.config.model_type
+    for present, setting in (
+        (recipe.refinement is not None, "refinement"),
+        (recipe.allocation.method == "curves", "allocation.method: curves"),
+        (recipe.slicing.shared_bases, "slicing.shared_bases"),
+    ):
+        if present:
+            raise UserError(
+                f"{setting} moves residual bases, which a stock {name} does not have (its global layout prunes "
+                f"the MLP's width alone); remove {setting}, or set slicing.layout: per_site"
+            )
+
+
+def check_tower(recipe: Recipe, config: PretrainedConfig, tower: TextTower) -> None:
+    """A vision-language checkpoint is saved whole as its own class: a global layout, in memory,
+    with no distillation (its student would be the text model alone)."""
+    name = ", ".join(config.architectures or [config.model_type])
+    if recipe.slicing.layout != "global":
+        raise UserError(
+            f"{name} is a vision-language checkpoint, saved whole as its own class, which holds one residual "
+            f"basis only; set slicing.layout: global"
+        )
+    for present, setting in (
+        (recipe.model.load == "stream", "model.load: stream"),
+        (recipe.distillation is not None, "distillation"),
+    ):
+        if present:
+            raise UserError(f"{name}: a vision-language checkpoint is pruned in memory without {setting}; remove it")
+
+
+def check_positions(recipe: Recipe, config: PretrainedConfig) -> None:
+    """Windows longer than the model's positions would be scored past what it was trained on (its
+    perplexity then means nothing): refused, naming the limit."""
+    positions = getattr(config, "max_position_embeddings", None)
+    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
+        if spec is not None and isinstance(positions, int) and spec.seq_len > positions:
+            raise UserError(
+                f"{where}.seq_len is {spec.seq_len}, beyond the model's {positions} positions "
+                f"(max_position_embeddings); set {where}.seq_len to {positions} or less"
+            )
+
+
+def curve_allocator(recipe: Recipe, layout: SlicedLayout) -> CurveAllocator:
+    """The `curves` allocator for this recipe: widths on the allocation grid, from `min_kept` of
+    the hidden width up to all of it (the last site stays whole unless `slice_head`)."""
+    spec = recipe.allocation
+    params, budget, hidden_size = layout.counted, layout.budget, layout.config.hidden_size
+    step = spec.step or recipe.slicing.round_to
+    low = max(step, math.ceil(spec.min_kept * hidden_size / step) * step)
+    grid = sorted(set(range(low, hidden_size + 1, step)) | {hidden_size})
+    choices = {site: grid for site in params.sites}
+    if not (recipe.slicing.slice_head or layout.tie_head):
+        choices[params.sites[-1]] = [hidden_size]
+    narrowest = params.count({site: min(widths) for site, widths in choices.items()})
+    if narrowest > budget:
+        raise UserError(
+            f"the budget of {budget:,} parameters ({budget / params.original:.1%} of the original) is "
+            f"below the narrowest allocation allowed ({narrowest:,}, every site at "
+            f"allocation.min_kept={spec.min_kept}); lower allocation.min_kept"
+        )
+    return CurveAllocator(
+        params,
+        budget,
+        choices,
+        list(layout.shared),
+        tie_ends=layout.family.head_width_is_embedding_width or layout.tie_head,
+    )

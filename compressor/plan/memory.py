@@ -1,0 +1,595 @@
+"""The memory plan: peak host and device memory of each phase of a run, from the model's config and
+the recipe alone, against the memory of the machine it would run on.
+
+The device side of the walk and the H pass is *measured*: the engine's own code runs one decoder
+layer of the real config, and the head, on fake tensors (`FakeTensorMode`: shapes and dtypes, no
+data, so a 70B layer costs nothing), and `memtrack.LiveBytes` records the peak of live bytes.
+Every layer has the same shapes, so one stands for all. Host and device are both fake CPU tensors
+there, so the batch the walk hands back to the host is counted on the device too: an upper bound.
+Everything else is *computed* from tensor sizes: the weights, the activation store (one copy of the
+calibration stream, two with the MLP refit's feedback), the H pass's stored inputs and gradients,
+H, the bases, the MLP stage's f×f matrices, evaluation's two models, distillation's student,
+gradients, Adam states and teacher. `compress run --dry-run` prints the plan, and a run refuses,
+before it writes anything, a recipe whose peak is above what the machine has.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compressor.errors import UserError
+from compressor.recipe.schema import Recipe
+from compressor.stages.costs import GiB, Phase, size
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The memory a run can have here: host RAM, and the device's when it is an accelerator."""
+
+    host: int
+    device: int | None
+    device_name: str
+
+    def describe(self) -> str:
+        where = f"{size(self.device)} on {self.device_name}" if self.device is not None else "no accelerator"
+        return f"this machine: {size(self.host)} host memory, {where}"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every phase a recipe runs, its peaks, and the model's shape they come from."""
+
+    phases: tuple[Phase, ...]
+    weights: int
+    shape: str
+    base: int = 0
+    """The process before any weight is loaded (interpreter, libraries), counted in every host figure."""
+    streamed: bool = False
+    """The layers are read from their shards when needed: the weights need not fit the host."""
+    notes: tuple[str, ...] = ()
+    """What the plan leaves to others to fit (accelerate's placement), said after the phases."""
+
+    def peak_host(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.host)
+
+    def peak_device(self) -> Phase | None:
+        on_device = [phase for phase in self.phases if phase.device is not None]
+        return max(on_device, key=lambda phase: phase.device or 0) if on_device else None
+
+    def lines(self) -> list[str]:
+        """One line per phase, for a dry run."""
+        return [
+            f"{phase.name}: host {size(phase.host)}"
+            + ("" if phase.device is None else f", device {size(phase.device)}")
+            for phase in self.phases
+        ] + list(self.notes)
+
+    def refusal(self, machine: Machine) -> str | None:
+        """One line naming the phase that does not fit and what to change; None when all fit."""
+        host = self.peak_host()
+        after = "(`compress run --dry-run` prints the plan; --skip-memory-check runs it anyway)"
+        if host.host > machine.host:
+            fix = (
+                host.fix
+                if self.weights < machine.host or self.streamed
+                else "the weights alone do not fit: model.load: stream, or a machine with more memory"
+            )
+            return (
+                f"this run needs about {size(host.host)} of host memory at its peak ({host.name}; the weights "
+                f"are {size(self.weights)}) and this machine has {size(machine.host)}: {fix} {after}"
+            )
+        device = self.peak_device()
+        if device is not None and machine.device is not None and (device.device or 0) > machine.device:
+            return (
+                f"this run needs about {size(device.device or 0)} on {machine.device_name} at its peak "
+                f"({device.name}) and the device has {size(machine.device)}: {device.fix} {after}"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What of a recipe the plan reads (a benchmark builds one without a recipe)."""
+
+    dtype: str = "bfloat16"
+    load: str = "memory"
+    """model.load: memory, or stream (the layer-by-layer passes hold the layers they visit)."""
+    writes: bool = False
+    """A streamed walk writes the sliced model as it goes (`writes_as_it_goes`, decided by
+    `run_memory_plan`): each layer leaves memory once written, and the bases and H are read from
+    the checkpoint when needed."""
+    attn_implementation: str = "sdpa"
+    samples: int = 128
+    seq_len: int = 2048
+    batch: int = 8
+    activations: str = "host"
+    h_dtype: str = "float32"
+    chunk: int = 32
+    recompute: bool | None = None
+    """sensitivity.recompute (None: on an accelerator only)."""
+    mlp_feedback: float | None = None
+    """None: no `mlp` stage."""
+    experts_sample: int | None = None
+    """The tokens an `experts` stage's output-aware selector routes through every expert (counted
+    whatever the selector); None: no `experts` stage."""
+    refinement: bool = False
+    split_choice: bool = False
+    """`mlp` without `kept`: the run measures splits with the whole original beside each trial."""
+    predicts_splits: bool = False
+    """The plan's `measure_best`: every site's C and H held on the host to predict the splits."""
+    depth_windows: int = 0
+    """The held-out windows a measuring `depth` selector runs the whole original on (0: none)."""
+    distillation: tuple[str, str] | None = None
+    """(method, teacher placement), or None."""
+    evaluation: bool = True
+    evaluation_batch: tuple[int, int] = (0, 0)
+    """(tokens per window, windows per batch) of the evaluation: its log-probabilities are
+    vocabulary-wide (Gemma 3's 262,144 entries a token)."""
+    evaluation_layerwise: tuple[int, int, int] | None = None
+    """(windows, tokens per window, windows per batch) where a run evaluates layer by layer
+    (`layerwise_eval.evaluates_layer_by_layer`: nothing needs the original whole on the device)."""
+    evaluation_placed: bool = False
+    """lm-eval runs each model placed by accelerate (`evaluation.device_map`) within what the
+    devices and the host have free, the rest on disk."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> PlanSettings:
+        spec = recipe.distillation
+        return cls(
+            dtype=recipe.model.dtype,
+            load="stream" if recipe.model.load == "stream" else "memory",
+            attn_implementation=recipe.model.attn_implementation,
+            samples=recipe.calibration.num_samples,
+            seq_len=recipe.calibration.seq_len,
+            batch=min(recipe.calibration.batch_size, recipe.calibration.num_samples),  # a batch holds what there is
+            activations=recipe.activations,
+            h_dtype=recipe.sensitivity.dtype,
+            chunk=recipe.sensitivity.chunk,
+            recompute=recipe.sensitivity.recompute,
+            mlp_feedback=recipe.mlp.feedback if recipe.mlp is not None else None,
+            experts_sample=recipe.experts.sample_tokens if recipe.experts is not None else None,
+            refinement=recipe.refinement is not None,
+            distillation=(spec.method, spec.teacher) if spec is not None else None,
+            evaluation=recipe.evaluation is not None,
+            evaluation_batch=(
+                recipe.evaluation.seq_len,
+                min(recipe.evaluation.batch_size, recipe.evaluation.num_samples),
+            )
+            if recipe.evaluation
+            else (0, 0),
+            evaluation_layerwise=_layerwise_evaluation(recipe),
+            evaluation_placed=recipe.evaluation is not None
+            and recipe.evaluation.device_map is not None
+            and bool(recipe.evaluation.lm_eval),
+        )
+
+
+def writes_as_it_goes(recipe: Recipe, layout: Any, save_model: bool = True, stages: Any = None) -> bool:
+    """A streamed run writes the pruned model as its walk goes, each layer leaving memory when it is
+    written, when it saves the model (a sweep's `save_models`) and no stage after the walk changes it
+    whole (`Stage.changes_model`: refinement, the MLP stage, distillation, a plugin's), no symmetric
+    fit of a global layout's tied head (it rotates every layer after the walk; `slicing.tied_fit:
+    diagonal` is written as it goes), and no evaluation beyond the layer-by-layer one (throughput,
+    and lm-eval tasks unless accelerate places their models, run both models whole). `layout`: the
+    run's `SlicedLayout`; `stages`: the plan's (the built-in ones when None)."""
+    from compressor.runtime.layerwise_eval import evaluates_layer_by_layer
+    from compressor.stages.contract import changes_model_between
+    from compressor.stages.order import BUILTIN_STAGES
+
+    rotates_head = layout.one_basis and layout.tie_head and recipe.slicing.tied_fit == "symmetric"
+    return (
+        save_model
+        and recipe.model.load == "stream"
+        and not changes_model_between(stages or BUILTIN_STAGES, recipe, "walk")
+        and not rotates_head
+        and (recipe.evaluation is None or evaluates_layer_by_layer(recipe))
+    )
+
+
+def _layerwise_evaluation(recipe: Recipe) -> tuple[int, int, int] | None:
+    from compressor.runtime.layerwise_eval import evaluates_layer_by_layer
+
+    spec = recipe.evaluation
+    if spec is None or not evaluates_layer_by_layer(recipe):
+        return None
+    return spec.num_samples, spec.seq_len, spec.batch_size
+
+
+def machine_memory(device: torch.device) -> Machine:
+    """Host RAM (`COMPRESS_HOST_MEMORY_GIB` overrides it), this process's share of it under
+    torchrun, and, on CUDA, the device's total memory (`COMPRESS_DEVICE_MEMORY_GIB` overrides it)."""
+    host_override = os.environ.get("COMPRESS_HOST_MEMORY_GIB")
+    host = (
+        int(float(host_override) * GiB) if host_override else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    )
+    host //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # under torchrun each process on this host holds its own
+    device_override = os.environ.get("COMPRESS_DEVICE_MEMORY_GIB")
+    if device.type == "cuda":
+        total = int(float(device_override) * GiB) if device_override else torch.cuda.mem_get_info(device)[1]
+        return Machine(host, total, torch.cuda.get_device_name(device) if not device_override else str(device))
+    return Machine(host, None, "cpu")
+
+
+def _small_model(config: Any, dtype: torch.dtype, attention: str, depth: int) -> Any:
+    """The config's model with `depth` decoder layers, on fake tensors (inside FakeTensorMode)."""
+    from transformers import AutoModelForCausalLM
+
+    single = copy.deepcopy(config)
+    single.num_hidden_layers = depth
+    if isinstance(getattr(single, "layer_types", None), list):
+        single.layer_types = single.layer_types[:depth]
+    model = AutoModelForCausalLM.from_config(single, dtype=dtype, attn_implementation=attention).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _layer_inputs(model: Any, family: Any, batch: int, seq_len: int, dtype: torch.dtype, depth: int = 1) -> Any:
+    """One calibration batch as the first layer receives it (fake): the stream, positions and, for
+    rotary families, the rotary embedding."""
+    from compressor.engine.activations import ActivationStore
+    from compressor.engine.calibration import LayerInputs
+
+    hidden = torch.randn(batch, seq_len, model.config.hidden_size, dtype=dtype)
+    positions = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
+    kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
+    rotary = getattr(model.get_submodule(family.base_model), "rotary_emb", None)
+    if rotary is not None:
+        by_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: one RoPE per layer type
+        kind = {"layer_type": model.config.layer_types[0]} if by_type else {}
+        kwargs["position_embeddings"] = rotary(hidden, positions, **kind)
+    store = ActivationStore(torch.device("cpu"))
+    store.append(hidden)
+    mask = torch.ones(batch, seq_len, dtype=torch.bool)
+    return LayerInputs(
+        hidden=store,
+        layer_kwargs=[[kwargs] * depth],
+        token_masks=[mask],
+        sensitivity_masks=[mask],
+        token_counts=[mask.numel()],
+        sensitivity_counts=[mask.numel()],
+    )
+
+
+def _prepared(
+    config: Any, family: Any, dtype: torch.dtype, attention: str, batch: int, seq_len: int, depth: int
+) -> Any:
+    """A fused fake model of `depth` layers and one calibration batch for it (inside FakeTensorMode)."""
+    from compressor.engine.transforms import fuse_norms
+
+    model = _small_model(config, dtype, attention, depth)
+    fuse_norms(model, family)
+    return model, _layer_inputs(model, family, batch, seq_len, dtype, depth)
+
+
+def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, kept: int, attention: str) -> int:
+    """Device peak (bytes) of the walk through one layer: its weights, each site opened, one batch
+    run and its C, the sensitivity strategy's τ candidates and losses, the site closed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compressor.engine.bases import close_site, open_site
+    from compressor.engine.walk import _Walk
+    from compressor.evaluation.memtrack import LiveBytes
+    from compressor.models.sites import layer_site_ids
+    from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates
+
+    cpu, d = torch.device("cpu"), config.hidden_size
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, inputs = _prepared(config, family, dtype, attention, batch, seq_len, 1)
+        layer = model.get_submodule(family.layers)[0]
+        tracker = LiveBytes()
+        with tracker:
+            tracker.adopt(*layer.parameters())
+            previous = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0][:, :kept]
+            walk = _Walk(inputs, cpu, None, {}, {}, None)
+            walk.pending = previous
+            for site, name in zip(layer.sites(family), layer_site_ids(family, 0)):
+                open_site(layer, family, site, previous)
+                moment = walk.advance(name, site.block, 0)
+                C, H = (
+                    frobenius_normalised(moment.value()),
+                    frobenius_normalised(torch.randn(d, d, dtype=torch.float64)),
+                )
+                bases = tau_candidates(C, H, DEFAULT_TAUS)  # every τ candidate: one batched eigendecomposition
+                losses = coupled_losses(C, H, bases[:, :, kept:])
+                chosen = bases[0, :, :kept].contiguous()
+                del C, H, bases, losses, moment
+                close_site(layer, family, site, previous, chosen)
+                previous = walk.pending = chosen
+    return tracker.peak["cpu"]
+
+
+def fisher_peak(
+    config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, attention: str, recompute: bool, depth: int
+) -> int:
+    """Device peak (bytes) of the H pass over a `depth`-layer model, one batch per chunk: the
+    layers on the device (one when recomputing, else all with their graphs) and the head."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compressor.engine.fisher import estimate_fisher
+    from compressor.evaluation.memtrack import LiveBytes
+    from compressor.recipe.sections.sensitivity import SensitivityOptions
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, inputs = _prepared(config, family, dtype, attention, batch, seq_len, depth)
+        layers = model.get_submodule(family.layers)
+        tracker = LiveBytes()
+        with tracker:
+            heads = (p for part in family.head_modules(model) for p in part.parameters())
+            tracker.adopt(*(layers[0] if recompute else layers).parameters(), *heads)
+            options = SensitivityOptions(chunk=batch, recompute=recompute)
+            estimate_fisher(model, family, inputs, options, torch.device("cpu"))
+    return tracker.peak["cpu"]
+
+
+def measure_device(
+    config: Any,
+    family: Any,
+    dtype: torch.dtype,
+    batch: int,
+    seq_len: int,
+    kept: int,
+    attention: str = "sdpa",
+    recompute: bool = True,
+) -> dict[str, int]:
+    """Device peaks (bytes) of the walk and the H pass, and one layer's weights. Without
+    `recompute` the H pass keeps every layer's graph: measured at one and two layers and
+    extrapolated to the model's depth (linear: every layer has the same shapes). Remembered per
+    config and settings: a sweep's runs, or a test suite's, measure once."""
+    key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
+    too_large = UserError(
+        f"calibration.batch_size × seq_len ({batch:,} × {seq_len:,} tokens) at this model's widths is more "
+        f"than one tensor can hold; lower calibration.batch_size or seq_len"
+    )
+    widest = max(config.hidden_size, config.vocab_size, getattr(config, "intermediate_size", 0) or 0)
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    if 8 * batch * seq_len * max(widest, heads * seq_len) >= 1 << 63:  # bytes past what a tensor's size holds
+        raise too_large
+    if key not in _MEASURED:
+        try:
+            fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
+            if not recompute:
+                deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
+                fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
+            walk = walk_peak(config, family, dtype, batch, seq_len, kept, attention)
+        except RuntimeError as error:  # a shape the bound above let through, still too large to allocate
+            if "overflow" not in str(error):
+                raise
+            raise too_large from None
+        _MEASURED[key] = {"walk": walk, "fisher": fisher, "layer": _layer_bytes(config, family, dtype, attention)}
+    return dict(_MEASURED[key])
+
+
+_MEASURED: dict[tuple[Any, ...], dict[str, int]] = {}
+
+
+def _layer_bytes(config: Any, family: Any, dtype: torch.dtype, attention: str) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = _small_model(config, dtype, attention, 1).get_submodule(family.layers)[0]
+        return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def process_rss() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere): the interpreter and libraries a run starts with."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What every stage's memory estimate reads: the model's shape and sizes under the plan's
+    settings, the activation store, the walk's and H pass's device peaks measured on one fake
+    layer (`measure_device`). Each stage turns it into its phases (`Stage.memory`)."""
+
+    settings: PlanSettings
+    layout: Any
+    needs_h: bool
+    accelerator: bool
+    base: int
+    item: int
+    d: int
+    layers: int
+    vocab: int
+    f: int
+    batch: int
+    seq_len: int
+    params: int
+    pruned: int
+    weights: int
+    pruned_weights: int
+    store: int
+    positions: int
+    h_item: int
+    totals: int
+    chunk: int
+    stored: int
+    bases: int
+    measured: dict[str, int]
+    disk: str
+    smaller_batch: str
+    streaming: bool
+    writes: bool
+    resident: int
+    held: int
+    walked: int
+    walk_host: int
+    recipe: Any = None
+    """The recipe the plan is of, for a plugin stage's options (None: a benchmark's settings alone)."""
+
+    @classmethod
+    def of(
+        cls, settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0, recipe: Any = None
+    ) -> Footprint:
+        config, family = layout.config, layout.family
+        dtype = getattr(torch, settings.dtype)
+        item = dtype.itemsize
+        d, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or d // heads
+        f = getattr(config, family.mlp_width) if family.mlp_width is not None else 0
+        samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
+        kept = layout.kept if layout.kept is not None else d
+        params = layout.params.original
+        pruned = layout.params.count(layout.widths) if layout.widths is not None else layout.budget
+        weights = params * item
+        stream = samples * seq_len * d * item
+        store = 0 if settings.activations == "disk" else stream
+        positions = (samples // batch + 1) * 2 * batch * seq_len * head_dim * item
+        sites = 2 * layers + 1
+        h_item = 8 if settings.h_dtype == "float64" else 4
+        recompute = settings.recompute if settings.recompute is not None else accelerator
+        chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
+        measured = measure_device(
+            config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
+        )
+        disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
+        streaming = settings.load == "stream"
+        if not streaming:
+            disk += ", model.load: stream"
+        # the model during the layer-by-layer passes: whole in memory, or streamed (what is outside the
+        # layers, plus the layers the walk has sliced, which it keeps)
+        resident = weights - layers * measured["layer"]
+        totals = sites * d * d * h_item if needs_h else 0
+        bases = sites * d * kept * 8
+        writes = streaming and settings.writes
+        walked = min(weights, resident + pruned * item) if streaming else weights
+        # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
+        # the host first on an accelerator), one site's H and two bases; the rest is on disk
+        read = measured["layer"] if accelerator else 0
+        walk_host = (
+            resident + read + store + positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
+            if writes
+            else walked + store + positions + totals + bases
+        )
+        return cls(
+            settings=settings,
+            layout=layout,
+            needs_h=needs_h,
+            accelerator=accelerator,
+            base=base,
+            item=item,
+            d=d,
+            layers=layers,
+            vocab=config.vocab_size,
+            f=f,
+            batch=batch,
+            seq_len=seq_len,
+            params=params,
+            pruned=pruned,
+            weights=weights,
+            pruned_weights=pruned * item,
+            store=store,
+            positions=positions,
+            h_item=h_item,
+            totals=totals,
+            chunk=chunk,
+            stored=(layers + 1) * chunk * seq_len * d * item + chunk * seq_len * d * item if recompute else 0,
+            bases=bases,
+            measured=measured,
+            disk=disk,
+            smaller_batch="a smaller calibration.batch_size (or seq_len)",
+            streaming=streaming,
+            writes=writes,
+            resident=resident,
+            held=resident if streaming else weights,
+            walked=walked,
+            walk_host=walk_host,
+            recipe=recipe,
+        )
+
+    def phase(self, name: str, host: int, device_bytes: int, fix: str, whole_model: bool = False) -> Phase:
+        """On CPU the device is the host: a layer-wise phase's device bytes add to the host's; a
+        whole-model phase's device figure already holds the models the host holds."""
+        if self.accelerator:
+            return Phase(name, self.base + host, device_bytes, fix)
+        total = max(host, device_bytes) if whole_model else host + device_bytes
+        return Phase(name, self.base + total, None, fix)
+
+
+def memory_plan(
+    settings: PlanSettings,
+    layout: Any,
+    needs_h: bool,
+    accelerator: bool,
+    base: int = 0,
+    stages: Any = None,
+    recipe: Any = None,
+) -> MemoryPlan:
+    """The plan of `settings` on `layout` (a `SlicedLayout`): the sum of its stages' phases (the
+    built-in stages, or a plan's `stages` with a plugin's), each host figure on top of `base` (the
+    process as it stands, before any weight is loaded)."""
+    if stages is None:
+        from compressor.stages.order import BUILTIN_STAGES as stages
+    footprint = Footprint.of(settings, layout, needs_h, accelerator, base, recipe)
+    if recipe is not None:  # the stages the recipe asks for (a benchmark's settings say it for the built-ins)
+        stages = [stage for stage in stages if stage.wanted(recipe)]
+    phases = [phase for stage in stages for phase in stage.memory(footprint)]
+    notes = [note for stage in stages for note in stage.memory_notes(footprint)]
+    config = layout.config
+    shape = (
+        f"{config.model_type}, {footprint.layers} layers, hidden {footprint.d}, MLP {footprint.f or '-'}, "
+        f"vocabulary {footprint.vocab}, {footprint.params / 1e9:.2f}B parameters "
+        f"({footprint.weights / GiB:.1f} GiB in {settings.dtype})"
+    )
+    return MemoryPlan(tuple(phases), footprint.weights, shape, base, footprint.streaming, tuple(notes))
+
+
+def check_memory(plan: MemoryPlan, machine: Machine) -> None:
+    """Refuse (one line, exit 2) a plan whose peak does not fit `machine`."""
+    refusal = plan.refusal(machine)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_model: bool = True) -> MemoryPlan:
+    """The plan of a checked recipe (`plan.checks.Plan`): H counted when the pipeline or the
+    allocator needs it; `save_model=False` (a sweep's runs by default) keeps the walked layers."""
+    from compressor.engine.pooling import required_statistics
+
+    needed = required_statistics(checked.pipeline) | (set(checked.allocator.requires) if checked.allocator else set())
+    settings = dataclasses.replace(
+        PlanSettings.of(recipe),
+        split_choice=checked.may_choose_split,
+        predicts_splits=checked.measure_best is not None,
+        depth_windows=recipe.depth.heldout_windows
+        if recipe.depth is not None
+        and checked.block_selector is not None
+        and "measure" in checked.block_selector.requires
+        else 0,
+        writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
+    )
+    return memory_plan(
+        settings, checked.layout, "H" in needed, device.type != "cpu", process_rss(), checked.stages, recipe
+    )
+
+
+def resolved_load(
+    recipe: Recipe, checked: Any, device: torch.device, machine: Machine, save_model: bool = True
+) -> tuple[Recipe, str | None]:
+    """`model.load: auto` decided by the plan: memory where the run fits this machine so, stream
+    where only streaming fits; the recipe with that choice, and a line saying it (None otherwise)."""
+    from compressor.engine.streaming import cannot_stream
+    from compressor.validation import replaced
+
+    if recipe.model.load != "auto":
+        return recipe, None
+    in_memory = replaced(recipe, model=replaced(recipe.model, load="memory"))
+    if cannot_stream(checked.layout.family) is not None:
+        return in_memory, "model.load: auto chose memory (this model family does not stream)"
+    if recipe.depth is not None:
+        return in_memory, "model.load: auto chose memory (depth removes blocks, which a streamed model cannot)"
+    if run_memory_plan(in_memory, checked, device, save_model).refusal(machine) is None:
+        return in_memory, "model.load: auto chose memory (the whole model fits this machine)"
+    streamed = replaced(recipe, model=replaced(recipe.model, load="stream"))
+    return streamed, "model.load: auto chose stream (the plan with the whole model in memory does not fit this machine)"
