@@ -41,13 +41,9 @@ def _never(family: ModelFamily, model_type: str) -> bool:
 
 
 def _rotated(family: ModelFamily, model_type: str) -> bool:
-    """The original class can hold one rotated basis (`ModelFamily.stock_refusal`)."""
+    """The original class can hold one rotated basis (`ModelFamily.stock_refusal`); where it cannot, a
+    global layout keeps the stream whole and prunes the MLP alone (`plan.checks` refuses the rest)."""
     return family.stock_refusal is None
-
-
-def _saved_stock(family: ModelFamily, model_type: str) -> bool:
-    """A global layout is open to this family at all (`ModelFamily.layouts`)."""
-    return "global" in family.layouts()
 
 
 def _mlp(family: ModelFamily, model_type: str) -> bool:
@@ -83,16 +79,23 @@ AXES: tuple[Axis, ...] = (
         _experts,
         lambda family, model_type: _experts(family, model_type) and _rotated(family, model_type),
     ),
-    Axis("shared-expert", "a shared expert's width", "mlp.shared_kept", "mlp", _shared_expert, _shared_expert),
+    Axis(
+        "shared-expert",
+        "a shared expert's width, where the model has one",
+        "mlp.shared_kept",
+        "mlp",
+        _shared_expert,
+        lambda family, model_type: _shared_expert(family, model_type) and _rotated(family, model_type),
+    ),
     Axis(
         "heads",
         "query heads",
         "heads",
         "heads",
         _query_heads,
-        lambda family, model_type: _query_heads(family, model_type) and _saved_stock(family, model_type),
+        lambda family, model_type: _query_heads(family, model_type) and _rotated(family, model_type),
     ),
-    Axis("depth", "whole decoder blocks", "depth", "depth", _always, _saved_stock),
+    Axis("depth", "whole decoder blocks", "depth", "depth", _always, _rotated),
     Axis(
         "per-layer", "per-layer MLP widths, attentions removed", "slicing.layout: heterogeneous", "mlp", _decilm, _never
     ),

@@ -126,7 +126,7 @@ def test_compress_families_says_what_each_model_type_can_save_and_prune(
             per_layer = ["per-layer", "kv-heads"] if model_type == "llama" else []
             mlp = ["mlp"] if family.mlp_width else []
             assert cells[3] == ", ".join(["residual", *mlp, *experts, *shared, *heads, "depth", *per_layer])
-            stock += [*shared, *heads, "depth"] if stock else []
+            stock += [*shared, *heads, "depth"] if residual else []  # a stream kept whole: the MLP alone
             assert cells[4] == (", ".join(stock) or "none")
     assert set(FAMILY_CONFIGS) == {t for f in BUILTIN_FAMILIES for t in f.model_types}  # every one in the suite
     listed = {axis for line in rows.values() for axis in line.split("│")[4].strip().split(", ")}
