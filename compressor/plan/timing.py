@@ -132,17 +132,17 @@ def layer_costs(
     """(forward per token, forward and backward per token, one single-token call) of one decoder
     layer of `config`'s shape on `device`, on one window of up to `MEASURED_TOKENS` tokens; a layer
     of more than `LAYER_LIMIT` bytes from its multiply-adds instead (`matmul_rate`)."""
-    from compressor.plan.memory import _layer_bytes, _layer_inputs
+    from compressor.plan.fake_layer import layer_bytes, layer_inputs
 
-    layer_bytes = _layer_bytes(config, family, dtype, attention)
+    layer_bytes = layer_bytes(config, family, dtype, attention)
     if layer_bytes > LAYER_LIMIT:
         forward = 2 * (layer_bytes / dtype.itemsize) / matmul_rate(dtype, device)
         return forward, 3 * forward, forward  # the backward to the input: about twice the forward again
 
     tokens = max(1, min(seq_len, MEASURED_TOKENS))
     model = _one_layer_model(config, dtype, attention)  # its inputs made on the host, then the layer moved
-    inputs = _layer_inputs(model, family, 1, tokens, dtype)
-    single_inputs = _layer_inputs(model, family, 1, 1, dtype)
+    inputs = layer_inputs(model, family, 1, tokens, dtype)
+    single_inputs = layer_inputs(model, family, 1, 1, dtype)
     layer = model.get_submodule(family.layers)[0].to(device)
     hidden = inputs.hidden.get(0).to(device)
     kwargs = {k: _to(v, device) for k, v in inputs.layer_kwargs[0][0].items()}

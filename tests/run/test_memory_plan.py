@@ -13,7 +13,8 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.plan.memory import Machine, MemoryPlan, PlanSettings, fisher_peak, memory_plan
+from compressor.plan.fake_layer import fisher_peak
+from compressor.plan.memory import Machine, MemoryPlan, PlanSettings, memory_plan
 from compressor.stages.costs import GiB, Phase
 from tests.conftest import COMMON, FAMILY_CONFIGS, tiny_model
 from tests.run.test_cli import write_recipe
@@ -269,7 +270,7 @@ def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_laye
 
 def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_the_host() -> None:
     from compressor.models.layout import sliced_layout
-    from compressor.plan.memory import measure_device
+    from compressor.plan.fake_layer import measure_device
 
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
     family = family_for("llama")
