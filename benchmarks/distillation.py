@@ -45,13 +45,14 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import compressor  # noqa: F401  (registers the sliced classes)
-from compressor.cli import phase_logger
+from compressor.cli.display import phase_logger
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.recipe.schema import load_recipe
 from compressor.run.runner import run
 from compressor.runtime.loading import load_model, load_tokenizer, token_batches
 from compressor.strategies.registry import PluginRegistry
-from compressor.training.distill import LiveTeacher, distill, distillation_data
+from compressor.training.distill import distill
+from compressor.training.teachers import LiveTeacher, distillation_data
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE = Console()

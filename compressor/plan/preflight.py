@@ -353,7 +353,8 @@ def _memory(recipe: Recipe, checked: Plan, device: Any, found: DryRun, check: bo
 
 def _distillation(recipe: Recipe, tokenizer: Any, found: DryRun) -> None:
     """Its LoRA targets and trainer keys (checked by `plan`), and its windows when the data is local."""
-    from compressor.training.distill import distillation_data, steps_for
+    from compressor.training.distill import steps_for
+    from compressor.training.teachers import distillation_data
 
     spec = recipe.distillation
     assert spec is not None and spec.dataset is not None

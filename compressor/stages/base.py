@@ -41,7 +41,8 @@ from compressor.runtime.resume import fisher_key
 
 if TYPE_CHECKING:
     from compressor.plan.checks import Plan
-    from compressor.training.distill import DistillationData, DistillationRecord
+    from compressor.training.distill import DistillationRecord
+    from compressor.training.teachers import DistillationData
 
 Progress = Callable[[str, int, int], None]
 

@@ -48,6 +48,6 @@ def distillation_data(recipe: Recipe, tokenizer: Any) -> Any:
     """The distillation stage's windows (None without one)."""
     if recipe.distillation is None:
         return None
-    from compressor.training.distill import distillation_data as read
+    from compressor.training.teachers import distillation_data as read
 
     return read(recipe.distillation, tokenizer)

@@ -159,7 +159,8 @@ def distil_student(
     recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
     student, the stage's record, the before-metrics and the original (reused for evaluation). A
     bad setting found here keeps the walk's checkpoint, to continue from once it is fixed."""
-    from compressor.training.distill import CachedTeacher, LiveTeacher, cached_targets, distill
+    from compressor.training.distill import distill
+    from compressor.training.teachers import CachedTeacher, LiveTeacher, cached_targets
 
     spec = recipe.distillation
     assert spec is not None

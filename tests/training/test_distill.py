@@ -26,15 +26,8 @@ from compressor.models.layout import fixed_layout
 from compressor.recipe.schema import load_recipe
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.strategies.registry import PluginRegistry
-from compressor.training.distill import (
-    CachedTeacher,
-    LiveTeacher,
-    _rows,
-    cached_targets,
-    collate,
-    distill,
-    distillation_data,
-)
+from compressor.training.distill import distill
+from compressor.training.teachers import CachedTeacher, LiveTeacher, _rows, cached_targets, collate, distillation_data
 from compressor_plugins.pca import PCA
 from tests.conftest import EXAMPLES, copy_model, random_batches, save_tiny_checkpoint, tiny_model, widths_for
 from tests.engine.test_parallel import TORCHRUN, _compress
