@@ -192,7 +192,7 @@ def _write(name: str, result: dict[str, Any], columns: list[str], rows: list[lis
 
 def diagnose(args: argparse.Namespace) -> None:
     """The three KLs of issue 32: refinement's objective, the model it optimised, the model saved."""
-    from compressor.cli import phase_logger
+    from compressor.cli.display import phase_logger
     from compressor.engine.bases import apply_bases
     from compressor.engine.refine import rebatch, refine_bases
     from compressor.engine.walk import WalkOptions, prune
@@ -323,7 +323,7 @@ def diagnose(args: argparse.Namespace) -> None:
 
 def table(args: argparse.Namespace) -> None:
     """Whole runs, sharing data, model and H: held-out KL and perplexity before and after refinement."""
-    from compressor.cli import phase_logger
+    from compressor.cli.display import phase_logger
     from compressor.commands.sweep import SharedResources
     from compressor.recipe.schema import validate
     from compressor.run.runner import run

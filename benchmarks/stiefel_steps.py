@@ -43,7 +43,7 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
-from compressor.cli import phase_logger
+from compressor.cli.display import phase_logger
 from compressor.commands.sweep import SharedResources
 from compressor.recipe.schema import load_recipe
 from compressor.run.runner import run

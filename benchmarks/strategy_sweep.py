@@ -48,7 +48,7 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
-from compressor.cli import phase_logger
+from compressor.cli.display import phase_logger
 from compressor.recipe.schema import load_recipe
 from compressor.reports.report import kept_label
 from compressor.run.runner import run

@@ -70,6 +70,21 @@ BELOW: dict[str, set[str]] = {
         "plan",
         "run",
     },
+    "cli": {
+        "models",
+        "strategies",
+        "recipe",
+        "data",
+        "engine",
+        "evaluation",
+        "training",
+        "reports",
+        "runtime",
+        "stages",
+        "plan",
+        "run",
+        "commands",
+    },
 }
 """Room -> the rooms it may import (besides itself and the base modules)."""
 
@@ -77,7 +92,7 @@ BELOW: dict[str, set[str]] = {
 def _room(module: str) -> str:
     """`compressor.engine.walk` -> `engine`; a base module's name for a top-level module."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
+    return parts[1] if len(parts) > 1 and not parts[1].startswith("__") else "__init__"  # __version__: the package's
 
 
 def _typing_only(tree: ast.AST) -> set[int]:
@@ -112,7 +127,7 @@ def _imports(path: Path) -> set[str]:
 def test_every_room_imports_only_the_rooms_below_it() -> None:
     rooms = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
     assert rooms == set(BELOW), "a new room needs its place in BELOW (and in docs/architecture.md)"
-    loose = {path.stem for path in PACKAGE.glob("*.py")} - BASE - {"cli", "entry", "plugin"}
+    loose = {path.stem for path in PACKAGE.glob("*.py")} - BASE - {"entry", "plugin"}
     assert not loose, f"modules outside the rooms: {sorted(loose)}"
     upward = []
     for room, allowed in BELOW.items():

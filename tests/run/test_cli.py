@@ -792,7 +792,7 @@ def test_a_log_names_each_phase_once_and_a_long_one_with_its_time_left() -> None
 
     from rich.console import Console
 
-    from compressor.cli import phase_logger
+    from compressor.cli.display import phase_logger
 
     console = Console(file=io.StringIO(), width=200)
     log = phase_logger(console, every_s=0.0)
