@@ -27,10 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.engine.checkpoint import Checkpoint
-from compressor.engine.walk import (
-    WalkOptions,
-    prune,
-)
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
 from compressor.runtime.loading import load_model, load_tokenizer, resolve_device, token_batches

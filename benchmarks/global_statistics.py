@@ -31,10 +31,8 @@ from transformers import PreTrainedModel
 
 from compressor.engine.bases import apply_bases
 from compressor.engine.pooling import SiteChooser
-from compressor.engine.walk import (
-    WalkOptions,
-    prune,
-)
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.evaluation.metrics import compare
 from compressor.models.sites import EMBEDDING
 from compressor.models.stock import head_stream, to_stock

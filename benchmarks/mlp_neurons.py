@@ -29,7 +29,8 @@ from rich.table import Table
 
 from compressor.engine.neurons import mlp_linears, prune_mlp
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout

@@ -46,10 +46,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 import compressor  # noqa: F401
 from compressor.data.batches import Batch
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import (
-    WalkOptions,
-    prune,
-)
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import family_for
 from compressor.models.layout import (
     fixed_layout,

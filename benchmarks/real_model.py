@@ -195,7 +195,8 @@ def diagnose(args: argparse.Namespace) -> None:
     from compressor.cli.display import phase_logger
     from compressor.engine.bases import apply_bases
     from compressor.engine.refine import rebatch, refine_bases
-    from compressor.engine.walk import WalkOptions, prune
+    from compressor.engine.walk import prune
+    from compressor.engine.walk_options import WalkOptions
     from compressor.evaluation.metrics import compare
     from compressor.models.sites import EMBEDDING
     from compressor.models.stock import fitted_tied_scale, head_stream, to_stock

@@ -92,7 +92,8 @@ def child(args: argparse.Namespace) -> None:
     from compressor.engine.checkpoint import Checkpoint
     from compressor.engine.pooling import PipelineStep
     from compressor.engine.streaming import streamed, streamed_model
-    from compressor.engine.walk import WalkOptions, prune
+    from compressor.engine.walk import prune
+    from compressor.engine.walk_options import WalkOptions
     from compressor.models.families import family_for
     from compressor.models.layout import fixed_layout, kept_width
     from compressor.models.sites import site_ids, site_widths

@@ -46,10 +46,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import compressor  # noqa: F401  (registers the sliced architectures)
 from compressor.engine.bases import apply_bases
-from compressor.engine.walk import (
-    WalkOptions,
-    prune,
-)
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.evaluation.throughput import measure_side_by_side, relative
 from compressor.models.budget import param_model, widest_uniform
 from compressor.models.families import family_for

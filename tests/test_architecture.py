@@ -405,7 +405,8 @@ def test_the_engine_s_entry_takes_the_layout_and_one_options_object() -> None:
     field, not another parameter every caller passes (issue 47, item 4)."""
     import inspect
 
-    from compressor.engine.walk import WalkOptions, prune
+    from compressor.engine.walk import prune
+    from compressor.engine.walk_options import WalkOptions
 
     parameters = inspect.signature(prune).parameters
     assert len(parameters) <= 6, list(parameters)

@@ -69,7 +69,7 @@ def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compressor.engine.bases import close_site, open_site
-    from compressor.engine.walk import _Walk
+    from compressor.engine.site_walk import SiteWalk
     from compressor.evaluation.memtrack import LiveBytes
     from compressor.models.sites import layer_site_ids
     from compressor.strategies.contract import DEFAULT_TAUS, coupled_losses, frobenius_normalised, tau_candidates
@@ -82,7 +82,7 @@ def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len:
         with tracker:
             tracker.adopt(*layer.parameters())
             previous = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0][:, :kept]
-            walk = _Walk(inputs, cpu, None, {}, {}, None)
+            walk = SiteWalk(inputs, cpu, None, {}, {}, None)
             walk.pending = previous
             for site, name in zip(layer.sites(family), layer_site_ids(family, 0)):
                 open_site(layer, family, site, previous)

@@ -188,7 +188,7 @@ class SplitRecord(_Section):
     (the chosen one was then pruned on all of them); None: every window, the chosen trial kept."""
     survey_passes: int | None = None
     """Surveys of the original model the candidates' walks ran (global layout, tied head): one,
-    recalled by the rest (`engine.walk.SurveyMemo`); 0 where no walk needed one."""
+    recalled by the rest (`engine.survey.SurveyMemo`); 0 where no walk needed one."""
     measure_best: int | None = None
     """`mlp.measure_best`: how many of the splits, those of lowest predicted KL, were measured."""
     predict_s: float | None = None

@@ -21,7 +21,8 @@ from compressor.engine.mlp_widths import WidthCurve
 from compressor.engine.neurons import NeuronRecord
 from compressor.engine.parallel import Ranks
 from compressor.engine.refine import RefinementRecord
-from compressor.engine.walk import PruneResult, SurveyMemo
+from compressor.engine.survey import SurveyMemo
+from compressor.engine.walk_options import PruneResult
 from compressor.evaluation.metrics import compare
 from compressor.models.depth import remove_blocks
 from compressor.models.sites import EMBEDDING
@@ -105,7 +106,7 @@ class RunState:
     """Each split's own pruning time while choosing, by index (`SplitCandidate.prune_s`)."""
     survey: SurveyMemo | None = None
     """While choosing a split: the survey of the original model, measured by the first trial's walk
-    and recalled by the others' and the run's (`engine.walk.SurveyMemo`)."""
+    and recalled by the others' and the run's (`engine.survey.SurveyMemo`)."""
     adopted: bool = False
     """The chosen split's trial walk and MLP stage are the run's (no refinement between them): not pruned twice."""
     # walk, then the stages after it, each handing the model on

@@ -26,7 +26,7 @@ from compressor.engine.mlp_widths import WidthCurve, allocate
 from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PruneResult
+from compressor.engine.walk_options import PruneResult
 from compressor.engine.width_search import assembled, evolve
 from compressor.errors import UserError
 from compressor.evaluation.metrics import kl_to_references, model_log_probs

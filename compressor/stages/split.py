@@ -18,7 +18,7 @@ from compressor.data.batches import Batch
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import required_statistics
 from compressor.engine.refine import rebatch
-from compressor.engine.walk import SurveyMemo
+from compressor.engine.survey import SurveyMemo
 from compressor.errors import ProgressKept, UserError
 from compressor.models.depth import remove_blocks
 from compressor.models.layout import SlicedLayout, mlp_neurons

@@ -5,7 +5,7 @@ pruned and measured.
 The prediction of a split (residual width k, MLP width m) is the sum of two local estimates on
 the fused, unsliced model, both in nats of KL through H (the Fisher of the output at the stream):
 - the residual width's, ½·Σ_s Tr(UᵀC_sU·UᵀH_sU) over every site for the removed directions U of
-  the best candidate basis of the summed statistics (`engine.walk.survey_losses`: the survey a
+  the best candidate basis of the summed statistics (`engine.survey.survey_losses`: the survey a
   global walk runs first, kept for the trials' walks, so it costs no pass of its own);
 - the MLP's, ½·Σ_l Tr[H_l·E[δ_l δ_lᵀ]] over the layers, δ_l the error layer l's MLP writes when
   the run's neuron selector keeps m neurons and the down projection is refitted
@@ -31,7 +31,8 @@ from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.heads import head_count_curves
 from compressor.engine.neurons import mlp_width_curves
-from compressor.engine.walk import SurveyLosses, WalkOptions, survey_losses
+from compressor.engine.survey import SurveyLosses, survey_losses
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.layout import SlicedLayout, mlp_neurons
 from compressor.models.sites import layer_site_ids
 from compressor.runtime.staging import SCRATCH_FOLDER

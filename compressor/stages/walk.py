@@ -14,7 +14,9 @@ from compressor.data.batches import Batch
 from compressor.engine.bases import apply_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.parallel import Ranks
-from compressor.engine.walk import PruneResult, SurveyMemo, WalkOptions, prune
+from compressor.engine.survey import SurveyMemo
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import PruneResult, WalkOptions
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.sites import EMBEDDING

@@ -20,7 +20,8 @@ from compressor.engine.allocation import Choice, CurveAllocator, groups_of, loss
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.errors import UserError
 from compressor.evaluation.metrics import parameter_count
 from compressor.models.budget import ParamModel, _count, layout_config, meta_model, param_model, widest_uniform

@@ -12,7 +12,8 @@ import torch
 from compressor.engine.bases import apply_bases, prediction_error, reader_map
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA

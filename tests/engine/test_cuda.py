@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from compressor.cli import main
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
 from compressor.recipe.sections.sensitivity import SensitivityOptions

@@ -21,7 +21,8 @@ from compressor.engine.fisher import estimate_fisher
 from compressor.engine.parallel import Ranks
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import PruneResult, WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import PruneResult, WalkOptions
 from compressor.faults import KILL_RANK_VARIABLE, KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout

@@ -227,14 +227,15 @@ def test_a_kept_survey_is_recalled_by_the_next_walk_and_prunes_as_its_own_would(
     """Walks that differ only in their widths (the splits of one budget) share one survey of the
     original model (`SurveyMemo`): the second walk runs no survey pass and gives the tensors a walk
     that surveyed for itself gives; another pooling surveys again."""
-    from compressor.engine import walk as walk_module
-    from compressor.engine.walk import SurveyMemo, WalkOptions
+    from compressor.engine import survey as survey_module
+    from compressor.engine.survey import SurveyMemo
+    from compressor.engine.walk_options import WalkOptions
 
     config, family = tiny_model(name).config, family_for(name)
     batches = random_batches(config.vocab_size, padded=True)
     passes: list[int] = []
-    real_survey = walk_module._survey
-    monkeypatch.setattr(walk_module, "_survey", lambda *args: passes.append(1) or real_survey(*args))
+    real_survey = survey_module.survey_pass
+    monkeypatch.setattr(survey_module, "survey_pass", lambda *args: passes.append(1) or real_survey(*args))
 
     def pruned(sparsity: float, options: WalkOptions) -> dict[str, torch.Tensor]:
         k = kept_width(config.hidden_size, sparsity, 8)

@@ -9,7 +9,9 @@ import torch
 
 from compressor.engine.allocation import loss_curve
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import SurveyMemo, WalkOptions, prune, survey_losses
+from compressor.engine.survey import SurveyMemo, survey_losses
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import EMBEDDING, site_ids
@@ -62,7 +64,7 @@ def test_the_prediction_is_the_loss_curve_of_every_sites_statistics_and_a_walk_r
     pooled over every site: zero at the full width, never rising with it. The survey it ran is
     the one the next walk recalls (no second pass), and with its H that walk prunes tensor for
     tensor as a walk that surveys and estimates H itself."""
-    from compressor.engine import walk as walk_module
+    from compressor.engine import survey as survey_module
 
     family = family_for("llama")
     original = tiny_model("llama")
@@ -70,8 +72,8 @@ def test_the_prediction_is_the_loss_curve_of_every_sites_statistics_and_a_walk_r
     batches = random_batches(config.vocab_size, padded=True)
     widths = [16, 32, 48, 64]
     passes: list[int] = []
-    real_survey = walk_module._survey
-    monkeypatch.setattr(walk_module, "_survey", lambda *args: passes.append(1) or real_survey(*args))
+    real_survey = survey_module.survey_pass
+    monkeypatch.setattr(survey_module, "survey_pass", lambda *args: passes.append(1) or real_survey(*args))
     memo = SurveyMemo()
     found = survey_losses(tiny_model("llama"), _layout(config, family, 48), batches, widths, WalkOptions(survey=memo))
     assert found.fisher_source == "computed" and len(passes) == 1 and memo.passes == 1

@@ -20,7 +20,8 @@ from compressor.engine.layerwise import final_streams
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.shards import ShardWriter
 from compressor.engine.streaming import streamed, streamed_model
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
@@ -200,7 +201,8 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
     """A data-parallel rank above 0 (its checkpoint not writable) reads each site's H from rank 0's
     file, as rank 0 does, instead of holding every site's H."""
     from compressor.engine.parallel import Ranks
-    from compressor.engine.walk import _estimate_sensitivity, _Prune
+    from compressor.engine.sensitivity import estimate_sensitivity
+    from compressor.engine.walk_options import PruneCall
 
     folder = tmp_path / "checkpoint"
     folder.mkdir()
@@ -208,7 +210,7 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
     Checkpoint(folder).save_fisher(H)
 
     def sensitivity(on_disk: bool):
-        run = _Prune(
+        run = PruneCall(
             model=None,  # H comes from the checkpoint: the model is never run
             layout=SimpleNamespace(family=None),
             device=torch.device("cpu"),
@@ -218,7 +220,7 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
             tie_head=False,
             correct_readers=False,
         )
-        return _estimate_sensitivity(run, None, None, None, 0, None, on_disk=on_disk)
+        return estimate_sensitivity(run, None, None, None, 0, None, on_disk=on_disk)
 
     kept, held = sensitivity(True), sensitivity(False)
     assert isinstance(kept.values, OnDisk) and not isinstance(held.values, OnDisk)

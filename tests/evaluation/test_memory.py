@@ -15,7 +15,8 @@ from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.evaluation.memtrack import LiveBytes, emulated_accelerator
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width

@@ -17,7 +17,8 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.engine.bases import load_bases
 from compressor.engine.pooling import GlobalPool, PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.models.families import BUILTIN_FAMILIES, family_for
 from compressor.models.layout import fixed_layout
 from compressor.models.sites import site_ids

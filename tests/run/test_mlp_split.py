@@ -58,14 +58,14 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _counted_walks_and_surveys(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
     """Lists that grow by one per walk (`prune_as_recipe`) and per survey pass of the original model."""
-    from compressor.engine import walk as engine_walk
+    from compressor.engine import survey as engine_survey
     from compressor.stages import walk
 
     walks: list[int] = []
     surveys: list[int] = []
-    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
+    real_prune, real_survey = walk.prune_as_recipe, engine_survey.survey_pass
     monkeypatch.setattr(walk, "prune_as_recipe", lambda *args: walks.append(1) or real_prune(*args))
-    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    monkeypatch.setattr(engine_survey, "survey_pass", lambda *args: surveys.append(1) or real_survey(*args))
     return walks, surveys
 
 
@@ -128,18 +128,18 @@ def test_screened_splits_are_pruned_on_fewer_windows_and_the_chosen_one_on_every
     """`mlp.screen_windows`: each split's trial walks that many calibration windows with their own
     H; no trial is kept, so the run's walk then prunes the chosen split on every window, H and
     survey of its own, and saves what a run with that split fixed saves."""
-    from compressor.engine import walk as engine_walk
+    from compressor.engine import survey as engine_survey
     from compressor.stages import walk
 
     windows: list[int] = []
     surveys: list[int] = []
-    real_prune, real_survey = walk.prune_as_recipe, engine_walk._survey
+    real_prune, real_survey = walk.prune_as_recipe, engine_survey.survey_pass
     monkeypatch.setattr(
         walk,
         "prune_as_recipe",
         lambda *args: windows.append(sum(len(b.input_ids) for b in args[3])) or real_prune(*args),
     )
-    monkeypatch.setattr(engine_walk, "_survey", lambda *args: surveys.append(1) or real_survey(*args))
+    monkeypatch.setattr(engine_survey, "survey_pass", lambda *args: surveys.append(1) or real_survey(*args))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     screened = {**SPLIT, "screen_windows": 2, "measure_best": None}  # every split measured

@@ -108,7 +108,8 @@ def test_sensitivity_without_refinement_reports_before_and_after_its_one_batch()
 
 def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
     from compressor.engine.pooling import PipelineStep
-    from compressor.engine.walk import WalkOptions, prune
+    from compressor.engine.walk import prune
+    from compressor.engine.walk_options import WalkOptions
     from compressor.models.families import family_for
     from compressor.models.layout import kept_width
     from tests.conftest import random_batches, tiny_model, widths_for

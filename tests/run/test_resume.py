@@ -17,7 +17,8 @@ from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.walk import WalkOptions, prune
+from compressor.engine.walk import prune
+from compressor.engine.walk_options import WalkOptions
 from compressor.faults import KILL_VARIABLE
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import compressor.engine.walk
+import compressor.engine.sensitivity
 from compressor.cli import main
 from tests.data.test_chat import CONVERSATION
 from tests.run.test_cli import write_recipe
@@ -58,7 +58,7 @@ def test_pca_runs_never_estimate_h(tiny_checkpoint: Path, tmp_path: Path, monkey
     def forbidden(*args, **kwargs):
         raise AssertionError("H was estimated for a pipeline that does not need it")
 
-    monkeypatch.setattr(compressor.engine.walk, "estimate_fisher", forbidden)
+    monkeypatch.setattr(compressor.engine.sensitivity, "estimate_fisher", forbidden)
     assert main(["run", str(write_recipe(tmp_path, tiny_checkpoint, evaluation=None))]) == 0
     assert json.loads((tmp_path / "out" / "report.json").read_text())["fisher_autocast"] is None
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import compressor.engine.walk
+import compressor.engine.sensitivity
 from compressor.cli import main
 from tests.reports import report_dict
 from tests.run.test_cli import write_recipe
@@ -43,13 +43,13 @@ def _write_sweep(folder: Path, base: Path, **extra: object) -> Path:
 def fisher_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the H passes the engine really runs."""
     calls: list[int] = []
-    real = compressor.engine.walk.estimate_fisher
+    real = compressor.engine.sensitivity.estimate_fisher
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compressor.engine.walk, "estimate_fisher", counted)
+    monkeypatch.setattr(compressor.engine.sensitivity, "estimate_fisher", counted)
     return calls
 
 
