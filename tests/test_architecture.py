@@ -421,7 +421,6 @@ PARAMETERS = 6
 
 LONG_FUNCTIONS: dict[str, int] = {
     "compressor.cli.commands._run": 100,
-    "compressor.cli.parser.build_parser": 152,
     "compressor.commands.eval_command._plan": 70,
     "compressor.commands.gguf.export_gguf": 66,
     "compressor.commands.surrogate.surrogate_check": 77,

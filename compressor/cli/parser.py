@@ -50,11 +50,22 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compressor.commands.gguf import OUTTYPES, QUANT_TYPES  # stdlib only: `compress --help` stays cheap
 
     parser = _Parser(prog="compress", description="Residual-stream pruning of HF language models.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the versions and exit")
     commands = parser.add_subparsers(dest="command", required=True)
+    _run_command(commands)
+    _eval_command(commands)
+    _sweep_command(commands)
+    _surrogate_command(commands)
+    _compare_command(commands)
+    _export_command(commands)
+    _listings_command(commands)
+    return parser
+
+
+def _run_command(commands: Any) -> None:
+    """`compress run`: a recipe, its overrides, and how the run treats an earlier one."""
     run = commands.add_parser("run", help="run a YAML recipe")
     run.add_argument("recipe", help="path to the recipe (YAML)")
     run.add_argument("--output", help="output folder (overrides the recipe's output)")
@@ -93,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="discard the checkpoint of an interrupted run to the same output and start afresh",
     )
+
+
+def _eval_command(commands: Any) -> None:
+    """`compress eval`: a run folder or any model against a reference, on text, tasks and speed."""
     evaluate = commands.add_parser(
         "eval", help="perplexity, KL to a reference, lm-eval tasks and throughput of a run folder or any model"
     )
@@ -134,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure prefill and decode tokens/s, batch 1 and 8 (default: a run's own evaluation.throughput, else on)",
     )
     evaluate.add_argument("--output", help="also write the report to this JSON file")
+
+
+def _sweep_command(commands: Any) -> None:
+    """`compress sweep`: a grid of runs sharing their work."""
     sweep = commands.add_parser(
         "sweep", help="run a grid of recipes sharing H, data and the dense model's scores; tables and plots"
     )
@@ -146,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="discard what an earlier run of this sweep finished or kept, and start afresh",
     )
+
+
+def _surrogate_command(commands: Any) -> None:
+    """`compress surrogate`: the paper's Figure 2a at one site."""
     surrogate = commands.add_parser(
         "surrogate", help="does H predict the output KL of removing a direction? (the paper's Figure 2a, at one site)"
     )
@@ -168,9 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a recipe key (e.g. --set evaluation.num_samples=16: fewer windows, faster)",
     )
+
+
+def _compare_command(commands: Any) -> None:
+    """`compress compare`: finished runs side by side."""
     compare = commands.add_parser("compare", help="tabulate finished run folders side by side")
     compare.add_argument("runs", nargs="+", help="run folders (each holds report.json)")
     compare.add_argument("--output", help="also write the table to this file (.md, .csv or .json)")
+
+
+def _export_command(commands: Any) -> None:
+    """`compress export`: a saved model as GGUF through llama.cpp's own tools."""
+    from compressor.commands.gguf import OUTTYPES, QUANT_TYPES  # stdlib only: `compress --help` stays cheap
+
     export = commands.add_parser(
         "export", help="a run's stock model as one GGUF file for llama.cpp (its converter; quantized if asked)"
     )
@@ -194,10 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace an existing --gguf file")
     export.add_argument("--threads", type=_positive_int, help="the quantizer's threads (default: the CPUs given)")
+
+
+def _listings_command(commands: Any) -> None:
+    """`compress schema`, `strategies` and `families`: what is registered."""
     schema = commands.add_parser(
         "schema", help="print the JSON schema of a recipe (for editors), with the options of every loaded strategy"
     )
     schema.add_argument("--output", help="write it to this .json file instead")
     commands.add_parser("strategies", help="list the registered selection strategies")
     commands.add_parser("families", help="list the supported model families (by model_type)")
-    return parser
