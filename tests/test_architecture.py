@@ -420,7 +420,6 @@ FUNCTION_LINES = 60
 PARAMETERS = 6
 
 LONG_FUNCTIONS: dict[str, int] = {
-    "compressor.cli.commands._run": 100,
     "compressor.commands.eval_command._plan": 70,
     "compressor.commands.gguf.export_gguf": 66,
     "compressor.commands.surrogate.surrogate_check": 77,

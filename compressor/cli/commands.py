@@ -48,73 +48,17 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     overrides = args.overrides + ([f"threads={args.threads}"] if args.threads is not None else [])
     recipe = load_recipe(Path(args.recipe), registry, overrides, args.output)  # before the heavy imports
     _quiet_libraries()
-    from compressor.reports.report import budget_label, rich_table
-    from compressor.run.runner import run
     from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
 
     if args.dry_run:
-        from compressor.plan.preflight import dry_run
-
-        found = dry_run(recipe, registry, args.overwrite, args.restart, not args.skip_memory_check)
-        headline = (
-            "recipe checked, but the run would stop here"
-            if found.refusal
-            else ("recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
-        )
-        console.print(
-            f"{headline}: {args.recipe} -> {recipe.output} "
-            f"({' + '.join(s.strategy for s in recipe.pipeline)}"
-            f"{', refined on KL' if recipe.refinement else ''}"
-            f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
-            f"{budget_label(recipe.sparsity, recipe.target_params, recipe.target_active_params)}"
-            f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
-            + "".join(f"\n  {line}" for line in found.lines()),
-            soft_wrap=True,
-            markup=False,
-            highlight=False,
-        )
-        if found.refusal:
-            raise UserError(found.refusal)
+        _dry_run(args, recipe, registry, console)
         return
     from compressor.engine import parallel
-    from compressor.runtime.resume import check_interrupted, progress_summary
 
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:  # a changed recipe is refused before "resuming" is said
-        check_interrupted(Path(recipe.output), recipe, args.restart)
-    _set_threads(console, recipe.threads, say=rank == 0)
-    resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
-    if resumable is not None:  # said before the work, not after it
-        console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
+    _before_the_run(args, recipe, console, rank)
     try:
-        if rank > 0:  # a data-parallel run's other ranks: rank 0 shows and writes
-            run(
-                recipe,
-                registry,
-                None,
-                overwrite=args.overwrite,
-                restart=args.restart,
-                memory_check=not args.skip_memory_check,
-            )
-            return
-
-        def warn(text: str) -> None:
-            console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
-
-        def estimated(plan: Any) -> None:
-            console.print(plan.line(), markup=False, highlight=False, soft_wrap=True)
-
-        with progress_display(console) as progress:
-            report = run(
-                recipe,
-                registry,
-                progress,
-                overwrite=args.overwrite,
-                restart=args.restart,
-                warn=warn,
-                memory_check=not args.skip_memory_check,
-                estimate=estimated,
-            )
+        report = _run_on_this_rank(args, recipe, registry, console, rank)
     except BaseException as error:
         if not ended_by_interrupt(error):
             raise
@@ -124,7 +68,91 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         ) from None
     finally:
         parallel.stop()
-    assert report is not None  # rank 0 writes the report
+    if report is None:  # a data-parallel run's other ranks: rank 0 shows and writes
+        return
+    _show_report(report, console)
+    console.print(f"wrote {recipe.output}")
+
+
+def _before_the_run(args: argparse.Namespace, recipe: Any, console: Console, rank: int) -> None:
+    """A changed recipe refused before "resuming" is said; the threads; an interrupted run's
+    progress said before the work, not after it (rank 0 speaks)."""
+    from compressor.runtime.resume import check_interrupted, progress_summary
+
+    if rank == 0:
+        check_interrupted(Path(recipe.output), recipe, args.restart)
+    _set_threads(console, recipe.threads, say=rank == 0)
+    resumable = None if args.restart or rank > 0 else progress_summary(Path(recipe.output))
+    if resumable is not None:
+        console.print(f"resuming an interrupted run: {resumable}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _run_on_this_rank(args: argparse.Namespace, recipe: Any, registry: Any, console: Console, rank: int) -> Any:
+    """The run, with a live display and warnings on rank 0; its report (None on the other ranks)."""
+    from compressor.run.runner import run
+
+    if rank > 0:
+        run(
+            recipe,
+            registry,
+            None,
+            overwrite=args.overwrite,
+            restart=args.restart,
+            memory_check=not args.skip_memory_check,
+        )
+        return None
+
+    def warn(text: str) -> None:
+        console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)
+
+    def estimated(plan: Any) -> None:
+        console.print(plan.line(), markup=False, highlight=False, soft_wrap=True)
+
+    with progress_display(console) as progress:
+        return run(
+            recipe,
+            registry,
+            progress,
+            overwrite=args.overwrite,
+            restart=args.restart,
+            warn=warn,
+            memory_check=not args.skip_memory_check,
+            estimate=estimated,
+        )
+
+
+def _dry_run(args: argparse.Namespace, recipe: Any, registry: Any, console: Console) -> None:
+    """`compress run --dry-run`: every check a run makes before loading weights, said line by line;
+    a refusal is the command's one error line after them."""
+    from compressor.plan.preflight import dry_run
+    from compressor.reports.report import budget_label
+
+    found = dry_run(recipe, registry, args.overwrite, args.restart, not args.skip_memory_check)
+    headline = (
+        "recipe checked, but the run would stop here"
+        if found.refusal
+        else ("recipe OK as far as it could be checked" if len(found.unchecked) > 1 else "recipe OK")
+    )
+    console.print(
+        f"{headline}: {args.recipe} -> {recipe.output} "
+        f"({' + '.join(s.strategy for s in recipe.pipeline)}"
+        f"{', refined on KL' if recipe.refinement else ''}"
+        f"{', distilled (' + recipe.distillation.method + ')' if recipe.distillation else ''}, "
+        f"{budget_label(recipe.sparsity, recipe.target_params, recipe.target_active_params)}"
+        f"{'' if recipe.allocation.method == 'uniform' else ', ' + recipe.allocation.method + ' widths'})"
+        + "".join(f"\n  {line}" for line in found.lines()),
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
+    if found.refusal:
+        raise UserError(found.refusal)
+
+
+def _show_report(report: Any, console: Console) -> None:
+    """A finished run's table, and its time against the estimate made before it started."""
+    from compressor.reports.report import rich_table
+
     if report.resumed_from or report.resume.sites_loaded:
         console.print(f"resumed: {report.resume.sites_loaded} finished site(s) loaded from the checkpoint")
     console.print(rich_table(report))
@@ -139,7 +167,6 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
-    console.print(f"wrote {recipe.output}")
 
 
 def _eval(args: argparse.Namespace, console: Console) -> None:
