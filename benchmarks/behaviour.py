@@ -166,7 +166,7 @@ def prepare(work: Path) -> None:
         sweep = yaml.safe_load(path.read_text())
         sweep["base"] = str((path.parent / sweep["base"]).resolve())
         sweep["output"] = str(work / "sweep-runs" / path.stem)
-        extra = dict(s.split("=", 1) for s in SMALL if not s.startswith("threads"))
+        extra = dict(s.split("=", 1) for s in SMALL)  # threads too: a sweep's sums depend on them
         sweep["set"] = {**sweep.get("set", {}), **{k: yaml.safe_load(v) for k, v in extra.items()}}
         (work / "sweeps" / path.name).write_text(yaml.safe_dump(sweep, sort_keys=False))
 
@@ -384,7 +384,7 @@ def normalised(value: Any, key: str = "") -> Any:
         found = [normalised(v, key) for v in value]
         return [v for v in found if not re.match(r"^run \d+/\d+ ", v)] if key == "lines" else found
     if isinstance(value, str) and key in ("lines", "error"):
-        return MASKED.sub("<measured>", value).replace("<measured> <measured>", "<measured>")
+        return re.sub(r"(<measured>\s*)+", "<measured> ", MASKED.sub("<measured>", value)).strip()
     return value
 
 
