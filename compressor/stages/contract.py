@@ -58,7 +58,7 @@ class Stage:
     changes_model: ClassVar[bool] = False
     """Whether the stage changes the pruned model (the run's `writes_as_it_goes` then holds back)."""
     guarded: ClassVar[bool] = False
-    """Its `run` returns a `Candidate` the held-out guard judges (`stages.guard`)."""
+    """Its `run` returns a `Candidate` the held-out guard judges (`run.runner`'s guard)."""
     checkpoint_key: ClassVar[str | None] = None
     """Where in the checkpoint the stage keeps progress that a resumed run reads (None: it redoes its work)."""
 

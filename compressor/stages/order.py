@@ -1,5 +1,5 @@
 """The stages of a run, in order: each a unit that declares its section, checks, memory, what it
-hands on and whether the guard judges it (`base.Stage`). A plugin's stages (the
+hands on and whether the guard judges it (`contract.Stage`). A plugin's stages (the
 `compressor_stages` hook) are placed after the stage each names (`Stage.after`)."""
 
 from __future__ import annotations
