@@ -42,7 +42,7 @@ from mlp_neurons import stream_sensitivity  # run as a script: benchmarks/ is on
 from rich.console import Console
 from rich.table import Table
 
-from compressor.engine.expert_width import _SharedMoments
+from compressor.engine.expert_width import SharedMoments
 from compressor.engine.experts import prune_experts
 from compressor.engine.neurons import prune_mlp
 from compressor.engine.transforms import fuse_norms
@@ -93,20 +93,20 @@ def gate_blind(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    add = _SharedMoments.add
+    add = SharedMoments.add
 
-    def blind(self: _SharedMoments, block: Any, x: torch.Tensor) -> None:
+    def blind(self: SharedMoments, block: Any, x: torch.Tensor) -> None:
         gate, block.shared_expert_gate = block.shared_expert_gate, None
         try:
             add(self, block, x)
         finally:
             block.shared_expert_gate = gate
 
-    _SharedMoments.add = blind  # type: ignore[method-assign]
+    SharedMoments.add = blind  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _SharedMoments.add = add  # type: ignore[method-assign]
+        SharedMoments.add = add  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -557,3 +557,13 @@ def test_no_function_grows_past_the_limits_and_the_backlog_only_shrinks(limits: 
     assert not grown, f"over the limit, or grown past the backlog: {grown}"
     fixed = sorted(set(backlog) - set(found))
     assert not fixed, f"within the limits now: remove from the backlog {fixed}"
+
+
+def test_benchmarks_import_no_private_name_of_the_package() -> None:
+    """A benchmark that reaches a `_`-prefixed name breaks when the module moves it (issue 80)."""
+    private = []
+    for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "compressor":
+                private += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private

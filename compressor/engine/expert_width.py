@@ -113,7 +113,7 @@ def prune_expert_widths(
     width = block.experts[0].down_proj.in_features
     if keep is not None and not 0 < keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s experts")
-    shared = None if shared_keep is None else _SharedMoments.of(block, index, shared_keep, device)
+    shared = None if shared_keep is None else SharedMoments.of(block, index, shared_keep, device)
     stats = _ExpertWidthMoments(len(block.experts), width, device) if keep is not None else None
     counted = [0]
 
@@ -205,7 +205,7 @@ def narrow(
     return done
 
 
-class _SharedMoments:
+class SharedMoments:
     """A shared expert's Σ s² h hᵀ and Σ s |h| over every counted token, s its gate σ(g·x) (1 for a
     shared expert without a gate): the block writes s·W h, so dropping its neurons costs the block
     E[s²‖W h − W' h_S‖²], the dense refit with C = E[s² h hᵀ]."""
@@ -216,7 +216,7 @@ class _SharedMoments:
         self.tokens = 0
 
     @classmethod
-    def of(cls, block: RoutedExperts, index: int, keep: int, device: torch.device) -> _SharedMoments:
+    def of(cls, block: RoutedExperts, index: int, keep: int, device: torch.device) -> SharedMoments:
         if block.shared_expert is None:
             raise UserError(f"mlp.shared_kept: layer {index}'s MoE block has no shared expert; remove mlp.shared_kept")
         width = block.shared_expert.down_proj.in_features
@@ -236,7 +236,7 @@ class _SharedMoments:
         self.magnitude += h.abs().sum(0)
         self.tokens += x.shape[0]
 
-    def sum_over(self, ranks: Ranks) -> _SharedMoments:
+    def sum_over(self, ranks: Ranks) -> SharedMoments:
         for total in (self.total, self.magnitude):
             ranks.sum_(total)
         self.tokens = ranks.sum_count(self.tokens, self.total.device)
