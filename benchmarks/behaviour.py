@@ -382,7 +382,8 @@ def normalised(value: Any, key: str = "") -> Any:
         return {k: normalised(v, k) for k, v in value.items() if k not in TIMING_KEYS and k != "speed"}
     if isinstance(value, list):
         found = [normalised(v, key) for v in value]
-        return [v for v in found if not re.match(r"^run \d+/\d+ ", v)] if key == "lines" else found
+        machine = r"^(run \d+/\d+ |warning: other work )"  # progress, and the load other work puts on the machine
+        return [v for v in found if not re.match(machine, v)] if key == "lines" else found
     if isinstance(value, str) and key in ("lines", "error"):
         return re.sub(r"(<measured>\s*)+", "<measured> ", MASKED.sub("<measured>", value)).strip()
     return value
