@@ -441,12 +441,9 @@ LONG_FUNCTIONS: dict[str, int] = {
     "compressor.plan.decode_budget.resolve": 70,
     "compressor.plan.memory.of": 79,
     "compressor.plan.preflight._model": 67,
-    "compressor.plan.preflight.dry_run": 63,
-    "compressor.reports.report.mlp_rows": 64,
     "compressor.run.follower.follow": 76,
     "compressor.run.runner.run": 72,
     "compressor.stages.mlp.allocate_layers": 62,
-    "compressor.stages.report.write_report": 72,
     "compressor.stages.split_prediction.predict_splits": 68,
     "compressor.training.distill.distill": 135,
 }

@@ -101,17 +101,7 @@ def dry_run(
         _memory(recipe, checked, device, found, memory_check)
         if device is not None:
             found.notes.append(time_plan(recipe, checked, device).line())
-    tokenizer = load_tokenizer(recipe.model) if checked is not None else None
-    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
-        if spec is not None:
-            _data(where, spec, tokenizer, found)
-    if checked is not None and tokenizer is not None and is_local(recipe.calibration.dataset):
-        for stage, count in heldout_counts(recipe, checked):  # read after the calibration windows
-            where = stage.heldout_section(recipe)
-            heldout_batches(recipe.calibration, tokenizer, count, where)
-            found.checked.append(f"{where} held-out data: {count} windows after the calibration windows")
-    if recipe.distillation is not None and tokenizer is not None:
-        _distillation(recipe, tokenizer, found)
+    _data_checks(recipe, checked, found)
     _tasks(recipe, found)
     output = Path(recipe.output)
     check_writable(output)
@@ -128,6 +118,22 @@ def dry_run(
     if missing is not None:
         found.refusal = missing
     return found
+
+
+def _data_checks(recipe: Recipe, checked: Plan | None, found: DryRun) -> None:
+    """The calibration and evaluation data (local text tokenised to count its windows), the held-out
+    windows each measuring stage reads after the calibration windows, and the distillation data."""
+    tokenizer = load_tokenizer(recipe.model) if checked is not None else None
+    for where, spec in (("calibration", recipe.calibration), ("evaluation", recipe.evaluation)):
+        if spec is not None:
+            _data(where, spec, tokenizer, found)
+    if checked is not None and tokenizer is not None and is_local(recipe.calibration.dataset):
+        for stage, count in heldout_counts(recipe, checked):  # read after the calibration windows
+            where = stage.heldout_section(recipe)
+            heldout_batches(recipe.calibration, tokenizer, count, where)
+            found.checked.append(f"{where} held-out data: {count} windows after the calibration windows")
+    if recipe.distillation is not None and tokenizer is not None:
+        _distillation(recipe, tokenizer, found)
 
 
 def axes_line(checked: Plan) -> str:

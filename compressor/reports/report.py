@@ -13,7 +13,7 @@ from compressor.engine.experts import ExpertRecord
 from compressor.engine.refine import RefinementRecord
 from compressor.evaluation.throughput import rate_range, rounds, speedup_bounds, under_load
 from compressor.reports.guard import GuardRecord
-from compressor.reports.report_model import DecodeBudget, Metrics, RunReport, Sizes, SplitRecord
+from compressor.reports.report_model import DecodeBudget, Metrics, MlpReport, RunReport, Sizes, SplitRecord
 from compressor.training.distill import DistillationRecord
 
 
@@ -111,6 +111,36 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
     label = "MLP width (each routed expert)" if experts else "MLP width"
     kept = str(mlp.kept) if mlp.widths is None else "per layer " + ", ".join(str(w) for w in mlp.widths)
     rows = [(label, str(mlp.of), f"{kept} ({how})" if narrowed else f"{kept} (all kept)")]
+    rows += _allocation_rows(mlp)
+    if errors:
+        rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
+    rebuilt = [r.reconstruction for r in mlp.layers if r.reconstruction is not None]
+    if rebuilt:
+        before = sum(r.heldout_before for r in rebuilt) / len(rebuilt)
+        after = sum(r.heldout_after for r in rebuilt) / len(rebuilt)
+        weighed = "weighed by H, " if rebuilt[0].weighed_by_h else ""
+        rows.append(
+            (
+                "  mlp.reconstruct (held-out error, mean over layers)",
+                "",
+                f"{before:.4f} → {after:.4f} ({weighed}{rebuilt[0].steps} steps, {rebuilt[0].heldout_tokens:,} tokens held out)",
+            )
+        )
+    fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]
+    if experts and fewest:
+        rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{min(fewest):,}"))
+    shared = [layer.shared_expert for layer in mlp.layers if layer.shared_expert is not None]
+    if mlp.shared_kept is not None and shared:
+        rows.append(("Shared expert width", str(mlp.shared_of), f"{mlp.shared_kept} ({how})"))
+        errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in shared]
+        rows.append(("  shared expert output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
+    return rows + split_rows(mlp.split)
+
+
+def _allocation_rows(mlp: MlpReport) -> list[tuple[str, str, str]]:
+    """The heterogeneous layout's allocation: the neurons given, what `mlp.search` measured, the
+    attentions removed and the KV heads merged."""
+    rows: list[tuple[str, str, str]] = []
     if mlp.widths is not None:
         total = mlp.kept * len(mlp.widths)
         freed = len(mlp.attention_removed or []) * (mlp.attention_units or 0)
@@ -140,29 +170,7 @@ def mlp_rows(report: RunReport) -> list[tuple[str, str, str]]:
         counted = ", ".join(f"{kv}: {units}" for kv, units in sorted((mlp.kv_units or {}).items()))
         heads = ", ".join(map(str, mlp.kv_heads))
         rows.append(("  KV heads per layer (merged)", "", f"{heads} (neurons an attention counts as at {counted})"))
-    if errors:
-        rows.append(("  MLP output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
-    rebuilt = [r.reconstruction for r in mlp.layers if r.reconstruction is not None]
-    if rebuilt:
-        before = sum(r.heldout_before for r in rebuilt) / len(rebuilt)
-        after = sum(r.heldout_after for r in rebuilt) / len(rebuilt)
-        weighed = "weighed by H, " if rebuilt[0].weighed_by_h else ""
-        rows.append(
-            (
-                "  mlp.reconstruct (held-out error, mean over layers)",
-                "",
-                f"{before:.4f} → {after:.4f} ({weighed}{rebuilt[0].steps} steps, {rebuilt[0].heldout_tokens:,} tokens held out)",
-            )
-        )
-    fewest = [layer.fewest_tokens for layer in narrowed if layer.fewest_tokens is not None]
-    if experts and fewest:
-        rows.append(("  fewest calibration tokens an expert's neurons were chosen on", "", f"{min(fewest):,}"))
-    shared = [layer.shared_expert for layer in mlp.layers if layer.shared_expert is not None]
-    if mlp.shared_kept is not None and shared:
-        rows.append(("Shared expert width", str(mlp.shared_of), f"{mlp.shared_kept} ({how})"))
-        errors = [r.error_refit if r.error_refit is not None else r.error_dropped for r in shared]
-        rows.append(("  shared expert output error, mean over layers", "", f"{sum(errors) / len(errors):.4f}"))
-    return rows + split_rows(mlp.split)
+    return rows
 
 
 def split_rows(split: SplitRecord | None) -> list[tuple[str, str, str]]:

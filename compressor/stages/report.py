@@ -54,20 +54,41 @@ class WriteReport(Stage):
 
 def write_report(state: RunState) -> RunReport:
     """report.json, report.md, the recipe as run, and the distillation curve's plot."""
-    recipe, checked, result, config, staging = state.recipe, state.checked, state.result, state.config, state.staging
+    report, recipe, staging = assembled_report(state), state.recipe, state.staging
+    report.write(staging / "report.json")
+    (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    write_markdown(report, staging / "report.md")
+    if state.distillation is not None:
+        distillation_figure({"held-out KL": state.distillation.curve}).savefig(
+            staging / "distillation.png", dpi=120, bbox_inches="tight"
+        )
+    if state.split is not None:
+        write_split_figure(state.split, report, staging / "split.png")
+    return report
+
+
+def _model_info(state: RunState) -> ModelInfo:
+    """The original model as the report names it (its layers before any block was removed)."""
+    config = state.config
+    return ModelInfo(
+        path=state.recipe.model.path,
+        model_type=config.model_type,
+        family=state.family.name,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers + len(state.removed_blocks),  # the original's
+        dtype=state.recipe.model.dtype,
+    )
+
+
+def assembled_report(state: RunState) -> RunReport:
+    """The run's `report.json`, assembled from what the stages handed on."""
+    recipe, checked, result = state.recipe, state.checked, state.result
     layout = checked.layout
     pruned_params = parameter_count(state.pruned)
     fisher_source = state.split_fisher_source or result.fisher_source
-    report = RunReport(
+    return RunReport(
         compressor=compressor.__version__,
-        model=ModelInfo(
-            path=recipe.model.path,
-            model_type=config.model_type,
-            family=state.family.name,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers + len(state.removed_blocks),  # the original's
-            dtype=recipe.model.dtype,
-        ),
+        model=_model_info(state),
         sparsity=recipe.sparsity,
         target_params=recipe.target_params,
         target_active_params=recipe.target_active_params,
@@ -87,9 +108,7 @@ def write_report(state: RunState) -> RunReport:
         resumed_from=result.resumed_from,
         resume=Resume(sites_loaded=result.loaded_sites, fisher_loaded=fisher_source == "checkpoint"),
         loading=Loading(
-            load=recipe.model.load,
-            written_as_it_goes=state.writes,
-            layers_written_before=result.written_before,
+            load=recipe.model.load, written_as_it_goes=state.writes, layers_written_before=result.written_before
         ),
         fisher_source=fisher_source,
         fisher_autocast=_autocast_name(recipe, state.device) if result.fisher_source is not None else None,
@@ -114,16 +133,6 @@ def write_report(state: RunState) -> RunReport:
         estimate=state.estimate,
         environment=Environment.here(state.device),
     )
-    report.write(staging / "report.json")
-    (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    write_markdown(report, staging / "report.md")
-    if state.distillation is not None:
-        distillation_figure({"held-out KL": state.distillation.curve}).savefig(
-            staging / "distillation.png", dpi=120, bbox_inches="tight"
-        )
-    if state.split is not None:
-        write_split_figure(state.split, report, staging / "split.png")
-    return report
 
 
 def depth_report(state: RunState) -> DepthReport:
