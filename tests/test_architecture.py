@@ -443,7 +443,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "compressor.plan.preflight._model": 67,
     "compressor.run.follower.follow": 76,
     "compressor.run.runner.run": 72,
-    "compressor.stages.mlp.allocate_layers": 62,
     "compressor.stages.split_prediction.predict_splits": 68,
     "compressor.training.distill.distill": 135,
 }

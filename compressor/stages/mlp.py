@@ -22,7 +22,7 @@ from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import decoder_layers
 from compressor.engine.mlp_reconstruct import CHECK_EVERY, CHUNK_ROWS, ReconstructSettings
-from compressor.engine.mlp_widths import WidthCurve, allocate
+from compressor.engine.mlp_widths import Allocation, WidthCurve, allocate
 from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
@@ -402,6 +402,21 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
     adjustable = sum(curve.attention is not None or bool(curve.kv_merges) for curve in curves)
     total = layout.mlp_width * len(curves) + state.attention_units * adjustable
     allocation = allocate(curves, total, state.attention_units, units_at)
+    _adjust_attentions(state, layers, curves, allocation)
+    if windows:
+        allocation = dataclasses.replace(allocation, widths=search_widths(state, curves, allocation.widths, references))
+    state.mlp_widths, state.width_curves = allocation.widths, [without_refits(curve) for curve in curves]
+    state.attention_removed = allocation.attention_removed if spec.remove_attention else None
+    state.kv_heads = kv_heads_kept(state.pruned, state.family) if spec.merge_kv_heads else None
+    state.kv_units = units_at
+    return None if fisher is None else fisher[0]
+
+
+def _adjust_attentions(
+    state: RunState, layers: nn.ModuleList, curves: list[WidthCurve], allocation: Allocation
+) -> None:
+    """The attentions the allocation removes, and those it gives fewer KV heads (merged, their output
+    projection the merge's refit), changed in `state.pruned` before its MLPs are pruned."""
     for index in allocation.attention_removed:
         attention_module = layer_attention(state.family, layers[index])
         assert attention_module is not None
@@ -412,13 +427,6 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         merge = next(merge for merge in curves[index].kv_merges if merge.kv == kv)
         merge_kv_heads(attention_module, state.pruned.config, kv)
         set_output(attention_module, state.family, merge.output)
-    if windows:
-        allocation = dataclasses.replace(allocation, widths=search_widths(state, curves, allocation.widths, references))
-    state.mlp_widths, state.width_curves = allocation.widths, [without_refits(curve) for curve in curves]
-    state.attention_removed = allocation.attention_removed if spec.remove_attention else None
-    state.kv_heads = kv_heads_kept(state.pruned, state.family) if spec.merge_kv_heads else None
-    state.kv_units = units_at
-    return None if fisher is None else fisher[0]
 
 
 def original_outputs(state: RunState, windows: list[Batch]) -> list[torch.Tensor]:
