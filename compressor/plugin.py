@@ -2,13 +2,14 @@
 
 This module is the stable API. A strategy plugin subclasses `Strategy`, receives a `SiteProblem`
 (its `SiteStatistics`) and the previous step's `Basis`, returns a `Basis`, declares its options as
-an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. An MLP
-neuron selector subclasses `NeuronSelector`: a `NeuronProblem` in, a `NeuronChoice` out
-(`compressor_neuron_selectors` hook); a Mixture-of-Experts expert selector subclasses
-`ExpertSelector`: an `ExpertProblem` in, an `ExpertChoice` out (`compressor_expert_selectors`); a
-depth selector subclasses `BlockSelector`: a `BlockProblem` in, a `BlockChoice` out
-(`compressor_block_selectors`); an attention-head selector subclasses `HeadSelector`: a
-`HeadProblem` in, a `HeadChoice` out (`compressor_head_selectors`). A family
+an `options` dataclass (`FORBID`, `described`, `Number`), and registers with `hookimpl`. Every
+axis that keeps some of its units shares one selector contract (`UnitSelector`: a `UnitProblem`
+in, a `UnitChoice` of the kept units, or `RemovedUnits`, out), registered through the
+`compressor_selectors` hook: an MLP neuron selector subclasses `NeuronSelector` (a
+`NeuronProblem` in), a Mixture-of-Experts expert selector `ExpertSelector` (`ExpertProblem`), a
+depth selector `BlockSelector` (`BlockProblem`), an attention-head selector `HeadSelector`
+(`HeadProblem`); each axis's older hook (`compressor_neuron_selectors`, ...) still works, and
+`NeuronChoice`, `HeadChoice`, `ExpertChoice` are `UnitChoice`, `BlockChoice` is `RemovedUnits`. A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
 models of that family load through the transformers Auto classes. The helpers are the linear
 algebra the built-in strategies share.
@@ -52,6 +53,7 @@ from compressor.strategies.expert_contract import (
 from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector, top_per_group
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
 from compressor.strategies.registry import hookimpl
+from compressor.strategies.units import RemovedUnits, UnitChoice, UnitProblem, UnitSelector, checked_choice
 from compressor.validation import FORBID, Number, described, options
 
 
@@ -83,6 +85,7 @@ __all__ = [
     "HeadSelector",
     "ModelFamily",
     "Phase",
+    "RemovedUnits",
     "NeuronChoice",
     "NeuronProblem",
     "NeuronSelector",
@@ -93,11 +96,15 @@ __all__ = [
     "Strategy",
     "StrategyOptionError",
     "TimedPhase",
+    "UnitChoice",
     "UnitCosts",
+    "UnitProblem",
+    "UnitSelector",
     "UserError",
     "Work",
     "complete_basis",
     "coupled_loss",
+    "checked_choice",
     "coupled_losses",
     "described",
     "eigh_descending",

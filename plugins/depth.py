@@ -44,5 +44,5 @@ class MeasuredKlSelector(BlockSelector):
 
 
 @hookimpl
-def compressor_block_selectors() -> list[BlockSelector]:
+def compressor_selectors() -> list[BlockSelector]:
     return [InfluenceSelector(), MeasuredKlSelector()]

@@ -84,5 +84,5 @@ def _costs(
 
 
 @hookimpl
-def compressor_expert_selectors() -> list[ExpertSelector]:
+def compressor_selectors() -> list[ExpertSelector]:
     return [Frequency(), Reap(), OutputAware()]

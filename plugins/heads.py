@@ -69,5 +69,5 @@ class HeadSurgeon(HeadSelector):
 
 
 @hookimpl
-def compressor_head_selectors() -> list[HeadSelector]:
+def compressor_selectors() -> list[HeadSelector]:
     return [OutputNorm(), HeadSurgeon()]

@@ -92,5 +92,5 @@ def _damped(C: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 @hookimpl
-def compressor_neuron_selectors() -> list[NeuronSelector]:
+def compressor_selectors() -> list[NeuronSelector]:
     return [Magnitude(), Leverage(), OptimalBrainSurgeon()]

@@ -373,18 +373,10 @@ def _strategies(args: argparse.Namespace, console: Console) -> None:
     registry = PluginRegistry()
     rows = [(name, e.plugin, e.source, e.item.description) for name, e in registry.strategies().items()]
     print_table(console, "registered strategies", ("name", "plugin", "from", "description"), rows)
-    selectors = [(name, e.plugin, e.source, e.item.description) for name, e in registry.selectors().items()]
-    if selectors:
-        print_table(console, "MLP neuron selectors", ("name", "plugin", "from", "description"), selectors)
-    experts = [(name, e.plugin, e.source, e.item.description) for name, e in registry.expert_selectors().items()]
-    if experts:
-        print_table(console, "MoE expert selectors", ("name", "plugin", "from", "description"), experts)
-    blocks = [(name, e.plugin, e.source, e.item.description) for name, e in registry.block_selectors().items()]
-    if blocks:
-        print_table(console, "depth selectors", ("name", "plugin", "from", "description"), blocks)
-    heads = [(name, e.plugin, e.source, e.item.description) for name, e in registry.head_selectors().items()]
-    if heads:
-        print_table(console, "attention-head selectors", ("name", "plugin", "from", "description"), heads)
+    for kind in registry.selector_kinds():
+        selectors = [(name, e.plugin, e.source, e.item.description) for name, e in registry.entries(kind).items()]
+        if selectors:
+            print_table(console, kind.title, ("name", "plugin", "from", "description"), selectors)
     note_skipped(console, registry)
 
 

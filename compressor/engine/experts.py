@@ -42,7 +42,8 @@ from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
 from compressor.models.families import ModelFamily
 from compressor.models.sliced import layer_mlp
-from compressor.strategies.expert_contract import ExpertChoice, ExpertProblem, ExpertSelector
+from compressor.strategies.expert_contract import ExpertProblem, ExpertSelector
+from compressor.strategies.units import checked_choice
 
 Progress = Callable[[str, int, int], None]
 
@@ -144,24 +145,6 @@ def moe_block(layer: nn.Module, family: ModelFamily) -> RoutedExperts | None:
     return mlp if isinstance(mlp, RoutedExperts) else None
 
 
-def _checked(choice: ExpertChoice, selector: ExpertSelector, problem: ExpertProblem) -> torch.Tensor:
-    kept = torch.as_tensor(choice.kept, dtype=torch.long).flatten().cpu()
-    if len(kept) != problem.keep or len(torch.unique(kept)) != problem.keep:
-        raise UserError(
-            f"expert selector '{selector.name}' returned {len(torch.unique(kept))} distinct experts at layer "
-            f"{problem.layer}; it must return {problem.keep}"
-        )
-    if int(kept.min()) < 0 or int(kept.max()) >= problem.experts:
-        raise UserError(f"expert selector '{selector.name}' returned an expert outside 0..{problem.experts - 1}")
-    dropped = sorted(set(torch.nonzero(problem.protected).flatten().tolist()) - set(kept.tolist()))
-    if dropped:
-        raise UserError(
-            f"expert selector '{selector.name}' removed protected (super) expert(s) {dropped} at layer {problem.layer}; "
-            f"a selector keeps them (keep_highest does), or set experts.protect_super: false"
-        )
-    return torch.sort(kept).values
-
-
 @torch.no_grad()
 def prune_experts(
     model: PreTrainedModel,
@@ -259,7 +242,7 @@ def _choose(
         weighed_by_h=stats.G is not None,
     )
     choice = selector.select(problem)
-    kept = _checked(choice, selector, problem)
+    kept = checked_choice(choice, selector, problem)
     if not ranks.agree(kept):
         raise RuntimeError(
             f"layer {index}: the processes chose different experts from the same statistics "

@@ -34,12 +34,13 @@ from compressor.engine.calibration import LayerInputs, SecondMoment, capture_lay
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.mlp_widths import weighted_error
 from compressor.engine.parallel import Ranks
-from compressor.engine.refit import RefitTarget, checked_indices, output_error, refit_down
+from compressor.engine.refit import RefitTarget, output_error, refit_down
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.heads import drop_heads, head_dim, kv_heads, query_heads
 from compressor.models.sliced import layer_attention
 from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector
+from compressor.strategies.units import checked_choice
 
 Progress = Callable[[str, int, int], None]
 
@@ -194,7 +195,7 @@ def _problem(
 def _chosen(problem: HeadProblem, selector: HeadSelector, ranks: Ranks) -> tuple[HeadChoice, torch.Tensor]:
     """The selector's choice and its kept heads, the same on every process."""
     choice = selector.select(problem)
-    kept = checked_heads(choice, selector, problem).to(problem.C.device)
+    kept = checked_choice(choice, selector, problem).to(problem.C.device)
     if not ranks.agree(kept):
         raise RuntimeError(
             f"layer {problem.layer}: the processes chose different heads from the same statistics "
@@ -289,13 +290,3 @@ def _measure(
     finally:
         handle.remove()
     return moment, window_norms
-
-
-def checked_heads(choice: HeadChoice, selector: HeadSelector, problem: HeadProblem) -> torch.Tensor:
-    """The selector's kept heads as sorted indices, or one line naming what it got wrong."""
-    where = f"head selector '{selector.name}' at layer {problem.layer}"
-    kept = checked_indices(choice.kept, problem.keep, problem.heads, "head", where)
-    per_group = torch.bincount(kept // (problem.heads // problem.groups), minlength=problem.groups)
-    if bool((per_group != problem.per_group).any()):
-        raise UserError(f"{where} kept {per_group.tolist()} heads per KV group; every group keeps {problem.per_group}")
-    return kept

@@ -17,6 +17,7 @@ from compressor.engine.mlp_reconstruct import ReconstructionRecord
 from compressor.engine.parallel import Ranks
 from compressor.errors import UserError
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector
+from compressor.strategies.units import checked_choice
 
 
 @dataclass
@@ -120,7 +121,7 @@ def choose_neurons(selector: NeuronSelector, problem: NeuronProblem, ranks: Rank
     """The selector's choice for `problem` and its kept neurons (sorted, on the problem's device),
     checked, and the same on every rank (data-parallel: each chose alone from summed statistics)."""
     choice = selector.select(problem)
-    kept = checked_neurons(choice, selector, problem).to(problem.C.device)
+    kept = checked_choice(choice, selector, problem).to(problem.C.device)
     if not ranks.agree(kept):
         where = f"layer {problem.layer}" + ("" if problem.expert is None else f", expert {problem.expert}")
         raise RuntimeError(
@@ -138,7 +139,7 @@ def choose_neurons_at(
     kept = {}
     for width, choice in selector.select_widths(problem, widths).items():
         at = dataclasses.replace(problem, keep=width)
-        kept[width] = checked_neurons(choice, selector, at).to(problem.C.device)
+        kept[width] = checked_choice(choice, selector, at).to(problem.C.device)
         if not ranks.agree(kept[width]):
             raise RuntimeError(
                 f"layer {problem.layer}: the processes chose different neurons from the same statistics "
@@ -147,22 +148,3 @@ def choose_neurons_at(
     if sorted(kept) != sorted(set(widths)):
         raise UserError(f"neuron selector '{selector.name}' chose at widths {sorted(kept)}, not {sorted(set(widths))}")
     return kept
-
-
-def checked_indices(kept: Any, count: int, size: int, what: str, where: str) -> torch.Tensor:
-    """A selector's kept `what`s (neurons, heads) as sorted indices: `count` distinct ones in
-    0..size-1, or one line naming what the selector (`where`) got wrong."""
-    indices = torch.as_tensor(kept, dtype=torch.long).flatten().cpu()
-    distinct = len(torch.unique(indices))
-    if len(indices) != count or distinct != count:
-        raise UserError(f"{where} returned {distinct} distinct {what}s; it must return {count}")
-    if count and (int(indices.min()) < 0 or int(indices.max()) >= size):
-        raise UserError(f"{where} returned a {what} outside 0..{size - 1}")
-    return torch.sort(indices).values
-
-
-def checked_neurons(choice: NeuronChoice, selector: NeuronSelector, problem: NeuronProblem) -> torch.Tensor:
-    """The selector's kept neurons as sorted indices, or one line naming what it got wrong."""
-    where = f"layer {problem.layer}" + ("" if problem.expert is None else f", expert {problem.expert}")
-    where = f"neuron selector '{selector.name}' at {where}"
-    return checked_indices(choice.kept, problem.keep, problem.width, "neuron", where)

@@ -18,7 +18,7 @@ from compressor.engine.activations import ActivationStore
 from compressor.engine.depth import block_influence
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import kl_to_references, model_log_probs
-from compressor.models.depth import kept_blocks, remove_blocks, skipping
+from compressor.models.depth import remove_blocks, skipping
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.depth import DepthSpec
 from compressor.reports.report_model import DepthCandidate, DepthReport
@@ -27,6 +27,7 @@ from compressor.stages.base import RunState
 from compressor.stages.contract import Stage
 from compressor.stages.costs import TimedPhase, Work
 from compressor.strategies.block_contract import BlockProblem, BlockSelector
+from compressor.strategies.units import checked_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -198,13 +199,8 @@ def choose_blocks(state: RunState, counts: list[int]) -> DepthReport:
         for problem in problems:
             problem.measure = measure if original is not None else None
             choice = selector.select(problem)
-            removed = sorted({int(i) for i in choice.removed})
-            if len(removed) != problem.remove or len(choice.removed) != problem.remove:
-                raise UserError(
-                    f"depth selector '{selector.name}' chose {len(choice.removed)} blocks ({choice.removed}) where "
-                    f"{problem.remove} were asked for, each once; fix the selector"
-                )
-            kept_blocks(state.model.config, removed)  # every index within the model
+            kept = checked_choice(choice, selector, problem).tolist()
+            removed = [block for block in range(problem.blocks) if block not in kept]
             # the selector's own measurement where it made it (else one pass)
             heldout = problem.measure(removed) if problem.measure is not None else None
             chosen.append(DepthCandidate(removed=removed, heldout_kl=heldout, objectives=choice.objectives))

@@ -5,21 +5,24 @@ blocks go, each block's influence (ShortGPT's 1 − cos of its input and output 
 calibration tokens: a block that barely turns the stream changes least by going), and, for a
 selector that `requires` "measure", a function that measures KL(original ‖ the model without a
 set of blocks) on held-out windows, a forward pass of the model over them per call. The selector
-returns the blocks removed; the engine takes them out of the model and renumbers the rest.
-Selectors register through the `compressor_block_selectors` hook and know nothing about model
-families or weights.
+returns the blocks removed; the engine takes them out of the model and renumbers the rest. It is
+the units contract (`strategies.units`) with the block as its unit, a choice stated by what goes
+(`BlockChoice`, `units.RemovedUnits`) or, as any axis's, by what stays: selectors register through
+the `compressor_selectors` hook (or the older `compressor_block_selectors`) and know nothing about
+model families or weights.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
+
+from compressor.strategies.units import RemovedUnits, UnitProblem, UnitSelector
 
 
 @dataclass
-class BlockProblem:
+class BlockProblem(UnitProblem):
     """Remove `remove` of the model's `blocks` decoder blocks. `influence[i]`: block i's mean
     1 − cos(x_in, x_out) over the counted calibration tokens. `measure(removed)`: the held-out KL
     of the original model without the blocks `removed` (None unless the selector requires
@@ -34,26 +37,30 @@ class BlockProblem:
     measured: dict[tuple[int, ...], float] = field(default_factory=dict)
     shortlist: int | None = None
 
+    unit: ClassVar[str] = "block"
 
-@dataclass
-class BlockChoice:
-    """The blocks removed (indices into the original's blocks, any order) and the selector's own figures."""
+    @property
+    def units(self) -> int:
+        return self.blocks
 
-    removed: list[int]
-    objectives: dict[str, Any] = field(default_factory=dict)
+    @property
+    def keep(self) -> int:  # type: ignore[override]  # what stays, from the count that goes
+        return self.blocks - self.remove
+
+    def where(self) -> str:
+        return ""
 
 
-class BlockSelector(ABC):
+BlockChoice = RemovedUnits
+"""The blocks removed (indices into the original's blocks, any order) and the selector's own figures."""
+
+
+class BlockSelector(UnitSelector[BlockProblem]):
     """Chooses which decoder blocks go. `requires` names what it cannot do without ("measure": the
     problem's `measure`, which costs the engine the original whole on the device and a forward
     pass over the held-out windows per call)."""
 
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-
-    @abstractmethod
-    def select(self, problem: BlockProblem) -> BlockChoice: ...
+    unit: ClassVar[str] = "block"
 
 
 def lowest(scores: Sequence[float], count: int, among: Sequence[int] | None = None) -> list[int]:

@@ -6,21 +6,24 @@ output norm, the largest output coordinate it wrote), and, for a selector that `
 "outputs", a sample of tokens with the router's probabilities over every expert and the Gram
 matrix of every expert's output on each (weighed by the output sensitivity H of the stream the
 block writes to, when the run estimated it). The selector returns which `keep` experts stay; the
-layer's router loses the others' rows and each token re-picks its top-k among the rest. Selectors
-register through the `compressor_expert_selectors` hook and know nothing about model families.
+layer's router loses the others' rows and each token re-picks its top-k among the rest. It is the
+units contract (`strategies.units`) with the expert as its unit: selectors register through the
+`compressor_selectors` hook (or the older `compressor_expert_selectors`) and know nothing about
+model families.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from compressor.strategies.units import UnitChoice, UnitProblem, UnitSelector
+
 
 @dataclass
-class ExpertProblem:
+class ExpertProblem(UnitProblem):
     """One MoE layer: keep `keep` of its `experts` routed experts (each token uses `top_k`).
 
     Per expert (length E): `tokens` routed (token, expert) pairs over the counted calibration
@@ -47,30 +50,37 @@ class ExpertProblem:
     gram: torch.Tensor | None = None
     weighed_by_h: bool = False
 
+    unit: ClassVar[str] = "expert"
+
     @property
     def experts(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def units(self) -> int:
+        return self.experts
 
-@dataclass
-class ExpertChoice:
-    """The kept experts (indices into the layer's E, any order) and the selector's own figures."""
+    def refusal(self, kept: torch.Tensor) -> str | None:
+        """Protected (super) experts stay."""
+        dropped = sorted(set(torch.nonzero(self.protected).flatten().tolist()) - set(kept.tolist()))
+        if dropped:
+            return (
+                f"removed protected (super) expert(s) {dropped}; a selector keeps them (keep_highest does), "
+                "or set experts.protect_super: false"
+            )
+        return None
 
-    kept: torch.Tensor
-    objectives: dict[str, Any] = field(default_factory=dict)
+
+ExpertChoice = UnitChoice
+"""The kept experts (indices into the layer's E, any order) and the selector's own figures."""
 
 
-class ExpertSelector(ABC):
+class ExpertSelector(UnitSelector[ExpertProblem]):
     """Chooses which of a layer's routed experts stay. `requires` names the statistics it cannot do
     without ("outputs": the problem's `probabilities` and `gram`, which cost the engine a pass of
     every sampled token through every expert)."""
 
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-
-    @abstractmethod
-    def select(self, problem: ExpertProblem) -> ExpertChoice: ...
+    unit: ClassVar[str] = "expert"
 
 
 def keep_highest(scores: torch.Tensor, problem: ExpertProblem) -> torch.Tensor:

@@ -7,23 +7,23 @@ writes to the stream), and, when the run has it, the output sensitivity H of the
 attention writes to. The selector returns which heads stay: the same number in every KV group
 (the heads that share one key and value head), so the layer stays grouped-query attention with
 fewer query heads. A head is to this axis what a neuron is to the MLP's: a block of `head_dim`
-inputs of the output projection instead of one. Selectors register through the
-`compressor_head_selectors` hook and know nothing about model families or weights.
+inputs of the output projection instead of one. It is the units contract (`strategies.units`)
+with the head as its unit: selectors register through the `compressor_selectors` hook (or the
+older `compressor_head_selectors`) and know nothing about model families or weights.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from compressor.strategies.neuron_contract import top_k
+from compressor.strategies.units import UnitChoice, UnitProblem, UnitSelector, top_k
 
 
 @dataclass
-class HeadProblem:
+class HeadProblem(UnitProblem):
     """One attention layer: keep `keep` of the `heads` query heads, `keep / groups` in each of the
     `groups` KV groups (group g holds heads g·heads/groups to (g+1)·heads/groups − 1).
 
@@ -48,6 +48,12 @@ class HeadProblem:
     G: torch.Tensor | None = None
     tokens: int = 0
 
+    unit: ClassVar[str] = "head"
+
+    @property
+    def units(self) -> int:
+        return self.heads
+
     @property
     def per_group(self) -> int:
         """Heads every KV group keeps."""
@@ -61,25 +67,23 @@ class HeadProblem:
         offsets = torch.arange(self.head_dim, device=heads.device)
         return (heads.reshape(-1, 1) * self.head_dim + offsets).flatten()
 
+    def refusal(self, kept: torch.Tensor) -> str | None:
+        """Every KV group keeps `per_group` heads, so the layer stays grouped-query attention."""
+        per_group = torch.bincount(kept // (self.heads // self.groups), minlength=self.groups)
+        if bool((per_group != self.per_group).any()):
+            return f"kept {per_group.tolist()} heads per KV group; every group keeps {self.per_group}"
+        return None
 
-@dataclass
-class HeadChoice:
-    """The kept heads (indices into the layer's query heads, any order) and the selector's figures."""
 
-    kept: torch.Tensor
-    objectives: dict[str, Any] = field(default_factory=dict)
+HeadChoice = UnitChoice
+"""The kept heads (indices into the layer's query heads, any order) and the selector's figures."""
 
 
-class HeadSelector(ABC):
+class HeadSelector(UnitSelector[HeadProblem]):
     """Chooses which of an attention layer's query heads stay, the same number per KV group.
     `requires` names the statistics it cannot do without ("H": the problem's `G`)."""
 
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-
-    @abstractmethod
-    def select(self, problem: HeadProblem) -> HeadChoice: ...
+    unit: ClassVar[str] = "head"
 
 
 def top_per_group(scores: torch.Tensor, problem: HeadProblem) -> torch.Tensor:

@@ -5,23 +5,26 @@ expert in a Mixture-of-Experts layer, `engine.expert_width`): statistics
 of the MLP's intermediate activation h (the f neurons the down projection reads) over the
 calibration tokens, the down projection's weight (what each neuron writes to the stream), and,
 when the run has it, the output sensitivity H of the stream the MLP writes to. The selector
-returns which `keep` neurons stay. Selectors register through the `compressor_neuron_selectors`
-hook, as strategies do, and know nothing about model families or weights beyond the problem.
+returns which `keep` neurons stay. It is the units contract (`strategies.units`) with the neuron
+as its unit: selectors register through the `compressor_selectors` hook (or the older
+`compressor_neuron_selectors`), as strategies do, and know nothing about model families or weights
+beyond the problem.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from compressor.strategies.units import UnitChoice, UnitProblem, UnitSelector, top_k
+
 
 @dataclass
-class NeuronProblem:
+class NeuronProblem(UnitProblem):
     """One layer's MLP: keep `keep` of its `width` intermediate neurons.
 
     `C` is E[h hᵀ] (f × f, float64) over the counted calibration tokens, measured with the earlier
@@ -48,29 +51,29 @@ class NeuronProblem:
     token was not routed to it, the routed ones weighed by their routing weight (`tokens`: how
     many were routed to it); `down` is the expert's down projection."""
 
+    unit: ClassVar[str] = "neuron"
+
     @property
     def width(self) -> int:
         return int(self.C.shape[0])
 
+    @property
+    def units(self) -> int:
+        return self.width
 
-@dataclass
-class NeuronChoice:
-    """The kept neurons (indices into the layer's f, any order) and the selector's own figures."""
-
-    kept: torch.Tensor
-    objectives: dict[str, Any] = field(default_factory=dict)
+    def where(self) -> str:
+        return f"layer {self.layer}" + ("" if self.expert is None else f", expert {self.expert}")
 
 
-class NeuronSelector(ABC):
+NeuronChoice = UnitChoice
+"""The kept neurons (indices into the layer's f, any order) and the selector's own figures."""
+
+
+class NeuronSelector(UnitSelector[NeuronProblem]):
     """Chooses which of an MLP's neurons stay. `requires` names the statistics it cannot do
     without ("H": the problem's `G`); a selector that can use G but does without leaves it empty."""
 
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-
-    @abstractmethod
-    def select(self, problem: NeuronProblem) -> NeuronChoice: ...
+    unit: ClassVar[str] = "neuron"
 
     def select_widths(self, problem: NeuronProblem, widths: Sequence[int]) -> dict[int, NeuronChoice]:
         """A choice at each of `widths` (each from 1 to the problem's width; `problem.keep` is
@@ -80,7 +83,4 @@ class NeuronSelector(ABC):
         return {width: self.select(dataclasses.replace(problem, keep=width)) for width in widths}
 
 
-def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """The indices of the `keep` largest scores, ascending (ties broken by the lower index)."""
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return torch.sort(order[:keep]).values
+__all__ = ["NeuronChoice", "NeuronProblem", "NeuronSelector", "top_k"]

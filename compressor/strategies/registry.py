@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import pluggy
 
@@ -24,6 +24,7 @@ from compressor.strategies.contract import Strategy
 from compressor.strategies.expert_contract import ExpertSelector
 from compressor.strategies.head_contract import HeadSelector
 from compressor.strategies.neuron_contract import NeuronSelector
+from compressor.strategies.units import UnitSelector
 
 PROJECT = "compressor"
 ENTRY_POINT_GROUP = "compressor"
@@ -43,6 +44,11 @@ class CompressorHookSpecs:
     @hookspec
     def compressor_model_families(self) -> list[ModelFamily]:
         """Return descriptions of model families (by `model_type`) this plugin supports."""
+
+    @hookspec
+    def compressor_selectors(self) -> list[UnitSelector[Any]]:
+        """Return the selectors of any axis this plugin provides (`UnitSelector`s; each one's `unit`
+        says which axis's problems it takes)."""
 
     @hookspec
     def compressor_neuron_selectors(self) -> list[NeuronSelector]:
@@ -81,20 +87,35 @@ class Registered(Generic[T]):
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of plugin entry: the hook that provides it and what a refusal calls it."""
+    """One kind of plugin entry: the hook that provides it and what a refusal calls it. A selector
+    kind has its `unit`: the generic `compressor_selectors` hook's selectors of that unit join it."""
 
     hook: str
     name: str
+    unit: str | None = None
+    title: str = ""
+    """The heading `compress strategies` lists a selector kind under."""
 
 
 STRATEGY = Kind("compressor_strategies", "strategy")
-NEURON_SELECTOR = Kind("compressor_neuron_selectors", "neuron selector")
-EXPERT_SELECTOR = Kind("compressor_expert_selectors", "expert selector")
-BLOCK_SELECTOR = Kind("compressor_block_selectors", "depth selector")
-HEAD_SELECTOR = Kind("compressor_head_selectors", "head selector")
+NEURON_SELECTOR = Kind("compressor_neuron_selectors", "neuron selector", "neuron", "MLP neuron selectors")
+EXPERT_SELECTOR = Kind("compressor_expert_selectors", "expert selector", "expert", "MoE expert selectors")
+BLOCK_SELECTOR = Kind("compressor_block_selectors", "depth selector", "block", "depth selectors")
+HEAD_SELECTOR = Kind("compressor_head_selectors", "head selector", "head", "attention-head selectors")
 STAGE = Kind("compressor_stages", "stage")
-KINDS = (STRATEGY, NEURON_SELECTOR, EXPERT_SELECTOR, BLOCK_SELECTOR, HEAD_SELECTOR, STAGE)
+SELECTOR_KINDS = (NEURON_SELECTOR, EXPERT_SELECTOR, BLOCK_SELECTOR, HEAD_SELECTOR)
+"""The built-in axes' selector kinds, by unit; a plugin axis's unit gets a kind of its own."""
+KINDS = (STRATEGY, *SELECTOR_KINDS, STAGE)
 """Every kind a plugin provides by name, collected the same way (families are by model_type)."""
+GENERIC_SELECTORS = "compressor_selectors"
+
+
+def selector_kind(unit: str) -> Kind:
+    """The kind of the selectors of `unit`: a built-in axis's, or one for a plugin axis's unit."""
+    for kind in SELECTOR_KINDS:
+        if kind.unit == unit:
+            return kind
+    return Kind(GENERIC_SELECTORS, f"{unit} selector", unit, f"{unit} selectors")
 
 
 @dataclass(frozen=True)
@@ -180,25 +201,52 @@ class PluginRegistry:
                     self._sources[plugin.name] = plugin.source
         for plugin in extra_plugins:
             self.manager.register(plugin)
-        self._named = {kind: self._collect_named(kind) for kind in KINDS}
+        self._named = {kind: self._collect_named(kind, self._provided(kind.hook)) for kind in (STRATEGY, STAGE)}
+        self._named.update(self._collect_selectors())
         self._families = self._collect_families()
 
     def _source(self, name: str, plugin: object) -> str:
         """The package (and version) that installed plugin `name`; else the plugin object's name."""
         return self._sources.get(name) or getattr(plugin, "__name__", type(plugin).__name__)
 
-    def _collect_named(self, kind: Kind) -> dict[str, Registered[Any]]:
-        """What each implementation of `kind`'s hook provides, by name; one name from two plugins is refused."""
+    def _provided(self, hook: str) -> list[tuple[Any, Any]]:
+        """(implementation, item) for everything each implementation of `hook` returns, in order."""
+        return [
+            (impl, item) for impl in getattr(self.manager.hook, hook).get_hookimpls() for item in impl.function() or []
+        ]
+
+    def _collect_named(self, kind: Kind, provided: Iterable[tuple[Any, Any]]) -> dict[str, Registered[Any]]:
+        """The `provided` entries of `kind` by name; one name from two plugins is refused."""
         found: dict[str, Registered[Any]] = {}
-        for impl in getattr(self.manager.hook, kind.hook).get_hookimpls():
-            for item in impl.function() or []:
-                if item.name in found:
-                    raise UserError(
-                        f"{kind.name} '{item.name}' is provided twice, by plugins "
-                        f"'{found[item.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
-                    )
-                found[item.name] = Registered(item, impl.plugin_name, self._source(impl.plugin_name, impl.plugin))
+        for impl, item in provided:
+            if item.name in found:
+                raise UserError(
+                    f"{kind.name} '{item.name}' is provided twice, by plugins "
+                    f"'{found[item.name].plugin}' and '{impl.plugin_name}'; uninstall one of them"
+                )
+            found[item.name] = Registered(item, impl.plugin_name, self._source(impl.plugin_name, impl.plugin))
         return found
+
+    def _collect_selectors(self) -> dict[Kind, dict[str, Registered[Any]]]:
+        """Every selector under its unit's kind: from its axis's own hook, or from the generic
+        `compressor_selectors` by the `unit` it declares (a plugin axis's unit gets its kind)."""
+        by_kind: dict[Kind, list[tuple[Any, Any]]] = {kind: [] for kind in SELECTOR_KINDS}
+        for kind in SELECTOR_KINDS:
+            for impl, item in self._provided(kind.hook):
+                if getattr(item, "unit", kind.unit) != kind.unit:
+                    raise UserError(
+                        f"plugin '{impl.plugin_name}' returns {item.unit} selector '{item.name}' from {kind.hook}, "
+                        f"which takes {kind.name}s; return it from {GENERIC_SELECTORS}"
+                    )
+                by_kind[kind].append((impl, item))
+        for impl, item in self._provided(GENERIC_SELECTORS):
+            if not isinstance(getattr(item, "unit", None), str):
+                raise UserError(
+                    f"plugin '{impl.plugin_name}' returns selector '{getattr(item, 'name', item)}' without a unit; "
+                    "subclass one of compressor.plugin's selector classes (UnitSelector for a plugin axis)"
+                )
+            by_kind.setdefault(selector_kind(item.unit), []).append((impl, item))
+        return {kind: self._collect_named(kind, provided) for kind, provided in by_kind.items()}
 
     def _collect_families(self) -> dict[str, Registered[ModelFamily]]:
         """Built-in families plus plugin ones, by model_type; a plugin's get its sliced classes."""
@@ -229,39 +277,52 @@ class PluginRegistry:
 
     def entries(self, kind: Kind) -> dict[str, Registered[Any]]:
         """Every entry of `kind`, by name."""
-        return dict(sorted(self._named[kind].items()))
+        return dict(sorted(self._named.get(kind, {}).items()))
+
+    def selector_kinds(self) -> list[Kind]:
+        """The selector kinds: the built-in axes' units, then any plugin axis's unit that has selectors."""
+        return [*SELECTOR_KINDS, *(kind for kind in self._named if kind.unit and kind not in SELECTOR_KINDS)]
+
+    def unit_selectors(self, unit: str) -> dict[str, Registered[UnitSelector[Any]]]:
+        """Every selector of `unit` (an axis's unit: "neuron", "head", "expert", "block", a plugin's), by name."""
+        return self.entries(selector_kind(unit))
+
+    def unit_selector(self, unit: str, name: str) -> UnitSelector[Any]:
+        """The selector `name` of `unit`, or the line that refuses an unknown name."""
+        kind = selector_kind(unit)
+        return _named(self._named.get(kind, {}), name, kind.name).item
 
     def strategies(self) -> dict[str, Registered[Strategy]]:
         return self.entries(STRATEGY)
 
     def selectors(self) -> dict[str, Registered[NeuronSelector]]:
         """Every MLP neuron selector, by name."""
-        return self.entries(NEURON_SELECTOR)
+        return self.unit_selectors("neuron")
 
     def expert_selectors(self) -> dict[str, Registered[ExpertSelector]]:
-        return self.entries(EXPERT_SELECTOR)
+        return self.unit_selectors("expert")
 
     def block_selectors(self) -> dict[str, Registered[BlockSelector]]:
-        return self.entries(BLOCK_SELECTOR)
+        return self.unit_selectors("block")
 
     def head_selectors(self) -> dict[str, Registered[HeadSelector]]:
-        return self.entries(HEAD_SELECTOR)
+        return self.unit_selectors("head")
 
     def stages(self) -> list[Any]:
         """The stages plugins add to a run (`compressor.plugin.Stage`s), in the order the plugins registered them."""
         return [entry.item for entry in self._named[STAGE].values()]
 
     def selector(self, name: str) -> NeuronSelector:
-        return _named(self._named[NEURON_SELECTOR], name, NEURON_SELECTOR.name).item
+        return cast(NeuronSelector, self.unit_selector("neuron", name))
 
     def expert_selector(self, name: str) -> ExpertSelector:
-        return _named(self._named[EXPERT_SELECTOR], name, EXPERT_SELECTOR.name).item
+        return cast(ExpertSelector, self.unit_selector("expert", name))
 
     def block_selector(self, name: str) -> BlockSelector:
-        return _named(self._named[BLOCK_SELECTOR], name, BLOCK_SELECTOR.name).item
+        return cast(BlockSelector, self.unit_selector("block", name))
 
     def head_selector(self, name: str) -> HeadSelector:
-        return _named(self._named[HEAD_SELECTOR], name, HEAD_SELECTOR.name).item
+        return cast(HeadSelector, self.unit_selector("head", name))
 
     def strategy(self, name: str) -> Strategy:
         strategies = self._named[STRATEGY]

@@ -21,8 +21,9 @@ from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
 from compressor.run.runner import run
 from compressor.runtime.loading import heldout_batches
-from compressor.strategies.block_contract import BlockChoice, BlockProblem, BlockSelector
+from compressor.strategies.block_contract import BlockProblem, BlockSelector
 from compressor.strategies.registry import PluginRegistry, hookimpl
+from compressor.strategies.units import UnitChoice
 from tests.conftest import max_relative_logit_error, random_batches, save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
 
@@ -123,15 +124,15 @@ def test_the_budget_is_the_original_s_and_the_width_takes_what_the_blocks_leave(
 
 class SecondBlock(BlockSelector):
     name = "second-block"
-    description = "removes block 1 (a third party's selector)"
+    description = "removes block 1 (a third party's selector, naming the blocks that stay)"
 
-    def select(self, problem: BlockProblem) -> BlockChoice:
-        return BlockChoice([1])
+    def select(self, problem: BlockProblem) -> UnitChoice:
+        return UnitChoice([block for block in range(problem.blocks) if block != 1])
 
 
 class ThirdParty:
     @hookimpl
-    def compressor_block_selectors(self) -> list[BlockSelector]:
+    def compressor_selectors(self) -> list[BlockSelector]:
         return [SecondBlock()]
 
 
