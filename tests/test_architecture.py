@@ -438,7 +438,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "compressor.plan.checks._layout": 79,
     "compressor.plan.checks._splits": 75,
     "compressor.plan.checks.plan": 70,
-    "compressor.plan.decode_budget.resolve": 70,
     "compressor.plan.memory.of": 79,
     "compressor.plan.preflight._model": 67,
     "compressor.run.follower.follow": 76,

@@ -43,6 +43,10 @@ from compressor.reports.report_model import DecodeBudget, DecodeCandidate, Decod
 from compressor.runtime.resume import stored_decode_budget
 from compressor.strategies.registry import PluginRegistry
 
+Timer = Callable[[PretrainedConfig, PretrainedConfig], float]
+"""(the dense model's config, a candidate's config) → the candidate's decode time per token over
+the dense model's."""
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -60,11 +64,8 @@ class DecodeSettings:
     """A budget timed within this share below the target ends the search (the timings' own noise is larger)."""
     floor: float = 0.02
     """The smallest parameter budget probed before the target is refused as out of reach."""
-
-
-Timer = Callable[[PretrainedConfig, PretrainedConfig], float]
-"""(the dense model's config, a candidate's config) → the candidate's decode time per token over
-the dense model's."""
+    timer: Timer | None = None
+    """What times a candidate's shape against the dense one (None: `shape_timer`, on the run's device)."""
 
 
 def shape_timer(recipe: Recipe, device: torch.device, settings: DecodeSettings) -> Timer:
@@ -196,17 +197,17 @@ def _candidate_probe(
 
 def resolve(
     recipe: Recipe,
+    ceiling_plan: Plan,
     registry: PluginRegistry,
     device: torch.device,
     progress: Callable[[str, int, int], None] | None = None,
     restart: bool = False,
-    timer: Timer | None = None,
     settings: DecodeSettings = DecodeSettings(),
 ) -> tuple[Plan, DecodeBudget]:
     """The plan of a `target_decode` recipe, each candidate at its decode budget, and the search's
-    record; an interrupted run's budgets are read back unless `restart`."""
+    record; `ceiling_plan` is the recipe's plan at its parameter ceiling, where the search starts
+    (the run's own, not made again). An interrupted run's budgets are read back unless `restart`."""
     assert recipe.target_decode is not None
-    ceiling_plan = plan(recipe, registry)  # every check, at the ceiling the search starts from
     if launched_processes() > 1:
         raise UserError(
             "target_decode times models in one process, and each rank would time its own; launch one process, "
@@ -218,10 +219,21 @@ def resolve(
             "says do not fit; give target_params instead"
         )
     stored = None if restart else stored_decode_budget(Path(recipe.output), recipe)
-    if stored is not None:
-        return plan(recipe, registry, stored.budgets()), stored
+    record = stored or _search(recipe, ceiling_plan, device, settings, progress)
+    return plan(recipe, registry, record.budgets()), record
+
+
+def _search(
+    recipe: Recipe,
+    ceiling_plan: Plan,
+    device: torch.device,
+    settings: DecodeSettings,
+    progress: Callable[[str, int, int], None] | None,
+) -> DecodeBudget:
+    """Every candidate's largest budget whose decode time meets the target, timed on `device`."""
+    assert recipe.target_decode is not None
     started = time.perf_counter()
-    timer = timer or shape_timer(recipe, device, settings)
+    timer = settings.timer or shape_timer(recipe, device, settings)
     dense = plan_config(recipe, ceiling_plan)
     ceiling = recipe.target_params or 1.0
     groups = candidate_groups(recipe, ceiling_plan)
@@ -252,7 +264,7 @@ def resolve(
         raise refusal
     if progress is not None:
         progress("target_decode: timing decode", 1, 1)
-    record = DecodeBudget(
+    return DecodeBudget(
         target=recipe.target_decode,
         ceiling=ceiling,
         device=str(device),
@@ -263,4 +275,3 @@ def resolve(
         candidates=found,
         seconds=time.perf_counter() - started,
     )
-    return plan(recipe, registry, record.budgets()), record

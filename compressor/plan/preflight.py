@@ -87,7 +87,7 @@ def dry_run(
     model_lines = DryRun()
     checked = _model(recipe, registry, model_lines)
     if checked is not None and recipe.target_decode is not None and device is not None and missing is None:
-        _, decode = resolve_decode(recipe, registry, device, restart=restart)
+        _, decode = resolve_decode(recipe, checked, registry, device, restart=restart)
         found.checked.append(decode_line(decode))
         model_lines = DryRun()
         checked = _model(recipe, registry, model_lines, decode.budgets())  # its lines at the budgets found

@@ -81,7 +81,7 @@ def run(
         use_threads(recipe.threads)
     decode = None
     if recipe.target_decode is not None:  # the budgets timed with the threads the run has
-        checked, decode = resolve_decode(recipe, registry, device, report_progress, restart)
+        checked, decode = resolve_decode(recipe, checked, registry, device, report_progress, restart)
     for warning in checked.warnings if warn is not None else ():
         warn(warning)
     machine = machine_memory(device)

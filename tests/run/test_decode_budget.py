@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.stock import meta_params
+from compressor.plan import decode_budget
 from compressor.plan.checks import candidate_groups, group_layouts, plan
 from compressor.plan.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
 from compressor.recipe.schema import load_recipe
@@ -109,7 +110,13 @@ def test_each_group_gets_its_own_budget_and_the_plan_holds_every_candidate_withi
     its budget; the plan's candidates are planned at those budgets, and `replan` keeps them."""
     recipe, registry = _recipe(tmp_path, four_blocks, mlp={}, depth={"max_removed": 1, "selector": "influence"})
     timer, calls = _layer_bound_timer(cost_per_layer=400_000)
-    checked, record = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    checked, record = resolve(
+        recipe,
+        plan(recipe, registry),
+        registry,
+        torch.device("cpu"),
+        settings=dataclasses.replace(SETTINGS, timer=timer),
+    )
     budgets = record.budgets()
     assert list(budgets) == ["every block", "1 blocks removed"] == candidate_groups(recipe, plan(recipe, registry))
     assert budgets["1 blocks removed"][0] > budgets["every block"][0]  # the residual width alone, with and without
@@ -151,19 +158,59 @@ def test_a_candidates_saved_config_has_the_shape_the_run_saves(four_blocks: Path
     assert shape.head_dim == saved.head_dim and saved.hidden_size < 256 and saved.num_hidden_layers == 3
 
 
+def test_the_search_starts_from_the_plan_it_is_handed_and_plans_once_at_the_budgets_found(
+    four_blocks: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ceiling plan is the run's own (issue 80, plan once): `resolve` does not make it again, and
+    plans once more only at the budgets the search found."""
+    recipe, registry = _recipe(tmp_path, four_blocks)
+    ceiling = plan(recipe, registry)
+    planned: list[object] = []
+
+    def counted(*args: object) -> object:
+        planned.append(args[2] if len(args) > 2 else None)
+        return plan(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_budget, "plan", counted)
+    timer, _ = _layer_bound_timer(cost_per_layer=0)
+    _, record = resolve(
+        recipe, ceiling, registry, torch.device("cpu"), settings=dataclasses.replace(SETTINGS, timer=timer)
+    )
+    assert planned == [record.budgets()]
+
+
 def test_an_interrupted_runs_budgets_are_read_back_unless_restarted(four_blocks: Path, tmp_path: Path) -> None:
     recipe, registry = _recipe(tmp_path, four_blocks)
     timer, calls = _layer_bound_timer(cost_per_layer=0)
-    checked, record = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    checked, record = resolve(
+        recipe,
+        plan(recipe, registry),
+        registry,
+        torch.device("cpu"),
+        settings=dataclasses.replace(SETTINGS, timer=timer),
+    )
     folder = staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER
     keep_decode_budget(folder, recipe, record)
     timed = len(calls)
-    again, reused = resolve(recipe, registry, torch.device("cpu"), timer=timer, settings=SETTINGS)
+    again, reused = resolve(
+        recipe,
+        plan(recipe, registry),
+        registry,
+        torch.device("cpu"),
+        settings=dataclasses.replace(SETTINGS, timer=timer),
+    )
     assert reused.reused and reused.budgets() == record.budgets() and len(calls) == timed
     assert again.layout.widths == checked.layout.widths
     other = dataclasses.replace(recipe, target_decode=0.8)
     assert stored_decode_budget(Path(other.output), other) is None  # another recipe's budgets are not taken
-    _, fresh = resolve(recipe, registry, torch.device("cpu"), restart=True, timer=timer, settings=SETTINGS)
+    _, fresh = resolve(
+        recipe,
+        plan(recipe, registry),
+        registry,
+        torch.device("cpu"),
+        restart=True,
+        settings=dataclasses.replace(SETTINGS, timer=timer),
+    )
     assert not fresh.reused and len(calls) > timed
 
 
