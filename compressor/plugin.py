@@ -22,8 +22,11 @@ so loading plugins stays cheap for `compress --help`-like paths and recipe check
 
 from __future__ import annotations
 
+from typing import Any
+
 from compressor._post_import import after_import
 from compressor.errors import UserError
+from compressor.models.axes import Axis
 from compressor.models.families import ModelFamily
 from compressor.stages.contract import Candidate, Stage
 from compressor.stages.costs import Phase, TimedPhase, UnitCosts, Work
@@ -52,9 +55,16 @@ from compressor.strategies.expert_contract import (
 )
 from compressor.strategies.head_contract import HeadChoice, HeadProblem, HeadSelector, top_per_group
 from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, NeuronSelector, top_k
-from compressor.strategies.registry import hookimpl
+from compressor.strategies.registry import PluginRegistry, hookimpl
 from compressor.strategies.units import RemovedUnits, UnitChoice, UnitProblem, UnitSelector, checked_choice
 from compressor.validation import FORBID, Number, described, options
+
+
+def unit_selector(unit: str, name: str) -> UnitSelector[Any]:
+    """The installed selector `name` of `unit`, or the line that refuses an unknown name: what a
+    plugin axis's stage looks up for the selector its recipe section names (in `check_plan`, so a
+    wrong name stops the run before any weight loads)."""
+    return PluginRegistry().unit_selector(unit, name)
 
 
 def register_family(family: ModelFamily) -> None:
@@ -70,6 +80,7 @@ def register_family(family: ModelFamily) -> None:
 
 
 __all__ = [
+    "Axis",
     "DEFAULT_TAUS",
     "FORBID",
     "Basis",
@@ -117,6 +128,7 @@ __all__ = [
     "register_family",
     "removed_energy",
     "tau_candidates",
+    "unit_selector",
     "top_k",
     "top_per_group",
 ]

@@ -392,8 +392,8 @@ def _families(args: argparse.Namespace, console: Console) -> None:
             model_type,
             e.item.name,
             ", ".join(e.item.layouts() + (("heterogeneous",) if model_type in DECILM_TYPES else ())),
-            ", ".join(axis.key for axis in family_axes(e.item, model_type)),
-            ", ".join(axis.key for axis in stock_axes(e.item, model_type)) or "none",
+            ", ".join(axis.key for axis in family_axes(e.item, model_type, registry.axes())),
+            ", ".join(axis.key for axis in stock_axes(e.item, model_type, registry.axes())) or "none",
             e.plugin,
             e.source,
         )

@@ -29,7 +29,7 @@ from compressor.models.families import ModelFamily
 from compressor.models.stock import to_stock
 from compressor.plan.checks import plan as plan_run
 from compressor.recipe.paths import resolve_model_path
-from compressor.recipe.schema import load_recipe
+from compressor.recipe.schema import Recipe, load_recipe
 from compressor.recipe.sections.data import DataSpec, check_data
 from compressor.recipe.sections.evaluation import LmEvalSpec, check_lm_eval
 from compressor.recipe.sections.model import DTYPES, ModelSpec
@@ -121,6 +121,39 @@ def _suites(request: EvalRequest, recipe_suites: list[LmEvalSpec] | None) -> lis
     return [check_lm_eval(spec, "--tasks", Path.cwd())]
 
 
+def _rebuilt_from_bases(
+    folder: Path, recipe: Recipe, registry: PluginRegistry
+) -> tuple[tuple[Path, ModelFamily], PretrainedConfig | None]:
+    """A run that kept only its bases: where they are and the family that rebuilds the model from
+    the original, and the original class's config where it saved one basis (None: per site)."""
+    checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
+    rebuild = (folder / BASES_FILE, checked.layout.family)
+    if not checked.layout.one_basis:
+        return rebuild, None
+    if checked.layout.tie_head:
+        raise UserError(
+            f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
+            f"statistics, which only model/ holds; rerun it with the sweep's save_models: true"
+        )
+    return rebuild, checked.layout.config
+
+
+def _windows(request: EvalRequest, data: DataSpec | None) -> DataSpec | None:
+    """The evaluation windows: the run's, or `--data`'s, with the command line's overrides, checked."""
+    if request.data is not None:
+        data = dataclasses.replace(
+            data or DEFAULT_WINDOWS, dataset={"path": "json", "data_files": request.data}, format="text"
+        )
+    if data is None:
+        return None
+    overrides = {
+        key: getattr(request, key)
+        for key in ("text_field", "num_samples", "seq_len", "batch_size")
+        if getattr(request, key) is not None
+    }
+    return check_data(replaced(data, "evaluation.", **overrides), "evaluation", Path.cwd())
+
+
 def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
     """The model to evaluate, the reference (if any), the evaluation windows and task suites."""
     if request.dtype is not None and request.dtype not in DTYPES:
@@ -151,15 +184,7 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
             )
         else:  # a sweep's run keeps only its bases: the pruned model is rebuilt from the original
             target = dataclasses.replace(recipe.model, dtype=dtype, load="memory")
-            checked = plan_run(dataclasses.replace(recipe, evaluation=None), registry)
-            rebuild = (folder / BASES_FILE, checked.layout.family)
-            if checked.layout.one_basis:
-                if checked.layout.tie_head:
-                    raise UserError(
-                        f"{folder} kept no model/, and its tied head's scale was fitted on the run's own "
-                        f"statistics, which only model/ holds; rerun it with the sweep's save_models: true"
-                    )
-                stock = checked.layout.config
+            rebuild, stock = _rebuilt_from_bases(folder, recipe, registry)
         # `compress eval` runs whole models: a run streamed for its walk is evaluated from memory here
         reference = dataclasses.replace(recipe.model, dtype=dtype, load="memory") if request.reference is None else None
         data = recipe.evaluation
@@ -171,23 +196,13 @@ def _plan(request: EvalRequest, registry: PluginRegistry) -> EvalPlan:
         reference = None
     if request.reference is not None:
         reference = _model_spec(request.reference, dtype)
-    if request.data is not None:
-        data = dataclasses.replace(
-            data or DEFAULT_WINDOWS, dataset={"path": "json", "data_files": request.data}, format="text"
-        )
     suites = _suites(request, recipe_suites)
+    data = _windows(request, data)
     if data is None and not suites:
         raise UserError(
             f"nothing to evaluate for {request.target}: pass --data FILE.jsonl (one JSON object per line, "
             f"with a text field) and/or --tasks"
         )
-    if data is not None:
-        overrides = {
-            key: getattr(request, key)
-            for key in ("text_field", "num_samples", "seq_len", "batch_size")
-            if getattr(request, key) is not None
-        }
-        data = check_data(replaced(data, "evaluation.", **overrides), "evaluation", Path.cwd())
     if request.throughput is not None:
         throughput = request.throughput
     return EvalPlan(target, reference, data, suites, rebuild, seed, throughput, stock)

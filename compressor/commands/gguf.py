@@ -329,14 +329,7 @@ def export_gguf(
     fields = text_fields(model)  # read before converting: the file is the model's, not the GGUF's
     misaligned = misaligned_width(fields)
     converter = converter_script(converter)
-    if output.suffix != ".gguf":
-        raise UserError(f"--gguf must name a .gguf file, got '{output.name}'")
-    if output.exists() and not overwrite:
-        raise UserError(f"{output} exists; pass --overwrite to replace it, or give another --gguf")
-    if not output.parent.is_dir():
-        raise UserError(f"the folder of {output} does not exist; create it first")
-    if quantize_to is not None:
-        check_quantizer(quantizer)
+    _check_target(output, overwrite, quantize_to, quantizer)
     if starting is not None:
         starting(model)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.stem}.", dir=output.parent))
@@ -374,6 +367,18 @@ def export_gguf(
         misaligned,
         [] if quantize_to is None else widths_off_block(fields, QUANT_BLOCKS[quantize_to]),
     )
+
+
+def _check_target(output: Path, overwrite: bool, quantize_to: str | None, quantizer: Path | None) -> None:
+    """The file to write, where it may be written, and the quantizer where one is asked for."""
+    if output.suffix != ".gguf":
+        raise UserError(f"--gguf must name a .gguf file, got '{output.name}'")
+    if output.exists() and not overwrite:
+        raise UserError(f"{output} exists; pass --overwrite to replace it, or give another --gguf")
+    if not output.parent.is_dir():
+        raise UserError(f"the folder of {output} does not exist; create it first")
+    if quantize_to is not None:
+        check_quantizer(quantizer)
 
 
 def model_folder(source: Path) -> Path:

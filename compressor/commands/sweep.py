@@ -324,15 +324,7 @@ def run_sweep(
     """Run every point not finished yet; write the results and plots; return a summary. If a
     point fails, the tables still list every finished point before the error goes up."""
     report = progress or (lambda *_: None)
-    check(sweep, registry)
-    sweep.output.mkdir(parents=True, exist_ok=True)
-    write_atomic(sweep.output / SWEEP_MARKER, lambda p: p.write_text(sweep.file.read_text()))
-    shared = SharedResources(sweep.output / "shared")
-    if restart:
-        shutil.rmtree(shared.folder, ignore_errors=True)
-    else:
-        for move in _rearrange(sweep, registry):
-            report(f"kept an earlier run: {move}", 0, 1)
+    shared = _prepared(sweep, registry, restart, report)
     finished = {p.name for p in sweep.points if _finished(p, sweep.save_models, registry)}
 
     def done() -> list[Point]:
@@ -368,16 +360,7 @@ def run_sweep(
     table, notes = results_and_warnings(done())
     write_results(sweep, table, notes)
     report("plotting", 0, 1)
-    from compressor.evaluation.plots import sweep_plots
-
-    reports = [read_report(Path(p.recipe.output)) for p in done()]
-    plots = sweep_plots(
-        table,
-        [[site.model_dump(exclude_unset=True) for site in r.sites] for r in reports],
-        [r.distillation.curve if r.distillation is not None else [] for r in reports],
-        list(sweep.grid),
-        sweep.output,
-    )
+    plots = _plots(sweep, table, done())
     return {
         "output": str(sweep.output),
         "runs": len(table),
@@ -387,6 +370,35 @@ def run_sweep(
         "table": table,
         "warnings": notes,
     }
+
+
+def _prepared(sweep: Sweep, registry: PluginRegistry, restart: bool, report: Progress) -> SharedResources:
+    """The sweep checked and its folder made, marked with its file; the data and H its runs share,
+    an earlier run's kept where the grid moved it (`_rearrange`) unless `restart`."""
+    check(sweep, registry)
+    sweep.output.mkdir(parents=True, exist_ok=True)
+    write_atomic(sweep.output / SWEEP_MARKER, lambda p: p.write_text(sweep.file.read_text()))
+    shared = SharedResources(sweep.output / "shared")
+    if restart:
+        shutil.rmtree(shared.folder, ignore_errors=True)
+    else:
+        for move in _rearrange(sweep, registry):
+            report(f"kept an earlier run: {move}", 0, 1)
+    return shared
+
+
+def _plots(sweep: Sweep, table: list[dict[str, Any]], done: list[Point]) -> list[Path]:
+    """The sweep's plots of its finished points (matplotlib imported only here)."""
+    from compressor.evaluation.plots import sweep_plots
+
+    reports = [read_report(Path(p.recipe.output)) for p in done]
+    return sweep_plots(
+        table,
+        [[site.model_dump(exclude_unset=True) for site in r.sites] for r in reports],
+        [r.distillation.curve if r.distillation is not None else [] for r in reports],
+        list(sweep.grid),
+        sweep.output,
+    )
 
 
 def check(sweep: Sweep, registry: PluginRegistry) -> None:

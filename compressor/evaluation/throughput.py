@@ -235,6 +235,20 @@ def speedup_bounds(side: Mapping[str, Any], base: Mapping[str, Any], phase: str)
     return ours[0] / theirs[1], ours[1] / theirs[0]
 
 
+def _check_lengths(
+    models: list[PreTrainedModel], prompt_len: int, decode_tokens: int, warmup: int, repeats: int
+) -> None:
+    """Counts that time something, and a prompt and decode that fit every model's positions."""
+    if repeats < 1 or warmup < 0 or prompt_len < 1 or decode_tokens < 1:
+        raise ValueError("need repeats, prompt_len and decode_tokens >= 1 and warmup >= 0")
+    for model in models:
+        limit = _max_positions(model)
+        if limit is not None and prompt_len + decode_tokens > limit:
+            raise ValueError(
+                f"prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the model's {limit} positions"
+            )
+
+
 def _throughput(
     models: list[PreTrainedModel],
     device: torch.device | str,
@@ -250,14 +264,7 @@ def _throughput(
 ) -> list[dict[str, Any]]:
     """`measure_throughput` of several models on the same inputs, their runs interleaved."""
     device = torch.device(device)
-    if repeats < 1 or warmup < 0 or prompt_len < 1 or decode_tokens < 1:
-        raise ValueError("need repeats, prompt_len and decode_tokens >= 1 and warmup >= 0")
-    for model in models:
-        limit = _max_positions(model)
-        if limit is not None and prompt_len + decode_tokens > limit:
-            raise ValueError(
-                f"prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the model's {limit} positions"
-            )
+    _check_lengths(models, prompt_len, decode_tokens, warmup, repeats)
     vocab = vocab_size or min(model.config.vocab_size for model in models)
     generator = torch.Generator().manual_seed(seed)
     per_batch: list[dict[str, dict[str, Any]]] = [{} for _ in models]

@@ -1,17 +1,15 @@
 """Every axis a run can prune, in one list (`AXES`): its name, the recipe setting that opens or fixes
 it, and which model types allow it, read from what their `ModelFamily` describes (an MLP width, routed
 experts, a separate query projection) and from the saved formats that can hold it. `compress families`
-and the dry run list a family's axes from here; a new axis is an entry here (the issue after
-`docs/architecture.md`'s map adds quantization)."""
+and the dry run list a family's axes from here; a new built-in axis is an entry here, a plugin's is
+returned by its `compressor_axes` hook (`docs/adding-an-axis.md`) and joins these in the registry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from compressor.models.decilm import FAMILIES as DECILM_TYPES
-from compressor.models.families import ModelFamily
-from compressor.models.heads import QUERY
+from compressor.models.families import QUERY, ModelFamily
 
 
 @dataclass(frozen=True)
@@ -30,6 +28,8 @@ class Axis:
     refuse: a class that reads no `head_dim`, a per-layer list it does not know)."""
     stock: Callable[[ModelFamily, str], bool]
     """Whether a global layout, saved as the original class, can hold it."""
+    unit: str | None = None
+    """What its selectors choose among (`strategies.units`: "neuron", "head", ...; None: no selector)."""
 
 
 def _always(family: ModelFamily, model_type: str) -> bool:
@@ -64,13 +64,16 @@ def _query_heads(family: ModelFamily, model_type: str) -> bool:
 
 
 def _decilm(family: ModelFamily, model_type: str) -> bool:
-    """Blocks that are DeciLM's, the format per-layer shapes are saved in (`models.decilm`)."""
+    """Blocks that are DeciLM's, the format per-layer shapes are saved in (`models.decilm`, imported
+    here only when asked: it imports transformers, which listing a plugin's axes need not)."""
+    from compressor.models.decilm import FAMILIES as DECILM_TYPES
+
     return model_type in DECILM_TYPES
 
 
 AXES: tuple[Axis, ...] = (
     Axis("residual", "residual width", "sparsity or target_params", "slicing", _always, _rotated),
-    Axis("mlp", "MLP width (each routed expert's on a MoE)", "mlp", "mlp", _mlp, _mlp),
+    Axis("mlp", "MLP width (each routed expert's on a MoE)", "mlp", "mlp", _mlp, _mlp, "neuron"),
     Axis(
         "experts",
         "routed experts",
@@ -78,6 +81,7 @@ AXES: tuple[Axis, ...] = (
         "experts",
         _experts,
         lambda family, model_type: _experts(family, model_type) and _rotated(family, model_type),
+        "expert",
     ),
     Axis(
         "shared-expert",
@@ -86,6 +90,7 @@ AXES: tuple[Axis, ...] = (
         "mlp",
         _shared_expert,
         lambda family, model_type: _shared_expert(family, model_type) and _rotated(family, model_type),
+        "neuron",
     ),
     Axis(
         "heads",
@@ -94,8 +99,9 @@ AXES: tuple[Axis, ...] = (
         "heads",
         _query_heads,
         lambda family, model_type: _query_heads(family, model_type) and _rotated(family, model_type),
+        "head",
     ),
-    Axis("depth", "whole decoder blocks", "depth", "depth", _always, _rotated),
+    Axis("depth", "whole decoder blocks", "depth", "depth", _always, _rotated, "block"),
     Axis(
         "per-layer", "per-layer MLP widths, attentions removed", "slicing.layout: heterogeneous", "mlp", _decilm, _never
     ),
@@ -104,11 +110,12 @@ AXES: tuple[Axis, ...] = (
 """Every axis, in the order a run prunes them where it matters."""
 
 
-def family_axes(family: ModelFamily, model_type: str) -> tuple[Axis, ...]:
-    """The axes a model of this family and model_type allows."""
-    return tuple(axis for axis in AXES if axis.allows(family, model_type))
+def family_axes(family: ModelFamily, model_type: str, axes: tuple[Axis, ...] = AXES) -> tuple[Axis, ...]:
+    """The axes (of `axes`: the built-in ones, or the registry's with a plugin's) a model of this
+    family and model_type allows."""
+    return tuple(axis for axis in axes if axis.allows(family, model_type))
 
 
-def stock_axes(family: ModelFamily, model_type: str) -> tuple[Axis, ...]:
+def stock_axes(family: ModelFamily, model_type: str, axes: tuple[Axis, ...] = AXES) -> tuple[Axis, ...]:
     """The axes a global layout (saved as the original class) of such a model can prune."""
-    return tuple(axis for axis in family_axes(family, model_type) if axis.stock(family, model_type))
+    return tuple(axis for axis in family_axes(family, model_type, axes) if axis.stock(family, model_type))

@@ -29,6 +29,11 @@ STOCK_UNKNOWN = (
 LAYER_NORM = "its LayerNorm subtracts the mean over the kept width, which a rotated, sliced stream does not keep"
 
 
+QUERY = "q_proj"
+"""The attention's query projection, where the family has it apart (`ModelFamily.attn_inputs`): the
+linear that loses rows when query heads go (`models.heads`)."""
+
+
 @dataclass(frozen=True)
 class TokenMixer:
     """A decoder layer's attention-like block: its path in the layer, the linears (relative to it)

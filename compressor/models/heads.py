@@ -21,11 +21,8 @@ from transformers import PretrainedConfig
 
 from compressor.errors import UserError
 from compressor.models.budget import meta_model
-from compressor.models.families import ModelFamily
+from compressor.models.families import QUERY, ModelFamily
 from compressor.models.sliced import layer_attention
-
-QUERY = "q_proj"
-"""The attention's query projection, where the family has it apart (`ModelFamily.attn_inputs`)."""
 
 
 def query_heads(config: PretrainedConfig) -> int:

@@ -322,6 +322,15 @@ def apply_slicing_layout(model: PreTrainedModel, family: ModelFamily, slicing: d
             sliced.mlp_shortcut = nn.Linear(width_attn, width_mlp, bias=False, device=device, dtype=dtype)
         layers[index] = sliced
         width_in = width_mlp
+    _slice_head(model, family, slicing, width_in, eps)
+
+
+def _slice_head(
+    model: PreTrainedModel, family: ModelFamily, slicing: dict[str, Any], width_in: int, eps: float
+) -> None:
+    """The final norm weightless at width d and the head reading the last site's `width_in` (or, tied,
+    the embedding read through a small map after the norm)."""
+    d, embedding = slicing["hidden_size"], model.get_submodule(family.embedding)
     reader = stream_reader(model, family)
     if slicing.get("tied_head"):  # the head is the embedding; a small map after the norm feeds it
         dtype, device = embedding.weight.dtype, embedding.weight.device

@@ -18,6 +18,7 @@ from compressor.engine.allocation import CurveAllocator
 from compressor.engine.pooling import PipelineStep, refuse_without_h, required_statistics
 from compressor.engine.streaming import cannot_stream
 from compressor.errors import UserError
+from compressor.models.axes import AXES, Axis
 from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
 from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
@@ -87,6 +88,8 @@ class Plan:
     choosing; None: every window (the chosen trial kept)."""
     exporter: Exporter | None = None
     """What the run saves its model as (`stages.exporters.model_exporter`), chosen with the layout."""
+    axes: tuple[Axis, ...] = AXES
+    """Every axis a run can prune, a plugin's among them (`PluginRegistry.axes`)."""
 
     @property
     def chooses_split(self) -> bool:
@@ -105,6 +108,35 @@ class Plan:
         """This plan for the model without the blocks `removed` (`replan`): what the depth stage asks of
         the plan it was handed, without importing the module that imports the stages."""
         return replan(recipe, self, removed, removed_sets)
+
+
+def _pipeline(recipe: Recipe, registry: PluginRegistry) -> list[PipelineStep]:
+    """The recipe's strategies with their options; a chain needing what the engine cannot compute stops here."""
+    pipeline = []
+    for step in recipe.pipeline:
+        strategy = registry.strategy(step.strategy)
+        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
+    required_statistics(pipeline)
+    return pipeline
+
+
+def _neuron_selector(
+    recipe: Recipe, registry: PluginRegistry, layout: SlicedLayout, pipeline: list[PipelineStep]
+) -> NeuronSelector | None:
+    """`mlp`'s selector, refused where it needs H and the run does not estimate it."""
+    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
+    estimates_h = (
+        recipe.slicing.layout == "heterogeneous" and recipe.mlp is not None and recipe.mlp.allocate_by == "fisher"
+    )
+    if selector is not None and "H" in selector.requires and not layout.residual and not estimates_h:
+        raise UserError(
+            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
+            f"residual stream (this {recipe.slicing.layout} {layout.config.model_type}) does not estimate; "
+            "choose another selector"
+        )
+    if layout.residual:
+        refuse_without_h("mlp.selector", selector, pipeline)
+    return selector
 
 
 def check_device_settings(
@@ -145,22 +177,8 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
     removed = planned_blocks(recipe, config)
     layout, splits = _layout(recipe, config, family, families, tower, removed, budgets=decode_budgets)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
-    pipeline = []
-    for step in recipe.pipeline:
-        strategy = registry.strategy(step.strategy)
-        pipeline.append(PipelineStep(strategy, strategy.parse_options(step.options)))
-    required_statistics(pipeline)  # a chain needing what the engine cannot compute stops here
-    selector = registry.selector(recipe.mlp.selector) if recipe.mlp is not None else None
-    estimates_h = (
-        recipe.slicing.layout == "heterogeneous" and recipe.mlp is not None and recipe.mlp.allocate_by == "fisher"
-    )
-    if selector is not None and "H" in selector.requires and not layout.residual and not estimates_h:
-        raise UserError(
-            f"mlp.selector '{selector.name}' needs the output sensitivity H, which a run that keeps the "
-            f"residual stream (this {recipe.slicing.layout} {config.model_type}) does not estimate; choose another selector"
-        )
-    if layout.residual:
-        refuse_without_h("mlp.selector", selector, pipeline)
+    pipeline = _pipeline(recipe, registry)
+    selector = _neuron_selector(recipe, registry, layout, pipeline)
     stages = run_order(registry.stages())
     expert_selector = registry.expert_selector(recipe.experts.selector) if recipe.experts is not None else None
     block_selector = registry.block_selector(recipe.depth.selector) if recipe.depth is not None else None
@@ -178,6 +196,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
         head_selector=head_selector,
         removed_blocks=removed,
         families=families,
+        axes=registry.axes(),
         decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
         exporter=model_exporter(recipe, layout, tower),
     )

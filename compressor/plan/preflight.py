@@ -19,7 +19,7 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
-from compressor.models.axes import family_axes, stock_axes
+from compressor.models.axes import AXES, family_axes, stock_axes
 from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.plan.checks import Plan, check_device_settings, plan
 from compressor.plan.decode_budget import resolve as resolve_decode
@@ -136,8 +136,9 @@ def _data_checks(recipe: Recipe, checked: Plan | None, found: DryRun) -> None:
         _distillation(recipe, tokenizer, found)
 
 
-def axes_line(checked: Plan) -> str:
-    """The axes the run prunes (the expert counts it measures, where it chooses), beside the family's."""
+def axes_line(recipe: Recipe, checked: Plan) -> str:
+    """The axes the run prunes (the expert counts it measures, where it chooses; a plugin's axis where
+    the recipe has its section), beside the family's."""
     layout = checked.layout
     axes = ["residual width"] if layout.residual else []
     chosen_widths = any(split.mlp_width is not None for split in checked.splits)
@@ -156,9 +157,10 @@ def axes_line(checked: Plan) -> str:
         removed = sorted({len(split.removed_blocks) for split in checked.splits})
         count = f"{', '.join(map(str, removed))} measured" if len(removed) > 1 else str(len(checked.removed_blocks))
         axes += [f"depth ({count} of {blocks} blocks removed, by {checked.block_selector.name})"]
+    axes += [axis.name for axis in checked.axes if axis not in AXES and axis.section in recipe.stages]
     family, model_type = layout.family, layout.config.model_type
-    allowed = ", ".join(axis.key for axis in family_axes(family, model_type))
-    stock = ", ".join(axis.key for axis in stock_axes(family, model_type))
+    allowed = ", ".join(axis.key for axis in family_axes(family, model_type, checked.axes))
+    stock = ", ".join(axis.key for axis in stock_axes(family, model_type, checked.axes))
     return f"axes: {', '.join(axes)} (this family allows {allowed}" + (
         f"; saved stock: {stock})" if layout.one_basis else ")"
     )
@@ -192,6 +194,32 @@ def decode_line(decode: DecodeBudget) -> str:
     )
 
 
+def _config_lines(recipe: Recipe, checked: Plan, decode_budgeted: bool) -> list[str]:
+    """The model config's line (its shape, the budget, the kept width and the embedding's share),
+    and the active parameters' of a Mixture-of-Experts model."""
+    layout = checked.layout
+    original, counted = layout.params.original, layout.counted.original
+    kept = layout.kept if layout.kept is not None else "chosen per site after a survey"
+    what = "non-embedding parameters" if layout.counts == "non_embedding" else "parameters"
+    saved = (
+        f" ({layout.params.count(layout.widths):,} of {original:,} parameters in all)"
+        if layout.counts == "non_embedding" and layout.widths is not None
+        else ""
+    )
+    budget = (
+        f"no target on the {counted:,} {what} in all"
+        if recipe.sparsity is None and recipe.target_params is None and not decode_budgeted
+        else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
+    )
+    line = (
+        f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers + len(checked.removed_blocks)} "
+        f"layers, "
+        f"hidden {layout.config.hidden_size}): {budget}, kept width {kept}{saved}; the embedding is "
+        f"{layout.params.embedding / original:.0%} of the parameters"
+    )
+    return [line] if layout.counted_active is None else [line, active_line(layout, what)]
+
+
 def _model(
     recipe: Recipe, registry: PluginRegistry, found: DryRun, decode_budgets: dict[str, float] | None = None
 ) -> Plan | None:
@@ -210,27 +238,7 @@ def _model(
             return None
     checked = plan(recipe, registry, decode_budgets)
     layout = checked.layout
-    original, counted = layout.params.original, layout.counted.original
-    kept = layout.kept if layout.kept is not None else "chosen per site after a survey"
-    what = "non-embedding parameters" if layout.counts == "non_embedding" else "parameters"
-    saved = (
-        f" ({layout.params.count(layout.widths):,} of {original:,} parameters in all)"
-        if layout.counts == "non_embedding" and layout.widths is not None
-        else ""
-    )
-    budget = (
-        f"no target on the {counted:,} {what} in all"
-        if recipe.sparsity is None and recipe.target_params is None and decode_budgets is None
-        else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
-    )
-    found.checked.append(
-        f"model config ({layout.config.model_type}, {layout.config.num_hidden_layers + len(checked.removed_blocks)} "
-        f"layers, "
-        f"hidden {layout.config.hidden_size}): {budget}, kept width {kept}{saved}; the embedding is "
-        f"{layout.params.embedding / original:.0%} of the parameters"
-    )
-    if layout.counted_active is not None:
-        found.checked.append(active_line(layout, what))
+    found.checked += _config_lines(recipe, checked, decode_budgets is not None)
     if checked.tower is not None:
         found.checked.append(
             f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "
@@ -239,7 +247,7 @@ def _model(
             + "; saved whole as its own class"
         )
     layout = checked.layout
-    found.checked.append(axes_line(checked))
+    found.checked.append(axes_line(recipe, checked))
     if not layout.residual:
         heterogeneous = recipe.slicing.layout == "heterogeneous"
         saved = "DeciLMForCausalLM (remote code)" if heterogeneous else ", ".join(layout.config.architectures or [])

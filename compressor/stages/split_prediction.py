@@ -56,8 +56,6 @@ def predict_splits(
     H kept under `fisher_key` (`state.resources`) for the trials' walks and `state.survey` holding
     the survey they recall."""
     recipe, family, device = state.recipe, state.family, state.device
-    spec, selector = recipe.mlp, state.checked.selector
-    assert spec is not None and selector is not None
     tick = time.perf_counter()
     model = state.model_to_prune()  # fused by the survey and measured, then dropped
 
@@ -82,27 +80,8 @@ def predict_splits(
     residual = survey_losses(model, splits[0], calibration, widths, options, without=without)
     state.resources.keep_fisher(fisher_key, dict(residual.fisher))
     full = mlp_neurons(splits[0].config, family)
-    narrowed = sorted({split.mlp_width for split in splits if split.mlp_width is not None and split.mlp_width < full})
     layers = model.config.num_hidden_layers
-    mlp: dict[int, list[float]] = {full: [0.0] * layers}  # each layer's, by width
-    if narrowed:
-        written = {i: residual.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}  # where each MLP writes
-        curves = mlp_width_curves(
-            model,
-            family,
-            calibration,
-            selector,
-            1,
-            device,
-            refit=spec.refit,
-            damping=spec.damping,
-            sensitivity=written,
-            progress=progress,
-            store=ActivationStore(device, recipe.activations, state.staging / SCRATCH_FOLDER),
-            ranks=state.ranks,
-            widths=narrowed,
-        )
-        mlp.update({width: [0.5 * curve.errors[width] for curve in curves] for width in narrowed})
+    mlp = _mlp_losses(state, model, splits, calibration, residual, progress)
     heads = _head_losses(state, model, splits, calibration, residual, progress)
     del model
     removal = _removal_losses(state, without)
@@ -128,6 +107,45 @@ def _removal_losses(state: RunState, without: list[tuple[int, ...]]) -> dict[tup
     kls = {tuple(candidate.removed): candidate.heldout_kl for candidate in state.depth.candidates}
     assert all(kls.get(blocks) is not None for blocks in without), "the depth stage measures each count for this"
     return {blocks: float(kls[blocks] or 0.0) for blocks in without}
+
+
+def _mlp_losses(
+    state: RunState,
+    model: Any,
+    splits: tuple[SlicedLayout, ...],
+    calibration: list[Batch],
+    residual: SurveyLosses,
+    progress: Progress,
+) -> dict[int, list[float]]:
+    """Half the H-weighted output error of each MLP, layer by layer, at each width the splits keep
+    (zero at the full width)."""
+    recipe, family, device = state.recipe, state.family, state.device
+    spec, selector = recipe.mlp, state.checked.selector
+    assert spec is not None and selector is not None
+    full = mlp_neurons(splits[0].config, family)
+    narrowed = sorted({split.mlp_width for split in splits if split.mlp_width is not None and split.mlp_width < full})
+    layers = model.config.num_hidden_layers
+    mlp: dict[int, list[float]] = {full: [0.0] * layers}  # each layer's, by width
+    if not narrowed:
+        return mlp
+    written = {i: residual.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}  # where each MLP writes
+    curves = mlp_width_curves(
+        model,
+        family,
+        calibration,
+        selector,
+        1,
+        device,
+        refit=spec.refit,
+        damping=spec.damping,
+        sensitivity=written,
+        progress=progress,
+        store=ActivationStore(device, recipe.activations, state.staging / SCRATCH_FOLDER),
+        ranks=state.ranks,
+        widths=narrowed,
+    )
+    mlp.update({width: [0.5 * curve.errors[width] for curve in curves] for width in narrowed})
+    return mlp
 
 
 def _head_losses(

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar, cast
 import pluggy
 
 from compressor.errors import UserError, did_you_mean
+from compressor.models.axes import AXES, Axis
 from compressor.models.families import BUILTIN_FAMILIES, ModelFamily
 from compressor.strategies.block_contract import BlockSelector
 from compressor.strategies.contract import Strategy
@@ -65,6 +66,11 @@ class CompressorHookSpecs:
     @hookspec
     def compressor_head_selectors(self) -> list[HeadSelector]:
         """Return the attention-head selectors (which query heads stay) this plugin provides."""
+
+    @hookspec
+    def compressor_axes(self) -> list[Axis]:
+        """Return the axes this plugin prunes (`compressor.plugin.Axis`: its key, the recipe section its
+        stage reads, which families allow it), which `compress families` and the dry run then list."""
 
     @hookspec
     def compressor_stages(self) -> list[Any]:
@@ -204,6 +210,7 @@ class PluginRegistry:
         self._named = {kind: self._collect_named(kind, self._provided(kind.hook)) for kind in (STRATEGY, STAGE)}
         self._named.update(self._collect_selectors())
         self._families = self._collect_families()
+        self._axes = self._collect_axes()
 
     def _source(self, name: str, plugin: object) -> str:
         """The package (and version) that installed plugin `name`; else the plugin object's name."""
@@ -266,6 +273,24 @@ class PluginRegistry:
 
                 register_family(family)
         return found
+
+    def _collect_axes(self) -> tuple[Axis, ...]:
+        """The built-in axes, then the plugins'; one key twice is refused."""
+        found: dict[str, str] = {axis.key: "built-in" for axis in AXES}
+        axes = list(AXES)
+        for impl, axis in self._provided("compressor_axes"):
+            if axis.key in found:
+                raise UserError(
+                    f"axis '{axis.key}' is declared twice, by '{found[axis.key]}' and plugin '{impl.plugin_name}'; "
+                    "rename the plugin's axis or uninstall one of them"
+                )
+            found[axis.key] = impl.plugin_name
+            axes.append(axis)
+        return tuple(axes)
+
+    def axes(self) -> tuple[Axis, ...]:
+        """Every axis a run can prune: the built-in ones (`models.axes.AXES`), then the plugins'."""
+        return self._axes
 
     def skipped(self) -> list[str]:
         """Installed plugins that COMPRESS_PLUGINS kept from loading."""
