@@ -11,7 +11,9 @@ depth selector `BlockSelector` (`BlockProblem`), an attention-head selector `Hea
 (`HeadProblem`); each axis's older hook (`compressor_neuron_selectors`, ...) still works, and
 `NeuronChoice`, `HeadChoice`, `ExpertChoice` are `UnitChoice`, `BlockChoice` is `RemovedUnits`. A family
 plugin returns `ModelFamily` descriptions from its hook and may call `register_family` so saved
-models of that family load through the transformers Auto classes. The helpers are the linear
+models of that family load through the transformers Auto classes. A stage plugin subclasses `Stage`
+(`compressor_stages`); an axis plugin adds an `Axis` (`compressor_axes`) with a stage and selectors
+of its unit, found by `unit_selector`, and narrows MLPs with `mlp_linears` and `narrow_mlp`. The helpers are the linear
 algebra the built-in strategies share.
 
 Everything else in `compressor` is internal and may move between versions: the built-in plugins
@@ -23,6 +25,9 @@ so loading plugins stays cheap for `compress --help`-like paths and recipe check
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from torch import nn
 
 from compressor._post_import import after_import
 from compressor.errors import UserError
@@ -58,6 +63,25 @@ from compressor.strategies.neuron_contract import NeuronChoice, NeuronProblem, N
 from compressor.strategies.registry import PluginRegistry, hookimpl
 from compressor.strategies.units import RemovedUnits, UnitChoice, UnitProblem, UnitSelector, checked_choice
 from compressor.validation import FORBID, Number, described, options
+
+
+def mlp_linears(layer: nn.Module, family: ModelFamily) -> tuple[list[nn.Linear], nn.Linear]:
+    """A decoder layer's MLP input linears (they compute the intermediate activation h) and its
+    output linear (it reads h), wherever `family` keeps them: what a plugin axis reads the MLP by."""
+    from compressor.engine.neurons import mlp_linears as linears  # the model stack, only when a plugin asks
+
+    return linears(layer, family)
+
+
+def narrow_mlp(layer: nn.Module, family: ModelFamily, kept: torch.Tensor) -> None:
+    """Keep the neurons `kept` of a decoder layer's MLP, in place: each input linear's rows (every
+    block of a fused one, biases too) and the output linear's columns, as the built-in MLP axis
+    drops them (without its refit). The caller sets the config's width (`docs/adding-an-axis.md`)."""
+    from compressor.engine.refit import drop_neurons
+
+    inputs, output = mlp_linears(layer, family)
+    kept = torch.as_tensor(kept, dtype=torch.long).to(output.weight.device)
+    drop_neurons(inputs, output, kept, output.weight.data[:, kept])
 
 
 def unit_selector(unit: str, name: str) -> UnitSelector[Any]:
@@ -131,4 +155,6 @@ __all__ = [
     "unit_selector",
     "top_k",
     "top_per_group",
+    "mlp_linears",
+    "narrow_mlp",
 ]

@@ -17,12 +17,12 @@ class Axis:
     """One prunable axis of a model."""
 
     key: str
-    """What `compress families` lists and a report names it by."""
+    """What `compress families` and the dry run's list of allowed axes show."""
     name: str
     setting: str
     """The recipe setting that opens or fixes it (`--set` speaks these)."""
     section: str
-    """The recipe section that stage reads it from (`tests/test_architecture.py`: every pruning stage's is an axis's)."""
+    """The recipe section its stage reads (`tests/models/test_family_features.py`: every pruning stage's is an axis's)."""
     allows: Callable[[ModelFamily, str], bool]
     """Whether a model of this family and model_type can be pruned on this axis (its config may still
     refuse: a class that reads no `head_dim`, a per-layer list it does not know)."""

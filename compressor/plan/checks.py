@@ -110,6 +110,18 @@ class Plan:
         return replan(recipe, self, removed, removed_sets)
 
 
+def refuse_disallowed_plugin_axes(recipe: Recipe, checked: Plan) -> None:
+    """One line for a plugin axis's section on a model its `allows` refuses (the built-in axes'
+    sections refuse what they do not allow themselves)."""
+    family, model_type = checked.layout.family, checked.layout.config.model_type
+    for axis in checked.axes:
+        if axis not in AXES and axis.section in recipe.stages and not axis.allows(family, model_type):
+            raise UserError(
+                f"{axis.section}: the {family.name} family ({model_type}) does not allow the axis '{axis.key}' "
+                f"({axis.name}); remove {axis.section} (`compress families` lists each model type's axes)"
+            )
+
+
 def _pipeline(recipe: Recipe, registry: PluginRegistry) -> list[PipelineStep]:
     """The recipe's strategies with their options; a chain needing what the engine cannot compute stops here."""
     pipeline = []
@@ -200,6 +212,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
         decode_budgets=None if decode_budgets is None else {key: dict(value) for key, value in decode_budgets.items()},
         exporter=model_exporter(recipe, layout, tower),
     )
+    refuse_disallowed_plugin_axes(recipe, checked)
     checked = resolved_choice(recipe, checked)
     world = launched_processes()
     for stage in stages:  # each stage's own preconditions, against the plan and the launch

@@ -87,10 +87,10 @@ def dry_run(
     model_lines = DryRun()
     checked = _model(recipe, registry, model_lines)
     if checked is not None and recipe.target_decode is not None and device is not None and missing is None:
-        _, decode = resolve_decode(recipe, checked, registry, device, restart=restart)
+        budgeted, decode = resolve_decode(recipe, checked, registry, device, restart=restart)
         found.checked.append(decode_line(decode))
         model_lines = DryRun()
-        checked = _model(recipe, registry, model_lines, decode.budgets())  # its lines at the budgets found
+        checked = _model(recipe, registry, model_lines, budgeted)  # its lines at the budgets found
     for lines, more in zip(
         (found.checked, found.notes, found.warnings, found.unchecked),
         (model_lines.checked, model_lines.notes, model_lines.warnings, model_lines.unchecked),
@@ -220,9 +220,7 @@ def _config_lines(recipe: Recipe, checked: Plan, decode_budgeted: bool) -> list[
     return [line] if layout.counted_active is None else [line, active_line(layout, what)]
 
 
-def _model(
-    recipe: Recipe, registry: PluginRegistry, found: DryRun, decode_budgets: dict[str, float] | None = None
-) -> Plan | None:
+def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun, planned: Plan | None = None) -> Plan | None:
     """The plan from the model's config (a hub model's config and tokenizer are small files,
     fetched where the hub can be reached or read from the cache); None when it cannot be had."""
     path = recipe.model.path
@@ -236,9 +234,9 @@ def _model(
             )
             found.notes.append(f"this machine cannot run it until model '{path}' can be fetched or is in the cache")
             return None
-    checked = plan(recipe, registry, decode_budgets)
+    checked = planned if planned is not None else plan(recipe, registry)
     layout = checked.layout
-    found.checked += _config_lines(recipe, checked, decode_budgets is not None)
+    found.checked += _config_lines(recipe, checked, checked.decode_budgets is not None)
     if checked.tower is not None:
         found.checked.append(
             f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "

@@ -17,7 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.stock import meta_params
-from compressor.plan import decode_budget
+from compressor.plan import decode_budget, preflight
 from compressor.plan.checks import candidate_groups, group_layouts, plan
 from compressor.plan.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
 from compressor.recipe.schema import load_recipe
@@ -177,6 +177,32 @@ def test_the_search_starts_from_the_plan_it_is_handed_and_plans_once_at_the_budg
         recipe, ceiling, registry, torch.device("cpu"), settings=dataclasses.replace(SETTINGS, timer=timer)
     )
     assert planned == [record.budgets()]
+
+
+def test_the_dry_run_plans_twice_and_prints_the_plan_at_the_budgets_found(
+    four_blocks: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dry-run` of a `target_decode` recipe: the plan at the ceiling, then the search's own plan at
+    the budgets it found, whose lines it prints (it used to throw that one away and plan a third time)."""
+    timer, _ = _layer_bound_timer(cost_per_layer=0)
+    monkeypatch.setattr(decode_budget, "shape_timer", lambda *_: timer)
+    planned: list[object] = []
+    for module in (decode_budget, preflight):
+        original = module.plan
+
+        def counted(*args: object, original=original) -> object:
+            planned.append(args[2] if len(args) > 2 else None)
+            return original(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(module, "plan", counted)
+    recipe = write_recipe(tmp_path, four_blocks, sparsity=None, target_decode=0.7, slicing={"layout": "global"})
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert len(planned) == 2 and planned[0] is None and planned[1] is not None
+    assert "target_decode 0.7 of the dense model's decode time" in out
+    config_line = next(line for line in out.splitlines() if "model config" in line)
+    assert "budget" in config_line and "no target" not in config_line
 
 
 def test_an_interrupted_runs_budgets_are_read_back_unless_restarted(four_blocks: Path, tmp_path: Path) -> None:

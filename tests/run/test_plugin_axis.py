@@ -3,7 +3,8 @@ example): it removes a fixed share of every MLP's neurons, those whose down-proj
 shortest, through its own stage, its own unit and selector, and its own `Axis`. Installed as a
 third party's package, with no file of `compressor/` naming it, it is listed by `compress
 families`, `compress strategies` and the dry run (its axis and its memory phase), timed in the time
-plan, refused in one line for a selector not installed, and run: the report records it and the
+plan, refused in one line for a selector not installed or a model its `Axis.allows` refuses, and
+run: the report records it and the
 exporter saves a model plain transformers loads at the narrower width.
 
 Not covered, because the plan cannot yet do it for a plugin's axis: the budget search (the toy
@@ -24,6 +25,7 @@ from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.axes import Axis
 from compressor.strategies.registry import PluginRegistry, hookimpl
+from tests.conftest import save_tiny_checkpoint
 from tests.run.test_cli import write_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +81,13 @@ def test_the_dry_run_plans_the_toy_axis_and_refuses_a_selector_not_installed(
     assert main(["run", str(wrong), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown toy-neuron selector 'colum-norm' (did you mean 'column-norm'?)" in err
+    moe = save_tiny_checkpoint(tmp_path / "moe", "mixtral")  # routed experts: the axis's `allows` says no
+    (tmp_path / "on-moe").mkdir()
+    assert main(["run", str(write_recipe(tmp_path / "on-moe", moe, toy_mlp={"share": 0.25})), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: toy_mlp: the mixtral family (mixtral) does not allow the axis 'toy-mlp' (MLP neurons by column "
+        "norm (a plugin's)); remove toy_mlp (`compress families` lists each model type's axes)"
+    )
 
 
 def test_a_run_prunes_the_toy_axis_reports_it_and_saves_a_model_transformers_loads(
