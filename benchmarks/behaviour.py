@@ -19,6 +19,10 @@ shipped sweeps; an experts run on a small random Mixtral (identity of behaviour 
 MoE); and the generated-recipe corpus (`tests/run/recipe_fuzz.py`) through `--dry-run`, each case's
 exit code and line. `--only` picks cases by glob. `compare` prints a table (identical, or what
 differs) and writes it as Markdown beside the second file.
+
+Record both sides with the same `--work` folder, or one as long: the generated corpus cuts recipe
+files at fixed bytes, and the files hold paths under it, so a longer folder moves the cuts (13 cases
+then differ in their column or offset, not in behaviour).
 """
 
 from __future__ import annotations
