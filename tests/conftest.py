@@ -241,6 +241,19 @@ def save_tiny_checkpoint(folder: Path, name: str = "llama", **overrides) -> Path
     return folder
 
 
+def install_plugin(monkeypatch: pytest.MonkeyPatch, folder: Path, module: str, code: str, entry: str) -> Path:
+    """`code` as an installed package in `folder` (put on sys.path): the module `module`, and its
+    distribution's entry point `entry` in the `compressor` group, allowed beside the suite's built-ins."""
+    (folder / f"{module}.py").write_text(code)
+    info = folder / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[compressor]\n{entry} = {module}\n")
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("COMPRESS_PLUGINS", f"{os.environ['COMPRESS_PLUGINS']},{entry}")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

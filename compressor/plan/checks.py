@@ -91,6 +91,10 @@ class Plan:
     axes: tuple[Axis, ...] = AXES
     """Every axis a run can prune, a plugin's among them (`PluginRegistry.axes`)."""
 
+    def plugin_axes(self, recipe: Recipe) -> tuple[Axis, ...]:
+        """The plugins' axes `recipe` opens: those whose stage's section it has."""
+        return tuple(axis for axis in self.axes if axis not in AXES and axis.section in recipe.stages)
+
     @property
     def chooses_split(self) -> bool:
         """The run measures splits and keeps one (a single split, the residual width alone, is no choice)."""
@@ -114,8 +118,8 @@ def refuse_disallowed_plugin_axes(recipe: Recipe, checked: Plan) -> None:
     """One line for a plugin axis's section on a model its `allows` refuses (the built-in axes'
     sections refuse what they do not allow themselves)."""
     family, model_type = checked.layout.family, checked.layout.config.model_type
-    for axis in checked.axes:
-        if axis not in AXES and axis.section in recipe.stages and not axis.allows(family, model_type):
+    for axis in checked.plugin_axes(recipe):
+        if not axis.allows(family, model_type):
             raise UserError(
                 f"{axis.section}: the {family.name} family ({model_type}) does not allow the axis '{axis.key}' "
                 f"({axis.name}); remove {axis.section} (`compress families` lists each model type's axes)"

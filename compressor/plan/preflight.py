@@ -19,7 +19,7 @@ import torch
 from compressor.data.text import is_local
 from compressor.errors import UserError
 from compressor.hub import cached, unreachable
-from compressor.models.axes import AXES, family_axes, stock_axes
+from compressor.models.axes import family_axes, stock_axes
 from compressor.models.layout import SlicedLayout, shared_expert_neurons
 from compressor.plan.checks import Plan, check_device_settings, plan
 from compressor.plan.decode_budget import resolve as resolve_decode
@@ -157,7 +157,7 @@ def axes_line(recipe: Recipe, checked: Plan) -> str:
         removed = sorted({len(split.removed_blocks) for split in checked.splits})
         count = f"{', '.join(map(str, removed))} measured" if len(removed) > 1 else str(len(checked.removed_blocks))
         axes += [f"depth ({count} of {blocks} blocks removed, by {checked.block_selector.name})"]
-    axes += [axis.name for axis in checked.axes if axis not in AXES and axis.section in recipe.stages]
+    axes += [axis.name for axis in checked.plugin_axes(recipe)]
     family, model_type = layout.family, layout.config.model_type
     allowed = ", ".join(axis.key for axis in family_axes(family, model_type, checked.axes))
     stock = ", ".join(axis.key for axis in stock_axes(family, model_type, checked.axes))
@@ -194,7 +194,7 @@ def decode_line(decode: DecodeBudget) -> str:
     )
 
 
-def _config_lines(recipe: Recipe, checked: Plan, decode_budgeted: bool) -> list[str]:
+def _config_lines(recipe: Recipe, checked: Plan) -> list[str]:
     """The model config's line (its shape, the budget, the kept width and the embedding's share),
     and the active parameters' of a Mixture-of-Experts model."""
     layout = checked.layout
@@ -208,7 +208,7 @@ def _config_lines(recipe: Recipe, checked: Plan, decode_budgeted: bool) -> list[
     )
     budget = (
         f"no target on the {counted:,} {what} in all"
-        if recipe.sparsity is None and recipe.target_params is None and not decode_budgeted
+        if recipe.sparsity is None and recipe.target_params is None and checked.decode_budgets is None
         else f"budget {layout.budget:,} of {counted:,} {what} ({layout.budget / counted:.1%})"
     )
     line = (
@@ -236,7 +236,7 @@ def _model(recipe: Recipe, registry: PluginRegistry, found: DryRun, planned: Pla
             return None
     checked = planned if planned is not None else plan(recipe, registry)
     layout = checked.layout
-    found.checked += _config_lines(recipe, checked, checked.decode_budgets is not None)
+    found.checked += _config_lines(recipe, checked)
     if checked.tower is not None:
         found.checked.append(
             f"a vision-language checkpoint: its text tower ({layout.config.model_type}) is pruned on text, the "

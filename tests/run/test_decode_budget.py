@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -18,9 +20,9 @@ from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.stock import meta_params
 from compressor.plan import decode_budget, preflight
-from compressor.plan.checks import candidate_groups, group_layouts, plan
-from compressor.plan.decode_budget import DecodeSettings, candidate_label, resolve, search_budget
-from compressor.recipe.schema import load_recipe
+from compressor.plan.checks import Plan, candidate_groups, group_layouts, plan
+from compressor.plan.decode_budget import DecodeSettings, Timer, candidate_label, resolve, search_budget
+from compressor.recipe.schema import Recipe, load_recipe
 from compressor.reports.report_model import RunReport
 from compressor.runtime.resume import keep_decode_budget, stored_decode_budget
 from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
@@ -88,6 +90,28 @@ def _layer_bound_timer(cost_per_layer: float):
     return timer, calls
 
 
+def _resolve(
+    recipe: Recipe, registry: PluginRegistry, timer: Timer, ceiling: Plan | None = None, restart: bool = False
+):
+    """`resolve` on this CPU, `timer` timing the shapes, from `ceiling` (None: the recipe's plan made here)."""
+    ceiling = ceiling if ceiling is not None else plan(recipe, registry)
+    settings = dataclasses.replace(SETTINGS, timer=timer)
+    return resolve(recipe, ceiling, registry, torch.device("cpu"), restart=restart, settings=settings)
+
+
+def _count_plans(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> list[object]:
+    """Every `plan` made through `modules` from now on, by its decode budgets (None: at the ceiling)."""
+    planned: list[object] = []
+    for module in modules:
+
+        def counted(*args: object, original: Callable[..., Plan] = module.plan) -> Plan:
+            planned.append(args[2] if len(args) > 2 else None)
+            return original(*args)
+
+        monkeypatch.setattr(module, "plan", counted)
+    return planned
+
+
 @pytest.fixture(scope="module")
 def four_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wide enough (256) that a budget's width steps (8) are fine beside it."""
@@ -110,13 +134,7 @@ def test_each_group_gets_its_own_budget_and_the_plan_holds_every_candidate_withi
     its budget; the plan's candidates are planned at those budgets, and `replan` keeps them."""
     recipe, registry = _recipe(tmp_path, four_blocks, mlp={}, depth={"max_removed": 1, "selector": "influence"})
     timer, calls = _layer_bound_timer(cost_per_layer=400_000)
-    checked, record = resolve(
-        recipe,
-        plan(recipe, registry),
-        registry,
-        torch.device("cpu"),
-        settings=dataclasses.replace(SETTINGS, timer=timer),
-    )
+    checked, record = _resolve(recipe, registry, timer)
     budgets = record.budgets()
     assert list(budgets) == ["every block", "1 blocks removed"] == candidate_groups(recipe, plan(recipe, registry))
     assert budgets["1 blocks removed"][0] > budgets["every block"][0]  # the residual width alone, with and without
@@ -165,17 +183,9 @@ def test_the_search_starts_from_the_plan_it_is_handed_and_plans_once_at_the_budg
     plans once more only at the budgets the search found."""
     recipe, registry = _recipe(tmp_path, four_blocks)
     ceiling = plan(recipe, registry)
-    planned: list[object] = []
-
-    def counted(*args: object) -> object:
-        planned.append(args[2] if len(args) > 2 else None)
-        return plan(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(decode_budget, "plan", counted)
+    planned = _count_plans(monkeypatch, decode_budget)
     timer, _ = _layer_bound_timer(cost_per_layer=0)
-    _, record = resolve(
-        recipe, ceiling, registry, torch.device("cpu"), settings=dataclasses.replace(SETTINGS, timer=timer)
-    )
+    _, record = _resolve(recipe, registry, timer, ceiling)
     assert planned == [record.budgets()]
 
 
@@ -186,15 +196,7 @@ def test_the_dry_run_plans_twice_and_prints_the_plan_at_the_budgets_found(
     the budgets it found, whose lines it prints (it used to throw that one away and plan a third time)."""
     timer, _ = _layer_bound_timer(cost_per_layer=0)
     monkeypatch.setattr(decode_budget, "shape_timer", lambda *_: timer)
-    planned: list[object] = []
-    for module in (decode_budget, preflight):
-        original = module.plan
-
-        def counted(*args: object, original=original) -> object:
-            planned.append(args[2] if len(args) > 2 else None)
-            return original(*args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(module, "plan", counted)
+    planned = _count_plans(monkeypatch, decode_budget, preflight)
     recipe = write_recipe(tmp_path, four_blocks, sparsity=None, target_decode=0.7, slicing={"layout": "global"})
     capsys.readouterr()
     assert main(["run", str(recipe), "--dry-run"]) == 0
@@ -208,35 +210,16 @@ def test_the_dry_run_plans_twice_and_prints_the_plan_at_the_budgets_found(
 def test_an_interrupted_runs_budgets_are_read_back_unless_restarted(four_blocks: Path, tmp_path: Path) -> None:
     recipe, registry = _recipe(tmp_path, four_blocks)
     timer, calls = _layer_bound_timer(cost_per_layer=0)
-    checked, record = resolve(
-        recipe,
-        plan(recipe, registry),
-        registry,
-        torch.device("cpu"),
-        settings=dataclasses.replace(SETTINGS, timer=timer),
-    )
+    checked, record = _resolve(recipe, registry, timer)
     folder = staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER
     keep_decode_budget(folder, recipe, record)
     timed = len(calls)
-    again, reused = resolve(
-        recipe,
-        plan(recipe, registry),
-        registry,
-        torch.device("cpu"),
-        settings=dataclasses.replace(SETTINGS, timer=timer),
-    )
+    again, reused = _resolve(recipe, registry, timer)
     assert reused.reused and reused.budgets() == record.budgets() and len(calls) == timed
     assert again.layout.widths == checked.layout.widths
     other = dataclasses.replace(recipe, target_decode=0.8)
     assert stored_decode_budget(Path(other.output), other) is None  # another recipe's budgets are not taken
-    _, fresh = resolve(
-        recipe,
-        plan(recipe, registry),
-        registry,
-        torch.device("cpu"),
-        restart=True,
-        settings=dataclasses.replace(SETTINGS, timer=timer),
-    )
+    _, fresh = _resolve(recipe, registry, timer, restart=True)
     assert not fresh.reused and len(calls) > timed
 
 

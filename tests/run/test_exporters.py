@@ -5,7 +5,6 @@ from the saved config; a plugin stage may follow saving when it only reads what 
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from compressor.stages.contract import Stage
 from compressor.stages.formats import FORMATS, saved_format
 from compressor.stages.order import BUILTIN_STAGES, run_order
 from compressor.strategies.registry import PluginRegistry
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import install_plugin, save_tiny_checkpoint
 from tests.run.test_cli import _DELETE, write_recipe
 
 LAYOUTS = {
@@ -100,15 +99,8 @@ def compressor_stages():
 def test_a_plugin_stage_after_saving_reads_the_saved_folder(
     tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "list_saved_stage.py").write_text(textwrap.dedent(PLUGIN))
-    info = site / "list_saved_stage-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: list-saved-stage\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[compressor]\nlist_saved = list_saved_stage\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("COMPRESS_PLUGINS", f"{os.environ['COMPRESS_PLUGINS']},list_saved")
+    (tmp_path / "site").mkdir()
+    install_plugin(monkeypatch, tmp_path / "site", "list_saved_stage", textwrap.dedent(PLUGIN), "list_saved")
     recipe = write_recipe(tmp_path, tiny_checkpoint, slicing={"layout": "global"})
     assert main(["run", str(recipe)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -13,7 +13,6 @@ axis takes a fixed share; the run's parameter budget is the walk's, before it)."
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from compressor.cli import main
 from compressor.errors import UserError
 from compressor.models.axes import Axis
 from compressor.strategies.registry import PluginRegistry, hookimpl
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import install_plugin, save_tiny_checkpoint
 from tests.run.test_cli import write_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,15 +36,7 @@ PLUGIN = GUIDE.read_text().split("```python\n")[1].split("```")[0]
 @pytest.fixture
 def toy_axis(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The plugin as an installed package: a module and its entry point in a folder on sys.path."""
-    folder = tmp_path_factory.mktemp("site")
-    (folder / "toy_axis.py").write_text(PLUGIN)
-    info = folder / "toy_axis-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-axis\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[compressor]\ntoy_axis = toy_axis\n")
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("COMPRESS_PLUGINS", f"{os.environ['COMPRESS_PLUGINS']},toy_axis")
-    return folder
+    return install_plugin(monkeypatch, tmp_path_factory.mktemp("site"), "toy_axis", PLUGIN, "toy_axis")
 
 
 def test_no_file_of_the_package_names_the_toy_axis() -> None:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from compressor.cli import main
+from tests.conftest import install_plugin
 from tests.run.test_cli import write_recipe
 
 PLUGIN = '''
@@ -69,17 +70,9 @@ def compressor_stages():
 @pytest.fixture
 def stage_plugin(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The plugin as an installed package: a module and its entry point in a folder on sys.path."""
-    folder = tmp_path_factory.mktemp("site")
-    (folder / "scale_norm_stage.py").write_text(textwrap.dedent(PLUGIN))
-    info = folder / "scale_norm_stage-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: scale-norm-stage\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[compressor]\nscale_norm = scale_norm_stage\n")
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv(
-        "COMPRESS_PLUGINS", f"{os.environ['COMPRESS_PLUGINS']},scale_norm"
-    )  # the suite's built-ins, and it
-    return folder
+    return install_plugin(
+        monkeypatch, tmp_path_factory.mktemp("site"), "scale_norm_stage", textwrap.dedent(PLUGIN), "scale_norm"
+    )
 
 
 def _report(folder: Path) -> dict:
