@@ -51,7 +51,7 @@ from compressor.recipe.schema import load_recipe
 from compressor.run.runner import run
 from compressor.runtime.loading import load_model, load_tokenizer, token_batches
 from compressor.strategies.registry import PluginRegistry
-from compressor.training.distill import distill
+from compressor.training.distill import TrainingRun, distill
 from compressor.training.teachers import LiveTeacher, distillation_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
                 LiveTeacher(teacher, spec.top_k),
                 data,
                 spec,
-                checkpoints,
-                device,
-                {"benchmark": f"{layout}-{method}"},
-                recipe.seed,
-                phase_logger(CONSOLE, f"{layout} {method}"),
-                callbacks=[marks],
+                TrainingRun(
+                    checkpoints,
+                    device,
+                    {"benchmark": f"{layout}-{method}"},
+                    recipe.seed,
+                    phase_logger(CONSOLE, f"{layout} {method}"),
+                    callbacks=[marks],
+                ),
             )
             final = compare(teacher, distilled.to(device), windows, device)
             shutil.rmtree(checkpoints, ignore_errors=True)

@@ -66,7 +66,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 # this venv has llama.cpp's tools, not necessarily compressor: its stdlib-only GGUF module, from the checkout
 sys.path.insert(0, str(REPO))
-from compressor.commands.gguf import QUANT_TYPES, convert, quantize  # the converter and quantizer, as export runs them
+from compressor.commands.gguf import (
+    QUANT_TYPES,
+    Conversion,
+    convert,
+    quantize,
+)  # the converter and quantizer, as export runs them
 
 DEFAULT_DATA = REPO.parent / "shared" / "corpus" / "valid.jsonl"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gguf"
@@ -390,15 +395,8 @@ def check_model(model_dir: Path, args: argparse.Namespace, texts: Sequence[str],
         print(f"  reusing {gguf_path}")
     else:
         print(f"  converting -> {gguf_path}")
-        converted = convert(
-            model_dir,
-            gguf_path,
-            args.converter,
-            args.outtype,
-            args.pre_tokenizer,
-            gguf_path.with_suffix(".convert.log"),
-            args.converter_python,
-        )
+        conversion = Conversion(args.converter, args.outtype, args.pre_tokenizer, args.converter_python)
+        converted = convert(model_dir, gguf_path, conversion, gguf_path.with_suffix(".convert.log"))
         result.convert_s, result.pre_tokenizer_fallback = converted.seconds, converted.pre_tokenizer
         if result.pre_tokenizer_fallback:
             print(f"  converter did not know the pre-tokenizer hash; wrote '{result.pre_tokenizer_fallback}'")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from gguf_check import convert, gguf_metadata  # run as a script: benchmarks/ is on sys.path
+from gguf_check import Conversion, convert, gguf_metadata  # run as a script: benchmarks/ is on sys.path
 from safetensors.numpy import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name, folder in (("original", original), ("pruned", pruned)):
         out = args.work / f"{name}.gguf"
-        converted = convert(folder, out, args.converter, "f32", "auto", args.work / f"{name}.log")
+        converted = convert(folder, out, Conversion(args.converter, "f32"), args.work / f"{name}.log")
         results[name] = {
             "convert_s": round(converted.seconds, 1),
             "pre_tokenizer_fallback": converted.pre_tokenizer,

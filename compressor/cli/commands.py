@@ -313,25 +313,22 @@ def _compare(args: argparse.Namespace, console: Console) -> None:
 
 
 def _export(args: argparse.Namespace, console: Console) -> None:
-    from compressor.commands.gguf import ALIGNED_WIDTH, export_gguf, wider_line
+    from compressor.commands.gguf import ALIGNED_WIDTH, GgufSettings, export_gguf, wider_line
     from compressor.runtime.threads import available_cpus
 
     def starting(model: Path) -> None:
         said = f"converting {model} with llama.cpp's converter ({args.outtype})"
         console.print(said, markup=False, highlight=False, soft_wrap=True)
 
-    exported = export_gguf(
-        Path(args.source),
-        Path(args.gguf),
+    settings = GgufSettings(
         converter=Path(args.converter) if args.converter else None,
         outtype=args.outtype,
         quantize_to=args.quantize,
         quantizer=Path(args.quantizer) if args.quantizer else None,
         pre_tokenizer=args.pre_tokenizer,
-        overwrite=args.overwrite,
         threads=args.threads or available_cpus(),
-        starting=starting,
     )
+    exported = export_gguf(Path(args.source), Path(args.gguf), settings, overwrite=args.overwrite, starting=starting)
     what = exported.outtype + (f", quantized to {exported.quantized}" if exported.quantized else "")
     named = f"; pre-tokenizer {exported.pre_tokenizer} named from tokenizer.json" if exported.pre_tokenizer else ""
     if exported.fallbacks is not None and exported.quantized is not None:

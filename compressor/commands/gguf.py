@@ -119,22 +119,25 @@ def infer_pre_tokenizer(model_dir: Path) -> str | None:
     return None
 
 
-def convert(
-    model_dir: Path,
-    out_file: Path,
-    converter: Path,
-    outtype: str = "f16",
-    pre_tokenizer: str = "auto",
-    log_file: Path | None = None,
-    python: str = sys.executable,
-) -> Converted:
-    """Run llama.cpp's converter on `model_dir` into `out_file` (`pre_tokenizer`: the name written only
-    where the converter knows no hash; auto: from tokenizer.json; none: never). Its output goes to
-    `log_file`; a failure raises RuntimeError with the log's last lines."""
-    fallback = infer_pre_tokenizer(model_dir) if pre_tokenizer == "auto" else pre_tokenizer
+@dataclass(frozen=True)
+class Conversion:
+    """How llama.cpp's converter runs: which script, under which Python, writing which type."""
+
+    converter: Path
+    outtype: str = "f16"
+    pre_tokenizer: str = "auto"
+    """The name written only where the converter knows no hash; auto: from tokenizer.json; none: never."""
+    python: str = sys.executable
+
+
+def convert(model_dir: Path, out_file: Path, conversion: Conversion, log_file: Path | None = None) -> Converted:
+    """Run llama.cpp's converter on `model_dir` into `out_file`. Its output goes to `log_file`; a
+    failure raises RuntimeError with the log's last lines."""
+    named = conversion.pre_tokenizer
+    fallback = infer_pre_tokenizer(model_dir) if named == "auto" else named
     fallback = "" if fallback in (None, "none") else fallback
-    command = [python, "-c", CONVERTER_BOOTSTRAP, str(converter), fallback, str(model_dir)]
-    command += ["--outtype", outtype, "--outfile", str(out_file)]
+    command = [conversion.python, "-c", CONVERTER_BOOTSTRAP, str(conversion.converter), fallback, str(model_dir)]
+    command += ["--outtype", conversion.outtype, "--outfile", str(out_file)]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -308,27 +311,36 @@ def misaligned_width(fields: dict[str, Any]) -> int | None:
     return hidden if isinstance(hidden, int) and hidden % ALIGNED_WIDTH else None
 
 
+@dataclass(frozen=True)
+class GgufSettings:
+    """What `compress export` writes: the converter (None: found as `converter_script` says), its
+    output type, and the llama.cpp type to quantize to (None: as converted) with its quantizer."""
+
+    converter: Path | None = None
+    outtype: str = "f16"
+    quantize_to: str | None = None
+    quantizer: Path | None = None
+    pre_tokenizer: str = "auto"
+    threads: int = 1
+
+
 def export_gguf(
     source: Path,
     output: Path,
+    settings: GgufSettings,
     *,
-    converter: Path | None = None,
-    outtype: str = "f16",
-    quantize_to: str | None = None,
-    quantizer: Path | None = None,
-    pre_tokenizer: str = "auto",
     overwrite: bool = False,
-    threads: int = 1,
     starting: Callable[[Path], None] | None = None,
 ) -> Exported:
     """A run folder's `model/` (or a model folder) as the GGUF file `output`, written whole or not at
     all: converted into a scratch file beside it, quantized there if asked, then renamed. Every
     problem found before converting is a one-line UserError; `starting(model)` hears when the checks
     have passed and the converter starts."""
+    outtype, quantize_to, quantizer = settings.outtype, settings.quantize_to, settings.quantizer
     model = model_folder(source)
     fields = text_fields(model)  # read before converting: the file is the model's, not the GGUF's
     misaligned = misaligned_width(fields)
-    converter = converter_script(converter)
+    conversion = Conversion(converter_script(settings.converter), outtype, settings.pre_tokenizer)
     _check_target(output, overwrite, quantize_to, quantizer)
     if starting is not None:
         starting(model)
@@ -337,7 +349,7 @@ def export_gguf(
     try:
         converted_file = scratch / f"{output.stem}-{outtype}.gguf"
         try:
-            converted = convert(model, converted_file, converter, outtype, pre_tokenizer, log)
+            converted = convert(model, converted_file, conversion, log)
         except RuntimeError as error:
             last = str(error).splitlines()[-1] if str(error).splitlines() else str(error)
             raise UserError(f"llama.cpp's converter failed on {model}: {last.strip()} (its whole log: {log})") from None
@@ -347,7 +359,7 @@ def export_gguf(
             final = scratch / f"{output.stem}-{quantize_to}.gguf"
             quantized_log = scratch / "quantize.log"
             try:
-                seconds = quantize(converted_file, final, quantize_to, threads, quantizer, quantized_log)
+                seconds = quantize(converted_file, final, quantize_to, settings.threads, quantizer, quantized_log)
             except RuntimeError as error:
                 raise UserError(f"{error}; the converted file was not kept") from None
             wider = fallbacks(quantized_log.read_text(errors="replace")) if quantized_log.is_file() else None

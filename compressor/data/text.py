@@ -55,13 +55,17 @@ def _texts(records: Iterable[Mapping[str, Any]], field: str) -> Iterator[str]:
         yield record[field]
 
 
+RECORDS_PER_CALL = 64
+"""Records the tokenizer gets in one call while `token_windows` reads: enough to amortise the
+call, few enough that it reads hardly more records than the windows need."""
+
+
 def token_windows(
     records: Iterable[Mapping[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
     num_samples: int,
     text_field: str = "text",
-    chunk: int = 64,
     minimum: int | None = None,
 ) -> torch.Tensor:
     """The first `num_samples` windows of `seq_len` tokens, as a (num_samples, seq_len) tensor;
@@ -88,7 +92,7 @@ def token_windows(
         if not isinstance(text, str):
             raise UserError(f"dataset record {index}: field '{text_field}' is {type(text).__name__}, not text")
         pending.append(text)
-        if len(pending) == chunk:
+        if len(pending) == RECORDS_PER_CALL:
             flush()
             if len(stream) >= needed:
                 break

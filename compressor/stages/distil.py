@@ -159,7 +159,7 @@ def distil_student(
     recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
     student, the stage's record, the before-metrics and the original (reused for evaluation). A
     bad setting found here keeps the walk's checkpoint, to continue from once it is fixed."""
-    from compressor.training.distill import distill
+    from compressor.training.distill import TrainingRun, distill
     from compressor.training.teachers import CachedTeacher, LiveTeacher, cached_targets
 
     spec = recipe.distillation
@@ -174,9 +174,7 @@ def distil_student(
         student.to("cpu")
         store = ActivationStore(device, recipe.activations, staging / SCRATCH_FOLDER)  # `activations: disk` spills
         teacher: Any = CachedTeacher(
-            cached_targets(
-                original, family, data.train + data.heldout, spec.top_k, device, spec.batch_size, report_progress, store
-            )
+            cached_targets(original, family, data.train + data.heldout, spec, store, report_progress)
         )
     else:
         teacher = LiveTeacher(original, spec.top_k)
@@ -187,9 +185,8 @@ def distil_student(
     }
     folder = staging / CHECKPOINT_FOLDER / DISTILLATION_FOLDER
     try:
-        student, record = distill(
-            student, teacher, data, spec, folder, device, fingerprint, recipe.seed, report_progress, ranks.world
-        )
+        run = TrainingRun(folder, device, fingerprint, recipe.seed, report_progress, ranks.world)
+        student, record = distill(student, teacher, data, spec, run)
     except UserError as error:
         if isinstance(error, ProgressKept):
             raise

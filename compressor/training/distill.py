@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -392,45 +392,124 @@ def steps_for(spec: DistillationSpec, world: int) -> tuple[int, int]:
     return max(1, math.ceil(spec.tokens / (per_step * spec.seq_len))), per_step
 
 
+@dataclass(frozen=True)
+class TrainingRun:
+    """Where and how one distillation runs, beside what it trains (the spec): its checkpoints,
+    device, seeds and callbacks, one object so a new need is a field, not a parameter."""
+
+    folder: Path
+    """Checkpoints; a killed run's same call continues from them when `fingerprint` matches."""
+    device: torch.device
+    fingerprint: dict[str, str]
+    seed: int = 0
+    progress: Progress | None = None
+    world: int = 1
+    """Processes training together (`torchrun`): the windows per step count them."""
+    callbacks: Sequence[TrainerCallback] = ()
+    """More Trainer callbacks (a benchmark's measurements along the way)."""
+
+
 def distill(
-    student: PreTrainedModel,
-    teacher: Teacher,
-    data: DistillationData,
-    spec: DistillationSpec,
-    folder: Path,
-    device: torch.device,
-    fingerprint: dict[str, str],
-    seed: int = 0,
-    progress: Progress | None = None,
-    world: int = 1,
-    callbacks: list[TrainerCallback] = (),
+    student: PreTrainedModel, teacher: Teacher, data: DistillationData, spec: DistillationSpec, run: TrainingRun
 ) -> tuple[PreTrainedModel, DistillationRecord]:
     """Train `student` from `teacher` on `data`; return it (adapters merged, same class and
-    parameter count, in its own dtype) and the record. Checkpoints go to `folder`, which a killed
-    run's same call continues from when `fingerprint` matches. `callbacks` are more Trainer
-    callbacks (a benchmark's measurements along the way)."""
+    parameter count, in its own dtype) and the record. Checkpoints go to `run.folder`."""
     started = time.perf_counter()
-    report = progress or (lambda *_: None)
+    report = run.progress or (lambda *_: None)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     hf_logging.get_logger("transformers.trainer_utils").setLevel(hf_logging.ERROR)  # "mtime may not be reliable"
-    max_steps, per_step = steps_for(spec, world)
-    precision = _precision(spec, device)
+    max_steps, per_step = steps_for(spec, run.world)
+    precision = _precision(spec, run.device)
     dtypes = {name: p.dtype for name, p in student.named_parameters()}  # restored after (buffers untouched)
     use_cache = getattr(student.config, "use_cache", None)  # the Trainer turns it off for training
-    args = _arguments(spec, folder, device, seed, max_steps, precision)
-    check_fingerprint(folder, fingerprint, write=args.process_index == 0)
+    args = _arguments(spec, run.folder, run.device, run.seed, max_steps, precision)
+    resume = _resumable(run, args)
+    model, received = _trainable(student, spec, run.seed)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    steps = _Steps(report, f"distillation: {spec.method} step")
+    trainer = _trainer(model, args, data, teacher, spec, [steps, *run.callbacks])
+    report("distillation: held-out KL of the student as received", 0, 1)
+    before = trainer.heldout_kl()
+    tick = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    train_seconds = time.perf_counter() - tick
+    state = trainer.state
+    best = state.best_metric if state.best_metric is not None else math.inf
+    kept = "distilled" if best < before else "received"
+    model, merge_diff = _finished(trainer, spec, data, kept, received)
+    tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
+    resumed_at = resume[0] if resume else None
+    peak, of = _peak_memory(args.device)
+    return _as_received(model, dtypes, use_cache), DistillationRecord(
+        method=spec.method,
+        steps=state.global_step,
+        max_steps=max_steps,
+        tokens=tokens,
+        windows_per_step=per_step,
+        train_windows=len(data.train),
+        heldout_windows=len(data.heldout),
+        epochs=state.global_step * per_step / max(len(data.train), 1),
+        world_size=args.world_size,
+        seconds=time.perf_counter() - started,
+        train_seconds=train_seconds,
+        seconds_per_million_tokens=train_seconds / max(_trained_here(tokens, state.global_step, resumed_at), 1) * 1e6,
+        peak_memory_bytes=int(peak),
+        peak_memory_of=of,
+        heldout_kl_before=before,
+        heldout_kl_best=min(best, before),
+        best_step=int(state.best_global_step or 0) if kept == "distilled" else 0,
+        stopped_early=state.global_step < max_steps,
+        kept=kept,
+        resumed_from_step=resumed_at,
+        curve=_curve(state, before, per_step * data.seq_len),
+        trainable_params=trainable,
+        merge_max_abs_diff=merge_diff,
+        lr=args.learning_rate,
+        precision=precision,
+        options=asdict(spec),
+    )
+
+
+def _resumable(run: TrainingRun, args: TrainingArguments) -> tuple[int, Path] | None:
+    """The checkpoint to continue from, after rank 0 has checked (or cleared) the folder against
+    the run's fingerprint and every rank has waited for it."""
+    check_fingerprint(run.folder, run.fingerprint, write=args.process_index == 0)
     if args.world_size > 1:
         torch.distributed.barrier()  # rank 0 has checked (or cleared) the checkpoints the others will read
-    resume = last_checkpoint(folder)
-    if spec.method == "full":
-        received = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
-        for parameter in student.parameters():  # fp32 master weights (buffers as they are); autocast computes
-            parameter.data = parameter.data.float()
-        model: nn.Module = student.train().requires_grad_(True)
-    else:
-        received = None
-        model = _with_adapters(student, spec, seed).train()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return last_checkpoint(run.folder)
+
+
+def _as_received(model: nn.Module, dtypes: dict[str, torch.dtype], use_cache: bool | None) -> PreTrainedModel:
+    """The trained model in the student's own dtypes and cache setting, frozen for inference."""
+    for name, parameter in model.named_parameters():
+        parameter.data = parameter.data.to(dtypes.get(name, parameter.dtype))
+    student = model.eval().requires_grad_(False)
+    if use_cache is not None:
+        student.config.use_cache = use_cache
+    return student  # type: ignore[return-value]
+
+
+def _trainable(student: PreTrainedModel, spec: DistillationSpec, seed: int) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The model the Trainer trains: the student itself in float32 master weights (`full`, with a
+    copy of its state as received, to give back if nothing beats it), or with LoRA adapters."""
+    if spec.method != "full":
+        return _with_adapters(student, spec, seed).train(), None
+    received = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    for parameter in student.parameters():  # fp32 master weights (buffers as they are); autocast computes
+        parameter.data = parameter.data.float()
+    return student.train().requires_grad_(True), received
+
+
+def _trainer(
+    model: nn.Module,
+    args: TrainingArguments,
+    data: DistillationData,
+    teacher: Teacher,
+    spec: DistillationSpec,
+    callbacks: list[TrainerCallback],
+) -> _Distiller:
+    """The Trainer with this project's loss and callbacks, transformers' console printers removed,
+    a live teacher on the training device, and the device's peak memory counted from here."""
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
     try:
@@ -443,7 +522,7 @@ def distill(
             teacher=teacher,
             spec=spec,
             heldout=data.heldout,
-            callbacks=[_Steps(report, f"distillation: {spec.method} step"), *callbacks],
+            callbacks=callbacks,
         )
     except ValueError as error:
         raise UserError(f"distillation: transformers' Trainer refused the settings: {first_line(error)}") from None
@@ -453,28 +532,34 @@ def distill(
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=spec.patience))
     if isinstance(teacher, LiveTeacher):
         teacher.model.to(args.device)
-    report("distillation: held-out KL of the student as received", 0, 1)
-    before = trainer.heldout_kl()
-    tick = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
-    train_seconds = time.perf_counter() - tick
-    state = trainer.state
-    curve = [{"step": 0, "tokens": 0, "kl": before}]
+    return trainer
+
+
+def _curve(state: Any, before: float, tokens_per_step: int) -> list[dict[str, int | float]]:
+    """Held-out KL against step and tokens, from step 0 (the student as received)."""
+    curve: list[dict[str, int | float]] = [{"step": 0, "tokens": 0, "kl": before}]
     curve += [
         {
             "step": entry["step"],
             "kl": entry["eval_kl"],
-            "tokens": entry.get("num_input_tokens_seen") or entry["step"] * per_step * data.seq_len,
+            "tokens": entry.get("num_input_tokens_seen") or entry["step"] * tokens_per_step,
         }
         for entry in state.log_history
         if "eval_kl" in entry
     ]
-    best = state.best_metric if state.best_metric is not None else math.inf
-    kept = "distilled" if best < before else "received"
+    return curve
+
+
+def _finished(
+    trainer: _Distiller, spec: DistillationSpec, data: DistillationData, kept: str, received: dict[str, Any] | None
+) -> tuple[nn.Module, float | None]:
+    """The trained model unwrapped, LoRA merged (or unloaded when the student as received stays)
+    and the merge's largest logit difference on one held-out window; `full` given back its
+    received state when nothing beat it."""
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast patch
     merge_diff = None
     if spec.method == "lora":
-        probe = {k: v.to(args.device) for k, v in collate(data.heldout[:1]).items()}
+        probe = {k: v.to(trainer.args.device) for k, v in collate(data.heldout[:1]).items()}
         with torch.no_grad():
             adapted = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits.float()
         model = model.merge_and_unload() if kept == "distilled" else model.unload()
@@ -484,46 +569,16 @@ def distill(
     elif kept == "received":
         assert received is not None
         model.load_state_dict(received)
-    seconds = time.perf_counter() - started
-    tokens = int(state.num_input_tokens_seen or state.global_step * per_step * data.seq_len)
-    resumed_at = resume[0] if resume else None
-    tokens_here = tokens * (state.global_step - (resumed_at or 0)) / max(state.global_step, 1)
-    peak, of = (
-        (torch.cuda.max_memory_allocated(args.device), str(args.device))
-        if args.device.type == "cuda"
-        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)")
-    )
-    record = DistillationRecord(
-        method=spec.method,
-        steps=state.global_step,
-        max_steps=max_steps,
-        tokens=tokens,
-        windows_per_step=per_step,
-        train_windows=len(data.train),
-        heldout_windows=len(data.heldout),
-        epochs=state.global_step * per_step / max(len(data.train), 1),
-        world_size=args.world_size,
-        seconds=seconds,
-        train_seconds=train_seconds,
-        seconds_per_million_tokens=train_seconds / max(tokens_here, 1) * 1e6,
-        peak_memory_bytes=int(peak),
-        peak_memory_of=of,
-        heldout_kl_before=before,
-        heldout_kl_best=min(best, before),
-        best_step=int(state.best_global_step or 0) if kept == "distilled" else 0,
-        stopped_early=state.global_step < max_steps,
-        kept=kept,
-        resumed_from_step=resumed_at,
-        curve=curve,
-        trainable_params=trainable,
-        merge_max_abs_diff=merge_diff,
-        lr=args.learning_rate,
-        precision=precision,
-        options=asdict(spec),
-    )
-    for name, parameter in model.named_parameters():
-        parameter.data = parameter.data.to(dtypes.get(name, parameter.dtype))
-    student = model.eval().requires_grad_(False)  # type: ignore[assignment]
-    if use_cache is not None:
-        student.config.use_cache = use_cache
-    return student, record
+    return model, merge_diff
+
+
+def _trained_here(tokens: int, steps: int, resumed_at: int | None) -> float:
+    """The tokens this process trained: after a resume, the steps it ran of the run's `steps`."""
+    return tokens * (steps - (resumed_at or 0)) / max(steps, 1)
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    """The device's peak allocation, or on the host the process's peak RSS, and what it is of."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), str(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS (whole run)"

@@ -120,14 +120,14 @@ def cached_targets(
     model: PreTrainedModel,
     family: ModelFamily,
     rows: list[Row],
-    top_k: int,
-    device: torch.device,
-    batch_size: int,
+    spec: DistillationSpec,
+    store: ActivationStore,
     progress: Progress,
-    store: ActivationStore | None = None,
 ) -> dict[int, TeacherTarget]:
-    """Every row's teacher target (by its `row` id), computed as the H pass runs the model: one layer on the device
-    at a time over all rows (their activations on the host, or in `store`), then the head."""
+    """Every row's teacher target (by its `row` id, the section's `top_k` bins), computed as the H
+    pass runs the model: one layer on the store's device at a time over all rows, `batch_size` rows
+    a batch (their activations in `store`: on the host, or spilled to disk), then the head."""
+    device, top_k, batch_size = store.device, spec.top_k, spec.batch_size
     batches = [collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
     inputs = capture_layer_inputs(
         model, family, [Batch(b["input_ids"], b["attention_mask"]) for b in batches], device, store

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import compressor.data.text
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
@@ -18,13 +19,14 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(EXAMPLES / "ref-llama")
 
 
-def test_windows_are_the_eos_joined_token_stream_cut_in_order(tokenizer) -> None:
+def test_windows_are_the_eos_joined_token_stream_cut_in_order(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compressor.data.text, "RECORDS_PER_CALL", 4)  # several tokenizer calls
     stream: list[int] = []
     for record in RECORDS:
         stream += tokenizer(record["text"])["input_ids"] + [tokenizer.eos_token_id]
     assert stream[0] == tokenizer.bos_token_id  # the tokenizer's own special tokens are kept
     with_blanks = [RECORDS[0], {"text": ""}, {"text": " \n"}, {"text": None}, *RECORDS[1:]]  # blanks carry nothing
-    windows = token_windows(with_blanks, tokenizer, seq_len=7, num_samples=5, chunk=4)
+    windows = token_windows(with_blanks, tokenizer, seq_len=7, num_samples=5)
     assert windows.shape == (5, 7)
     assert windows.flatten().tolist() == stream[:35]
 

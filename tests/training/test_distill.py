@@ -4,6 +4,7 @@ settings in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from compressor.cli import main
 from compressor.data.batches import Batch
+from compressor.engine.activations import ActivationStore
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.errors import UserError
@@ -26,7 +28,7 @@ from compressor.models.layout import fixed_layout
 from compressor.recipe.schema import load_recipe
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.strategies.registry import PluginRegistry
-from compressor.training.distill import distill
+from compressor.training.distill import TrainingRun, distill
 from compressor.training.teachers import CachedTeacher, LiveTeacher, _rows, cached_targets, collate, distillation_data
 from compressor_plugins.pca import PCA
 from tests.conftest import EXAMPLES, copy_model, random_batches, save_tiny_checkpoint, tiny_model, widths_for
@@ -162,10 +164,7 @@ def test_the_merged_model_computes_what_the_adapted_student_computed(tmp_path: P
         LiveTeacher(original, spec.top_k),
         data,
         spec,
-        tmp_path / "ck",
-        torch.device("cpu"),
-        {"test": "merge"},
-        callbacks=[adapted],
+        TrainingRun(tmp_path / "ck", torch.device("cpu"), {"test": "merge"}, callbacks=[adapted]),
     )
     assert record.kept == "distilled" and record.merge_max_abs_diff is not None
     assert {name: tuple(p.shape) for name, p in merged.named_parameters()} == shapes  # no adapter left
@@ -188,9 +187,9 @@ def test_cached_targets_equal_the_live_teachers() -> None:
     targets the whole model gives batch by batch."""
     original, _, data, spec = _student_and_data(top_k=8)
     rows = data.train[:6] + data.heldout[:2]
-    cached = CachedTeacher(
-        cached_targets(original, family_for("llama"), rows, 8, torch.device("cpu"), 3, lambda *_: None)
-    )
+    spec = dataclasses.replace(spec, top_k=8, batch_size=3)
+    store = ActivationStore(torch.device("cpu"))
+    cached = CachedTeacher(cached_targets(original, family_for("llama"), rows, spec, store, lambda *_: None))
     live = LiveTeacher(original, 8)
     inputs = collate(rows)
     counted = inputs["loss_mask"].bool()
@@ -336,7 +335,6 @@ def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Pa
 def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights(tmp_path: Path) -> None:
     """With `gradient_checkpointing` the sliced layers (GradientCheckpointingLayer) are recomputed in
     the backward pass: the trained weights are those of a run that kept every activation."""
-    import dataclasses
 
     original, student, data, spec = _student_and_data()
     spec = dataclasses.replace(spec, tokens=512, method="full", warmup=0.0, lr=0.001)
@@ -350,9 +348,7 @@ def test_gradient_checkpointing_recomputes_the_sliced_layers_to_the_same_weights
             LiveTeacher(original, spec.top_k),
             data,
             dataclasses.replace(spec, gradient_checkpointing=checkpointing),
-            tmp_path / str(checkpointing),
-            torch.device("cpu"),
-            {"test": "gc"},
+            TrainingRun(tmp_path / str(checkpointing), torch.device("cpu"), {"test": "gc"}),
         )
         assert record.steps == 4 and record.kept == "distilled"
         results.append(trained.state_dict())
