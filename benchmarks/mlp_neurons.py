@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from compressor.engine.neurons import mlp_linears, prune_mlp
+from compressor.engine.neurons import MlpOptions, mlp_linears, prune_mlp
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
 from compressor.engine.walk_options import WalkOptions
@@ -125,11 +125,7 @@ def main() -> None:
             for refit, damping, alpha in variants:
                 model = resources.model(recipe.model)
                 tick = time.perf_counter()
-                records = prune_mlp(
-                    model,
-                    family,
-                    calibration,
-                    keep,
+                options = MlpOptions(
                     registry.selector(name.removesuffix("+H")),
                     device,
                     refit=refit,
@@ -137,6 +133,7 @@ def main() -> None:
                     feedback=alpha,
                     sensitivity=sensitivity if name.endswith("+H") else None,
                 )
+                records = prune_mlp(model, family, calibration, keep, options)
                 seconds = time.perf_counter() - tick
                 figures = compare(original, model, heldout, device)["pruned"]
                 row = {

@@ -43,8 +43,8 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.engine.expert_width import SharedMoments
-from compressor.engine.experts import prune_experts
-from compressor.engine.neurons import prune_mlp
+from compressor.engine.experts import ExpertOptions, prune_experts
+from compressor.engine.neurons import MlpOptions, prune_mlp
 from compressor.engine.transforms import fuse_norms
 from compressor.evaluation.metrics import compare, parameter_count
 from compressor.models.families import family_for
@@ -165,11 +165,7 @@ def main() -> None:
         tick = time.perf_counter()
         records = []
         if keep is not None and expert_name is not None:
-            records = prune_experts(
-                model,
-                family,
-                calibration,
-                keep,
+            expert_options = ExpertOptions(
                 registry.expert_selector(expert_name.removesuffix("+H")),
                 device,
                 super_ratio=None if args.no_protect else 10.0,
@@ -177,21 +173,18 @@ def main() -> None:
                 router_steps=args.router_steps if refit else 0,
                 sensitivity=sensitivity if expert_name.endswith("+H") or refit else None,
             )
+            records = prune_experts(model, family, calibration, keep, expert_options)
             setattr(model.config, family.experts, keep)
         widths = []
         if neuron_name is not None:
             selector = neuron_name.removesuffix(" gate-blind")
             with gate_blind(selector != neuron_name):
-                widths = prune_mlp(
-                    model,
-                    family,
-                    calibration,
-                    width,
+                neuron_options = MlpOptions(
                     registry.selector(selector.removesuffix("+H")),
                     device,
-                    shared_keep=shared,
                     sensitivity=sensitivity if selector.endswith("+H") else None,
                 )
+                widths = prune_mlp(model, family, calibration, width, neuron_options, shared_keep=shared)
             set_mlp_widths(model.config, family, width, shared)
         seconds = time.perf_counter() - tick
         figures = compare(original, model, heldout, device)["pruned"]

@@ -160,3 +160,20 @@ class SecondMoment:
                 raise ValueError("no calibration tokens were counted (all positions masked)")
             self._mean = self.total.div_(self.tokens)
         return self._mean
+
+
+@dataclass(frozen=True)
+class LayerPass:
+    """One decoder layer as a layer-by-layer pass reaches it: what the per-layer helpers of the
+    MLP and expert axes share, in place of the same six arguments to each."""
+
+    layer: nn.Module
+    family: ModelFamily
+    inputs: LayerInputs
+    """The stored batches the layer runs on (its input, as the layers before it left the stream)."""
+    index: int
+    device: torch.device
+    ranks: Ranks
+    """The data-parallel group its statistics are summed over."""
+    G: torch.Tensor | None = None
+    """H of the stream the layer's block writes to, where the pass weighs by it."""

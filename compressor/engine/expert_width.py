@@ -22,12 +22,13 @@ whose MLP is a `RoutedExperts` block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from compressor.engine.calibration import LayerInputs
+from compressor.engine.calibration import LayerPass
 from compressor.engine.experts import feed_counted
 from compressor.engine.parallel import Ranks
 from compressor.engine.refit import (
@@ -91,25 +92,27 @@ class _ExpertWidthMoments:
         )
 
 
+@dataclass(frozen=True)
+class ExpertWidthOptions:
+    """How each expert's neurons are chosen and its down projection refitted: `prune_mlp`'s
+    settings as a layer of routed experts reads them (defaults: the recipe's)."""
+
+    selector: NeuronSelector
+    refit: bool = True
+    damping: float = 1e-2
+    """δ of the refit, as a share of the mean diagonal of each expert's C."""
+
+
 @torch.no_grad()
 def prune_expert_widths(
-    layer: nn.Module,
-    block: RoutedExperts,
-    inputs: LayerInputs,
-    index: int,
-    keep: int | None,
-    selector: NeuronSelector,
-    device: torch.device,
-    G: torch.Tensor | None,
-    ranks: Ranks,
-    refit: bool = True,
-    damping: float = 1e-2,
-    shared_keep: int | None = None,
+    at: LayerPass, block: RoutedExperts, keep: int | None, shared_keep: int | None, options: ExpertWidthOptions
 ) -> NeuronRecord:
-    """Keep `keep` neurons in every routed expert of layer `index`'s `block` (None: all) and
-    `shared_keep` in its shared expert (None: all), in place (see the module docstring); `layer`
-    runs on the stored batches `inputs` to measure the block's input. Returns the layer's record;
-    the caller runs the pruned layer to give the next one its input."""
+    """Keep `keep` neurons in every routed expert of layer `at.index`'s `block` (None: all) and
+    `shared_keep` in its shared expert (None: all), in place (see the module docstring); `at.layer`
+    runs on the stored batches `at.inputs` to measure the block's input, and `at.G` weighs the
+    selectors' problems. Returns the layer's record; the caller runs the pruned layer to give the
+    next one its input."""
+    index, device, ranks = at.index, at.device, at.ranks
     width = block.experts[0].down_proj.in_features
     if keep is not None and not 0 < keep <= width:
         raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s experts")
@@ -123,39 +126,55 @@ def prune_expert_widths(
             if moments is not None:
                 moments.add(block, x)
 
-    feed_counted(layer, block, inputs, index, device, add)
+    feed_counted(at, block, add)
     tokens = ranks.sum_count(counted[0], device)
     if tokens == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
-    G = None if G is None else G.to(device, torch.float64)
+    at = replace(at, G=None if at.G is None else at.G.to(device, torch.float64))
     routed = _Narrowed()
     if stats is not None and keep is not None:
-        stats.sum_over(ranks)
-        for number, expert in enumerate(block.experts):
-            W = expert.down_proj.weight.detach().to(device, torch.float64)
-            problem = stats.problem(number, index, keep, W, damping, G)
-            routed.add(narrow(problem, selector, [expert.gate_up_proj], expert.down_proj, refit, ranks))
+        routed = _narrow_routed(at, block, stats.sum_over(ranks), keep, options)
     shared_record = None
     if shared is not None and shared_keep is not None:
-        expert = block.shared_expert
-        assert expert is not None
-        problem = shared.sum_over(ranks).problem(index, shared_keep, expert.down_proj.weight, damping, G)
-        one = narrow(problem, selector, [expert.gate_proj, expert.up_proj], expert.down_proj, refit, ranks)
-        shared_record = SharedExpertRecord(problem.width, shared_keep, one.share(one.dropped), one.refit_share(refit))
+        shared_record = _narrow_shared(at, block, shared.sum_over(ranks), shared_keep, options)
     return NeuronRecord(
         layer=index,
         width=width,
         kept=width if keep is None else keep,
         tokens=tokens,
-        selector=selector.name,
-        refit=refit,
+        selector=options.selector.name,
+        refit=options.refit,
         error_dropped=routed.share(routed.dropped),
-        error_refit=routed.refit_share(refit),
+        error_refit=routed.refit_share(options.refit),
         objectives={"experts": routed.objectives} if any(routed.objectives) else {},
         experts=len(block.experts),
         fewest_tokens=None if stats is None else int(stats.routed.min()),
         shared_expert=shared_record,
     )
+
+
+def _narrow_routed(
+    at: LayerPass, block: RoutedExperts, stats: _ExpertWidthMoments, keep: int, options: ExpertWidthOptions
+) -> _Narrowed:
+    """Every routed expert of the block cut to `keep` neurons from its summed `stats`, in place, and
+    what that cost the block's output (summed over the experts in order)."""
+    routed = _Narrowed()
+    for number, expert in enumerate(block.experts):
+        W = expert.down_proj.weight.detach().to(at.device, torch.float64)
+        problem = stats.problem(number, at.index, keep, W, options.damping, at.G)
+        routed.add(narrow(problem, [expert.gate_up_proj], expert.down_proj, options, at.ranks))
+    return routed
+
+
+def _narrow_shared(
+    at: LayerPass, block: RoutedExperts, shared: SharedMoments, keep: int, options: ExpertWidthOptions
+) -> SharedExpertRecord:
+    """The block's shared expert cut to `keep` neurons from its summed moments, in place, and its record."""
+    expert = block.shared_expert
+    assert expert is not None
+    problem = shared.problem(at.index, keep, expert.down_proj.weight, options.damping, at.G)
+    one = narrow(problem, [expert.gate_proj, expert.up_proj], expert.down_proj, options, at.ranks)
+    return SharedExpertRecord(problem.width, keep, one.share(one.dropped), one.refit_share(options.refit))
 
 
 class _Narrowed:
@@ -180,15 +199,11 @@ class _Narrowed:
 
 
 def narrow(
-    problem: NeuronProblem,
-    selector: NeuronSelector,
-    readers: list[nn.Linear],
-    writer: nn.Linear,
-    refit: bool,
-    ranks: Ranks,
+    problem: NeuronProblem, readers: list[nn.Linear], writer: nn.Linear, options: ExpertWidthOptions, ranks: Ranks
 ) -> _Narrowed:
     """One expert's MLP cut to the selector's kept neurons, in place, its down projection refitted
     (or the kept weights as they were), and what that cost its weighed output."""
+    selector, refit = options.selector, options.refit
     W = problem.down
     choice, kept = choose_neurons(selector, problem, ranks)
     plain = W[:, kept]

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
-from compressor.engine.calibration import LayerInputs, capture_layer_inputs, counted_rows
+from compressor.engine.calibration import LayerPass, capture_layer_inputs, counted_rows
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.parallel import Ranks
 from compressor.engine.router_refit import refit_router
@@ -145,29 +145,37 @@ def moe_block(layer: nn.Module, family: ModelFamily) -> RoutedExperts | None:
     return mlp if isinstance(mlp, RoutedExperts) else None
 
 
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How `prune_experts` chooses, and where it runs: its settings beside the model and what it
+    keeps, in one object rather than a dozen keywords (defaults: the recipe's)."""
+
+    selector: ExpertSelector
+    device: torch.device | str = "cpu"
+    super_ratio: float | None = 10.0
+    """Experts whose largest output coordinate is this many times the median routed expert's are
+    protected (REAP's super experts); None protects none."""
+    sample_tokens: int = 2048
+    """The output sample's tokens, for a selector that requires "outputs" (and the router refit)."""
+    router_steps: int = 0
+    """> 0: each pruned router is refitted on the output sample (`engine.router_refit`)."""
+    sensitivity: Mapping[int, torch.Tensor] | None = None
+    """G by layer index: H of the stream each block writes to, in the model's current coordinates."""
+    progress: Progress | None = None
+    store: ActivationStore | None = None
+    ranks: Ranks | None = None
+    """The data-parallel group (by default the initialised process group, if any)."""
+
+
 @torch.no_grad()
 def prune_experts(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    batches: list[Batch],
-    keep: int,
-    selector: ExpertSelector,
-    device: torch.device | str = "cpu",
-    *,
-    super_ratio: float | None = 10.0,
-    sample_tokens: int = 2048,
-    router_steps: int = 0,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
-    progress: Progress | None = None,
-    store: ActivationStore | None = None,
-    ranks: Ranks | None = None,
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], keep: int, options: ExpertOptions
 ) -> list[ExpertRecord]:
     """Keep `keep` routed experts in every MoE layer of `model`, in place (see the module
-    docstring); `sensitivity` gives G by layer index (H of the stream each block writes to, in the
-    model's current coordinates). `router_steps` > 0 refits each pruned router on the output sample
-    (`engine.router_refit`). Returns one record per MoE layer; the config is the caller's."""
-    device = torch.device(device)
-    ranks = ranks or Ranks.current()
+    docstring and `ExpertOptions`). Returns one record per MoE layer; the config is the caller's."""
+    selector, router_steps, sensitivity = options.selector, options.router_steps, options.sensitivity
+    device = torch.device(options.device)
+    ranks = options.ranks or Ranks.current()
     outputs = "outputs" in selector.requires or router_steps > 0
     if outputs and ranks.world > 1:
         what = f"expert selector '{selector.name}'" if router_steps == 0 else "experts.router_refit"
@@ -176,10 +184,10 @@ def prune_experts(
             f"run it in one process" + ("" if router_steps else ", or choose frequency or reap")
         )
     local = ranks.share(batches)
-    report = progress or (lambda *_: None)
+    report = options.progress or (lambda *_: None)
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, local, device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, local, device, options.store or ActivationStore(device))
     records: list[ExpertRecord] = []
     try:
         for index, layer in visit_layers(model, family, device):
@@ -187,10 +195,9 @@ def prune_experts(
             block = moe_block(layer, family)
             if block is not None:
                 G = None if sensitivity is None or not outputs else sensitivity[index].to(device, torch.float64)
-                stats = _measure(
-                    layer, block, inputs, index, device, sample_tokens if outputs else 0, G, router_steps > 0
-                )
-                record = _choose(block, stats.sum_over(ranks), index, keep, selector, super_ratio, ranks)
+                at = LayerPass(layer, family, inputs, index, device, ranks, G)
+                stats = _measure(at, block, options.sample_tokens if outputs else 0, router_steps > 0)
+                record = _choose(at, block, stats.sum_over(ranks), keep, options)
                 if router_steps > 0:
                     record.router = _refit(block, stats, record.kept, router_steps)
                 records.append(record)
@@ -205,14 +212,11 @@ def prune_experts(
 
 
 def _choose(
-    block: RoutedExperts,
-    stats: _ExpertMoments,
-    index: int,
-    keep: int,
-    selector: ExpertSelector,
-    super_ratio: float | None,
-    ranks: Ranks,
+    at: LayerPass, block: RoutedExperts, stats: _ExpertMoments, keep: int, options: ExpertOptions
 ) -> ExpertRecord:
+    """The selector's `keep` experts of the layer's block from its summed statistics, the block cut
+    to them in place, and the layer's record."""
+    index, selector, ranks = at.index, options.selector, at.ranks
     experts = len(block.experts)
     if not block.top_k <= keep <= experts:
         raise UserError(
@@ -220,7 +224,7 @@ def _choose(
         )
     if int(stats.tokens.sum()) == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
-    protected = protected_experts(stats.peak, super_ratio, stats.tokens)
+    protected = protected_experts(stats.peak, options.super_ratio, stats.tokens)
     if int(protected.sum()) > keep:
         raise UserError(
             f"experts: layer {index} has {int(protected.sum())} super experts to protect but keeps {keep}; "
@@ -280,34 +284,21 @@ def _refit(block: RoutedExperts, stats: _ExpertMoments, kept: list[int], steps: 
     return refit.as_dict()
 
 
-def _measure(
-    layer: nn.Module,
-    block: RoutedExperts,
-    inputs: LayerInputs,
-    index: int,
-    device: torch.device,
-    sample: int,
-    G: torch.Tensor | None,
-    keep_inputs: bool = False,
-) -> _ExpertMoments:
-    """What the layer's MoE block's experts do with the counted tokens of every stored batch."""
+def _measure(at: LayerPass, block: RoutedExperts, sample: int, keep_inputs: bool = False) -> _ExpertMoments:
+    """What the layer's MoE block's experts do with the counted tokens of every stored batch (the
+    output sample weighed by `at.G`)."""
+    inputs = at.inputs
     counted = sum(inputs.token_counts[b] for b in range(len(inputs)))
-    stats = _ExpertMoments(len(block.experts), device, sample, G, counted, keep_inputs)
-    feed_counted(layer, block, inputs, index, device, lambda x: stats.add(block, x))
+    stats = _ExpertMoments(len(block.experts), at.device, sample, at.G, counted, keep_inputs)
+    feed_counted(at, block, lambda x: stats.add(block, x))
     return stats
 
 
-def feed_counted(
-    layer: nn.Module,
-    block: nn.Module,
-    inputs: LayerInputs,
-    index: int,
-    device: torch.device,
-    add: Callable[[torch.Tensor], None],
-) -> None:
+def feed_counted(at: LayerPass, block: nn.Module, add: Callable[[torch.Tensor], None]) -> None:
     """Run the layer on every stored batch up to `block`, handing `add` the counted tokens (each
     batch's mask) of its input, n × d; the block and what follows it do not run (nothing reads
     their output here)."""
+    layer, inputs, index, device = at.layer, at.inputs, at.index, at.device
     current: dict[str, Any] = {}
 
     def record(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:

@@ -62,36 +62,45 @@ class HeadRecord:
     objectives: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HeadOptions:
+    """The settings every heads pass shares (`prune_heads`, `head_count_curves`): how heads are
+    chosen and the output projection refitted, on what, where the pass runs and what it reports
+    to, in one object rather than a dozen keywords (defaults: the recipe's)."""
+
+    selector: HeadSelector
+    device: torch.device | str = "cpu"
+    refit: bool = True
+    """Refit the output projection to the kept heads (else keep their weights as they were)."""
+    damping: float = 1e-2
+    """δ of the refit, as a share of the mean diagonal of C."""
+    sensitivity: Mapping[int, torch.Tensor] | None = None
+    """G by layer index (H of the stream each attention writes to, in the model's current
+    coordinates), for selectors that use it and the curves' weighed errors."""
+    progress: Progress | None = None
+    store: ActivationStore | None = None
+    ranks: Ranks | None = None
+    """The data-parallel group (default: the initialised process group, if any)."""
+
+
 @torch.no_grad()
 def prune_heads(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    batches: list[Batch],
-    keep: int,
-    selector: HeadSelector,
-    device: torch.device | str = "cpu",
-    *,
-    refit: bool = True,
-    damping: float = 1e-2,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
-    progress: Progress | None = None,
-    store: ActivationStore | None = None,
-    ranks: Ranks | None = None,
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], keep: int, options: HeadOptions
 ) -> list[HeadRecord]:
     """Keep `keep` query heads in every attention layer of `model`, in place (see the module
-    docstring); `sensitivity` gives G by layer index (H of the stream each attention writes to, in
-    the model's current coordinates) for selectors that use it. The model's config is not changed:
-    the caller sets it (`models.heads.set_heads`)."""
-    device = torch.device(device)
-    ranks = ranks or Ranks.current()
-    report = progress or (lambda *_: None)
+    docstring and `HeadOptions`). The model's config is not changed: the caller sets it
+    (`models.heads.set_heads`)."""
+    selector, sensitivity = options.selector, options.sensitivity
+    device = torch.device(options.device)
+    ranks = options.ranks or Ranks.current()
+    report = options.progress or (lambda *_: None)
     if "H" in selector.requires and sensitivity is None:
         raise UserError(f"head selector '{selector.name}' needs the output sensitivity H, which this run has not")
     config = model.config
     heads, groups, width = query_heads(config), kv_heads(config), head_dim(config)
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, options.store or ActivationStore(device))
     records: list[HeadRecord] = []
     try:
         for index, layer in visit_layers(model, family, device):
@@ -99,10 +108,8 @@ def prune_heads(
             attention = layer_attention(family, layer)
             if attention is not None:
                 G = None if sensitivity is None else sensitivity[index]
-                shape = _Shape(index, keep, heads, groups, width)
-                records.append(
-                    _prune_layer(layer, attention, family, inputs, shape, selector, device, refit, damping, G, ranks)
-                )
+                at = _AtLayer(layer, inputs, _Shape(index, keep, heads, groups, width), device, ranks, G)
+                records.append(_prune_layer(at, attention, family, options))
             inputs.advance(layer, index, device)  # the pruned layer gives the next one its input
             faults.reached(f"heads:{index}")
         report(f"attention heads: layer {layers}/{layers}", layers, layers)
@@ -123,24 +130,26 @@ class _Shape:
     head_dim: int
 
 
-def _prune_layer(
-    layer: nn.Module,
-    attention: nn.Module,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    shape: _Shape,
-    selector: HeadSelector,
-    device: torch.device,
-    refit: bool,
-    damping: float,
-    G: torch.Tensor | None,
-    ranks: Ranks,
-) -> HeadRecord:
+@dataclass(frozen=True)
+class _AtLayer:
+    """One attention layer as a pass reaches it, what the per-layer helpers share: the decoder
+    layer, the stored batches it runs on, its shape, the device, the ranks and G where it writes."""
+
+    layer: nn.Module
+    inputs: LayerInputs
+    shape: _Shape
+    device: torch.device
+    ranks: Ranks
+    G: torch.Tensor | None = None
+
+
+def _prune_layer(at: _AtLayer, attention: nn.Module, family: ModelFamily, options: HeadOptions) -> HeadRecord:
     """Measure, choose and cut one attention layer's heads (see the module docstring)."""
+    selector, refit = options.selector, options.refit
     output = attention.get_submodule(family.attn_output)
-    problem = _problem(layer, output, inputs, shape, device, damping, G, ranks)
+    problem = _problem(at, output, options.damping)
     C, W = problem.C, problem.down
-    choice, kept = _chosen(problem, selector, ranks)
+    choice, kept = _chosen(problem, selector, at.ranks)
     columns = problem.columns(kept)
     goal = RefitTarget.output(W, C)
     plain = W[:, columns]
@@ -156,26 +165,17 @@ def _prune_layer(
         error_refit=None if refitted is None else output_error(goal, C, columns, refitted),
         objectives=dict(choice.objectives),
     )
-    drop_heads(attention, family, problem.heads, shape.kv, kept, refitted if refitted is not None else plain)
+    drop_heads(attention, family, problem.heads, at.shape.kv, kept, refitted if refitted is not None else plain)
     return record
 
 
-def _problem(
-    layer: nn.Module,
-    output: nn.Linear,
-    inputs: LayerInputs,
-    shape: _Shape,
-    device: torch.device,
-    damping: float,
-    G: torch.Tensor | None,
-    ranks: Ranks,
-    advance: bool = False,
-) -> HeadProblem:
+def _problem(at: _AtLayer, output: nn.Linear, damping: float, advance: bool = False) -> HeadProblem:
     """One attention layer's selector problem, measured on the stored batches (`advance`: each
     batch then replaced by the layer's output, the layer being left as it is)."""
-    moment, window_norms = _measure(layer, output, inputs, shape, device, advance)
-    moment.sum_over(ranks)
-    ranks.sum_(window_norms)
+    shape, device, G = at.shape, at.device, at.G
+    moment, window_norms = _measure(at, output, advance)
+    moment.sum_over(at.ranks)
+    at.ranks.sum_(window_norms)
     C = moment.value()
     return HeadProblem(
         layer=shape.layer,
@@ -206,32 +206,21 @@ def _chosen(problem: HeadProblem, selector: HeadSelector, ranks: Ranks) -> tuple
 
 @torch.no_grad()
 def head_count_curves(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    batches: list[Batch],
-    selector: HeadSelector,
-    counts: Sequence[int],
-    device: torch.device | str = "cpu",
-    *,
-    refit: bool = True,
-    damping: float = 1e-2,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
-    progress: Progress | None = None,
-    store: ActivationStore | None = None,
-    ranks: Ranks | None = None,
+    model: PreTrainedModel, family: ModelFamily, batches: list[Batch], counts: Sequence[int], options: HeadOptions
 ) -> dict[int, dict[int, float]]:
     """Each attention layer's predicted error at each of `counts` query heads kept, measured on
     `model` unpruned in one pass (the model is not changed): the selector's heads and the output
     projection refitted as `prune_heads` would, the error Tr[G·E[(Wz − W'z_S)(…)ᵀ]] where the
     attention writes (`mlp_widths.weighted_error`; with G = H by layer, half the predicted KL).
     Keyed by layer index (a layer without attention has none)."""
-    device, ranks = torch.device(device), ranks or Ranks.current()
-    report = progress or (lambda *_: None)
+    selector, refit, sensitivity = options.selector, options.refit, options.sensitivity
+    device, ranks = torch.device(options.device), options.ranks or Ranks.current()
+    report = options.progress or (lambda *_: None)
     config = model.config
     heads, groups, width = query_heads(config), kv_heads(config), head_dim(config)
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, options.store or ActivationStore(device))
     curves: dict[int, dict[int, float]] = {}
     try:
         for index, layer in visit_layers(model, family, device):
@@ -242,8 +231,8 @@ def head_count_curves(
                 continue
             output = attention.get_submodule(family.attn_output)
             G = None if sensitivity is None else sensitivity[index]
-            shape = _Shape(index, 0, heads, groups, width)
-            problem = _problem(layer, output, inputs, shape, device, damping, G, ranks, advance=True)
+            at = _AtLayer(layer, inputs, _Shape(index, 0, heads, groups, width), device, ranks, G)
+            problem = _problem(at, output, options.damping, advance=True)
             curves[index], W = {}, problem.down
             for count in counts:
                 counted = dataclasses.replace(problem, keep=count)
@@ -257,17 +246,11 @@ def head_count_curves(
     return curves
 
 
-def _measure(
-    layer: nn.Module,
-    output: nn.Linear,
-    inputs: LayerInputs,
-    shape: _Shape,
-    device: torch.device,
-    advance: bool = False,
-) -> tuple[SecondMoment, torch.Tensor]:
+def _measure(at: _AtLayer, output: nn.Linear, advance: bool = False) -> tuple[SecondMoment, torch.Tensor]:
     """Run the layer on every stored batch: C of the output projection's input, and the sum over
     windows of each head's squared mean ‖z_h‖ over the window's real positions (`advance`: each
     batch then replaced by the layer's output)."""
+    layer, inputs, shape, device = at.layer, at.inputs, at.shape, at.device
     moment = SecondMoment(output.in_features, device)
     window_norms = torch.zeros(shape.heads, dtype=torch.float64, device=device)
     current: dict[str, Any] = {}

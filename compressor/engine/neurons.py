@@ -47,9 +47,9 @@ from transformers import PreTrainedModel
 from compressor import faults
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
-from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs, counted_rows
-from compressor.engine.expert_width import prune_expert_widths
-from compressor.engine.kv_merge import KvMeasure
+from compressor.engine.calibration import LayerPass, SecondMoment, capture_layer_inputs, counted_rows
+from compressor.engine.expert_width import ExpertWidthOptions, prune_expert_widths
+from compressor.engine.kv_merge import KvMeasure, KvMerge
 from compressor.engine.layerwise import decoder_layers, visit_layers
 from compressor.engine.mlp_reconstruct import ReconstructSettings, TokenPairs, reconstruct_mlp
 from compressor.engine.mlp_widths import WidthCurve, weighted_error, width_grid
@@ -131,47 +131,76 @@ class _MlpMoment:
         self.window_means += (means**2).sum(0)
 
 
+@dataclasses.dataclass(frozen=True)
+class MlpOptions:
+    """The settings every MLP pass shares (`prune_mlp`, `mlp_width_curves`): how neurons are chosen
+    and refitted, on what, where the pass runs and what it reports to, in one object rather than a
+    dozen keywords (defaults: the recipe's)."""
+
+    selector: NeuronSelector
+    device: torch.device | str = "cpu"
+    refit: bool = True
+    """Refit the down projection to the kept neurons (else keep their weights as they were)."""
+    damping: float = 1e-2
+    """δ of the refit, as a share of the mean diagonal of C (see the module docstring)."""
+    feedback: float = 0.5
+    """`prune_mlp`: the share α of the stream's error the refit takes back, from 0 to 1 (see the
+    module docstring); the width curves measure without it."""
+    sensitivity: Mapping[int, torch.Tensor] | None = None
+    """G by layer index (H of the stream each MLP writes to, in the model's current coordinates),
+    for selectors that use it and the curves' weighed errors."""
+    progress: Progress | None = None
+    store: ActivationStore | None = None
+    ranks: Ranks | None = None
+    """The data-parallel group (default: the initialised process group, if any): its ranks share
+    the batches as the walk does."""
+    reconstruct: ReconstructSettings | None = None
+    """`prune_mlp`: each dense MLP's kept weights are then trained on its refit's target
+    (`engine.mlp_reconstruct`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measuring:
+    """What measuring a dense MLP records beside C: the error feedback's share α and the reference
+    stream it reads, and the token pairs a reconstruction trains on (none of them: the plain refit)."""
+
+    feedback: float = 0.0
+    reference: ActivationStore | None = None
+    pairs: TokenPairs | None = None
+
+
+_PLAIN = _Measuring()
+
+
 @torch.no_grad()
 def prune_mlp(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
     keep: int | Sequence[int] | None,
-    selector: NeuronSelector,
-    device: torch.device | str = "cpu",
+    options: MlpOptions,
     *,
     shared_keep: int | None = None,
-    refit: bool = True,
-    damping: float = 1e-2,
-    feedback: float = 0.5,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
-    progress: Progress | None = None,
-    store: ActivationStore | None = None,
-    ranks: Ranks | None = None,
-    reconstruct: ReconstructSettings | None = None,
 ) -> list[NeuronRecord]:
     """Keep `keep` intermediate neurons in every layer's MLP of `model` (a sequence: layer i keeps
     `keep[i]`, 0 removing its output; every routed expert's in an
     MoE layer; None there: their width stays), and `shared_keep` in every shared expert (None: all),
-    in place (see the module docstring); `sensitivity` gives G by layer index (H of the stream each MLP writes to, in the
-    model's current coordinates) for selectors that use it. Returns one record per layer. The
-    model's config is not changed: the caller sets its MLP width where the saved class reads it.
-    `feedback` is the share α of the stream's error the refit takes back (see the module docstring).
-    `ranks` (default: the initialised process group, if any) share `batches` as the walk does.
-    `reconstruct`: each dense MLP's kept weights are then trained on its refit's target
-    (`engine.mlp_reconstruct`)."""
+    in place (see the module docstring and `MlpOptions`). Returns one record per layer. The
+    model's config is not changed: the caller sets its MLP width where the saved class reads it."""
+    feedback = options.feedback
     if not 0 <= feedback <= 1:
         raise UserError(f"mlp.feedback {feedback:g}: give a share of the stream's error from 0 to 1")
     feedback = feedback if family.mlp_post_norm is None and family.experts is None else 0.0
-    device = torch.device(device)
-    ranks = ranks or Ranks.current()
+    device = torch.device(options.device)
+    ranks = options.ranks or Ranks.current()
     local = ranks.share(batches)
-    report = progress or (lambda *_: None)
+    report = options.progress or (lambda *_: None)
+    selector, sensitivity = options.selector, options.sensitivity
     if "H" in selector.requires and sensitivity is None:
         raise UserError(f"neuron selector '{selector.name}' needs the output sensitivity H, which this run has not")
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, local, device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, local, device, options.store or ActivationStore(device))
     reference = inputs.hidden.sibling() if feedback else None  # the stream as it was, run through unpruned layers
     for b in range(len(inputs) if reference is not None else 0):
         reference.append(inputs.hidden.host(b))
@@ -179,43 +208,12 @@ def prune_mlp(
     try:
         for index, layer in visit_layers(model, family, device):
             report(f"MLP neurons: layer {index + 1}/{layers}", index, layers)
-            mlp = layer_mlp(family, layer)
             G = None if sensitivity is None else sensitivity[index]
-            if isinstance(mlp, RoutedExperts):
-                assert keep is None or isinstance(keep, int), "routed experts keep one width in every layer"
-                records.append(
-                    prune_expert_widths(
-                        layer, mlp, inputs, index, keep, selector, device, G, ranks, refit, damping, shared_keep
-                    )
-                )
-            elif is_fused_experts(mlp):
-                raise RuntimeError(f"layer {index}'s experts are fused: the family's prepare has not run on the model")
-            elif family.experts is None:
-                assert keep is not None, "a dense MLP's width is given"
-                kept = keep if isinstance(keep, int) else keep[index]
-                pairs = TokenPairs(layer_mlp(family, layer)) if reconstruct is not None and kept > 0 else None
-                dense = _prune_dense(
-                    layer,
-                    family,
-                    inputs,
-                    index,
-                    kept,
-                    selector,
-                    device,
-                    refit,
-                    damping,
-                    feedback,
-                    G,
-                    reference,
-                    ranks,
-                    pairs,
-                )
-                if pairs is not None and reconstruct is not None:  # H weighs it where the MLP's output meets the stream
-                    weighing = G if family.mlp_post_norm is None else None
-                    dense.reconstruction = reconstruct_mlp(pairs, weighing, reconstruct, index, device, ranks)
-                records.append(dense)
-            # else a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers) keeps its width: the config's is the experts'
-            _next_inputs(layer, inputs, index, device, None)  # the pruned layer gives the next one its input
+            at = LayerPass(layer, family, inputs, index, device, ranks, G)
+            record = _prune_layer(at, keep, shared_keep, options, _Measuring(feedback, reference))
+            if record is not None:
+                records.append(record)
+            _next_inputs(at)  # the pruned layer gives the next one its input
             faults.reached(f"mlp:{index}")
         report(f"MLP neurons: layer {layers}/{layers}", layers, layers)
     finally:
@@ -225,23 +223,46 @@ def prune_mlp(
     return records
 
 
-def _measure(
-    layer: nn.Module,
-    output: nn.Linear,
-    inputs: LayerInputs,
-    index: int,
-    device: torch.device,
-    reference: ActivationStore | None = None,
-    advance: bool = False,
-    pairs: TokenPairs | None = None,
-    feedback: float = 0.0,
-) -> _MlpMoment:
+def _prune_layer(
+    at: LayerPass,
+    keep: int | Sequence[int] | None,
+    shared_keep: int | None,
+    options: MlpOptions,
+    measuring: _Measuring,
+) -> NeuronRecord | None:
+    """One layer's MLP pruned as `prune_mlp` does, and its record; None for a dense layer of an MoE
+    model (Qwen3-MoE's mlp_only_layers), which keeps its width: the config's is the experts'."""
+    mlp = layer_mlp(at.family, at.layer)
+    if isinstance(mlp, RoutedExperts):
+        assert keep is None or isinstance(keep, int), "routed experts keep one width in every layer"
+        return prune_expert_widths(
+            at, mlp, keep, shared_keep, ExpertWidthOptions(options.selector, options.refit, options.damping)
+        )
+    if is_fused_experts(mlp):
+        raise RuntimeError(f"layer {at.index}'s experts are fused: the family's prepare has not run on the model")
+    if at.family.experts is not None:
+        return None
+    assert keep is not None, "a dense MLP's width is given"
+    kept = keep if isinstance(keep, int) else keep[at.index]
+    reconstruct = options.reconstruct
+    pairs = TokenPairs(layer_mlp(at.family, at.layer)) if reconstruct is not None and kept > 0 else None
+    dense = _prune_dense(at, kept, options, dataclasses.replace(measuring, pairs=pairs))
+    if pairs is not None and reconstruct is not None:  # H weighs it where the MLP's output meets the stream
+        weighing = at.G if at.family.mlp_post_norm is None else None
+        dense.reconstruction = reconstruct_mlp(pairs, weighing, reconstruct, at.index, at.device, at.ranks)
+    return dense
+
+
+def _measure(at: LayerPass, output: nn.Linear, measuring: _Measuring = _PLAIN, advance: bool = False) -> _MlpMoment:
     """Run the layer on every stored batch, measuring the down projection's input. With a
-    `reference` stream the layer, not yet pruned, also runs on it: its output there becomes the
-    reference for the next layer, and its difference from the output on the pruned stream is the
-    error e that feedback adds. `advance`: each stored batch is then replaced by the layer's
-    output (the next layer's input), for a caller that leaves the layer as it is. `pairs`: each
-    counted token's MLP input and target (its output plus `feedback` times the error) are kept."""
+    `measuring.reference` stream the layer, not yet pruned, also runs on it: its output there
+    becomes the reference for the next layer, and its difference from the output on the pruned
+    stream is the error e that feedback adds. `advance`: each stored batch is then replaced by the
+    layer's output (the next layer's input), for a caller that leaves the layer as it is.
+    `measuring.pairs`: each counted token's MLP input and target (its output plus
+    `measuring.feedback` times the error) are kept."""
+    layer, inputs, index, device = at.layer, at.inputs, at.index, at.device
+    reference, pairs, feedback = measuring.reference, measuring.pairs, measuring.feedback
     stats = _MlpMoment(output.in_features, device, None if reference is None else output.out_features)
     current: dict[str, Any] = {"measuring": True}
 
@@ -282,16 +303,12 @@ def _measure(
 
 
 def _next_inputs(
-    layer: nn.Module,
-    inputs: LayerInputs,
-    index: int,
-    device: torch.device,
-    output: nn.Module | None,
-    merges: KvMeasure | None = None,
+    at: LayerPass, output: nn.Module | None = None, merges: KvMeasure | None = None
 ) -> SecondMoment | None:
     """Replace each stored batch by the layer's output on it (the next layer's input); with an
     `output` module, E[a aᵀ] of what it writes over the counted tokens (and `merges` told each
     batch's counted tokens, its hooks measuring as the layer runs)."""
+    layer, inputs, index, device = at.layer, at.inputs, at.index, at.device
     written = None if output is None else SecondMoment(output.out_features, device)
     current: dict[str, Any] = {}
 
@@ -324,27 +341,16 @@ def _stream(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def _dense_problem(
-    layer: nn.Module,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    index: int,
-    keep: int,
-    device: torch.device,
-    damping: float,
-    feedback: float,
-    G: torch.Tensor | None,
-    reference: ActivationStore | None,
-    ranks: Ranks,
-    advance: bool = False,
-    pairs: TokenPairs | None = None,
+    at: LayerPass, keep: int, damping: float, measuring: _Measuring = _PLAIN, advance: bool = False
 ) -> tuple[NeuronProblem, RefitTarget, torch.Tensor]:
     """One dense MLP's problem, measured on the stored batches: the selector's view, what the refit
-    reproduces, and the down projection W (d × f, float64). `advance`: as `_measure`'s."""
-    _, output = mlp_linears(layer, family)
+    reproduces, and the down projection W (d × f, float64). `measuring`, `advance`: as `_measure`'s."""
+    device, feedback, G = at.device, measuring.feedback, at.G
+    _, output = mlp_linears(at.layer, at.family)
     width = output.in_features
     if not 0 <= keep <= width:
-        raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {index}'s MLP")
-    stats = _measure(layer, output, inputs, index, device, reference, advance, pairs, feedback).sum_over(ranks)
+        raise UserError(f"mlp: cannot keep {keep} of the {width} neurons of layer {at.index}'s MLP")
+    stats = _measure(at, output, measuring, advance).sum_over(at.ranks)
     if stats.moment.tokens == 0:
         raise ValueError("no calibration tokens were counted (all positions masked)")
     C = stats.moment.value()  # divided in place: f × f float64 is large
@@ -352,7 +358,7 @@ def _dense_problem(
     delta = damping * float(torch.diagonal(C).mean())
     goal = stats.target(W, C, feedback)
     problem = NeuronProblem(
-        layer=index,
+        layer=at.index,
         keep=keep,
         C=C,
         activation=stats.window_means.sqrt(),
@@ -375,34 +381,18 @@ def _kept_and_down(
     return dict(choice.objectives), kept, refit_down(problem.down, problem.C, kept, problem.damping) if refit else None
 
 
-def _prune_dense(
-    layer: nn.Module,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    index: int,
-    keep: int,
-    selector: NeuronSelector,
-    device: torch.device,
-    refit: bool,
-    damping: float,
-    feedback: float,
-    G: torch.Tensor | None,
-    reference: ActivationStore | None,
-    ranks: Ranks,
-    pairs: TokenPairs | None = None,
-) -> NeuronRecord:
+def _prune_dense(at: LayerPass, keep: int, options: MlpOptions, measuring: _Measuring) -> NeuronRecord:
     """Keep `keep` of one dense MLP's neurons, chosen and refitted (see the module docstring);
-    `pairs` records its inputs and the refit's target per token on the way."""
-    linears, output = mlp_linears(layer, family)
+    `measuring.pairs` records its inputs and the refit's target per token on the way."""
+    selector, refit, feedback = options.selector, options.refit, measuring.feedback
+    linears, output = mlp_linears(at.layer, at.family)
     width = output.in_features
-    problem, goal, W = _dense_problem(
-        layer, family, inputs, index, keep, device, damping, feedback, G, reference, ranks, pairs=pairs
-    )
+    problem, goal, W = _dense_problem(at, keep, options.damping, measuring)
     C = problem.C
-    objectives, kept, refitted = _kept_and_down(problem, selector, refit, ranks)
+    objectives, kept, refitted = _kept_and_down(problem, selector, refit, at.ranks)
     plain = W[:, kept]
     record = NeuronRecord(
-        layer=index,
+        layer=at.index,
         width=width,
         kept=keep,
         tokens=problem.tokens,
@@ -417,83 +407,111 @@ def _prune_dense(
     return record
 
 
+@dataclasses.dataclass(frozen=True)
+class CurveOptions:
+    """What `mlp_width_curves` measures beyond each dense MLP's error on the grid: other widths,
+    the attention's removal and KV merges, the solutions a search assembles models from."""
+
+    widths: Sequence[int] | None = None
+    """At these widths alone, in place of the grid (one selector path: `NeuronSelector.select_widths`)."""
+    attention: Mapping[int, torch.Tensor | None] | None = None
+    """Per layer, G where its attention writes, or None for the identity: each curve also holds the
+    error of removing the layer's attention."""
+    kv_counts: Sequence[int] = ()
+    """Each curve also holds the error of keeping each of these KV-head counts (`engine.kv_merge`;
+    the refit damped as the MLP's)."""
+    kv_weights: Mapping[int, torch.Tensor | None] | None = None
+    """G where each attention writes, weighing the KV merges (else `attention`'s)."""
+    keep_solutions: bool = False
+    """Each curve also keeps every width's kept neurons and down projection, in the layer's dtype
+    on the host (`engine.width_search` assembles models from them)."""
+
+
 @torch.no_grad()
 def mlp_width_curves(
     model: PreTrainedModel,
     family: ModelFamily,
     batches: list[Batch],
-    selector: NeuronSelector,
     step: int,
-    device: torch.device | str = "cpu",
-    *,
-    refit: bool = True,
-    damping: float = 1e-2,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
-    attention: Mapping[int, torch.Tensor | None] | None = None,
-    progress: Progress | None = None,
-    store: ActivationStore | None = None,
-    ranks: Ranks | None = None,
-    widths: Sequence[int] | None = None,
-    kv_counts: Sequence[int] = (),
-    kv_weights: Mapping[int, torch.Tensor | None] | None = None,
-    keep_solutions: bool = False,
+    options: MlpOptions,
+    measures: CurveOptions | None = None,
 ) -> list[WidthCurve]:
     """Each dense MLP's predicted error at 0 and every multiple of `step` neurons
-    (`engine.mlp_widths`; `widths`: at those alone), measured on `model` unpruned, in one pass; the
-    model is not changed. With `attention` (per layer, G where its attention writes, or None for
-    the identity), each curve also holds the error of removing the layer's attention, and with
-    `kv_counts` that of keeping each of those KV-head counts (`engine.kv_merge`, weighed by
-    `kv_weights`, G where each attention writes, or else by `attention`'s; the refit damped as the MLP's).
-    `keep_solutions`: each curve also keeps every width's kept neurons and down projection, in the
-    layer's dtype on the host (`engine.width_search` assembles models from them)."""
-    device, ranks = torch.device(device), ranks or Ranks.current()
-    report = progress or (lambda *_: None)
+    (`engine.mlp_widths`), and what `measures` asks for beside it (`CurveOptions`), measured on
+    `model` unpruned, in one pass; the model is not changed (`options.feedback` is not used)."""
+    measures = CurveOptions() if measures is None else measures
+    device, ranks = torch.device(options.device), options.ranks or Ranks.current()
+    report = options.progress or (lambda *_: None)
     model.eval()
     layers = len(decoder_layers(model, family))
-    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, store or ActivationStore(device))
+    inputs = capture_layer_inputs(model, family, ranks.share(batches), device, options.store or ActivationStore(device))
     curves: list[WidthCurve] = []
     try:
         for index, layer in visit_layers(model, family, device):
             report(f"MLP width curves: layer {index + 1}/{layers}", index, layers)
-            G = None if sensitivity is None else sensitivity[index]
-            measures_attention = attention is not None or bool(kv_counts)
-            advance = not measures_attention  # one pass per layer; else a second, measuring the attention
-            problem, _, W = _dense_problem(
-                layer, family, inputs, index, 0, device, damping, 0.0, G, None, ranks, advance
-            )
-            errors, solutions = {}, {}
-            dtype = mlp_linears(layer, family)[1].weight.dtype
-            if widths is None:
-                for width in width_grid(problem.width, step):
-                    _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
-                    down = refitted if refitted is not None else W[:, kept]
-                    errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
-                    if keep_solutions and width < problem.width:
-                        solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
-            else:  # one selector path for every width (`NeuronSelector.select_widths`)
-                for width, kept in choose_neurons_at(selector, problem, widths, ranks).items():
-                    down = refit_down(problem.down, problem.C, kept, problem.damping) if refit else W[:, kept]
-                    errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
-                    if keep_solutions and width < problem.width:
-                        solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
-            del problem
-            attended = layer_attention(family, layer) if measures_attention else None
-            output = None if attended is None or attention is None else attended.get_submodule(family.attn_output)
-            merges = None if attended is None or not kv_counts else KvMeasure(attended, family, model.config, kv_counts)
-            try:
-                written = None if advance else _next_inputs(layer, inputs, index, device, output, merges)  # unpruned
-            finally:
-                if merges is not None:
-                    merges.close()
-            removal = None
-            if written is not None:
-                assert attention is not None
-                removal = _removal_error(written.sum_over(ranks).value(), attention[index], device)
-            weights = kv_weights if kv_weights is not None else attention
-            G_written = None if weights is None else weights[index]
-            kv = () if merges is None else tuple(merges.results(G_written, damping, ranks))
-            curves.append(WidthCurve(index, errors, removal, kv, solutions))
+            G = None if options.sensitivity is None else options.sensitivity[index]
+            at = LayerPass(layer, family, inputs, index, device, ranks, G)
+            curves.append(_width_curve(at, model.config, step, options, measures))
         report(f"MLP width curves: layer {layers}/{layers}", layers, layers)
     finally:
         inputs.hidden.close()
     return curves
+
+
+def _width_curve(at: LayerPass, config: Any, step: int, options: MlpOptions, measures: CurveOptions) -> WidthCurve:
+    """One layer's curve, measured on the stored batches, which it leaves advanced to the next
+    layer's input (one pass; a second, measuring the attention, where the curve holds its errors)."""
+    advance = not (measures.attention is not None or bool(measures.kv_counts))
+    problem, _, W = _dense_problem(at, 0, options.damping, advance=advance)
+    errors, solutions = _width_errors(at, problem, W, step, options, measures)
+    del problem
+    removal, kv = _attention_errors(at, config, options.damping, measures, advance)
+    return WidthCurve(at.index, errors, removal, kv, solutions)
+
+
+def _width_errors(
+    at: LayerPass, problem: NeuronProblem, W: torch.Tensor, step: int, options: MlpOptions, measures: CurveOptions
+) -> tuple[dict[int, float], dict[int, WidthSolution]]:
+    """The layer's weighed error at each width of the grid (or `measures.widths`), and with
+    `measures.keep_solutions` each narrower width's kept neurons and down projection."""
+    selector, refit, ranks = options.selector, options.refit, at.ranks
+    errors, solutions = {}, {}
+    dtype = mlp_linears(at.layer, at.family)[1].weight.dtype
+    if measures.widths is None:
+        for width in width_grid(problem.width, step):
+            _, kept, refitted = _kept_and_down(dataclasses.replace(problem, keep=width), selector, refit, ranks)
+            down = refitted if refitted is not None else W[:, kept]
+            errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+            if measures.keep_solutions and width < problem.width:
+                solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
+    else:  # one selector path for every width (`NeuronSelector.select_widths`)
+        for width, kept in choose_neurons_at(selector, problem, measures.widths, ranks).items():
+            down = refit_down(problem.down, problem.C, kept, problem.damping) if refit else W[:, kept]
+            errors[width] = weighted_error(W, problem.C, kept, down, problem.G)
+            if measures.keep_solutions and width < problem.width:
+                solutions[width] = WidthSolution(kept.cpu(), down.to("cpu", dtype))
+    return errors, solutions
+
+
+def _attention_errors(
+    at: LayerPass, config: Any, damping: float, measures: CurveOptions, advance: bool
+) -> tuple[float | None, tuple[KvMerge, ...]]:
+    """Where the curve measures the attention (not `advance`), the layer's second pass, unpruned,
+    advancing the stored batches: the error of removing its attention, and of each KV merge."""
+    attention, kv_counts = measures.attention, measures.kv_counts
+    attended = layer_attention(at.family, at.layer) if not advance else None
+    output = None if attended is None or attention is None else attended.get_submodule(at.family.attn_output)
+    merges = None if attended is None or not kv_counts else KvMeasure(attended, at.family, config, kv_counts)
+    try:
+        written = None if advance else _next_inputs(at, output, merges)  # unpruned
+    finally:
+        if merges is not None:
+            merges.close()
+    removal = None
+    if written is not None:
+        assert attention is not None
+        removal = _removal_error(written.sum_over(at.ranks).value(), attention[at.index], at.device)
+    weights = measures.kv_weights if measures.kv_weights is not None else attention
+    G_written = None if weights is None else weights[at.index]
+    kv = () if merges is None else tuple(merges.results(G_written, damping, at.ranks))
+    return removal, kv

@@ -64,24 +64,36 @@ def _step(grid: Sequence[int]) -> int:
     return grid[1] - grid[0] if len(grid) > 1 else 0
 
 
+@dataclass(frozen=True)
+class SearchSettings:
+    """How long and how widely `evolve` searches, in one object beside what it searches over."""
+
+    evaluations: int
+    """The measurements of the fitness the search may make (the start is the first)."""
+    offspring: int = 4
+    """λ: the offspring each generation draws from the parent."""
+    max_moves: int = 3
+    """Each offspring takes 1 to this many budget-keeping moves (`mutate`) from the parent."""
+    seed: int = 0
+
+
 def evolve(
     start: Sequence[int],
     grids: Sequence[Sequence[int]],
     fitness: Callable[[list[int]], float],
-    evaluations: int,
-    offspring: int = 4,
-    max_moves: int = 3,
-    seed: int = 0,
+    settings: SearchSettings,
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
-    """(1 + `offspring`) evolution from `start` under `evaluations` measurements of `fitness`
-    (lower is better; the start is the first): each generation's offspring take 1 to `max_moves`
-    moves (`mutate`) from the parent, and the best of them replaces it where it measured lower.
-    An allocation is measured once; a generation whose offspring were all measured before draws again."""
+    """(1 + `settings.offspring`) evolution from `start` under `settings.evaluations` measurements
+    of `fitness` (lower is better; the start is the first): each generation's offspring take 1 to
+    `settings.max_moves` moves (`mutate`) from the parent, and the best of them replaces it where it
+    measured lower. An allocation is measured once; a generation whose offspring were all measured
+    before draws again."""
+    evaluations, offspring, max_moves = settings.evaluations, settings.offspring, settings.max_moves
     steps = {_step(grid) for grid in grids if len(grid) > 1}
     if len(steps) > 1:
         raise ValueError(f"the layers' grids have different steps {sorted(steps)}; a move would change the total")
-    rng = random.Random(seed)
+    rng = random.Random(settings.seed)
     seen: dict[tuple[int, ...], float] = {}
 
     def measure(widths: list[int]) -> float:

@@ -20,7 +20,7 @@ from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
 from compressor.stages.base import Progress
 from compressor.stages.data import distillation_data
 from compressor.stages.distil import distil_student
-from compressor.stages.mlp import prune_mlps
+from compressor.stages.mlp import MlpStageSettings, Walked, prune_mlps
 from compressor.stages.walk import prune_as_recipe, rotated_for_a_tied_head, rotates_for_a_tied_head
 
 
@@ -63,19 +63,8 @@ def follow(
         if rotates_for_a_tied_head(recipe, checked):  # as rank 0's walk does, so every rank prunes one model
             pruned, bases, scale = rotated_for_a_tied_head(result, resources.model(recipe.model), layout.family, device)
         if layout.prunes_mlp:  # every rank measures its share, C summed: the same neurons everywhere
-            prune_mlps(
-                recipe,
-                checked,
-                pruned,
-                calibration,
-                result,
-                bases,
-                checkpoint,
-                device,
-                report_progress,
-                Path(scratch),
-                ranks,
-            )
+            settings = MlpStageSettings(device, report_progress, Path(scratch), ranks)
+            prune_mlps(recipe, checked, pruned, calibration, Walked(result, checkpoint, bases), settings)
             config = layout.mlp_config(config)
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
         if layout.one_basis:

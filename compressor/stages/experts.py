@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from compressor.engine.activations import ActivationStore
-from compressor.engine.experts import OUTPUT_ELEMENTS, ExpertRecord, prune_experts, windows_for
+from compressor.engine.experts import OUTPUT_ELEMENTS, ExpertOptions, ExpertRecord, prune_experts, windows_for
 from compressor.errors import UserError
 from compressor.models.layout import expert_count, with_experts
 from compressor.recipe.schema import Recipe
@@ -20,7 +20,7 @@ from compressor.runtime.staging import SCRATCH_FOLDER
 from compressor.stages.base import RunState
 from compressor.stages.contract import Stage
 from compressor.stages.costs import TimedPhase, Work
-from compressor.stages.mlp import stream_sensitivity
+from compressor.stages.mlp import Walked, stream_sensitivity
 
 if TYPE_CHECKING:
     import torch
@@ -83,14 +83,8 @@ class PruneExperts(Stage):
         assert state.pruned is not None and state.result is not None
         sensitivity = None
         if "outputs" in selector.requires or spec.router_refit:
-            sensitivity = stream_sensitivity(
-                state.family, layout.config, state.result, state.checkpoint, state.bases, state.device
-            )
-        state.experts = prune_experts(
-            state.pruned,
-            state.family,
-            state.calibration,
-            layout.experts,
+            sensitivity = stream_sensitivity(state.family, layout.config, Walked.of(state), state.device)
+        options = ExpertOptions(
             selector,
             state.device,
             super_ratio=spec.super_ratio if spec.protect_super else None,
@@ -101,6 +95,7 @@ class PruneExperts(Stage):
             store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
             ranks=state.ranks,
         )
+        state.experts = prune_experts(state.pruned, state.family, state.calibration, layout.experts, options)
         state.unrefined = None  # it kept every expert: beside the pruned model its KL would mix the two steps
         setattr(state.pruned.config, state.family.experts, layout.experts)
         state.config = with_experts(state.config, state.family, layout.experts)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compressor.engine.activations import ActivationStore
-from compressor.engine.heads import prune_heads
+from compressor.engine.heads import HeadOptions, prune_heads
 from compressor.engine.pooling import refuse_without_h
 from compressor.errors import UserError
 from compressor.models.heads import head_dim, query_heads, set_heads, with_heads
@@ -22,7 +22,7 @@ from compressor.runtime.staging import SCRATCH_FOLDER
 from compressor.stages.base import RunState
 from compressor.stages.contract import Stage
 from compressor.stages.costs import TimedPhase, Work
-from compressor.stages.mlp import stream_sensitivity
+from compressor.stages.mlp import Walked, stream_sensitivity
 
 if TYPE_CHECKING:
     from compressor.plan.checks import Plan
@@ -81,14 +81,8 @@ class PruneHeads(Stage):
         assert state.pruned is not None and state.result is not None
         assert layout.heads is not None and spec is not None and selector is not None
         family = layout.family
-        sensitivity = stream_sensitivity(
-            family, layout.config, state.result, state.checkpoint, state.bases, state.device, block="attention"
-        )
-        state.heads = prune_heads(
-            state.pruned,
-            family,
-            state.calibration,
-            layout.heads,
+        sensitivity = stream_sensitivity(family, layout.config, Walked.of(state), state.device, block="attention")
+        options = HeadOptions(
             selector,
             state.device,
             refit=spec.refit,
@@ -98,6 +92,7 @@ class PruneHeads(Stage):
             store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
             ranks=state.ranks,
         )
+        state.heads = prune_heads(state.pruned, family, state.calibration, layout.heads, options)
         state.heads_weighed_by_h = sensitivity is not None
         set_heads(state.pruned.config, layout.heads)
         state.unrefined = None  # it kept every head: beside the pruned model its KL would mix the two steps

@@ -23,11 +23,11 @@ from compressor.engine.fisher import estimate_fisher
 from compressor.engine.layerwise import decoder_layers
 from compressor.engine.mlp_reconstruct import CHECK_EVERY, CHUNK_ROWS, ReconstructSettings
 from compressor.engine.mlp_widths import Allocation, WidthCurve, allocate
-from compressor.engine.neurons import NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
+from compressor.engine.neurons import CurveOptions, MlpOptions, NeuronRecord, mlp_linears, mlp_width_curves, prune_mlp
 from compressor.engine.parallel import Ranks
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk_options import PruneResult
-from compressor.engine.width_search import assembled, evolve
+from compressor.engine.width_search import SearchSettings, assembled, evolve
 from compressor.errors import UserError
 from compressor.evaluation.metrics import kl_to_references, model_log_probs
 from compressor.models.decilm import FFN_STEP
@@ -169,20 +169,10 @@ class PruneMlp(Stage):
         given = None
         if state.recipe.slicing.layout == "heterogeneous":
             given = allocate_layers(state)
+        walked, scratch = Walked.of(state), state.staging / SCRATCH_FOLDER
+        settings = MlpStageSettings(state.device, state.progress, scratch, state.ranks, state.mlp_widths, given)
         state.neurons, state.mlp_weighed_by_h = prune_mlps(
-            state.recipe,
-            state.checked,
-            state.pruned,
-            state.calibration,
-            state.result,
-            state.bases,
-            state.checkpoint,
-            state.device,
-            state.progress,
-            state.staging / SCRATCH_FOLDER,
-            state.ranks,
-            state.mlp_widths,
-            given,
+            state.recipe, state.checked, state.pruned, state.calibration, walked, settings
         )
         state.unrefined = None  # it kept every neuron: beside the pruned model its KL would mix the two steps
         state.config = layout.mlp_config(state.config)
@@ -304,48 +294,68 @@ def mlp_report(state: RunState) -> MlpReport:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Walked:
+    """What the walk left that H of each block's stream is read from (`stream_sensitivity`): its
+    result (H, the reader maps), its checkpoint (H saved by a resumed walk) and the sites' bases."""
+
+    result: PruneResult
+    checkpoint: Checkpoint
+    bases: Mapping[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, state: RunState) -> Walked:
+        """The run's walk, as the stages after it see it."""
+        assert state.result is not None
+        return cls(state.result, state.checkpoint, state.bases)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpStageSettings:
+    """Where and how this rank runs the MLP stage (the stage's state's, or a follower's own), and the
+    heterogeneous layout's allocation if one was made: `prune_mlps`'s settings beside the model and walk."""
+
+    device: torch.device
+    progress: Progress
+    scratch: Path
+    """Where the calibration activations go with `activations: disk`."""
+    ranks: Ranks
+    widths: list[int] | None = None
+    """Layer i keeps `widths[i]` (the heterogeneous layout's allocation), in place of the layout's width."""
+    sensitivity: Mapping[int, torch.Tensor] | None = None
+    """The H that allocation estimated, in place of the walk's."""
+
+
 def prune_mlps(
     recipe: Recipe,
     checked: Plan,
     pruned: PreTrainedModel,
     calibration: list[Batch],
-    result: PruneResult,
-    bases: Mapping[str, torch.Tensor],
-    checkpoint: Checkpoint,
-    device: torch.device,
-    progress: Progress,
-    scratch: Path,
-    ranks: Ranks,
-    widths: list[int] | None = None,
-    sensitivity: Mapping[int, torch.Tensor] | None = None,
+    walked: Walked,
+    settings: MlpStageSettings,
 ) -> tuple[list[NeuronRecord], bool]:
-    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons
-    (`widths`: layer i keeps `widths[i]`, the heterogeneous layout's allocation, and `sensitivity`
-    the H it estimated, in place of the walk's),
-    chosen on the model as the walk (and refinement) left it, weighed by H in each MLP's stream
-    coordinates where the walk estimated it; its config says the new width. Returns the layers'
-    records and whether H weighed the choice."""
+    """The MLP stage, the same call on every rank: each MLP of `pruned` keeps the layout's neurons (or
+    `settings.widths`, with `settings.sensitivity`: see `MlpStageSettings`), chosen on the model as
+    the walk (and refinement) left it, weighed by H in each MLP's stream coordinates where the walk
+    estimated it; its config says the new width. Returns the layers' records and whether H weighed the choice."""
     spec, layout, selector, family = recipe.mlp, checked.layout, checked.selector, checked.layout.family
     assert spec is not None and layout.prunes_mlp and selector is not None
-    if sensitivity is None:
-        sensitivity = stream_sensitivity(family, layout.config, result, checkpoint, bases, device)
-    records = prune_mlp(
-        pruned,
-        family,
-        calibration,
-        layout.mlp_width if widths is None else widths,
+    device, given = settings.device, settings.sensitivity
+    sensitivity = stream_sensitivity(family, layout.config, walked, device) if given is None else given
+    options = MlpOptions(
         selector,
         device,
-        shared_keep=layout.shared_width,
         refit=spec.refit,
         damping=spec.damping,
         feedback=spec.feedback,
         sensitivity=sensitivity,
-        progress=progress,
-        store=ActivationStore(device, recipe.activations, scratch),
-        ranks=ranks,
+        progress=settings.progress,
+        store=ActivationStore(device, recipe.activations, settings.scratch),
+        ranks=settings.ranks,
         reconstruct=None if spec.reconstruct is None else reconstruct_settings(spec.reconstruct),
     )
+    keep = layout.mlp_width if settings.widths is None else settings.widths
+    records = prune_mlp(pruned, family, calibration, keep, options, shared_keep=layout.shared_width)
     set_mlp_widths(pruned.config, family, layout.mlp_width, layout.shared_width)
     return records, sensitivity is not None
 
@@ -380,24 +390,18 @@ def allocate_layers(state: RunState) -> dict[int, torch.Tensor] | None:
         grain = KV_GRAIN if spec.merge_kv_heads else step
         state.attention_units = attention_units(state.pruned, state.family, grain)
         units_at = merged_units(state.pruned, state.family, counts, grain)
-    curves = mlp_width_curves(
-        state.pruned,
-        state.family,
-        state.calibration,
+    options = MlpOptions(
         selector,
-        step,
         state.device,
         refit=spec.refit,
         damping=spec.damping,
         sensitivity=None if fisher is None else fisher[0],
-        attention=attention,
         progress=state.progress,
         store=ActivationStore(state.device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
-        kv_counts=counts,
-        kv_weights=written,
-        keep_solutions=bool(windows),
     )
+    measures = CurveOptions(attention=attention, kv_counts=counts, kv_weights=written, keep_solutions=bool(windows))
+    curves = mlp_width_curves(state.pruned, state.family, state.calibration, step, options, measures)
     references = original_outputs(state, windows)  # the model unchanged still; after H and the curves' pass
     adjustable = sum(curve.attention is not None or bool(curve.kv_merges) for curve in curves)
     total = layout.mlp_width * len(curves) + state.attention_units * adjustable
@@ -462,7 +466,7 @@ def search_widths(
         state.progress("MLP width search: measuring allocations", done, total)
 
     with on_device(model, state.device):
-        result = evolve(start, grids, fitness, spec.search, seed=state.recipe.seed, progress=progress)
+        result = evolve(start, grids, fitness, SearchSettings(spec.search, seed=state.recipe.seed), progress=progress)
     tokens = sum(int(batch.attention_mask.sum()) for batch in windows)
     state.width_search = WidthSearchRecord(
         measured=result.measured,
@@ -552,18 +556,13 @@ def stream_fishers(state: RunState, attention: bool) -> tuple[dict[int, torch.Te
 
 
 def stream_sensitivity(
-    family: ModelFamily,
-    config: Any,
-    result: PruneResult,
-    checkpoint: Checkpoint,
-    bases: Mapping[str, torch.Tensor],
-    device: torch.device,
-    block: str = "mlp",
+    family: ModelFamily, config: Any, walked: Walked, device: torch.device, block: str = "mlp"
 ) -> StreamSensitivity | None:
     """H of the stream each layer's MLP (`block` "attention": its attention) writes to, in the
     coordinates the block writes it (RᵀHR with R what reads the site's kept coordinates: its
     basis, or its reader map with corrected readers); None when the walk did not estimate H, or
     where the block's output does not land in the stream directly (a norm after the block)."""
+    result, checkpoint, bases = walked.result, walked.checkpoint, walked.bases
     fisher = result.fisher
     if fisher is None:  # a resumed walk with every site saved needs no H, but this stage does
         fisher = checkpoint.load_fisher()

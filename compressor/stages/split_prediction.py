@@ -29,8 +29,8 @@ from typing import Any
 
 from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
-from compressor.engine.heads import head_count_curves
-from compressor.engine.neurons import mlp_width_curves
+from compressor.engine.heads import HeadOptions, head_count_curves
+from compressor.engine.neurons import CurveOptions, MlpOptions, mlp_width_curves
 from compressor.engine.survey import SurveyLosses, survey_losses
 from compressor.engine.walk_options import WalkOptions
 from compressor.models.layout import SlicedLayout, mlp_neurons
@@ -129,12 +129,8 @@ def _mlp_losses(
     if not narrowed:
         return mlp
     written = {i: residual.fisher[layer_site_ids(family, i)[-1]] for i in range(layers)}  # where each MLP writes
-    curves = mlp_width_curves(
-        model,
-        family,
-        calibration,
+    options = MlpOptions(
         selector,
-        1,
         device,
         refit=spec.refit,
         damping=spec.damping,
@@ -142,8 +138,8 @@ def _mlp_losses(
         progress=progress,
         store=ActivationStore(device, recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
-        widths=narrowed,
     )
+    curves = mlp_width_curves(model, family, calibration, 1, options, CurveOptions(widths=narrowed))
     mlp.update({width: [0.5 * curve.errors[width] for curve in curves] for width in narrowed})
     return mlp
 
@@ -165,12 +161,8 @@ def _head_losses(
     assert spec is not None and selector is not None
     family, device = state.family, state.device
     written = {i: residual.fisher[layer_site_ids(family, i)[0]] for i in range(model.config.num_hidden_layers)}
-    curves = head_count_curves(
-        model,
-        family,
-        calibration,
+    options = HeadOptions(
         selector,
-        counts,
         device,
         refit=spec.refit,
         damping=spec.damping,
@@ -179,6 +171,7 @@ def _head_losses(
         store=ActivationStore(device, state.recipe.activations, state.staging / SCRATCH_FOLDER),
         ranks=state.ranks,
     )
+    curves = head_count_curves(model, family, calibration, counts, options)
     layers = model.config.num_hidden_layers
     return {count: [0.5 * curves[i][count] if i in curves else 0.0 for i in range(layers)] for count in counts}
 

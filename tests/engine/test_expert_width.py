@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.neurons import prune_mlp
+from compressor.engine.neurons import MlpOptions, prune_mlp
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts, fused_experts_state
 from compressor.models.families import family_for
@@ -45,7 +45,7 @@ def test_keeping_every_expert_neuron_changes_nothing(name: str) -> None:
     family = family_for(name)
     width = mlp_neurons(model.config, family)
     assert width == _blocks(model)[0].experts[0].down_proj.in_features  # the family names the experts' width
-    records = prune_mlp(model, family, BATCHES, width, ObsSelector(), feedback=0.5)
+    records = prune_mlp(model, family, BATCHES, width, MlpOptions(ObsSelector(), feedback=0.5))
     assert max_relative_logit_error(original, model, BATCHES) < 1e-5
     assert len(records) == len(_blocks(model))  # the tiny Qwen3-MoE's dense layer keeps its width, unrecorded
     tokens = sum(batch.input_ids.numel() for batch in BATCHES)
@@ -68,7 +68,7 @@ def test_each_expert_s_statistics_are_its_routed_tokens_weighed_by_their_weights
         h = expert.activation(x[routed]).double() * w[:, None]
         expected.append((int(routed.sum()), h.T @ h / x.shape[0], h.abs().sum(0) / x.shape[0]))
     recorder = _Recorder()
-    records = prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, recorder, refit=False)
+    records = prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, MlpOptions(recorder, refit=False))
     problems = [problem for problem in recorder.problems if problem.layer == 0]
     assert [problem.expert for problem in problems] == [0, 1, 2, 3]
     for problem, (tokens, C, activation) in zip(problems, expected, strict=True):
@@ -99,7 +99,7 @@ def test_the_reported_error_is_what_the_pruned_experts_leave_on_their_routed_tok
     x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
     chosen, weights = block.route(x)
     before = [copy.deepcopy(expert) for expert in block.experts]
-    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 12, Magnitude())
+    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 12, MlpOptions(Magnitude()))
     error = energy = 0.0
     for e, (old, new) in enumerate(zip(before, block.experts, strict=True)):
         routed = (chosen == e).any(-1)
@@ -124,7 +124,7 @@ def test_an_expert_no_token_reached_keeps_its_largest_writers_as_they_were() -> 
         block.router.weight.data, block.router.bias.data = router.weight.data, torch.tensor([0.0, 0.0, 0.0, -1e4])
         block.router.requires_grad_(False)
         before.append(block.experts[3].down_proj.weight.clone())
-    records = prune_mlp(model, family_for("mixtral"), BATCHES, 8, ObsSelector(), refit=True)
+    records = prune_mlp(model, family_for("mixtral"), BATCHES, 8, MlpOptions(ObsSelector(), refit=True))
     for record, block, down in zip(records, _blocks(model), before, strict=True):
         assert record.fewest_tokens == 0
         longest = torch.sort(torch.topk(down.norm(dim=0), 8).indices).values
@@ -135,7 +135,7 @@ def test_a_narrower_expert_model_is_the_family_s_own_class_with_a_smaller_width(
     for name in ("qwen3_moe", "mixtral"):
         _, model = _fused(name)
         family = family_for(name)
-        prune_mlp(model, family, BATCHES, 8, ObsSelector())
+        prune_mlp(model, family, BATCHES, 8, MlpOptions(ObsSelector()))
         config = with_mlp_width(model.config, family, 8)
         stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         missing, unexpected = stock.load_state_dict(fused_experts_state(model.state_dict()), strict=False)
@@ -147,13 +147,13 @@ def test_a_narrower_expert_model_is_the_family_s_own_class_with_a_smaller_width(
 def test_keeping_more_neurons_than_an_expert_has_is_refused() -> None:
     _, model = _fused("qwen3_moe")
     with pytest.raises(UserError, match="cannot keep 33 of the 32 neurons of layer 0's experts"):
-        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 33, Magnitude())
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 33, MlpOptions(Magnitude()))
 
 
 def test_fused_experts_the_family_has_not_prepared_stop_the_stage_instead_of_being_skipped() -> None:
     model = tiny_model("qwen3_moe")  # its experts still the fused tensors of transformers' class
     with pytest.raises(RuntimeError, match="layer 0's experts are fused"):
-        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, Magnitude())
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, 16, MlpOptions(Magnitude()))
 
 
 def test_an_expert_no_token_reached_scores_its_neurons_by_what_they_would_write() -> None:
@@ -178,7 +178,7 @@ SHARED = [name for name in MOE if "shared_expert_intermediate_size" in FAMILY_CO
 def test_keeping_every_shared_expert_neuron_changes_nothing_and_the_routed_experts_keep_their_width(name: str) -> None:
     original, model = _fused(name)
     width = _blocks(model)[0].shared_expert.down_proj.in_features
-    records = prune_mlp(model, family_for(name), BATCHES, None, ObsSelector(), shared_keep=width)
+    records = prune_mlp(model, family_for(name), BATCHES, None, MlpOptions(ObsSelector()), shared_keep=width)
     assert max_relative_logit_error(original, model, BATCHES) < 1e-5
     for record, block in zip(records, _blocks(model), strict=True):
         assert record.kept == record.width == block.experts[0].down_proj.in_features  # routed experts untouched
@@ -197,7 +197,9 @@ def test_the_shared_expert_s_statistics_are_every_token_weighed_by_its_gate() ->
     expert = block.shared_expert
     h = (torch.sigmoid(block.shared_expert_gate(x)) * expert.act_fn(expert.gate_proj(x)) * expert.up_proj(x)).double()
     recorder = _Recorder()
-    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, None, recorder, shared_keep=20, refit=False)
+    records = prune_mlp(
+        model, family_for("qwen2_moe"), BATCHES, None, MlpOptions(recorder, refit=False), shared_keep=20
+    )
     problem = next(problem for problem in recorder.problems if problem.layer == 0)
     assert len(recorder.problems) == len(records)  # one problem per layer: no routed expert's
     assert problem.expert is None and problem.tokens == x.shape[0] and problem.keep == 20
@@ -215,7 +217,7 @@ def test_the_shared_expert_s_reported_error_is_what_its_gated_output_loses() -> 
     x = torch.cat([_block_input(model, block, batch) for batch in BATCHES])
     before = copy.deepcopy(block.shared_expert)
     gate = torch.sigmoid(block.shared_expert_gate(x)).double()
-    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 16, Magnitude(), shared_keep=24)
+    records = prune_mlp(model, family_for("qwen2_moe"), BATCHES, 16, MlpOptions(Magnitude()), shared_keep=24)
     target = before(x).double() * gate
     error = float(((target - block.shared_expert(x).double() * gate) ** 2).sum()) / float((target**2).sum())
     shared = records[0].shared_expert
@@ -228,7 +230,7 @@ def test_the_shared_expert_s_reported_error_is_what_its_gated_output_loses() -> 
 def test_a_narrower_shared_expert_model_is_the_family_s_own_class_with_a_smaller_shared_width(name: str) -> None:
     _, model = _fused(name)
     family = family_for(name)
-    prune_mlp(model, family, BATCHES, 16, ObsSelector(), shared_keep=24)
+    prune_mlp(model, family, BATCHES, 16, MlpOptions(ObsSelector()), shared_keep=24)
     config = with_mlp_width(model.config, family, 16, 24)
     assert config.shared_expert_intermediate_size == 24 and config.moe_intermediate_size == 16
     stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -240,7 +242,7 @@ def test_a_narrower_shared_expert_model_is_the_family_s_own_class_with_a_smaller
 def test_a_shared_width_is_refused_where_there_is_no_shared_expert_or_too_few_neurons() -> None:
     _, model = _fused("qwen3_moe")
     with pytest.raises(UserError, match="layer 0's MoE block has no shared expert; remove mlp.shared_kept"):
-        prune_mlp(model, family_for("qwen3_moe"), BATCHES, None, Magnitude(), shared_keep=8)
+        prune_mlp(model, family_for("qwen3_moe"), BATCHES, None, MlpOptions(Magnitude()), shared_keep=8)
     _, model = _fused("qwen2_moe")
     with pytest.raises(UserError, match="cannot keep 49 of the 48 neurons of layer 0's shared expert"):
-        prune_mlp(model, family_for("qwen2_moe"), BATCHES, None, Magnitude(), shared_keep=49)
+        prune_mlp(model, family_for("qwen2_moe"), BATCHES, None, MlpOptions(Magnitude()), shared_keep=49)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.experts import ExpertRecord, protected_experts, prune_experts
+from compressor.engine.experts import ExpertOptions, ExpertRecord, protected_experts, prune_experts
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.experts import RoutedExperts
@@ -38,7 +38,7 @@ def _blocks(model: torch.nn.Module) -> list[RoutedExperts]:
 def test_keeping_every_expert_changes_nothing_and_the_counts_see_every_routed_token(name: str) -> None:
     original, model = _fused(name)
     experts = len(_blocks(model)[0].experts)
-    records = prune_experts(model, family_for(name), BATCHES, experts, Frequency())
+    records = prune_experts(model, family_for(name), BATCHES, experts, ExpertOptions(Frequency()))
     assert max_relative_logit_error(original, model, BATCHES) < 1e-5
     tokens = sum(batch.input_ids.numel() for batch in BATCHES)
     assert len(records) == len(_blocks(model))
@@ -54,7 +54,7 @@ def test_a_model_with_fewer_experts_is_the_family_s_own_class_with_a_smaller_cou
     gpt-oss's router bias loses the removed experts' entries."""
     _, model = _fused(name)
     family = family_for(name)
-    records = prune_experts(model, family, BATCHES, 3, Reap(), super_ratio=None)
+    records = prune_experts(model, family, BATCHES, 3, ExpertOptions(Reap(), super_ratio=None))
     assert all(len(record.kept) == 3 for record in records)
     config = with_experts(model.config, family, 3)
     stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -73,7 +73,9 @@ def test_the_output_sample_is_the_same_in_any_chunks(monkeypatch: pytest.MonkeyP
     for elements in (1 << 25, 3 * 4 * COMMON["hidden_size"]):  # everything at once; 3 tokens at a time
         monkeypatch.setattr(engine_experts, "OUTPUT_ELEMENTS", elements)
         _, model = _fused("qwen2_moe")
-        records = prune_experts(model, family_for("qwen2_moe"), BATCHES, 2, OutputAware(), super_ratio=None)
+        records = prune_experts(
+            model, family_for("qwen2_moe"), BATCHES, 2, ExpertOptions(OutputAware(), super_ratio=None)
+        )
         figures.append([(record.kept, record.objectives["output_change"]) for record in records])
     assert [kept for kept, _ in figures[0]] == [kept for kept, _ in figures[1]]
     assert all(
@@ -86,7 +88,7 @@ def test_an_unprepared_model_s_fused_experts_are_refused_not_measured_by_passing
     the stage says so rather than pruning on none."""
     model = tiny_model("qwen3_moe")
     with pytest.raises(UserError, match="no routed-experts layer"):
-        prune_experts(model, family_for("qwen3_moe"), BATCHES, 3, Frequency())
+        prune_experts(model, family_for("qwen3_moe"), BATCHES, 3, ExpertOptions(Frequency()))
 
 
 @pytest.mark.parametrize("normalise", [True, False])
@@ -206,7 +208,7 @@ def test_a_third_party_expert_selector_registers_and_prunes() -> None:
     assert {"frequency", "reap", "output", "every-other-expert"} <= set(registry.expert_selectors())
     selector = registry.expert_selector("every-other-expert")
     _, model = _fused("mixtral")
-    records = prune_experts(model, family_for("mixtral"), BATCHES, 2, selector, super_ratio=None)
+    records = prune_experts(model, family_for("mixtral"), BATCHES, 2, ExpertOptions(selector, super_ratio=None))
     assert all(record.kept == [0, 2] and record.selector == "every-other-expert" for record in records)
     with pytest.raises(UserError, match="unknown expert selector 'reep'.*reap"):
         registry.expert_selector("reep")
@@ -221,7 +223,7 @@ def test_a_selector_that_drops_a_protected_expert_is_refused() -> None:
 
     _, model = _fused("mixtral")
     with pytest.raises(UserError, match="removed protected"):
-        prune_experts(model, family_for("mixtral"), BATCHES, 2, Careless(), super_ratio=1.0 + 1e-9)
+        prune_experts(model, family_for("mixtral"), BATCHES, 2, ExpertOptions(Careless(), super_ratio=1.0 + 1e-9))
 
 
 def test_expert_record_round_trips_for_the_report() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compressor.engine.heads import prune_heads
+from compressor.engine.heads import HeadOptions, prune_heads
 from compressor.errors import UserError
 from compressor.models.heads import heads_refusal, kept_heads, set_heads
 from compressor.models.sliced import layer_attention
@@ -60,7 +60,7 @@ def test_removing_heads_unrefitted_is_the_model_without_them(name, tmp_path):
     family = _family(model)
     batches = random_batches(model.config.vocab_size, count=2, padded=True)
     reference = _silenced(model, family, removed=[0, 3])
-    prune_heads(model, family, batches, 2, Fixed([1, 2]), refit=False)
+    prune_heads(model, family, batches, 2, HeadOptions(Fixed([1, 2]), refit=False))
     set_heads(model.config, 2)
     assert max_relative_logit_error(reference, model, batches) < 1e-5
     model.save_pretrained(tmp_path)
@@ -84,7 +84,7 @@ def test_the_refit_is_least_squares_on_what_every_head_wrote():
     hook.remove()
     Z = torch.cat([z.reshape(-1, z.shape[-1]) for z in captured.values()]).double()
     W = layer0.o_proj.weight.detach().double()
-    records = prune_heads(model, family, batches, 2, Fixed([0, 3]), damping=1e-9)
+    records = prune_heads(model, family, batches, 2, HeadOptions(Fixed([0, 3]), damping=1e-9))
     columns = torch.cat([torch.arange(0, 16), torch.arange(48, 64)])
     solution = torch.linalg.lstsq(Z[:, columns], Z @ W.T).solution.T  # min ‖Z Wᵀ − Z_S W'ᵀ‖
     assert torch.allclose(model.model.layers[0].self_attn.o_proj.weight.double(), solution.float().double(), atol=1e-4)
@@ -102,7 +102,7 @@ def test_the_head_count_curves_are_the_stages_output_error_and_leave_the_model_a
     family = _family(model)
     batches = random_batches(model.config.vocab_size, count=2, padded=True)
     obs = REGISTRY.head_selector("norm")
-    curves = head_count_curves(model, family, batches, obs, [2, 4])
+    curves = head_count_curves(model, family, batches, [2, 4], HeadOptions(obs))
     assert sorted(curves) == list(range(model.config.num_hidden_layers))
     for errors in curves.values():
         assert errors[2] > abs(errors[4]) and abs(errors[4]) < 1e-6 * errors[2]
@@ -116,10 +116,10 @@ def test_the_head_count_curves_are_the_stages_output_error_and_leave_the_model_a
             original(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     hook.remove()
     energy = float(torch.cat(captured).double().pow(2).sum(-1).mean())  # E‖Wz‖² on the counted tokens
-    records = prune_heads(copy_model(model), family, batches, 2, obs)
+    records = prune_heads(copy_model(model), family, batches, 2, HeadOptions(obs))
     assert curves[0][2] == pytest.approx(records[0].error_refit * energy, rel=1e-4)
     G = {i: 2.0 * torch.eye(model.config.hidden_size, dtype=torch.float64) for i in curves}
-    weighed = head_count_curves(model, family, batches, obs, [2], sensitivity=G)
+    weighed = head_count_curves(model, family, batches, [2], HeadOptions(obs, sensitivity=G))
     assert [weighed[i][2] for i in curves] == pytest.approx([2.0 * curves[i][2] for i in curves], rel=1e-9)
     assert max_relative_logit_error(original, model, batches) == 0
 
@@ -130,7 +130,7 @@ def test_a_multi_head_model_loses_its_kv_heads_with_its_query_heads():
     batches = random_batches(model.config.vocab_size)
     reference = _silenced(model, family, removed=[0, 1])
     assert kept_heads(model.config, family, 2) == 2  # no grouping to respect
-    prune_heads(model, family, batches, 2, Fixed([2, 3]), refit=False)
+    prune_heads(model, family, batches, 2, HeadOptions(Fixed([2, 3]), refit=False))
     set_heads(model.config, 2)
     assert model.config.num_key_value_heads == 2
     assert max_relative_logit_error(reference, model, batches) < 1e-5
@@ -156,7 +156,7 @@ def test_a_selector_that_breaks_the_groups_is_refused():
     model = tiny_model("llama")
     batches = random_batches(model.config.vocab_size)
     with pytest.raises(UserError, match=r"kept \[2, 0\] heads per KV group"):
-        prune_heads(model, _family(model), batches, 2, Fixed([0, 1]))
+        prune_heads(model, _family(model), batches, 2, HeadOptions(Fixed([0, 1])))
 
 
 def test_a_model_with_one_kv_head_keeps_it_and_loses_query_heads():
@@ -166,7 +166,7 @@ def test_a_model_with_one_kv_head_keeps_it_and_loses_query_heads():
     batches = random_batches(model.config.vocab_size)
     reference = _silenced(model, family, removed=[0, 2])
     assert kept_heads(model.config, family, 0.5) == 2
-    prune_heads(model, family, batches, 2, Fixed([1, 3]), refit=False)
+    prune_heads(model, family, batches, 2, HeadOptions(Fixed([1, 3]), refit=False))
     set_heads(model.config, 2)
     assert model.config.num_key_value_heads == 1
     assert max_relative_logit_error(reference, model, batches) < 1e-5

@@ -14,7 +14,7 @@ import torch
 
 from compressor.engine.kv_merge import KvMerge, refit_output
 from compressor.engine.mlp_widths import WidthCurve, allocate
-from compressor.engine.neurons import mlp_width_curves
+from compressor.engine.neurons import CurveOptions, MlpOptions, mlp_width_curves
 from compressor.models.families import family_for
 from compressor.models.kv_heads import kv_options, layer_kv_heads, merge_kv_heads, set_output
 from compressor.strategies.registry import PluginRegistry
@@ -72,11 +72,18 @@ def test_the_predicted_error_is_what_the_merged_refitted_attention_writes_and_th
         A = torch.randn(64, 64, generator=generator, dtype=torch.float64)
         G[layer] = A @ A.T
     curves = mlp_width_curves(
-        model, family, batches, PluginRegistry().selector("obs"), 256, kv_counts=[1], kv_weights=G
+        model,
+        family,
+        batches,
+        256,
+        MlpOptions(PluginRegistry().selector("obs")),
+        CurveOptions(kv_counts=[1], kv_weights=G),
     )
     assert max_relative_logit_error(original, model, batches) == 0
     assert all(curve.attention is None and [m.kv for m in curve.kv_merges] == [1] for curve in curves)
-    plain = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 256, kv_counts=[1])
+    plain = mlp_width_curves(
+        model, family, batches, 256, MlpOptions(PluginRegistry().selector("obs")), CurveOptions(kv_counts=[1])
+    )
     for index, curve in enumerate(curves):
         merge = curve.kv_merges[0]
         changed = copy_model(original)  # this layer alone merged: its input is the unpruned model's

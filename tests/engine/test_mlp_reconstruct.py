@@ -18,7 +18,7 @@ from compressor.engine.mlp_reconstruct import (
     reconstruct_mlp,
     weighing_factor,
 )
-from compressor.engine.neurons import prune_mlp
+from compressor.engine.neurons import MlpOptions, prune_mlp
 from compressor.engine.refit import drop_neurons, refit_down
 from compressor.models.families import family_for
 from compressor.strategies.registry import PluginRegistry
@@ -112,7 +112,11 @@ def test_the_pairs_hold_the_refits_target(feedback: float, monkeypatch: pytest.M
     keep = original.config.intermediate_size // 2
     selector = PluginRegistry().selector("magnitude")
     records = prune_mlp(
-        model, family_for("llama"), batches, keep, selector, damping=1e-12, feedback=feedback, reconstruct=SETTINGS
+        model,
+        family_for("llama"),
+        batches,
+        keep,
+        MlpOptions(selector, damping=1e-12, feedback=feedback, reconstruct=SETTINGS),
     )
     assert len(seen) == len(records) == original.config.num_hidden_layers
     for (pairs, down), record in zip(seen, records):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compressor.engine.mlp_widths import WidthCurve, allocate, weighted_error, width_grid
-from compressor.engine.neurons import mlp_width_curves, prune_mlp
+from compressor.engine.neurons import CurveOptions, MlpOptions, mlp_width_curves, prune_mlp
 from compressor.engine.refit import refit_down
 from compressor.errors import UserError
 from compressor.models.families import family_for
@@ -114,7 +114,7 @@ def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -
     original = tiny_model("llama", intermediate_size=512)
     model, family = copy_model(original), family_for("llama")
     batches = random_batches(original.config.vocab_size, padded=True)
-    curves = mlp_width_curves(model, family, batches, PluginRegistry().selector("obs"), 256)
+    curves = mlp_width_curves(model, family, batches, 256, MlpOptions(PluginRegistry().selector("obs")))
     assert [sorted(c.errors) for c in curves] == [[0, 256, 512]] * 2
     for curve in curves:
         assert curve.errors[0] > curve.errors[256] > abs(curve.errors[512])
@@ -122,15 +122,20 @@ def test_the_curves_fall_to_zero_at_the_full_width_and_leave_the_model_alone() -
     assert max_relative_logit_error(original, model, batches) == 0
     # one pass per layer (each batch advanced as the MLP is measured) gives the two-pass curves
     two_passes = mlp_width_curves(
-        model, family, batches, PluginRegistry().selector("obs"), 256, attention={0: None, 1: None}
+        model,
+        family,
+        batches,
+        256,
+        MlpOptions(PluginRegistry().selector("obs")),
+        CurveOptions(attention={0: None, 1: None}),
     )
     assert [c.errors for c in curves] == [c.errors for c in two_passes]
     # given widths: those alone; one width is the grid's at it, several come from one selector path
     obs = PluginRegistry().selector("obs")
-    grid = mlp_width_curves(model, family, batches, obs, 128)
-    one = mlp_width_curves(model, family, batches, obs, 1, widths=[256])
+    grid = mlp_width_curves(model, family, batches, 128, MlpOptions(obs))
+    one = mlp_width_curves(model, family, batches, 1, MlpOptions(obs), CurveOptions(widths=[256]))
     assert [c.errors for c in one] == [{256: c.errors[256]} for c in grid]
-    path = mlp_width_curves(model, family, batches, obs, 1, widths=[384, 128])
+    path = mlp_width_curves(model, family, batches, 1, MlpOptions(obs), CurveOptions(widths=[384, 128]))
     for along, alone in zip(path, grid, strict=True):
         # the path's blocks stop at 384 on the way (a partial block there), so 128 is close, not equal
         assert along.errors[128] == pytest.approx(alone.errors[128], rel=0.1)
@@ -159,14 +164,16 @@ def test_an_attentions_removal_error_is_the_weighted_energy_of_what_it_writes() 
     for hook in hooks:
         hook.remove()
     selector = PluginRegistry().selector("obs")
-    weighed = mlp_width_curves(model, family, batches, selector, 256, attention=G)
-    plain = mlp_width_curves(model, family, batches, selector, 256, attention={i: None for i in range(3)})
+    weighed = mlp_width_curves(model, family, batches, 256, MlpOptions(selector), CurveOptions(attention=G))
+    plain = mlp_width_curves(
+        model, family, batches, 256, MlpOptions(selector), CurveOptions(attention={i: None for i in range(3)})
+    )
     for i in range(3):
         a = torch.cat(written[i]).to(torch.float64)
         assert weighed[i].attention == pytest.approx(float(torch.einsum("ti,ij,tj->", a, G[i], a)) / len(a), rel=1e-6)
         assert plain[i].attention == pytest.approx(float((a**2).sum()) / len(a), rel=1e-6)
         assert weighed[i].errors == plain[i].errors  # the MLP's curve as without the attention's
-    assert all(c.attention is None for c in mlp_width_curves(model, family, batches, selector, 256))
+    assert all(c.attention is None for c in mlp_width_curves(model, family, batches, 256, MlpOptions(selector)))
     assert max_relative_logit_error(original, model, batches) == 0
 
 
@@ -174,7 +181,9 @@ def test_each_layer_keeps_its_own_width_and_zero_removes_the_mlp() -> None:
     original = tiny_model("llama", intermediate_size=512, num_hidden_layers=3)
     model, family = copy_model(original), family_for("llama")
     batches = random_batches(original.config.vocab_size, padded=True)
-    records = prune_mlp(model, family, batches, [512, 0, 256], PluginRegistry().selector("obs"), feedback=0.0)
+    records = prune_mlp(
+        model, family, batches, [512, 0, 256], MlpOptions(PluginRegistry().selector("obs"), feedback=0.0)
+    )
     assert [layer.mlp.down_proj.in_features for layer in model.model.layers] == [512, 0, 256]
     assert [r.kept for r in records] == [512, 0, 256] and records[1].error_dropped == pytest.approx(1.0)
     expected = copy_model(original)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressor.engine.calibration import capture_layer_inputs, counted_rows
-from compressor.engine.neurons import RefitTarget, mlp_linears, output_error, prune_mlp, refit_down
+from compressor.engine.neurons import MlpOptions, RefitTarget, mlp_linears, output_error, prune_mlp, refit_down
 from compressor.errors import UserError
 from compressor.models.families import family_for
 from compressor.plugin import NeuronChoice, NeuronProblem, NeuronSelector, hookimpl
@@ -37,7 +37,7 @@ def test_keeping_every_neuron_gives_the_model_back(family_name: str, selector: s
         family.prepare(model)
     width = mlp_linears(model.get_submodule(family.layers)[0], family)[1].in_features
     batches = random_batches(original.config.vocab_size, padded=True)
-    records = prune_mlp(model, family, batches, width, _selector(selector))
+    records = prune_mlp(model, family, batches, width, MlpOptions(_selector(selector)))
     assert [r.kept for r in records] == [width] * original.config.num_hidden_layers
     assert {r.feedback for r in records} == {0.0 if family.mlp_post_norm else 0.5}
     assert all(r.error_refit is not None and abs(r.error_refit) < 1e-9 for r in records)
@@ -98,7 +98,7 @@ def test_error_feedback_fits_a_share_of_the_stream_the_layer_wrote_before(feedba
     model = copy_model(original)
     batches = random_batches(original.config.vocab_size, padded=True)
     keep = original.config.intermediate_size // 2
-    prune_mlp(model, family, batches, keep, _selector("magnitude"), damping=1e-12, feedback=feedback)
+    prune_mlp(model, family, batches, keep, MlpOptions(_selector("magnitude"), damping=1e-12, feedback=feedback))
     first, second = model.model.layers
     unpruned = original.model.layers[1]
     inputs = capture_layer_inputs(original, family, batches, torch.device("cpu"))
@@ -124,7 +124,7 @@ def test_error_feedback_fits_a_share_of_the_stream_the_layer_wrote_before(feedba
     expected = torch.linalg.lstsq(h[:, kept], t).solution.T
     assert torch.allclose(second.mlp.down_proj.weight.double(), expected, rtol=1e-4, atol=1e-5)
     output_target = copy_model(original)
-    prune_mlp(output_target, family, batches, keep, _selector("magnitude"), damping=1e-12, feedback=0.0)
+    prune_mlp(output_target, family, batches, keep, MlpOptions(_selector("magnitude"), damping=1e-12, feedback=0.0))
     assert not torch.allclose(output_target.model.layers[1].mlp.down_proj.weight, second.mlp.down_proj.weight)
     assert torch.allclose(output_target.model.layers[0].mlp.down_proj.weight, first.mlp.down_proj.weight, atol=1e-6)
 
@@ -190,7 +190,9 @@ def test_a_third_party_selector_registers_and_prunes() -> None:
     model = tiny_model("llama")
     before = [mlp_linears(layer, family)[0][0].weight.clone() for layer in model.model.layers]
     width = before[0].shape[0]
-    prune_mlp(model, family, random_batches(model.config.vocab_size), width // 2, registry.selector("every-other"))
+    prune_mlp(
+        model, family, random_batches(model.config.vocab_size), width // 2, MlpOptions(registry.selector("every-other"))
+    )
     for layer, weight in zip(model.model.layers, before):
         assert torch.equal(mlp_linears(layer, family)[0][0].weight, weight[::2])
 
@@ -205,7 +207,7 @@ def test_a_pruned_mlp_saves_as_the_original_class(refit: bool, tmp_path: Path) -
     model = copy_model(original)
     batches = random_batches(model.config.vocab_size, padded=True)
     keep = model.config.intermediate_size // 2
-    records = prune_mlp(model, family, batches, keep, _selector("obs"), refit=refit)
+    records = prune_mlp(model, family, batches, keep, MlpOptions(_selector("obs"), refit=refit))
     if refit:
         assert all(r.error_refit is not None and r.error_refit < r.error_dropped for r in records)
     model.config.intermediate_size = keep
@@ -229,12 +231,14 @@ def test_bad_input_is_one_line() -> None:
     batches = random_batches(model.config.vocab_size)
     width = model.config.intermediate_size
     with pytest.raises(UserError, match=f"cannot keep {width + 1} of the {width} neurons"):
-        prune_mlp(model, family, batches, width + 1, _selector("magnitude"))
+        prune_mlp(model, family, batches, width + 1, MlpOptions(_selector("magnitude")))
     with pytest.raises(UserError, match="'wrong' at layer 0 returned 1 distinct neurons; it must return 8"):
-        prune_mlp(model, family, batches, 8, _Wrong())
+        prune_mlp(model, family, batches, 8, MlpOptions(_Wrong()))
     with pytest.raises(UserError, match="unknown neuron selector 'magnitud' \\(did you mean 'magnitude'\\?\\)"):
         PluginRegistry().selector("magnitud")
     with pytest.raises(UserError, match="needs the output sensitivity H"):
-        prune_mlp(model, family, batches, 8, type("NeedsH", (_Wrong,), {"name": "needs-h", "requires": ("H",)})())
+        prune_mlp(
+            model, family, batches, 8, MlpOptions(type("NeedsH", (_Wrong,), {"name": "needs-h", "requires": ("H",)})())
+        )
     with pytest.raises(UserError, match="mlp.feedback 1.5: give a share of the stream's error from 0 to 1"):
-        prune_mlp(model, family, batches, 8, _selector("magnitude"), feedback=1.5)
+        prune_mlp(model, family, batches, 8, MlpOptions(_selector("magnitude"), feedback=1.5))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compressor.cli import main
-from compressor.engine.experts import prune_experts
+from compressor.engine.experts import ExpertOptions, prune_experts
 from compressor.engine.router_refit import HELD_OUT, refit_router
 from compressor.engine.transforms import fuse_norms
 from compressor.models.experts import RoutedExperts
@@ -91,8 +91,10 @@ def test_prune_experts_refits_each_layer_s_router_on_its_own_sample() -> None:
     for model in (full, plain, refitted):
         fuse_norms(model, family)
     inputs = _block_inputs(full)
-    before = prune_experts(plain, family, BATCHES, 3, Reap(), super_ratio=None)
-    after = prune_experts(refitted, family, BATCHES, 3, Reap(), super_ratio=None, router_steps=10, sample_tokens=96)
+    before = prune_experts(plain, family, BATCHES, 3, ExpertOptions(Reap(), super_ratio=None))
+    after = prune_experts(
+        refitted, family, BATCHES, 3, ExpertOptions(Reap(), super_ratio=None, router_steps=10, sample_tokens=96)
+    )
     assert [r.kept for r in before] == [r.kept for r in after] and all(r.router is None for r in before)
     assert any(r.router["applied"] for r in after)
     blocks = [[m for m in model.modules() if isinstance(m, RoutedExperts)] for model in (full, plain, refitted)]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from compressor.engine.neurons import mlp_linears
 from compressor.engine.refit import drop_neurons
-from compressor.engine.width_search import WidthSolution, assembled, evolve, mutate
+from compressor.engine.width_search import SearchSettings, WidthSolution, assembled, evolve, mutate
 from compressor.models.families import family_for
 from tests.conftest import random_batches, save_tiny_checkpoint
 
@@ -49,7 +49,7 @@ def test_the_search_finds_the_measured_best_where_the_summed_errors_point_elsewh
         calls.append(list(widths))
         return _interacting(widths)
 
-    result = evolve(start, [GRID] * 6, fitness, evaluations=60, seed=0)
+    result = evolve(start, [GRID] * 6, fitness, SearchSettings(evaluations=60, seed=0))
     assert len(everything) > 10 * 60  # the search measures a small share of the allocations
     assert calls[0] == start and result.start_kl == _interacting(start)
     assert result.kl == pytest.approx(best) and result.widths[:2] == [1024, 1024]
@@ -60,13 +60,13 @@ def test_the_search_finds_the_measured_best_where_the_summed_errors_point_elsewh
 
 def test_where_nothing_measures_better_the_start_is_kept() -> None:
     start = [768, 256, 512]
-    result = evolve(start, [GRID] * 3, lambda ws: sum(abs(a - b) for a, b in zip(ws, start)), evaluations=20)
+    result = evolve(start, [GRID] * 3, lambda ws: sum(abs(a - b) for a, b in zip(ws, start)), SearchSettings(20))
     assert result.widths == start and result.accepted == 0 and result.kl == result.start_kl == 0
 
 
 def test_grids_of_different_steps_are_refused() -> None:
     with pytest.raises(ValueError, match="different steps"):
-        evolve([256, 128], [GRID, [0, 128, 256]], lambda ws: 0.0, evaluations=4)
+        evolve([256, 128], [GRID, [0, 128, 256]], lambda ws: 0.0, SearchSettings(4))
 
 
 def test_an_assembled_model_computes_the_pruned_models_logits_and_is_restored_after(tmp_path) -> None:

@@ -294,8 +294,8 @@ def test_the_search_measures_allocations_and_the_model_saves_where_it_ended(
 
     seen: dict[str, object] = {}
 
-    def evolve(start, grids, fitness, evaluations, **options):  # the real search, then one move it must save
-        result = width_search.evolve(start, grids, fitness, evaluations, **options)
+    def evolve(start, grids, fitness, settings, **options):  # the real search, then one move it must save
+        result = width_search.evolve(start, grids, fitness, settings, **options)
         moved = width_search.mutate(result.widths, grids, __import__("random").Random(1), 1)
         seen.update(start=list(start), moved=moved, kl=fitness(moved), result=result)
         return dataclasses.replace(result, widths=moved, kl=seen["kl"])
