@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from compressor.commands.surrogate import (
+    Measuring,
     check_site,
     ensure_fused,
     measure_kl,
@@ -68,7 +69,7 @@ def main() -> None:
     ensure_fused(model, family)
     batches = token_batches(recipe.calibration, tokenizer, "calibration")
     calibration = capture_layer_inputs(model, family, batches, device)
-    C, H = site_statistics(model, family, calibration, args.site, device, recipe.sensitivity, recipe.seed)
+    C, H = site_statistics(model, family, calibration, args.site, Measuring(device, recipe.sensitivity, recipe.seed))
     d = C.shape[0]
     k = d - checked.layout.kept
     target = pca_energy(C, k)
@@ -85,7 +86,7 @@ def main() -> None:
 
     held_out = capture_layer_inputs(model, family, token_batches(recipe.evaluation, tokenizer, "evaluation"), device)
     perturbations = [(U, alpha) for (_, U), alpha in zip(subspaces, alphas)]
-    measured, _ = measure_kl(model, family, held_out, args.site, perturbations, device)
+    measured, _ = measure_kl(model, family, held_out, args.site, perturbations, Measuring(device))
     rows = [
         {"subspace": name, "alpha": alpha, "predicted_kl": predicted_kl(C, H, U, alpha), "measured_kl": kl}
         for (name, U), alpha, kl in zip(subspaces, alphas, measured)

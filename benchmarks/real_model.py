@@ -194,7 +194,7 @@ def diagnose(args: argparse.Namespace) -> None:
     """The three KLs of issue 32: refinement's objective, the model it optimised, the model saved."""
     from compressor.cli.display import phase_logger
     from compressor.engine.bases import apply_bases
-    from compressor.engine.refine import rebatch, refine_bases
+    from compressor.engine.refine import RefinementRun, rebatch, refine_bases
     from compressor.engine.walk import prune
     from compressor.engine.walk_options import WalkOptions
     from compressor.evaluation.metrics import compare
@@ -268,11 +268,7 @@ def diagnose(args: argparse.Namespace) -> None:
             calibration,
             walked.bases,
             recipe.refinement,
-            device,
-            recipe.seed,
-            progress,
-            keep_tied=False,
-            stock_tied_scale=scale,
+            RefinementRun(device, recipe.seed, progress, keep_tied=False, stock_tied_scale=scale),
         )
         seconds = time.perf_counter() - tick
         sliced = apply_bases(resources.model(recipe.model), family, refined.bases, device, keep_tied=False)

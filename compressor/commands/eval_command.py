@@ -23,7 +23,7 @@ import compressor
 from compressor.engine.bases import BASES_FILE, READERS_FILE, apply_bases, load_bases
 from compressor.errors import UserError
 from compressor.evaluation.harness import check_suites
-from compressor.evaluation.metrics import evaluate_models
+from compressor.evaluation.metrics import TaskOptions, evaluate_models
 from compressor.evaluation.throughput import compare_speed, cost_note, measure, model_size, report_settings
 from compressor.models.families import ModelFamily
 from compressor.models.stock import to_stock
@@ -238,7 +238,7 @@ def evaluate_target(request: EvalRequest, progress: Callable[[str, int, int], No
     target = target.to(device)
     reference = load_model(plan.reference).to(device) if plan.reference is not None else None
     metrics = evaluate_models(
-        reference, target, batches, device, report_progress, tasks=plan.suites, tokenizer=tokenizer, seed=plan.seed
+        reference, target, batches, device, report_progress, TaskOptions(plan.suites, tokenizer, plan.seed)
     )
     sizes = {"pruned": model_size(target), **({"baseline": model_size(reference)} if reference is not None else {})}
     speed = None

@@ -50,7 +50,7 @@ from transformers import PreTrainedModel
 from compressor.data.batches import Batch
 from compressor.engine.activations import held_on
 from compressor.engine.calibration import LayerInputs, SecondMoment, capture_layer_inputs
-from compressor.engine.fisher import estimate_fisher
+from compressor.engine.fisher import FisherCall, estimate_fisher
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
@@ -154,25 +154,32 @@ def _through(
     return hidden
 
 
+@dataclass(frozen=True)
+class Measuring:
+    """Where and how a site's statistics and KLs are measured: what `site_statistics`, `measure_kl`
+    and the check they make up share (and benchmarks/fisher_check.py)."""
+
+    device: torch.device | str = "cpu"
+    """Where the model runs (H visits it a layer at a time; C and the KL need the whole model there)."""
+    sensitivity: SensitivityOptions | None = None
+    """H's options (None: the defaults)."""
+    seed: int = 0
+    """Seeds H's sampled labels, and the check's random directions."""
+    progress: Progress | None = None
+
+
 def site_statistics(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    site: str,
-    device: torch.device,
-    sensitivity: SensitivityOptions,
-    seed: int = 0,
-    progress: Progress | None = None,
+    model: PreTrainedModel, family: ModelFamily, inputs: LayerInputs, site: str, measuring: Measuring
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C = E[x xᵀ] (real tokens) and H (the recipe's estimator) at `site`, float64 on the host,
     from the captured inputs of the fused model. H goes through `estimate_fisher` (layers visit
-    the device one at a time); C needs a forward up to the site with the model on `device`."""
+    the device one at a time); C needs a forward up to the site with the model on the device."""
     index = check_site(family, model.config.num_hidden_layers, site)
-    report = progress or (lambda *_: None)
+    device, sensitivity = torch.device(measuring.device), measuring.sensitivity or SensitivityOptions()
+    report = measuring.progress or (lambda *_: None)
     phase = "estimating output sensitivity (H)"
-    H = estimate_fisher(
-        model, family, inputs, sensitivity, device, seed, lambda done, total: report(phase, done, total)
-    )[site].to(torch.float64)
+    call = FisherCall(lambda done, total: report(phase, done, total))
+    H = estimate_fisher(model, family, inputs, sensitivity, device, measuring.seed, call)[site].to(torch.float64)
     blocks = _blocks(model, family)[:index]
     moment = SecondMoment(model.config.hidden_size, device)
     with torch.no_grad(), held_on([model], device):
@@ -192,15 +199,14 @@ def measure_kl(
     inputs: LayerInputs,
     site: str,
     perturbations: Sequence[tuple[torch.Tensor, float]],
-    device: torch.device,
-    progress: Progress | None = None,
+    measuring: Measuring,
 ) -> tuple[list[float], int]:
     """Mean per-token KL(original ‖ perturbed), in nats over real tokens, for each (U, α): the
     stream at `site` replaced by x − α·UUᵀx at every token (U: d × k orthonormal). Also the token
     count. Each batch goes up to the site once and only the rest of the model is rerun per
-    perturbation. The whole model visits `device` (a diagnostic: it must fit there)."""
+    perturbation. The whole model visits the device (a diagnostic: it must fit there)."""
     index = check_site(family, model.config.num_hidden_layers, site)
-    report = progress or (lambda *_: None)
+    device, report = torch.device(measuring.device), measuring.progress or (lambda *_: None)
     blocks = _blocks(model, family)
     sums = [0.0] * len(perturbations)
     tokens = 0
@@ -386,72 +392,68 @@ def _probes(
     return rows, perturbations, skipped
 
 
+@dataclass(frozen=True)
+class SurrogateOptions:
+    """What one site's check probes beside the model and data: how many directions of each kind,
+    the energy each removes, and where and how it measures (`Measuring`)."""
+
+    directions: int
+    """Random unit directions (Gaussian, normalised)."""
+    remove: int | None = None
+    """The removed energy is what PCA discards removing this many directions (unless `energy`)."""
+    energy: float | None = None
+    """The removed energy itself."""
+    eigenvectors: int = 8
+    """Of each structured kind (C's and H's eigenvectors, the τ-minimisers)."""
+    measuring: Measuring = Measuring()
+
+
 def surrogate_check(
     model: PreTrainedModel,
     family: ModelFamily,
     calibration: list[Batch],
     evaluation: list[Batch],
     site: str,
-    *,
-    directions: int,
-    remove: int | None = None,
-    energy: float | None = None,
-    eigenvectors: int = 8,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    sensitivity: SensitivityOptions | None = None,
-    progress: Progress | None = None,
+    options: SurrogateOptions,
 ) -> SurrogateResult:
     """Predicted vs measured KL of removing single directions at `site`, at fixed removed energy.
 
     C and H come from `calibration`, the measured KL from `evaluation` (see the module
-    docstring for the directions). The removed energy is `energy` if given, else the energy PCA
-    discards removing `remove` directions. A direction with (numerically) no variance at the
-    site cannot reach that energy and is left out (counted in `settings.skipped`). The model
-    (unpruned) has its norms fused in place if they are not already: its function is unchanged.
+    docstring for the directions). The removed energy is `options.energy` if given, else the
+    energy PCA discards removing `options.remove` directions. A direction with (numerically) no
+    variance at the site cannot reach that energy and is left out (counted in `settings.skipped`).
+    The model (unpruned) has its norms fused in place if they are not already: its function is
+    unchanged.
     """
-    device = torch.device(device)
-    num_layers = model.config.num_hidden_layers
-    check_site(family, num_layers, site)
-    if directions < 0 or eigenvectors < 0:
-        raise ValueError("directions and eigenvectors must be non-negative")
-    if energy is None and remove is None:
-        raise ValueError("give the removed energy: `energy`, or `remove` (PCA's energy removing that many)")
-    report = progress or (lambda *_: None)
-    sensitivity = sensitivity or SensitivityOptions()
+    measuring = _checked(model, family, site, options)
+    device, sensitivity = torch.device(measuring.device), measuring.sensitivity or SensitivityOptions()
+    report = measuring.progress or (lambda *_: None)
     started = time.perf_counter()
     model.eval().requires_grad_(False)
     report("fusing norms", 0, 1)
     ensure_fused(model, family)
     report("capturing layer inputs", 0, 1)
     calib_inputs = capture_layer_inputs(model, family, calibration, device)
-    C, H = site_statistics(model, family, calib_inputs, site, device, sensitivity, seed, progress)
+    C, H = site_statistics(model, family, calib_inputs, site, measuring)
     del calib_inputs
-    d = C.shape[0]
-    if energy is None:
-        assert remove is not None
-        if not 0 < remove < d:
-            raise ValueError(f"remove must be in 1..{d - 1}, got {remove}")
-        energy = pca_energy(C, remove)
-    if not energy > 0:
-        raise ValueError(f"the removed energy must be positive, got {energy}")
+    energy = _removed_energy(C, options)
     statistics_s = time.perf_counter() - started
 
-    rows, perturbations, skipped = _probes(C, H, energy, directions, eigenvectors, seed)
+    rows, perturbations, skipped = _probes(C, H, energy, options.directions, options.eigenvectors, measuring.seed)
     tick = time.perf_counter()
     report("capturing evaluation inputs", 0, 1)
     eval_inputs = capture_layer_inputs(model, family, evaluation, device)
-    measured, tokens = measure_kl(model, family, eval_inputs, site, perturbations, device, progress)
+    measured, tokens = measure_kl(model, family, eval_inputs, site, perturbations, measuring)
     for row, value in zip(rows, measured):
         row["measured"] = value
     settings = {
         "energy": energy,
-        "remove": remove,
-        "width": d,
-        "random": directions,
-        "eigenvectors": eigenvectors,
+        "remove": options.remove,
+        "width": C.shape[0],
+        "random": options.directions,
+        "eigenvectors": options.eigenvectors,
         "taus": list(TAUS),
-        "seed": seed,
+        "seed": measuring.seed,
         "skipped": skipped,
         "calibration_tokens": sum(int(b.attention_mask.sum()) for b in calibration),
         "evaluation_tokens": tokens,
@@ -463,6 +465,32 @@ def surrogate_check(
         "total_s": time.perf_counter() - started,
     }
     return SurrogateResult(site=site, rows=rows, settings=settings, timings=timings)
+
+
+def _checked(model: PreTrainedModel, family: ModelFamily, site: str, options: SurrogateOptions) -> Measuring:
+    """The check's options refused where they cannot make a check; its `Measuring` on a `torch.device`
+    with H's options filled in."""
+    measuring = options.measuring
+    device = torch.device(measuring.device)
+    check_site(family, model.config.num_hidden_layers, site)
+    if options.directions < 0 or options.eigenvectors < 0:
+        raise ValueError("directions and eigenvectors must be non-negative")
+    if options.energy is None and options.remove is None:
+        raise ValueError("give the removed energy: `energy`, or `remove` (PCA's energy removing that many)")
+    return dataclasses.replace(measuring, device=device, sensitivity=measuring.sensitivity or SensitivityOptions())
+
+
+def _removed_energy(C: torch.Tensor, options: SurrogateOptions) -> float:
+    """`options.energy`, else what PCA discards removing `options.remove` directions; refused unless positive."""
+    d, energy, remove = C.shape[0], options.energy, options.remove
+    if energy is None:
+        assert remove is not None
+        if not 0 < remove < d:
+            raise ValueError(f"remove must be in 1..{d - 1}, got {remove}")
+        energy = pca_energy(C, remove)
+    if not energy > 0:
+        raise ValueError(f"the removed energy must be positive, got {energy}")
+    return energy
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -516,8 +544,11 @@ def check_recipe(
         output.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UserError(f"cannot create the output folder {output}: {error.strerror or error}") from None
+    options = SurrogateOptions(
+        directions, remove, measuring=Measuring(device, recipe.sensitivity, recipe.seed, progress)
+    )
     try:
-        return _check_into(output, recipe, checked.layout.family, site, directions, remove, device, started, progress)
+        return _check_into(output, recipe, checked.layout.family, site, options, started)
     except BaseException:
         if created:
             try:
@@ -528,18 +559,10 @@ def check_recipe(
 
 
 def _check_into(
-    output: Path,
-    recipe: Recipe,
-    family: ModelFamily,
-    site: str,
-    directions: int,
-    remove: int,
-    device: torch.device,
-    started: float,
-    progress: Progress | None,
+    output: Path, recipe: Recipe, family: ModelFamily, site: str, options: SurrogateOptions, started: float
 ) -> dict[str, Any]:
     """Load, check and write the two files (each under a temporary name, then renamed)."""
-    report = progress or (lambda *_: None)
+    report = options.measuring.progress or (lambda *_: None)
     torch.manual_seed(recipe.seed)
     report("tokenising data", 0, 1)
     tokenizer = load_tokenizer(recipe.model)
@@ -547,25 +570,13 @@ def _check_into(
     evaluation = token_batches(recipe.evaluation, tokenizer, "evaluation")
     report("loading model", 0, 1)
     model = load_model(dataclasses.replace(recipe.model, load="memory"))  # it runs the whole model
-    result = surrogate_check(
-        model,
-        family,
-        calibration,
-        evaluation,
-        site,
-        directions=directions,
-        remove=remove,
-        seed=recipe.seed,
-        device=device,
-        sensitivity=recipe.sensitivity,
-        progress=progress,
-    )
+    result = surrogate_check(model, family, calibration, evaluation, site, options)
     result.settings.update(
         {
             "model": recipe.model.path,
             "model_dtype": recipe.model.dtype,
             "sparsity": recipe.sparsity,
-            "device": str(device),
+            "device": str(options.measuring.device),
         }
     )
     result.timings["total_s"] = time.perf_counter() - started

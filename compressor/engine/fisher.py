@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from compressor.recipe.sections.sensitivity import ACCUMULATION_DTYPES, AUTOCAST
 __all__ = [
     "ACCUMULATION_DTYPES",
     "AUTOCAST_DTYPES",
+    "FisherCall",
+    "HeadOptions",
     "REDUCTIONS",
     "SensitivityOptions",
     "estimate_fisher",
@@ -46,20 +49,29 @@ SiteEdit = Callable[[int, torch.Tensor], torch.Tensor]
 """(site index, residual stream) → the stream the rest of the model sees (for diagnostics)."""
 
 
+@dataclass(frozen=True)
+class HeadOptions:
+    """How `site_activations` makes the logits where the model's own head is not the one wanted."""
+
+    before_cap: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Maps the head's output (`ModelFamily.logits`)."""
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Replaces the model's own head (the final stream → logits: a stock model's tied head,
+    `refine.StockTiedHead`)."""
+
+
 def site_activations(
     model: PreTrainedModel,
     family: ModelFamily,
     inputs: LayerInputs,
     batch: int,
     edit: SiteEdit | None = None,
-    before_cap: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head: HeadOptions = HeadOptions(),
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Forward one captured batch through the whole fused model (a diagnostic: the model must fit
     where it is); return the residual stream at every site, in `site_ids` order, and the logits.
     `edit`, if given, replaces the stream at each site (e.g. to measure the KL of a perturbation);
-    `before_cap` maps the head's output (`ModelFamily.logits`); `head` replaces the model's own
-    (the final stream → logits: a stock model's tied head, `refine.StockTiedHead`)."""
+    `head` changes how the final stream becomes logits (`HeadOptions`)."""
     device = model.get_submodule(family.head).weight.device
     hidden = inputs.hidden.get(batch, device).detach().requires_grad_(edit is None)
     sites = [hidden]
@@ -74,7 +86,7 @@ def site_activations(
             hidden = site.block(hidden, **kwargs)
             sites.append(hidden)
             hidden = visit(hidden)
-    return sites, family.logits(model, hidden, before_cap, head)
+    return sites, family.logits(model, hidden, head.before_cap, head.head)
 
 
 def _uniform_draws(rows: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -163,6 +175,22 @@ def autocast_dtype(setting: str | None, device: torch.device) -> torch.dtype | N
     return getattr(torch, setting) if setting else None
 
 
+@dataclass(frozen=True)
+class FisherCall:
+    """How one process takes part in the H pass beyond the model, data and seed: who hears its
+    progress, and, data-parallel, its ranks and the label draws of the other ranks' batches."""
+
+    progress: Callable[[int, int], None] | None = None
+    """Hears (chunks done, chunks in all) as the pass goes."""
+    ranks: Ranks | None = None
+    """Data-parallel: `inputs` holds this rank's batches, and the sums and token counts are added
+    over the ranks, so every rank returns the H a single process computes over all batches (up to
+    the order of the sums)."""
+    skipped: Sequence[Sequence[int]] = ()
+    """Data-parallel: `skipped[b]`, the rows of the other ranks' batches that come before this
+    rank's batch b (their label draws are skipped)."""
+
+
 def estimate_fisher(
     model: PreTrainedModel,
     family: ModelFamily,
@@ -170,30 +198,24 @@ def estimate_fisher(
     options: SensitivityOptions,
     device: torch.device,
     seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
-    ranks: Ranks | None = None,
-    skipped: Sequence[Sequence[int]] = (),
+    call: FisherCall = FisherCall(),
 ) -> dict[str, torch.Tensor]:
     """H for each site (keyed by site id; d × d in the accumulation dtype, on the host), averaged
     over counted tokens. Labels are drawn from a generator on `device` seeded with `seed`, batch
     by batch in order, so the result does not depend on how batches are chunked or whether
-    layers are recomputed (a CPU and a GPU generator draw different labels).
-
-    Data-parallel (`ranks`): `inputs` holds this rank's batches, `skipped[b]` the rows of the
-    other ranks' batches that come before this rank's batch b (their label draws are skipped),
-    and the sums and token counts are added over the ranks, so every rank returns the H a single
-    process computes over all batches (up to the order of the sums).
+    layers are recomputed (a CPU and a GPU generator draw different labels). `call`: the
+    progress, and a data-parallel rank's share (`FisherCall`).
 
     `inputs` are the captured inputs of the fused, unsliced model; counted positions are those of
     `inputs.sensitivity_masks` (for chat data, the positions that predict an assistant token;
     all real tokens otherwise). Their outputs make up the sampled objective, and their gradients
     are accumulated. With `reduction: mean` each batch's objective is divided by its own count.
     """
-    recompute = options.recompute if options.recompute is not None else device.type != "cpu"
-    h = _HPass(model, family, inputs, device, options, seed, recompute, skipped)
+    h = _HPass(model, family, inputs, device, options, _Labels(seed, call.skipped))
+    progress = call.progress
     # Chunks exist to make layer moves rare; where the device is the host there are none to save,
     # and one batch at a time keeps the kept graphs (and memory traffic) small.
-    chunks = _chunks(inputs, options.chunk if recompute else 1)
+    chunks = _chunks(inputs, options.chunk if h.recompute else 1)
     if progress is not None:
         progress(0, len(chunks))
     for done, chunk in enumerate(chunks):
@@ -202,7 +224,7 @@ def estimate_fisher(
         h.up(chunk, stream, graphs, grads)
         if progress is not None:
             progress(done + 1, len(chunks))
-    ranks = ranks or Ranks()
+    ranks = call.ranks or Ranks()
     if ranks.world > 1:
         for total in h.totals.values():  # one site at a time: NCCL sums on the device
             total.copy_(ranks.sum_(total.to(device)))
@@ -217,6 +239,15 @@ Graphs = list[list[tuple[torch.Tensor, list[torch.Tensor]] | None]]
 graph (kept when layers are not recomputed going back up)."""
 
 
+@dataclass(frozen=True)
+class _Labels:
+    """What the H pass's label draws depend on besides the data: the seed of their generator, and
+    the rows of other ranks' batches whose draws it skips (`FisherCall.skipped`)."""
+
+    seed: int
+    skipped: Sequence[Sequence[int]]
+
+
 class _HPass:
     """The H pass's state over one call: the model, the captured inputs, the label generator, the
     running Σ g·gᵀ by site and the counted tokens. Each chunk of batches goes `down` the layers,
@@ -229,14 +260,13 @@ class _HPass:
         inputs: LayerInputs,
         device: torch.device,
         options: SensitivityOptions,
-        seed: int,
-        recompute: bool,
-        skipped: Sequence[Sequence[int]],
+        labels: _Labels,
     ) -> None:
         self.model, self.family, self.inputs, self.device = model, family, inputs, device
-        self.options, self.recompute, self.skipped = options, recompute, skipped
+        recompute = options.recompute if options.recompute is not None else device.type != "cpu"
+        self.options, self.recompute, self.skipped = options, recompute, labels.skipped
         self.lowered = autocast_dtype(options.autocast, device)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(labels.seed)
         d = model.config.hidden_size
         self.ids = site_ids(family, len(decoder_layers(model, family)))
         dtype = getattr(torch, options.dtype)

@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 from compressor.data.batches import Batch
 from compressor.engine.bases import shared_sites, tied_head
 from compressor.engine.calibration import LayerInputs, capture_layer_inputs
-from compressor.engine.fisher import site_activations
+from compressor.engine.fisher import HeadOptions, site_activations
 from compressor.engine.transforms import fuse_norms
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
@@ -221,9 +221,27 @@ def _student_logits(
         return ((stream.to(dtype) @ basis) @ basis.T).to(stream.dtype)
 
     if isinstance(tied, StockTiedHead):
-        return site_activations(model, family, inputs, batch, project, head=lambda n: tied(n, bases[-1]))[1]
+        stock = HeadOptions(head=lambda n: tied(n, bases[-1]))
+        return site_activations(model, family, inputs, batch, project, stock)[1]
     before_cap = None if tied is None else (lambda logits: tied(logits, bases[0]))
-    return site_activations(model, family, inputs, batch, project, before_cap)[1]
+    return site_activations(model, family, inputs, batch, project, HeadOptions(before_cap))[1]
+
+
+@dataclass(frozen=True)
+class RefinementRun:
+    """How one refinement runs beside the recipe's settings (`RefinementSpec`): where, with which
+    seed, who hears it, and the head the refined model is saved with."""
+
+    device: torch.device | str = "cpu"
+    """Where the model runs: it must fit there whole."""
+    seed: int = 0
+    """Seeds the order the calibration batches are visited in."""
+    progress: Progress | None = None
+    keep_tied: bool | None = None
+    """As in `bases.apply_bases` (None: the bases say whether the head stayed tied)."""
+    stock_tied_scale: torch.Tensor | None = None
+    """A one-basis model to be saved with its head tied, and its final norm's scale D as fitted for
+    the received basis (`stock.fitted_tied_scale`); D is learned too."""
 
 
 def refine_bases(
@@ -232,104 +250,100 @@ def refine_bases(
     batches: list[Batch],
     bases: Mapping[str, torch.Tensor],
     options: RefinementSpec,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    progress: Progress | None = None,
-    keep_tied: bool | None = None,
-    stock_tied_scale: torch.Tensor | None = None,
+    run: RefinementRun = RefinementRun(),
 ) -> Refined:
     """Refined bases (float64, same shapes) and what happened. `model` is the *original* model,
-    which this consumes (its norms are fused in place); it must fit on `device` whole.
-    `keep_tied` as in `bases.apply_bases` (default: the bases say whether the head stayed tied).
-    `stock_tied_scale`: a one-basis model to be saved with its head tied, and its final norm's
-    scale D as fitted for the received basis (`stock.fitted_tied_scale`); D is learned too."""
+    which this consumes (its norms are fused in place); `run` says where and how (`RefinementRun`)."""
     started = time.perf_counter()
-    device = torch.device(device)
-    report = progress or (lambda *_: None)
+    device = torch.device(run.device)
+    report = run.progress or (lambda *_: None)
     model.eval()
     model.requires_grad_(False)
-    tied = tied_head(model, family, bases) if keep_tied is None else keep_tied  # before fusing, which unties
+    tied = tied_head(model, family, bases) if run.keep_tied is None else run.keep_tied  # before fusing, which unties
     fuse_norms(model, family)
     model.to(device)
     report("refinement: capturing layer inputs", 0, 1)
     inputs = capture_layer_inputs(model, family, rebatch(batches, options.batch_size, options.windows), device)
     embedding = model.get_submodule(family.embedding).weight.detach()
     head: TiedHead | StockTiedHead | None = TiedHead(embedding) if tied else None
-    if stock_tied_scale is not None:
+    if run.stock_tied_scale is not None:
         if tied or len(set(shared_sites(site_ids(family, model.config.num_hidden_layers), bases))) != len(bases) - 1:
             raise ValueError("a stock tied head needs one basis at every site and the sliced model's head untied")
-        head = StockTiedHead(embedding, model.get_submodule(family.final_norm), stock_tied_scale)
+        head = StockTiedHead(embedding, model.get_submodule(family.final_norm), run.stock_tied_scale)
     try:
-        return _refine(model, family, inputs, bases, options, device, seed, report, started, head)
+        return _refine(_Student(model, family, inputs, head, report, device), bases, options, run.seed, started)
     finally:
         inputs.hidden.close()
 
 
+class _Student:
+    """The pruned model as refinement moves it: the fused original over the captured windows on
+    `device`, its stream projected on the bases (`_student_logits`), its head as saved; and who
+    hears the steps."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        family: ModelFamily,
+        inputs: LayerInputs,
+        tied: TiedHead | StockTiedHead | None,
+        report: Progress,
+        device: torch.device,
+    ) -> None:
+        self.model, self.family, self.inputs, self.tied, self.report = model, family, inputs, tied, report
+        self.device = device
+        self.masks = [m.to(device) for m in inputs.sensitivity_masks]
+
+    def kl(self, targets: list[TeacherTarget], batch: int, bases: list[torch.Tensor]) -> torch.Tensor:
+        """Σ over the batch's counted positions of KL(teacher ‖ the model `bases` define)."""
+        logits = _student_logits(self.model, self.family, self.inputs, batch, bases, self.tied)
+        return kl_to_target(targets[batch], logits, self.masks[batch])
+
+    def objective(self, current: list[torch.Tensor], targets: list[TeacherTarget], phase: str) -> float:
+        """The mean KL per counted token over every window (reported as `phase`)."""
+        total = 0.0
+        for b in range(len(self.inputs)):
+            total += float(self.kl(targets, b, current))
+            self.report(phase, b + 1, len(self.inputs))
+        return total / sum(self.inputs.sensitivity_counts)
+
+    def teacher(self, top_k: int) -> list[TeacherTarget]:
+        """The original's bins on every window (the stream left as it is)."""
+        targets = []
+        for b in range(len(self.inputs)):
+            logits = site_activations(self.model, self.family, self.inputs, b, lambda _, stream: stream)[1]
+            targets.append(teacher_target(logits, self.masks[b], top_k))
+            self.report("refinement: teacher log-probabilities", b + 1, len(self.inputs))
+        return targets
+
+
 def _refine(
-    model: PreTrainedModel,
-    family: ModelFamily,
-    inputs: LayerInputs,
-    bases: Mapping[str, torch.Tensor],
-    options: RefinementSpec,
-    device: torch.device,
-    seed: int,
-    report: Progress,
-    started: float,
-    tied: TiedHead | StockTiedHead | None,
+    student: _Student, bases: Mapping[str, torch.Tensor], options: RefinementSpec, seed: int, started: float
 ) -> Refined:
+    """The teacher's targets, the KL before, the descent and the KL after: the refined bases if
+    they lowered it, else the received ones."""
+    model, family, inputs, tied = student.model, student.family, student.inputs, student.tied
     ids = site_ids(family, model.config.num_hidden_layers)
-    masks = [m.to(device) for m in inputs.sensitivity_masks]
     counted = sum(inputs.sensitivity_counts)
     if counted == 0:
         raise UserError(
             "refinement: its calibration windows have no counted tokens (e.g. no assistant tokens); "
             "raise refinement.windows or leave it unset"
         )
-    received = [bases[site].to(device, torch.float64) for site in ids]
-
-    def objective(current: list[torch.Tensor], targets: list[TeacherTarget], phase: str) -> float:
-        total = 0.0
-        for b in range(len(inputs)):
-            total += float(kl_to_target(targets[b], _student_logits(model, family, inputs, b, current, tied), masks[b]))
-            report(phase, b + 1, len(inputs))
-        return total / counted
-
-    targets = []
+    received = [bases[site].to(student.device, torch.float64) for site in ids]
     with torch.no_grad():
-        for b in range(len(inputs)):
-            logits = site_activations(model, family, inputs, b, lambda _, stream: stream)[1]
-            targets.append(teacher_target(logits, masks[b], options.top_k))
-            report("refinement: teacher log-probabilities", b + 1, len(inputs))
-        before = objective(received, targets, "refinement: KL before")
+        targets = student.teacher(options.top_k)
+        before = student.objective(received, targets, "refinement: KL before")
 
-    shared = set(shared_sites(ids, bases))
-    params: list[torch.Tensor] = []
-    for site, v in zip(ids, received):  # a site that shares the previous site's basis shares its parameter
-        params.append(params[-1] if site in shared else geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()))
-    if isinstance(tied, TiedHead):  # the last site keeps the embedding's basis
-        params[-1] = params[0]
-    learned: list[torch.Tensor] = list({id(p): p for p in params}.values())
+    params, learned = _parameters(ids, bases, received, tied)
     scale = tied.scale if isinstance(tied, StockTiedHead) else None
     received_scale = None if scale is None else scale.detach().clone()
     if scale is not None:
         learned.append(scale)
-    optimiser = geoopt.optim.RiemannianAdam(learned, lr=options.lr)
-    generator = torch.Generator().manual_seed(seed)
-    steps = max(1, round(options.epochs * len(inputs)))
-    order: list[int] = []
-    with torch.enable_grad():
-        for step in range(steps):
-            if not order:
-                order = torch.randperm(len(inputs), generator=generator).tolist()
-            b = order.pop()
-            optimiser.zero_grad()
-            loss = kl_to_target(targets[b], _student_logits(model, family, inputs, b, params, tied), masks[b])
-            (loss / max(inputs.sensitivity_counts[b], 1)).backward()
-            optimiser.step()
-            report("refinement: Riemannian Adam on the KL", step + 1, steps)
+    steps = _descend(student, targets, params, geoopt.optim.RiemannianAdam(learned, lr=options.lr), options, seed)
     refined = [p.detach() for p in params]
     with torch.no_grad():
-        after = objective(refined, targets, "refinement: KL after")
+        after = student.objective(refined, targets, "refinement: KL after")
     keep = after < before
     chosen = refined if keep else received
     if scale is not None and not keep:
@@ -349,3 +363,49 @@ def _refine(
         record,
         None if scale is None else scale.detach().to("cpu", torch.float64),
     )
+
+
+def _parameters(
+    ids: list[str],
+    bases: Mapping[str, torch.Tensor],
+    received: list[torch.Tensor],
+    tied: TiedHead | StockTiedHead | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each site's basis as a point on the Stiefel manifold, and the distinct ones to learn: a site
+    that shares the previous site's basis shares its parameter, and a tied head's last site the
+    embedding's."""
+    shared = set(shared_sites(ids, bases))
+    params: list[torch.Tensor] = []
+    for site, v in zip(ids, received):  # a site that shares the previous site's basis shares its parameter
+        params.append(params[-1] if site in shared else geoopt.ManifoldParameter(v.clone(), manifold=geoopt.Stiefel()))
+    if isinstance(tied, TiedHead):  # the last site keeps the embedding's basis
+        params[-1] = params[0]
+    learned: list[torch.Tensor] = list({id(p): p for p in params}.values())
+    return params, learned
+
+
+def _descend(
+    student: _Student,
+    targets: list[TeacherTarget],
+    params: list[torch.Tensor],
+    optimiser: torch.optim.Optimizer,
+    options: RefinementSpec,
+    seed: int,
+) -> int:
+    """Riemannian Adam on the KL, one batch a step in an order drawn from `seed`, every batch once
+    an epoch; returns the steps taken."""
+    inputs = student.inputs
+    generator = torch.Generator().manual_seed(seed)
+    steps = max(1, round(options.epochs * len(inputs)))
+    order: list[int] = []
+    with torch.enable_grad():
+        for step in range(steps):
+            if not order:
+                order = torch.randperm(len(inputs), generator=generator).tolist()
+            b = order.pop()
+            optimiser.zero_grad()
+            loss = student.kl(targets, b, params)
+            (loss / max(inputs.sensitivity_counts[b], 1)).backward()
+            optimiser.step()
+            student.report("refinement: Riemannian Adam on the KL", step + 1, steps)
+    return steps

@@ -13,7 +13,7 @@ import torch
 
 from compressor import faults
 from compressor.engine.calibration import LayerInputs
-from compressor.engine.fisher import estimate_fisher
+from compressor.engine.fisher import FisherCall, estimate_fisher
 from compressor.engine.pooling import (
     check_finite,
 )
@@ -35,22 +35,28 @@ class Sensitivity:
         return None if self.values is None else self.values[site].to(self.device, torch.float64)
 
 
-def estimate_sensitivity(
-    run: PruneCall,
-    inputs: LayerInputs,
-    given: Mapping[str, torch.Tensor] | None,
-    options: SensitivityOptions | None,
-    seed: int,
-    skipped: Any,
-    on_disk: bool = False,
-) -> Sensitivity:
+@dataclass(frozen=True)
+class SensitivitySource:
+    """Where the walk's H comes from when the checkpoint has none: as the caller gave it, else
+    computed with these options and seed; and whether it is then held or read from the checkpoint."""
+
+    given: Mapping[str, torch.Tensor] | None = None
+    """H of this model, data, options and seed, given (a sweep's earlier run): not estimated again."""
+    options: SensitivityOptions | None = None
+    """The H pass's options (None: the defaults)."""
+    seed: int = 0
+    on_disk: bool = False
+    """Once checkpointed, each site's H is read from there when asked, not held (a walk that writes
+    as it goes); a data-parallel rank above 0 reads it from rank 0's file once rank 0 has written it."""
+
+
+def estimate_sensitivity(run: PruneCall, inputs: LayerInputs, source: SensitivitySource, skipped: Any) -> Sensitivity:
     """ "estimating output sensitivity (H)": H from the checkpoint, else as the caller gave it,
-    else computed on the fused, unsliced model (and checkpointed). `on_disk`: once checkpointed,
-    each site's H is read from there when asked, not held (a walk that writes as it goes); a
-    data-parallel rank above 0 reads it from rank 0's file once rank 0 has written it."""
+    else computed on the fused, unsliced model (and checkpointed); `source` says how (`SensitivitySource`)."""
     model, family, device, checkpoint, report = run.model, run.family, run.device, run.checkpoint, run.report
+    given, options, seed = source.given, source.options, source.seed
     h = Sensitivity(device)
-    on_disk = on_disk and checkpoint is not None
+    on_disk = source.on_disk and checkpoint is not None
     if checkpoint is not None:
         h.values = checkpoint.fisher_on_disk() if on_disk else checkpoint.load_fisher()
     h.loaded = h.values is not None
@@ -69,9 +75,8 @@ def estimate_sensitivity(
                 faults.reached("fisher")
 
         tick = time.perf_counter()
-        h.values = estimate_fisher(
-            model, family, inputs, options or SensitivityOptions(), device, seed, h_progress, run.ranks, skipped
-        )
+        call = FisherCall(h_progress, run.ranks, skipped)
+        h.values = estimate_fisher(model, family, inputs, options or SensitivityOptions(), device, seed, call)
         h.seconds = time.perf_counter() - tick
         for name, value in h.values.items():
             check_finite("H", name, value)

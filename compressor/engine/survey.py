@@ -23,7 +23,7 @@ from compressor.engine.parallel import Ranks
 from compressor.engine.pooling import (
     GlobalPool,
 )
-from compressor.engine.sensitivity import Sensitivity, estimate_sensitivity
+from compressor.engine.sensitivity import Sensitivity, SensitivitySource, estimate_sensitivity
 from compressor.engine.site_walk import SiteWalk
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk_options import PruneCall, WalkOptions, WidthAllocator, check_model
@@ -106,7 +106,8 @@ def survey_losses(
     try:
         inputs = capture_layer_inputs(model, layout.family, ranks.share(batches), device, store)
         tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
-        h = estimate_sensitivity(run, inputs, options.fisher, options.sensitivity, options.seed, skipped)
+        source = SensitivitySource(options.fisher, options.sensitivity, options.seed)
+        h = estimate_sensitivity(run, inputs, source, skipped)
         assert h.values is not None
 
         def observe(site: str, moment: SecondMoment) -> None:

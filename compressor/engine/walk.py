@@ -39,7 +39,7 @@ from compressor.engine.pooling import (
     SiteChooser,
     required_statistics,
 )
-from compressor.engine.sensitivity import Sensitivity, estimate_sensitivity
+from compressor.engine.sensitivity import Sensitivity, SensitivitySource, estimate_sensitivity
 from compressor.engine.site_walk import SiteWalk
 from compressor.engine.survey import Survey, survey_key, survey_original
 from compressor.engine.transforms import fuse_norms
@@ -135,9 +135,8 @@ def prune(
         faults.reached("capture")
         h = Sensitivity(device)
         if "H" in needed and (len(saved) < len(ids) or widths is None):
-            h = estimate_sensitivity(
-                run, inputs, fisher, options.sensitivity, options.seed, skipped, on_disk=options.write_to is not None
-            )
+            source = SensitivitySource(fisher, options.sensitivity, options.seed, on_disk=options.write_to is not None)
+            h = estimate_sensitivity(run, inputs, source, skipped)
         survey = Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
         tied_choice = run.tie_head and EMBEDDING not in saved
         memo_key = survey_key(run, options.pooling, tokens_by_rank)

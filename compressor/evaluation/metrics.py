@@ -4,6 +4,7 @@ KL(p_original ‖ p_pruned) in nats, averaged over predicted tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,21 +90,29 @@ def kl_to_references(
     return tally.result(True)["pruned"]["kl"]
 
 
+@dataclass(frozen=True)
+class TaskOptions:
+    """The lm-eval suites `evaluate_models` runs on both models, and what they run with."""
+
+    tasks: list[LmEvalSpec] | None = None
+    """The suites (None or empty: none)."""
+    tokenizer: Any = None
+    seed: int = 0
+    baseline_tasks: dict[str, Any] | None = None
+    """The original's scores when they are known already (a sweep scores the dense model once)."""
+
+
 def evaluate_models(
     original: PreTrainedModel | None,
     pruned: PreTrainedModel,
     batches: list[Batch] | None,
     device: torch.device,
     progress: Callable[[str, int, int], None] | None = None,
-    *,
-    tasks: list[LmEvalSpec] | None = None,
-    tokenizer: Any = None,
-    seed: int = 0,
-    baseline_tasks: dict[str, Any] | None = None,
+    suites: TaskOptions = TaskOptions(),
 ) -> dict[str, Any]:
     """`compare` (unless `batches` is None: task scores only), then the lm-eval task suites on
-    both models (both already on `device`), under `metrics.<model>.tasks`. `baseline_tasks` gives
-    the original's scores when they are known already (a sweep scores the dense model once)."""
+    both models (both already on `device`), under `metrics.<model>.tasks` (`TaskOptions`)."""
+    tasks, tokenizer, seed, baseline_tasks = suites.tasks, suites.tokenizer, suites.seed, suites.baseline_tasks
     report = progress or (lambda *_: None)
     if batches is not None:
         metrics: dict[str, Any] = compare(

@@ -17,6 +17,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -390,28 +391,39 @@ def distillation_figure(curves: dict[str, list[dict[str, int | float]]], model: 
     return figure
 
 
+@dataclass(frozen=True)
+class SplitCounts:
+    """Each split candidate's counts beside its widths, one list per axis the split opened (None:
+    not an axis of this split): `split_figure` draws a line per combination."""
+
+    experts: list[int | None] | None = None
+    """Experts kept (None: every expert)."""
+    heads: list[int | None] | None = None
+    """Attention heads kept (None: every head)."""
+    blocks: list[int] | None = None
+    """Blocks removed."""
+
+
 def split_figure(
     candidates: list[tuple[int, int, int, float]],
     chosen: int,
     of: int,
     model: str = "",
-    experts: list[int | None] | None = None,
-    heads: list[int | None] | None = None,
-    blocks: list[int] | None = None,
+    counts: SplitCounts = SplitCounts(),
 ) -> Any:
     """A run's `split.png` (`mlp`, `experts`, `heads` without `kept`, `depth` without `removed`):
-    held-out KL of each split of one budget against the MLP neurons it keeps, a line per expert
-    count (`experts`, None: every expert), per head count (`heads`, None: every head) and per count
-    of removed blocks (`blocks`), each point labelled with its residual width; the chosen one
-    starred. `candidates`: (residual width, MLP neurons, parameters, KL)."""
+    held-out KL of each split of one budget against the MLP neurons it keeps, a line per count of
+    experts, heads and removed blocks (`SplitCounts`), each point labelled with its residual width;
+    the chosen one starred. `candidates`: (residual width, MLP neurons, parameters, KL)."""
+    experts, heads, blocks = counts.experts, counts.heads, counts.blocks
     figure, grid = _figure(1, 1, (7, 4.5))
     axes = grid[0][0]
     none: list[Any] = [None] * len(candidates)
-    counts = list(zip(experts or none, heads or none, blocks or none, strict=True))
+    combinations = list(zip(experts or none, heads or none, blocks or none, strict=True))
     kept = [mlp / of for _, mlp, _, _ in candidates]
     kls = [kl for *_, kl in candidates]
-    for count in dict.fromkeys(counts):  # in the order measured
-        rows = [i for i, c in enumerate(counts) if c == count]
+    for count in dict.fromkeys(combinations):  # in the order measured
+        rows = [i for i, c in enumerate(combinations) if c == count]
         parts = [] if experts is None else ["every expert" if count[0] is None else f"{count[0]} experts"]
         parts += [] if heads is None else ["every head" if count[1] is None else f"{count[1]} heads"]
         parts += [] if blocks is None else ["every block" if not count[2] else f"{count[2]} blocks removed"]

@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,8 +112,8 @@ REPORT_BATCH_SIZES, REPORT_REPEATS, REPORT_BUDGET_S = (1, 8), 5, 20.0
 
 
 def report_settings(models: list[PreTrainedModel]) -> dict[str, Any]:
-    """`measure_throughput`'s keywords for a run's or `compress eval`'s report: lengths that fit
-    the models, the batch sizes and the bounded repeats."""
+    """`ThroughputOptions`' fields, as `measure`'s and `compare_speed`'s keywords, for a run's or
+    `compress eval`'s report: lengths that fit the models, the batch sizes and the bounded repeats."""
     return {
         **fitting_lengths(models),
         "batch_sizes": REPORT_BATCH_SIZES,
@@ -129,20 +130,42 @@ def cost_note(settings: Mapping[str, Any]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class ThroughputOptions:
+    """How `measure_throughput` times a model: the lengths, the batch sizes, the runs and their
+    budget, and the random ids it feeds (`report_settings` gives a run's report's)."""
+
+    prompt_len: int = 128
+    """Prefill: batch × prompt_len tokens over the time of one forward on random ids."""
+    decode_tokens: int = 32
+    """Decode: batch × decode_tokens tokens over the time of decode_tokens single-token forwards
+    after that prefill (its cache untimed)."""
+    batch_sizes: Iterable[int] = (1, 8)
+    warmup: int = 1
+    """Runs not timed."""
+    repeats: int = 3
+    """Timed runs: rates come from their median."""
+    budget_s: float | None = None
+    """Bounds the timed rounds' seconds per batch size (at least one round; `_timings`)."""
+    vocab_size: int | None = None
+    """The random ids are drawn from [0, vocab_size) (the config's by default)."""
+    seed: int = 0
+    """Seeds the random ids."""
+
+
 def _timings(
     models: list[PreTrainedModel],
     device: torch.device,
     ids: torch.Tensor,
     new: torch.Tensor,
-    warmup: int,
-    repeats: int,
-    budget_s: float | None,
+    options: ThroughputOptions,
 ) -> list[tuple[list[float], list[float]]]:
     """(prefill seconds, decode seconds) of each run of each model. The models take turns run by
     run, so a load that comes and goes on a shared machine falls on all of them alike. With
     `budget_s`, a round (every model once) is not started once the rounds so far plus one more,
     at the last round's (or warm-up's) cost, would pass it: at least one timed round, at most
     `repeats` (a model whose one call takes seconds gets fewer repeats, not minutes)."""
+    warmup, repeats, budget_s = options.warmup, options.repeats, options.budget_s
 
     def sync() -> None:
         if device.type == "cuda":
@@ -250,23 +273,19 @@ def _check_lengths(
 
 
 def _throughput(
-    models: list[PreTrainedModel],
-    device: torch.device | str,
-    *,
-    prompt_len: int = 128,
-    decode_tokens: int = 32,
-    batch_sizes: Iterable[int] = (1, 8),
-    warmup: int = 1,
-    repeats: int = 3,
-    budget_s: float | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
+    models: list[PreTrainedModel], device: torch.device | str, options: ThroughputOptions
 ) -> list[dict[str, Any]]:
     """`measure_throughput` of several models on the same inputs, their runs interleaved."""
     device = torch.device(device)
+    prompt_len, decode_tokens, warmup, repeats = (
+        options.prompt_len,
+        options.decode_tokens,
+        options.warmup,
+        options.repeats,
+    )
     _check_lengths(models, prompt_len, decode_tokens, warmup, repeats)
-    vocab = vocab_size or min(model.config.vocab_size for model in models)
-    generator = torch.Generator().manual_seed(seed)
+    vocab = options.vocab_size or min(model.config.vocab_size for model in models)
+    generator = torch.Generator().manual_seed(options.seed)
     per_batch: list[dict[str, dict[str, Any]]] = [{} for _ in models]
     loads = [load_average()]
     modes = [model.training for model in models]
@@ -274,10 +293,10 @@ def _throughput(
         for model in models:
             model.eval()
         with torch.inference_mode():
-            for batch in batch_sizes:
+            for batch in options.batch_sizes:
                 ids = torch.randint(vocab, (batch, prompt_len), generator=generator).to(device)
                 new = torch.randint(vocab, (batch, decode_tokens), generator=generator).to(device)
-                timed = _timings(models, device, ids, new, warmup, repeats, budget_s)
+                timed = _timings(models, device, ids, new, options)
                 for into, (prefill_s, decode_s) in zip(per_batch, timed):
                     into[str(batch)] = {
                         **_rates("prefill", batch * prompt_len, prefill_s),
@@ -297,7 +316,7 @@ def _throughput(
         "decode_tokens": decode_tokens,
         "warmup": warmup,
         "repeats": repeats,
-        "budget_s": budget_s,
+        "budget_s": options.budget_s,
     }
     return [
         {**settings, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "batch": batch}
@@ -306,47 +325,22 @@ def _throughput(
 
 
 def measure_throughput(
-    model: PreTrainedModel,
-    device: torch.device | str,
-    *,
-    prompt_len: int = 128,
-    decode_tokens: int = 32,
-    batch_sizes: Iterable[int] = (1, 8),
-    warmup: int = 1,
-    repeats: int = 3,
-    budget_s: float | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
+    model: PreTrainedModel, device: torch.device | str, options: ThroughputOptions = ThroughputOptions()
 ) -> dict[str, Any]:
-    """Prefill and decode tokens per second of `model` (already on `device`) at each batch size.
+    """Prefill and decode tokens per second of `model` (already on `device`) at each batch size,
+    timed as `options` say (`ThroughputOptions`).
 
-    Prefill: batch × prompt_len tokens over the time of one forward on random ids (drawn from
-    [0, vocab_size), the config's by default, with `seed`). Decode: batch × decode_tokens
-    tokens over the time of decode_tokens single-token forwards after that prefill (its cache
-    untimed). `warmup` runs are not timed; rates come from the median of `repeats` timed runs
-    (all kept, in `*_runs_s`; the slowest and fastest run's rates in `*_tok_s_min` and
-    `*_tok_s_max`, and the range of the times over their median in `*_spread`); `budget_s` bounds
-    the timed rounds' seconds per batch size (at least one round; `_timings`). On CUDA the
-    device is synchronised around each timing. The model runs in eval mode and is given back in
-    the mode it came in.
+    Rates come from the median of the timed runs (all kept, in `*_runs_s`; the slowest and fastest
+    run's rates in `*_tok_s_min` and `*_tok_s_max`, and the range of the times over their median in
+    `*_spread`). On CUDA the device is synchronised around each timing. The model runs in eval mode
+    and is given back in the mode it came in.
     """
-    return _throughput(
-        [model],
-        device,
-        prompt_len=prompt_len,
-        decode_tokens=decode_tokens,
-        batch_sizes=batch_sizes,
-        warmup=warmup,
-        repeats=repeats,
-        budget_s=budget_s,
-        vocab_size=vocab_size,
-        seed=seed,
-    )[0]
+    return _throughput([model], device, options)[0]
 
 
 def measure(model: PreTrainedModel, device: torch.device | str, **options: Any) -> dict[str, Any]:
-    """`model_size` and, under `throughput`, `measure_throughput` (`options` are its keywords)."""
-    return {**model_size(model), "throughput": measure_throughput(model, device, **options)}
+    """`model_size` and, under `throughput`, `measure_throughput` (`options`: `ThroughputOptions`' fields)."""
+    return {**model_size(model), "throughput": measure_throughput(model, device, ThroughputOptions(**options))}
 
 
 def measure_side_by_side(
@@ -354,7 +348,7 @@ def measure_side_by_side(
 ) -> dict[str, dict[str, Any]]:
     """Every model measured as `measure` does, on the same inputs, their runs taken in turn (so a
     load that comes and goes falls on all of them alike)."""
-    speeds = _throughput(list(models.values()), device, **options)
+    speeds = _throughput(list(models.values()), device, ThroughputOptions(**options))
     return {name: {**model_size(model), "throughput": speed} for (name, model), speed in zip(models.items(), speeds)}
 
 
@@ -379,7 +373,7 @@ def compare_speed(
     device: torch.device | str,
     **options: Any,
 ) -> dict[str, Any]:
-    """Both models measured as `measure` does (`options` are `measure_throughput`'s keywords), on
+    """Both models measured as `measure` does (`options`: `ThroughputOptions`' fields), on
     the same inputs, their runs taken in turn; `ratio` is pruned / baseline for the sizes,
     `speedup` pruned / baseline tokens per second per batch size (above 1: pruned is faster)."""
     sides = measure_side_by_side({"baseline": baseline, "pruned": pruned}, device, **options)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,16 +55,28 @@ def layer_inputs(model: Any, family: Any, batch: int, seq_len: int, dtype: torch
     )
 
 
-def prepared(config: Any, family: Any, dtype: torch.dtype, attention: str, batch: int, seq_len: int, depth: int) -> Any:
+@dataclass(frozen=True)
+class FakeBatch:
+    """The calibration batch a fake layer is measured on, and the dtype and attention it runs in:
+    what every peak of one plan shares."""
+
+    dtype: torch.dtype
+    batch: int
+    seq_len: int
+    attention: str = "sdpa"
+    """The model's attention implementation."""
+
+
+def prepared(config: Any, family: Any, shape: FakeBatch, depth: int) -> Any:
     """A fused fake model of `depth` layers and one calibration batch for it (inside FakeTensorMode)."""
     from compressor.engine.transforms import fuse_norms
 
-    model = small_model(config, dtype, attention, depth)
+    model = small_model(config, shape.dtype, shape.attention, depth)
     fuse_norms(model, family)
-    return model, layer_inputs(model, family, batch, seq_len, dtype, depth)
+    return model, layer_inputs(model, family, shape.batch, shape.seq_len, shape.dtype, depth)
 
 
-def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, kept: int, attention: str) -> int:
+def walk_peak(config: Any, family: Any, shape: FakeBatch, kept: int) -> int:
     """Device peak (bytes) of the walk through one layer: its weights, each site opened, one batch
     run and its C, the sensitivity strategy's τ candidates and losses, the site closed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -76,7 +89,7 @@ def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len:
 
     cpu, d = torch.device("cpu"), config.hidden_size
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, inputs = prepared(config, family, dtype, attention, batch, seq_len, 1)
+        model, inputs = prepared(config, family, shape, 1)
         layer = model.get_submodule(family.layers)[0]
         tracker = LiveBytes()
         with tracker:
@@ -100,9 +113,7 @@ def walk_peak(config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len:
     return tracker.peak["cpu"]
 
 
-def fisher_peak(
-    config: Any, family: Any, dtype: torch.dtype, batch: int, seq_len: int, attention: str, recompute: bool, depth: int
-) -> int:
+def fisher_peak(config: Any, family: Any, shape: FakeBatch, recompute: bool, depth: int) -> int:
     """Device peak (bytes) of the H pass over a `depth`-layer model, one batch per chunk: the
     layers on the device (one when recomputing, else all with their graphs) and the head."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -112,13 +123,13 @@ def fisher_peak(
     from compressor.recipe.sections.sensitivity import SensitivityOptions
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, inputs = prepared(config, family, dtype, attention, batch, seq_len, depth)
+        model, inputs = prepared(config, family, shape, depth)
         layers = model.get_submodule(family.layers)
         tracker = LiveBytes()
         with tracker:
             heads = (p for part in family.head_modules(model) for p in part.parameters())
             tracker.adopt(*(layers[0] if recompute else layers).parameters(), *heads)
-            options = SensitivityOptions(chunk=batch, recompute=recompute)
+            options = SensitivityOptions(chunk=shape.batch, recompute=recompute)
             estimate_fisher(model, family, inputs, options, torch.device("cpu"))
     return tracker.peak["cpu"]
 
@@ -127,20 +138,12 @@ _MEASURED: dict[tuple[Any, ...], dict[str, int]] = {}
 """Each shape's measured peaks, once per process."""
 
 
-def measure_device(
-    config: Any,
-    family: Any,
-    dtype: torch.dtype,
-    batch: int,
-    seq_len: int,
-    kept: int,
-    attention: str = "sdpa",
-    recompute: bool = True,
-) -> dict[str, int]:
+def measure_device(config: Any, family: Any, shape: FakeBatch, kept: int, recompute: bool = True) -> dict[str, int]:
     """Device peaks (bytes) of the walk and the H pass, and one layer's weights. Without
     `recompute` the H pass keeps every layer's graph: measured at one and two layers and
     extrapolated to the model's depth (linear: every layer has the same shapes). Remembered per
     config and settings: a sweep's runs, or a test suite's, measure once."""
+    dtype, batch, seq_len, attention = shape.dtype, shape.batch, shape.seq_len, shape.attention
     key = (config.to_json_string(), family.name, str(dtype), batch, seq_len, kept, attention, recompute)
     too_large = UserError(
         f"calibration.batch_size × seq_len ({batch:,} × {seq_len:,} tokens) at this model's widths is more "
@@ -152,11 +155,11 @@ def measure_device(
         raise too_large
     if key not in _MEASURED:
         try:
-            fisher = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 1)
+            fisher = fisher_peak(config, family, shape, recompute, 1)
             if not recompute:
-                deeper = fisher_peak(config, family, dtype, batch, seq_len, attention, recompute, 2)
+                deeper = fisher_peak(config, family, shape, recompute, 2)
                 fisher += (config.num_hidden_layers - 1) * (deeper - fisher)
-            walk = walk_peak(config, family, dtype, batch, seq_len, kept, attention)
+            walk = walk_peak(config, family, shape, kept)
         except RuntimeError as error:  # a shape the bound above let through, still too large to allocate
             if "overflow" not in str(error):
                 raise

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from compressor.errors import UserError
-from compressor.plan.fake_layer import measure_device
+from compressor.plan.fake_layer import FakeBatch, measure_device
 from compressor.recipe.schema import Recipe
 from compressor.stages.costs import GiB, Phase, size
 
@@ -224,6 +224,49 @@ def process_rss() -> int:
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """The model's and the calibration's sizes under a plan's settings, before any memory is counted:
+    the part of `Footprint` that depends on the config and layout alone."""
+
+    item: int
+    d: int
+    layers: int
+    vocab: int
+    f: int
+    batch: int
+    seq_len: int
+    params: int
+    pruned: int
+    positions: int
+    kept: int
+
+    @classmethod
+    def of(cls, settings: PlanSettings, layout: Any) -> _Shape:
+        config, family = layout.config, layout.family
+        item = getattr(torch, settings.dtype).itemsize
+        d, layers = config.hidden_size, config.num_hidden_layers
+        head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+        samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
+        return cls(
+            item=item,
+            d=d,
+            layers=layers,
+            vocab=config.vocab_size,
+            f=getattr(config, family.mlp_width) if family.mlp_width is not None else 0,
+            batch=batch,
+            seq_len=seq_len,
+            params=layout.params.original,
+            pruned=layout.params.count(layout.widths) if layout.widths is not None else layout.budget,
+            positions=(samples // batch + 1) * 2 * batch * seq_len * head_dim * item,
+            kept=layout.kept if layout.kept is not None else d,
+        )
+
+    def fields(self) -> dict[str, int]:
+        """What `Footprint` holds of these (all but `kept`)."""
+        return {name: value for name, value in dataclasses.asdict(self).items() if name != "kept"}
+
+
+@dataclass(frozen=True)
 class Footprint:
     """What every stage's memory estimate reads: the model's shape and sizes under the plan's
     settings, the activation store, the walk's and H pass's device peaks measured on one fake
@@ -268,28 +311,18 @@ class Footprint:
     def of(
         cls, settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0, recipe: Any = None
     ) -> Footprint:
-        config, family = layout.config, layout.family
-        dtype = getattr(torch, settings.dtype)
-        item = dtype.itemsize
-        d, layers = config.hidden_size, config.num_hidden_layers
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or d // heads
-        f = getattr(config, family.mlp_width) if family.mlp_width is not None else 0
-        samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
-        kept = layout.kept if layout.kept is not None else d
-        params = layout.params.original
-        pruned = layout.params.count(layout.widths) if layout.widths is not None else layout.budget
-        weights = params * item
-        stream = samples * seq_len * d * item
+        config, family, shape = layout.config, layout.family, _Shape.of(settings, layout)
+        item, d, layers, kept = shape.item, shape.d, shape.layers, shape.kept
+        batch, seq_len = shape.batch, shape.seq_len
+        weights = shape.params * item
+        stream = settings.samples * seq_len * d * item
         store = 0 if settings.activations == "disk" else stream
-        positions = (samples // batch + 1) * 2 * batch * seq_len * head_dim * item
         sites = 2 * layers + 1
         h_item = 8 if settings.h_dtype == "float64" else 4
         recompute = settings.recompute if settings.recompute is not None else accelerator
         chunk = settings.chunk if recompute else batch  # without recomputation H goes one batch at a time
-        measured = measure_device(
-            config, family, dtype, batch, seq_len, kept, settings.attn_implementation, recompute if needs_h else True
-        )
+        fake = FakeBatch(getattr(torch, settings.dtype), batch, seq_len, settings.attn_implementation)
+        measured = measure_device(config, family, fake, kept, recompute if needs_h else True)
         disk = "activations: disk" if settings.activations == "host" else "fewer calibration.num_samples"
         streaming = settings.load == "stream"
         if not streaming:
@@ -300,34 +333,25 @@ class Footprint:
         totals = sites * d * d * h_item if needs_h else 0
         bases = sites * d * kept * 8
         writes = streaming and settings.writes
-        walked = min(weights, resident + pruned * item) if streaming else weights
+        walked = min(weights, resident + shape.pruned * item) if streaming else weights
         # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
         # the host first on an accelerator), one site's H and two bases; the rest is on disk
         read = measured["layer"] if accelerator else 0
         walk_host = (
-            resident + read + store + positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
+            resident + read + store + shape.positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
             if writes
-            else walked + store + positions + totals + bases
+            else walked + store + shape.positions + totals + bases
         )
         return cls(
+            **shape.fields(),
             settings=settings,
             layout=layout,
             needs_h=needs_h,
             accelerator=accelerator,
             base=base,
-            item=item,
-            d=d,
-            layers=layers,
-            vocab=config.vocab_size,
-            f=f,
-            batch=batch,
-            seq_len=seq_len,
-            params=params,
-            pruned=pruned,
             weights=weights,
-            pruned_weights=pruned * item,
+            pruned_weights=shape.pruned * item,
             store=store,
-            positions=positions,
             h_item=h_item,
             totals=totals,
             chunk=chunk,
@@ -354,18 +378,26 @@ class Footprint:
         return Phase(name, self.base + total, None, fix)
 
 
+@dataclass(frozen=True)
+class PlanContext:
+    """What a run's plan knows beyond a benchmark's settings: the process it runs in, its stages
+    and its recipe."""
+
+    base: int = 0
+    """The process as it stands, before any weight is loaded: every host figure is on top of it."""
+    stages: Any = None
+    """The plan's stages, a plugin's among them (None: the built-in stages)."""
+    recipe: Any = None
+    """The recipe the plan is of: only the stages it asks for count, and a plugin stage reads its
+    options (None: a benchmark's settings say it for the built-ins)."""
+
+
 def memory_plan(
-    settings: PlanSettings,
-    layout: Any,
-    needs_h: bool,
-    accelerator: bool,
-    base: int = 0,
-    stages: Any = None,
-    recipe: Any = None,
+    settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, context: PlanContext = PlanContext()
 ) -> MemoryPlan:
-    """The plan of `settings` on `layout` (a `SlicedLayout`): the sum of its stages' phases (the
-    built-in stages, or a plan's `stages` with a plugin's), each host figure on top of `base` (the
-    process as it stands, before any weight is loaded)."""
+    """The plan of `settings` on `layout` (a `SlicedLayout`): the sum of its stages' phases, each host
+    figure on top of the process's (`PlanContext`)."""
+    base, stages, recipe = context.base, context.stages, context.recipe
     if stages is None:
         from compressor.stages.order import BUILTIN_STAGES as stages
     footprint = Footprint.of(settings, layout, needs_h, accelerator, base, recipe)
@@ -406,9 +438,8 @@ def run_memory_plan(recipe: Recipe, checked: Any, device: torch.device, save_mod
         else 0,
         writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
     )
-    return memory_plan(
-        settings, checked.layout, "H" in needed, device.type != "cpu", process_rss(), checked.stages, recipe
-    )
+    context = PlanContext(process_rss(), checked.stages, recipe)
+    return memory_plan(settings, checked.layout, "H" in needed, device.type != "cpu", context)
 
 
 def resolved_load(

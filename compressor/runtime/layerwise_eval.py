@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,24 +117,34 @@ def execution_device(model: PreTrainedModel) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where accelerate may put a placed model beside the GPUs and host memory (`placement_options`)."""
+
+    offload: Path
+    """The folder its offloaded weights are written to, removed when it is done."""
+    device: torch.device
+    """The run's device: a run on the CPU keeps its models off any GPU."""
+
+
 def placed_task_scores(
     spec: ModelSpec,
     evaluation: EvaluationSpec,
     tokenizer: Any,
     seed: int,
-    offload: Path,
-    device: torch.device,
+    placement: Placement,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, int]]:
-    """lm-eval scores of the model `spec` names, placed by accelerate, and where its weights went
-    (`placed_bytes`); its offloaded weights are removed when it is done."""
+    """lm-eval scores of the model `spec` names, placed by accelerate (`Placement`), and where its
+    weights went (`placed_bytes`); its offloaded weights are removed when it is done."""
     assert evaluation.lm_eval
-    model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload, device))
+    offload = placement.offload
+    model = load_model(replaced(spec, load="memory"), placement_options(evaluation, offload, placement.device))
     try:
-        placement = placed_bytes(model)
+        placed = placed_bytes(model)
         scores = task_scores(model, tokenizer, evaluation.lm_eval, execution_device(model), seed, progress)
     finally:
         del model
         gc.collect()
         shutil.rmtree(offload, ignore_errors=True)
-    return scores, placement
+    return scores, placed

@@ -9,6 +9,7 @@ checkpointed, so a resumed run removes the same blocks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -189,10 +190,11 @@ def choose_blocks(state: RunState, counts: list[int]) -> DepthReport:
         for count in counts
     ]
     total = measurements(problems[-1]) if "measure" in selector.requires else len(counts)
+    removals = Removals(original, windows, measured, total, reference) if original is not None else None
 
     def measure(blocks: Sequence[int]) -> float:
-        assert original is not None
-        return measured_kl(state, original, windows, measured, total, blocks, reference)
+        assert removals is not None
+        return measured_kl(state, removals, blocks)
 
     chosen: list[DepthCandidate] = []
     try:
@@ -221,20 +223,28 @@ def choose_blocks(state: RunState, counts: list[int]) -> DepthReport:
     return report.model_copy(update={"heldout_kl": chosen[0].heldout_kl, "objectives": chosen[0].objectives})
 
 
-def measured_kl(
-    state: RunState,
-    original: PreTrainedModel,
-    windows: list[Batch],
-    measured: dict[tuple[int, ...], float],
-    total: int,
-    blocks: Sequence[int],
-    reference: list[torch.Tensor | None],
-) -> float:
-    """KL(original ‖ original without `blocks`) on `windows`, recorded in `measured` (`total`: the
-    progress bar's length)."""
+@dataclass(frozen=True)
+class Removals:
+    """What the depth stage's measurements of removed blocks share: the original and its held-out
+    windows, every KL measured so far, and the original's own log-probabilities (filled once)."""
+
+    original: PreTrainedModel
+    """Measured in place, hooks only."""
+    windows: list[Batch]
+    measured: dict[tuple[int, ...], float]
+    """The KL of each set of removed blocks measured so far (sorted block indices)."""
+    total: int
+    """The progress bar's length."""
+    reference: list[torch.Tensor | None]
+    """The original's log-probabilities on each window, on the host (None until first needed)."""
+
+
+def measured_kl(state: RunState, removals: Removals, blocks: Sequence[int]) -> float:
+    """KL(original ‖ original without `blocks`) on the windows, recorded in `removals.measured`."""
+    original, windows, measured, reference = removals.original, removals.windows, removals.measured, removals.reference
     key = tuple(sorted({int(i) for i in blocks}))
     if key not in measured:
-        state.progress("depth: measuring removals", len(measured), total)
+        state.progress("depth: measuring removals", len(measured), removals.total)
         for index, batch in enumerate(windows):
             if reference[index] is None:  # the original's own, once
                 reference[index] = model_log_probs(original, batch, state.device).cpu()

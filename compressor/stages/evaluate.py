@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compressor.evaluation.metrics import compare, evaluate_models
+from compressor.evaluation.metrics import TaskOptions, compare, evaluate_models
 from compressor.evaluation.throughput import compare_speed, cost_note, report_settings
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.evaluation import EvaluationSpec, LmEvalSpec
 from compressor.recipe.sections.model import ModelSpec
-from compressor.runtime.layerwise_eval import evaluates_layer_by_layer, layerwise_compare, placed_task_scores
+from compressor.runtime.layerwise_eval import Placement, evaluates_layer_by_layer, layerwise_compare, placed_task_scores
 from compressor.runtime.resume import baseline_tasks_key
 from compressor.runtime.staging import SCRATCH_FOLDER
 from compressor.stages.base import RunState
@@ -173,10 +173,7 @@ def evaluate_whole(state: RunState, suites: list[LmEvalSpec] | None) -> None:
         evaluation,
         device,
         state.progress,
-        tasks=suites,
-        tokenizer=state.tokenizer,
-        seed=recipe.seed,
-        baseline_tasks=resources.baseline_tasks(tasks_key),
+        TaskOptions(suites, state.tokenizer, recipe.seed, resources.baseline_tasks(tasks_key)),
     )
     if suites:
         resources.keep_baseline_tasks(tasks_key, metrics["baseline"]["tasks"])
@@ -211,8 +208,7 @@ def placed_tasks(state: RunState) -> None:
             spec,
             state.tokenizer,
             recipe.seed,
-            offload,
-            state.device,
+            Placement(offload, state.device),
             lambda phase, done, total: state.progress(f"lm-eval, {which} model (placed): {phase}", done, total),
         )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from compressor.engine.bases import apply_bases
-from compressor.engine.refine import refine_bases
+from compressor.engine.refine import RefinementRun, refine_bases
 from compressor.errors import UserError
 from compressor.models.stock import fitted_tied_scale
 from compressor.recipe.schema import Recipe
@@ -77,11 +77,7 @@ class Refine(Stage):
             state.calibration,
             state.bases,
             recipe.refinement,
-            state.device,
-            recipe.seed,
-            state.progress,
-            state.keep_tied,
-            received_scale,
+            RefinementRun(state.device, recipe.seed, state.progress, state.keep_tied, received_scale),
         )
         state.refinement = refined.record
         if refined.record.kept != "refined":

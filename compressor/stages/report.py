@@ -12,7 +12,7 @@ import yaml
 import compressor
 from compressor.engine.fisher import autocast_dtype
 from compressor.evaluation.metrics import parameter_count
-from compressor.evaluation.plots import distillation_figure, split_figure
+from compressor.evaluation.plots import SplitCounts, distillation_figure, split_figure
 from compressor.evaluation.throughput import model_size
 from compressor.recipe.schema import Recipe
 from compressor.reports.report import write_markdown
@@ -156,9 +156,8 @@ def write_split_figure(split: SplitRecord, report: RunReport, path: Path) -> Non
     by_heads = heads if any(count is not None for count in (c.heads for c in candidates)) else None
     blocks = [len(candidates[i].removed_blocks or []) for i in measured]
     by_blocks = blocks if len({len(c.removed_blocks or []) for c in candidates}) > 1 else None
-    split_figure(points, chosen, of, model, counts if report.experts else None, by_heads, by_blocks).savefig(
-        path, dpi=120, bbox_inches="tight"
-    )
+    by_counts = SplitCounts(counts if report.experts else None, by_heads, by_blocks)
+    split_figure(points, chosen, of, model, by_counts).savefig(path, dpi=120, bbox_inches="tight")
 
 
 def _active_params(state: RunState) -> Params | None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from compressor.engine.bases import load_bases
 from compressor.engine.calibration import capture_layer_inputs
-from compressor.engine.fisher import estimate_fisher
+from compressor.engine.fisher import FisherCall, estimate_fisher
 from compressor.engine.parallel import Ranks
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.transforms import fuse_norms
@@ -120,7 +120,9 @@ def test_each_rank_gets_the_labels_a_single_process_draws_for_its_batches() -> N
         mine = Ranks(rank, 2).mine(len(batches))
         skipped = Ranks(rank, 2).skipped_rows([batch.input_ids.numel() for batch in batches])
         local = capture_layer_inputs(model, family, [batches[i] for i in mine], torch.device("cpu"))
-        parts.append(estimate_fisher(model, family, local, options, torch.device("cpu"), seed=3, skipped=skipped))
+        parts.append(
+            estimate_fisher(model, family, local, options, torch.device("cpu"), 3, FisherCall(skipped=skipped))
+        )
         counts.append(sum(local.sensitivity_counts))
     for site, H in whole.items():
         combined = (parts[0][site] * counts[0] + parts[1][site] * counts[1]) / sum(counts)

@@ -15,7 +15,15 @@ from compressor.cli import main
 from compressor.engine.bases import apply_bases, load_bases
 from compressor.engine.calibration import capture_layer_inputs
 from compressor.engine.pooling import PipelineStep
-from compressor.engine.refine import TiedHead, _student_logits, kl_to_target, rebatch, refine_bases, teacher_target
+from compressor.engine.refine import (
+    RefinementRun,
+    TiedHead,
+    _student_logits,
+    kl_to_target,
+    rebatch,
+    refine_bases,
+    teacher_target,
+)
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk import prune
 from compressor.models.families import family_for
@@ -254,7 +262,12 @@ def test_refinement_optimises_the_stock_tied_head_that_is_saved(name: str) -> No
     scale = fitted_tied_scale(result.model, family, head_stream(result.head_moment, result.bases["embedding"]))
     options = RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0)
     refined = refine_bases(
-        copy_model(original), family, batches, result.bases, options, keep_tied=False, stock_tied_scale=scale
+        copy_model(original),
+        family,
+        batches,
+        result.bases,
+        options,
+        RefinementRun(keep_tied=False, stock_tied_scale=scale),
     )
     assert refined.record.kept == "refined" and refined.head_scale is not None
     assert not torch.equal(refined.head_scale, scale)  # D moved with the basis

@@ -201,7 +201,7 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
     """A data-parallel rank above 0 (its checkpoint not writable) reads each site's H from rank 0's
     file, as rank 0 does, instead of holding every site's H."""
     from compressor.engine.parallel import Ranks
-    from compressor.engine.sensitivity import estimate_sensitivity
+    from compressor.engine.sensitivity import SensitivitySource, estimate_sensitivity
     from compressor.engine.walk_options import PruneCall
 
     folder = tmp_path / "checkpoint"
@@ -220,7 +220,7 @@ def test_a_reading_rank_keeps_h_on_disk_once_the_writing_rank_saved_it(tmp_path:
             tie_head=False,
             correct_readers=False,
         )
-        return estimate_sensitivity(run, None, None, None, 0, None, on_disk=on_disk)
+        return estimate_sensitivity(run, None, SensitivitySource(on_disk=on_disk), None)
 
     kept, held = sensitivity(True), sensitivity(False)
     assert isinstance(kept.values, OnDisk) and not isinstance(held.values, OnDisk)

@@ -15,7 +15,14 @@ from transformers import PreTrainedModel
 
 from compressor.engine.pooling import PipelineStep
 from compressor.engine.walk import prune
-from compressor.evaluation.throughput import compare_speed, decode, measure_throughput, model_size, prefill
+from compressor.evaluation.throughput import (
+    ThroughputOptions,
+    compare_speed,
+    decode,
+    measure_throughput,
+    model_size,
+    prefill,
+)
 from compressor.models.families import family_for
 from compressor.models.layout import fixed_layout, kept_width
 from compressor_plugins.pca import PCA
@@ -109,7 +116,7 @@ def test_throughput_gives_positive_finite_rates_per_batch_size(
     monkeypatch.setattr("compressor.evaluation.throughput.load_average", lambda: 3.5)
     dense, pruned, _ = llama
     model = dense if which == "dense" else pruned
-    result = measure_throughput(model, "cpu", **FAST)
+    result = measure_throughput(model, "cpu", ThroughputOptions(**FAST))
     assert {key: result[key] for key in ("device", "dtype", "prompt_len", "decode_tokens", "warmup", "repeats")} == {
         "device": "cpu",
         "dtype": "float32",
@@ -144,7 +151,7 @@ def test_measuring_runs_in_eval_mode_and_restores_the_mode(llama) -> None:
     handle = pruned.register_forward_pre_hook(lambda module, _: seen.append(module.training))
     try:
         pruned.train()
-        measure_throughput(pruned, "cpu", **{**FAST, "batch_sizes": (1,), "repeats": 1})
+        measure_throughput(pruned, "cpu", ThroughputOptions(**{**FAST, "batch_sizes": (1,), "repeats": 1}))
         assert seen and not any(seen)
         assert pruned.training
     finally:
@@ -188,7 +195,7 @@ def test_comparison_reports_ratios_and_speedups(llama) -> None:
 def test_a_run_longer_than_the_model_allows_is_refused(llama) -> None:
     dense, _, _ = llama  # max_position_embeddings=128
     with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
-        measure_throughput(dense, "cpu", prompt_len=120, decode_tokens=16, batch_sizes=(1,))
+        measure_throughput(dense, "cpu", ThroughputOptions(prompt_len=120, decode_tokens=16, batch_sizes=(1,)))
 
 
 def test_a_run_reports_size_and_speed_of_both_models(tiny_checkpoint, tmp_path) -> None:
@@ -214,8 +221,8 @@ def test_a_run_reports_size_and_speed_of_both_models(tiny_checkpoint, tmp_path) 
 def test_a_time_budget_bounds_the_timed_rounds(llama) -> None:
     """A budget smaller than one round still times one round; without one, every repeat runs."""
     _, pruned, _ = llama
-    bounded = measure_throughput(pruned, "cpu", **{**FAST, "repeats": 4, "budget_s": 1e-9})
-    unbounded = measure_throughput(pruned, "cpu", **{**FAST, "repeats": 4})
+    bounded = measure_throughput(pruned, "cpu", ThroughputOptions(**{**FAST, "repeats": 4, "budget_s": 1e-9}))
+    unbounded = measure_throughput(pruned, "cpu", ThroughputOptions(**{**FAST, "repeats": 4}))
     assert bounded["budget_s"] == 1e-9 and unbounded["budget_s"] is None
     assert {len(numbers["decode_runs_s"]) for numbers in bounded["batch"].values()} == {1}
     assert {len(numbers["decode_runs_s"]) for numbers in unbounded["batch"].values()} == {4}

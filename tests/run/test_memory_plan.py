@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from compressor.cli import main
 from compressor.models.families import family_for
 from compressor.models.layout import sliced_layout
-from compressor.plan.fake_layer import fisher_peak
+from compressor.plan.fake_layer import FakeBatch, fisher_peak
 from compressor.plan.memory import Machine, MemoryPlan, PlanSettings, memory_plan
 from compressor.stages.costs import GiB, Phase
 from tests.conftest import COMMON, FAMILY_CONFIGS, tiny_model
@@ -55,10 +55,11 @@ def test_the_h_pass_without_recomputation_grows_linearly_with_depth() -> None:
     layers gives the same bytes."""
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
     family = family_for("llama")
-    peaks = [fisher_peak(config, family, torch.float32, 2, 16, "sdpa", False, depth) for depth in (1, 2, 4)]
+    shape = FakeBatch(torch.float32, 2, 16, "sdpa")
+    peaks = [fisher_peak(config, family, shape, False, depth) for depth in (1, 2, 4)]
     assert peaks[1] > peaks[0]
     assert peaks[2] == peaks[0] + 3 * (peaks[1] - peaks[0])
-    assert fisher_peak(config, family, torch.float32, 2, 16, "sdpa", True, 4) < peaks[2]  # one layer at a time
+    assert fisher_peak(config, family, shape, True, 4) < peaks[2]  # one layer at a time
 
 
 def test_the_refusal_names_the_phase_that_does_not_fit_and_what_to_change() -> None:
@@ -281,7 +282,7 @@ def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_t
         (sliced_layout(config, family, [family], sparsity=0.25, layout="global"), 2 * d * d * 8),
     ):
         walk = _phases(memory_plan(settings, layout, True, True))["walk"]
-        measured = measure_device(config, family, torch.float32, 4, 32, layout.kept, "sdpa", True)
+        measured = measure_device(config, family, FakeBatch(torch.float32, 4, 32, "sdpa"), layout.kept, True)
         assert walk.device == measured["walk"] + extra
 
 

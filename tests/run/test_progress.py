@@ -137,7 +137,7 @@ def test_the_engine_routes_a_strategy_s_progress_to_the_run_s_bar() -> None:
 
 
 def test_refinement_reports_every_step() -> None:
-    from compressor.engine.refine import refine_bases
+    from compressor.engine.refine import RefinementRun, refine_bases
     from compressor.recipe.sections.refinement import RefinementSpec
     from tests.conftest import copy_model, random_batches, tiny_model
     from tests.engine.test_refine import _pca_bases
@@ -151,7 +151,7 @@ def test_refinement_reports_every_step() -> None:
         batches,
         result.bases,
         RefinementSpec(epochs=3, lr=0.05, batch_size=2, top_k=0),
-        progress=lambda phase, done, total: seen.append((phase, done, total)),
+        RefinementRun(progress=lambda phase, done, total: seen.append((phase, done, total))),
     )
     steps = [(done, total) for phase, done, total in seen if phase == "refinement: Riemannian Adam on the KL"]
     assert record.steps == 12
@@ -199,7 +199,7 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
     """Through `evaluate_models`, as a run calls it: each model's requests, under its name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compressor.evaluation.metrics import evaluate_models
+    from compressor.evaluation.metrics import TaskOptions, evaluate_models
     from compressor.recipe.sections.evaluation import LmEvalSpec
     from tests.evaluation.test_lm_eval import RECORDS, _write_task
 
@@ -213,8 +213,7 @@ def test_a_run_s_lm_eval_phases_name_the_model(tiny_checkpoint: Path, tmp_path: 
         None,
         torch.device("cpu"),
         lambda *call: seen.append(call),
-        tasks=[LmEvalSpec(tasks=[str(path)], batch_size=4)],
-        tokenizer=tokenizer,
+        TaskOptions([LmEvalSpec(tasks=[str(path)], batch_size=4)], tokenizer),
     )
     for side in ("original", "pruned"):
         assert (

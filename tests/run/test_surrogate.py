@@ -13,6 +13,8 @@ import torch
 from compressor.commands.surrogate import (
     JSON_FILE,
     PLOT_FILE,
+    Measuring,
+    SurrogateOptions,
     SurrogateResult,
     check_recipe,
     probe_directions,
@@ -51,11 +53,7 @@ def test_prediction_is_the_second_order_kl_where_the_local_model_is_exact(site: 
         calibration,
         evaluation,
         site,
-        directions=8,
-        eigenvectors=0,
-        energy=1e-8,
-        seed=3,
-        sensitivity=FLOAT64,
+        SurrogateOptions(directions=8, eigenvectors=0, energy=1e-8, measuring=Measuring(seed=3, sensitivity=FLOAT64)),
     )
     assert [r["kind"] for r in result.rows] == ["random"] * 8
     assert all(r["alpha"] < 0.1 for r in result.rows)
@@ -74,11 +72,7 @@ def checked() -> tuple[SurrogateResult, torch.nn.Module, list[Batch], list[Batch
         calibration,
         evaluation,
         "layers.0.mlp",
-        directions=6,
-        eigenvectors=3,
-        remove=16,
-        seed=5,
-        sensitivity=FLOAT64,
+        SurrogateOptions(directions=6, eigenvectors=3, remove=16, measuring=Measuring(seed=5, sensitivity=FLOAT64)),
     )
     return result, model, calibration, evaluation
 
@@ -157,7 +151,12 @@ def test_padding_is_not_counted() -> None:
     model = tiny_model("llama")
     evaluation = random_batches(128, count=2, length=16, seed=2, padded=True)
     result = surrogate_check(
-        model, LLAMA, random_batches(128, count=1), evaluation, "layers.1.attn", directions=3, eigenvectors=0, remove=8
+        model,
+        LLAMA,
+        random_batches(128, count=1),
+        evaluation,
+        "layers.1.attn",
+        SurrogateOptions(directions=3, eigenvectors=0, remove=8),
     )
     assert result.settings["evaluation_tokens"] == sum(int(b.attention_mask.sum()) for b in evaluation) < 2 * 4 * 16
     assert all(math.isfinite(r["measured"]) and r["measured"] > 0 for r in result.rows)
@@ -167,7 +166,7 @@ def test_unknown_site_is_a_user_error_naming_valid_ones() -> None:
     model = tiny_model("llama")
     batches = random_batches(128, count=1)
     with pytest.raises(UserError, match=r"unknown site 'layers\.7\.attn'; sites are embedding, layers\.0\.attn"):
-        surrogate_check(model, LLAMA, batches, batches, "layers.7.attn", directions=4, remove=8)
+        surrogate_check(model, LLAMA, batches, batches, "layers.7.attn", SurrogateOptions(directions=4, remove=8))
 
 
 # --- the command ---------------------------------------------------------------------------
