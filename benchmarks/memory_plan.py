@@ -28,7 +28,7 @@ from transformers import AutoConfig
 
 import compressor  # noqa: F401
 from compressor.models.families import family_for
-from compressor.models.layout import sliced_layout
+from compressor.models.layout import LayoutRequest, sliced_layout
 from compressor.plan.memory import PlanSettings, memory_plan
 from compressor.recipe.sections.sensitivity import SensitivityOptions
 from compressor.stages.costs import GiB
@@ -106,7 +106,7 @@ def plan(
     with its feedback, evaluation; bf16 weights, activations on the host, on an accelerator."""
     config = AutoConfig.for_model(**{**values, "max_position_embeddings": 131072})
     family = family_for(config.model_type)
-    layout = sliced_layout(config, family, [family], sparsity=sparsity, round_to=8)
+    layout = sliced_layout(config, family, [family], LayoutRequest(sparsity=sparsity, round_to=8))
     settings = PlanSettings(
         dtype="bfloat16", samples=samples, seq_len=seq_len, batch=batch, chunk=chunk, recompute=True, mlp_feedback=0.5
     )

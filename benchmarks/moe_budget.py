@@ -37,7 +37,7 @@ from rich.table import Table
 from transformers import AutoConfig
 
 from compressor.models.families import family_for
-from compressor.models.layout import sliced_layout
+from compressor.models.layout import LayoutRequest, sliced_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -84,7 +84,7 @@ def widest_width_alone(args: argparse.Namespace, budget: dict[str, float]) -> in
     config = AutoConfig.from_pretrained(args.model)
     family = family_for(config.model_type)
     for width in range(config.moe_intermediate_size, 0, -8):
-        layout = sliced_layout(config, family, [family], layout="global", mlp_kept=width, **budget)
+        layout = sliced_layout(config, family, [family], LayoutRequest(layout="global", mlp_kept=width, **budget))
         if layout.kept == config.hidden_size:
             return width
     return None

@@ -159,102 +159,182 @@ def kept_width(hidden_size: int, sparsity: float, round_to: int) -> int:
     return kept
 
 
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What a recipe asks of the layout: its slicing settings, its budget and the count every axis
+    keeps, as `sliced_layout` reads them (one object: an axis's setting is a field here, not
+    another parameter every caller passes). The defaults leave every axis as it is."""
+
+    layout: str = "per_site"
+    slice_head: bool = False
+    tie_head: bool | None = None
+    shared_bases: bool = False
+    round_to: int = 1
+    sparsity: float | None = None
+    """SliceGPT's budget: the parameters of its model at this sparsity (else `target_params`)."""
+    target_params: float | None = None
+    target_active_params: float | None = None
+    """A limit on the parameters one token uses (a model with routed experts), with or without
+    `target_params`."""
+    allocated: bool = False
+    """An allocator chooses the widths (none are set here)."""
+    mlp_kept: float | None = None
+    """Neurons every MLP keeps, or a fraction of them below 1, rounded down to `mlp_round_to`; the
+    residual widths take what the budget leaves."""
+    mlp_round_to: int = 1
+    shared_kept: float | None = None
+    """Likewise for every shared expert of an MoE layer."""
+    experts: int | None = None
+    """Routed experts every MoE layer keeps."""
+    counts: str = "all"
+    """`non_embedding`: either target counts without the embedding tables."""
+    removed_blocks: Sequence[int] = ()
+    """Decoder blocks the depth axis removes (`models.depth`): the layout is the model without them
+    (its `config` the one its class reloads them from), the budget still a fraction of the original."""
+    heads: float | None = None
+    """Query heads every attention layer keeps (or a fraction, `models.heads.kept_heads`), counted
+    like `mlp_kept`."""
+
+    @property
+    def narrower(self) -> bool:
+        """Some axis besides the residual width keeps fewer units."""
+        kept = (self.mlp_kept, self.shared_kept, self.experts, self.heads)
+        return any(k is not None for k in kept)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The units a request keeps, resolved against the config, and how its parameters count."""
+
+    family: ModelFamily
+    full: PretrainedConfig
+    """The original's config (blocks removed or not): the budget's reference."""
+    config: PretrainedConfig
+    one_basis: bool
+    tied: bool
+    shared: tuple[str, ...]
+    mlp_width: int | None
+    shared_width: int | None
+    heads: int | None
+
+    def param_model(self, config: PretrainedConfig) -> ParamModel:
+        if self.one_basis:
+            return stock_param_model(config, self.family, self.tied)
+        return param_model(config, self.family, list(self.shared), self.tied)
+
+
 def sliced_layout(
-    config: PretrainedConfig,
-    family: ModelFamily,
-    families: Iterable[ModelFamily],
-    *,
-    layout: str = "per_site",
-    slice_head: bool = False,
-    tie_head: bool | None = None,
-    shared_bases: bool = False,
-    round_to: int = 1,
-    sparsity: float | None = None,
-    target_params: float | None = None,
-    target_active_params: float | None = None,
-    allocated: bool = False,
-    mlp_kept: float | None = None,
-    mlp_round_to: int = 1,
-    shared_kept: float | None = None,
-    experts: int | None = None,
-    counts: str = "all",
-    removed_blocks: Sequence[int] = (),
-    heads: float | None = None,
+    config: PretrainedConfig, family: ModelFamily, families: Iterable[ModelFamily], request: LayoutRequest
 ) -> SlicedLayout:
-    """Decide the sliced shape: check that the family allows these settings, then find the budget
-    (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest uniform
-    widths within it (or none, `allocated`: an allocator chooses). With `mlp_kept` (neurons, or a
-    fraction of them below 1, rounded down to `mlp_round_to`) every MLP keeps that many neurons
-    and the residual widths take what the budget leaves (`shared_kept` likewise for every shared
-    expert of an MoE layer); with `experts` every MoE layer keeps that
-    many routed experts, likewise. `target_active_params` (with or without `target_params`) limits
-    the parameters one token uses (a model with routed experts). `counts`: `non_embedding` counts
-    either target without the embedding tables. `removed_blocks`: the decoder blocks the depth
-    axis removes (`models.depth`); the layout is then the model without them (its `config` the
-    one its class reloads them from), the budget still a fraction of the original. `heads`: the query
-    heads every attention layer keeps (or a fraction of them, `models.heads.kept_heads`), counted
-    like `mlp_kept`. Loads no weights."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}")
-    if family.head_width_is_embedding_width and not slice_head:
+    """Decide the sliced shape: check that the family allows the request's settings, then find the
+    budget (SliceGPT's model at `sparsity`, or `target_params` of the original) and the widest
+    uniform widths within it (or none, `allocated`: an allocator chooses), every other axis at the
+    count the request keeps (`LayoutRequest`). Loads no weights."""
+    shape = _shape(config, family, families, request)
+    params, active = _counted_models(shape, request)
+    widths, budget, rounding, active_budget = _budget_and_widths(shape, request, params, active)
+    return SlicedLayout(
+        family=family,
+        config=shape.config,
+        one_basis=shape.one_basis,
+        sites=tuple(site_ids(family, shape.config.num_hidden_layers)),
+        widths=None if request.allocated else widths,
+        shared=shape.shared,
+        tie_head=shape.tied,
+        slice_head=request.slice_head,
+        params=params,
+        budget=budget,
+        rounding=rounding,
+        mlp_width=shape.mlp_width,
+        shared_width=shape.shared_width,
+        experts=request.experts,
+        counts=request.counts,
+        active=active,
+        active_budget=active_budget,
+        heads=shape.heads,
+        removed_blocks=tuple(sorted(request.removed_blocks)),
+    )
+
+
+def _shape(
+    config: PretrainedConfig, family: ModelFamily, families: Iterable[ModelFamily], request: LayoutRequest
+) -> _Shape:
+    """The request checked against the family and resolved: the config without the removed blocks,
+    the basis sharing, the tied head and each axis's kept count."""
+    if request.layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {request.layout!r}")
+    if family.head_width_is_embedding_width and not request.slice_head:
         raise UserError(
             f"{config.model_type} models keep the embedding's width up to the head; set slicing.slice_head: true"
         )
-    if shared_bases and family.parallel:
+    if request.shared_bases and family.parallel:
         raise UserError(
             f"slicing.shared_bases lets each layer's MLP keep its attention's basis, but {family.name} "
             f"layers have one site (attention and MLP in parallel); turn it off"
         )
     full = config
-    if removed_blocks:
-        config = depth_config(config, removed_blocks)
-    one_basis = layout == "global"
-    tied = tie_head if tie_head is not None else (one_basis and bool(getattr(config, "tie_word_embeddings", False)))
+    if request.removed_blocks:
+        config = depth_config(config, request.removed_blocks)
+    one_basis = request.layout == "global"
+    tied = request.tie_head
+    tied = tied if tied is not None else (one_basis and bool(getattr(config, "tie_word_embeddings", False)))
     if tied:
         check_tie_head(config, family)
-    layers, d = config.num_hidden_layers, config.hidden_size
     if one_basis:
         check_stock(family, families)
-    shared = shared_site_ids(family, layers, slice_head, tied) if shared_bases else []
-    mlp_width = None if mlp_kept is None else kept_neurons(config, family, mlp_kept, mlp_round_to)
-    shared_width = None if shared_kept is None else kept_shared_neurons(config, family, shared_kept, mlp_round_to)
-    if experts is not None:
-        kept_experts(config, family, experts)
-    query_heads = None if heads is None else kept_heads(config, family, heads)
+    layers = config.num_hidden_layers
+    shared = shared_site_ids(family, layers, request.slice_head, tied) if request.shared_bases else []
+    mlp_kept, shared_kept, round_to = request.mlp_kept, request.shared_kept, request.mlp_round_to
+    mlp_width = None if mlp_kept is None else kept_neurons(config, family, mlp_kept, round_to)
+    shared_width = None if shared_kept is None else kept_shared_neurons(config, family, shared_kept, round_to)
+    if request.experts is not None:
+        kept_experts(config, family, request.experts)
+    heads = None if request.heads is None else kept_heads(config, family, request.heads)
+    return _Shape(family, full, config, one_basis, tied, tuple(shared), mlp_width, shared_width, heads)
 
-    def param_model_of(config: PretrainedConfig) -> ParamModel:
-        return stock_param_model(config, family, tied) if one_basis else param_model(config, family, shared, tied)
 
-    params = param_model_of(config)
-    if removed_blocks:  # the original's own count stays the reference
-        whole = param_model_of(full)
+def _counted_models(shape: _Shape, request: LayoutRequest) -> tuple[ParamModel, ParamModel | None]:
+    """The parameter polynomial of the model the request keeps (the original's count its
+    reference), and the active one where tokens are routed."""
+    config, family = shape.config, shape.family
+    params = shape.param_model(config)
+    if request.removed_blocks:  # the original's own count stays the reference
+        whole = shape.param_model(shape.full)
         params = dataclasses.replace(params, original=whole.original, routed=whole.routed)
-    narrower = mlp_width is not None or shared_width is not None or experts is not None or query_heads is not None
-    if narrower:  # every variant pruned so; `original` stays the original's
-        reduced = with_mlp_width(config, family, mlp_width, shared_width)
-        reduced = reduced if experts is None else with_experts(reduced, family, experts)
-        reduced = reduced if query_heads is None else with_heads(reduced, query_heads)
-        params = dataclasses.replace(param_model_of(reduced), original=params.original, routed=params.routed)
-    active = active_model(config, family, params, experts)
-    if target_active_params is not None and active is None:
+    if request.narrower:  # every variant pruned so; `original` stays the original's
+        reduced = with_mlp_width(config, family, shape.mlp_width, shape.shared_width)
+        reduced = reduced if request.experts is None else with_experts(reduced, family, request.experts)
+        reduced = reduced if shape.heads is None else with_heads(reduced, shape.heads)
+        params = dataclasses.replace(shape.param_model(reduced), original=params.original, routed=params.routed)
+    active = active_model(config, family, params, request.experts)
+    if request.target_active_params is not None and active is None:
         raise UserError(
             f"target_active_params counts the parameters a token uses, but {config.model_type} models route "
             f"no token to some experts only (every parameter is active); give target_params instead"
         )
+    return params, active
+
+
+def _budget_and_widths(
+    shape: _Shape, request: LayoutRequest, params: ParamModel, active: ParamModel | None
+) -> tuple[dict[str, int], int, dict[str, int] | None, int | None]:
+    """The widest uniform widths within the budget, the budget, what rounding gave up, and the
+    active-parameter budget."""
+    config, family, one_basis, round_to = shape.config, shape.family, shape.one_basis, request.round_to
+    layers, d = config.num_hidden_layers, config.hidden_size
 
     def uniform(kept: int) -> dict[str, int]:
-        return site_widths(family, layers, d, kept, one_basis or slice_head or tied)
+        return site_widths(family, layers, d, kept, one_basis or request.slice_head or shape.tied)
 
-    saved = config if query_heads is None else with_heads(config, query_heads)  # the heads the saved class has
+    saved = config if shape.heads is None else with_heads(config, shape.heads)  # the heads the saved class has
     required = width_multiple(saved, family) if one_basis else 1  # the stock class's own demand
-
-    counted = params.without_embedding() if counts == "non_embedding" else params
-    counted_active = None if active is None or counts != "non_embedding" else active.without_embedding()
+    counted = params.without_embedding() if request.counts == "non_embedding" else params
+    counted_active = None if active is None or request.counts != "non_embedding" else active.without_embedding()
     counted_active = counted_active or active
     active_budget = None
-    if target_active_params is not None:
+    if request.target_active_params is not None:
         assert counted_active is not None
-        active_budget = int(target_active_params * counted_active.original)
+        active_budget = int(request.target_active_params * counted_active.original)
     limit = None if active_budget is None else (counted_active, active_budget)
 
     def widest(budget: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -272,40 +352,23 @@ def sliced_layout(
         }
 
     rounding = None
-    if sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
-        if counts != "all":
+    if request.sparsity is not None:  # the budget: the parameters of SliceGPT's model at this sparsity
+        if request.counts != "all":
             raise ValueError("a sparsity's budget counts every parameter")
-        kept = kept_width(d, sparsity, round_to)  # of the original: blocks removed come out of that budget
-        widths = site_widths(family, layers, d, kept, slice_head)
-        budget = param_model(full, family).count(site_widths(family, full.num_hidden_layers, d, kept, slice_head))
-        if shared or tied or one_basis or narrower or removed_blocks:  # fewer parameters: more width
+        kept = kept_width(d, request.sparsity, round_to)  # of the original: blocks removed come out of that budget
+        widths = site_widths(family, layers, d, kept, request.slice_head)
+        full = shape.full
+        budget = param_model(full, family).count(
+            site_widths(family, full.num_hidden_layers, d, kept, request.slice_head)
+        )
+        if shape.shared or shape.tied or one_basis or request.narrower or request.removed_blocks:  # more width
             widths, rounding = widest(budget)
     else:
-        if target_params is None and target_active_params is None:
+        if request.target_params is None and request.target_active_params is None:
             raise ValueError("give a sparsity, a target_params or a target_active_params")
-        budget = int((1.0 if target_params is None else target_params) * counted.original)
+        budget = int((1.0 if request.target_params is None else request.target_params) * counted.original)
         widths, rounding = widest(budget)
-    return SlicedLayout(
-        family=family,
-        config=config,
-        one_basis=one_basis,
-        sites=tuple(site_ids(family, layers)),
-        widths=None if allocated else widths,
-        shared=tuple(shared),
-        tie_head=tied,
-        slice_head=slice_head,
-        params=params,
-        budget=budget,
-        rounding=rounding,
-        mlp_width=mlp_width,
-        shared_width=shared_width,
-        experts=experts,
-        counts=counts,
-        active=active,
-        active_budget=active_budget,
-        heads=query_heads,
-        removed_blocks=tuple(sorted(removed_blocks)),
-    )
+    return widths, budget, rounding, active_budget
 
 
 def active_model(

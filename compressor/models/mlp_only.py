@@ -15,13 +15,14 @@ Loads no weights.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from compressor.errors import UserError
 from compressor.models.budget import ParamModel
 from compressor.models.families import ModelFamily
-from compressor.models.layout import SlicedLayout, kept_neurons, mlp_neurons, with_mlp_width
+from compressor.models.layout import LayoutRequest, SlicedLayout, kept_neurons, mlp_neurons, with_mlp_width
 from compressor.models.sites import site_ids, site_widths
 from compressor.models.stock import meta_params
 from compressor.models.towers import TextTower
@@ -54,84 +55,43 @@ def mlp_only_layout(
     config: PretrainedConfig,
     family: ModelFamily,
     reason: str,
+    request: LayoutRequest,
     *,
     pruned_mlp: bool,
-    sparsity: float | None = None,
-    target_params: float | None = None,
-    mlp_kept: float | None = None,
-    mlp_round_to: int = 1,
     min_kept: float = 0.0,
-    counts: str = "all",
-    layout: str = "global",
 ) -> SlicedLayout:
     """The stock layout of `family`, whose stream stays whole for `reason` (see the module
-    docstring): every MLP keeps `mlp_kept` neurons, or the most the `target_params` budget allows
-    (not fewer than `min_kept` of them). Refused in one line where it cannot be: no `mlp` section
-    (`pruned_mlp` false), a `sparsity` (it cuts the residual width), or a budget the MLP alone
-    cannot reach (naming the fraction it can)."""
-    name = config.model_type
+    docstring): every MLP keeps the request's `mlp_kept` neurons, or the most its `target_params`
+    budget allows (not fewer than `min_kept` of them). Refused in one line where it cannot be: no
+    `mlp` section (`pruned_mlp` false), a `sparsity` (it cuts the residual width), or a budget the
+    MLP alone cannot reach (naming the fraction it can)."""
+    layout = request.layout
     kind = "stock" if layout == "global" else layout
-    kept_whole = f"a {kind} {name} keeps its residual stream whole ({reason})"
+    kept_whole = f"a {kind} {config.model_type} keeps its residual stream whole ({reason})"
     if not pruned_mlp:
         raise UserError(
             f"slicing.layout: {layout}: {kept_whole}, so only the MLP's width can be pruned; add mlp: {{}} "
             f"(or mlp.kept), or set slicing.layout: per_site"
         )
-    if sparsity is not None:
+    if request.sparsity is not None:
         raise UserError(
             f"sparsity cuts the residual width, but {kept_whole}; give target_params (the MLP's width "
             f"takes the cut), or set slicing.layout: per_site"
         )
-    assert target_params is not None, "the recipe gives a sparsity or a target_params"
-    width = mlp_neurons(config, family)
-    low = (
-        1
-        if mlp_kept is not None
-        else min(width, max(mlp_round_to, math.ceil(min_kept * width / mlp_round_to) * mlp_round_to))
-    )
-    at_full, tables = meta_params(config, family)
-    at_low, _ = meta_params(with_mlp_width(config, family, low), family)
-    embedding = tables if counts == "non_embedding" else 0
-    original = at_full - embedding
-    budget = int(target_params * original)
-    slope = (at_full - at_low) // (width - low) if width != low else 0
-
-    def counted(neurons: int) -> int:
-        return at_low + (neurons - low) * slope - embedding
-
-    def fraction(params: int) -> str:
-        return f"{params / original:.4f}".rstrip("0").rstrip(".")
-
-    what = "non-embedding parameters" if counts == "non_embedding" else "parameters"
-    if mlp_kept is not None:
-        neurons = kept_neurons(config, family, mlp_kept, mlp_round_to)
-        if counted(neurons) > budget:
-            raise UserError(
-                f"target_params {target_params}: {kept_whole}, and MLPs of {neurons} neurons leave "
-                f"{counted(neurons):,} {what} ({fraction(counted(neurons))} of them); lower mlp.kept, or raise "
-                f"target_params to at least {fraction(counted(neurons))}"
-            )
-    else:
-        most = low + (budget - counted(low)) // slope if slope else width
-        neurons = min(width, most // mlp_round_to * mlp_round_to)
-        if neurons < low:
-            raise UserError(
-                f"target_params {target_params}: {kept_whole}, and its MLPs at mlp.min_kept {min_kept:g} "
-                f"({low} of {width} neurons) still hold {fraction(counted(low))} of the {what}; raise "
-                f"target_params to at least {fraction(counted(low))}, lower mlp.min_kept, or set "
-                f"slicing.layout: per_site to prune the residual width too"
-            )
+    assert request.target_params is not None, "the recipe gives a sparsity or a target_params"
+    count = _MlpCount.of(config, family, request, min_kept)
+    neurons = count.neurons(config, family, request, kept_whole, min_kept)
     layers, d = config.num_hidden_layers, config.hidden_size
     sites = tuple(site_ids(family, layers))
     params = ParamModel(
         sites=sites,
-        constant=counted(neurons) + embedding,
+        constant=count.counted(neurons) + count.embedding,
         linear={site: 0 for site in sites},
         transitions=(),
-        original=at_full,
+        original=count.at_full,
         hidden_size=d,
-        embedding=tables,
-        embedding_constant=tables,
+        embedding=count.tables,
+        embedding_constant=count.tables,
     )
     return SlicedLayout(
         family=family,
@@ -143,8 +103,76 @@ def mlp_only_layout(
         tie_head=False,
         slice_head=False,
         params=params,
-        budget=budget,
+        budget=count.budget,
         mlp_width=neurons,
-        counts=counts,
+        counts=request.counts,
         kept_stream=reason,
     )
+
+
+@dataclass(frozen=True)
+class _MlpCount:
+    """The model's parameters as an affine function of its MLPs' width (from `low` neurons up to
+    `width`), measured on meta models, and the request's budget in them."""
+
+    width: int
+    low: int
+    at_full: int
+    at_low: int
+    tables: int
+    embedding: int
+    """The embedding tables where the budget counts without them, else 0."""
+    budget: int
+    what: str
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, family: ModelFamily, request: LayoutRequest, min_kept: float) -> _MlpCount:
+        width, round_to = mlp_neurons(config, family), request.mlp_round_to
+        low = (
+            1
+            if request.mlp_kept is not None
+            else min(width, max(round_to, math.ceil(min_kept * width / round_to) * round_to))
+        )
+        at_full, tables = meta_params(config, family)
+        at_low, _ = meta_params(with_mlp_width(config, family, low), family)
+        embedding = tables if request.counts == "non_embedding" else 0
+        assert request.target_params is not None
+        budget = int(request.target_params * (at_full - embedding))
+        what = "non-embedding parameters" if request.counts == "non_embedding" else "parameters"
+        return cls(width, low, at_full, at_low, tables, embedding, budget, what)
+
+    @property
+    def slope(self) -> int:
+        return (self.at_full - self.at_low) // (self.width - self.low) if self.width != self.low else 0
+
+    def counted(self, neurons: int) -> int:
+        return self.at_low + (neurons - self.low) * self.slope - self.embedding
+
+    def fraction(self, params: int) -> str:
+        return f"{params / (self.at_full - self.embedding):.4f}".rstrip("0").rstrip(".")
+
+    def neurons(
+        self, config: PretrainedConfig, family: ModelFamily, request: LayoutRequest, kept_whole: str, min_kept: float
+    ) -> int:
+        """The request's `mlp_kept` where the budget holds it, else the most neurons it allows."""
+        target, round_to, counted, fraction = request.target_params, request.mlp_round_to, self.counted, self.fraction
+        if request.mlp_kept is not None:
+            neurons = kept_neurons(config, family, request.mlp_kept, round_to)
+            if counted(neurons) > self.budget:
+                raise UserError(
+                    f"target_params {target}: {kept_whole}, and MLPs of {neurons} neurons leave "
+                    f"{counted(neurons):,} {self.what} ({fraction(counted(neurons))} of them); lower mlp.kept, or "
+                    f"raise target_params to at least {fraction(counted(neurons))}"
+                )
+            return neurons
+        low, width = self.low, self.width
+        most = low + (self.budget - counted(low)) // self.slope if self.slope else width
+        neurons = min(width, most // round_to * round_to)
+        if neurons < low:
+            raise UserError(
+                f"target_params {target}: {kept_whole}, and its MLPs at mlp.min_kept {min_kept:g} "
+                f"({low} of {width} neurons) still hold {fraction(counted(low))} of the {self.what}; raise "
+                f"target_params to at least {fraction(counted(low))}, lower mlp.min_kept, or set "
+                f"slicing.layout: per_site to prune the residual width too"
+            )
+        return neurons

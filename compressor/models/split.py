@@ -17,37 +17,38 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Any
 
 from transformers import PretrainedConfig
 
 from compressor.errors import UserError
 from compressor.models.families import ModelFamily
 from compressor.models.heads import heads_refusal, kept_heads, kv_heads, query_heads
-from compressor.models.layout import SlicedLayout, mlp_neurons, sliced_layout
+from compressor.models.layout import LayoutRequest, SlicedLayout, mlp_neurons, sliced_layout
 
 
 def split_layouts(
     config: PretrainedConfig,
     family: ModelFamily,
     families: Iterable[ModelFamily],
+    request: LayoutRequest,
     *,
     min_kept: float,
     candidates: int,
-    mlp_round_to: int = 1,
-    **slicing: Any,
 ) -> list[SlicedLayout]:
-    """Up to `candidates` layouts under `slicing`'s budget (the keyword arguments of
-    `sliced_layout`, without `mlp_kept`): the residual width alone first, then wider residual
-    widths, evenly spaced up to the widest whose MLP still keeps `min_kept` of its neurons, each
-    with the most neurons (a multiple of `mlp_round_to`) the budget leaves it."""
-    families = list(families)
-    alone = sliced_layout(config, family, families, **slicing)
+    """Up to `candidates` layouts under `request`'s budget (its `mlp_kept` unset): the residual
+    width alone first, then wider residual widths, evenly spaced up to the widest whose MLP still
+    keeps `min_kept` of its neurons, each with the most neurons (a multiple of the request's
+    `mlp_round_to`) the budget leaves it."""
+    assert request.mlp_kept is None, "the split chooses the MLP's width"
+    families, mlp_round_to = list(families), request.mlp_round_to
+    alone = sliced_layout(config, family, families, request)
     assert alone.widths is not None and alone.kept is not None, "splits are uniform widths: no allocator"
     width = mlp_neurons(config, family)
     low = min(width, max(mlp_round_to, math.ceil(min_kept * width / mlp_round_to) * mlp_round_to))
-    step = alone.rounding["step"] if alone.rounding else int(slicing.get("round_to", 1))
-    narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)  # fewer parameters: it fits
+    step = alone.rounding["step"] if alone.rounding else request.round_to
+    narrow = sliced_layout(
+        config, family, families, dataclasses.replace(request, mlp_kept=low)
+    )  # fewer parameters: it fits
     by_neurons: dict[int, int] = {}  # the widest residual width at each MLP width: it dominates
     for kept in range(alone.kept + step, config.hidden_size + 1, step):
         neurons = _most_neurons(alone, narrow, alone.uniform(kept), low, width, mlp_round_to)
@@ -56,7 +57,7 @@ def split_layouts(
     frontier = _evenly(sorted(by_neurons, reverse=True), candidates - 1)  # ends at the widest stream
     splits = [alone]
     for neurons in frontier:
-        layout = sliced_layout(config, family, families, mlp_kept=neurons, **slicing)
+        layout = sliced_layout(config, family, families, dataclasses.replace(request, mlp_kept=neurons))
         assert layout.kept == by_neurons[neurons], "the parameter count is affine in the MLP's width"
         splits.append(layout)
     return splits
@@ -67,15 +68,15 @@ def stream_layout(
     family: ModelFamily,
     families: Iterable[ModelFamily],
     stream: int,
-    *,
-    mlp_round_to: int = 1,
-    **slicing: Any,
+    request: LayoutRequest,
 ) -> SlicedLayout:
     """The layout of `slicing.kept`: the residual width fixed at `stream`, the MLP keeping the most
-    neurons (a multiple of `mlp_round_to`) the budget leaves at that width: one split, nothing to
-    choose. At the width the budget gives the residual axis alone it is that layout (every neuron)."""
-    families = list(families)
-    alone = sliced_layout(config, family, families, **slicing)
+    neurons (a multiple of the request's `mlp_round_to`) the budget leaves at that width: one split,
+    nothing to choose. At the width the budget gives the residual axis alone it is that layout
+    (every neuron)."""
+    assert request.mlp_kept is None, "the budget chooses the MLP's width"
+    families, mlp_round_to = list(families), request.mlp_round_to
+    alone = sliced_layout(config, family, families, request)
     assert alone.kept is not None and alone.rounding is not None, "a fixed stream is a uniform width"
     d, step = config.hidden_size, alone.rounding["step"]
     if stream > d or stream % step:
@@ -92,14 +93,14 @@ def stream_layout(
         )
     width = mlp_neurons(config, family)
     low = min(width, mlp_round_to)
-    narrow = sliced_layout(config, family, families, mlp_kept=low, **slicing)
+    narrow = sliced_layout(config, family, families, dataclasses.replace(request, mlp_kept=low))
     neurons = _most_neurons(alone, narrow, alone.uniform(stream), low, width, mlp_round_to)
     if neurons < low:
         raise UserError(
             f"slicing.kept {stream}: even with {low} neuron(s) per MLP the model is over the budget at that width; "
             f"narrow slicing.kept, or raise the budget"
         )
-    layout = sliced_layout(config, family, families, mlp_kept=neurons, **slicing)
+    layout = sliced_layout(config, family, families, dataclasses.replace(request, mlp_kept=neurons))
     assert layout.kept is not None and layout.kept >= stream and layout.rounding is not None
     widths = layout.uniform(stream)  # the budget may allow a wider stream at these neurons: the recipe's stands
     rounding = {**layout.rounding, "width": stream, "params": layout.counted.count(widths)}

@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from compressor.errors import UserError
 from compressor.models.axes import AXES, Axis
 from compressor.models.decilm import decilm_refusal
 from compressor.models.families import family_for
-from compressor.models.layout import SlicedLayout, expert_count, sliced_layout
+from compressor.models.layout import LayoutRequest, SlicedLayout, expert_count, sliced_layout
 from compressor.models.mlp_only import kept_stream, mlp_only_layout
 from compressor.models.split import depth_counts, expert_counts, head_counts, split_layouts, stream_layout
 from compressor.models.towers import TextTower, text_config, tower_for
@@ -191,7 +191,7 @@ def plan(recipe: Recipe, registry: PluginRegistry, decode_budgets: Budgets | Non
     if recipe.model.load == "stream" and (reason := cannot_stream(family)) is not None:
         raise UserError(reason)
     removed = planned_blocks(recipe, config)
-    layout, splits = _layout(recipe, config, family, families, tower, removed, budgets=decode_budgets)
+    layout, splits = _layout(recipe, _Planned(config, family, families, tower), removed, budgets=decode_budgets)
     allocator = curve_allocator(recipe, layout) if recipe.allocation.method == "curves" else None
     pipeline = _pipeline(recipe, registry)
     selector = _neuron_selector(recipe, registry, layout, pipeline)
@@ -274,17 +274,24 @@ def _relayout(
     only: str | None = None,
 ) -> tuple[SlicedLayout, tuple[SlicedLayout, ...]]:
     """`_layout` for the model `checked` was made on."""
-    config = plan_config(recipe, checked)
-    family, families, tower = checked.layout.family, checked.families, checked.tower
-    return _layout(recipe, config, family, families, tower, removed, removed_sets, budgets=budgets, only=only)
+    planned = _Planned(plan_config(recipe, checked), checked.layout.family, checked.families, checked.tower)
+    return _layout(recipe, planned, removed, removed_sets, budgets=budgets, only=only)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """The model a plan is made on, as its layout reads it: its config (a tower's text config),
+    its family among the registry's, and its text tower where it has one."""
+
+    config: PretrainedConfig
+    family: Any
+    families: dict[str, Any]
+    tower: TextTower | None
 
 
 def _layout(
     recipe: Recipe,
-    config: PretrainedConfig,
-    family: Any,
-    families: dict[str, Any],
-    tower: TextTower | None,
+    planned: _Planned,
     removed: tuple[int, ...] = (),
     removed_sets: Sequence[tuple[int, ...]] | None = None,
     budgets: Budgets | None = None,
@@ -296,26 +303,11 @@ def _layout(
     its own of `removed_sets` (before the depth stage has chosen: the last blocks of each count).
     `budgets`: `target_decode`'s parameter budget of each candidate, by group (`group_key`) and place
     in it; `only`: that group's candidates alone (the decode search's probes)."""
-    slicing = recipe.slicing
-    options = dict(
-        layout=slicing.layout,
-        slice_head=slicing.slice_head,
-        tie_head=slicing.tie_head,
-        shared_bases=slicing.shared_bases,
-        round_to=slicing.round_to,
-        sparsity=recipe.sparsity,
-        target_params=recipe.target_params,
-        target_active_params=recipe.target_active_params,
-        allocated=recipe.allocation.method == "curves",
-        experts=recipe.experts.kept if recipe.experts is not None else None,
-        shared_kept=recipe.mlp.shared_kept if recipe.mlp is not None else None,
-        counts=recipe.budget,
-        removed_blocks=removed,
-        heads=recipe.heads.kept if recipe.heads is not None else None,
-    )
+    slicing, config, family = recipe.slicing, planned.config, planned.family
+    request = layout_request(recipe, removed)
     mlp = recipe.mlp
     splits: tuple[SlicedLayout, ...] = ()
-    reason = kept_stream(family, slicing.layout, tower)
+    reason = kept_stream(family, slicing.layout, planned.tower)
     if reason is not None:
         refuse_beside_a_kept_stream(recipe, config, reason)
     if recipe.target_active_params is not None and recipe.allocation.method == "curves":
@@ -328,36 +320,49 @@ def _layout(
         if refusal is not None:
             raise UserError(f"slicing.layout: heterogeneous saves DeciLM: {refusal}; use slicing.layout: global")
     if reason is not None:
+        target = _only_target(group_targets(recipe, budgets, group_key((), None, None)))
         layout = mlp_only_layout(
             config,
             family,
             reason,
+            replace(request, target_params=target),
             pruned_mlp=mlp is not None,
-            sparsity=recipe.sparsity,
-            target_params=_only_target(group_targets(recipe, budgets, group_key((), None, None))),
-            mlp_kept=mlp.kept if mlp is not None else None,
-            mlp_round_to=mlp.round_to if mlp is not None else 1,
             min_kept=mlp.min_kept if mlp is not None else 0.0,
-            counts=recipe.budget,
-            layout=slicing.layout,
         )
         check_mlp_alone(recipe, layout)
     elif open_sections(recipe):
         if removed_sets is None:
             removed_sets = planned_block_sets(recipe, config) or (removed,)
-        splits = _splits(recipe, config, family, families, options, removed_sets, budgets, only)
+        splits = _splits(recipe, planned, request, removed_sets, budgets, only)
         layout = splits[0]
     else:
-        key = group_key(removed, options["experts"], options["heads"])
-        layout = sliced_layout(
-            config,
-            family,
-            families.values(),
-            mlp_kept=mlp.kept if mlp is not None else None,
-            mlp_round_to=mlp.round_to if mlp is not None else 1,
-            **{**options, "target_params": _only_target(group_targets(recipe, budgets, key))},
-        )
+        target = _only_target(group_targets(recipe, budgets, group_key(removed, request.experts, request.heads)))
+        layout = sliced_layout(config, family, planned.families.values(), replace(request, target_params=target))
     return layout, splits
+
+
+def layout_request(recipe: Recipe, removed: tuple[int, ...] = ()) -> LayoutRequest:
+    """What the recipe asks of the layout (`models.layout.LayoutRequest`), without the decoder
+    blocks `removed`."""
+    slicing, mlp = recipe.slicing, recipe.mlp
+    return LayoutRequest(
+        layout=slicing.layout,
+        slice_head=slicing.slice_head,
+        tie_head=slicing.tie_head,
+        shared_bases=slicing.shared_bases,
+        round_to=slicing.round_to,
+        sparsity=recipe.sparsity,
+        target_params=recipe.target_params,
+        target_active_params=recipe.target_active_params,
+        allocated=recipe.allocation.method == "curves",
+        mlp_kept=mlp.kept if mlp is not None else None,
+        mlp_round_to=mlp.round_to if mlp is not None else 1,
+        shared_kept=mlp.shared_kept if mlp is not None else None,
+        experts=recipe.experts.kept if recipe.experts is not None else None,
+        counts=recipe.budget,
+        removed_blocks=removed,
+        heads=recipe.heads.kept if recipe.heads is not None else None,
+    )
 
 
 def group_key(blocks: Sequence[int], experts: int | None, heads: float | None) -> str:
@@ -437,10 +442,8 @@ def planned_block_sets(recipe: Recipe, config: PretrainedConfig) -> tuple[tuple[
 
 def _splits(
     recipe: Recipe,
-    config: PretrainedConfig,
-    family: Any,
-    families: dict[str, Any],
-    options: dict[str, Any],
+    planned: _Planned,
+    request: LayoutRequest,
     removed_sets: Sequence[tuple[int, ...]],
     budgets: Budgets | None = None,
     only: str | None = None,
@@ -452,7 +455,6 @@ def _splits(
     `models.split.head_counts`), the MLP's splits of the budget (`mlp` without `kept`) or the one
     layout its fixed width leaves; every block, expert and head kept first (None), so the first
     candidate prunes the residual width alone (or with the fixed MLP). `budgets` and `only`: as `_layout`'s."""
-    mlp = recipe.mlp
     if recipe.allocation.method == "curves":
         keys = fixing_keys(recipe)
         raise UserError(
@@ -461,47 +463,16 @@ def _splits(
         )
     splits: list[SlicedLayout] = []
     refusal: UserError | None = None
-    for blocks, count, head_count in _combinations(recipe, config, family, removed_sets, options["heads"]):
+    combinations = _combinations(recipe, planned.config, planned.family, removed_sets, request.heads)
+    for blocks, count, head_count in combinations:
         key = group_key(blocks, count, head_count)
         if only is not None and key != only:
             continue
         targets = group_targets(recipe, budgets, key)
         for place, target in targets.items():  # one target for the group, or (target_decode) one each
-            fixed = {
-                **options,
-                "experts": count,
-                "heads": head_count,
-                "removed_blocks": blocks,
-                "target_params": target,
-            }
+            fixed = replace(request, experts=count, heads=head_count, removed_blocks=blocks, target_params=target)
             try:
-                if mlp is not None and mlp.kept is None and recipe.slicing.kept is not None:
-                    stream = recipe.slicing.kept
-                    layouts = [
-                        stream_layout(config, family, families.values(), stream, mlp_round_to=mlp.round_to, **fixed)
-                    ]
-                elif mlp is not None and mlp.kept is None:
-                    layouts = split_layouts(
-                        config,
-                        family,
-                        families.values(),
-                        min_kept=mlp.min_kept,
-                        candidates=mlp.candidates,
-                        mlp_round_to=mlp.round_to,
-                        **fixed,
-                    )
-                else:
-                    mlp_kept = mlp.kept if mlp is not None else None
-                    layouts = [
-                        sliced_layout(
-                            config,
-                            family,
-                            families.values(),
-                            mlp_kept=mlp_kept,
-                            mlp_round_to=mlp.round_to if mlp is not None else 1,
-                            **fixed,
-                        )
-                    ]
+                layouts = _candidate_layouts(recipe, planned, fixed)
             except UserError as error:  # this count cannot meet the budget at any width: the others may
                 refusal = error  # the last, the fewest experts: the most reachable, what a refusal names
                 continue
@@ -510,6 +481,17 @@ def _splits(
         assert refusal is not None
         raise refusal
     return tuple(splits)
+
+
+def _candidate_layouts(recipe: Recipe, planned: _Planned, request: LayoutRequest) -> list[SlicedLayout]:
+    """The layouts one combination of counts offers: the MLP's splits of the budget (`mlp` without
+    `kept`), the one split at `slicing.kept`, or the one layout a fixed MLP width leaves."""
+    mlp, config, family, families = recipe.mlp, planned.config, planned.family, planned.families.values()
+    if mlp is not None and mlp.kept is None and recipe.slicing.kept is not None:
+        return [stream_layout(config, family, families, recipe.slicing.kept, request)]
+    if mlp is not None and mlp.kept is None:
+        return split_layouts(config, family, families, request, min_kept=mlp.min_kept, candidates=mlp.candidates)
+    return [sliced_layout(config, family, families, request)]
 
 
 def _combinations(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from compressor.errors import UserError
-from compressor.models.layout import SlicedLayout, sliced_layout
+from compressor.models.layout import LayoutRequest, SlicedLayout, sliced_layout
 from compressor.models.towers import TextTower
 from compressor.recipe.schema import Recipe
 from compressor.reports.report import budget_label
@@ -135,10 +135,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
     ):
         return ""
     try:
-        tied = sliced_layout(
-            layout.config,
-            layout.family,
-            [layout.family],
+        request = LayoutRequest(
             layout=recipe.slicing.layout,
             tie_head=True,
             round_to=recipe.slicing.round_to,
@@ -151,6 +148,7 @@ def _tied_head_advice(recipe: Recipe, checked: Plan) -> str:
             counts=recipe.budget,
             heads=layout.heads,
         )
+        tied = sliced_layout(layout.config, layout.family, [layout.family], request)
     except UserError:  # this family's head cannot stay tied
         return ""
     if tied.kept is None or tied.kept <= layout.kept:

@@ -5,6 +5,7 @@ splits the run measures within both, and the expert counts it tries."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from compressor.errors import UserError
 from compressor.models.budget import layout_config
 from compressor.models.experts import Expert, is_fused_experts
 from compressor.models.families import BUILTIN_FAMILIES, family_for
-from compressor.models.layout import sliced_layout, with_experts, with_mlp_width
+from compressor.models.layout import LayoutRequest, sliced_layout, with_experts, with_mlp_width
 from compressor.models.sliced import apply_slicing_layout
 from compressor.models.split import expert_counts, split_layouts
 from compressor.models.stock import stock_config
@@ -46,16 +47,8 @@ def test_the_active_polynomial_counts_what_a_token_uses_at_any_widths(name: str,
     layout's active count equals a count of the model built so; the original's, the original's."""
     config, family = _config(name), family_for(name)
     width = int(getattr(config, family.mlp_width))
-    plan = sliced_layout(
-        config,
-        family,
-        BUILTIN_FAMILIES,
-        layout=layout,
-        slice_head=True,
-        target_params=0.9,
-        experts=3,
-        mlp_kept=width // 2,
-    )
+    request = LayoutRequest(layout=layout, slice_head=True, target_params=0.9, experts=3, mlp_kept=width // 2)
+    plan = sliced_layout(config, family, BUILTIN_FAMILIES, request)
     assert plan.active is not None
     top_k = config.num_experts_per_tok
     with torch.device("meta"):
@@ -84,7 +77,9 @@ def test_the_active_polynomial_counts_what_a_token_uses_at_any_widths(name: str,
 def test_the_widest_width_within_both_targets(targets: dict) -> None:
     """The run keeps the widest width within every target given; one step wider breaks one."""
     config, family = _config("qwen3_moe"), family_for("qwen3_moe")
-    plan = sliced_layout(config, family, BUILTIN_FAMILIES, slice_head=True, round_to=8, experts=3, **targets)
+    plan = sliced_layout(
+        config, family, BUILTIN_FAMILIES, LayoutRequest(slice_head=True, round_to=8, experts=3, **targets)
+    )
     assert plan.active is not None and plan.active_budget == int(0.7 * plan.active.original) and plan.kept is not None
     assert plan.active.count(plan.widths) <= plan.active_budget and plan.params.count(plan.widths) <= plan.budget
     wider = plan.uniform(plan.kept + 8)
@@ -93,8 +88,8 @@ def test_the_widest_width_within_both_targets(targets: dict) -> None:
 
 def test_the_splits_fit_both_targets_with_the_residual_alone_first() -> None:
     config, family = _config("mixtral"), family_for("mixtral")
-    slicing = dict(slice_head=True, round_to=8, target_params=0.9, target_active_params=0.6)
-    splits = split_layouts(config, family, BUILTIN_FAMILIES, min_kept=0.25, candidates=4, mlp_round_to=8, **slicing)
+    slicing = LayoutRequest(slice_head=True, round_to=8, target_params=0.9, target_active_params=0.6, mlp_round_to=8)
+    splits = split_layouts(config, family, BUILTIN_FAMILIES, slicing, min_kept=0.25, candidates=4)
     assert splits[0].mlp_width is None and len(splits) >= 2
     for split in splits:
         assert split.active is not None and split.active_budget is not None
@@ -102,21 +97,21 @@ def test_the_splits_fit_both_targets_with_the_residual_alone_first() -> None:
         assert split.active.count(split.widths) <= split.active_budget
     for split in splits[1:]:  # the most neurons at its width: 8 more break a target
         assert split.mlp_width is not None
-        more = sliced_layout(config, family, BUILTIN_FAMILIES, mlp_kept=split.mlp_width + 8, **slicing)
+        more = sliced_layout(config, family, BUILTIN_FAMILIES, replace(slicing, mlp_kept=split.mlp_width + 8))
         assert more.kept is not None and more.kept < split.kept
 
 
 def test_a_model_without_routed_experts_has_no_active_target() -> None:
     config, family = _config("llama"), family_for("llama")
-    assert sliced_layout(config, family, BUILTIN_FAMILIES, target_params=0.8).active is None
+    assert sliced_layout(config, family, BUILTIN_FAMILIES, LayoutRequest(target_params=0.8)).active is None
     with pytest.raises(UserError, match="every parameter is active\\); give target_params instead"):
-        sliced_layout(config, family, BUILTIN_FAMILIES, target_active_params=0.8)
+        sliced_layout(config, family, BUILTIN_FAMILIES, LayoutRequest(target_active_params=0.8))
 
 
 def test_an_active_target_no_width_reaches_names_the_target() -> None:
     config, family = _config("qwen3_moe"), family_for("qwen3_moe")
     with pytest.raises(UserError, match="parameters per token .* raise target_active_params to at least"):
-        sliced_layout(config, family, BUILTIN_FAMILIES, target_active_params=0.01)
+        sliced_layout(config, family, BUILTIN_FAMILIES, LayoutRequest(target_active_params=0.01))
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,14 @@ run chooses from (issue 34): the residual width alone first, each spending the b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from transformers import LlamaConfig
 
 from compressor.errors import UserError
 from compressor.models.families import family_for
-from compressor.models.layout import sliced_layout
+from compressor.models.layout import LayoutRequest, sliced_layout
 from compressor.models.split import depth_counts, split_layouts
 
 FAMILY = family_for("llama")
@@ -26,9 +28,9 @@ CONFIG = LlamaConfig(
 @pytest.mark.parametrize("layout", ["global", "per_site"])
 @pytest.mark.parametrize("budget", [{"target_params": 0.75}, {"target_params": 0.6}, {"sparsity": 0.25}])
 def test_every_split_spends_the_budget_with_the_residual_width_alone_first(layout: str, budget: dict) -> None:
-    slicing = dict(layout=layout, round_to=8, slice_head=layout == "per_site", **budget)
-    splits = split_layouts(CONFIG, FAMILY, [FAMILY], min_kept=0.25, candidates=4, mlp_round_to=8, **slicing)
-    alone = sliced_layout(CONFIG, FAMILY, [FAMILY], **slicing)
+    slicing = LayoutRequest(layout=layout, round_to=8, slice_head=layout == "per_site", mlp_round_to=8, **budget)
+    splits = split_layouts(CONFIG, FAMILY, [FAMILY], slicing, min_kept=0.25, candidates=4)
+    alone = sliced_layout(CONFIG, FAMILY, [FAMILY], slicing)
     assert splits[0].mlp_width is None and splits[0].widths == alone.widths and splits[0].budget == alone.budget
     assert 2 <= len(splits) <= 4
     widths = [split.kept for split in splits]
@@ -38,14 +40,14 @@ def test_every_split_spends_the_budget_with_the_residual_width_alone_first(layou
         assert m is not None and m % 8 == 0 and 0.25 * 512 <= m < 512
         assert split.params.count(split.widths) <= split.budget == alone.budget
         # the most neurons at this width: 8 more and the budget leaves a narrower stream
-        assert sliced_layout(CONFIG, FAMILY, [FAMILY], mlp_kept=m + 8, **slicing).kept < split.kept
+        assert sliced_layout(CONFIG, FAMILY, [FAMILY], replace(slicing, mlp_kept=m + 8)).kept < split.kept
 
 
 def test_two_candidates_are_the_residual_width_alone_and_the_widest_stream_min_kept_allows() -> None:
-    slicing = dict(layout="global", target_params=0.7)
-    splits = split_layouts(CONFIG, FAMILY, [FAMILY], min_kept=0.5, candidates=2, mlp_round_to=8, **slicing)
+    slicing = LayoutRequest(layout="global", target_params=0.7, mlp_round_to=8)
+    splits = split_layouts(CONFIG, FAMILY, [FAMILY], slicing, min_kept=0.5, candidates=2)
     assert len(splits) == 2 and splits[0].mlp_width is None
-    widest = sliced_layout(CONFIG, FAMILY, [FAMILY], mlp_kept=256, **slicing).kept  # the MLP at min_kept
+    widest = sliced_layout(CONFIG, FAMILY, [FAMILY], replace(slicing, mlp_kept=256)).kept  # the MLP at min_kept
     assert widest is not None and splits[1].kept == widest > splits[0].kept
     assert splits[1].mlp_width is not None and 256 <= splits[1].mlp_width < 512
 
@@ -59,10 +61,9 @@ def test_a_family_without_an_mlp_width_is_refused() -> None:
             GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=100),
             gpt2,
             [gpt2],
+            LayoutRequest(target_params=0.8, slice_head=True),
             min_kept=0.5,
             candidates=3,
-            target_params=0.8,
-            slice_head=True,
         )
 
 

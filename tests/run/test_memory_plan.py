@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from compressor.cli import main
 from compressor.models.families import family_for
-from compressor.models.layout import sliced_layout
+from compressor.models.layout import LayoutRequest, sliced_layout
 from compressor.plan.fake_layer import FakeBatch, fisher_peak
 from compressor.plan.memory import Machine, MemoryPlan, PlanSettings, memory_plan
 from compressor.stages.costs import GiB, Phase
@@ -23,7 +23,7 @@ from tests.run.test_cli import write_recipe
 def _layout(name: str = "llama", **overrides):
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS[name], **overrides})
     family = family_for(config.model_type)
-    return sliced_layout(config, family, [family], sparsity=0.25)
+    return sliced_layout(config, family, [family], LayoutRequest(sparsity=0.25))
 
 
 def _phases(plan: MemoryPlan) -> dict[str, Phase]:
@@ -270,7 +270,7 @@ def test_a_global_walk_writes_as_it_goes_unless_its_tied_head_rotates_every_laye
 
 
 def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_the_host() -> None:
-    from compressor.models.layout import sliced_layout
+    from compressor.models.layout import LayoutRequest, sliced_layout
     from compressor.plan.fake_layer import measure_device
 
     config = AutoConfig.for_model(**{**COMMON, **FAMILY_CONFIGS["llama"]})
@@ -278,8 +278,8 @@ def test_a_global_walk_counts_its_pools_on_the_device_and_the_head_s_moment_on_t
     d = config.hidden_size
     settings = PlanSettings(dtype="float32", samples=16, seq_len=32, batch=4)
     for layout, extra in (
-        (sliced_layout(config, family, [family], sparsity=0.25), 0),
-        (sliced_layout(config, family, [family], sparsity=0.25, layout="global"), 2 * d * d * 8),
+        (sliced_layout(config, family, [family], LayoutRequest(sparsity=0.25)), 0),
+        (sliced_layout(config, family, [family], LayoutRequest(sparsity=0.25, layout="global")), 2 * d * d * 8),
     ):
         walk = _phases(memory_plan(settings, layout, True, True))["walk"]
         measured = measure_device(config, family, FakeBatch(torch.float32, 4, 32, "sdpa"), layout.kept, True)

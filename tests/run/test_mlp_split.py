@@ -266,13 +266,15 @@ def test_choose_keeps_the_lowest_and_the_earlier_of_a_tie() -> None:
     from transformers import LlamaConfig
 
     from compressor.models.families import family_for
+    from compressor.models.layout import LayoutRequest
     from compressor.models.split import split_layouts
 
     family = family_for("llama")
     config = LlamaConfig(
         hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=500
     )
-    splits = split_layouts(config, family, [family], min_kept=0.25, candidates=4, layout="global", target_params=0.7)
+    request = LayoutRequest(layout="global", target_params=0.7)
+    splits = split_layouts(config, family, [family], request, min_kept=0.25, candidates=4)
     assert len(splits) >= 3
     record = choose(splits, lambda index, _: [0.3, 0.2, 0.2, 0.5][index], 7, lambda *_: None)
     assert record.chosen == 1 and record.windows == 7
