@@ -438,8 +438,6 @@ MANY_PARAMETERS: dict[str, int] = {
     "compressor.evaluation.memtrack.attention": 8,
     "compressor.models.decilm.configuration_decilm.__init__": 17,
     "compressor.models.decilm.modeling_decilm.forward": 9,
-    "compressor.models.experts.__init__": 7,
-    "compressor.models.sliced.__init__": 12,
     "compressor.models.stock.save_stock": 7,
     "compressor.models.stock.to_stock": 7,
     "compressor.plan.decode_budget.resolve": 7,

@@ -15,6 +15,7 @@ This module's source travels with every saved per-site model (`models.export` wr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +63,16 @@ class Expert(nn.Module):
         return self.down_proj(self.activation(hidden_states))
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE block routes a token: to its `top_k` experts by softmax probability, renormalised
+    over the k (`normalise`) where the family does so; `paired`: the block returns (output, None)."""
+
+    top_k: int
+    normalise: bool
+    paired: bool = False
+
+
 class RoutedExperts(nn.Module):
     """A sparse Mixture-of-Experts block in the form the engine reads (`ModelFamily.prepare` turns a
     family's fused-expert block into it): the router and every expert as `nn.Linear`s, so a change of
@@ -78,16 +89,14 @@ class RoutedExperts(nn.Module):
         self,
         router: nn.Linear,
         experts: nn.ModuleList,
-        top_k: int,
-        normalise: bool,
+        routing: Routing,
         shared_expert: nn.Module | None = None,
         shared_expert_gate: nn.Linear | None = None,
-        paired: bool = False,
     ) -> None:
         super().__init__()
-        self.router, self.experts, self.top_k, self.normalise = router, experts, top_k, normalise
+        self.router, self.experts, self.top_k, self.normalise = router, experts, routing.top_k, routing.normalise
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
-        self.paired = paired
+        self.paired = routing.paired
 
     def readers(self) -> list[nn.Module]:
         shared = [] if self.shared_expert is None else [self.shared_expert.gate_proj, self.shared_expert.up_proj]
@@ -197,7 +206,8 @@ def _gpt_oss_experts(block: nn.Module) -> RoutedExperts:
         )
         for e in range(fused.gate_up_proj.shape[0])
     )
-    return RoutedExperts(_linear_like(router.weight, router.bias), experts, router.top_k, normalise=True, paired=True)
+    routing = Routing(router.top_k, normalise=True, paired=True)
+    return RoutedExperts(_linear_like(router.weight, router.bias), experts, routing)
 
 
 def _routed_experts(block: nn.Module) -> RoutedExperts:
@@ -212,8 +222,7 @@ def _routed_experts(block: nn.Module) -> RoutedExperts:
     return RoutedExperts(
         _linear_like(router.weight),
         experts,
-        top_k=router.top_k,
-        normalise=getattr(router, "norm_topk_prob", True),  # Mixtral always renormalises over the k
+        Routing(router.top_k, normalise=getattr(router, "norm_topk_prob", True)),  # Mixtral always renormalises
         shared_expert=getattr(block, "shared_expert", None),
         shared_expert_gate=getattr(block, "shared_expert_gate", None),
     )

@@ -67,15 +67,28 @@ class Site(NamedTuple):
     shortcut: str
 
 
+class LayerForm(NamedTuple):
+    """How the family's layer runs its blocks, which its sliced layer keeps: the attention-like
+    block's attribute name and type, the arguments it takes by position, and whether attention and
+    MLP read the same normed input in parallel."""
+
+    attention_name: str = "self_attn"
+    attention_type: str | None = None
+    positional_args: tuple[str, ...] = ()
+    parallel: bool = False
+
+
 class SlicedDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer whose residual stream changes basis (and width) at each site.
     (A `GradientCheckpointingLayer`, so training with gradient checkpointing recomputes it.)
 
     `attn_shortcut` maps the layer input (basis of the previous site) to the basis after
     attention; `mlp_shortcut` maps that to the basis after the MLP. A shortcut of None is
-    the identity (used only while the engine is still working on the layer). The attention-like
+    the identity (the engine sets both as it works on the layer). The attention-like
     block is stored as `self_attn`, or under its own name where the family has several kinds
-    (`attention_name`: Qwen3.5's `linear_attn`), so a hybrid layer keeps its original keys.
+    (`LayerForm.attention_name`: Qwen3.5's `linear_attn`), so a hybrid layer keeps its original keys.
+    `writers`: (output norm, writer linear) of "attn" and "mlp" where the family normalises block
+    outputs (Gemma2: a weightless norm, then the writer linear).
     """
 
     def __init__(
@@ -84,30 +97,23 @@ class SlicedDecoderLayer(GradientCheckpointingLayer):
         mlp: nn.Module,
         attn_norm: nn.Module,
         mlp_norm: nn.Module,
-        attn_shortcut: nn.Linear | None = None,
-        mlp_shortcut: nn.Linear | None = None,
-        attention_type: str | None = None,
-        attn_writer: tuple[nn.Module, nn.Linear] | None = None,
-        mlp_writer: tuple[nn.Module, nn.Linear] | None = None,
-        positional_args: tuple[str, ...] = (),
-        parallel: bool = False,
-        attention_name: str = "self_attn",
+        form: LayerForm,
+        writers: dict[str, tuple[nn.Module, nn.Linear]] | None = None,
     ) -> None:
         super().__init__()
-        self.positional_args = positional_args
-        self.parallel = parallel
-        self.attention_name = attention_name
-        setattr(self, attention_name, attention)
+        self.positional_args = form.positional_args
+        self.parallel = form.parallel
+        self.attention_name = form.attention_name
+        setattr(self, form.attention_name, attention)
         self.mlp = mlp
         self.input_layernorm = attn_norm
         self.post_attention_layernorm = mlp_norm
-        self.attn_shortcut = attn_shortcut
-        self.mlp_shortcut = mlp_shortcut
-        # Families with norms after the blocks (Gemma2): weightless norm, then the writer linear.
-        self.attn_output_norm, self.attn_writer = attn_writer or (None, None)
-        self.mlp_output_norm, self.mlp_writer = mlp_writer or (None, None)
-        if attention_type is not None:
-            self.attention_type = attention_type
+        self.attn_shortcut: nn.Linear | None = None
+        self.mlp_shortcut: nn.Linear | None = None
+        self.attn_output_norm, self.attn_writer = (writers or {}).get("attn") or (None, None)
+        self.mlp_output_norm, self.mlp_writer = (writers or {}).get("mlp") or (None, None)
+        if form.attention_type is not None:
+            self.attention_type = form.attention_type
         self.unused_arguments: tuple[str, ...] = ()
         """Layer arguments its block does not take (`TokenMixer.unused`), set by `wrap_layer`."""
 
@@ -246,19 +252,20 @@ def wrap_layer(
     The norms are replaced by weightless ones: call only after their scales were fused.
     `writers` holds (output norm, writer linear) per block for families with output norms.
     """
-    writers = writers or {}
     mixer = family.mixer_of(layer)
+    form = LayerForm(
+        attention_name=PRIMARY_MIXER if mixer.path == family.attention else mixer.path,
+        attention_type=getattr(layer, "attention_type", None),
+        positional_args=family.positional_args,
+        parallel=family.parallel,
+    )
     sliced = SlicedDecoderLayer(
         attention=layer.get_submodule(mixer.path),
         mlp=family_mlp(family, layer),
         attn_norm=stream_norm(family.attn_norm, reference_width, attn_eps),
         mlp_norm=stream_norm(family.mlp_norm, reference_width, mlp_eps),
-        attention_type=getattr(layer, "attention_type", None),
-        attn_writer=writers.get("attn"),
-        mlp_writer=writers.get("mlp"),
-        positional_args=family.positional_args,
-        parallel=family.parallel,
-        attention_name=PRIMARY_MIXER if mixer.path == family.attention else mixer.path,
+        form=form,
+        writers=writers,
     )
     sliced.unused_arguments = mixer.unused
     return sliced
