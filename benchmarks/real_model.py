@@ -323,7 +323,7 @@ def table(args: argparse.Namespace) -> None:
     from compressor.cli.display import phase_logger
     from compressor.commands.sweep import SharedResources
     from compressor.recipe.schema import validate
-    from compressor.run.runner import run
+    from compressor.run.runner import RunOptions, run
     from compressor.strategies.registry import PluginRegistry
 
     started = datetime.now(timezone.utc)
@@ -339,9 +339,11 @@ def table(args: argparse.Namespace) -> None:
             registry,
             phase_logger(console, name),
             overwrite=True,
-            resources=resources,
-            save_model=recipe.distillation is not None or recipe.mlp is not None,
-            warn=lambda line: console.print(f"warning: {line}"),
+            options=RunOptions(
+                resources=resources,
+                save_model=recipe.distillation is not None or recipe.mlp is not None,
+                warn=lambda line: console.print(f"warning: {line}"),
+            ),
         )
         assert report is not None
         metrics = report.metrics

@@ -46,7 +46,7 @@ from rich.table import Table
 from compressor.cli.display import phase_logger
 from compressor.commands.sweep import SharedResources
 from compressor.recipe.schema import load_recipe
-from compressor.run.runner import run
+from compressor.run.runner import RunOptions, run
 from compressor.strategies.registry import PluginRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                 registry,
                 phase_logger(console, f"steps {steps}"),
                 overwrite=True,
-                resources=shared,
-                save_model=False,
+                options=RunOptions(resources=shared, save_model=False),
             )
             rows.append(_row(steps, report, timer.seconds, (load, os.getloadavg()[0])))
             console.log(

@@ -89,7 +89,7 @@ def _before_the_run(args: argparse.Namespace, recipe: Any, console: Console, ran
 
 def _run_on_this_rank(args: argparse.Namespace, recipe: Any, registry: Any, console: Console, rank: int) -> Any:
     """The run, with a live display and warnings on rank 0; its report (None on the other ranks)."""
-    from compressor.run.runner import run
+    from compressor.run.runner import RunOptions, run
 
     if rank > 0:
         run(
@@ -98,7 +98,7 @@ def _run_on_this_rank(args: argparse.Namespace, recipe: Any, registry: Any, cons
             None,
             overwrite=args.overwrite,
             restart=args.restart,
-            memory_check=not args.skip_memory_check,
+            options=RunOptions(memory_check=not args.skip_memory_check),
         )
         return None
 
@@ -115,9 +115,7 @@ def _run_on_this_rank(args: argparse.Namespace, recipe: Any, registry: Any, cons
             progress,
             overwrite=args.overwrite,
             restart=args.restart,
-            warn=warn,
-            memory_check=not args.skip_memory_check,
-            estimate=estimated,
+            options=RunOptions(warn=warn, memory_check=not args.skip_memory_check, estimate=estimated),
         )
 
 

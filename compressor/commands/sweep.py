@@ -49,7 +49,7 @@ from compressor.recipe.reading import assign, read_yaml
 from compressor.recipe.schema import Recipe, load_recipe, validate
 from compressor.recipe.sections.data import DataSpec
 from compressor.recipe.sections.model import ModelSpec
-from compressor.run.runner import run
+from compressor.run.runner import RunOptions, run
 from compressor.runtime.loading import Resources, resolve_device
 from compressor.runtime.resume import interrupted_with_another_recipe
 from compressor.runtime.staging import RUN_MARKER
@@ -346,8 +346,7 @@ def run_sweep(
                 lambda phase, d, t, label=label: report(f"{label}: {phase}", d, t),
                 overwrite=True,
                 restart=restart or stale,
-                resources=shared,
-                save_model=sweep.save_models,
+                options=RunOptions(resources=shared, save_model=sweep.save_models),
             )
             ran.append(point.name)
             finished.add(point.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,19 +64,30 @@ def assistant_tokens(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> 
     return list(encoded["input_ids"]), mask
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """Which conversations `chat_batches` takes and how it batches them: what a calibration set or
+    a distillation dataset asks of its records."""
+
+    seq_len: int
+    """Each conversation truncated to this many tokens."""
+    num_samples: int
+    """The first this many conversations."""
+    batch_size: int
+    messages_field: str = "messages"
+    minimum: int | None = None
+    """With it: as many conversations as there are up to `num_samples`, refused below this."""
+
+
 def chat_batches(
-    records: Iterable[Mapping[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    seq_len: int,
-    num_samples: int,
-    batch_size: int,
-    messages_field: str = "messages",
-    minimum: int | None = None,
+    records: Iterable[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, request: ChatRequest
 ) -> list[Batch]:
     """The first `num_samples` conversations (with `minimum`: as many as there are up to that,
     refused below `minimum`), each truncated to `seq_len` tokens and right-padded within its batch.
     `sensitivity_mask` marks the positions whose *next* token is an assistant token: the outputs
     that predict the response, and the activations that generate it."""
+    seq_len, num_samples, minimum = request.seq_len, request.num_samples, request.minimum
+    messages_field = request.messages_field
     rows: list[tuple[list[int], list[int]]] = []
     for index, record in enumerate(records):
         if len(rows) == num_samples:
@@ -108,8 +120,8 @@ def chat_batches(
         )
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     batches = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    for start in range(0, len(rows), request.batch_size):
+        chunk = rows[start : start + request.batch_size]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         real = torch.zeros((len(chunk), width), dtype=torch.long)

@@ -66,6 +66,8 @@ class DecodeSettings:
     """The smallest parameter budget probed before the target is refused as out of reach."""
     timer: Timer | None = None
     """What times a candidate's shape against the dense one (None: `shape_timer`, on the run's device)."""
+    progress: Callable[[str, int, int], None] | None = None
+    """Hears which group's candidates are being timed (the run's progress display)."""
 
 
 def shape_timer(recipe: Recipe, device: torch.device, settings: DecodeSettings) -> Timer:
@@ -200,7 +202,6 @@ def resolve(
     ceiling_plan: Plan,
     registry: PluginRegistry,
     device: torch.device,
-    progress: Callable[[str, int, int], None] | None = None,
     restart: bool = False,
     settings: DecodeSettings = DecodeSettings(),
 ) -> tuple[Plan, DecodeBudget]:
@@ -219,7 +220,7 @@ def resolve(
             "says do not fit; give target_params instead"
         )
     stored = None if restart else stored_decode_budget(Path(recipe.output), recipe)
-    record = stored or _search(recipe, ceiling_plan, device, settings, progress)
+    record = stored or _search(recipe, ceiling_plan, device, settings)
     return plan(recipe, registry, record.budgets()), record
 
 
@@ -228,10 +229,10 @@ def _search(
     ceiling_plan: Plan,
     device: torch.device,
     settings: DecodeSettings,
-    progress: Callable[[str, int, int], None] | None,
 ) -> DecodeBudget:
     """Every candidate's largest budget whose decode time meets the target, timed on `device`."""
     assert recipe.target_decode is not None
+    progress = settings.progress
     started = time.perf_counter()
     timer = settings.timer or shape_timer(recipe, device, settings)
     dense = plan_config(recipe, ceiling_plan)

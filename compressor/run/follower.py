@@ -10,18 +10,22 @@ import torch
 
 from compressor.engine.checkpoint import Checkpoint
 from compressor.engine.parallel import Ranks
-from compressor.models.sites import EMBEDDING
-from compressor.models.stock import head_stream, to_stock
+from compressor.models.stock import to_stock
 from compressor.plan.checks import Plan
 from compressor.plan.memory import writes_as_it_goes
 from compressor.recipe.schema import Recipe
 from compressor.runtime.loading import Resources
 from compressor.runtime.staging import CHECKPOINT_FOLDER, staging_folder
-from compressor.stages.base import Progress
+from compressor.stages.base import Progress, RunState
 from compressor.stages.data import distillation_data
 from compressor.stages.distil import distil_student
 from compressor.stages.mlp import MlpStageSettings, Walked, prune_mlps
-from compressor.stages.walk import prune_as_recipe, rotated_for_a_tied_head, rotates_for_a_tied_head
+from compressor.stages.walk import (
+    WalkStageSettings,
+    prune_as_recipe,
+    rotated_for_a_tied_head,
+    rotates_for_a_tied_head,
+)
 
 
 def follow(
@@ -36,56 +40,45 @@ def follow(
     rows = distillation_data(recipe, tokenizer)
     model = resources.model(recipe.model)
     ranks.barrier()  # rank 0 has prepared the staging folder and checked the checkpoint's fingerprint
-    checkpoint = Checkpoint(staging_folder(Path(recipe.output)) / CHECKPOINT_FOLDER, writable=False)
-    layout, config = checked.layout, checked.layout.config
+    staging = staging_folder(Path(recipe.output))
+    checkpoint = Checkpoint(staging / CHECKPOINT_FOLDER, writable=False)
+    # what this rank's stages share, as rank 0's do (its distillation loads the teacher afresh)
+    state = RunState(
+        staging, recipe, checked, device, checkpoint, report_progress, Resources(), ranks, distillation_rows=rows
+    )
+    layout = checked.layout
     with tempfile.TemporaryDirectory(prefix=f"compress-rank{ranks.rank}-") as scratch:
-        written = (
-            staging_folder(Path(recipe.output)) / "model"
-            if writes_as_it_goes(recipe, layout, stages=checked.stages)
-            else None
-        )
-        result = prune_as_recipe(
-            model,
-            recipe,
-            checked,
-            calibration,
-            device,
-            report_progress,
-            checkpoint,
-            Path(scratch),
-            None,
-            ranks,
-            written,
-        )
+        written = staging / "model" if writes_as_it_goes(recipe, layout, stages=checked.stages) else None
+        walking = WalkStageSettings(device, report_progress, checkpoint, Path(scratch), ranks, write_to=written)
+        state.result = result = prune_as_recipe(model, recipe, checked, calibration, walking)
         if recipe.distillation is None and not layout.prunes_mlp:
             return None
-        pruned, bases, scale = result.model, result.bases, None
+        state.pruned, state.bases = result.model, result.bases
         if rotates_for_a_tied_head(recipe, checked):  # as rank 0's walk does, so every rank prunes one model
-            pruned, bases, scale = rotated_for_a_tied_head(result, resources.model(recipe.model), layout.family, device)
+            original = resources.model(recipe.model)
+            state.pruned, state.bases, state.head_scale = rotated_for_a_tied_head(
+                result, original, layout.family, device
+            )
         if layout.prunes_mlp:  # every rank measures its share, C summed: the same neurons everywhere
             settings = MlpStageSettings(device, report_progress, Path(scratch), ranks)
-            prune_mlps(recipe, checked, pruned, calibration, Walked(result, checkpoint, bases), settings)
-            config = layout.mlp_config(config)
+            prune_mlps(recipe, checked, state.pruned, calibration, Walked(result, checkpoint, state.bases), settings)
+            state.config = layout.mlp_config(state.config)
     if recipe.distillation is not None:  # every rank trains its share; rank 0 saves
-        if layout.one_basis:
-            pruned, _ = to_stock(
-                pruned,
-                layout.family,
-                config,
-                tie=layout.tie_head,
-                stream=head_stream(result.head_moment, bases[EMBEDDING]),
-                scale=scale,
-            )
-        distil_student(
-            recipe,
-            checked.layout.family,
-            pruned,
-            rows,
-            staging_folder(Path(recipe.output)),
-            device,
-            None,
-            Resources(),
-            report_progress,
-            ranks,
-        )
+        _distil_share(state)
     return None
+
+
+def _distil_share(state: RunState) -> None:
+    """This rank's share of the distillation, on the student as rank 0 trains it (a global
+    layout's converted to the original class first); rank 0 saves the result."""
+    layout = state.checked.layout
+    if layout.one_basis:
+        state.pruned, _ = to_stock(
+            state.pruned,
+            layout.family,
+            state.config,
+            tie=layout.tie_head,
+            stream=state.head_stream(),
+            scale=state.head_scale,
+        )
+    distil_student(state)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from compressor import faults
 from compressor.engine import parallel
 from compressor.engine.checkpoint import Checkpoint
 from compressor.errors import Interrupts, ProgressKept, UserError
-from compressor.plan.checks import check_device_settings, plan
+from compressor.plan.checks import Plan, check_device_settings, plan
+from compressor.plan.decode_budget import DecodeSettings
 from compressor.plan.decode_budget import resolve as resolve_decode
 from compressor.plan.memory import check_memory, machine_memory, resolved_load, run_memory_plan, writes_as_it_goes
 from compressor.plan.timing import TimePlan, time_plan
@@ -48,58 +50,62 @@ from compressor.stages.split_choice import KeptFisher
 from compressor.strategies.registry import PluginRegistry
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run is handed beside its recipe that most callers leave as it is: a sweep's shared
+    resources, bases-only saving, and the command line's warnings, memory check and time plan."""
+
+    resources: Resources | None = None
+    """Model, data and H (a sweep shares them between its runs); None: the run's own."""
+    save_model: bool = True
+    """False keeps only the bases (`bases.apply_bases` rebuilds the model from them)."""
+    warn: Callable[[str], None] | None = None
+    """Hears what the run goes on with but a user should know (a very large cut)."""
+    memory_check: bool = True
+    """False runs a recipe whose memory plan is above this machine's memory."""
+    estimate: Callable[[TimePlan], None] | None = None
+    """Hears the time plan (`plan.timing`, a layer timed first), which the report keeps."""
+
+
 def run(
     recipe: Recipe,
     registry: PluginRegistry,
     progress: Progress | None = None,
     overwrite: bool = False,
     restart: bool = False,
-    resources: Resources | None = None,
-    save_model: bool = True,
-    warn: Callable[[str], None] | None = None,
-    memory_check: bool = True,
-    estimate: Callable[[TimePlan], None] | None = None,
+    options: RunOptions | None = None,
 ) -> RunReport | None:
     """Run a validated recipe; return the report (also written to `<output>/report.json`; None on
     a data-parallel run's ranks above 0, which write nothing).
 
     A run to the same output that was killed or interrupted continues from its checkpoint
     when the recipe, model and data are unchanged; `restart` discards that checkpoint first.
-    `resources` supplies model, data and H (a sweep shares them between its runs);
-    `save_model=False` keeps only the bases (`bases.apply_bases` rebuilds the model from them).
-    `warn` hears what the run goes on with but a user should know (a very large cut).
-    `memory_check=False` runs a recipe whose memory plan is above this machine's memory.
-    `estimate` hears the time plan (`plan.timing`, a layer timed first), which the report keeps.
+    `options`: see `RunOptions` (None: its defaults).
     """
     started = time.perf_counter()
+    options = options or RunOptions()
     report_progress = progress or (lambda *_: None)
     checked = plan(recipe, registry)  # every stage's own preconditions among its checks
     device = resolve_device(recipe.device)
-    check_device_settings(recipe, device, save_model, checked.stages)
+    check_device_settings(recipe, device, options.save_model, checked.stages)
     ranks, device = parallel.start(device)  # first: each rank plans for its own GPU (cuda:LOCAL_RANK)
     if recipe.threads is not None:  # else the caller's count (the command line's: `threads.command_threads`)
         use_threads(recipe.threads)
     decode = None
     if recipe.target_decode is not None:  # the budgets timed with the threads the run has
-        checked, decode = resolve_decode(recipe, checked, registry, device, report_progress, restart)
-    for warning in checked.warnings if warn is not None else ():
-        warn(warning)
-    machine = machine_memory(device)
-    recipe, chosen = resolved_load(recipe, checked, device, machine, save_model)
-    if chosen is not None and warn is not None:
-        warn(chosen)
-    if memory_check:  # before anything is written: a run that cannot fit stops in its first second
-        check_memory(run_memory_plan(recipe, checked, device, save_model), machine)
+        settings = DecodeSettings(progress=report_progress)
+        checked, decode = resolve_decode(recipe, checked, registry, device, restart, settings)
+    recipe = _fitted(recipe, checked, device, options)
     if ranks.world > 1:
-        if resources is not None:
+        if options.resources is not None:
             raise UserError("a sweep's runs share their data and H in one process: launch it without torchrun")
         if ranks.rank > 0:
             check_output(Path(recipe.output), overwrite)  # as rank 0 does: every rank stops at once
             return follow(recipe, checked, device, ranks, Resources(), report_progress)
     planned = None
-    if estimate is not None:  # timed before anything is written; the run's own seed is set when it starts
+    if options.estimate is not None:  # timed before anything is written; the run's own seed is set when it starts
         planned = time_plan(recipe, checked, device)
-        estimate(planned)
+        options.estimate(planned)
     staging = prepare_staging(Path(recipe.output), overwrite)
     state = RunState(
         staging=staging,
@@ -108,18 +114,33 @@ def run(
         device=device,
         checkpoint=Checkpoint(staging / CHECKPOINT_FOLDER),
         progress=report_progress,
-        resources=resources or Resources(),
+        resources=options.resources or Resources(),
         ranks=ranks,
-        save_model=save_model,
-        warn=warn or (lambda _: None),
+        save_model=options.save_model,
+        warn=options.warn or (lambda _: None),
         started=started,
-        writes=writes_as_it_goes(recipe, checked.layout, save_model, checked.stages),
+        writes=writes_as_it_goes(recipe, checked.layout, options.save_model, checked.stages),
         estimate=None if planned is None else planned.record(),
         decode=decode,
     )
     if decode is not None:
         state.timings["decode_budget_s"] = 0.0 if decode.reused else decode.seconds
     return _run_staged(state, overwrite, restart)
+
+
+def _fitted(recipe: Recipe, checked: Plan, device: torch.device, options: RunOptions) -> Recipe:
+    """The recipe with the model's loading this machine's memory allows (`plan.memory.resolved_load`),
+    the plan's warnings and that choice said first; refused (unless `options.memory_check` is off)
+    before anything is written, so that a run that cannot fit stops in its first second."""
+    for warning in checked.warnings if options.warn is not None else ():
+        options.warn(warning)
+    machine = machine_memory(device)
+    recipe, chosen = resolved_load(recipe, checked, device, machine, options.save_model)
+    if chosen is not None and options.warn is not None:
+        options.warn(chosen)
+    if options.memory_check:
+        check_memory(run_memory_plan(recipe, checked, device, options.save_model), machine)
+    return recipe
 
 
 def _run_staged(state: RunState, overwrite: bool, restart: bool) -> RunReport:

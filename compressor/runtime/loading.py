@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from compressor.data.batches import Batch
-from compressor.data.chat import chat_batches
+from compressor.data.chat import ChatRequest, chat_batches
 from compressor.data.text import batches_of, first_record, load_records, token_windows
 from compressor.engine.refine import rebatch
 from compressor.errors import UserError, first_line
@@ -232,9 +232,8 @@ def token_batches(spec: DataSpec, tokenizer: Any, where: str) -> list[Batch]:
     try:
         records = load_records(spec.dataset)
         if spec.format == "chat":
-            return chat_batches(
-                records, tokenizer, spec.seq_len, spec.num_samples, spec.batch_size, spec.messages_field
-            )
+            request = ChatRequest(spec.seq_len, spec.num_samples, spec.batch_size, spec.messages_field)
+            return chat_batches(records, tokenizer, request)
         windows = token_windows(records, tokenizer, spec.seq_len, spec.num_samples, spec.text_field)
     except UserError as error:
         raise UserError(f"{where}: {error}") from None

@@ -5,28 +5,23 @@ the student as received, recorded as every guarded step's is."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from compressor.data.batches import Batch
 from compressor.engine.activations import ActivationStore
 from compressor.engine.checkpoint import DISTILLATION_FOLDER, tensor_digest
-from compressor.engine.parallel import Ranks
 from compressor.errors import ProgressKept, UserError
 from compressor.evaluation.metrics import compare
-from compressor.models.families import ModelFamily
 from compressor.models.layout import SlicedLayout
 from compressor.models.stock import to_stock
 from compressor.recipe.schema import Recipe
 from compressor.recipe.sections.distillation import DistillationSpec
 from compressor.reports.guard import GuardRecord
-from compressor.runtime.loading import Resources
 from compressor.runtime.resume import distillation_fingerprint
 from compressor.runtime.staging import CHECKPOINT_FOLDER, SCRATCH_FOLDER
-from compressor.stages.base import Progress, RunState
+from compressor.stages.base import RunState
 from compressor.stages.contract import Stage
 from compressor.stages.costs import TimedPhase, Work
 
@@ -117,18 +112,7 @@ class Distil(Stage):
         ]
 
     def run(self, state: RunState) -> None:
-        state.pruned, state.distillation, state.undistilled, state.original = distil_student(
-            state.recipe,
-            state.family,
-            state.pruned,
-            state.distillation_rows,
-            state.staging,
-            state.device,
-            state.evaluation,
-            state.resources,
-            state.progress,
-            state.ranks,
-        )
+        state.pruned, state.distillation, state.undistilled, state.original = distil_student(state)
         record = state.distillation  # guarded by the stage: its best held-out checkpoint, or the student as received
         trained = [point["kl"] for point in record.curve if point["step"] > 0]
         state.record_guard(
@@ -142,29 +126,21 @@ class Distil(Stage):
         )
 
 
-def distil_student(
-    recipe: Recipe,
-    family: ModelFamily,
-    student: PreTrainedModel,
-    data: Any,
-    staging: Path,
-    device: torch.device,
-    evaluation: list[Batch] | None,
-    resources: Resources,
-    report_progress: Progress,
-    ranks: Ranks,
-) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
-    """The distillation stage on every rank: the original as teacher (beside the student, or its
-    targets cached layer by layer), the student's evaluation-window KL before (rank 0, when the
-    recipe evaluates), then `distill.distill` on `data` (read before the walk). Returns the
-    student, the stage's record, the before-metrics and the original (reused for evaluation). A
-    bad setting found here keeps the walk's checkpoint, to continue from once it is fixed."""
+def distil_student(state: RunState) -> tuple[PreTrainedModel, Any, dict[str, float] | None, PreTrainedModel]:
+    """The distillation stage on every rank, on the state's student (`pruned`): the original as
+    teacher (beside the student, or its targets cached layer by layer), the student's
+    evaluation-window KL before (rank 0, when the recipe evaluates), then `distill.distill` on the
+    state's `distillation_rows` (read before the walk). Returns the student, the
+    stage's record, the before-metrics and the original (reused for evaluation). A bad setting
+    found here keeps the walk's checkpoint, to continue from once it is fixed."""
     from compressor.training.distill import TrainingRun, distill
     from compressor.training.teachers import CachedTeacher, LiveTeacher, cached_targets
 
+    recipe, student, data, evaluation = state.recipe, state.pruned, state.distillation_rows, state.evaluation
+    staging, device, ranks, report_progress = state.staging, state.device, state.ranks, state.progress
     spec = recipe.distillation
     assert spec is not None
-    original = resources.whole_model(recipe.model)
+    original = state.resources.whole_model(recipe.model)
     undistilled = None
     if evaluation is not None and ranks.rank == 0:
         report_progress("evaluating the undistilled model", 0, len(evaluation))
@@ -174,7 +150,7 @@ def distil_student(
         student.to("cpu")
         store = ActivationStore(device, recipe.activations, staging / SCRATCH_FOLDER)  # `activations: disk` spills
         teacher: Any = CachedTeacher(
-            cached_targets(original, family, data.train + data.heldout, spec, store, report_progress)
+            cached_targets(original, state.family, data.train + data.heldout, spec, store, report_progress)
         )
     else:
         teacher = LiveTeacher(original, spec.top_k)

@@ -4,6 +4,7 @@ walks), a stock tied head's symmetric fit, or, for a layout that keeps the strea
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,20 +144,17 @@ def walk(state: RunState) -> None:
     h_key = state.fisher_key()
     state.ranks.barrier()  # the other ranks read the checkpoint once its fingerprint is checked
     tick = time.perf_counter()
-    state.result = prune_as_recipe(
-        state.model,
-        recipe,
-        state.checked,
-        state.calibration,
+    settings = WalkStageSettings(
         device,
         state.progress,
         state.checkpoint,
         state.staging / SCRATCH_FOLDER,
-        state.resources.fisher(h_key),
         state.ranks,
-        state.staging / "model" if state.writes else None,
-        state.survey,
+        fisher=state.resources.fisher(h_key),
+        write_to=state.staging / "model" if state.writes else None,
+        survey=state.survey,
     )
+    state.result = prune_as_recipe(state.model, recipe, state.checked, state.calibration, settings)
     state.survey = None  # the last walk that could recall it
     if state.result.fisher is not None:
         state.resources.keep_fisher(h_key, state.result.fisher)
@@ -192,37 +190,48 @@ def keep_stream(state: RunState) -> None:
     state.timings["prune_s"] = 0.0
 
 
+@dataclass(frozen=True)
+class WalkStageSettings:
+    """Where and how this rank walks (the stage's state's, or a follower's own): `prune_as_recipe`'s
+    settings beside the model, the recipe, its plan and the calibration batches."""
+
+    device: torch.device
+    progress: Progress
+    checkpoint: Checkpoint
+    scratch: Path
+    """Where the calibration activations go with `activations: disk`."""
+    ranks: Ranks
+    fisher: dict[str, torch.Tensor] | None = None
+    """H given (a sweep's earlier run, a split's trial): not estimated again."""
+    write_to: Path | None = None
+    """The sliced model written there as the walk goes, by rank 0."""
+    survey: SurveyMemo | None = None
+    """The survey of the original model, kept for the next walk over it (`engine.survey.SurveyMemo`)."""
+
+
 def prune_as_recipe(
     model: PreTrainedModel,
     recipe: Recipe,
     checked: Plan,
     calibration: list[Batch],
-    device: torch.device,
-    report_progress: Progress,
-    checkpoint: Checkpoint,
-    scratch: Path,
-    fisher: dict[str, torch.Tensor] | None,
-    ranks: Ranks,
-    write_to: Path | None = None,
-    survey: SurveyMemo | None = None,
+    settings: WalkStageSettings,
 ) -> PruneResult:
-    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run
-    (`write_to`: the sliced model written there as the walk goes, by rank 0)."""
+    """The walk as the recipe asks for it: the same call on every rank of a data-parallel run."""
     options = WalkOptions(
-        device=device,
+        device=settings.device,
         sensitivity=recipe.sensitivity,
         seed=recipe.seed,
         offload=recipe.activations,
-        scratch=scratch,
+        scratch=settings.scratch,
         correct_readers=recipe.slicing.correct_readers,
         pooling=recipe.slicing.pooling,
-        write_to=write_to,
+        write_to=settings.write_to,
         allocator=checked.allocator,
-        checkpoint=checkpoint,
-        fisher=fisher,
-        ranks=ranks,
-        progress=report_progress,
-        survey=survey,
+        checkpoint=settings.checkpoint,
+        fisher=settings.fisher,
+        ranks=settings.ranks,
+        progress=settings.progress,
+        survey=settings.survey,
     )
     return prune(model, checked.layout, calibration, checked.pipeline, options)
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compressor.data.batches import Batch
-from compressor.data.chat import chat_batches
+from compressor.data.chat import ChatRequest, chat_batches
 from compressor.data.text import batches_of, load_records, token_windows
 from compressor.engine.activations import ActivationStore, held_on
 from compressor.engine.calibration import capture_layer_inputs
@@ -64,9 +64,8 @@ def distillation_data(spec: DistillationSpec, tokenizer: PreTrainedTokenizerBase
     try:
         records = load_records(spec.dataset)
         if spec.format == "chat":
-            batches = chat_batches(
-                records, tokenizer, spec.seq_len, wanted, 1, spec.messages_field or "messages", minimum=least
-            )
+            request = ChatRequest(spec.seq_len, wanted, 1, spec.messages_field or "messages", minimum=least)
+            batches = chat_batches(records, tokenizer, request)
         else:
             windows = token_windows(records, tokenizer, spec.seq_len, wanted, spec.text_field or "text", minimum=least)
             batches = batches_of(windows, 1)

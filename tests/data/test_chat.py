@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from compressor.data.chat import assistant_tokens, chat_batches
+from compressor.data.chat import ChatRequest, assistant_tokens, chat_batches
 from compressor.errors import UserError
 from tests.conftest import EXAMPLES
 
@@ -65,7 +65,7 @@ def test_missing_template_is_refused(tokenizer) -> None:
 def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
     short = [CONVERSATION[0], CONVERSATION[1]]
     records = [{"messages": CONVERSATION}, {"messages": short}, {"messages": CONVERSATION}]
-    batches = chat_batches(records, tokenizer, seq_len=20, num_samples=3, batch_size=2)
+    batches = chat_batches(records, tokenizer, ChatRequest(seq_len=20, num_samples=3, batch_size=2))
     full_ids, full_mask = expected(tokenizer)
     first = batches[0]
     assert first.input_ids.shape == (2, 20)
@@ -79,7 +79,7 @@ def test_chat_batches_pad_truncate_and_mark(tokenizer) -> None:
     assert first.sensitivity_mask[1, short_len:].sum() == 0
     assert batches[1].input_ids.shape[0] == 1
     with pytest.raises(UserError, match="has 3 conversations"):
-        chat_batches(records, tokenizer, seq_len=20, num_samples=4, batch_size=2)
+        chat_batches(records, tokenizer, ChatRequest(seq_len=20, num_samples=4, batch_size=2))
 
 
 def test_conversation_the_template_rejects_is_a_user_error(tokenizer) -> None:
@@ -90,12 +90,14 @@ def test_conversation_the_template_rejects_is_a_user_error(tokenizer) -> None:
     )
     records = [{"messages": CONVERSATION}, {"messages": [{"role": "system", "content": "be brief"}] + CONVERSATION}]
     with pytest.raises(UserError, match="record 1: the chat template refused the conversation: system messages"):
-        chat_batches(records, tokenizer, seq_len=20, num_samples=2, batch_size=2)
+        chat_batches(records, tokenizer, ChatRequest(seq_len=20, num_samples=2, batch_size=2))
 
 
 def test_the_first_assistant_token_is_predicted_from_the_prompt(tokenizer) -> None:
     """The output at the last prompt position (<|assistant|>) predicts the answer's first token."""
-    batch = chat_batches([{"messages": CONVERSATION[:2]}], tokenizer, seq_len=64, num_samples=1, batch_size=1)[0]
+    batch = chat_batches(
+        [{"messages": CONVERSATION[:2]}], tokenizer, ChatRequest(seq_len=64, num_samples=1, batch_size=1)
+    )[0]
     ids = batch.input_ids[0].tolist()
     first_answer = ids.index(tokenizer.convert_tokens_to_ids("<|assistant|>"))
     assert batch.sensitivity_mask[0, first_answer] == 1
@@ -112,4 +114,4 @@ def test_the_first_assistant_token_is_predicted_from_the_prompt(tokenizer) -> No
 )
 def test_unusable_conversations_are_user_errors(tokenizer, messages, seq_len: int, message: str) -> None:
     with pytest.raises(UserError, match=message):
-        chat_batches([{"messages": messages}], tokenizer, seq_len=seq_len, num_samples=1, batch_size=1)
+        chat_batches([{"messages": messages}], tokenizer, ChatRequest(seq_len=seq_len, num_samples=1, batch_size=1))

@@ -19,7 +19,7 @@ from compressor.models.depth import remove_blocks
 from compressor.models.families import family_for
 from compressor.plan.checks import plan
 from compressor.recipe.schema import load_recipe
-from compressor.run.runner import run
+from compressor.run.runner import RunOptions, run
 from compressor.runtime.loading import heldout_batches
 from compressor.strategies.block_contract import BlockProblem, BlockSelector
 from compressor.strategies.registry import PluginRegistry, hookimpl
@@ -240,7 +240,7 @@ def test_depth_keeps_the_model_in_memory_and_saved(four_blocks: Path, tmp_path: 
     resolved, line = resolved_load(recipe, checked, torch.device("cpu"), tiny)
     assert resolved.model.load == "memory" and line is not None and "depth removes blocks" in line
     with pytest.raises(UserError, match="depth: a run that removes blocks saves its model"):
-        run(recipe, registry, save_model=False)
+        run(recipe, registry, options=RunOptions(save_model=False))
     assert not (tmp_path / "out").exists()
 
 

@@ -323,11 +323,11 @@ def test_a_problem_found_in_the_stage_keeps_the_walk(
 
 
 def test_distillation_needs_the_models_saved(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from compressor.run.runner import run
+    from compressor.run.runner import RunOptions, run
 
     recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, distillation=DISTILLATION), PluginRegistry())
     with pytest.raises(UserError, match="save the models"):
-        run(recipe, PluginRegistry(), save_model=False)
+        run(recipe, PluginRegistry(), options=RunOptions(save_model=False))
     assert not (tmp_path / "out").exists()
 
 
