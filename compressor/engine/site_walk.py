@@ -5,6 +5,7 @@ its survey of the original model and the memory plan's fake layer all go through
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,32 +26,46 @@ from compressor.engine.pooling import (
 from compressor.errors import UserError
 
 
+@dataclass(frozen=True)
+class SitePlan:
+    """How a walk that chooses settles its sites (a survey's walk, which only measures, needs
+    none): the chooser and the kept widths, the sites a checkpoint already holds and the one that
+    keeps the chosen ones, and which sites keep an earlier site's basis instead of choosing."""
+
+    chooser: SiteChooser | None = None
+    widths: Mapping[str, int] = field(default_factory=dict)
+    saved: Mapping[str, SavedSite] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None
+    correct_readers: bool = False
+    shared: Collection[str] = ()
+    """Sites that keep the previous site's basis (the layout's reused sites)."""
+    copies: Mapping[str, str] = field(default_factory=dict)
+    """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
+    bases_on_disk: bool = False
+    """Leave the bases in the checkpoint's site files (a walk that writes as it goes)."""
+
+
 class SiteWalk:
     """The state of one walk down the model: the activation store, the basis the stored
-    activations still have to be projected on, and the sites chosen or loaded so far."""
+    activations still have to be projected on, and the sites chosen or loaded so far (as `plan`
+    says; without one, the walk only measures)."""
 
     def __init__(
         self,
         inputs: LayerInputs,
         device: torch.device,
-        chooser: SiteChooser | None,
-        widths: Mapping[str, int],
-        saved: Mapping[str, SavedSite],
-        checkpoint: Checkpoint | None,
-        correct_readers: bool = False,
-        shared: Collection[str] = (),
-        copies: Mapping[str, str] | None = None,
+        plan: SitePlan | None = None,
         ranks: Ranks | None = None,
-        bases_on_disk: bool = False,
     ) -> None:
-        self.inputs, self.device, self.chooser, self.widths = inputs, device, chooser, widths
+        plan = plan or SitePlan()
+        self.inputs, self.device, self.chooser, self.widths = inputs, device, plan.chooser, plan.widths
         self.ranks = ranks or Ranks()
         """Data-parallel: each site's C is summed over the ranks' batches before anything reads it."""
-        self.saved, self.checkpoint, self.correct_readers = saved, checkpoint, correct_readers
-        self.shared = set(shared)
-        self.copies = dict(copies or {})
+        self.saved, self.checkpoint, self.correct_readers = plan.saved, plan.checkpoint, plan.correct_readers
+        self.shared = set(plan.shared)
+        self.copies = dict(plan.copies)
         """Sites that keep an earlier site's basis (site → that site), e.g. a tied head's."""
-        on_disk = bases_on_disk and checkpoint is not None and checkpoint.writable
+        on_disk = plan.bases_on_disk and plan.checkpoint is not None and plan.checkpoint.writable
         self.readers: dict[str, torch.Tensor] | OnDisk = OnDisk() if on_disk else {}
         self.width = inputs.hidden.host(0).shape[-1]  # d: the stream is stored in full coordinates
         self.pending: torch.Tensor | None = None
@@ -59,7 +74,7 @@ class SiteWalk:
         """Every basis so far: in memory, or (`bases_on_disk`, with a checkpoint this process
         writes) left in the checkpoint's site files and read when asked; a data-parallel rank that
         writes no checkpoint then keeps only the bases a later site copies. Readers alike."""
-        self.drop_bases = bases_on_disk and not on_disk
+        self.drop_bases = plan.bases_on_disk and not on_disk
         self.resumed_from: str | None = None
 
     def advance(
@@ -106,29 +121,46 @@ class SiteWalk:
         their statistics join this site's in the choice. `given` gives the whole problem instead
         (a global layout's: every site's statistics, pooled)."""
         if site in self.saved:
-            entry = self.saved[site]
-            saved = entry.basis
-            if tuple(saved.shape) != (self.width, self.widths[site]):
-                raise UserError(
-                    f"the checkpoint's basis for {site} has shape {tuple(saved.shape)}, which this "
-                    f"run's widths do not allow; rerun with --restart to discard the checkpoint"
-                )
-            if self.correct_readers and not entry.has_reader:
-                raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
-            self.records.append(SiteRecord.from_json(entry.record))
-            restore_rng(entry.rng)
-            self._keep(site, saved, entry.path)
-            self.pending = basis = saved.to(self.device)
-            reader = basis
-            if self.correct_readers:
-                saved_reader = entry.reader
-                assert saved_reader is not None
-                self._keep(site, saved_reader, entry.path, "reader")
-                reader = saved_reader.to(self.device)
-            return basis, reader
+            return self._load(site)
         assert moment is not None
         if self.saved and self.resumed_from is None:
             self.resumed_from = site
+        basis, record = self._choose(site, moment, pooled, given)
+        return self._commit(site, moment, basis, record)
+
+    def _load(self, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A finished site's basis and reader as the checkpoint holds them, checked against this
+        run's widths, with its record and the RNG state it left (so a replay draws on as before)."""
+        entry = self.saved[site]
+        saved = entry.basis
+        if tuple(saved.shape) != (self.width, self.widths[site]):
+            raise UserError(
+                f"the checkpoint's basis for {site} has shape {tuple(saved.shape)}, which this "
+                f"run's widths do not allow; rerun with --restart to discard the checkpoint"
+            )
+        if self.correct_readers and not entry.has_reader:
+            raise UserError(f"the checkpoint has no reader map for {site}; rerun with --restart")
+        self.records.append(SiteRecord.from_json(entry.record))
+        restore_rng(entry.rng)
+        self._keep(site, saved, entry.path)
+        self.pending = basis = saved.to(self.device)
+        reader = basis
+        if self.correct_readers:
+            saved_reader = entry.reader
+            assert saved_reader is not None
+            self._keep(site, saved_reader, entry.path, "reader")
+            reader = saved_reader.to(self.device)
+        return basis, reader
+
+    def _choose(
+        self,
+        site: str,
+        moment: SecondMoment,
+        pooled: Callable[[], list[tuple[str, SecondMoment]]] | None,
+        given: Callable[[], Pooled] | None,
+    ) -> tuple[torch.Tensor, SiteRecord]:
+        """The basis chosen now and its record: an earlier site's kept as it is (a shared site, a
+        tied head), or the pipeline's choice from this site's statistics (and `pooled`, or `given`)."""
         if site in self.shared or site in self.copies:  # keeps an earlier site's basis: nothing to choose
             assert self.pending is not None and self.records
             source = self.copies.get(site, self.records[-1].name)
@@ -140,10 +172,16 @@ class SiteWalk:
                 tokens=moment.tokens,
                 steps=[{"strategy": "shared", "objectives": {"with": source}}],
             )
-        else:
-            assert self.chooser is not None
-            problem = given() if given is not None else self.chooser.pool(site, moment, pooled() if pooled else ())
-            basis, record = self.chooser.choose(self.widths[site], problem)
+            return basis, record
+        assert self.chooser is not None
+        problem = given() if given is not None else self.chooser.pool(site, moment, pooled() if pooled else ())
+        return self.chooser.choose(self.widths[site], problem)
+
+    def _commit(
+        self, site: str, moment: SecondMoment, basis: torch.Tensor, record: SiteRecord
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the chosen site (its reader map fitted with `correct_readers`), save it to the
+        checkpoint before anything else can fail, and keep it; returns the basis and its reader."""
         reader = basis
         if self.correct_readers:
             C = moment.value()

@@ -188,7 +188,7 @@ def survey_pass(run: PruneCall, inputs: LayerInputs, observe: Callable[[str, Sec
     `observe` (the allocator's curves; a tied head's last site). The stored activations end at
     the last layer."""
     model, family, device, report = run.model, run.family, run.device, run.report
-    survey = SiteWalk(inputs, device, None, {}, {}, None, ranks=run.ranks)
+    survey = SiteWalk(inputs, device, ranks=run.ranks)
     num_layers = model.config.num_hidden_layers
 
     def seen(site: str, moment: SecondMoment | None) -> None:

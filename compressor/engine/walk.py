@@ -11,7 +11,7 @@ pipeline's strategies for a basis and knows nothing else about them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,11 +40,11 @@ from compressor.engine.pooling import (
     required_statistics,
 )
 from compressor.engine.sensitivity import Sensitivity, SensitivitySource, estimate_sensitivity
-from compressor.engine.site_walk import SiteWalk
+from compressor.engine.site_walk import SitePlan, SiteWalk
 from compressor.engine.survey import Survey, survey_key, survey_original
 from compressor.engine.transforms import fuse_norms
 from compressor.engine.walk_options import PruneCall, PruneResult, WalkOptions, check_model
-from compressor.engine.written import StockTarget, WrittenModel
+from compressor.engine.written import StockTarget, WriteOptions, WrittenModel
 from compressor.models.layout import SlicedLayout
 from compressor.models.sites import EMBEDDING, layer_site_ids
 from compressor.models.sliced import SlicedDecoderLayer
@@ -93,28 +93,76 @@ def prune(
     ranks before choosing, draws the labels a single process would draw for its batches, and so
     returns the same bases as one process over all batches (up to the order of the sums).
     """
+    run, local, skipped = _start(model, layout, batches, options)
+    plan = _plan(run, pipeline, options)
+    run.report("fusing norms", 0, model.config.num_hidden_layers)
+    fuse_norms(model, layout.family)
+    with _Activations(run, options, local) as activations:  # "capturing layer inputs"
+        inputs = activations.capture()
+        tokens_by_rank = run.ranks.gather_counts(sum(inputs.token_counts), run.device)
+        faults.reached("capture")
+        h = _sensitivity(run, inputs, plan, options, skipped)
+        del inputs  # a survey captures them again (`activations.inputs`): not held through the walk
+        survey, plan = _survey(run, activations, h, plan, options, tokens_by_rank)
+        chooser = SiteChooser(pipeline, run.ids, h.values, run.report)
+        output = _output(run, plan.kept, options)
+        walk = _site_walk(run, activations.inputs, chooser, plan, output)
+        walked = _walk_sites(run, walk, h, survey, output, options)
+    return _result(run, plan, h, walked, output, tokens_by_rank)
+
+
+# The phases of `prune`, in order; each is named as the progress line that announces it.
+
+
+def _start(
+    model: PreTrainedModel, layout: SlicedLayout, batches: list[Batch], options: WalkOptions
+) -> tuple[PruneCall, list[Batch], list[list[int]]]:
+    """What the phases share (`PruneCall`), this rank's batches and, before each, the rows of the
+    other ranks' batches whose label draws it skips; the layout checked against the model, which
+    is put in eval mode without gradients."""
     device = torch.device(options.device)
-    allocator, checkpoint, fisher, progress = options.allocator, options.checkpoint, options.fisher, options.progress
     ranks = options.ranks or Ranks.current()
     local = ranks.share(batches)
     skipped = ranks.skipped_rows([batch.input_ids.numel() for batch in batches])  # other ranks' label draws
-    report = progress or (lambda *_: None)
+    report = options.progress or (lambda *_: None)
     run = PruneCall(
         model,
         layout,
         device,
         report,
         ranks,
-        checkpoint,
+        options.checkpoint,
         tie_head=layout.tie_head and not layout.one_basis,  # a global layout's tie is the stock export's
         correct_readers=options.correct_readers,
     )
     check_model(run)
     model.eval()
     model.requires_grad_(False)
-    num_layers = model.config.num_hidden_layers
-    family, ids = layout.family, list(layout.sites)
-    widths = layout.widths
+    return run, local, skipped
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where the walk's widths come from, and what it resumes: the layout's widths, or those an
+    allocator chose in an earlier, killed run (with its record), or None (the survey's allocator
+    chooses them); the statistics the pipeline and the allocator need; the finished sites."""
+
+    widths: Mapping[str, int] | None
+    allocation: dict[str, Any] | None
+    needed: set[str]
+    saved: Mapping[str, SavedSite]
+
+    @property
+    def kept(self) -> Mapping[str, int]:
+        """The widths, once given, loaded or allocated (from the survey on)."""
+        assert self.widths is not None
+        return self.widths
+
+
+def _plan(run: PruneCall, pipeline: Sequence[PipelineStep], options: WalkOptions) -> _Plan:
+    """The widths given or checkpointed, the statistics needed, and the sites already finished."""
+    allocator, checkpoint = options.allocator, run.checkpoint
+    widths = run.layout.widths
     if widths is None and allocator is None:
         raise ValueError("a layout without widths needs an allocator to choose them")
     allocation = checkpoint.load_allocation() if checkpoint is not None and widths is None else None
@@ -124,84 +172,111 @@ def prune(
         set(allocator.requires) if widths is None and allocator is not None else set()
     )
     saved = checkpoint.finished_sites() if checkpoint is not None else {}
+    return _Plan(widths, allocation, needed, saved)
 
-    report("fusing norms", 0, num_layers)
-    fuse_norms(model, family)
-    report("capturing layer inputs", 0, num_layers)
-    store = ActivationStore(device, options.offload, options.scratch)
-    try:
-        inputs = capture_layer_inputs(model, family, local, device, store)
-        tokens_by_rank = ranks.gather_counts(sum(inputs.token_counts), device)
-        faults.reached("capture")
-        h = Sensitivity(device)
-        if "H" in needed and (len(saved) < len(ids) or widths is None):
-            source = SensitivitySource(fisher, options.sensitivity, options.seed, on_disk=options.write_to is not None)
-            h = estimate_sensitivity(run, inputs, source, skipped)
-        survey = Survey(GlobalPool(options.pooling) if layout.one_basis and EMBEDDING not in saved else None)
-        tied_choice = run.tie_head and EMBEDDING not in saved
-        memo_key = survey_key(run, options.pooling, tokens_by_rank)
-        # a survey of given widths can be recalled and kept; an allocator's widths are its own
-        memo = options.survey if widths is not None and (tied_choice or survey.pool is not None) else None
-        recalled = memo.recall(memo_key) if memo is not None else None
-        if recalled is not None:  # the same statistics an earlier walk's survey pass measured
-            survey = Survey(recalled.pool if survey.pool is not None else None, recalled.last if tied_choice else [])
-        elif widths is None or tied_choice or survey.pool is not None:
-            widths, chosen = survey_original(run, inputs, h, survey, widths, allocator)
-            if memo is not None:
-                memo.keep(memo_key, survey)
-            allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
-            store.close()  # the survey moved the activations down the model: start again
-            store = ActivationStore(device, options.offload, options.scratch)
-            inputs = capture_layer_inputs(model, family, local, device, store)
-        chooser = SiteChooser(pipeline, ids, h.values, report)
-        output = _output(run, widths, options)
-        walked = _walk_sites(
-            run, inputs, h, chooser, widths, saved, survey, options.pooling, output, options.pool_walked
+
+class _Activations:
+    """ "capturing layer inputs": the call's calibration activations, on the host (or on disk),
+    captured, captured again after a survey pass has moved them down the model, and closed
+    however the call ends (a context manager)."""
+
+    def __init__(self, run: PruneCall, options: WalkOptions, batches: list[Batch]) -> None:
+        self.run, self.options, self.batches = run, options, batches
+        run.report("capturing layer inputs", 0, run.model.config.num_hidden_layers)
+        self.store = ActivationStore(run.device, options.offload, options.scratch)
+        self.inputs: LayerInputs
+        """The activations as last captured."""
+
+    def __enter__(self) -> _Activations:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.store.close()
+
+    def capture(self) -> LayerInputs:
+        """What the first layer receives of this rank's batches, in the store."""
+        run = self.run
+        self.inputs = capture_layer_inputs(run.model, run.family, self.batches, run.device, self.store)
+        return self.inputs
+
+    def recapture(self) -> LayerInputs:
+        """The activations captured again in a new store, the old one closed first."""
+        self.store.close()
+        self.store = ActivationStore(self.run.device, self.options.offload, self.options.scratch)
+        return self.capture()
+
+
+def _sensitivity(
+    run: PruneCall, inputs: LayerInputs, plan: _Plan, options: WalkOptions, skipped: list[list[int]]
+) -> Sensitivity:
+    """H, where a strategy or the allocator needs it and some site is still to be chosen (or the
+    widths to be allocated): given, loaded or estimated (`estimate_sensitivity`); else none."""
+    h = Sensitivity(run.device)
+    if "H" in plan.needed and (len(plan.saved) < len(run.ids) or plan.widths is None):
+        source = SensitivitySource(
+            options.fisher, options.sensitivity, options.seed, on_disk=options.write_to is not None
         )
-    finally:
-        store.close()
-    slicing = _attach_head(run, widths, walked.reader)
-    walk = walked.walk
-    if output is not None:
-        assert output.slicing == slicing, "the written shards were laid out for another slicing"
-        stream = (
-            head_stream(walked.head_moment, walk.bases[EMBEDDING])
-            if output.stock is not None and output.stock.tie
-            else None
-        )
-        pruned = output.finish(model, stream)
-    else:
-        pruned = as_sliced_model(model, family, slicing)
-    return PruneResult(
-        model=pruned,
-        sites=walk.records,
-        slicing=slicing,
-        bases=walk.bases,
-        readers=walk.readers if options.correct_readers else None,
-        resumed_from=walk.resumed_from,
-        loaded_sites=len(saved),
-        fisher_loaded=h.loaded,
-        fisher=h.values,
-        fisher_source=h.source,
-        widths=dict(widths),
-        allocation=allocation,
-        tokens_by_rank=tokens_by_rank,
-        head_moment=walked.head_moment,
-        fisher_seconds=h.seconds,
-        written_before=output.written_before if output is not None else 0,
-        stock=output.record if output is not None else None,
-        walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == ids else None,
+        h = estimate_sensitivity(run, inputs, source, skipped)
+    return h
+
+
+def _survey(
+    run: PruneCall,
+    activations: _Activations,
+    h: Sensitivity,
+    plan: _Plan,
+    options: WalkOptions,
+    tokens_by_rank: list[int],
+) -> tuple[Survey, _Plan]:
+    """The survey of the original model where the walk needs one (a global layout's pool or a tied
+    head's last site, unless the checkpoint holds the embedding's choice; an allocator's widths):
+    recalled from `options.survey`, or run (`survey_original`) and the activations captured again.
+    Returns it, and the plan with the widths and allocation settled."""
+    widths, allocation, saved = plan.widths, plan.allocation, plan.saved
+    survey = Survey(GlobalPool(options.pooling) if run.one_basis and EMBEDDING not in saved else None)
+    tied_choice = run.tie_head and EMBEDDING not in saved
+    memo_key = survey_key(run, options.pooling, tokens_by_rank)
+    # a survey of given widths can be recalled and kept; an allocator's widths are its own
+    memo = options.survey if widths is not None and (tied_choice or survey.pool is not None) else None
+    recalled = memo.recall(memo_key) if memo is not None else None
+    if recalled is not None:  # the same statistics an earlier walk's survey pass measured
+        survey = Survey(recalled.pool if survey.pool is not None else None, recalled.last if tied_choice else [])
+    elif widths is None or tied_choice or survey.pool is not None:
+        widths, chosen = survey_original(run, activations.inputs, h, survey, widths, options.allocator)
+        if memo is not None:
+            memo.keep(memo_key, survey)
+        allocation = chosen or allocation  # widths from the checkpoint keep the record saved with them
+        activations.recapture()  # the survey moved the activations down the model: start again
+    return survey, replace(plan, widths=widths, allocation=allocation)
+
+
+def _site_walk(
+    run: PruneCall, inputs: LayerInputs, chooser: SiteChooser, plan: _Plan, output: WrittenModel | None
+) -> SiteWalk:
+    """The walk's state over the captured activations: the pipeline chooses every site not yet
+    finished, but a shared site and a tied head (the last site keeps the embedding's basis);
+    a walk that writes as it goes leaves its bases in the checkpoint's files."""
+    site_plan = SitePlan(
+        chooser,
+        plan.kept,
+        plan.saved,
+        run.checkpoint,
+        run.correct_readers,
+        run.shared,
+        {run.ids[-1]: EMBEDDING} if run.tie_head else {},
+        bases_on_disk=output is not None,
     )
-
-
-# The phases of `prune`, in order; each is named as the progress line that announces it.
+    return SiteWalk(inputs, run.device, site_plan, run.ranks)
 
 
 @dataclass
 class _Walked:
+    """The walk's state between its sites, and what it leaves for the head and the result."""
+
     walk: SiteWalk
     reader: torch.Tensor
-    """What reads the last site's stream: the head's input basis (or reader map)."""
+    """What reads the last site's stream so far: the next site's input basis (or reader map), at
+    the end the head's."""
     head_moment: torch.Tensor | None
     pool: GlobalPool | None
     """Global layout, nothing loaded: every site's statistics as the sliced model made them."""
@@ -209,80 +284,118 @@ class _Walked:
 
 def _walk_sites(
     run: PruneCall,
-    inputs: LayerInputs,
+    walk: SiteWalk,
     h: Sensitivity,
-    chooser: SiteChooser,
-    widths: Mapping[str, int],
-    saved: Mapping[str, SavedSite],
     survey: Survey,
-    pooling: str,
-    output: WrittenModel | None = None,
-    pool_walked: bool = False,
+    output: WrittenModel | None,
+    options: WalkOptions,
 ) -> _Walked:
     """ "layer i/n": the embedding's basis, then every layer's sites in stream order, each chosen
-    (or loaded) on the stream as the already sliced sites make it, and absorbed at once."""
-    model, family, device, report, ids, one_basis = (
-        run.model,
-        run.family,
-        run.device,
-        run.report,
-        run.ids,
-        run.one_basis,
-    )
-    num_layers = model.config.num_hidden_layers
-    walk = SiteWalk(
-        inputs,
-        device,
-        chooser,
-        widths,
-        saved,
-        run.checkpoint,
-        run.correct_readers,
-        run.shared,
-        {ids[-1]: EMBEDDING} if run.tie_head else {},
-        run.ranks,
-        bases_on_disk=output is not None,
-    )
-    report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
+    (or loaded) on the stream as the already sliced sites make it, and absorbed at once; each
+    finished layer written (`output`)."""
+    num_layers = run.model.config.num_hidden_layers
+    run.report(f"layer 0/{num_layers}: the embedding", 0, num_layers)
+    walked = _walk_embedding(run, walk, h, survey, options)
+    for index, layer in visit_layers(run.model, run.family, run.device):
+        run.report(f"layer {index + 1}/{num_layers}", index, num_layers)
+        assert isinstance(layer, SlicedDecoderLayer)
+        _walk_layer(run, walked, layer, index, h)
+        if output is not None:
+            output.write_layer(index, layer)
+    run.report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
+    return walked
+
+
+def _walk_embedding(run: PruneCall, walk: SiteWalk, h: Sensitivity, survey: Survey, options: WalkOptions) -> _Walked:
+    """The embedding's basis, chosen (with a tied head's last site, or a global layout's pooled
+    survey) or loaded, and applied; the survey's sums are dropped then, not held through the walk."""
     first = walk.advance(EMBEDDING, None, 0)
     last = survey.last
     basis, previous = walk.settle(
         EMBEDDING, first, (lambda: last) if last else None, survey.pool.pooled if survey.pool is not None else None
     )
     survey.pool, survey.last, last = None, [], []  # chosen: the d × d sums are not held through the walk
-    head_moment: torch.Tensor | None = None
     # the sites as the sliced model sees them (`WalkOptions.pool_walked`)
-    walked = GlobalPool(pooling) if one_basis and not saved and pool_walked else None
-    if walked is not None and first is not None:
-        walked.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
-    apply_embedding_basis(model, family, basis)
-    del first, basis  # a d × d float64 sum and the embedding's basis: not held through the walk
-    for index, layer in visit_layers(model, family, device):
-        report(f"layer {index + 1}/{num_layers}", index, num_layers)
-        assert isinstance(layer, SlicedDecoderLayer)
-        sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
-        for position, (site, name) in enumerate(sites):
-            open_site(layer, family, site, previous)
-            ahead = next(((n, s.block) for s, n in sites[position + 1 : position + 2] if n in walk.shared), None)
-            pooled = (
-                None
-                if ahead is None
-                else (lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
-            )
-            moment = walk.advance(name, site.block, index, measure=one_basis and name == ids[-1])
-            if walked is not None and moment is not None:
-                walked.add(name, moment.value(), moment.tokens, h.at(name))
-            if one_basis and name == ids[-1]:
-                assert moment is not None
-                head_moment = moment.value().to("cpu")
-            chosen, reader = walk.settle(name, moment, pooled)
-            del moment  # not held while the next site is measured
-            close_site(layer, family, site, previous, chosen, name in walk.shared)
-            previous = reader
-        if output is not None:
-            output.write_layer(index, layer)
-    report(f"layer {num_layers}/{num_layers}", num_layers, num_layers)
-    return _Walked(walk, previous, head_moment, walked)
+    pool = GlobalPool(options.pooling) if run.one_basis and not walk.saved and options.pool_walked else None
+    if pool is not None and first is not None:
+        pool.add(EMBEDDING, first.value(), first.tokens, h.at(EMBEDDING))
+    apply_embedding_basis(run.model, run.family, basis)
+    return _Walked(walk, previous, None, pool)
+
+
+def _walk_layer(run: PruneCall, walked: _Walked, layer: SlicedDecoderLayer, index: int, h: Sensitivity) -> None:
+    """Layer `index`'s sites in stream order: each opened on what reads the previous site, its C
+    measured on the stream (with the next site's, unsliced, where that one keeps this basis),
+    its basis settled, and closed."""
+    walk, family, last_site = walked.walk, run.family, run.ids[-1]
+    sites = list(zip(layer.sites(family), layer_site_ids(family, index)))
+    for position, (site, name) in enumerate(sites):
+        open_site(layer, family, site, walked.reader)
+        ahead = next(((n, s.block) for s, n in sites[position + 1 : position + 2] if n in walk.shared), None)
+        pooled = (
+            None if ahead is None else (lambda ahead=ahead, index=index: [(ahead[0], walk.look_ahead(ahead[1], index))])
+        )
+        moment = walk.advance(name, site.block, index, measure=run.one_basis and name == last_site)
+        if walked.pool is not None and moment is not None:
+            walked.pool.add(name, moment.value(), moment.tokens, h.at(name))
+        if run.one_basis and name == last_site:
+            assert moment is not None
+            walked.head_moment = moment.value().to("cpu")
+        chosen, reader = walk.settle(name, moment, pooled)
+        del moment  # not held while the next site is measured
+        close_site(layer, family, site, walked.reader, chosen, name in walk.shared)
+        walked.reader = reader
+
+
+def _result(
+    run: PruneCall,
+    plan: _Plan,
+    h: Sensitivity,
+    walked: _Walked,
+    output: WrittenModel | None,
+    tokens_by_rank: list[int],
+) -> PruneResult:
+    """The head attached, the model finished (written, or as a `sliced_*` model), and what the
+    call did."""
+    pruned, slicing = _finish(run, plan.kept, walked, output)
+    walk = walked.walk
+    return PruneResult(
+        model=pruned,
+        sites=walk.records,
+        slicing=slicing,
+        bases=walk.bases,
+        readers=walk.readers if run.correct_readers else None,
+        resumed_from=walk.resumed_from,
+        loaded_sites=len(plan.saved),
+        fisher_loaded=h.loaded,
+        fisher=h.values,
+        fisher_source=h.source,
+        widths=dict(plan.kept),
+        allocation=plan.allocation,
+        tokens_by_rank=tokens_by_rank,
+        head_moment=walked.head_moment,
+        fisher_seconds=h.seconds,
+        written_before=output.written_before if output is not None else 0,
+        stock=output.record if output is not None else None,
+        walked=walked.pool.pooled() if walked.pool is not None and walked.pool.names == run.ids else None,
+    )
+
+
+def _finish(
+    run: PruneCall, widths: Mapping[str, int], walked: _Walked, output: WrittenModel | None
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The head attached (`_attach_head`), then the sliced model and its `slicing` config: the
+    written one (`output`, a stock tied head fitted on the last site's C), or the one in memory."""
+    slicing = _attach_head(run, widths, walked.reader)
+    if output is None:
+        return as_sliced_model(run.model, run.family, slicing), slicing
+    assert output.slicing == slicing, "the written shards were laid out for another slicing"
+    stream = (
+        head_stream(walked.head_moment, walked.walk.bases[EMBEDDING])
+        if output.stock is not None and output.stock.tie
+        else None
+    )
+    return output.finish(run.model, stream), slicing
 
 
 def _output(run: PruneCall, widths: Mapping[str, int], options: WalkOptions) -> WrittenModel | None:
@@ -296,10 +409,12 @@ def _output(run: PruneCall, widths: Mapping[str, int], options: WalkOptions) -> 
         run.model,
         run.family,
         slicing_config(run.model, run.family, widths, run.shared, run.tie_head),
-        progress=checkpoint.written_record if checkpoint is not None else None,
-        max_shard_size=options.max_shard_size,
-        writes=run.ranks.rank == 0,
-        stock=StockTarget(run.layout.config, run.layout.tie_head) if run.one_basis else None,
+        WriteOptions(
+            progress=checkpoint.written_record if checkpoint is not None else None,
+            max_shard_size=options.max_shard_size,
+            writes=run.ranks.rank == 0,
+            stock=StockTarget(run.layout.config, run.layout.tie_head) if run.one_basis else None,
+        ),
     )
 
 

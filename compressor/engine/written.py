@@ -48,10 +48,22 @@ class StockTarget:
     tie: bool
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the walk's model is written, beside what it is: the checkpoint's record of what was
+    written (None: nothing resumes), the shards' size, whether this process writes (a
+    data-parallel rank other than the first drops its layers) and the stock class to write it as."""
+
+    progress: Path | None = None
+    max_shard_size: int | str = "50GB"
+    writes: bool = True
+    stock: StockTarget | None = None
+
+
 class WrittenModel:
     """The shards of the sliced model `slicing` makes of `model`, in `folder`, written layer by
-    layer. `progress`: the checkpoint's record of what was written (None: nothing resumes);
-    `writes=False` (a data-parallel rank other than the first): layers are dropped, not written."""
+    layer, as `options` says (`WriteOptions`: by default nothing resumes, every layer is written,
+    as the `sliced_*` model)."""
 
     def __init__(
         self,
@@ -59,12 +71,10 @@ class WrittenModel:
         model: PreTrainedModel,
         family: ModelFamily,
         slicing: dict[str, Any],
-        *,
-        progress: Path | None = None,
-        max_shard_size: int | str = "50GB",
-        writes: bool = True,
-        stock: StockTarget | None = None,
+        options: WriteOptions | None = None,
     ) -> None:
+        options = options or WriteOptions()
+        stock, writes = options.stock, options.writes
         self.folder, self.family, self.slicing, self.stock = folder, family, slicing, stock
         self.dtype = model.get_submodule(family.embedding).weight.dtype
         shell = sliced_shell(model, family, slicing)
@@ -75,7 +85,7 @@ class WrittenModel:
         self.record: dict[str, Any] | None = None
         """The stock conversion's record (`stock.stock_record`), once `finish` has written it."""
         self.writer = (
-            ShardWriter(folder, saved_tensors(shell), progress=progress, max_shard_size=max_shard_size)
+            ShardWriter(folder, saved_tensors(shell), progress=options.progress, max_shard_size=options.max_shard_size)
             if writes
             else None
         )

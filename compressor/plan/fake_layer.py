@@ -95,7 +95,7 @@ def walk_peak(config: Any, family: Any, shape: FakeBatch, kept: int) -> int:
         with tracker:
             tracker.adopt(*layer.parameters())
             previous = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0][:, :kept]
-            walk = SiteWalk(inputs, cpu, None, {}, {}, None)
+            walk = SiteWalk(inputs, cpu)
             walk.pending = previous
             for site, name in zip(layer.sites(family), layer_site_ids(family, 0)):
                 open_site(layer, family, site, previous)
