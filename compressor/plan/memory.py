@@ -223,47 +223,26 @@ def process_rss() -> int:
         return 0
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """The model's and the calibration's sizes under a plan's settings, before any memory is counted:
-    the part of `Footprint` that depends on the config and layout alone."""
-
-    item: int
-    d: int
-    layers: int
-    vocab: int
-    f: int
-    batch: int
-    seq_len: int
-    params: int
-    pruned: int
-    positions: int
-    kept: int
-
-    @classmethod
-    def of(cls, settings: PlanSettings, layout: Any) -> _Shape:
-        config, family = layout.config, layout.family
-        item = getattr(torch, settings.dtype).itemsize
-        d, layers = config.hidden_size, config.num_hidden_layers
-        head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-        samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
-        return cls(
-            item=item,
-            d=d,
-            layers=layers,
-            vocab=config.vocab_size,
-            f=getattr(config, family.mlp_width) if family.mlp_width is not None else 0,
-            batch=batch,
-            seq_len=seq_len,
-            params=layout.params.original,
-            pruned=layout.params.count(layout.widths) if layout.widths is not None else layout.budget,
-            positions=(samples // batch + 1) * 2 * batch * seq_len * head_dim * item,
-            kept=layout.kept if layout.kept is not None else d,
-        )
-
-    def fields(self) -> dict[str, int]:
-        """What `Footprint` holds of these (all but `kept`)."""
-        return {name: value for name, value in dataclasses.asdict(self).items() if name != "kept"}
+def _sizes(settings: PlanSettings, layout: Any) -> dict[str, int]:
+    """The model's and the calibration's sizes under a plan's settings, by `Footprint`'s field names:
+    the part of it that depends on the config and layout alone."""
+    config, family = layout.config, layout.family
+    item = getattr(torch, settings.dtype).itemsize
+    d = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    samples, seq_len, batch = settings.samples, settings.seq_len, settings.batch
+    return {
+        "item": item,
+        "d": d,
+        "layers": config.num_hidden_layers,
+        "vocab": config.vocab_size,
+        "f": getattr(config, family.mlp_width) if family.mlp_width is not None else 0,
+        "batch": batch,
+        "seq_len": seq_len,
+        "params": layout.params.original,
+        "pruned": layout.params.count(layout.widths) if layout.widths is not None else layout.budget,
+        "positions": (samples // batch + 1) * 2 * batch * seq_len * head_dim * item,
+    }
 
 
 @dataclass(frozen=True)
@@ -311,10 +290,10 @@ class Footprint:
     def of(
         cls, settings: PlanSettings, layout: Any, needs_h: bool, accelerator: bool, base: int = 0, recipe: Any = None
     ) -> Footprint:
-        config, family, shape = layout.config, layout.family, _Shape.of(settings, layout)
-        item, d, layers, kept = shape.item, shape.d, shape.layers, shape.kept
-        batch, seq_len = shape.batch, shape.seq_len
-        weights = shape.params * item
+        config, family, sizes = layout.config, layout.family, _sizes(settings, layout)
+        item, d, layers, batch, seq_len = (sizes[k] for k in ("item", "d", "layers", "batch", "seq_len"))
+        kept = layout.kept if layout.kept is not None else d
+        weights = sizes["params"] * item
         stream = settings.samples * seq_len * d * item
         store = 0 if settings.activations == "disk" else stream
         sites = 2 * layers + 1
@@ -333,24 +312,24 @@ class Footprint:
         totals = sites * d * d * h_item if needs_h else 0
         bases = sites * d * kept * 8
         writes = streaming and settings.writes
-        walked = min(weights, resident + shape.pruned * item) if streaming else weights
+        walked = min(weights, resident + sizes["pruned"] * item) if streaming else weights
         # a walk that writes as it goes holds what is outside the layers, the layer it is on (read to
         # the host first on an accelerator), one site's H and two bases; the rest is on disk
         read = measured["layer"] if accelerator else 0
         walk_host = (
-            resident + read + store + shape.positions + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
+            resident + read + store + sizes["positions"] + (d * d * h_item if needs_h else 0) + 2 * d * kept * 8
             if writes
-            else walked + store + shape.positions + totals + bases
+            else walked + store + sizes["positions"] + totals + bases
         )
         return cls(
-            **shape.fields(),
+            **sizes,
             settings=settings,
             layout=layout,
             needs_h=needs_h,
             accelerator=accelerator,
             base=base,
             weights=weights,
-            pruned_weights=shape.pruned * item,
+            pruned_weights=sizes["pruned"] * item,
             store=store,
             h_item=h_item,
             totals=totals,
